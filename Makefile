@@ -1,0 +1,65 @@
+# DDPJob developer entry points. `make demo` and `make test` do all set-up on a fresh machine.
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+DDPJOB := $(VENV)/bin/ddpjob
+# Machine-level caches, so a fresh clone on the same machine neither re-downloads torch nor rebuilds Kubernetes.
+export DDPJOB_CACHE ?= $(HOME)/.cache/ddpjob
+export UV_CACHE_DIR ?= $(HOME)/.cache/uv
+export UV_LINK_MODE ?= hardlink
+STAMP  := $(VENV)/.installed
+PYTEST_ARGS ?=
+
+.PHONY: help install demo test test-unit test-trainer test-cluster test-e2e cluster-up cluster-down \
+        build-cluster manifests bench lint clean
+
+help: ## list targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-14s %s\n", $$1, $$2}'
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || python3 -m venv $(VENV)
+	@$(VENV)/bin/python -m pip install -q --disable-pip-version-check 'uv>=0.4'
+	$(VENV)/bin/uv pip install --python $(PY) -e '.[test]'
+	@touch $@
+
+install: $(STAMP) ## create .venv with the project and its test deps (idempotent)
+
+demo: install ## train examples/digits.yaml on 2 simulated nodes with a progress bar
+	$(DDPJOB) run examples/digits.yaml --local
+
+test: install cluster-up ## the whole test suite (unit, trainer, cluster, e2e); CI runs exactly this
+	$(PY) -m pytest -ra $(PYTEST_ARGS) tests
+
+test-unit: install ## pure functions only
+	$(PY) -m pytest -ra $(PYTEST_ARGS) tests/unit
+
+test-trainer: install ## real torchrun processes on CPU
+	$(PY) -m pytest -ra $(PYTEST_ARGS) tests/trainer
+
+test-cluster: install cluster-up ## the operator against the local control plane
+	$(PY) -m pytest -ra $(PYTEST_ARGS) tests/cluster
+
+test-e2e: install cluster-up ## Helm + Prometheus end to end
+	$(PY) -m pytest -ra $(PYTEST_ARGS) tests/e2e
+
+build-cluster: ## build (or reuse cached) kube-apiserver, controller-manager, scheduler, etcd, kwok, helm
+	hack/build.sh all
+
+cluster-up: build-cluster ## start the local control plane; kubeconfig at .cache/cluster/kubeconfig
+	hack/cluster-up.sh
+
+cluster-down: ## stop the local control plane and remove its state
+	hack/cluster-down.sh
+
+manifests: install ## regenerate manifests/ from the Helm chart
+	hack/gen-manifests.sh
+
+bench: install cluster-up ## benchmarks (ratios, JSON under bench/results/)
+	$(PY) bench/trainer_overhead.py
+	$(PY) bench/metrics_overhead.py
+	$(PY) bench/operator_scale.py
+
+clean: cluster-down ## remove the venv and local caches of this clone
+	rm -rf $(VENV) .cache .pytest_cache

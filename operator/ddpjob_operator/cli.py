@@ -1,0 +1,70 @@
+"""`ddpjob` command line: run (local), render, operator."""
+from __future__ import annotations
+
+import sys
+
+import click
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def main() -> None:
+    """DDPJob: multi-node PyTorch DDP on Kubernetes, and the same job on this machine."""
+
+
+@main.command()
+@click.argument("file", type=click.Path(exists=True, dir_okay=False))
+@click.option("--local", "local", is_flag=True, required=True,
+              help="Run the job's nodes as processes on this machine (the only mode so far).")
+@click.option("--summary-json", type=click.Path(dir_okay=False), default=None,
+              help="Write the run's summary (phase, world size, accuracy, ...) here.")
+@click.option("--metrics-port-base", type=int, default=None,
+              help="Node N serves its metrics on this port + N (default: free ports).")
+@click.option("--workdir", type=click.Path(file_okay=False), default=None,
+              help="Where logs and relative checkpoint dirs go (default: a temp dir).")
+@click.option("--no-progress", is_flag=True, help="Plain log lines instead of a progress bar.")
+def run(file, local, summary_json, metrics_port_base, workdir, no_progress) -> None:
+    """Run the DDPJob in FILE; exit 0 only when it succeeded."""
+    from .local import run_local
+
+    sys.exit(run_local(file, summary_json=summary_json, metrics_port_base=metrics_port_base,
+                       workdir=workdir, progress=not no_progress))
+
+
+@main.command()
+@click.argument("file", type=click.Path(exists=True, dir_okay=False))
+@click.option("--namespace", "-n", default=None, help="Namespace when the file names none.")
+def render(file, namespace) -> None:
+    """Print the Service and Pods the operator would create for FILE (YAML)."""
+    from .render import render_file
+
+    click.echo(render_file(file, namespace=namespace), nl=False)
+
+
+@main.command()
+@click.option("--namespace", "-n", "namespaces", multiple=True, envvar="DDPJOB_NAMESPACES",
+              help="Watch this namespace (repeatable).")
+@click.option("--all-namespaces", "-A", is_flag=True, envvar="DDPJOB_ALL_NAMESPACES")
+@click.option("--metrics-port", type=int, default=8080, envvar="DDPJOB_METRICS_PORT", show_default=True)
+@click.option("--health-port", type=int, default=8081, envvar="DDPJOB_HEALTH_PORT", show_default=True)
+@click.option("--default-runtime-class", default="nvidia", envvar="DDPJOB_DEFAULT_RUNTIME_CLASS", show_default=True)
+@click.option("--cluster-domain", default="", envvar="DDPJOB_CLUSTER_DOMAIN")
+@click.option("--scrape-interval", type=float, default=15.0, envvar="DDPJOB_SCRAPE_INTERVAL", show_default=True)
+@click.option("--scrape-url-template", default="", envvar="DDPJOB_SCRAPE_URL_TEMPLATE",
+              help="Override where pod metrics are scraped, e.g. http://127.0.0.1:{port}/metrics")
+@click.option("--unschedulable-timeout", type=float, default=300.0, envvar="DDPJOB_UNSCHEDULABLE_TIMEOUT", show_default=True)
+@click.option("--peering", default="ddpjob", envvar="DDPJOB_PEERING", show_default=True,
+              help="kopf peering name; empty for standalone.")
+@click.option("--priority", type=int, default=0, envvar="DDPJOB_PRIORITY", show_default=True)
+@click.option("--log-level", default="INFO", envvar="DDPJOB_LOG_LEVEL", show_default=True)
+def operator(namespaces, all_namespaces, **opts) -> None:
+    """Run the operator against the current kubeconfig (or in-cluster config)."""
+    from .config import OperatorConfig
+    from .operator_main import run_operator
+
+    namespaces = tuple(n for ns in namespaces for n in ns.split(",") if n)
+    cfg = OperatorConfig(namespaces=namespaces, all_namespaces=all_namespaces, **opts)
+    sys.exit(run_operator(cfg))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,110 @@
+"""The environment every training container gets (CONTRACT in design.md).
+
+One pure function used by the operator (pods) and by `ddpjob run --local`, so a job
+sees exactly the same variables in both places.
+"""
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from .spec import JobSpec
+
+# spec.nccl keys -> NCCL_* variables; anything else in spec.nccl is upper-snake-cased.
+_NCCL_KEYS = {
+    "p2pDisable": "NCCL_P2P_DISABLE",
+    "ibDisable": "NCCL_IB_DISABLE",
+    "debug": "NCCL_DEBUG",
+    "debugSubsys": "NCCL_DEBUG_SUBSYS",
+    "socketIfname": "NCCL_SOCKET_IFNAME",
+    "asyncErrorHandling": "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+    "blockingWait": "TORCH_NCCL_BLOCKING_WAIT",
+}
+
+
+def service_name(job: JobSpec) -> str:
+    """The headless Service that gives every pod a stable DNS name."""
+    return job.name
+
+
+def pod_hostname(job: JobSpec, rank: int) -> str:
+    """The pod's hostname, also its name: `<job>-<rank>`."""
+    return f"{job.name}-{rank}"
+
+
+def master_dns(job: JobSpec, *, cluster_domain: str | None = None) -> str:
+    """Rank 0's stable DNS name `<job>-0.<svc>.<ns>.svc[.<domain>]`."""
+    base = f"{pod_hostname(job, 0)}.{service_name(job)}.{job.namespace}.svc"
+    return f"{base}.{cluster_domain}" if cluster_domain else base
+
+
+def _camel_to_env(key: str) -> str:
+    return "NCCL_" + re.sub(r"(?<!^)(?=[A-Z])", "_", key).upper()
+
+
+def nccl_env(nccl: dict[str, Any]) -> dict[str, str]:
+    """spec.nccl -> NCCL_* variables (booleans become 1/0)."""
+    out: dict[str, str] = {}
+    for key, value in sorted(nccl.items()):
+        name = _NCCL_KEYS.get(key) or _camel_to_env(key)
+        out[name] = ("1" if value else "0") if isinstance(value, bool) else str(value)
+    return out
+
+
+def pod_env(
+    job: JobSpec,
+    rank: int,
+    *,
+    master_addr: str | None = None,
+    master_port: int | None = None,
+    metrics_port: int | None = None,
+    attempt: int = 0,
+    cluster_domain: str | None = None,
+) -> list[dict[str, str]]:
+    """Env for node `rank` as a k8s env list; user `spec.env` wins over ours by name."""
+    addr = master_addr or master_dns(job, cluster_domain=cluster_domain)
+    port = master_port or job.master_port
+    env: dict[str, str] = {
+        "MASTER_ADDR": addr,
+        "MASTER_PORT": str(port),
+        "NNODES": str(job.nodes),
+        "NODE_RANK": str(rank),
+        "NPROC_PER_NODE": str(job.nproc_per_node),
+        "WORLD_SIZE": str(job.world_size),
+        "PET_NPROC_PER_NODE": str(job.nproc_per_node),
+        "DDPJOB_NAME": job.name,
+        "DDPJOB_NAMESPACE": job.namespace,
+        "DDPJOB_METRICS_PORT": str(metrics_port or job.metrics_port),
+        "DDPJOB_ATTEMPT": str(attempt),
+        # Unbuffered output so `kubectl logs` and the local runner see errors at once.
+        "PYTHONUNBUFFERED": "1",
+    }
+    if job.elastic:
+        lo = job.elastic.get("minNodes", job.nodes)
+        hi = job.elastic.get("maxNodes", job.nodes)
+        env.update({
+            "PET_NNODES": f"{lo}:{hi}",
+            "PET_RDZV_BACKEND": "c10d",
+            "PET_RDZV_ENDPOINT": f"{addr}:{port}",
+            "PET_RDZV_ID": job.uid or job.name,
+            "PET_MAX_RESTARTS": str(job.elastic.get("maxRestarts", 3)),
+        })
+    else:
+        env.update({
+            "PET_NNODES": str(job.nodes),
+            "PET_NODE_RANK": str(rank),
+            "PET_MASTER_ADDR": addr,
+            "PET_MASTER_PORT": str(port),
+        })
+    if job.uses_builtin_trainer:
+        env["DDPJOB_TRAINER_CONFIG"] = json.dumps(job.trainer, sort_keys=True)
+    env.update(nccl_env(job.nccl))
+    ours = [{"name": k, "value": v} for k, v in env.items()]
+    user_names = {e.get("name") for e in job.env}
+    return [e for e in ours if e["name"] not in user_names] + [dict(e) for e in job.env]
+
+
+def env_dict(env: list[dict[str, Any]]) -> dict[str, str]:
+    """A k8s env list (plain values only) as a dict, for local processes."""
+    return {e["name"]: str(e["value"]) for e in env if "value" in e}

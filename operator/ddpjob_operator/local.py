@@ -1,0 +1,340 @@
+"""`ddpjob run FILE --local`: the DDPJob's nodes as processes on this machine.
+
+Each simulated node is the same in-pod launcher the operator's pods run, with the env
+from `envvars.pod_env` (MASTER_ADDR=127.0.0.1). A failed node restarts the whole group
+(resuming from the checkpoint) up to failurePolicy.maxRestarts; exit code 78 (bad
+configuration) fails at once. Progress and health come from scraping the nodes' metrics,
+with the same parsing and health logic the operator uses.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import click
+import yaml
+
+from . import envvars
+from .spec import JobSpec, from_manifest
+
+EXIT_BAD_CONFIG = 78
+SCRAPE_INTERVAL = 1.0
+KILL_GRACE = 5.0
+
+
+class LocalRunError(Exception):
+    """The file cannot be run (not a DDPJob, invalid spec): nothing was started."""
+
+
+def load_job_file(path: str | os.PathLike) -> dict[str, Any]:
+    """The first DDPJob document in a YAML file."""
+    try:
+        docs = [d for d in yaml.safe_load_all(Path(path).read_text()) if d]
+    except yaml.YAMLError as exc:
+        raise LocalRunError(f"{path}: not valid YAML ({exc})") from None
+    for doc in docs:
+        if isinstance(doc, dict) and doc.get("kind") == "DDPJob":
+            return doc
+    raise LocalRunError(f"{path}: no document with kind: DDPJob")
+
+
+def validate(obj: dict[str, Any]) -> JobSpec:
+    """The same schema and rules as the API server, plus the trainer config; raise naming the field."""
+    from ddpjob_trainer.config import parse_config
+    from ddpjob_trainer.errors import ConfigError
+
+    from .validation import apply_defaults, validate_manifest
+
+    obj.setdefault("metadata", {}).setdefault("name", "local")
+    errors = validate_manifest(obj)
+    if errors:
+        raise LocalRunError("invalid DDPJob:\n  " + "\n  ".join(errors))
+    job = from_manifest(apply_defaults(obj))
+    if job.uses_builtin_trainer:
+        try:
+            parse_config(job.trainer)
+        except ConfigError as exc:
+            raise LocalRunError(f"invalid DDPJob: {exc}") from None
+    return job
+
+
+def free_port() -> int:
+    """An unused TCP port on loopback."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def local_trainer_config(trainer: dict[str, Any], workdir: Path) -> dict[str, Any]:
+    """Absolute checkpoint dirs (a PVC mount in a pod) move under the workdir on a laptop."""
+    trainer = json.loads(json.dumps(trainer))
+    ck = trainer.get("checkpoint")
+    if ck and ck.get("dir"):
+        d = Path(ck["dir"])
+        ck["dir"] = str(workdir / d.relative_to(d.anchor) if d.is_absolute() else workdir / d)
+    return trainer
+
+
+@dataclass
+class Node:
+    """One simulated node: its launcher process and log."""
+
+    rank: int
+    proc: subprocess.Popen
+    log_path: Path
+    metrics_port: int
+
+
+@dataclass
+class Attempt:
+    """The outcome of running the group once."""
+
+    ok: bool
+    exit_code: int = 0
+    failed_rank: int | None = None
+    interrupted: bool = False
+    result: dict[str, Any] = field(default_factory=dict)
+
+
+def node_command(job: JobSpec, *, metrics_port: int) -> list[str]:
+    """What a pod's container runs, with the local Python."""
+    launcher = [sys.executable, "-m", "ddpjob_trainer.launch", "--metrics-port", str(metrics_port), "--"]
+    if job.uses_builtin_trainer:
+        return launcher
+    user = list(job.command or []) + list(job.args or [])
+    return user if job.spec.get("launcher") is False else launcher + user
+
+
+def node_env(job: JobSpec, rank: int, *, master_port: int, metrics_port: int, attempt: int,
+             workdir: Path, result_file: Path) -> dict[str, str]:
+    """os.environ + exactly the operator's pod env, pointed at loopback."""
+    env = dict(os.environ)
+    env.update(envvars.env_dict(envvars.pod_env(
+        job, rank, master_addr="127.0.0.1", master_port=master_port,
+        metrics_port=metrics_port, attempt=attempt)))
+    if job.uses_builtin_trainer:
+        env["DDPJOB_TRAINER_CONFIG"] = json.dumps(local_trainer_config(job.trainer, workdir))
+    env["DDPJOB_RESULT_FILE"] = str(result_file)
+    env["DDPJOB_LOCAL"] = "1"
+    # `torchrun` in a user's command must be this environment's.
+    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
+    # N processes sharing this machine's cores: one thread pool each would oversubscribe.
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // job.world_size)))
+    return env
+
+
+def _kill_group(nodes: list[Node]) -> None:
+    for n in nodes:
+        if n.proc.poll() is None:
+            try:
+                os.killpg(n.proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+    deadline = time.monotonic() + KILL_GRACE
+    for n in nodes:
+        try:
+            n.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+    for n in nodes:  # whatever ignored SIGTERM, and any grandchildren left behind
+        try:
+            os.killpg(n.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        n.proc.wait()
+
+
+def _tail(path: Path, lines: int = 40) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+class Display:
+    """Progress bar on a terminal, periodic lines otherwise; warnings above the bar."""
+
+    def __init__(self, *, enabled: bool, job: JobSpec) -> None:
+        from .health import HealthTracker
+
+        self.enabled = enabled
+        self.tty = enabled and sys.stderr.isatty()
+        self.bar = None
+        self.job = job
+        self.health = HealthTracker(hang_timeout=job.spec.get("hangTimeoutSeconds"))
+        self.prev = None
+        self.last_line = 0.0
+
+    def say(self, msg: str) -> None:
+        """A line that does not break the bar."""
+        if self.bar is not None:
+            self.bar.write(msg, file=sys.stderr)
+        else:
+            click.echo(msg, err=True)
+
+    def update(self, ports: list[int]) -> None:
+        """Scrape every node once and redraw."""
+        from .progress import compute_progress
+        from .scrape import merge, parse_metrics
+
+        parts = []
+        for port in ports:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=0.5) as r:
+                    parts.append(parse_metrics(r.read().decode()))
+            except (OSError, ValueError):
+                continue
+        samples = merge(parts)
+        now = time.time()
+        prog = compute_progress(samples, now=now, prev=self.prev)
+        self.prev = (now, samples)
+        for f in self.health.update(samples, now):
+            self.say(("WARNING " if f.active else "cleared ") + f"{f.reason}: {f.message}")
+        if not prog or not self.enabled:
+            return
+        step, total = prog.get("step", 0), prog.get("totalSteps")
+        post = f"loss {prog['loss']:.4f}" if prog.get("loss") is not None else ""
+        if prog.get("samplesPerSecond"):
+            post += f", {prog['samplesPerSecond']:.0f} samples/s"
+        if self.tty:
+            from tqdm import tqdm
+
+            if self.bar is None:
+                self.bar = tqdm(total=total, unit="step", desc=self.job.name, dynamic_ncols=True)
+            if total and self.bar.total != total:
+                self.bar.total = total
+            self.bar.n = step
+            self.bar.set_postfix_str(post, refresh=False)
+            self.bar.refresh()
+        elif now - self.last_line >= 5:
+            self.last_line = now
+            click.echo(f"{self.job.name}: step {step}/{total or '?'} {post}", err=True)
+
+    def close(self) -> None:
+        """Remove the bar."""
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
+def run_attempt(job: JobSpec, *, attempt: int, workdir: Path, metrics_ports: list[int],
+                display: Display) -> Attempt:
+    """Start every node, watch them, stop the group on the first failure."""
+    logs = workdir / "logs" / f"attempt-{attempt}"
+    logs.mkdir(parents=True, exist_ok=True)
+    result_file = workdir / f"result-attempt-{attempt}.json"
+    master_port = free_port()
+    cwd = Path(job.raw.get("_file_dir", "."))
+    nodes: list[Node] = []
+    try:
+        for rank in range(job.nodes):
+            log_path = logs / f"node-{rank}.log"
+            with open(log_path, "wb") as log:
+                proc = subprocess.Popen(
+                    node_command(job, metrics_port=metrics_ports[rank]),
+                    env=node_env(job, rank, master_port=master_port, metrics_port=metrics_ports[rank],
+                                 attempt=attempt, workdir=workdir, result_file=result_file),
+                    stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                    cwd=cwd, start_new_session=True)
+            nodes.append(Node(rank, proc, log_path, metrics_ports[rank]))
+        next_scrape = 0.0
+        while True:
+            codes = [n.proc.poll() for n in nodes]
+            failed = [(n, c) for n, c in zip(nodes, codes) if c not in (None, 0)]
+            if failed:
+                time.sleep(0.3)  # let a bad-config exit (78) on another node land too
+                codes = [n.proc.poll() for n in nodes]
+                bad = [n for n, c in zip(nodes, codes) if c == EXIT_BAD_CONFIG]
+                node, code = (bad[0], EXIT_BAD_CONFIG) if bad else failed[0]
+                _kill_group(nodes)
+                return Attempt(ok=False, exit_code=code, failed_rank=node.rank)
+            if all(c == 0 for c in codes):
+                result = json.loads(result_file.read_text()) if result_file.exists() else {}
+                return Attempt(ok=True, result=result)
+            if time.monotonic() >= next_scrape:
+                display.update(metrics_ports)
+                next_scrape = time.monotonic() + SCRAPE_INTERVAL
+            time.sleep(0.1)
+    except KeyboardInterrupt:
+        _kill_group(nodes)
+        return Attempt(ok=False, exit_code=130, interrupted=True)
+    finally:
+        _kill_group(nodes)
+
+
+def run_local(path: str, *, summary_json: str | None = None, metrics_port_base: int | None = None,
+              workdir: str | None = None, progress: bool = True) -> int:
+    """Run the DDPJob in `path` on this machine; the process exit code."""
+    t0 = time.monotonic()
+    try:
+        obj = load_job_file(path)
+        job = validate(obj)
+    except LocalRunError as exc:
+        click.echo(f"error: {exc}", err=True)
+        return 2
+    job.raw["_file_dir"] = str(Path(path).resolve().parent)
+    wd = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix=f"ddpjob-{job.name}-"))
+    wd.mkdir(parents=True, exist_ok=True)
+    ports = ([metrics_port_base + r for r in range(job.nodes)] if metrics_port_base
+             else [free_port() for _ in range(job.nodes)])
+    click.echo(f"{job.name}: {job.nodes} node(s) x {job.nproc_per_node} process(es) = world size "
+               f"{job.world_size}; metrics on ports {ports[0]}..{ports[-1]}; logs in {wd}/logs", err=True)
+    display = Display(enabled=progress, job=job)
+    attempt_no, outcome = 0, Attempt(ok=False)
+    try:
+        while True:
+            outcome = run_attempt(job, attempt=attempt_no, workdir=wd, metrics_ports=ports, display=display)
+            if outcome.ok or outcome.interrupted:
+                break
+            display.close()
+            log = wd / "logs" / f"attempt-{attempt_no}" / f"node-{outcome.failed_rank}.log"
+            click.echo(f"node {outcome.failed_rank} failed with exit code {outcome.exit_code} "
+                       f"(attempt {attempt_no}); its log ({log}) ends:\n{_tail(log)}", err=True)
+            if outcome.exit_code == EXIT_BAD_CONFIG:
+                click.echo("bad configuration: not retrying", err=True)
+                break
+            if attempt_no >= job.max_restarts:
+                click.echo(f"restart budget exhausted (failurePolicy.maxRestarts={job.max_restarts})", err=True)
+                break
+            attempt_no += 1
+            click.echo(f"restarting the whole group (restart {attempt_no}/{job.max_restarts}); "
+                       "it resumes from the newest complete checkpoint", err=True)
+    finally:
+        display.close()
+    phase = "Succeeded" if outcome.ok else ("Interrupted" if outcome.interrupted else "Failed")
+    r = outcome.result
+    summary = {
+        "phase": phase, "job": job.name, "world_size": job.world_size, "nodes": job.nodes,
+        "nproc_per_node": job.nproc_per_node, "steps": r.get("steps"), "restarts": attempt_no,
+        "train_samples_per_second": r.get("train_samples_per_second"),
+        "eval_accuracy": r.get("eval_accuracy"), "eval_loss": r.get("eval_loss"),
+        "eval_samples": r.get("eval_samples"), "eval_dataset_size": r.get("eval_dataset_size"),
+        "resumed_from_step": r.get("resumed_from_step", 0),
+        "wall_seconds": round(time.monotonic() - t0, 3),
+        "exit_code": 0 if outcome.ok else outcome.exit_code, "failed_rank": outcome.failed_rank,
+        "workdir": str(wd), "last_checkpoint": r.get("last_checkpoint"),
+    }
+    if outcome.ok and r:
+        click.echo(f"{job.name}: Succeeded in {summary['wall_seconds']:.1f}s — {r.get('steps')} steps, "
+                   f"eval accuracy {r.get('eval_accuracy', 0):.4f} on {r.get('eval_samples')}/"
+                   f"{r.get('eval_dataset_size')} samples, {r.get('train_samples_per_second', 0):.0f} "
+                   f"samples/s, restarts {attempt_no}", err=True)
+    elif outcome.ok:
+        click.echo(f"{job.name}: Succeeded in {summary['wall_seconds']:.1f}s, restarts {attempt_no}", err=True)
+    else:
+        click.echo(f"{job.name}: {phase}", err=True)
+    if summary_json:
+        Path(summary_json).write_text(json.dumps(summary, indent=2) + "\n")
+    if outcome.ok:
+        return 0
+    return 130 if outcome.interrupted else (outcome.exit_code or 1)

@@ -1,0 +1,127 @@
+"""The DDPJob spec as plain data: defaults applied once, read everywhere."""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any
+
+GROUP = "ddpjob.dev"
+VERSION = "v1alpha1"
+KIND = "DDPJob"
+PLURAL = "ddpjobs"
+API_VERSION = f"{GROUP}/{VERSION}"
+
+DEFAULT_MASTER_PORT = 29500
+DEFAULT_METRICS_PORT = 9400
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """A DDPJob manifest with defaults applied; `raw` keeps pass-through fields."""
+
+    name: str
+    namespace: str
+    uid: str
+    nodes: int
+    nproc_per_node: int
+    gpus_per_node: int
+    image: str
+    command: list[str] | None
+    args: list[str] | None
+    trainer: dict[str, Any]
+    env: list[dict[str, Any]]
+    master_port: int
+    metrics_port: int
+    nccl: dict[str, Any]
+    max_restarts: int
+    elastic: dict[str, Any] | None
+    raw: dict[str, Any] = field(repr=False, compare=False)
+
+    @property
+    def world_size(self) -> int:
+        """Total processes: nodes x processes per node."""
+        return self.nodes * self.nproc_per_node
+
+    @property
+    def uses_builtin_trainer(self) -> bool:
+        """True when the job runs our trainer rather than the user's command."""
+        return not self.command
+
+    @property
+    def spec(self) -> dict[str, Any]:
+        """The raw spec dict (pass-throughs such as volumes and scheduling)."""
+        return self.raw.get("spec") or {}
+
+    # Operator-only fields, read from the raw spec (the CRD supplies the defaults on a cluster;
+    # the same defaults are repeated here for manifests that never went through an API server).
+    @property
+    def suspend(self) -> bool:
+        """True while the job is suspended (no pods)."""
+        return bool(self.spec.get("suspend", False))
+
+    @property
+    def launcher(self) -> bool:
+        """Wrap the container command in ddpjob's launcher."""
+        return bool(self.spec.get("launcher", True))
+
+    @property
+    def restart_on_hang(self) -> bool:
+        """Restart the group when the monitor reports training stalled."""
+        return bool((self.spec.get("failurePolicy") or {}).get("restartOnHang", False))
+
+    @property
+    def clean_pod_policy(self) -> str:
+        """None | Running | All: which pods go away when the job finishes."""
+        return str(self.spec.get("cleanPodPolicy") or "Running")
+
+    @property
+    def active_deadline_seconds(self) -> int | None:
+        """Seconds from start after which the job fails (None = no deadline)."""
+        val = self.spec.get("activeDeadlineSeconds")
+        return None if val is None else int(val)
+
+    @property
+    def ttl_seconds_after_finished(self) -> int | None:
+        """Seconds after completion before the DDPJob is deleted (None = keep)."""
+        val = self.spec.get("ttlSecondsAfterFinished")
+        return None if val is None else int(val)
+
+    @property
+    def generation(self) -> int:
+        """metadata.generation (0 when unknown)."""
+        return int((self.raw.get("metadata") or {}).get("generation") or 0)
+
+
+def resolve_nproc(nproc: Any, gpus_per_node: int) -> int:
+    """`auto` means one process per GPU, or one on a CPU node."""
+    if nproc in (None, "auto"):
+        return gpus_per_node if gpus_per_node > 0 else 1
+    return int(nproc)
+
+
+def from_manifest(obj: dict[str, Any]) -> JobSpec:
+    """Build a JobSpec from a DDPJob object (as applied or as read from the API)."""
+    obj = copy.deepcopy(obj)
+    meta = obj.get("metadata") or {}
+    spec = obj.get("spec") or {}
+    gpus = int(spec.get("gpusPerNode", 0) or 0)
+    failure = spec.get("failurePolicy") or {}
+    return JobSpec(
+        name=meta.get("name", ""),
+        namespace=meta.get("namespace") or "default",
+        uid=meta.get("uid", ""),
+        nodes=int(spec.get("nodes", 1)),
+        nproc_per_node=resolve_nproc(spec.get("nprocPerNode", "auto"), gpus),
+        gpus_per_node=gpus,
+        image=spec.get("image", ""),
+        command=list(spec["command"]) if spec.get("command") else None,
+        args=list(spec["args"]) if spec.get("args") else None,
+        trainer=dict(spec.get("trainer") or {}),
+        env=list(spec.get("env") or []),
+        master_port=int(spec.get("masterPort", DEFAULT_MASTER_PORT)),
+        metrics_port=int(spec.get("metricsPort", DEFAULT_METRICS_PORT)),
+        nccl=dict(spec.get("nccl") or {}),
+        max_restarts=int(failure.get("maxRestarts", 3)),
+        elastic=dict(spec["elastic"]) if spec.get("elastic") else None,
+        raw=obj,
+    )

@@ -1,0 +1,54 @@
+"""`python -m ddpjob_trainer`: the built-in trainer (under torchrun, or as one process)."""
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+
+from .errors import EXIT_BAD_CONFIG, EXIT_TRAINING_FAILED, ConfigError
+
+
+def _record_bad_config(msg: str) -> None:
+    """Tell the launcher this rank failed on configuration, so nobody retries."""
+    status_dir = os.environ.get("DDPJOB_STATUS_DIR")
+    if status_dir:
+        os.makedirs(status_dir, exist_ok=True)
+        with open(os.path.join(status_dir, f"bad-config-rank-{os.environ.get('RANK', '0')}.txt"), "w") as f:
+            f.write(msg + "\n")
+
+
+def main() -> int:
+    """Parse config, set up the process group, train; map failures to exit codes."""
+    from .config import config_from_env
+    from .dist import process_group
+    from .loop import train
+    from .reporting import make_reporter
+    from .telemetry import Telemetry
+
+    rank = os.environ.get("RANK", "0")
+    try:
+        cfg = config_from_env()
+        with process_group(timeout_seconds=cfg.timeout_seconds) as ctx:
+            log = make_reporter(rank=ctx.rank, mlflow=cfg.mlflow)
+            status = "FAILED"
+            try:
+                train(cfg, ctx, log=log, telemetry=Telemetry.from_env(),
+                      result_path=os.environ.get("DDPJOB_RESULT_FILE"))
+                status = "FINISHED"
+            finally:
+                log.close(status=status)
+        return 0
+    except ConfigError as exc:
+        msg = f"bad configuration: {exc}"
+        print(f"[rank {rank}] {msg}", file=sys.stderr, flush=True)
+        _record_bad_config(msg)
+        return EXIT_BAD_CONFIG
+    except KeyboardInterrupt:
+        return 130
+    except Exception:  # noqa: BLE001 - any other failure may succeed on retry
+        print(f"[rank {rank}] training failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        return EXIT_TRAINING_FAILED
+
+
+if __name__ == "__main__":
+    sys.exit(main())

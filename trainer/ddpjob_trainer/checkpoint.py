@@ -1,0 +1,174 @@
+"""Atomic, per-rank checkpoints: written to a temp dir, published by one rename, newest complete one loaded.
+
+Layout under `dir`: `step-00000120/{common.pt, rank-00000.pt, ..., MANIFEST.json}`. `common.pt`
+(rank 0) holds model, optimizer, scheduler, step, epoch, sampler position and config; each
+`rank-N.pt` holds what differs per rank (RNG states). MANIFEST.json, written last, lists every
+file's size and sha256: a directory without a valid manifest is incomplete and never loaded.
+The directory must be shared by all nodes (an RWX volume on Kubernetes).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from .reporting import NullReporter
+
+_STEP_DIR = re.compile(r"^step-(\d{8})$")
+MANIFEST = "MANIFEST.json"
+COMMON = "common.pt"
+
+
+def rank_file(rank: int) -> str:
+    """Per-rank state file name."""
+    return f"rank-{rank:05d}.pt"
+
+
+def step_dir_name(step: int) -> str:
+    """Directory name for a step (zero-padded so names sort by step)."""
+    return f"step-{step:08d}"
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_torch_save(obj: Any, path: Path) -> None:
+    """torch.save to a temp name, fsync, rename: readers see the old file or the whole new one."""
+    tmp = path.with_name(path.name + ".part")
+    with open(tmp, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def verify(step_dir: Path) -> str | None:
+    """None when step_dir is a complete checkpoint, else why it is not."""
+    manifest = step_dir / MANIFEST
+    if not manifest.is_file():
+        return "no MANIFEST.json (incomplete write)"
+    try:
+        files = json.loads(manifest.read_text())["files"]
+    except (ValueError, KeyError) as exc:
+        return f"unreadable MANIFEST.json ({exc})"
+    for name, meta in files.items():
+        p = step_dir / name
+        if not p.is_file():
+            return f"{name} is missing"
+        if p.stat().st_size != meta["size"]:
+            return f"{name} has {p.stat().st_size} bytes, manifest says {meta['size']}"
+        if _sha256(p) != meta["sha256"]:
+            return f"{name} does not match its sha256 (corrupt)"
+    return None
+
+
+@dataclass
+class Loaded:
+    """A checkpoint read back by one rank."""
+
+    path: Path
+    common: dict[str, Any]
+    rank_state: dict[str, Any] | None
+
+
+class Checkpointer:
+    """Saves and finds checkpoints for one rank; collective calls are made by every rank."""
+
+    def __init__(self, directory: str, *, keep: int, rank: int,
+                 barrier: Callable[[], None], broadcast: Callable[[Any], Any],
+                 log: NullReporter) -> None:
+        self.dir = Path(directory)
+        self.keep = keep
+        self.rank = rank
+        self._barrier = barrier
+        self._broadcast = broadcast  # rank 0's value -> every rank
+        self.log = log
+        self.last_saved_step: int | None = None
+
+    def save(self, *, step: int, common: dict[str, Any], rank_state: dict[str, Any]) -> Path:
+        """Collective: every rank writes its part; rank 0 publishes the directory atomically."""
+        final = self.dir / step_dir_name(step)
+        tmp = self.dir / f".tmp-{step_dir_name(step)}"
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a crashed earlier attempt
+            tmp.mkdir(parents=True)
+        self._barrier()
+        atomic_torch_save(rank_state, tmp / rank_file(self.rank))
+        if self.rank == 0:
+            atomic_torch_save(common, tmp / COMMON)
+        self._barrier()
+        if self.rank == 0:
+            files = {p.name: {"size": p.stat().st_size, "sha256": _sha256(p)}
+                     for p in sorted(tmp.iterdir()) if p.suffix == ".pt"}
+            (tmp / (MANIFEST + ".part")).write_text(json.dumps({"step": step, "files": files}, indent=1))
+            os.replace(tmp / (MANIFEST + ".part"), tmp / MANIFEST)
+            _fsync_dir(tmp)
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            _fsync_dir(self.dir)
+            self._prune()
+        self.last_saved_step = step
+        return final
+
+    def _prune(self) -> None:
+        steps = sorted(self._step_dirs(), reverse=True)
+        for _, path in steps[self.keep:]:
+            shutil.rmtree(path, ignore_errors=True)
+
+    def _step_dirs(self) -> list[tuple[int, Path]]:
+        if not self.dir.is_dir():
+            return []
+        out = []
+        for p in self.dir.iterdir():
+            m = _STEP_DIR.match(p.name)
+            if m and p.is_dir():
+                out.append((int(m.group(1)), p))
+        return out
+
+    def newest_complete(self) -> Path | None:
+        """Rank 0's choice: the newest verified checkpoint, warning about every one skipped."""
+        for _, path in sorted(self._step_dirs(), reverse=True):
+            problem = verify(path)
+            if problem is None:
+                try:
+                    torch.load(path / COMMON, map_location="cpu", weights_only=True)
+                except Exception as exc:  # noqa: BLE001 - any unreadable file means "skip it"
+                    problem = f"{COMMON} cannot be loaded ({exc})"
+            if problem is None:
+                return path
+            self.log.warning(f"skipping checkpoint {path}: {problem}")
+        return None
+
+    def load_latest(self, *, map_location: Any) -> Loaded | None:
+        """Collective: every rank loads the checkpoint rank 0 chose (or None)."""
+        chosen = self.newest_complete() if self.rank == 0 else None
+        chosen = self._broadcast(str(chosen) if chosen else None)
+        if not chosen:
+            return None
+        path = Path(chosen)
+        common = torch.load(path / COMMON, map_location=map_location, weights_only=True)
+        rf = path / rank_file(self.rank)
+        # A rank beyond the old world size (elastic growth) has no state of its own to restore.
+        rank_state = torch.load(rf, map_location="cpu", weights_only=True) if rf.is_file() else None
+        return Loaded(path=path, common=common, rank_state=rank_state)

@@ -1,0 +1,203 @@
+"""Built-in trainer configuration: DDPJob `spec.trainer`, validated with messages that name the key."""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from .errors import ConfigError
+
+DATASETS = ("digits", "synthetic", "imagefolder")
+MODELS = ("convnet", "mlp", "resnet18", "resnet50")
+OPTIMIZERS = ("sgd", "adamw")
+SCHEDULERS = ("cosine", "constant")
+PRECISIONS = ("auto", "bf16", "fp32")
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """Where and how often checkpoints are written."""
+
+    dir: str | None = None
+    every_steps: int = 0          # 0: only at epoch end
+    keep: int = 3
+
+
+@dataclass(frozen=True)
+class SyntheticConfig:
+    """Generated tensors; labels are a fixed function of the input so the task is learnable."""
+
+    train_size: int = 4096
+    val_size: int = 1024
+    shape: tuple[int, ...] = (3, 32, 32)
+    num_classes: int = 10
+    seed: int = 1234
+
+
+@dataclass(frozen=True)
+class MlflowConfig:
+    """Optional MLflow tracking, used by rank 0 only."""
+
+    tracking_uri: str
+    experiment: str = "ddpjob"
+    run_name: str | None = None
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    """Everything the built-in trainer needs; built only through `parse_config`."""
+
+    dataset: str = "digits"
+    model: str = "convnet"
+    epochs: int = 10
+    batch_size: int = 64
+    lr: float = 0.05
+    momentum: float = 0.9
+    weight_decay: float = 0.0
+    optimizer: str = "sgd"
+    scheduler: str = "cosine"
+    warmup_steps: int = 0
+    grad_accum_steps: int = 1
+    max_steps: int = 0            # 0: no cap (benchmarks and tests cap the run)
+    num_workers: int = 0
+    precision: str = "auto"
+    compile: bool = False
+    seed: int = 0
+    timeout_seconds: int = 600    # process-group timeout: how long a collective may hang
+    log_every_steps: int = 10
+    data_path: str | None = None
+    val_path: str | None = None
+    image_size: int = 224
+    synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    mlflow: MlflowConfig | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-safe form, stored in checkpoints."""
+        from dataclasses import asdict
+        return asdict(self)
+
+
+# camelCase key in the DDPJob -> (field name, kind, constraint)
+_TOP: dict[str, tuple[str, str, Any]] = {
+    "dataset": ("dataset", "enum", DATASETS),
+    "model": ("model", "enum", MODELS),
+    "epochs": ("epochs", "int", 1),
+    "batchSize": ("batch_size", "int", 1),
+    "lr": ("lr", "float", 0.0),
+    "momentum": ("momentum", "float", 0.0),
+    "weightDecay": ("weight_decay", "float", 0.0),
+    "optimizer": ("optimizer", "enum", OPTIMIZERS),
+    "scheduler": ("scheduler", "enum", SCHEDULERS),
+    "warmupSteps": ("warmup_steps", "int", 0),
+    "gradAccumSteps": ("grad_accum_steps", "int", 1),
+    "maxSteps": ("max_steps", "int", 0),
+    "numWorkers": ("num_workers", "int", 0),
+    "precision": ("precision", "enum", PRECISIONS),
+    "compile": ("compile", "bool", None),
+    "seed": ("seed", "int", 0),
+    "timeoutSeconds": ("timeout_seconds", "int", 1),
+    "logEverySteps": ("log_every_steps", "int", 1),
+    "dataPath": ("data_path", "str", None),
+    "valPath": ("val_path", "str", None),
+    "imageSize": ("image_size", "int", 8),
+}
+_CHECKPOINT = {"dir": ("dir", "str", None), "everySteps": ("every_steps", "int", 0),
+               "keep": ("keep", "int", 1)}
+_SYNTHETIC = {"trainSize": ("train_size", "int", 1), "valSize": ("val_size", "int", 1),
+              "shape": ("shape", "shape", None), "numClasses": ("num_classes", "int", 2),
+              "seed": ("seed", "int", 0)}
+_MLFLOW = {"trackingUri": ("tracking_uri", "str", None), "experiment": ("experiment", "str", None),
+           "runName": ("run_name", "str", None)}
+
+
+def _check(path: str, value: Any, kind: str, arg: Any) -> Any:
+    if kind == "int":
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{path}: expected an integer, got {value!r}")
+        if value < arg:
+            raise ConfigError(f"{path}: must be >= {arg}, got {value}")
+        return value
+    if kind == "float":
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{path}: expected a number, got {value!r}")
+        if value < arg:
+            raise ConfigError(f"{path}: must be >= {arg}, got {value}")
+        return float(value)
+    if kind == "bool":
+        if not isinstance(value, bool):
+            raise ConfigError(f"{path}: expected true or false, got {value!r}")
+        return value
+    if kind == "enum":
+        if value not in arg:
+            raise ConfigError(f"{path}: must be one of {', '.join(arg)}; got {value!r}")
+        return value
+    if kind == "str":
+        if not isinstance(value, str) or not value:
+            raise ConfigError(f"{path}: expected a non-empty string, got {value!r}")
+        return value
+    if kind == "shape":
+        if (not isinstance(value, list) or not value
+                or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value)):
+            raise ConfigError(f"{path}: expected a list of positive integers, got {value!r}")
+        return tuple(value)
+    raise AssertionError(kind)
+
+
+def _section(raw: Any, table: dict, path: str) -> dict[str, Any]:
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a mapping, got {raw!r}")
+    out = {}
+    for key, value in raw.items():
+        if key not in table:
+            raise ConfigError(f"{path}.{key}: unknown key (known: {', '.join(sorted(table))})")
+        name, kind, arg = table[key]
+        out[name] = _check(f"{path}.{key}", value, kind, arg)
+    return out
+
+
+_NESTED = ("checkpoint", "synthetic", "mlflow")
+
+
+def parse_config(raw: dict[str, Any] | None, *, path: str = "spec.trainer") -> TrainerConfig:
+    """Validate `spec.trainer` (camelCase keys) into a TrainerConfig; raise ConfigError naming the key."""
+    raw = dict(raw or {})
+    nested = {k: raw.pop(k) for k in _NESTED if k in raw}
+    unknown = [k for k in raw if k not in _TOP]
+    if unknown:
+        known = ", ".join(sorted(list(_TOP) + list(_NESTED)))
+        raise ConfigError(f"{path}.{unknown[0]}: unknown key (known: {known})")
+    kwargs = _section(raw, _TOP, path)
+    if "checkpoint" in nested:
+        kwargs["checkpoint"] = CheckpointConfig(**_section(nested["checkpoint"], _CHECKPOINT, f"{path}.checkpoint"))
+    if "synthetic" in nested:
+        kwargs["synthetic"] = SyntheticConfig(**_section(nested["synthetic"], _SYNTHETIC, f"{path}.synthetic"))
+    if nested.get("mlflow") is not None:
+        ml = _section(nested["mlflow"], _MLFLOW, f"{path}.mlflow")
+        if "tracking_uri" not in ml:
+            raise ConfigError(f"{path}.mlflow.trackingUri: required when mlflow is set")
+        kwargs["mlflow"] = MlflowConfig(**ml)
+    cfg = TrainerConfig(**kwargs)
+    if cfg.dataset == "imagefolder" and not cfg.data_path:
+        raise ConfigError(f"{path}.dataPath: required when dataset is imagefolder")
+    if cfg.dataset == "digits" and cfg.model in ("resnet18", "resnet50"):
+        raise ConfigError(f"{path}.model: {cfg.model} needs 3-channel images; digits are 1x8x8 "
+                          "(use convnet or mlp, or dataset synthetic/imagefolder)")
+    return cfg
+
+
+def config_from_env(environ: dict[str, str] | None = None) -> TrainerConfig:
+    """Read DDPJOB_TRAINER_CONFIG (JSON of spec.trainer) as injected by the operator."""
+    env = os.environ if environ is None else environ
+    text = env.get("DDPJOB_TRAINER_CONFIG", "{}")
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"DDPJOB_TRAINER_CONFIG: not valid JSON ({exc})") from None
+    return parse_config(raw)
+
+
+def config_field_names() -> list[str]:
+    """Field names of TrainerConfig (for docs and tests)."""
+    return [f.name for f in fields(TrainerConfig)]

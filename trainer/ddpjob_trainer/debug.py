@@ -1,0 +1,52 @@
+"""Test knobs that make one rank slow or frozen, so straggler and hang detection can be shown.
+
+DDPJOB_DEBUG_SLOW_RANK="<rank>:<seconds>"   that rank sleeps this long after every step
+DDPJOB_DEBUG_FREEZE_RANK="<rank>:<step>"    that rank stops advancing once it reaches the step
+DDPJOB_DEBUG_STEP_SLEEP="<seconds>"         every rank sleeps this long after every step
+DDPJOB_DEBUG_CRASH_RANK="<rank>:<step>"     that rank exits 1 at the step, on attempt 0 only
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+
+def _pair(value: str | None) -> tuple[int, float] | None:
+    if not value:
+        return None
+    rank, _, arg = value.partition(":")
+    return int(rank), float(arg or 0)
+
+
+@dataclass(frozen=True)
+class Knobs:
+    """The knobs that apply to this rank (all off by default)."""
+
+    sleep: float = 0.0
+    freeze_at: int | None = None
+    crash_at: int | None = None
+
+    @classmethod
+    def from_env(cls, *, rank: int, env=os.environ) -> "Knobs":
+        """Read the DDPJOB_DEBUG_* variables for `rank`."""
+        sleep = float(env.get("DDPJOB_DEBUG_STEP_SLEEP", "0") or 0)
+        slow = _pair(env.get("DDPJOB_DEBUG_SLOW_RANK"))
+        if slow and slow[0] == rank:
+            sleep += slow[1]
+        freeze = _pair(env.get("DDPJOB_DEBUG_FREEZE_RANK"))
+        crash = _pair(env.get("DDPJOB_DEBUG_CRASH_RANK"))
+        first_attempt = env.get("DDPJOB_ATTEMPT", "0") == "0"
+        return cls(sleep=sleep,
+                   freeze_at=int(freeze[1]) if freeze and freeze[0] == rank else None,
+                   crash_at=int(crash[1]) if crash and crash[0] == rank and first_attempt else None)
+
+    def after_step(self, step: int) -> None:
+        """Apply the knobs once `step` has been taken."""
+        if self.sleep:
+            time.sleep(self.sleep)
+        if self.crash_at is not None and step >= self.crash_at:
+            os._exit(1)
+        if self.freeze_at is not None and step >= self.freeze_at:
+            while True:  # frozen: alive, but never advancing (what a hung NCCL call looks like)
+                time.sleep(3600)

@@ -1,0 +1,228 @@
+"""Per-rank Prometheus metrics (names and labels: CONTRACT in design.md).
+
+Every local rank writes into a shared prometheus-client multiprocess directory
+(DDPJOB_METRICS_DIR); the pod's launcher serves one endpoint over all of them.
+Label children are bound once in __init__, so recording a step only writes a few
+floats into an mmap (no label lookups, no per-step objects kept).
+
+Your own training script (a `command:` job run under the launcher) gets the same
+dashboards with a few lines::
+
+    from ddpjob_trainer import telemetry
+    tm = telemetry.Telemetry.from_env()
+    tm.set_total_steps(epochs * len(loader))
+    for epoch in range(epochs):
+        for x, y in tm.track(loader, epoch=epoch):   # times data wait and each step
+            loss = train_step(x, y)
+            tm.record_loss(loss)                     # float or 0-d tensor
+
+Set DDPJOB_TELEMETRY=0 to turn every call into a no-op.
+"""
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Iterable, Iterator
+
+PREFIX = "ddpjob_trainer_"
+METRICS_DIR_ENV = "DDPJOB_METRICS_DIR"
+LABELS = ("ddpjob", "namespace", "rank", "local_rank", "node_rank")
+STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+def _prepare_multiprocess() -> str | None:
+    """Point prometheus-client at the shared dir (also if it was imported before the env was set)."""
+    d = os.environ.get(METRICS_DIR_ENV)
+    if d:
+        os.makedirs(d, exist_ok=True)
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = d
+        from prometheus_client import values
+
+        # The value class is chosen when prometheus_client is first imported; fix it up if
+        # that happened before DDPJOB_METRICS_DIR was known (otherwise nothing reaches the dir).
+        if not getattr(values.ValueClass, "_multiprocess", False):
+            values.ValueClass = values.get_value_class()
+    return d
+
+
+class Telemetry:
+    """Metrics of one rank; use `Telemetry.from_env()` inside a torchrun worker."""
+
+    def __init__(self, *, labels: dict[str, str], enabled: bool = True) -> None:
+        self.enabled = enabled
+        self.labels = labels
+        self._global_step = 0
+        self._pending_loss = float("nan")
+        if not enabled:
+            return
+        _prepare_multiprocess()
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+        names = list(labels)
+        # A registry of our own: a second Telemetry in one process never clashes, and the
+        # values live in the multiprocess files anyway (served by serve_node_endpoint).
+        self.registry = reg = CollectorRegistry(auto_describe=True)
+
+        def gauge(name: str, doc: str):
+            return Gauge(PREFIX + name, doc, names, registry=reg,
+                         multiprocess_mode="mostrecent").labels(**labels)
+
+        def counter(name: str, doc: str):
+            return Counter(PREFIX + name, doc, names, registry=reg).labels(**labels)
+
+        self._step = gauge("step", "Optimizer steps completed (global, across epochs).")
+        self._started = gauge("step_started", "Optimizer step this rank has its batch for (in progress).")
+        self._epoch = gauge("epoch", "Current epoch (0-based).")
+        self._total = gauge("total_steps", "Optimizer steps the whole run will take.")
+        self._loss = gauge("loss", "Training loss of the last step on this rank.")
+        self._samples = counter("samples", "Training samples processed by this rank.")
+        self._step_s = Histogram(
+            PREFIX + "step_seconds", "Wall time of one optimizer step on this rank.", names,
+            registry=reg, buckets=STEP_BUCKETS,
+        ).labels(**labels)
+        self._wait = counter("data_wait_seconds", "Seconds spent waiting for the next batch.")
+        self._last = gauge("last_step_timestamp_seconds", "Unix time the last step finished.")
+        self._acc = gauge("eval_accuracy", "Validation accuracy of the last evaluation.")
+        self._eval_loss = gauge("eval_loss", "Validation loss of the last evaluation.")
+        self._ckpt = gauge("checkpoint_seconds", "Seconds the last checkpoint took to write.")
+        self._restarts = gauge("restart_count", "Group restarts before this attempt.")
+        self._gpu_alloc = gauge("gpu_memory_allocated_bytes", "torch.cuda.memory_allocated().")
+        self._gpu_max = gauge("gpu_memory_max_allocated_bytes", "torch.cuda.max_memory_allocated().")
+        self._gpu_reserved = gauge("gpu_memory_reserved_bytes", "torch.cuda.memory_reserved().")
+
+    @classmethod
+    def from_env(cls, *, enabled: bool | None = None) -> "Telemetry":
+        """Labels from torchrun's and the operator's env vars."""
+        env = os.environ
+        labels = {
+            "ddpjob": env.get("DDPJOB_NAME", "local"),
+            "namespace": env.get("DDPJOB_NAMESPACE", ""),
+            "rank": env.get("RANK", "0"),
+            "local_rank": env.get("LOCAL_RANK", "0"),
+            "node_rank": env.get("NODE_RANK", env.get("GROUP_RANK", "0")),
+        }
+        if enabled is None:
+            enabled = env.get("DDPJOB_TELEMETRY", "1") != "0"
+        return cls(labels=labels, enabled=enabled)
+
+    def set_total_steps(self, n: int) -> None:
+        """The number of optimizer steps the run will take."""
+        if self.enabled:
+            self._total.set(n)
+
+    def set_restart_count(self, n: int) -> None:
+        """Group restarts that happened before this attempt."""
+        if self.enabled:
+            self._restarts.set(n)
+
+    def step_started(self, *, step: int) -> None:
+        """This rank has the batch for `step` in hand (lets a hang name the rank that never got there)."""
+        if self.enabled:
+            self._started.set(step)
+
+    def step(self, *, step: int, epoch: int, loss: float, samples: int,
+             step_seconds: float, data_wait_seconds: float, timestamp: float) -> None:
+        """Record one finished optimizer step."""
+        if not self.enabled:
+            return
+        self._global_step = step
+        self._step.set(step)
+        self._epoch.set(epoch)
+        self._loss.set(loss)
+        self._samples.inc(samples)
+        self._step_s.observe(step_seconds)
+        self._wait.inc(data_wait_seconds)
+        self._last.set(timestamp)
+
+    def eval(self, *, accuracy: float, loss: float) -> None:
+        """Record a finished evaluation."""
+        if self.enabled:
+            self._acc.set(accuracy)
+            self._eval_loss.set(loss)
+
+    def checkpoint(self, seconds: float) -> None:
+        """Record how long the last checkpoint took."""
+        if self.enabled:
+            self._ckpt.set(seconds)
+
+    def gpu_memory(self, torch_mod: Any, device: Any) -> None:
+        """Record GPU memory of `device` (call every few steps, not every step)."""
+        if self.enabled and getattr(device, "type", "cpu") == "cuda":
+            self._gpu_alloc.set(torch_mod.cuda.memory_allocated(device))
+            self._gpu_max.set(torch_mod.cuda.max_memory_allocated(device))
+            self._gpu_reserved.set(torch_mod.cuda.memory_reserved(device))
+
+    # ---- the few-lines API for users' own scripts ----------------------------------------
+    def record_loss(self, loss: Any) -> None:
+        """Remember the loss of the current step (a float or a 0-d tensor); `track` records it."""
+        if self.enabled:
+            self._pending_loss = float(loss.item() if hasattr(loss, "item") else loss)
+
+    def track(self, batches: Iterable[Any], *, epoch: int = 0, samples: int | None = None) -> Iterator[Any]:
+        """Yield `batches`; each yielded batch is one step, timed from yield to the next request.
+
+        `samples` per step defaults to the length of the batch's first element.
+        """
+        it = iter(batches)
+        while True:
+            t0 = time.perf_counter()
+            try:
+                batch = next(it)
+            except StopIteration:
+                return
+            t1 = time.perf_counter()
+            if self.enabled:
+                self._started.set(self._global_step + 1)
+            yield batch
+            t2 = time.perf_counter()
+            n = samples if samples is not None else _batch_len(batch)
+            self.step(step=self._global_step + 1, epoch=epoch, loss=self._pending_loss, samples=n,
+                      step_seconds=t2 - t0, data_wait_seconds=t1 - t0, timestamp=time.time())
+
+    def timed_step(self, *, epoch: int = 0, samples: int = 0) -> "_StepTimer":
+        """`with tm.timed_step(epoch=e, samples=n) as s: ...; s.loss = loss.item()` records one step."""
+        return _StepTimer(self, epoch=epoch, samples=samples)
+
+
+class _StepTimer:
+    """Context manager behind Telemetry.timed_step."""
+
+    __slots__ = ("tm", "epoch", "samples", "loss", "data_wait", "_t0")
+
+    def __init__(self, tm: Telemetry, *, epoch: int, samples: int) -> None:
+        self.tm, self.epoch, self.samples = tm, epoch, samples
+        self.loss = float("nan")
+        self.data_wait = 0.0
+        self._t0 = 0.0
+
+    def __enter__(self) -> "_StepTimer":
+        self._t0 = time.perf_counter()
+        self.tm.step_started(step=self.tm._global_step + 1)
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            loss = float(self.loss.item() if hasattr(self.loss, "item") else self.loss)
+            self.tm.step(step=self.tm._global_step + 1, epoch=self.epoch, loss=loss,
+                         samples=self.samples, step_seconds=time.perf_counter() - self._t0,
+                         data_wait_seconds=self.data_wait, timestamp=time.time())
+
+
+def _batch_len(batch: Any) -> int:
+    first = batch[0] if isinstance(batch, (tuple, list)) and batch else batch
+    try:
+        return len(first)
+    except TypeError:
+        return 1
+
+
+def serve_node_endpoint(port: int, metrics_dir: str, *, addr: str = "0.0.0.0"):
+    """Serve every local rank's metrics (the multiprocess dir) on one port; returns the server."""
+    os.makedirs(metrics_dir, exist_ok=True)
+    from prometheus_client import CollectorRegistry, start_http_server
+    from prometheus_client.multiprocess import MultiProcessCollector
+
+    registry = CollectorRegistry()
+    MultiProcessCollector(registry, path=metrics_dir)
+    server, _thread = start_http_server(port, addr=addr, registry=registry)
+    return server
