@@ -129,9 +129,12 @@ def train(cfg: TrainerConfig, ctx: DistContext, *, log: NullReporter, telemetry:
 
     sampler = ResumableSampler(data.train, num_replicas=ctx.world_size, rank=ctx.rank,
                                shuffle=True, seed=cfg.seed)
+    # The loader's own generator: creating an iterator must not draw from the global RNG,
+    # or a resumed run's dropout stream would differ from an uninterrupted one.
+    loader_rng = torch.Generator()
     loader = DataLoader(data.train, batch_size=cfg.batch_size, sampler=sampler,
                         num_workers=cfg.num_workers, pin_memory=ctx.device.type == "cuda",
-                        persistent_workers=False)
+                        persistent_workers=False, generator=loader_rng)
     micro_per_epoch = math.ceil(sampler.num_samples / cfg.batch_size)
     steps_per_epoch = math.ceil(micro_per_epoch / cfg.grad_accum_steps)
     total_steps = cfg.epochs * steps_per_epoch
@@ -184,9 +187,11 @@ def train(cfg: TrainerConfig, ctx: DistContext, *, log: NullReporter, telemetry:
             epoch, micro_done = epoch + 1, 0
             continue
         sampler.set_epoch(epoch, start=micro_done * cfg.batch_size)
+        loader_rng.manual_seed(cfg.seed * 100_003 + epoch * 1009 + ctx.rank)  # worker seeds per epoch
         batches = iter(loader)
         while micro_done < micro_per_epoch and step < total_steps:
             t_step = time.perf_counter()
+            telemetry.step_started(step=step + 1)
             wait = 0.0
             n_micro = min(cfg.grad_accum_steps, micro_per_epoch - micro_done)
             loss_sum, n_samples = 0.0, 0

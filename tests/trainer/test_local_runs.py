@@ -1,0 +1,155 @@
+"""`ddpjob run --local` with real torchrun agents and gloo workers on CPU."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from .helpers import DDPJOB, REPO, run_local, write_job
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def test_digits_example_converges_across_two_nodes(tmp_path):
+    proc, s = run_local(REPO / "examples" / "digits.yaml", tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert s["phase"] == "Succeeded"
+    assert (s["world_size"], s["nodes"], s["nproc_per_node"]) == (2, 2, 1)
+    assert s["eval_samples"] == s["eval_dataset_size"] == 359
+    assert s["eval_accuracy"] >= 0.95
+    assert s["restarts"] == 0 and s["resumed_from_step"] == 0
+    assert s["train_samples_per_second"] > 0
+
+
+def _single_process_eval(ckpt_dir: Path) -> tuple[float, float, int]:
+    """Evaluate the checkpoint's weights in this process over the whole validation set."""
+    import torch.nn.functional as F
+
+    from ddpjob_trainer.data import digits
+    from ddpjob_trainer.models import build_model
+
+    common = torch.load(ckpt_dir / "common.pt", map_location="cpu", weights_only=True)
+    data = digits()
+    model = build_model("convnet", data.input_shape, data.num_classes)
+    model.load_state_dict(common["model"])
+    model.eval()
+    x = torch.stack([data.val[i][0] for i in range(len(data.val))])
+    y = torch.stack([data.val[i][1] for i in range(len(data.val))])
+    with torch.no_grad():
+        logits = model(x)
+    loss = F.cross_entropy(logits, y, reduction="sum").double().item() / len(y)
+    acc = (logits.argmax(1) == y).double().mean().item()
+    return acc, loss, len(y)
+
+
+def test_eval_is_exact_when_world_size_does_not_divide_the_validation_set(tmp_path):
+    job = write_job(tmp_path / "three.yaml", name="three", nodes=3, trainer={
+        "dataset": "digits", "model": "convnet", "epochs": 1, "batchSize": 16, "lr": 0.05,
+        "checkpoint": {"dir": "ckpt", "keep": 1}})
+    proc, s = run_local(job, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert s["world_size"] == 3 and 359 % 3 != 0
+    # DistributedSampler would pad to 360 and count a sample twice; every sample counts once.
+    assert s["eval_samples"] == s["eval_dataset_size"] == 359
+    acc, loss, n = _single_process_eval(Path(s["last_checkpoint"]))
+    assert n == 359
+    assert s["eval_accuracy"] == pytest.approx(acc, abs=1e-12)
+    assert s["eval_loss"] == pytest.approx(loss, rel=1e-6)
+
+
+def _find_worker(job_name: str, rank: int) -> int | None:
+    """PID of the torchrun worker process with RANK=rank of this job (not its agent)."""
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"ddpjob_trainer" in cmd and b"torch.distributed.run" not in cmd \
+                and b"ddpjob_trainer.launch" not in cmd \
+                and f"DDPJOB_NAME={job_name}".encode() in env and f"RANK={rank}".encode() in env:
+            return int(pid)
+    return None
+
+
+def test_sigkill_of_rank_1_restarts_the_group_and_resumes_from_checkpoint(tmp_path):
+    job = write_job(tmp_path / "killme.yaml", name="killme", max_restarts=2, trainer={
+        "dataset": "digits", "model": "convnet", "epochs": 3, "batchSize": 32, "lr": 0.05,
+        "checkpoint": {"dir": "ckpt", "everySteps": 5, "keep": 2}})
+    summary = tmp_path / "summary.json"
+    work = tmp_path / "work"
+    proc = subprocess.Popen(
+        [*DDPJOB, "run", str(job), "--local", "--no-progress", "--summary-json", str(summary),
+         "--workdir", str(work)],
+        env={**os.environ, "DDPJOB_DEBUG_STEP_SLEEP": "0.15"}, cwd=REPO,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 180
+        killed = None
+        while time.monotonic() < deadline and killed is None:
+            assert proc.poll() is None, proc.stdout.read()[-3000:]
+            if (work / "ckpt" / "step-00000010").is_dir():
+                pid = _find_worker("killme", 1)
+                if pid:
+                    os.kill(pid, signal.SIGKILL)
+                    killed = pid
+            time.sleep(0.2)
+        assert killed, "never saw a checkpoint at step 10 and a rank-1 worker to kill"
+        out, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    import json
+    s = json.loads(summary.read_text())
+    assert proc.returncode == 0, out[-3000:]
+    assert s["phase"] == "Succeeded"
+    assert s["restarts"] >= 1
+    assert s["resumed_from_step"] >= 10
+    assert s["steps"] == 69  # 3 epochs x ceil(719/32) steps: nothing lost, nothing repeated
+    assert "restarting the whole group" in out
+
+
+def test_missing_dataset_is_a_bad_configuration_and_is_not_retried(tmp_path):
+    missing = tmp_path / "no-such-images"
+    job = write_job(tmp_path / "nodata.yaml", name="nodata", max_restarts=3, trainer={
+        "dataset": "imagefolder", "dataPath": str(missing), "model": "convnet", "epochs": 1})
+    proc, s = run_local(job, tmp_path, timeout=240)
+    assert proc.returncode == 78, proc.stderr[-3000:]
+    assert s["phase"] == "Failed" and s["restarts"] == 0 and s["exit_code"] == 78
+    assert str(missing) in proc.stderr and "not retrying" in proc.stderr
+
+
+@pytest.mark.parametrize("trainer, needle", [
+    ({"dataset": "digits", "epochz": 3}, "spec.trainer.epochz: unknown key"),
+    ({"dataset": "mnist"}, "spec.trainer.dataset"),
+    ({"batchSize": "big"}, "spec.trainer.batchSize"),
+    ({"checkpoint": {"dir": "c", "every": 5}}, "spec.trainer.checkpoint.every: unknown key"),
+])
+def test_bad_trainer_config_is_refused_before_anything_starts(tmp_path, trainer, needle):
+    job = write_job(tmp_path / "bad.yaml", name="bad", trainer=trainer)
+    proc, _ = run_local(job, tmp_path, timeout=120)
+    assert proc.returncode == 2
+    assert needle in proc.stderr
+
+
+def test_launcher_exits_78_on_bad_config_without_starting_torchrun(tmp_path):
+    env = {**os.environ, "DDPJOB_TRAINER_CONFIG": '{"model": "transformer"}', "NODE_RANK": "0"}
+    proc = subprocess.run([os.sys.executable, "-m", "ddpjob_trainer.launch"], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 78
+    assert "spec.trainer.model" in proc.stderr
+
+
+def test_custom_script_example_runs_unchanged(tmp_path):
+    proc, s = run_local(REPO / "examples" / "custom-script.yaml", tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert s["phase"] == "Succeeded" and s["world_size"] == 2
+    log = (tmp_path / "work" / "logs" / "attempt-0" / "node-0.log").read_text()
+    assert "training finished" in log

@@ -1,0 +1,80 @@
+"""The env every training container gets: one function for pods and local runs."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ddpjob_operator.envvars import env_dict, master_dns, nccl_env, pod_env
+from ddpjob_operator.spec import from_manifest, resolve_nproc
+
+
+def job(**spec):
+    base = {"nodes": 4, "gpusPerNode": 8, "image": "img", "trainer": {"epochs": 2}}
+    return from_manifest({"apiVersion": "ddpjob.dev/v1alpha1", "kind": "DDPJob",
+                          "metadata": {"name": "bert", "namespace": "ml", "uid": "u-1"},
+                          "spec": {**base, **spec}})
+
+
+@pytest.mark.parametrize("rank", [0, 1, 3])
+def test_static_job_env_points_every_rank_at_pod_0(rank):
+    env = env_dict(pod_env(job(), rank))
+    assert env["MASTER_ADDR"] == env["PET_MASTER_ADDR"] == "bert-0.bert.ml.svc"
+    assert env["MASTER_PORT"] == env["PET_MASTER_PORT"] == "29500"
+    assert env["NODE_RANK"] == env["PET_NODE_RANK"] == str(rank)
+    assert env["NNODES"] == env["PET_NNODES"] == "4"
+    assert env["NPROC_PER_NODE"] == env["PET_NPROC_PER_NODE"] == "8"
+    assert env["WORLD_SIZE"] == "32"
+    assert json.loads(env["DDPJOB_TRAINER_CONFIG"]) == {"epochs": 2}
+    assert "PET_RDZV_ENDPOINT" not in env
+
+
+@pytest.mark.parametrize("nproc, gpus, expected", [
+    ("auto", 8, 8), ("auto", 0, 1), (None, 2, 2), (3, 0, 3), ("4", 8, 4)])
+def test_nproc_auto_is_one_per_gpu_or_one_on_cpu(nproc, gpus, expected):
+    assert resolve_nproc(nproc, gpus) == expected
+
+
+def test_local_mode_overrides_master_and_ports():
+    env = env_dict(pod_env(job(), 1, master_addr="127.0.0.1", master_port=40000,
+                           metrics_port=19401, attempt=2))
+    assert env["MASTER_ADDR"] == env["PET_MASTER_ADDR"] == "127.0.0.1"
+    assert env["MASTER_PORT"] == "40000" and env["DDPJOB_METRICS_PORT"] == "19401"
+    assert env["DDPJOB_ATTEMPT"] == "2"
+
+
+def test_cluster_domain_is_appended_when_configured():
+    assert master_dns(job(), cluster_domain="cluster.local") == "bert-0.bert.ml.svc.cluster.local"
+
+
+def test_elastic_job_gets_c10d_rendezvous_instead_of_a_fixed_rank():
+    env = env_dict(pod_env(job(elastic={"minNodes": 2, "maxNodes": 6}), 1))
+    assert env["PET_NNODES"] == "2:6"
+    assert env["PET_RDZV_BACKEND"] == "c10d"
+    assert env["PET_RDZV_ENDPOINT"] == "bert-0.bert.ml.svc:29500"
+    assert env["PET_RDZV_ID"] == "u-1"
+    assert "PET_NODE_RANK" not in env
+
+
+def test_user_env_wins_and_appears_once():
+    env = pod_env(job(env=[{"name": "MASTER_PORT", "value": "1234"},
+                          {"name": "TOKEN", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}}]), 0)
+    names = [e["name"] for e in env]
+    assert names.count("MASTER_PORT") == 1
+    assert env_dict(env)["MASTER_PORT"] == "1234"
+    assert {"name": "TOKEN", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}} in env
+
+
+@pytest.mark.parametrize("nccl, expected", [
+    ({"p2pDisable": True}, {"NCCL_P2P_DISABLE": "1"}),
+    ({"debug": "INFO", "socketIfname": "eth0"}, {"NCCL_DEBUG": "INFO", "NCCL_SOCKET_IFNAME": "eth0"}),
+    ({"ibDisable": False}, {"NCCL_IB_DISABLE": "0"}),
+    ({"minNchannels": 4}, {"NCCL_MIN_NCHANNELS": "4"}),
+])
+def test_nccl_knobs_become_nccl_env(nccl, expected):
+    assert nccl_env(nccl) == expected
+    assert expected.items() <= env_dict(pod_env(job(nccl=nccl), 0)).items()
+
+
+def test_command_jobs_get_no_trainer_config():
+    assert "DDPJOB_TRAINER_CONFIG" not in env_dict(pod_env(job(command=["torchrun", "t.py"]), 0))

@@ -1,0 +1,57 @@
+"""Atomic checkpoint files and the newest-complete choice (one rank; collectives are no-ops)."""
+from __future__ import annotations
+
+import json
+
+import torch
+
+from ddpjob_trainer.checkpoint import Checkpointer, verify
+from ddpjob_trainer.reporting import NullReporter
+
+
+class Warnings(NullReporter):
+    def __init__(self):
+        self.lines = []
+
+    def warning(self, msg):
+        self.lines.append(msg)
+
+
+def make(tmp_path, keep=3, log=None):
+    return Checkpointer(str(tmp_path), keep=keep, rank=0, barrier=lambda: None,
+                        broadcast=lambda v: v, log=log or NullReporter())
+
+
+def save(ck, step):
+    return ck.save(step=step, common={"step": step, "w": torch.full((4,), float(step))},
+                   rank_state={"rng": torch.get_rng_state()})
+
+
+def test_save_publishes_a_verified_directory_with_a_manifest(tmp_path):
+    path = save(make(tmp_path), 7)
+    assert path.name == "step-00000007" and verify(path) is None
+    files = json.loads((path / "MANIFEST.json").read_text())["files"]
+    assert set(files) == {"common.pt", "rank-00000.pt"}
+    assert not list(tmp_path.glob(".tmp-*")) and not list(path.glob("*.part"))
+
+
+def test_keep_prunes_the_oldest(tmp_path):
+    ck = make(tmp_path, keep=2)
+    for s in (1, 2, 3, 4):
+        save(ck, s)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000003", "step-00000004"]
+
+
+def test_truncated_file_is_skipped_with_a_warning_naming_it(tmp_path):
+    log = Warnings()
+    ck = make(tmp_path, log=log)
+    save(ck, 1)
+    newest = save(ck, 2)
+    (newest / "rank-00000.pt").write_bytes(b"x")
+    loaded = ck.load_latest(map_location="cpu")
+    assert loaded.common["step"] == 1
+    assert any(str(newest) in w and "rank-00000.pt" in w for w in log.lines)
+
+
+def test_nothing_to_resume_from(tmp_path):
+    assert make(tmp_path / "empty").load_latest(map_location="cpu") is None
