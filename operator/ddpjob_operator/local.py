@@ -25,6 +25,8 @@ import click
 import yaml
 
 from . import envvars
+from ddpjob_trainer.launch import die_with_parent
+
 from .spec import JobSpec, from_manifest
 
 EXIT_BAD_CONFIG = 78
@@ -245,7 +247,7 @@ def run_attempt(job: JobSpec, *, attempt: int, workdir: Path, metrics_ports: lis
                     env=node_env(job, rank, master_port=master_port, metrics_port=metrics_ports[rank],
                                  attempt=attempt, workdir=workdir, result_file=result_file),
                     stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                    cwd=cwd, start_new_session=True)
+                    cwd=cwd, start_new_session=True, preexec_fn=die_with_parent)
             nodes.append(Node(rank, proc, log_path, metrics_ports[rank]))
         next_scrape = 0.0
         while True:

@@ -153,3 +153,73 @@ def test_custom_script_example_runs_unchanged(tmp_path):
     assert s["phase"] == "Succeeded" and s["world_size"] == 2
     log = (tmp_path / "work" / "logs" / "attempt-0" / "node-0.log").read_text()
     assert "training finished" in log
+
+
+def _job_processes(job_name: str) -> list[int]:
+    pids = []
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                if f"DDPJOB_NAME={job_name}".encode() in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+                    pids.append(int(pid))
+            except OSError:
+                continue
+    return pids
+
+
+def test_failing_rank_error_is_printed_and_the_job_fails(tmp_path):
+    script = ("import os, sys, time\n"
+              "if os.environ['NODE_RANK'] == '1': sys.exit('boom on node ' + os.environ['NODE_RANK'])\n"
+              "time.sleep(60)\n")
+    # launcher: false runs the command verbatim (no wait for a master this script never opens).
+    job = write_job(tmp_path / "boom.yaml", name="boom", trainer={}, max_restarts=1,
+                    command=["python", "-c", script], launcher=False)
+    proc, s = run_local(job, tmp_path, timeout=120)
+    assert proc.returncode == 1
+    assert s["phase"] == "Failed" and s["restarts"] == 1 and s["failed_rank"] == 1
+    assert "boom on node 1" in proc.stderr and "restart budget exhausted" in proc.stderr
+    left = _job_processes("boom")
+    assert not left, [Path(f"/proc/{p}/cmdline").read_bytes() for p in left]  # node 0 was stopped
+
+
+def test_ctrl_c_stops_every_process_it_started(tmp_path):
+    job = write_job(tmp_path / "sigint.yaml", name="sigint", trainer={
+        "dataset": "digits", "model": "mlp", "epochs": 50, "batchSize": 8})
+    proc = subprocess.Popen([*DDPJOB, "run", str(job), "--local", "--no-progress", "--workdir",
+                             str(tmp_path / "w")], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not _find_worker("sigint", 1):
+            assert proc.poll() is None, proc.stdout.read()[-2000:]
+            time.sleep(0.2)
+        assert _find_worker("sigint", 1), "workers never started"
+        proc.send_signal(signal.SIGINT)
+        proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130
+    deadline = time.monotonic() + 10
+    while _job_processes("sigint") and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _job_processes("sigint")
+
+
+def test_nodes_die_with_a_sigkilled_runner(tmp_path):
+    job = write_job(tmp_path / "orphan.yaml", name="orphan", trainer={}, launcher=False,
+                    command=["python", "-c", "import time; time.sleep(120)"])
+    proc = subprocess.Popen([*DDPJOB, "run", str(job), "--local", "--no-progress"], cwd=REPO,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while len(_job_processes("orphan")) < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert len(_job_processes("orphan")) >= 2
+    finally:
+        proc.kill()
+        proc.wait()
+    deadline = time.monotonic() + 15
+    while _job_processes("orphan") and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _job_processes("orphan")

@@ -50,6 +50,16 @@ def wait_for_master(addr: str, port: int, *, timeout: float, interval: float = 1
         time.sleep(interval)
 
 
+def die_with_parent() -> None:
+    """preexec_fn: the child gets SIGTERM when its parent dies, even by SIGKILL (Linux)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass  # not Linux: Ctrl-C and SIGTERM still stop the group, a SIGKILLed parent may not
+
+
 def _write_termination(msg: str) -> None:
     try:
         with open(TERMINATION_LOG, "w") as f:
@@ -121,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         except OSError as exc:  # training matters more than its metrics
             _say(f"WARNING metrics port {args.metrics_port} unavailable ({exc}); continuing without metrics")
 
-    child = subprocess.Popen(cmd, env=env, start_new_session=True)
+    child = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=die_with_parent)
 
     def forward(signum, _frame):
         try:
