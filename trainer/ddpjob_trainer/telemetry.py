@@ -53,6 +53,7 @@ class Telemetry:
         self.labels = labels
         self._global_step = 0
         self._pending_loss = float("nan")
+        self._last_epoch: int | None = None
         if not enabled:
             return
         _prepare_multiprocess()
@@ -127,7 +128,9 @@ class Telemetry:
             return
         self._global_step = step
         self._step.set(step)
-        self._epoch.set(epoch)
+        if epoch != self._last_epoch:  # changes once per epoch: skip the mmap write otherwise
+            self._last_epoch = epoch
+            self._epoch.set(epoch)
         self._loss.set(loss)
         self._samples.inc(samples)
         self._step_s.observe(step_seconds)

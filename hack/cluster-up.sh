@@ -1,0 +1,313 @@
+#!/usr/bin/env bash
+# Start the local control plane on 127.0.0.1 (free ports): etcd, kube-apiserver,
+# kube-controller-manager, kube-scheduler and kwok with fake GPU nodes.
+# Idempotent: exits at once when the cluster recorded in .cache/cluster/ is running and healthy;
+# stale state (a crashed component) is torn down and started afresh.
+# State: .cache/cluster/{kubeconfig,pki,pids,logs,etcd}; binaries linked into .cache/bin/.
+# Env: DDPJOB_CACHE (binary cache root), DDPJOB_FAKE_NODES (default 4),
+#      DDPJOB_CLUSTER_TIMEOUT (seconds per component, default 90).
+set -euo pipefail
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+ROOT="$(cd "$HERE/.." && pwd)"
+# shellcheck source=versions.env
+source "$HERE/versions.env"
+
+CACHE="${DDPJOB_CACHE:-$HOME/.cache/ddpjob}"
+KUBE_DIR="$CACHE/bin/kube-$KUBE_VERSION-etcd-$ETCD_VERSION"
+KWOK_DIR="$CACHE/bin/kwok-$KWOK_VERSION"
+HELM_DIR="$CACHE/bin/helm-$HELM_VERSION"
+STATE="$ROOT/.cache/cluster"
+PIDS="$STATE/pids"
+LOGS="$STATE/logs"
+PKI="$STATE/pki"
+BIN="$ROOT/.cache/bin"
+KUBECONFIG_FILE="$STATE/kubeconfig"
+NODES="${DDPJOB_FAKE_NODES:-4}"
+TIMEOUT="${DDPJOB_CLUSTER_TIMEOUT:-90}"
+COMPONENTS=(etcd kube-apiserver kube-controller-manager kube-scheduler kwok)
+T0=$SECONDS
+
+log() { printf '[hack/cluster-up %s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
+
+# fail COMPONENT REASON: name the component, show its last log lines, stop what was started.
+fail() {
+  log "FAILED: $1: $2"
+  if [ -f "$LOGS/$1.log" ]; then
+    local errs
+    errs="$(grep -E '^[EF][0-9]{4} |"level":"ERROR"|[Ee]rror:|[Ff]atal|panic:' "$LOGS/$1.log" | tail -n 8 || true)"
+    [ -z "$errs" ] || { log "errors in $LOGS/$1.log:"; printf '%s\n' "$errs" | cut -c1-400 | sed 's/^/    /' >&2; }
+    log "last lines of $LOGS/$1.log:"
+    tail -n 12 "$LOGS/$1.log" | cut -c1-400 | sed 's/^/    /' >&2
+  fi
+  log "stopping the components started so far (logs kept in $LOGS)"
+  "$HERE/cluster-down.sh" --keep-logs >&2 || true
+  exit 1
+}
+
+# pid_ok NAME: the recorded process is alive and is ours (its command line names this state dir).
+pid_ok() {
+  local f="$PIDS/$1.pid" pid
+  [ -f "$f" ] || return 1
+  pid="$(cat "$f")"
+  [ -r "/proc/$pid/cmdline" ] || return 1
+  tr '\0' ' ' 2>/dev/null <"/proc/$pid/cmdline" | grep -qF "$STATE"
+}
+
+kc() { "$KUBECTL" --kubeconfig "$KUBECONFIG_FILE" --request-timeout=10s "$@"; }
+
+healthy() {
+  local c
+  for c in "${COMPONENTS[@]}"; do pid_ok "$c" || return 1; done
+  [ -f "$KUBECONFIG_FILE" ] || return 1
+  kc get --raw /readyz >/dev/null 2>&1 || return 1
+  kc get nodes -l type=kwok -o jsonpath='{.items[*].status.conditions[?(@.type=="Ready")].status}' 2>/dev/null \
+    | grep -q True
+}
+
+# One cluster-up/cluster-down at a time per clone (parallel test sessions may all call this).
+mkdir -p "$ROOT/.cache"
+exec 9>"$ROOT/.cache/cluster.lock"
+flock -w 900 9 || { log "FAILED: another hack/cluster-up.sh holds $ROOT/.cache/cluster.lock"; exit 1; }
+export DDPJOB_CLUSTER_LOCKED=1
+
+# link_binaries: .cache/bin/ -> the machine-level cache; kubectl is the one built with the
+# control plane (same version as the API server), else the system's.
+link_binaries() {
+  local b kubectl_src
+  mkdir -p "$BIN"
+  for b in "$KUBE_DIR"/{kube-apiserver,kube-controller-manager,kube-scheduler,etcd} "$KWOK_DIR/kwok" "$HELM_DIR/helm"; do
+    [ -x "$b" ] && ln -sfn "$b" "$BIN/$(basename "$b")"
+  done
+  if [ -x "$KUBE_DIR/kubectl" ]; then kubectl_src="$KUBE_DIR/kubectl"; else kubectl_src="$(command -v kubectl || true)"; fi
+  [ -n "$kubectl_src" ] && ln -sfn "$kubectl_src" "$BIN/kubectl"
+  KUBECTL="$BIN/kubectl"
+}
+
+# --- already running? -----------------------------------------------------------------------
+link_binaries
+if [ -x "$KUBECTL" ] && healthy; then
+  log "already running and healthy ($(kc config view --minify -o jsonpath='{.clusters[0].cluster.server}')); export KUBECONFIG=$KUBECONFIG_FILE"
+  exit 0
+fi
+
+# --- binaries (cached machine-wide; built from Go modules when missing) ----------------------
+"$HERE/build.sh" all >&2 || { log "FAILED: building the control plane (hack/build.sh all)"; exit 1; }
+link_binaries
+[ -x "$KUBECTL" ] || { log "FAILED: kubectl: neither built in $KUBE_DIR nor on PATH"; exit 1; }
+command -v openssl >/dev/null || { log "FAILED: openssl is not installed (needed for the cluster's certificates)"; exit 1; }
+command -v curl >/dev/null || { log "FAILED: curl is not installed (needed for health checks)"; exit 1; }
+
+if [ -d "$STATE" ]; then
+  log "found stale or unhealthy state in $STATE: stopping it and starting afresh"
+  "$HERE/cluster-down.sh" >&2
+fi
+mkdir -p "$PIDS" "$LOGS" "$PKI"
+
+# --- ports ----------------------------------------------------------------------------------
+# Bind all at once so they are distinct; a small race with other programs remains.
+read -r P_ETCD P_PEER P_API P_KCM P_SCHED P_KWOK < <(python3 - <<'PY'
+import socket
+socks = [socket.socket() for _ in range(6)]
+for s in socks:
+    s.bind(("127.0.0.1", 0))
+print(" ".join(str(s.getsockname()[1]) for s in socks))
+PY
+)
+cat >"$STATE/ports.env" <<EOF
+ETCD_PORT=$P_ETCD
+APISERVER_PORT=$P_API
+CONTROLLER_MANAGER_PORT=$P_KCM
+SCHEDULER_PORT=$P_SCHED
+KWOK_PORT=$P_KWOK
+APISERVER_URL=https://127.0.0.1:$P_API
+EOF
+
+# --- certificates ---------------------------------------------------------------------------
+ossl() { openssl "$@" >>"$LOGS/openssl.log" 2>&1 || { log "FAILED: openssl $1 (see $LOGS/openssl.log)"; exit 1; }; }
+ossl req -x509 -newkey rsa:2048 -nodes -keyout "$PKI/ca.key" -out "$PKI/ca.crt" -days 3650 \
+  -subj "/CN=ddpjob-local-ca" -addext "basicConstraints=critical,CA:TRUE" \
+  -addext "keyUsage=critical,keyCertSign,cRLSign,digitalSignature"
+# sign NAME SUBJECT EXTENSIONS
+sign() {
+  ossl req -new -newkey rsa:2048 -nodes -keyout "$PKI/$1.key" -out "$PKI/$1.csr" -subj "$2"
+  printf '%s\n' "$3" >"$PKI/$1.ext"
+  ossl x509 -req -in "$PKI/$1.csr" -CA "$PKI/ca.crt" -CAkey "$PKI/ca.key" -CAcreateserial \
+    -days 3650 -sha256 -extfile "$PKI/$1.ext" -out "$PKI/$1.crt"
+}
+sign apiserver "/CN=kube-apiserver" "$(printf '%s\n' \
+  'basicConstraints=CA:FALSE' 'keyUsage=critical,digitalSignature,keyEncipherment' \
+  'extendedKeyUsage=serverAuth' \
+  'subjectAltName=DNS:localhost,DNS:kubernetes,DNS:kubernetes.default,DNS:kubernetes.default.svc,DNS:kubernetes.default.svc.cluster.local,IP:127.0.0.1,IP:10.96.0.1')"
+client_ext="$(printf '%s\n' 'basicConstraints=CA:FALSE' 'keyUsage=critical,digitalSignature,keyEncipherment' 'extendedKeyUsage=clientAuth')"
+sign admin "/O=system:masters/CN=ddpjob-admin" "$client_ext"
+sign controller-manager "/CN=system:kube-controller-manager" "$client_ext"
+sign scheduler "/CN=system:kube-scheduler" "$client_ext"
+ossl genpkey -algorithm RSA -pkeyopt rsa_keygen_bits:2048 -out "$PKI/sa.key"
+ossl pkey -in "$PKI/sa.key" -pubout -out "$PKI/sa.pub"
+
+# write_kubeconfig FILE USER (client cert/key $PKI/USER.{crt,key}); certificates embedded.
+write_kubeconfig() {
+  cat >"$1" <<EOF
+apiVersion: v1
+kind: Config
+clusters:
+- name: ddpjob-local
+  cluster:
+    server: https://127.0.0.1:$P_API
+    certificate-authority-data: $(base64 -w0 "$PKI/ca.crt")
+users:
+- name: $2
+  user:
+    client-certificate-data: $(base64 -w0 "$PKI/$2.crt")
+    client-key-data: $(base64 -w0 "$PKI/$2.key")
+contexts:
+- name: ddpjob-local
+  context: {cluster: ddpjob-local, user: $2}
+current-context: ddpjob-local
+EOF
+  chmod 600 "$1"
+}
+write_kubeconfig "$KUBECONFIG_FILE.tmp" admin
+write_kubeconfig "$STATE/controller-manager.kubeconfig" controller-manager
+write_kubeconfig "$STATE/scheduler.kubeconfig" scheduler
+
+# --- processes ------------------------------------------------------------------------------
+# start NAME BINARY ARGS...: own session (Ctrl-C in the calling terminal does not reach it),
+# stdin and the lock's fd closed, output to its log; pid recorded for cluster-down.
+start() {
+  local name="$1" bin="$2"
+  shift 2
+  setsid "$bin" "$@" </dev/null >"$LOGS/$name.log" 2>&1 9>&- &
+  echo $! >"$PIDS/$name.pid"
+}
+
+# wait_healthy NAME DESCRIPTION CMD...: poll CMD until it succeeds, the process dies, or the deadline.
+wait_healthy() {
+  local name="$1" what="$2" end=$((SECONDS + TIMEOUT))
+  shift 2
+  until "$@" >/dev/null 2>&1; do
+    pid_ok "$name" || fail "$name" "the process exited while waiting for $what"
+    [ "$SECONDS" -lt "$end" ] || fail "$name" "not healthy after ${TIMEOUT}s ($what)"
+    sleep 0.2
+  done
+  log "$name: healthy ($what)"
+}
+
+curl_ok() { curl -fsS --max-time 3 "$@"; }
+
+start etcd "$KUBE_DIR/etcd" --name ddpjob --data-dir "$STATE/etcd" \
+  --listen-client-urls "http://127.0.0.1:$P_ETCD" --advertise-client-urls "http://127.0.0.1:$P_ETCD" \
+  --listen-peer-urls "http://127.0.0.1:$P_PEER" --initial-advertise-peer-urls "http://127.0.0.1:$P_PEER" \
+  --initial-cluster "ddpjob=http://127.0.0.1:$P_PEER" --unsafe-no-fsync --log-level warn
+etcd_ok() { curl_ok "http://127.0.0.1:$P_ETCD/health" | grep -q '"health":"true"'; }
+wait_healthy etcd "GET /health on :$P_ETCD" etcd_ok
+
+start kube-apiserver "$KUBE_DIR/kube-apiserver" \
+  --etcd-servers "http://127.0.0.1:$P_ETCD" \
+  --bind-address 127.0.0.1 --advertise-address 127.0.0.1 --secure-port "$P_API" \
+  --tls-cert-file "$PKI/apiserver.crt" --tls-private-key-file "$PKI/apiserver.key" \
+  --client-ca-file "$PKI/ca.crt" \
+  --authorization-mode RBAC \
+  --enable-admission-plugins RuntimeClass \
+  --service-account-issuer https://kubernetes.default.svc.cluster.local \
+  --service-account-key-file "$PKI/sa.pub" --service-account-signing-key-file "$PKI/sa.key" \
+  --service-cluster-ip-range 10.96.0.0/16 \
+  --endpoint-reconciler-type none \
+  --allow-privileged=true --profiling=false
+api_ok() {
+  curl_ok --cacert "$PKI/ca.crt" --cert "$PKI/admin.crt" --key "$PKI/admin.key" \
+    "https://127.0.0.1:$P_API/readyz" | grep -qx ok
+}
+wait_healthy kube-apiserver "GET /readyz on :$P_API" api_ok
+mv "$KUBECONFIG_FILE.tmp" "$KUBECONFIG_FILE"
+
+start kube-controller-manager "$KUBE_DIR/kube-controller-manager" \
+  --kubeconfig "$STATE/controller-manager.kubeconfig" \
+  --bind-address 127.0.0.1 --secure-port "$P_KCM" \
+  --controllers '*' --use-service-account-credentials \
+  --service-account-private-key-file "$PKI/sa.key" --root-ca-file "$PKI/ca.crt" \
+  --cluster-signing-cert-file "$PKI/ca.crt" --cluster-signing-key-file "$PKI/ca.key" \
+  --cluster-name ddpjob-local --leader-elect=false
+start kube-scheduler "$KUBE_DIR/kube-scheduler" \
+  --kubeconfig "$STATE/scheduler.kubeconfig" \
+  --bind-address 127.0.0.1 --secure-port "$P_SCHED" --leader-elect=false
+start kwok "$KWOK_DIR/kwok" \
+  --kubeconfig "$KUBECONFIG_FILE" \
+  --manage-all-nodes=false --manage-nodes-with-annotation-selector kwok.x-k8s.io/node=fake \
+  --node-lease-duration-seconds 40 --cidr 10.244.0.0/16 \
+  --server-address "127.0.0.1:$P_KWOK" \
+  -c "$HERE/kwok-stages.yaml"
+wait_healthy kube-controller-manager "GET /healthz on :$P_KCM" curl_ok -k "https://127.0.0.1:$P_KCM/healthz"
+wait_healthy kube-scheduler "GET /healthz on :$P_SCHED" curl_ok -k "https://127.0.0.1:$P_SCHED/healthz"
+wait_healthy kwok "GET /healthz on :$P_KWOK" curl_ok "http://127.0.0.1:$P_KWOK/healthz"
+
+# --- objects: fake GPU nodes, the nvidia RuntimeClass ---------------------------------------
+nodes_yaml() {
+  local i
+  for ((i = 0; i < NODES; i++)); do
+    cat <<EOF
+---
+apiVersion: v1
+kind: Node
+metadata:
+  name: kwok-gpu-$i
+  annotations:
+    kwok.x-k8s.io/node: fake
+    node.alpha.kubernetes.io/ttl: "0"
+  labels:
+    type: kwok
+    kubernetes.io/arch: amd64
+    kubernetes.io/os: linux
+    kubernetes.io/hostname: kwok-gpu-$i
+    node.kubernetes.io/instance-type: p5.48xlarge
+    topology.kubernetes.io/zone: local-a
+    nvidia.com/gpu.present: "true"
+    nvidia.com/gpu.product: NVIDIA-H100-80GB-HBM3
+    nvidia.com/gpu.count: "8"
+    nvidia.com/gpu.memory: "81559"
+spec: {}
+status:
+  addresses:
+  - {type: InternalIP, address: 10.240.0.$((i + 1))}
+  - {type: Hostname, address: kwok-gpu-$i}
+  capacity: {cpu: "64", memory: 512Gi, pods: "110", ephemeral-storage: 1Ti, nvidia.com/gpu: "8"}
+  allocatable: {cpu: "64", memory: 512Gi, pods: "110", ephemeral-storage: 1Ti, nvidia.com/gpu: "8"}
+  nodeInfo:
+    architecture: amd64
+    operatingSystem: linux
+    kubeletVersion: $KUBE_VERSION
+EOF
+  done
+  cat <<EOF
+---
+apiVersion: node.k8s.io/v1
+kind: RuntimeClass
+metadata:
+  name: nvidia
+handler: nvidia
+---
+# Volumes for examples/resnet-gpu.yaml's claims (no storage class), so the example can reach
+# Running on this control plane; nothing provisions volumes here otherwise.
+apiVersion: v1
+kind: PersistentVolume
+metadata: {name: ddpjob-demo-imagenet}
+spec: {capacity: {storage: 1Ti}, accessModes: [ReadOnlyMany, ReadWriteMany], storageClassName: "", claimRef: {namespace: default, name: imagenet}, hostPath: {path: /tmp/ddpjob-demo-imagenet}}
+---
+apiVersion: v1
+kind: PersistentVolume
+metadata: {name: ddpjob-demo-checkpoints}
+spec: {capacity: {storage: 1Ti}, accessModes: [ReadWriteMany], storageClassName: "", claimRef: {namespace: default, name: resnet-checkpoints}, hostPath: {path: /tmp/ddpjob-demo-checkpoints}}
+EOF
+}
+nodes_yaml >"$STATE/objects.yaml"
+kc apply -f "$STATE/objects.yaml" >>"$LOGS/kubectl.log" 2>&1 \
+  || { log "FAILED: creating fake nodes and the nvidia RuntimeClass:"; tail -5 "$LOGS/kubectl.log" >&2; fail kwok "objects not created"; }
+nodes_ready() {
+  [ "$(kc get nodes -l type=kwok -o jsonpath='{.items[*].status.conditions[?(@.type=="Ready")].status}' \
+        | tr ' ' '\n' | grep -c True)" -ge "$NODES" ]
+}
+wait_healthy kwok "$NODES fake GPU nodes Ready" nodes_ready
+wait_healthy kube-controller-manager "ServiceAccount default/default created" kc get serviceaccount default -n default
+
+log "up in $((SECONDS - T0))s: API server https://127.0.0.1:$P_API, $NODES fake nodes x 8 nvidia.com/gpu"
+log "export KUBECONFIG=$KUBECONFIG_FILE   (binaries: $BIN)"

@@ -1,0 +1,213 @@
+"""Straggler and hang detection from successive scrapes of one job (stateful, no I/O).
+
+Why the straggler rule is not "step time above the median": synchronous DDP makes every
+rank's iteration equally long, because the fast ranks wait inside backward's all-reduce
+for the slow one. So a rank's *own* time per iteration is estimated as
+
+    own = iteration - peer_wait,   peer_wait = busy - min over ranks(busy),
+    busy = step_seconds - data_wait_seconds   (per step)
+
+(the slowest rank waits for nobody; a rank's own data wait counts as its own time, the wait
+for its peers hides in all-reduce inside the step). A rank whose own time stays above
+`straggler_ratio` x the median of the other ranks' (and at least `min_excess_seconds`
+more) for `straggler_windows` consecutive observations is a straggler. When ranks do
+not run in lock-step (iteration times differ), own time is simply the iteration time.
+
+A job is stalled when no rank's step advanced for the hang timeout: `hang_timeout`
+when given (spec.hangTimeoutSeconds), else max(`min_hang_timeout`, `hang_step_multiple`
+x the median iteration time seen so far). The ranks named are those that did not start
+the step their peers are waiting in (`step_started` lags), else those behind, else all.
+"""
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+from typing import Mapping
+
+from .scrape import RankSample
+
+STRAGGLER = "Straggler"
+STALLED = "Stalled"
+
+DEFAULT_MIN_HANG_TIMEOUT = 300.0
+DEFAULT_HANG_STEP_MULTIPLE = 20.0
+
+
+@dataclass(frozen=True)
+class Finding:
+    """A change of health: `active` True when it starts, False when it clears."""
+
+    kind: str                 # STRAGGLER | STALLED
+    active: bool
+    ranks: tuple[int, ...]
+    reason: str
+    message: str
+
+
+@dataclass
+class _RankState:
+    step: int
+    ts: float | None
+    sum: float
+    count: float
+    wait: float
+
+
+@dataclass
+class HealthTracker:
+    """Feed it every scrape of one job with `update`; it returns the transitions."""
+
+    hang_timeout: float | None = None
+    straggler_ratio: float = 1.5
+    straggler_windows: int = 3
+    min_excess_seconds: float = 0.02
+    min_hang_timeout: float = DEFAULT_MIN_HANG_TIMEOUT
+    hang_step_multiple: float = DEFAULT_HANG_STEP_MULTIPLE
+    _prev: dict[int, _RankState] = field(default_factory=dict, repr=False)
+    _streak: dict[int, int] = field(default_factory=dict, repr=False)
+    _calm: dict[int, int] = field(default_factory=dict, repr=False)
+    _iterations: list[float] = field(default_factory=list, repr=False)
+    _max_step: int | None = field(default=None, repr=False)
+    _advanced_at: float | None = field(default=None, repr=False)
+    active: dict[str, Finding] = field(default_factory=dict)
+
+    # ---- public -------------------------------------------------------------------------
+    def effective_hang_timeout(self) -> float:
+        """The hang timeout in force now (explicit, or derived from observed step time)."""
+        if self.hang_timeout:
+            return float(self.hang_timeout)
+        if self._iterations:
+            p50 = statistics.median(self._iterations[-50:])
+            return max(self.min_hang_timeout, self.hang_step_multiple * p50)
+        return self.min_hang_timeout
+
+    def stragglers(self) -> tuple[int, ...]:
+        """Ranks currently flagged as stragglers."""
+        f = self.active.get(STRAGGLER)
+        return f.ranks if f else ()
+
+    def update(self, samples: Mapping[int, RankSample], now: float) -> list[Finding]:
+        """Observe one scrape taken at `now`; return findings that started or cleared."""
+        ranks = {r: s for r, s in samples.items() if s.step is not None}
+        if not ranks:
+            return []
+        changes: list[Finding] = []
+        changes += self._check_stall(ranks, now)
+        if STALLED not in self.active:
+            changes += self._check_stragglers(ranks)
+        for r, s in ranks.items():
+            self._prev[r] = _RankState(step=s.step, ts=s.last_step_timestamp,
+                                       sum=s.step_seconds_sum, count=s.step_seconds_count,
+                                       wait=s.data_wait_seconds_total)
+        return changes
+
+    # ---- hang ---------------------------------------------------------------------------
+    def _check_stall(self, ranks: Mapping[int, RankSample], now: float) -> list[Finding]:
+        top = max(s.step for s in ranks.values())
+        if self._max_step is None or self._advanced_at is None:
+            # First sight: the idle clock starts now (a stall seeded from status stays until steps move).
+            self._max_step, self._advanced_at = top, now
+            return []
+        if top != self._max_step:
+            self._max_step = top
+            self._advanced_at = now
+            if STALLED in self.active:
+                old = self.active.pop(STALLED)
+                return [Finding(STALLED, False, old.ranks, "Resumed",
+                                f"training advanced again (step {top})")]
+            return []
+        idle = now - self._advanced_at
+        timeout = self.effective_hang_timeout()
+        if idle < timeout or STALLED in self.active:
+            return []
+        culprits = _stopped_ranks(ranks)
+        names = ", ".join(_describe(ranks[r]) for r in culprits)
+        steps = sorted({ranks[r].step for r in culprits})
+        msg = (f"no rank advanced for {idle:.0f}s (hang timeout {timeout:.0f}s); "
+               f"stopped: {names} at step {'/'.join(map(str, steps))}")
+        f = Finding(STALLED, True, culprits, "NoProgress", msg)
+        self.active[STALLED] = f
+        return [f]
+
+    # ---- stragglers -----------------------------------------------------------------------
+    def _check_stragglers(self, ranks: Mapping[int, RankSample]) -> list[Finding]:
+        iters: dict[int, float] = {}
+        steps: dict[int, float] = {}
+        for r, s in ranks.items():
+            p = self._prev.get(r)
+            if p is None or s.step <= p.step or s.step_seconds_count <= p.count:
+                continue
+            d = s.step - p.step
+            if s.last_step_timestamp is not None and p.ts is not None and s.last_step_timestamp > p.ts:
+                iters[r] = (s.last_step_timestamp - p.ts) / d
+            dwait = max(0.0, s.data_wait_seconds_total - p.wait)
+            steps[r] = max(0.0, s.step_seconds_sum - p.sum - dwait) / (s.step_seconds_count - p.count)
+        common = [r for r in iters if r in steps]
+        if common:
+            self._iterations.append(statistics.median(iters[r] for r in common))
+            del self._iterations[:-200]
+        if len(common) < 2:
+            return []
+        own = _own_times({r: iters[r] for r in common}, {r: steps[r] for r in common})
+        flagged = set()
+        for r in common:
+            others = [own[k] for k in common if k != r]
+            base = statistics.median(others)
+            if own[r] > self.straggler_ratio * base and own[r] - base > self.min_excess_seconds:
+                flagged.add(r)
+        for r in common:
+            if r in flagged:
+                self._streak[r] = self._streak.get(r, 0) + 1
+                self._calm[r] = 0
+            else:
+                self._calm[r] = self._calm.get(r, 0) + 1
+                self._streak[r] = 0
+        current = set(self.stragglers())
+        now_set = {r for r in current if self._calm.get(r, 0) < self.straggler_windows}
+        now_set |= {r for r in common if self._streak.get(r, 0) >= self.straggler_windows}
+        if now_set == current:
+            return []
+        if not now_set:
+            old = self.active.pop(STRAGGLER)
+            return [Finding(STRAGGLER, False, old.ranks, "Recovered", "no rank is straggling any more")]
+        order = tuple(sorted(now_set))
+        med = statistics.median(own.values())
+        parts = []
+        for r in order:
+            o = own.get(r)
+            factor = f" ({o / med:.1f}x the median {med * 1000:.0f}ms per step)" if o and med > 0 else ""
+            parts.append(_describe(ranks[r]) + factor)
+        f = Finding(STRAGGLER, True, order, "SlowRank", "straggling: " + "; ".join(parts))
+        self.active[STRAGGLER] = f
+        return [f]
+
+
+def _own_times(iters: dict[int, float], steps: dict[int, float]) -> dict[int, float]:
+    """Each rank's own time per iteration, i.e. without the time it waited for its peers."""
+    med = statistics.median(iters.values())
+    lockstep = all(abs(v - med) <= 0.2 * med for v in iters.values()) if med > 0 else True
+    if not lockstep:
+        return dict(iters)
+    fastest = min(steps.values())
+    return {r: max(0.0, iters[r] - (steps[r] - fastest)) for r in iters}
+
+
+def _stopped_ranks(ranks: Mapping[int, RankSample]) -> tuple[int, ...]:
+    """Who stopped first: not started the step peers wait in, else behind, else everyone."""
+    started = {r: s.step_started for r, s in ranks.items() if s.step_started is not None}
+    if len(started) == len(ranks) and len(set(started.values())) > 1:
+        top = max(started.values())
+        return tuple(sorted(r for r, v in started.items() if v < top))
+    top = max(s.step for s in ranks.values())
+    behind = tuple(sorted(r for r, s in ranks.items() if s.step < top))
+    return behind or tuple(sorted(ranks))
+
+
+def _describe(s: RankSample) -> str:
+    """'rank 3 (pod job-1 on node n7)' with whatever is known."""
+    where = []
+    if s.pod:
+        where.append(f"pod {s.pod}")
+    if s.node:
+        where.append(f"on node {s.node}")
+    return f"rank {s.rank}" + (f" ({' '.join(where)})" if where else "")

@@ -1,0 +1,158 @@
+"""The operator's only Kubernetes I/O: thin async wrappers over the official client.
+
+Objects go in and come out as plain dicts (camelCase, as the API serves them), so the pure
+builders and the status function never see client model classes.
+"""
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import json
+import logging
+import os
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
+from typing import Any
+
+from kubernetes import client, config as kconfig
+from kubernetes.client.rest import ApiException
+
+from . import labels
+from .spec import GROUP, KIND, PLURAL, VERSION, API_VERSION
+
+log = logging.getLogger("ddpjob.k8s")
+COMPONENT = "ddpjob-operator"
+
+
+def load_api_client(*, pool: int = 32) -> client.ApiClient:
+    """In-cluster config when running in a pod, else the current kubeconfig."""
+    cfg = client.Configuration()
+    try:
+        kconfig.load_incluster_config(client_configuration=cfg)
+    except kconfig.ConfigException:
+        kconfig.load_kube_config(client_configuration=cfg)
+    cfg.connection_pool_maxsize = pool
+    return client.ApiClient(cfg)
+
+
+class K8s:
+    """Async facade: raw JSON requests through the client's auth and connection pool,
+    each run in a bounded thread pool (no model classes, so pass-through fields survive)."""
+
+    def __init__(self, api: client.ApiClient | None = None, *, workers: int = 16):
+        self.api = api or load_api_client(pool=workers * 2)
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="k8s")
+        self._instance = os.environ.get("POD_NAME") or os.uname().nodename
+
+    def _request(self, method: str, path: str, *, body: Any = None, query: list | None = None,
+                 content_type: str = "application/json") -> Any:
+        headers = {"Accept": "application/json", "Content-Type": content_type}
+        params = self.api.param_serialize(method=method, resource_path=path, query_params=query or [],
+                                          header_params=headers, body=body, auth_settings=["BearerToken"])
+        resp = self.api.call_api(*params, _request_timeout=(10, 60))
+        resp.read()
+        if not 200 <= resp.status <= 299:
+            raise ApiException(http_resp=resp)
+        return json.loads(resp.data) if resp.data else None
+
+    async def _call(self, method: str, path: str, **kwargs: Any) -> Any:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, partial(self._request, method, path, **kwargs))
+
+    def close(self) -> None:
+        """Stop the thread pool (pending calls finish)."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    @staticmethod
+    def _job_path(namespace: str, name: str = "") -> str:
+        base = f"/apis/{GROUP}/{VERSION}/namespaces/{namespace}/{PLURAL}"
+        return f"{base}/{name}" if name else base
+
+    async def get_job(self, namespace: str, name: str) -> dict[str, Any] | None:
+        """The DDPJob (a consistent read), or None when it is gone."""
+        try:
+            return await self._call("GET", self._job_path(namespace, name))
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    async def list_pods(self, namespace: str, job_name: str) -> list[dict[str, Any]]:
+        """Every pod labelled with the job's name (all attempts, owner not checked)."""
+        data = await self._call("GET", f"/api/v1/namespaces/{namespace}/pods",
+                                query=[("labelSelector", labels.selector(job_name))])
+        return list((data or {}).get("items") or [])
+
+    async def create(self, obj: dict[str, Any]) -> bool:
+        """Create a Pod or Service; False when it already exists (409), so retries are harmless."""
+        ns = obj["metadata"]["namespace"]
+        plural = {"Pod": "pods", "Service": "services"}[obj["kind"]]
+        try:
+            await self._call("POST", f"/api/v1/namespaces/{ns}/{plural}", body=obj)
+            return True
+        except ApiException as exc:
+            if exc.status == 409:
+                return False
+            raise
+
+    async def delete_pod(self, namespace: str, name: str, *, uid: str | None = None) -> bool:
+        """Delete a pod (by uid precondition when given); False when already gone."""
+        body = {"apiVersion": "v1", "kind": "DeleteOptions"}
+        if uid:
+            body["preconditions"] = {"uid": uid}
+        try:
+            await self._call("DELETE", f"/api/v1/namespaces/{namespace}/pods/{name}", body=body)
+            return True
+        except ApiException as exc:
+            if exc.status in (404, 409):  # gone, or a newer pod took the name
+                return False
+            raise
+
+    async def patch_status(self, namespace: str, name: str, patch: dict[str, Any]) -> dict[str, Any]:
+        """Merge-patch the status subresource; returns the updated object."""
+        return await self._call("PATCH", self._job_path(namespace, name) + "/status",
+                                body={"status": patch}, content_type="application/merge-patch+json")
+
+    async def delete_job(self, namespace: str, name: str) -> bool:
+        """Delete the DDPJob; garbage collection removes its Service and pods."""
+        try:
+            await self._call("DELETE", self._job_path(namespace, name),
+                             body={"apiVersion": "v1", "kind": "DeleteOptions",
+                                   "propagationPolicy": "Background"})
+            return True
+        except ApiException as exc:
+            if exc.status == 404:
+                return False
+            raise
+
+    async def post_event(self, job: dict[str, Any], type: str, reason: str, message: str) -> None:
+        """A core/v1 Event on the DDPJob (best effort: a lost event never fails a pass)."""
+        meta = job.get("metadata") or {}
+        now = dt.datetime.now(dt.timezone.utc).replace(microsecond=0).isoformat().replace("+00:00", "Z")
+        body = {
+            "apiVersion": "v1", "kind": "Event",
+            "metadata": {"name": f"{meta.get('name')}.{uuid.uuid4().hex[:12]}",
+                         "namespace": meta.get("namespace")},
+            "involvedObject": {"apiVersion": API_VERSION, "kind": KIND, "name": meta.get("name"),
+                               "namespace": meta.get("namespace"), "uid": meta.get("uid")},
+            "type": type, "reason": reason, "message": message[:1024],
+            "source": {"component": COMPONENT},
+            "reportingComponent": COMPONENT, "reportingInstance": self._instance,
+            "firstTimestamp": now, "lastTimestamp": now, "count": 1,
+        }
+        try:
+            await self._call("POST", f"/api/v1/namespaces/{meta.get('namespace')}/events", body=body)
+        except ApiException as exc:
+            log.warning("could not post event %s on %s: %s", reason, meta.get("name"), exc.reason)
+
+    async def get_peering(self, name: str, namespace: str | None) -> dict[str, Any] | None:
+        """The kopf peering object (namespaced, or cluster-wide when namespace is None)."""
+        path = (f"/apis/kopf.dev/v1/clusterkopfpeerings/{name}" if namespace is None
+                else f"/apis/kopf.dev/v1/namespaces/{namespace}/kopfpeerings/{name}")
+        try:
+            return await self._call("GET", path)
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise

@@ -1,0 +1,209 @@
+"""What to do next for a DDPJob, decided from observed pods and the last written status (pure).
+
+Level-based: every pass starts from what exists. The status carries only what pods cannot
+tell (restart counters, the current attempt, whether the attempt's pods were all created),
+and it is written *before* pods are deleted for a restart, so an operator killed at any
+moment resumes the same plan: pods whose attempt label differs from status.attempt are stale.
+"""
+from __future__ import annotations
+
+import datetime as dt
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import podinfo
+from .config import OperatorConfig
+from .envvars import pod_hostname
+from .phases import Phase
+from .spec import JobSpec
+
+
+@dataclass(frozen=True)
+class Failure:
+    """One reason to restart (or fail) the group."""
+
+    reason: str          # PodFailed | PodEvicted | PodDeleted | Stalled | BadConfiguration
+    message: str
+    counted: bool        # counts against failurePolicy.maxRestarts
+
+
+@dataclass
+class Decision:
+    """The outcome of one pass: target phase, counters, and the actions to take."""
+
+    phase: Phase
+    reason: str
+    message: str
+    attempt: int
+    launched_attempt: int
+    restarts: int
+    counted_restarts: int
+    start_time: dt.datetime | None
+    completion_time: dt.datetime | None
+    create_ranks: list[int] = field(default_factory=list)
+    delete_pods: list[str] = field(default_factory=list)
+    delete_job: bool = False
+    unschedulable: str | None = None          # scheduler message once past the timeout
+    requeue_after: float | None = None        # seconds until a deadline needs another pass
+    restarted: Failure | None = None          # set in the pass that starts a group restart
+
+
+def _iso(value: Any) -> dt.datetime | None:
+    return podinfo.parse_time(value) if isinstance(value, str) else value
+
+
+def _sooner(a: float | None, b: float | None) -> float | None:
+    vals = [v for v in (a, b) if v is not None]
+    return max(0.0, min(vals)) if vals else None
+
+
+def _finished_deletes(job: JobSpec, pods: list[dict]) -> list[str]:
+    """Pods that cleanPodPolicy removes once the job finished."""
+    policy = job.clean_pod_policy
+    if policy == "None":
+        return []
+    keep_done = policy == "Running"
+    return [podinfo.name(p) for p in pods if not podinfo.terminating(p)
+            and not (keep_done and podinfo.phase(p) in ("Succeeded", "Failed"))]
+
+
+def _failures(job: JobSpec, current: dict[int, dict], launched: bool) -> list[Failure]:
+    out: list[Failure] = []
+    for r, pod in sorted(current.items()):
+        pname = podinfo.name(pod)
+        if podinfo.bad_config(pod):
+            msg = podinfo.failure_message(pod) or "the trainer rejected its configuration"
+            out.append(Failure("BadConfiguration", f"pod {pname} exited with code 78 (bad configuration): {msg}",
+                               counted=True))
+        elif podinfo.phase(pod) == "Failed":
+            if podinfo.disrupted(pod):
+                why = (pod.get("status") or {}).get("message") or "evicted"
+                out.append(Failure("PodEvicted", f"pod {pname} was evicted: {why}", counted=False))
+            else:
+                code = podinfo.exit_code(pod)
+                msg = podinfo.failure_message(pod)
+                out.append(Failure("PodFailed", f"pod {pname} failed with exit code {code}"
+                                   + (f": {msg}" if msg else ""), counted=True))
+        elif podinfo.terminating(pod):
+            out.append(Failure("PodEvicted" if podinfo.disrupted(pod) else "PodDeleted",
+                               f"pod {pname} is being deleted", counted=not podinfo.disrupted(pod)))
+    if launched:
+        for r in range(job.nodes):
+            if r not in current:
+                out.append(Failure("PodDeleted", f"pod {pod_hostname(job, r)} disappeared", counted=True))
+    return out
+
+
+def decide(job: JobSpec, pods: list[dict[str, Any]], *, now: dt.datetime, prev_status: dict[str, Any] | None,
+           config: OperatorConfig | None = None, stalled: bool = False) -> Decision:
+    """The next step for `job` given its pods (all attempts) and the previous status."""
+    config = config or OperatorConfig()
+    prev = prev_status or {}
+    prev_phase = Phase.parse(prev.get("phase"))
+    attempt = max([int(prev.get("attempt") or 0)] + [podinfo.attempt(p) for p in pods])
+    d = Decision(
+        phase=prev_phase or Phase.PENDING, reason=str(prev.get("reason") or ""),
+        message=str(prev.get("message") or ""), attempt=attempt,
+        launched_attempt=int(prev.get("launchedAttempt", -1) if prev.get("launchedAttempt") is not None else -1),
+        restarts=int(prev.get("restarts") or 0), counted_restarts=int(prev.get("countedRestarts") or 0),
+        start_time=_iso(prev.get("startTime")), completion_time=_iso(prev.get("completionTime")),
+    )
+    live = [p for p in pods if not podinfo.terminating(p)]
+
+    # Finished jobs stay finished: only cleanPodPolicy and the TTL act on them.
+    if prev_phase is not None and prev_phase.finished:
+        return _finish(job, d, pods, now)
+
+    if job.suspend:
+        d.phase, d.reason, d.message = Phase.SUSPENDED, "Suspended", "spec.suspend is true: pods deleted"
+        d.delete_pods = [podinfo.name(p) for p in live]
+        return d
+    if prev_phase is Phase.SUSPENDED:
+        # Resume: a fresh attempt (the old pods are gone, not failed), deadline clock restarts.
+        d.attempt, d.start_time = attempt + 1, now
+        d.phase, d.reason, d.message = Phase.PENDING, "Resumed", "spec.suspend is false: pods recreated"
+    if d.start_time is None:
+        d.start_time = now
+
+    deadline = job.active_deadline_seconds
+    if deadline is not None:
+        left = deadline - (now - d.start_time).total_seconds()
+        if left <= 0:
+            d.phase, d.reason = Phase.FAILED, "DeadlineExceeded"
+            d.message = f"the job ran longer than spec.activeDeadlineSeconds={deadline}"
+            return _finish(job, d, pods, now)
+        d.requeue_after = left
+
+    current: dict[int, dict] = {}
+    for p in pods:
+        if podinfo.attempt(p) == d.attempt and 0 <= podinfo.rank(p) < job.nodes:
+            current.setdefault(podinfo.rank(p), p)
+    stale = [p for p in live if podinfo.name(p) not in {podinfo.name(c) for c in current.values()}]
+    failures = _failures(job, current, launched=d.launched_attempt == d.attempt)
+    if stalled and job.restart_on_hang and prev_phase is Phase.RUNNING:
+        failures.append(Failure("Stalled", "training stalled (no step progress); failurePolicy.restartOnHang",
+                                counted=True))
+
+    fatal = next((f for f in failures if f.reason == "BadConfiguration"), None)
+    if fatal:
+        d.phase, d.reason, d.message = Phase.FAILED, fatal.reason, fatal.message
+        return _finish(job, d, pods, now)
+    if failures:
+        cause = next((f for f in failures if f.counted), failures[0])
+        if cause.counted and d.counted_restarts >= job.max_restarts:
+            d.phase, d.reason = Phase.FAILED, "RestartLimitExceeded"
+            d.message = (f"{cause.message}; failurePolicy.maxRestarts={job.max_restarts} "
+                         f"restart(s) already used")
+            return _finish(job, d, pods, now)
+        d.attempt += 1
+        d.restarts += 1
+        d.counted_restarts += int(cause.counted)
+        d.phase, d.reason, d.message = Phase.RESTARTING, cause.reason, cause.message
+        d.restarted = cause
+        d.delete_pods = [podinfo.name(p) for p in live]
+        return d
+
+    # Steady state: remove stale pods, create missing ranks once their names are free.
+    d.delete_pods = [podinfo.name(p) for p in stale]
+    taken = {podinfo.name(p) for p in pods}
+    d.create_ranks = [r for r in range(job.nodes) if r not in current and pod_hostname(job, r) not in taken]
+    if len(current) == job.nodes:
+        d.launched_attempt = d.attempt
+    phases = [podinfo.phase(current[r]) for r in sorted(current)]
+    if len(current) == job.nodes and all(ph == "Succeeded" for ph in phases):
+        d.phase, d.reason, d.message = Phase.SUCCEEDED, "Succeeded", f"all {job.nodes} node(s) exited 0"
+        return _finish(job, d, pods, now)
+    if len(current) == job.nodes and all(ph in ("Running", "Succeeded") for ph in phases):
+        d.phase, d.reason, d.message = Phase.RUNNING, "Running", f"all {job.nodes} node(s) running"
+    elif d.phase is Phase.RUNNING:
+        d.phase = Phase.PENDING  # cannot really happen (pods never go back to Pending); stay honest
+    elif d.phase not in (Phase.RESTARTING,) and d.reason != "Resumed":
+        d.phase, d.reason, d.message = Phase.PENDING, "Created", f"waiting for {job.nodes} node(s) to start"
+
+    # Pods the scheduler cannot place: a condition (not a failure) after the timeout.
+    stuck = [s for s in (podinfo.unschedulable_since(p) for p in current.values()) if s]
+    if stuck:
+        since = min((s[0] for s in stuck if s[0] is not None), default=now)
+        waited = (now - since).total_seconds()
+        if waited >= config.unschedulable_timeout:
+            d.unschedulable = stuck[0][1] or "the scheduler cannot place the pods"
+        else:
+            d.requeue_after = _sooner(d.requeue_after, config.unschedulable_timeout - waited)
+    return d
+
+
+def _finish(job: JobSpec, d: Decision, pods: list[dict], now: dt.datetime) -> Decision:
+    """Terminal phase: completion time, cleanPodPolicy deletes, TTL."""
+    if d.completion_time is None:
+        d.completion_time = now
+    d.delete_pods = _finished_deletes(job, pods)
+    d.create_ranks = []
+    d.requeue_after = None
+    ttl = job.ttl_seconds_after_finished
+    if ttl is not None:
+        left = ttl - (now - d.completion_time).total_seconds()
+        if left <= 0:
+            d.delete_job = True
+        else:
+            d.requeue_after = left
+    return d

@@ -1,0 +1,210 @@
+"""Scrape a running job's pods and turn the metrics into progress, conditions and events.
+
+The reconcile loop (handlers/status) is the only writer of DDPJob status: it calls
+`Monitor.observe(job, pods)` once per pass and merges the returned `MonitorReport`.
+State kept here per job uid: the previous scrape (for rates) and a HealthTracker.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from . import health, progress, scrape
+from .config import OperatorConfig
+
+log = logging.getLogger(__name__)
+
+DEFAULT_URL_TEMPLATE = "http://{ip}:{port}/metrics"
+NODE_RANK_LABEL = "ddpjob.dev/node-rank"
+ATTEMPT_LABEL = "ddpjob.dev/attempt"
+CONDITION_TYPES = (health.STRAGGLER, health.STALLED)
+
+# Condition wording when nothing is wrong.
+_OK = {
+    health.STRAGGLER: ("NoStraggler", "every rank keeps pace with the median"),
+    health.STALLED: ("Progressing", "training steps are advancing"),
+}
+
+
+@dataclass
+class MonitorReport:
+    """What one observation of a job found (see the module docstring)."""
+
+    progress: dict | None      # status.progress; None = nothing scraped this time (keep the old one)
+    conditions: list[dict]     # Straggler / Stalled, metav1.Condition style, merge by type
+    events: list[tuple[str, str, str]]   # (Normal|Warning, reason, message) new since the last report
+    stalled: bool              # True -> restart the group when spec.failurePolicy.restartOnHang
+
+
+@dataclass
+class _JobState:
+    tracker: health.HealthTracker
+    prev: tuple[float, dict[int, scrape.RankSample]] | None = None
+    last_progress: dict | None = None
+    failing: set[str] = field(default_factory=set)
+    attempt: int | None = None
+
+
+def _now_rfc3339(ts: float) -> str:
+    return progress.rfc3339(ts)
+
+
+def scrape_url(template: str, *, pod: dict, port: int, job_name: str, namespace: str) -> str | None:
+    """The metrics URL of one pod; None when it has no IP yet (default template)."""
+    meta = pod.get("metadata") or {}
+    rank = int((meta.get("labels") or {}).get(NODE_RANK_LABEL, 0))
+    ip = (pod.get("status") or {}).get("podIP") or ""
+    tpl = template or DEFAULT_URL_TEMPLATE
+    if "{ip}" in tpl and not ip:
+        return None
+    return tpl.format(pod=meta.get("name", ""), rank=rank, ip=ip, port=port,
+                      rank_port=port + rank, namespace=namespace, job=job_name)
+
+
+def _attempt(pod: dict) -> int:
+    try:
+        return int(((pod.get("metadata") or {}).get("labels") or {}).get(ATTEMPT_LABEL, 0))
+    except ValueError:
+        return 0
+
+
+def _running(pods: list[dict]) -> list[dict]:
+    """Running, not deleting, latest attempt only (older attempts' pods may linger while deleted)."""
+    live = [p for p in pods
+            if (p.get("status") or {}).get("phase") == "Running"
+            and not (p.get("metadata") or {}).get("deletionTimestamp")]
+    if not live:
+        return []
+    top = max(_attempt(p) for p in live)
+    return [p for p in live if _attempt(p) == top]
+
+
+class Monitor:
+    """Per-operator scraper of training pods (bounded concurrency, per-request timeouts)."""
+
+    def __init__(self, config: OperatorConfig, *, concurrency: int = 32, timeout: float | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.config = config
+        self.concurrency = concurrency
+        # A scrape must finish well inside one interval, whatever a pod does.
+        self.timeout = timeout if timeout is not None else max(1.0, min(5.0, config.scrape_interval / 2))
+        self.clock = clock
+        self._jobs: dict[str, _JobState] = {}
+        # One bound for the whole operator (all jobs' scrapes together), made in the running loop.
+        self._sem: asyncio.Semaphore | None = None
+        self._sem_loop: asyncio.AbstractEventLoop | None = None
+
+    def forget(self, uid: str) -> None:
+        """Drop what is kept about a job (deleted or finished)."""
+        self._jobs.pop(uid, None)
+
+    def _state(self, job: dict) -> _JobState:
+        meta = job.get("metadata") or {}
+        uid = meta.get("uid") or f"{meta.get('namespace')}/{meta.get('name')}"
+        st = self._jobs.get(uid)
+        spec = job.get("spec") or {}
+        hang = spec.get("hangTimeoutSeconds")
+        if st is None:
+            st = self._jobs[uid] = _JobState(tracker=health.HealthTracker(hang_timeout=hang))
+            # After an operator restart keep a reported hang until steps move again.
+            for c in (job.get("status") or {}).get("conditions") or []:
+                if c.get("type") == health.STALLED and c.get("status") == "True":
+                    st.tracker.active[health.STALLED] = health.Finding(
+                        health.STALLED, True, (), c.get("reason", "NoProgress"), c.get("message", ""))
+        st.tracker.hang_timeout = hang  # the spec field may be edited while the job runs
+        return st
+
+    async def observe(self, job: dict, pods: list[dict]) -> MonitorReport:
+        """Scrape the job's running pods now and report progress, conditions and new events."""
+        meta = job.get("metadata") or {}
+        spec = job.get("spec") or {}
+        name, namespace = meta.get("name", ""), meta.get("namespace", "default")
+        port = int(spec.get("metricsPort", 9400))
+        st = self._state(job)
+        running = _running(pods)
+        if running:
+            attempt = _attempt(running[0])
+            if st.attempt is not None and attempt != st.attempt:
+                # A group restart: fresh processes, fresh counters; judge the new attempt on its own.
+                st.tracker = health.HealthTracker(hang_timeout=spec.get("hangTimeoutSeconds"))
+                st.prev = None
+            st.attempt = attempt
+        targets: list[tuple[str, dict]] = []
+        for pod in running:
+            url = scrape_url(self.config.scrape_url_template, pod=pod, port=port,
+                             job_name=name, namespace=namespace)
+            if url:
+                targets.append((url, pod))
+        loop = asyncio.get_running_loop()
+        if self._sem is None or self._sem_loop is not loop:
+            self._sem, self._sem_loop = asyncio.Semaphore(self.concurrency), loop
+        results = await scrape.fetch_all([u for u, _ in targets], concurrency=self.concurrency,
+                                         timeout=self.timeout, semaphore=self._sem)
+        now = self.clock()
+        samples: dict[int, scrape.RankSample] = {}
+        failing = set()
+        for (url, pod), res in zip(targets, results):
+            pod_name = (pod.get("metadata") or {}).get("name", "")
+            if res.text is None:
+                failing.add(pod_name)
+                if pod_name not in st.failing:
+                    log.info("scrape of %s/%s (%s) failed: %s", namespace, pod_name, url, res.error)
+                continue
+            try:
+                parsed = scrape.parse_metrics(res.text)
+            except Exception as exc:  # a broken exposition is that pod's problem
+                failing.add(pod_name)
+                log.warning("bad metrics from %s/%s: %s", namespace, pod_name, exc)
+                continue
+            node = (pod.get("spec") or {}).get("nodeName")
+            for s in parsed.values():
+                s.pod, s.node = pod_name, node
+            samples.update(parsed)
+        st.failing = failing
+
+        events: list[tuple[str, str, str]] = []
+        prog = None
+        if samples:
+            prog = progress.compute_progress(samples, now=now, prev=st.prev) or None
+            st.prev = (now, samples)
+            for f in st.tracker.update(samples, now):
+                events.append(_event(f))
+            if prog:
+                st.last_progress = prog
+        conditions = self._conditions(job, st, now)
+        return MonitorReport(progress=prog, conditions=conditions, events=events,
+                             stalled=health.STALLED in st.tracker.active)
+
+    def _conditions(self, job: dict, st: _JobState, now: float) -> list[dict]:
+        """Straggler and Stalled, keeping lastTransitionTime when the status did not change."""
+        existing = {c.get("type"): c for c in (job.get("status") or {}).get("conditions") or []}
+        out = []
+        for kind in CONDITION_TYPES:
+            f = st.tracker.active.get(kind)
+            if f is not None:
+                status, reason, message = "True", f.reason, f.message
+            else:
+                status, (reason, message) = "False", _OK[kind]
+            old = existing.get(kind)
+            if old and old.get("status") == status and old.get("lastTransitionTime"):
+                since = old["lastTransitionTime"]
+            else:
+                since = _now_rfc3339(now)
+            out.append({"type": kind, "status": status, "reason": reason, "message": message,
+                        "lastTransitionTime": since})
+        return out
+
+
+def _event(f: health.Finding) -> tuple[str, str, str]:
+    """A finding as an Event: Warning when a problem starts, Normal when it clears."""
+    if f.active:
+        return ("Warning", f.kind, f.message)
+    return ("Normal", {"Straggler": "StragglerRecovered", "Stalled": "Resumed"}.get(f.kind, f.reason), f.message)
+
+
+def hang_restart_enabled(job: dict[str, Any]) -> bool:
+    """spec.failurePolicy.restartOnHang (opt-in)."""
+    return bool(((job.get("spec") or {}).get("failurePolicy") or {}).get("restartOnHang", False))

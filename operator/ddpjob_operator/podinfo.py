@@ -1,0 +1,108 @@
+"""Read-only facts about observed pods (pure helpers over pod dicts from the API)."""
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+
+from . import labels
+
+EXIT_BAD_CONFIG = 78  # ddpjob_trainer.errors.EXIT_BAD_CONFIG: never retry
+# status.reason values of pods the node or cluster took away (not the training's fault).
+_DISRUPTION_REASONS = {"Evicted", "Preempting", "Preempted", "NodeLost", "Shutdown", "Terminated",
+                       "NodeShutdown", "OutOfcpu", "OutOfmemory", "UnexpectedAdmissionError"}
+
+
+def meta(pod: dict[str, Any]) -> dict[str, Any]:
+    return pod.get("metadata") or {}
+
+
+def name(pod: dict[str, Any]) -> str:
+    return str(meta(pod).get("name", ""))
+
+
+def _int_label(pod: dict[str, Any], key: str) -> int:
+    try:
+        return int((meta(pod).get("labels") or {}).get(key, -1))
+    except (TypeError, ValueError):
+        return -1
+
+
+def rank(pod: dict[str, Any]) -> int:
+    """The pod's node rank label (-1 when missing)."""
+    return _int_label(pod, labels.NODE_RANK)
+
+
+def attempt(pod: dict[str, Any]) -> int:
+    """The pod's attempt label (-1 when missing)."""
+    return _int_label(pod, labels.ATTEMPT)
+
+
+def phase(pod: dict[str, Any]) -> str:
+    return str((pod.get("status") or {}).get("phase") or "Pending")
+
+
+def terminating(pod: dict[str, Any]) -> bool:
+    return bool(meta(pod).get("deletionTimestamp"))
+
+
+def _conditions(pod: dict[str, Any]) -> list[dict[str, Any]]:
+    return list((pod.get("status") or {}).get("conditions") or [])
+
+
+def terminated_states(pod: dict[str, Any]) -> list[dict[str, Any]]:
+    """`state.terminated` of every container that has terminated."""
+    out = []
+    for cs in (pod.get("status") or {}).get("containerStatuses") or []:
+        term = (cs.get("state") or {}).get("terminated")
+        if term:
+            out.append(term)
+    return out
+
+
+def exit_code(pod: dict[str, Any]) -> int | None:
+    """The first non-zero container exit code (else 0 when all terminated, None if none did)."""
+    states = terminated_states(pod)
+    if not states:
+        return None
+    codes = [int(s.get("exitCode") or 0) for s in states]
+    return next((c for c in codes if c != 0), 0)
+
+
+def failure_message(pod: dict[str, Any]) -> str:
+    """Why the pod stopped, in one line: termination message or pod status message."""
+    for s in terminated_states(pod):
+        msg = (s.get("message") or "").strip()
+        if msg and int(s.get("exitCode") or 0) != 0:
+            return msg.splitlines()[-1][:300]
+    return str((pod.get("status") or {}).get("message") or "")[:300]
+
+
+def disrupted(pod: dict[str, Any]) -> bool:
+    """True when the pod was evicted, preempted or lost with its node (free restart)."""
+    st = pod.get("status") or {}
+    if st.get("reason") in _DISRUPTION_REASONS:
+        return True
+    return any(c.get("type") == "DisruptionTarget" and c.get("status") == "True" for c in _conditions(pod))
+
+
+def bad_config(pod: dict[str, Any]) -> bool:
+    """True when the launcher exited with the bad-configuration code."""
+    return phase(pod) == "Failed" and any(int(s.get("exitCode") or 0) == EXIT_BAD_CONFIG
+                                          for s in terminated_states(pod))
+
+
+def parse_time(value: str | None) -> dt.datetime | None:
+    """RFC 3339 timestamp -> aware datetime (None stays None)."""
+    if not value:
+        return None
+    return dt.datetime.fromisoformat(str(value).replace("Z", "+00:00"))
+
+
+def unschedulable_since(pod: dict[str, Any]) -> tuple[dt.datetime | None, str] | None:
+    """(since, scheduler message) while the scheduler cannot place the pod, else None."""
+    if phase(pod) != "Pending" or terminating(pod):
+        return None
+    for c in _conditions(pod):
+        if c.get("type") == "PodScheduled" and c.get("status") == "False" and c.get("reason") == "Unschedulable":
+            return parse_time(c.get("lastTransitionTime")), str(c.get("message") or "")
+    return None

@@ -1,0 +1,106 @@
+"""One Pod per node of a DDPJob (pure builder)."""
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from . import labels
+from .config import OperatorConfig
+from .envvars import pod_env, pod_hostname, service_name
+from .service import child_metadata
+from .spec import JobSpec
+
+GPU_RESOURCE = "nvidia.com/gpu"
+LAUNCHER = ["python", "-m", "ddpjob_trainer.launch", "--"]
+SHM_VOLUME = "dshm"
+DEFAULT_SHM = "2Gi"
+
+
+def container_command(job: JobSpec) -> tuple[list[str], list[str] | None]:
+    """(command, args) per the launcher contract: our launcher wraps the user's command."""
+    if job.command:
+        if job.launcher:
+            return LAUNCHER + list(job.command), job.args
+        return list(job.command), job.args
+    if job.launcher:
+        return list(LAUNCHER), job.args
+    # No launcher and no command: torchrun reads PET_* from the env, so it needs no flags.
+    return ["torchrun", "-m", "ddpjob_trainer"], job.args
+
+
+def runtime_class(job: JobSpec, config: OperatorConfig) -> str | None:
+    """The job's runtimeClassName, else the operator default when GPUs are requested."""
+    if job.spec.get("runtimeClassName"):
+        return str(job.spec["runtimeClassName"])
+    if job.gpus_per_node > 0 and config.default_runtime_class:
+        return config.default_runtime_class
+    return None
+
+
+def container_resources(job: JobSpec) -> dict[str, Any]:
+    """The user's resources plus nvidia.com/gpu limits (extended resources: request = limit)."""
+    res = copy.deepcopy(job.spec.get("resources") or {})
+    if job.gpus_per_node > 0:
+        res.setdefault("limits", {})[GPU_RESOURCE] = str(job.gpus_per_node)
+        if GPU_RESOURCE in (res.get("requests") or {}):
+            res["requests"][GPU_RESOURCE] = str(job.gpus_per_node)
+    return res
+
+
+def render_pod(job: JobSpec, rank: int, *, attempt: int = 0,
+               config: OperatorConfig | None = None) -> dict[str, Any]:
+    """Pod `<job>-<rank>` for one attempt of the group."""
+    config = config or OperatorConfig()
+    spec = job.spec
+    sched = spec.get("scheduling") or {}
+    command, args = container_command(job)
+    container: dict[str, Any] = {
+        "name": labels.CONTAINER,
+        "image": job.image,
+        "command": command,
+        "env": pod_env(job, rank, attempt=attempt, cluster_domain=config.cluster_domain or None),
+        "ports": [
+            {"name": "master", "containerPort": job.master_port, "protocol": "TCP"},
+            {"name": "metrics", "containerPort": job.metrics_port, "protocol": "TCP"},
+        ],
+        "resources": container_resources(job),
+        "volumeMounts": [{"name": SHM_VOLUME, "mountPath": "/dev/shm"}]
+                        + copy.deepcopy(spec.get("volumeMounts") or []),
+        # The launcher writes a one-line reason here; fall back to the log tail otherwise.
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+    }
+    if args:
+        container["args"] = list(args)
+    for key in ("imagePullPolicy", "workingDir", "envFrom", "securityContext"):
+        if spec.get(key):
+            container[key] = copy.deepcopy(spec[key])
+    pod_spec: dict[str, Any] = {
+        "hostname": pod_hostname(job, rank),
+        "subdomain": service_name(job),
+        "restartPolicy": "Never",
+        # Thousands of service env vars are noise and slow pod start in busy namespaces.
+        "enableServiceLinks": False,
+        "containers": [container],
+        "volumes": [{"name": SHM_VOLUME, "emptyDir": {"medium": "Memory",
+                                                       "sizeLimit": str(spec.get("shmSize") or DEFAULT_SHM)}}]
+                   + copy.deepcopy(spec.get("volumes") or []),
+    }
+    rc = runtime_class(job, config)
+    if rc:
+        pod_spec["runtimeClassName"] = rc
+    for key in ("schedulerName", "priorityClassName", "nodeSelector", "tolerations", "affinity",
+                "topologySpreadConstraints"):
+        if sched.get(key):
+            pod_spec[key] = copy.deepcopy(sched[key])
+    if spec.get("serviceAccountName"):
+        pod_spec["serviceAccountName"] = spec["serviceAccountName"]
+    if spec.get("imagePullSecrets"):
+        pod_spec["imagePullSecrets"] = copy.deepcopy(spec["imagePullSecrets"])
+    if spec.get("podSecurityContext"):
+        pod_spec["securityContext"] = copy.deepcopy(spec["podSecurityContext"])
+    extra = {**(spec.get("podLabels") or {}),
+             labels.NODE_RANK: str(rank), labels.ATTEMPT: str(attempt)}
+    meta = child_metadata(job, pod_hostname(job, rank), extra)
+    if spec.get("podAnnotations"):
+        meta["annotations"] = dict(spec["podAnnotations"])
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": pod_spec}

@@ -1,0 +1,116 @@
+"""Fold per-rank samples into `status.progress` (pure; the local runner's progress bar uses it too).
+
+Field names (declared in the CRD; also listed in PROGRESS_FIELDS):
+  epoch, step, totalSteps, percent, loss, samplesPerSecond, eta, etaSeconds,
+  lastStepTime, evalAccuracy, ranksReporting
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import math
+import statistics
+from typing import Mapping
+
+from .scrape import RankSample
+
+PROGRESS_FIELDS = (
+    "epoch", "step", "totalSteps", "percent", "loss", "samplesPerSecond",
+    "eta", "etaSeconds", "lastStepTime", "evalAccuracy", "ranksReporting",
+)
+
+Prev = tuple[float, Mapping[int, RankSample]]
+
+
+def rfc3339(ts: float) -> str:
+    """Unix seconds -> '2026-11-22T16:00:00Z' (what metav1.Time looks like)."""
+    return _dt.datetime.fromtimestamp(ts, tz=_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def human_duration(seconds: float) -> str:
+    """Seconds -> '1h02m', '4m10s', '35s' (short, for a kubectl column)."""
+    s = int(round(max(0.0, seconds)))
+    h, rem = divmod(s, 3600)
+    m, sec = divmod(rem, 60)
+    if h:
+        return f"{h}h{m:02d}m"
+    if m:
+        return f"{m}m{sec:02d}s"
+    return f"{sec}s"
+
+
+def _finite(x: float | None) -> bool:
+    return x is not None and math.isfinite(x)
+
+
+def _rate_from_step_time(samples: Mapping[int, RankSample]) -> float | None:
+    """Aggregate samples/s estimated from each rank's samples per second of stepping."""
+    total = 0.0
+    seen = False
+    for s in samples.values():
+        if s.step_seconds_sum > 0 and s.samples_total > 0:
+            total += s.samples_total / s.step_seconds_sum
+            seen = True
+    return total if seen else None
+
+
+def compute_progress(samples: Mapping[int, RankSample], *, now: float,
+                     prev: Prev | None = None) -> dict:
+    """status.progress from one scrape of every rank; prev=(prev_now, prev_samples) gives rates.
+
+    step is the minimum over ranks (the job is as far as its slowest rank); loss is the
+    mean over ranks; samplesPerSecond is the aggregate over ranks; {} when nothing reported.
+    """
+    ranks = [s for s in samples.values() if s.step is not None]
+    if not ranks:
+        return {}
+    out: dict = {"ranksReporting": len(ranks)}
+    step = min(s.step for s in ranks)
+    out["step"] = step
+    epochs = [s.epoch for s in ranks if s.epoch is not None]
+    if epochs:
+        out["epoch"] = min(epochs)
+    totals = [s.total_steps for s in ranks if s.total_steps]
+    total = max(totals) if totals else None
+    if total:
+        out["totalSteps"] = total
+        out["percent"] = round(min(100.0, 100.0 * step / total), 1)
+    losses = [s.loss for s in ranks if _finite(s.loss)]
+    if losses:
+        out["loss"] = round(statistics.fmean(losses), 6)
+    accs = [s.eval_accuracy for s in ranks if _finite(s.eval_accuracy)]
+    if accs:
+        out["evalAccuracy"] = round(statistics.fmean(accs), 6)
+    stamps = [s.last_step_timestamp for s in ranks if _finite(s.last_step_timestamp) and s.last_step_timestamp > 0]
+    if stamps:
+        out["lastStepTime"] = rfc3339(max(stamps))
+
+    rate = None
+    seconds_per_step = None
+    if prev is not None:
+        prev_now, prev_samples = prev
+        dt = now - prev_now
+        common = [r for r in samples if r in prev_samples and samples[r].step is not None]
+        if dt > 0 and common:
+            d_samples = sum(samples[r].samples_total - prev_samples[r].samples_total for r in common)
+            if d_samples >= 0:  # negative = a counter reset (restart): fall back below
+                # Scale up when some ranks are missing from either scrape.
+                rate = d_samples * len(ranks) / len(common) / dt
+            prev_steps = [prev_samples[r].step for r in common if prev_samples[r].step is not None]
+            if prev_steps:
+                d_step = step - min(prev_steps)
+                if d_step > 0:
+                    seconds_per_step = dt / d_step
+    if rate is None:
+        rate = _rate_from_step_time(samples)
+    if rate is not None:
+        out["samplesPerSecond"] = round(rate, 2)
+    if seconds_per_step is None:
+        # One iteration = data wait + step; synchronous training runs at the slowest rank's pace.
+        means = [(s.step_seconds_sum + s.data_wait_seconds_total) / s.step_seconds_count
+                 for s in ranks if s.step_seconds_count > 0]
+        seconds_per_step = max(means) if means else None
+    if total and seconds_per_step is not None:
+        remaining = max(0, total - step) * seconds_per_step
+        out["etaSeconds"] = int(round(remaining))
+        out["eta"] = human_duration(remaining)
+    return out

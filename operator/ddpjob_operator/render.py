@@ -1,0 +1,41 @@
+"""`ddpjob render FILE`: the Service and Pods the operator would create, as YAML."""
+from __future__ import annotations
+
+from typing import Any
+
+import click
+import yaml
+
+from .config import OperatorConfig
+from .pods import render_pod
+from .service import render_service
+from .spec import from_manifest
+from .validation import InvalidDDPJob, apply_defaults, check_manifest
+
+
+def render_objects(obj: dict[str, Any], *, namespace: str | None = None,
+                   config: OperatorConfig | None = None) -> list[dict[str, Any]]:
+    """Validated DDPJob dict -> [Service, Pod 0, ..., Pod n-1]."""
+    check_manifest(obj)
+    obj = apply_defaults(obj)
+    if namespace and not (obj.get("metadata") or {}).get("namespace"):
+        obj["metadata"]["namespace"] = namespace
+    job = from_manifest(obj)
+    return [render_service(job)] + [render_pod(job, r, attempt=0, config=config) for r in range(job.nodes)]
+
+
+def render_file(path: str, namespace: str | None = None) -> str:
+    """Every DDPJob in the YAML file at `path`, rendered as a multi-document YAML string."""
+    with open(path, encoding="utf-8") as fh:
+        docs = [d for d in yaml.safe_load_all(fh) if d]
+    out: list[dict[str, Any]] = []
+    for doc in docs:
+        if isinstance(doc, dict) and doc.get("kind") == "DDPJob":
+            try:
+                out.extend(render_objects(doc, namespace=namespace))
+            except InvalidDDPJob as exc:
+                # click prints ClickException as "Error: ..." with exit code 1, no traceback.
+                raise click.ClickException(f"{path}: {exc}") from exc
+    if not out:
+        raise click.ClickException(f"{path}: no DDPJob documents found")
+    return yaml.safe_dump_all(out, sort_keys=False)

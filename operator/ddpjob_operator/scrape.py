@@ -1,0 +1,158 @@
+"""Read a trainer pod's Prometheus endpoint into one `RankSample` per rank.
+
+`parse_metrics` is pure (the local runner uses it too); `fetch_all` scrapes many
+endpoints concurrently with a bound and a per-request timeout, so one slow pod never
+holds up the others.
+"""
+from __future__ import annotations
+
+import asyncio
+import math
+from dataclasses import dataclass, field
+from typing import Iterable
+
+from prometheus_client.parser import text_string_to_metric_families
+
+PREFIX = "ddpjob_trainer_"
+
+# metric name (without prefix, as the parser reports the sample) -> RankSample attribute
+_GAUGES = {
+    "step": "step",
+    "epoch": "epoch",
+    "total_steps": "total_steps",
+    "loss": "loss",
+    "samples_total": "samples_total",
+    "data_wait_seconds_total": "data_wait_seconds_total",
+    "last_step_timestamp_seconds": "last_step_timestamp",
+    "step_started": "step_started",
+    "eval_accuracy": "eval_accuracy",
+    "eval_loss": "eval_loss",
+    "checkpoint_seconds": "checkpoint_seconds",
+    "restart_count": "restart_count",
+    "step_seconds_sum": "step_seconds_sum",
+    "step_seconds_count": "step_seconds_count",
+    "gpu_memory_allocated_bytes": "gpu_memory_allocated_bytes",
+    "gpu_memory_max_allocated_bytes": "gpu_memory_max_allocated_bytes",
+}
+_INTS = {"step", "epoch", "total_steps", "restart_count", "step_started"}
+
+
+@dataclass
+class RankSample:
+    """What one rank reported in one scrape (None = not reported yet)."""
+
+    rank: int
+    local_rank: int | None = None
+    node_rank: int | None = None
+    ddpjob: str | None = None
+    namespace: str | None = None
+    step: int | None = None
+    epoch: int | None = None
+    total_steps: int | None = None
+    loss: float | None = None
+    samples_total: float = 0.0
+    step_seconds_sum: float = 0.0
+    step_seconds_count: float = 0.0
+    data_wait_seconds_total: float = 0.0
+    last_step_timestamp: float | None = None
+    step_started: int | None = None
+    eval_accuracy: float | None = None
+    eval_loss: float | None = None
+    checkpoint_seconds: float | None = None
+    restart_count: int | None = None
+    gpu_memory_allocated_bytes: float | None = None
+    gpu_memory_max_allocated_bytes: float | None = None
+    pod: str | None = None       # filled in by the scraper, not the exposition
+    node: str | None = None
+    extra: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def mean_step_seconds(self) -> float | None:
+        """Mean step wall time since the process started."""
+        if self.step_seconds_count > 0:
+            return self.step_seconds_sum / self.step_seconds_count
+        return None
+
+
+def _int_or_none(v: str | None) -> int | None:
+    try:
+        return int(v) if v not in (None, "") else None
+    except ValueError:
+        return None
+
+
+def parse_metrics(text: str) -> dict[int, RankSample]:
+    """Prometheus text exposition -> {global rank: RankSample}; non-trainer metrics are ignored."""
+    out: dict[int, RankSample] = {}
+    for family in text_string_to_metric_families(text):
+        if not family.name.startswith(PREFIX):
+            continue
+        for s in family.samples:
+            short = s.name[len(PREFIX):]
+            attr = _GAUGES.get(short)
+            if attr is None:
+                continue
+            rank = _int_or_none(s.labels.get("rank"))
+            if rank is None:
+                continue
+            rs = out.get(rank)
+            if rs is None:
+                rs = out[rank] = RankSample(
+                    rank=rank,
+                    local_rank=_int_or_none(s.labels.get("local_rank")),
+                    node_rank=_int_or_none(s.labels.get("node_rank")),
+                    ddpjob=s.labels.get("ddpjob") or None,
+                    namespace=s.labels.get("namespace") or None,
+                )
+            value = float(s.value)
+            if attr in _INTS:
+                setattr(rs, attr, int(value) if math.isfinite(value) else None)
+            else:
+                setattr(rs, attr, value)
+    return out
+
+
+def merge(parts: Iterable[dict[int, RankSample]]) -> dict[int, RankSample]:
+    """Union of several endpoints' samples (one per pod) keyed by global rank."""
+    out: dict[int, RankSample] = {}
+    for part in parts:
+        out.update(part)
+    return out
+
+
+@dataclass
+class ScrapeResult:
+    """One endpoint's outcome: text on success, error otherwise."""
+
+    url: str
+    text: str | None = None
+    error: str | None = None
+
+
+async def fetch_all(urls: list[str], *, concurrency: int = 16, timeout: float = 5.0,
+                    semaphore: asyncio.Semaphore | None = None) -> list[ScrapeResult]:
+    """GET every URL concurrently (at most `concurrency` at once, or as `semaphore` allows across
+    callers), each with its own deadline; never raises."""
+    import aiohttp  # comes with kopf; imported here so parse_metrics users need not have it
+
+    sem = semaphore or asyncio.Semaphore(max(1, concurrency))
+    # The deadline covers connect + read of one request; time spent queued on the semaphore is not
+    # counted against it, so a slow pod delays nobody but itself.
+    per_request = aiohttp.ClientTimeout(total=timeout)
+
+    async def one(session: "aiohttp.ClientSession", url: str) -> ScrapeResult:
+        async with sem:
+            try:
+                async with session.get(url, timeout=per_request) as resp:
+                    body = await resp.text(errors="replace")
+                    if resp.status != 200:
+                        return ScrapeResult(url=url, error=f"HTTP {resp.status}")
+                    return ScrapeResult(url=url, text=body)
+            except Exception as exc:  # any failure is one pod's problem, not the job's
+                return ScrapeResult(url=url, error=f"{type(exc).__name__}: {exc}".rstrip(": "))
+
+    if not urls:
+        return []
+    connector = aiohttp.TCPConnector(limit=max(1, concurrency), force_close=True)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        return list(await asyncio.gather(*(one(session, u) for u in urls)))

@@ -1,0 +1,45 @@
+"""The headless Service that gives every pod of a job a stable DNS name (pure builder)."""
+from __future__ import annotations
+
+from typing import Any
+
+from . import labels
+from .envvars import service_name
+from .spec import API_VERSION, KIND, JobSpec
+
+
+def owner_reference(job: JobSpec) -> dict[str, Any]:
+    """Controller owner reference to the DDPJob, so garbage collection removes children."""
+    return {"apiVersion": API_VERSION, "kind": KIND, "name": job.name, "uid": job.uid,
+            "controller": True, "blockOwnerDeletion": True}
+
+
+def child_metadata(job: JobSpec, name: str, extra_labels: dict[str, str] | None = None) -> dict[str, Any]:
+    """Name, namespace, labels and owner reference shared by every child."""
+    meta: dict[str, Any] = {
+        "name": name,
+        "namespace": job.namespace,
+        "labels": {labels.JOB_NAME: job.name, labels.MANAGED_BY: labels.MANAGER, **(extra_labels or {})},
+    }
+    if job.uid:  # `ddpjob render` has no uid yet: then no owner reference
+        meta["ownerReferences"] = [owner_reference(job)]
+    return meta
+
+
+def render_service(job: JobSpec) -> dict[str, Any]:
+    """Headless Service selecting the job's pods; DNS records exist before pods are ready."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": child_metadata(job, service_name(job)),
+        "spec": {
+            "clusterIP": "None",
+            # Workers must resolve rank 0 before it is Ready (it has no readiness probe).
+            "publishNotReadyAddresses": True,
+            "selector": {labels.JOB_NAME: job.name},
+            "ports": [
+                {"name": "master", "port": job.master_port, "targetPort": job.master_port, "protocol": "TCP"},
+                {"name": "metrics", "port": job.metrics_port, "targetPort": job.metrics_port, "protocol": "TCP"},
+            ],
+        },
+    }

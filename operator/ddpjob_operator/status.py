@@ -1,0 +1,168 @@
+"""DDPJob status: computed in one place from the observed pods (pure)."""
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+
+from . import podinfo
+from .config import OperatorConfig
+from .envvars import master_dns
+from .lifecycle import Decision, decide
+from .phases import Cond, Phase
+from .spec import JobSpec
+
+Event = tuple[str, str, str]  # (Normal|Warning, reason, message)
+
+
+def iso(t: dt.datetime | None) -> str | None:
+    """RFC 3339 UTC with a Z, as Kubernetes writes times."""
+    if t is None:
+        return None
+    return t.astimezone(dt.timezone.utc).replace(microsecond=0).isoformat().replace("+00:00", "Z")
+
+
+def set_condition(conditions: list[dict[str, Any]], *, type: str, status: bool, reason: str, message: str,
+                  now: dt.datetime, generation: int) -> None:
+    """Upsert a metav1.Condition; lastTransitionTime moves only when status flips."""
+    value = "True" if status else "False"
+    for cond in conditions:
+        if cond.get("type") == type:
+            if cond.get("status") != value:
+                cond["lastTransitionTime"] = iso(now)
+            cond.update(status=value, reason=reason, message=message, observedGeneration=generation)
+            return
+    conditions.append({"type": type, "status": value, "reason": reason, "message": message,
+                       "lastTransitionTime": iso(now), "observedGeneration": generation})
+
+
+def _clear(conditions: list[dict[str, Any]], type: str, reason: str, message: str,
+           now: dt.datetime, generation: int) -> None:
+    """Set a condition False, but only if it was ever reported (no noise)."""
+    if any(c.get("type") == type for c in conditions):
+        set_condition(conditions, type=type, status=False, reason=reason, message=message,
+                      now=now, generation=generation)
+
+
+def node_counts(job: JobSpec, pods: list[dict[str, Any]], attempt: int) -> dict[str, Any]:
+    """Per-phase counts of the current attempt's pods (terminating pods count as nothing)."""
+    counts = {"total": job.nodes, "pending": 0, "running": 0, "succeeded": 0, "failed": 0}
+    for p in pods:
+        if podinfo.attempt(p) != attempt or podinfo.terminating(p):
+            continue
+        ph = podinfo.phase(p).lower()
+        if ph in counts and ph != "total":
+            counts[ph] += 1
+    counts["ready"] = f"{counts['running']}/{job.nodes}"
+    return counts
+
+
+def progress_display(progress: dict[str, Any] | None) -> str | None:
+    """A short text for `kubectl get ddpj`: 42% (step 420/1000)."""
+    if not progress:
+        return None
+    pct, step, total = progress.get("percent"), progress.get("step"), progress.get("totalSteps")
+    if pct is not None:
+        return f"{float(pct):.0f}%" + (f" ({step}/{total})" if step is not None and total else "")
+    if step is not None:
+        return f"step {step}" + (f"/{total}" if total else "")
+    return None
+
+
+def job_status(job: JobSpec, pods: list[dict[str, Any]], *, now: dt.datetime,
+               prev_status: dict[str, Any] | None, config: OperatorConfig | None = None,
+               decision: Decision | None = None, report: Any = None) -> tuple[dict[str, Any], list[Event]]:
+    """(new status, events for what changed) for one reconcile pass."""
+    config = config or OperatorConfig()
+    prev = dict(prev_status or {})
+    d = decision or decide(job, pods, now=now, prev_status=prev, config=config,
+                           stalled=bool(getattr(report, "stalled", False)))
+    gen = job.generation
+    conds: list[dict[str, Any]] = [dict(c) for c in prev.get("conditions") or []]
+    events: list[Event] = []
+    prev_phase = Phase.parse(prev.get("phase"))
+
+    if d.create_ranks or pods or any(c.get("type") == Cond.CREATED for c in conds):
+        set_condition(conds, type=Cond.CREATED, status=True, reason="Created",
+                      message=f"headless service and {job.nodes} pod(s) created", now=now, generation=gen)
+    if d.phase is Phase.RUNNING:
+        set_condition(conds, type=Cond.RUNNING, status=True, reason="Running", message=d.message,
+                      now=now, generation=gen)
+    else:
+        _clear(conds, Cond.RUNNING, d.reason or d.phase.value, d.message, now, gen)
+    if d.phase is Phase.RESTARTING:
+        set_condition(conds, type=Cond.RESTARTING, status=True, reason=d.reason, message=d.message,
+                      now=now, generation=gen)
+    else:
+        _clear(conds, Cond.RESTARTING, "Running" if d.phase is Phase.RUNNING else d.phase.value,
+               "", now, gen)
+    if d.phase is Phase.SUSPENDED:
+        set_condition(conds, type=Cond.SUSPENDED, status=True, reason="Suspended", message=d.message,
+                      now=now, generation=gen)
+    else:
+        _clear(conds, Cond.SUSPENDED, "Resumed", "", now, gen)
+    if d.phase is Phase.SUCCEEDED:
+        set_condition(conds, type=Cond.SUCCEEDED, status=True, reason=d.reason, message=d.message,
+                      now=now, generation=gen)
+    if d.phase is Phase.FAILED:
+        set_condition(conds, type=Cond.FAILED, status=True, reason=d.reason, message=d.message,
+                      now=now, generation=gen)
+    was_unsched = any(c.get("type") == Cond.UNSCHEDULABLE and c.get("status") == "True" for c in conds)
+    if d.unschedulable:
+        set_condition(conds, type=Cond.UNSCHEDULABLE, status=True, reason="Unschedulable",
+                      message=d.unschedulable, now=now, generation=gen)
+        if not was_unsched:
+            events.append(("Warning", "Unschedulable", d.unschedulable))
+    else:
+        _clear(conds, Cond.UNSCHEDULABLE, "Scheduled", "", now, gen)
+
+    progress = dict(prev.get("progress") or {})
+    if report is not None:
+        if getattr(report, "progress", None):
+            progress.update(report.progress)
+        by_type = {c.get("type"): c for c in conds}
+        for cond in getattr(report, "conditions", None) or []:
+            if cond.get("type") in by_type:
+                old = by_type[cond["type"]]
+                if old.get("status") == cond.get("status") and old.get("lastTransitionTime"):
+                    cond = {**cond, "lastTransitionTime": old["lastTransitionTime"]}
+                conds[conds.index(old)] = {"lastTransitionTime": iso(now), **cond}
+            else:
+                conds.append({"lastTransitionTime": iso(now), **cond})
+        by_type = {c.get("type"): c for c in conds}
+    display = progress_display(progress)
+    if display:
+        progress["display"] = display
+
+    status: dict[str, Any] = {
+        "phase": d.phase.value,
+        "reason": d.reason,
+        "message": d.message,
+        "observedGeneration": gen,
+        "attempt": d.attempt,
+        "launchedAttempt": d.launched_attempt,
+        "restarts": d.restarts,
+        "countedRestarts": d.counted_restarts,
+        "masterAddr": master_dns(job, cluster_domain=config.cluster_domain or None),
+        "nodes": node_counts(job, pods, d.attempt),
+        "conditions": conds,
+    }
+    if d.start_time is not None:
+        status["startTime"] = iso(d.start_time)
+    if d.completion_time is not None and d.phase.finished:
+        status["completionTime"] = iso(d.completion_time)
+    if progress:
+        status["progress"] = progress
+
+    # Events: one per transition, never per pass.
+    if d.restarted is not None:
+        events.append(("Warning", "Restarting",
+                       f"restarting all {job.nodes} node(s) as attempt {d.attempt} "
+                       f"(restart {d.restarts}, {d.counted_restarts}/{job.max_restarts} of the budget): "
+                       f"{d.message}"))
+    elif d.phase is not prev_phase:
+        kind = "Warning" if d.phase is Phase.FAILED else "Normal"
+        reason = {Phase.PENDING: "Resumed" if d.reason == "Resumed" else "Created"}.get(d.phase, d.phase.value)
+        if d.phase is Phase.FAILED:
+            reason = d.reason or "Failed"
+        events.append((kind, reason, d.message))
+    return status, events

@@ -1,0 +1,189 @@
+"""Validate a DDPJob dict the way the API server would: the CRD's schema plus its CEL rules.
+
+The schema is read from the CRD file (crd.py), translated from Kubernetes' OpenAPI dialect
+to JSON Schema; the CEL rules are re-expressed below, with the same messages, because
+`ddpjob run --local` has no API server to evaluate them.
+"""
+from __future__ import annotations
+
+import copy
+import functools
+import re
+from typing import Any
+
+import jsonschema
+
+from . import crd as crd_mod
+from .spec import API_VERSION, KIND
+
+MAX_NAME = 58            # `<name>-<rank>` <= 63 characters for ranks up to 9999
+MAX_NODES = 10000
+_DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+_QUANTITY = re.compile(r"^[+]?(\d+(\.\d*)?|\.\d+)([eE][-+]?\d+|Ki|Mi|Gi|Ti|Pi|Ei|n|u|m|k|M|G|T|P|E)?$")
+
+
+def _translate(node: Any) -> Any:
+    """Kubernetes structural schema -> JSON Schema (draft 4, which OpenAPI 3.0 follows)."""
+    if isinstance(node, list):
+        return [_translate(n) for n in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: _translate(v) for k, v in node.items()
+           if not k.startswith("x-kubernetes-") and k not in ("nullable", "format", "default", "description")}
+    if node.get("x-kubernetes-int-or-string"):
+        out.pop("type", None)
+        out["anyOf"] = [{"type": "integer"}, {"type": "string"}]
+    if node.get("nullable") and "type" in out:
+        out["type"] = [out["type"], "null"]
+    # The API server rejects unknown fields (kubectl's strict field validation); do the same
+    # except where the CRD keeps unknown fields on purpose (deep Kubernetes types).
+    if ("properties" in out and not node.get("x-kubernetes-preserve-unknown-fields")
+            and "additionalProperties" not in out):
+        out["additionalProperties"] = False
+    return out
+
+
+@functools.lru_cache(maxsize=4)
+def _schema(path: str) -> tuple[dict, dict]:
+    raw = crd_mod.version_schema(crd_mod.load_crd(path))
+    return raw, _translate(raw)
+
+
+def _raw_and_json_schema() -> tuple[dict, dict]:
+    return _schema(str(crd_mod.crd_path()))
+
+
+def _defaults(schema: dict, value: Any) -> Any:
+    """Apply the schema's defaults (as the API server does before validation)."""
+    if not isinstance(value, dict) or schema.get("type") != "object":
+        return value
+    for key, sub in (schema.get("properties") or {}).items():
+        if key not in value and "default" in sub:
+            value[key] = copy.deepcopy(sub["default"])
+        if key in value:
+            value[key] = _defaults(sub, value[key])
+    return value
+
+
+def apply_defaults(obj: dict[str, Any]) -> dict[str, Any]:
+    """A copy of the DDPJob with the CRD's defaults filled in."""
+    raw, _ = _raw_and_json_schema()
+    return _defaults(raw, copy.deepcopy(obj))
+
+
+def _path(error: jsonschema.ValidationError) -> str:
+    parts = []
+    for p in error.absolute_path:
+        parts.append(f"[{p}]" if isinstance(p, int) else ("." if parts else "") + str(p))
+    return "".join(parts) or "<root>"
+
+
+def _schema_message(error: jsonschema.ValidationError) -> str:
+    where = _path(error)
+    if error.validator == "additionalProperties":
+        extra = sorted(set(error.instance) - set(error.schema.get("properties", {})))
+        names = ", ".join(f"{where}.{e}" if where != "<root>" else e for e in extra)
+        return f"{names}: unknown field"
+    if error.validator == "anyOf" and error.schema.get("anyOf") == [{"type": "integer"}, {"type": "string"}]:
+        return f"{where}: must be an integer or a string, got {error.instance!r}"
+    if error.validator == "required":
+        missing = error.message.split("'")[1] if "'" in error.message else error.message
+        return f"{where + '.' if where != '<root>' else ''}{missing}: required field is missing"
+    return f"{where}: {error.message}"
+
+
+def _cel(obj: dict[str, Any]) -> list[str]:
+    """The CRD's x-kubernetes-validations, re-expressed (same messages)."""
+    errs: list[str] = []
+    name = str((obj.get("metadata") or {}).get("name") or "")
+    if not name:
+        errs.append("metadata.name: required field is missing")
+    else:
+        if len(name) > MAX_NAME:
+            errs.append(f"metadata.name: must be at most {MAX_NAME} characters so that every pod's DNS "
+                        f"name `<name>-<rank>` fits 63 characters (got {len(name)})")
+        if not _DNS1035.match(name):
+            errs.append("metadata.name: must be a DNS-1035 label (lowercase letters, digits, '-', "
+                        "starting with a letter): it names the headless Service")
+    spec = obj.get("spec")
+    if not isinstance(spec, dict):
+        return errs
+
+    def is_int(v: Any) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    nodes = spec.get("nodes")
+    if is_int(nodes) and nodes < 1:
+        errs.append("spec.nodes must be >= 1")
+    if is_int(nodes) and nodes > MAX_NODES:
+        errs.append(f"spec.nodes must be <= {MAX_NODES}")
+    nproc = spec.get("nprocPerNode")
+    if nproc is not None and not (is_int(nproc) and nproc >= 1) and nproc != "auto" \
+            and isinstance(nproc, (int, str)):
+        errs.append('spec.nprocPerNode must be "auto" or an integer >= 1')
+    gpus = spec.get("gpusPerNode")
+    if is_int(gpus) and gpus < 0:
+        errs.append("spec.gpusPerNode must be >= 0")
+    for port in ("masterPort", "metricsPort"):
+        val = spec.get(port)
+        if is_int(val) and not 1 <= val <= 65535:
+            errs.append(f"spec.{port} must be between 1 and 65535")
+    if spec.get("masterPort") is not None and spec.get("masterPort") == spec.get("metricsPort"):
+        errs.append("spec.masterPort and spec.metricsPort must differ")
+    shm = spec.get("shmSize")
+    if shm is not None and not ((is_int(shm) and shm > 0) or (isinstance(shm, str) and _QUANTITY.match(shm))):
+        errs.append("spec.shmSize must be a quantity such as 16Gi")
+    elastic = spec.get("elastic")
+    if isinstance(elastic, dict):
+        lo, hi = elastic.get("minNodes"), elastic.get("maxNodes")
+        for key, val in (("minNodes", lo), ("maxNodes", hi)):
+            if is_int(val) and val < 1:
+                errs.append(f"spec.elastic.{key} must be >= 1")
+        if is_int(elastic.get("maxRestarts")) and elastic["maxRestarts"] < 0:
+            errs.append("spec.elastic.maxRestarts must be >= 0")
+        if is_int(lo) and is_int(nodes) and lo > nodes:
+            errs.append("spec.elastic.minNodes must be <= spec.nodes")
+        if is_int(hi) and is_int(nodes) and nodes > hi:
+            errs.append("spec.elastic.maxNodes must be >= spec.nodes")
+        if is_int(lo) and is_int(hi) and lo > hi:
+            errs.append("spec.elastic.minNodes must be <= spec.elastic.maxNodes")
+    fp = spec.get("failurePolicy")
+    if isinstance(fp, dict) and is_int(fp.get("maxRestarts")) and fp["maxRestarts"] < 0:
+        errs.append("spec.failurePolicy.maxRestarts must be >= 0")
+    for key, low in (("hangTimeoutSeconds", 1), ("ttlSecondsAfterFinished", 0), ("activeDeadlineSeconds", 1)):
+        if is_int(spec.get(key)) and spec[key] < low:
+            errs.append(f"spec.{key} must be >= {low}")
+    return errs
+
+
+def validate_manifest(obj: Any) -> list[str]:
+    """Problems with a DDPJob dict, each naming the field; [] when the API server would accept it."""
+    if not isinstance(obj, dict):
+        return [f"<root>: a DDPJob must be a mapping, got {type(obj).__name__}"]
+    errs: list[str] = []
+    if obj.get("apiVersion") != API_VERSION:
+        errs.append(f"apiVersion: must be {API_VERSION}, got {obj.get('apiVersion')!r}")
+    if obj.get("kind") != KIND:
+        errs.append(f"kind: must be {KIND}, got {obj.get('kind')!r}")
+    _, schema = _raw_and_json_schema()
+    defaulted = apply_defaults(obj)
+    validator = jsonschema.Draft4Validator(schema)
+    for error in sorted(validator.iter_errors(defaulted), key=lambda e: list(map(str, e.absolute_path))):
+        errs.append(_schema_message(error))
+    errs.extend(e for e in _cel(defaulted) if e not in errs)
+    return errs
+
+
+class InvalidDDPJob(ValueError):
+    """A DDPJob that the API server would refuse; str() lists every problem."""
+
+    def __init__(self, problems: list[str]):
+        super().__init__("invalid DDPJob:\n  " + "\n  ".join(problems))
+        self.problems = problems
+
+
+def check_manifest(obj: Any) -> None:
+    """Raise InvalidDDPJob when validate_manifest finds problems."""
+    problems = validate_manifest(obj)
+    if problems:
+        raise InvalidDDPJob(problems)

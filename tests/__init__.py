@@ -1,0 +1,1 @@
+"""Test suite of DDPJob; a package so tiers can share `tests.support`."""

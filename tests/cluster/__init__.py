@@ -1,0 +1,1 @@
+"""Tests against the local control plane (make cluster-up)."""

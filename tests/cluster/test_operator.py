@@ -1,0 +1,371 @@
+"""The operator (`ddpjob operator` subprocess) against the real API server, scheduler and GC.
+
+Pods run on kwok's fake GPU nodes; tests drive their exit codes with the annotations from
+tests/support/cluster.py. Every wait has a deadline; the operator's log is printed on failure.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+from kubernetes import client
+from kubernetes.client.rest import ApiException
+
+from tests.cluster.conftest import wait_for
+from tests.cluster.test_crd import install_crd
+from tests.support.cluster import REPO_ROOT, evict_pod, set_pod_exit
+
+DDPJOB = str(Path(sys.executable).parent / "ddpjob")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Operator:
+    """One `ddpjob operator` process watching one namespace."""
+
+    def __init__(self, cluster, namespace: str, log_path: Path, env: dict[str, str] | None = None,
+                 extra: list[str] | None = None):
+        self.metrics_port, self.health_port = free_port(), free_port()
+        self.log_path = log_path
+        cmd = [DDPJOB, "operator", "-n", namespace, "--metrics-port", str(self.metrics_port),
+               "--health-port", str(self.health_port), "--scrape-interval", "2",
+               "--unschedulable-timeout", "2", "--log-level", "INFO", *(extra or ["--peering", ""])]
+        self.log = open(log_path, "a")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, cwd=REPO_ROOT,
+                                     env=cluster.env(**(env or {})))
+        wait_for(self.healthy, timeout=30, desc=f"operator /healthz on :{self.health_port}")
+
+    def healthy(self) -> bool:
+        if self.proc.poll() is not None:
+            raise AssertionError(f"operator exited {self.proc.returncode}:\n{self.tail()}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.health_port}/healthz", timeout=2) as r:
+                return r.status == 200
+        except OSError:
+            return False
+
+    def metrics(self) -> str:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as r:
+            return r.read().decode()
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(timeout=10)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        self.log.close()
+
+    def tail(self, n: int = 60) -> str:
+        return "".join(self.log_path.read_text().splitlines(True)[-n:])
+
+
+@pytest.fixture(scope="module")
+def crd(cluster):
+    install_crd(cluster)
+    return cluster
+
+
+@pytest.fixture
+def start_operator(crd, namespace, tmp_path):
+    started: list[Operator] = []
+
+    def start(**env: str) -> Operator:
+        op = Operator(crd, namespace, tmp_path / "operator.log", env=env)
+        started.append(op)
+        return op
+
+    yield start
+    for op in started:
+        op.stop()
+    if started:  # shown by pytest only when the test failed
+        print(f"--- operator log ({started[-1].log_path}) ---\n{started[-1].tail(80)}")
+
+
+@pytest.fixture
+def k8s(api, namespace):
+    class K:
+        core = client.CoreV1Api(api)
+        custom = client.CustomObjectsApi(api)
+        ns = namespace
+
+        def apply(self, name, **spec):
+            body = {"apiVersion": "ddpjob.dev/v1alpha1", "kind": "DDPJob", "metadata": {"name": name},
+                    "spec": {"image": "reg/trainer:1", "nodes": 2, **spec}}
+            return self.custom.create_namespaced_custom_object("ddpjob.dev", "v1alpha1", self.ns, "ddpjobs", body)
+
+        def job(self, name):
+            return self.custom.get_namespaced_custom_object("ddpjob.dev", "v1alpha1", self.ns, "ddpjobs", name)
+
+        def status(self, name):
+            return self.job(name).get("status") or {}
+
+        def patch(self, name, spec):
+            self.custom.patch_namespaced_custom_object("ddpjob.dev", "v1alpha1", self.ns, "ddpjobs", name,
+                                                       {"spec": spec})
+
+        def pods(self, name):
+            return self.core.list_namespaced_pod(self.ns, label_selector=f"ddpjob.dev/job-name={name}").items
+
+        def wait_status(self, name, pred, desc, timeout=30):
+            return wait_for(lambda: (lambda s: s if pred(s) else None)(self.status(name)),
+                            timeout=timeout, desc=f"{name}: {desc} (status {self.status(name)})")
+
+        def events(self, name):
+            evs = self.core.list_namespaced_event(self.ns, field_selector=f"involvedObject.name={name}").items
+            return [(e.type, e.reason, e.message) for e in evs if e.involved_object.kind == "DDPJob"]
+
+        def gone(self, name):
+            try:
+                self.job(name)
+                return False
+            except ApiException as exc:
+                return exc.status == 404
+
+    return K()
+
+
+def running(n):
+    return lambda s: s.get("phase") == "Running" and s.get("nodes", {}).get("running") == n
+
+
+def env_of(pod):
+    return {e.name: e.value for e in pod.spec.containers[0].env}
+
+
+def test_creates_headless_service_and_gpu_pods(start_operator, k8s):
+    op = start_operator()
+    k8s.apply("resnet", nodes=3, gpusPerNode=4)
+    status = k8s.wait_status("resnet", running(3), "Running 3/3")
+    assert status["nodes"]["ready"] == "3/3" and status["restarts"] == 0
+    assert status["masterAddr"] == f"resnet-0.resnet.{k8s.ns}.svc"
+    svc = k8s.core.read_namespaced_service("resnet", k8s.ns)
+    assert svc.spec.cluster_ip == "None" and svc.spec.publish_not_ready_addresses is True
+    pods = sorted(k8s.pods("resnet"), key=lambda p: p.metadata.name)
+    assert [p.metadata.name for p in pods] == [f"resnet-{r}" for r in range(3)]
+    uid = k8s.job("resnet")["metadata"]["uid"]
+    for rank, pod in enumerate(pods):
+        assert pod.spec.containers[0].resources.limits["nvidia.com/gpu"] == "4"
+        assert pod.spec.runtime_class_name == "nvidia"
+        env = env_of(pod)
+        assert env["NODE_RANK"] == pod.metadata.labels["ddpjob.dev/node-rank"] == str(rank)
+        assert env["MASTER_ADDR"] == f"{pods[0].spec.hostname}.{pods[0].spec.subdomain}.{k8s.ns}.svc"
+        assert env["WORLD_SIZE"] == "12"
+        (ref,) = pod.metadata.owner_references
+        assert ref.uid == uid and ref.controller is True
+    assert ("Normal", "Running", "all 3 node(s) running") in k8s.events("resnet")
+    text = op.metrics()
+    assert "ddpjob_operator_pods_created_total 3.0" in text
+    assert 'ddpjob_operator_jobs{phase="Running"} 1.0' in text
+    # Watch-only handlers: kopf leaves no finalizers or state annotations on the DDPJob.
+    meta = k8s.job("resnet")["metadata"]
+    assert not meta.get("finalizers")
+    assert not [a for a in (meta.get("annotations") or {}) if "kopf" in a]
+
+
+def test_example_resnet_gpu_runs_4_nodes_of_8_gpus(start_operator, k8s, crd):
+    """`kubectl apply -f examples/resnet-gpu.yaml` (its PVCs bound to test PVs): Running 4/4."""
+    pvs = []
+    for claim, mode in (("imagenet", "ReadOnlyMany"), ("resnet-checkpoints", "ReadWriteMany")):
+        name = f"{k8s.ns}-{claim}"
+        k8s.core.create_persistent_volume({
+            "apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": name},
+            "spec": {"capacity": {"storage": "1Ti"}, "accessModes": [mode],
+                     "persistentVolumeReclaimPolicy": "Delete", "hostPath": {"path": f"/tmp/{name}"},
+                     "claimRef": {"namespace": k8s.ns, "name": claim}}})
+        pvs.append(name)
+    try:
+        start_operator()
+        crd.kubectl("apply", "-n", k8s.ns, "-f", str(REPO_ROOT / "examples/resnet-gpu.yaml"))
+        status = k8s.wait_status("resnet50", running(4), "Running 4/4", timeout=90)
+        printed = crd.kubectl("get", "ddpj", "resnet50", "-n", k8s.ns).stdout
+        assert "Running" in printed and "4/4" in printed
+        assert crd.kubectl("get", "svc", "resnet50", "-n", k8s.ns, "-o",
+                           "jsonpath={.spec.clusterIP}").stdout == "None"
+        for pod in k8s.pods("resnet50"):
+            assert pod.spec.containers[0].resources.limits["nvidia.com/gpu"] == "8"
+            assert pod.spec.runtime_class_name == "nvidia"
+            env = env_of(pod)
+            assert env["NODE_RANK"] == pod.metadata.labels["ddpjob.dev/node-rank"]
+            assert env["MASTER_ADDR"] == status["masterAddr"] == f"resnet50-0.resnet50.{k8s.ns}.svc"
+            assert {v.name for v in pod.spec.volumes} >= {"dshm", "data", "ckpt"}
+    finally:
+        crd.kubectl("delete", "ddpj", "--all", "-n", k8s.ns, "--wait=false", check=False)
+        for name in pvs:
+            crd.kubectl("delete", "pv", name, "--wait=false", check=False)
+
+
+def test_pod_failure_and_deletion_restart_the_group(start_operator, k8s):
+    start_operator()
+    k8s.apply("grp", nodes=3)
+    k8s.wait_status("grp", running(3), "Running 3/3")
+    set_pod_exit(k8s.core.api_client, k8s.ns, "grp-1", 1)
+    status = k8s.wait_status("grp", lambda s: s.get("restarts") == 1 and running(3)(s), "restarted once")
+    assert status["attempt"] == 1 and status["countedRestarts"] == 1
+    assert {p.metadata.labels["ddpjob.dev/attempt"] for p in k8s.pods("grp")} == {"1"}
+    assert any(r == "Restarting" and "grp-1 failed with exit code 1" in m for _, r, m in k8s.events("grp"))
+    # Deleting a pod (as a user would) also restarts the whole group.
+    k8s.core.delete_namespaced_pod("grp-0", k8s.ns)
+    k8s.wait_status("grp", lambda s: s.get("restarts") == 2 and running(3)(s), "restarted twice")
+    pods = k8s.pods("grp")
+    assert len(pods) == 3 and {p.metadata.labels["ddpjob.dev/attempt"] for p in pods} == {"2"}
+
+
+def test_restart_budget_exhausted_fails(start_operator, k8s):
+    start_operator()
+    k8s.apply("budget", nodes=2, failurePolicy={"maxRestarts": 1})
+    k8s.wait_status("budget", running(2), "Running")
+    set_pod_exit(k8s.core.api_client, k8s.ns, "budget-0", 2)
+    k8s.wait_status("budget", lambda s: s.get("restarts") == 1 and running(2)(s), "one restart")
+    set_pod_exit(k8s.core.api_client, k8s.ns, "budget-1", 2)
+    status = k8s.wait_status("budget", lambda s: s.get("phase") == "Failed", "Failed")
+    assert status["reason"] == "RestartLimitExceeded" and status["restarts"] == 1
+    assert "completionTime" in status
+    # cleanPodPolicy Running: the failed pod stays for its logs, the running one is removed.
+    wait_for(lambda: [p.metadata.name for p in k8s.pods("budget")] == ["budget-1"], timeout=20,
+             desc="only the failed pod left")
+    time.sleep(1)
+    assert k8s.status("budget")["phase"] == "Failed"  # stays failed: no new pods
+    assert [p.metadata.name for p in k8s.pods("budget")] == ["budget-1"]
+
+
+def test_eviction_does_not_count_against_the_budget(start_operator, k8s):
+    start_operator()
+    k8s.apply("evict", nodes=2, failurePolicy={"maxRestarts": 0})
+    k8s.wait_status("evict", running(2), "Running")
+    evict_pod(k8s.core.api_client, k8s.ns, "evict-1")
+    status = k8s.wait_status("evict", lambda s: s.get("restarts") == 1 and running(2)(s), "free restart")
+    assert status["countedRestarts"] == 0 and status["reason"] == "Running"
+
+
+def test_bad_configuration_exit_fails_without_restart(start_operator, k8s):
+    start_operator()
+    k8s.apply("badcfg", nodes=2)
+    k8s.wait_status("badcfg", running(2), "Running")
+    set_pod_exit(k8s.core.api_client, k8s.ns, "badcfg-0", 78)
+    status = k8s.wait_status("badcfg", lambda s: s.get("phase") == "Failed", "Failed")
+    assert status["reason"] == "BadConfiguration" and status["restarts"] == 0
+    assert {p.metadata.labels["ddpjob.dev/attempt"] for p in k8s.pods("badcfg")} == {"0"}
+
+
+def test_success_then_ttl_deletes_job_and_gc_removes_children(start_operator, k8s):
+    start_operator()
+    k8s.apply("done", nodes=2, ttlSecondsAfterFinished=3)
+    k8s.wait_status("done", running(2), "Running")
+    for rank in range(2):
+        set_pod_exit(k8s.core.api_client, k8s.ns, f"done-{rank}", 0)
+    status = k8s.wait_status("done", lambda s: s.get("phase") == "Succeeded", "Succeeded")
+    assert status["nodes"]["succeeded"] == 2 and status["completionTime"]
+    assert len(k8s.pods("done")) == 2  # cleanPodPolicy Running keeps completed pods until the TTL
+    wait_for(lambda: k8s.gone("done"), timeout=30, desc="DDPJob deleted by its TTL")
+    wait_for(lambda: not k8s.pods("done"), timeout=30, desc="pods garbage-collected")
+    wait_for(lambda: not k8s.core.list_namespaced_service(k8s.ns).items, timeout=30, desc="service GC'd")
+
+
+def test_delete_job_garbage_collects_children(start_operator, k8s):
+    start_operator()
+    k8s.apply("gc", nodes=2)
+    k8s.wait_status("gc", running(2), "Running")
+    k8s.custom.delete_namespaced_custom_object("ddpjob.dev", "v1alpha1", k8s.ns, "ddpjobs", "gc")
+    wait_for(lambda: not k8s.pods("gc") and not k8s.core.list_namespaced_service(k8s.ns).items,
+             timeout=30, desc="pods and service garbage-collected")
+
+
+def test_suspend_and_resume(start_operator, k8s):
+    start_operator()
+    k8s.apply("sus", nodes=2)
+    k8s.wait_status("sus", running(2), "Running")
+    k8s.patch("sus", {"suspend": True})
+    k8s.wait_status("sus", lambda s: s.get("phase") == "Suspended", "Suspended")
+    wait_for(lambda: not k8s.pods("sus"), timeout=20, desc="pods deleted while suspended")
+    k8s.patch("sus", {"suspend": False})
+    status = k8s.wait_status("sus", running(2), "Running again")
+    assert status["restarts"] == 0 and status["attempt"] == 1
+    reasons = [r for _, r, _ in k8s.events("sus")]
+    assert "Suspended" in reasons and "Resumed" in reasons
+
+
+def test_active_deadline_fails_the_job(start_operator, k8s):
+    start_operator()
+    k8s.apply("late", nodes=2, activeDeadlineSeconds=4)
+    k8s.wait_status("late", running(2), "Running")
+    status = k8s.wait_status("late", lambda s: s.get("phase") == "Failed", "DeadlineExceeded", timeout=30)
+    assert status["reason"] == "DeadlineExceeded"
+    wait_for(lambda: not k8s.pods("late"), timeout=20, desc="running pods removed")
+
+
+def test_unschedulable_condition_has_the_scheduler_message(start_operator, k8s):
+    start_operator()
+    k8s.apply("huge", nodes=1, gpusPerNode=16)  # fake nodes have 8 GPUs each
+    status = k8s.wait_status("huge", lambda s: any(c["type"] == "Unschedulable" and c["status"] == "True"
+                                                   for c in s.get("conditions", [])), "Unschedulable",
+                             timeout=40)
+    cond = next(c for c in status["conditions"] if c["type"] == "Unschedulable")
+    assert "nvidia.com/gpu" in cond["message"]
+    assert status["phase"] == "Pending"
+
+
+def test_operator_killed_mid_creation_leaves_no_duplicates(start_operator, k8s):
+    slow = start_operator(DDPJOB_DEBUG_CREATE_DELAY="0.3")
+    k8s.apply("big", nodes=16)
+    wait_for(lambda: len(k8s.pods("big")) >= 3, timeout=30, desc="some pods created")
+    slow.kill()
+    created = len(k8s.pods("big"))
+    assert 0 < created < 16, f"the kill came too late ({created} pods)"
+    start_operator()
+    status = k8s.wait_status("big", running(16), "Running 16/16", timeout=60)
+    pods = k8s.pods("big")
+    assert sorted(p.metadata.name for p in pods) == sorted(f"big-{r}" for r in range(16))
+    assert {p.metadata.labels["ddpjob.dev/attempt"] for p in pods} == {"0"}
+    assert status["restarts"] == 0
+
+
+def test_peering_only_the_highest_priority_operator_acts(crd, namespace, tmp_path, k8s):
+    """Two operators with kopf peering: the lower-priority one pauses; only the other creates pods."""
+    crd.kubectl("apply", "--server-side", "--force-conflicts", "-f",
+                str(REPO_ROOT / "charts/ddpjob-operator/crds/kopfpeerings.kopf.dev.yaml"))
+    crd.kubectl("wait", "--for=condition=Established", "--timeout=30s", "crd/kopfpeerings.kopf.dev")
+    crd.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(
+        {"apiVersion": "kopf.dev/v1", "kind": "KopfPeering", "metadata": {"name": "ddpjob-test"}}))
+    ops = []
+    try:
+        for prio, env in ((0, {"POD_ID": "low"}), (100, {"POD_ID": "high"})):
+            op = Operator(crd, namespace, tmp_path / f"op-{prio}.log", env=env,
+                          extra=["--peering", "ddpjob-test", "--priority", str(prio)])
+            ops.append(op)
+        low, high = ops
+
+        def peers():
+            obj = k8s.custom.get_namespaced_custom_object("kopf.dev", "v1", namespace, "kopfpeerings",
+                                                          "ddpjob-test")
+            return set((obj.get("status") or {}))
+        wait_for(lambda: peers() >= {"low", "high"}, timeout=30, desc="both operators in the peering object")
+        time.sleep(2)  # the low-priority operator sees the higher peer and pauses
+        k8s.apply("peer", nodes=3)
+        k8s.wait_status("peer", running(3), "Running 3/3")
+        assert "ddpjob_operator_pods_created_total 3.0" in high.metrics()
+        assert "ddpjob_operator_pods_created_total 0.0" in low.metrics()
+        assert len(k8s.pods("peer")) == 3
+    finally:
+        for op in ops:
+            op.stop()
+            print(f"--- {op.log_path.name} ---\n{op.tail(30)}")

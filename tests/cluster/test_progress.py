@@ -1,0 +1,150 @@
+"""Progress, straggler and hang detection by the real operator against real trainer endpoints.
+
+The DDPJob's pods are "Running" on kwok's fake nodes; the training itself runs on this machine
+(`ddpjob run --local --metrics-port-base P`: node N serves metrics on P + N), and the operator is
+pointed at it with DDPJOB_SCRAPE_URL_TEMPLATE=http://127.0.0.1:{rank_port}/metrics
+({rank_port} = spec.metricsPort + node rank). Test knobs (trainer/ddpjob_trainer/debug.py):
+DDPJOB_DEBUG_FREEZE_RANK="<rank>:<step>", DDPJOB_DEBUG_SLOW_RANK="<rank>:<seconds>".
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+
+import yaml
+
+from tests.cluster.conftest import wait_for
+from tests.cluster.test_operator import crd, k8s, running, start_operator  # noqa: F401  (fixtures)
+from tests.support.cluster import REPO_ROOT
+
+DDPJOB = str(Path(sys.executable).parent / "ddpjob")
+URL_TEMPLATE = "http://127.0.0.1:{rank_port}/metrics"
+
+
+def free_consecutive_ports(n: int) -> int:
+    """A base port whose next n ports are all free on loopback."""
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        socks = []
+        try:
+            for p in range(base, base + n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", p))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no free port range")
+
+
+def stop_local_run(proc: subprocess.Popen, workdir: Path) -> None:
+    """Stop `ddpjob run` like Ctrl-C does (it stops its nodes), then make sure no node of it survives."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+    # Nodes run in sessions of their own; any left (a frozen rank) is found by its work dir.
+    marker = f"DDPJOB_RESULT_FILE={workdir}".encode()
+    for pid in [p for p in os.listdir("/proc") if p.isdigit()]:
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if marker in f.read():
+                    os.kill(int(pid), signal.SIGKILL)
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+
+
+@contextmanager
+def local_training(tmp_path: Path, *, epochs: int = 40, **debug_env: str):
+    """A real 2-node CPU run of examples/digits.yaml serving metrics on base, base+1; yields base."""
+    job = yaml.safe_load((REPO_ROOT / "examples" / "digits.yaml").read_text())
+    job["spec"]["trainer"]["epochs"] = epochs
+    spec = tmp_path / "digits.yaml"
+    spec.write_text(yaml.safe_dump(job))
+    base = free_consecutive_ports(2)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DDPJOB_")}
+    env.update(DDPJOB_DEBUG_STEP_SLEEP="0.05", **debug_env)
+    log_path = tmp_path / "training.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([DDPJOB, "run", str(spec), "--local", "--metrics-port-base", str(base),
+                                 "--no-progress", "--workdir", str(tmp_path / "wd")],
+                                stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        try:
+            yield base
+        finally:
+            stop_local_run(proc, tmp_path / "wd")
+            print(f"--- training log ({log_path}) ---\n{log_path.read_text()[-3000:]}")
+
+
+def condition(status: dict, kind: str) -> dict | None:
+    return next((c for c in status.get("conditions") or [] if c.get("type") == kind), None)
+
+
+def apply_job(k8s, name: str, base: int, **spec):
+    # The pods never run here (kwok); only their names, ranks and phase matter to the monitor.
+    return k8s.apply(name, nodes=2, gpusPerNode=0, metricsPort=base, **spec)
+
+
+def test_progress_and_loss_in_status_and_kubectl_get(start_operator, k8s, crd, tmp_path):
+    with local_training(tmp_path) as base:
+        start_operator(DDPJOB_SCRAPE_URL_TEMPLATE=URL_TEMPLATE)
+        apply_job(k8s, "prog", base)
+        k8s.wait_status("prog", running(2), "both pods Running", timeout=60)
+        st = k8s.wait_status("prog", lambda s: (s.get("progress") or {}).get("step", 0) >= 20
+                             and "loss" in s["progress"], "progress with a step >= 20 and a loss", timeout=180)
+        p = st["progress"]
+        assert p["totalSteps"] > p["step"] and 0 < p["percent"] < 100
+        assert p["samplesPerSecond"] > 0 and p["ranksReporting"] == 2
+        assert p["lastStepTime"].endswith("Z") and p["eta"]
+        out = crd.kubectl("get", "ddpj", "prog", "-n", k8s.ns).stdout
+        header, row = out.splitlines()[:2]
+        assert "PROGRESS" in header and "LOSS" in header, out
+        cols = dict(zip(header.split(), row.split()))
+        assert cols["PROGRESS"].endswith("%"), out
+        assert float(cols["LOSS"]) > 0, out
+        # Healthy: both detector conditions present and False.
+        assert condition(st, "Stalled")["status"] == "False"
+        assert condition(st, "Straggler")["status"] == "False"
+
+
+def test_frozen_rank_turns_job_stalled_naming_that_rank(start_operator, k8s, crd, tmp_path):
+    with local_training(tmp_path, DDPJOB_DEBUG_FREEZE_RANK="1:30") as base:
+        start_operator(DDPJOB_SCRAPE_URL_TEMPLATE=URL_TEMPLATE)
+        apply_job(k8s, "frozen", base, hangTimeoutSeconds=10)
+        k8s.wait_status("frozen", running(2), "both pods Running", timeout=60)
+        st = k8s.wait_status("frozen", lambda s: (condition(s, "Stalled") or {}).get("status") == "True",
+                             "Stalled condition True", timeout=240)
+        msg = condition(st, "Stalled")["message"]
+        assert "rank 1 (pod frozen-1" in msg and "rank 0" not in msg, msg
+        evs = wait_for(lambda: [e for e in k8s.events("frozen") if e[1] == "Stalled"], timeout=30,
+                       desc="a Stalled event")
+        assert evs[0][0] == "Warning" and "rank 1" in evs[0][2]
+        assert st["phase"] == "Running"   # restartOnHang is opt-in
+
+
+def test_slowed_rank_is_reported_as_straggler(start_operator, k8s, crd, tmp_path):
+    with local_training(tmp_path, epochs=60, DDPJOB_DEBUG_SLOW_RANK="1:0.25") as base:
+        start_operator(DDPJOB_SCRAPE_URL_TEMPLATE=URL_TEMPLATE)
+        apply_job(k8s, "slow", base, hangTimeoutSeconds=120)
+        k8s.wait_status("slow", running(2), "both pods Running", timeout=60)
+        st = k8s.wait_status("slow", lambda s: (condition(s, "Straggler") or {}).get("status") == "True",
+                             "Straggler condition True", timeout=240)
+        msg = condition(st, "Straggler")["message"]
+        node = next(p.spec.node_name for p in k8s.pods("slow") if p.metadata.name == "slow-1")
+        assert "rank 1 (pod slow-1 on node " + node in msg and "rank 0" not in msg, msg
+        evs = wait_for(lambda: [e for e in k8s.events("slow") if e[1] == "Straggler"], timeout=30,
+                       desc="a Straggler event")
+        assert evs[0][0] == "Warning" and "rank 1" in evs[0][2]

@@ -1,0 +1,138 @@
+"""Dashboards, monitors and rules as shipped by the chart (helm template), and the metric names
+they query checked against what the trainer really exports."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import yaml
+
+from tests.support.cluster import REPO_ROOT
+
+CHART = REPO_ROOT / "charts" / "ddpjob-operator"
+DASHBOARDS = sorted((CHART / "dashboards").glob("*.json"))
+RULES = CHART / "rules" / "ddpjob-alerts.yaml"
+HELM = REPO_ROOT / ".cache" / "bin" / "helm"
+MONITORING = ("podMonitor", "serviceMonitor", "prometheusRule", "dashboards")
+
+EXPORTER = textwrap.dedent("""
+    import sys, types
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.multiprocess import MultiProcessCollector
+    from ddpjob_trainer.telemetry import Telemetry
+    t = Telemetry.from_env()
+    t.set_total_steps(2); t.set_restart_count(0); t.step_started(step=1)
+    t.step(step=1, epoch=0, loss=1.0, samples=1, step_seconds=0.1, data_wait_seconds=0.0, timestamp=1.0)
+    t.eval(accuracy=0.5, loss=1.0); t.checkpoint(0.1)
+    cuda = types.SimpleNamespace(memory_allocated=lambda d: 1, max_memory_allocated=lambda d: 1,
+                                 memory_reserved=lambda d: 1)     # no GPU here: torch.cuda stand-in
+    t.gpu_memory(types.SimpleNamespace(cuda=cuda), types.SimpleNamespace(type="cuda"))
+    reg = CollectorRegistry(); MultiProcessCollector(reg, path=sys.argv[1])
+    print(generate_latest(reg).decode())
+""")
+
+
+def exprs() -> list[str]:
+    out = [t["expr"] for d in DASHBOARDS for p in json.loads(d.read_text())["panels"] for t in p.get("targets", [])]
+    out += [r["expr"] for g in yaml.safe_load(RULES.read_text())["groups"] for r in g["rules"]]
+    return out
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory) -> set[str]:
+    """Sample names a rank really exposes (multiprocess exposition, as the pod endpoint serves it)."""
+    d = tmp_path_factory.mktemp("mp")
+    env = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"}
+    env["DDPJOB_METRICS_DIR"] = str(d)
+    text = subprocess.run([sys.executable, "-c", EXPORTER, str(d)], env=env, check=True, capture_output=True,
+                          text=True, timeout=120).stdout
+    return {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line and not line.startswith("#")}
+
+
+def test_every_trainer_metric_queried_is_exported(exported):
+    queried = {m for e in exprs() for m in re.findall(r"\bddpjob_trainer_\w+", e)}
+    assert queried, "no trainer metric queried at all?"
+    assert queried <= exported, f"queried but never exported: {sorted(queried - exported)}"
+
+
+def test_no_label_named_job_is_used():
+    for e in exprs():
+        assert not re.search(r"[{,(]\s*job\s*[=~!]", e), e
+
+
+@pytest.mark.parametrize("path", DASHBOARDS, ids=lambda p: p.name)
+def test_dashboard_is_readable_and_well_formed(path):
+    text = path.read_text()
+    assert text.startswith("{\n  "), "dashboards are pretty-printed JSON (readable diffs)"
+    d = json.loads(text)
+    assert d["uid"] and d["title"].startswith("DDPJob")
+    ids = [p["id"] for p in d["panels"]]
+    assert len(ids) == len(set(ids))
+    for p in d["panels"]:
+        assert p["targets"], p["title"]
+        assert p["datasource"]["uid"] == "${datasource}"
+        assert all(t["expr"].strip() for t in p["targets"])
+
+
+def test_job_dashboard_has_the_required_views_and_variables():
+    d = json.loads((CHART / "dashboards" / "ddpjob-job.json").read_text())
+    names = {v["name"] for v in d["templating"]["list"]}
+    assert {"namespace", "ddpjob", "rank"} <= names
+    titles = " | ".join(p["title"].lower() for p in d["panels"])
+    for view in ("state", "progress", "eta", "loss", "throughput per rank", "step time per rank",
+                 "data-wait", "gpu memory", "restarts", "checkpoint"):
+        assert view in titles, view
+
+
+def helm_template(*sets: str) -> list[dict]:
+    if not HELM.exists():
+        pytest.fail(f"{HELM} missing: run `make cluster-up` (it builds and links helm)")
+    args = [str(HELM), "template", "t", str(CHART)]
+    for s in sets:
+        args += ["--set", s]
+    out = subprocess.run(args, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return [d for d in yaml.safe_load_all(out.stdout) if d]
+
+
+def test_monitoring_objects_are_off_by_default():
+    kinds = {d["kind"] for d in helm_template()}
+    assert not kinds & {"PodMonitor", "ServiceMonitor", "PrometheusRule"}
+    assert not [d for d in helm_template() if d["kind"] == "ConfigMap"
+                and (d["metadata"].get("labels") or {}).get("grafana_dashboard")]
+
+
+@pytest.mark.parametrize("flag", MONITORING)
+def test_each_flag_enables_only_its_object(flag):
+    docs = helm_template(f"monitoring.{flag}.enabled=true", f"monitoring.{flag}.labels.release=kp")
+    ours = [d for d in docs if d["kind"] in ("PodMonitor", "ServiceMonitor", "PrometheusRule")
+            or (d["kind"] == "ConfigMap" and (d["metadata"].get("labels") or {}).get("grafana_dashboard"))]
+    expected = {"podMonitor": {"PodMonitor"}, "serviceMonitor": {"ServiceMonitor"},
+                "prometheusRule": {"PrometheusRule"}, "dashboards": {"ConfigMap"}}[flag]
+    assert {d["kind"] for d in ours} == expected
+    assert all(d["metadata"]["labels"]["release"] == "kp" for d in ours)
+
+
+def test_shipped_objects_carry_the_files():
+    on = [f"monitoring.{f}.enabled=true" for f in MONITORING]
+    docs = helm_template(*on)
+    rule = next(d for d in docs if d["kind"] == "PrometheusRule")
+    assert rule["spec"] == yaml.safe_load(RULES.read_text())       # byte-for-byte the promtool-tested rules
+    cms = [d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["labels"].get("grafana_dashboard") == "1"]
+    shipped = {k: json.loads(v) for cm in cms for k, v in cm["data"].items()}
+    assert shipped == {p.name: json.loads(p.read_text()) for p in DASHBOARDS}
+    pm = next(d for d in docs if d["kind"] == "PodMonitor")
+    ep = pm["spec"]["podMetricsEndpoints"][0]
+    assert ep["port"] == "metrics" and ep["honorLabels"] is True
+    assert pm["spec"]["selector"]["matchExpressions"][0]["key"] == "ddpjob.dev/job-name"
+    assert pm["spec"]["namespaceSelector"] == {"any": True}
+    sm = next(d for d in docs if d["kind"] == "ServiceMonitor")
+    assert sm["spec"]["endpoints"][0]["port"] == "metrics"
+    svc = next(d for d in docs if d["kind"] == "Service" and any(p.get("name") == "metrics"
+                                                                  for p in d["spec"]["ports"]))
+    assert sm["spec"]["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()

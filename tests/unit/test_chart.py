@@ -1,0 +1,412 @@
+"""The Helm chart, rendered by the real helm binary: lint, values combinations, schema, RBAC."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+CHART = REPO / "charts" / "ddpjob-operator"
+RELEASE, NS = "ddpjob", "ddpjob-system"
+
+
+def find_helm() -> str | None:
+    """The helm that `make cluster-up` links, else hack/build.sh's cache, else PATH."""
+    if os.environ.get("HELM"):
+        return os.environ["HELM"]
+    linked = REPO / ".cache" / "bin" / "helm"
+    if linked.exists():
+        return str(linked)
+    versions = (REPO / "hack" / "versions.env").read_text()
+    m = re.search(r"^HELM_VERSION=(\S+)", versions, re.M)
+    cache = Path(os.environ.get("DDPJOB_CACHE", Path.home() / ".cache" / "ddpjob"))
+    if m and (cache / "bin" / f"helm-{m.group(1)}" / "helm").exists():
+        return str(cache / "bin" / f"helm-{m.group(1)}" / "helm")
+    return shutil.which("helm")
+
+
+HELM = find_helm()
+# A helm built with `go install` (hack/build.sh) defaults to Kubernetes v1.20 for offline
+# rendering, below the chart's kubeVersion; render for the version the local cluster runs.
+KUBE_VERSION = re.search(r"^KUBE_VERSION=v?(\S+)", (REPO / "hack" / "versions.env").read_text(), re.M).group(1)
+pytestmark = pytest.mark.skipif(HELM is None, reason="no helm binary: `make build-cluster` builds it")
+
+
+def helm(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run([HELM, *args], capture_output=True, text=True, timeout=120)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"helm {' '.join(args)} exited {proc.returncode}:\n{proc.stderr}")
+    return proc
+
+
+def render(*sets: str, values: dict | None = None, tmp_path: Path | None = None) -> list[dict]:
+    """`helm template` with --set pairs (and an optional values file); parsed documents."""
+    args = ["template", RELEASE, str(CHART), "--namespace", NS, "--kube-version", KUBE_VERSION]
+    for s in sets:
+        args += ["--set", s]
+    if values is not None:
+        assert tmp_path is not None
+        f = tmp_path / "values.yaml"
+        f.write_text(yaml.safe_dump(values))
+        args += ["-f", str(f)]
+    return [d for d in yaml.safe_load_all(helm(*args).stdout) if d]
+
+
+def render_error(*sets: str) -> str:
+    proc = helm("template", RELEASE, str(CHART), "--namespace", NS, "--kube-version", KUBE_VERSION,
+                *[a for s in sets for a in ("--set", s)], check=False)
+    assert proc.returncode != 0, f"helm template {sets} should fail but rendered:\n{proc.stdout[:500]}"
+    return proc.stderr
+
+
+def kinds(docs: list[dict]) -> list[str]:
+    return sorted(d["kind"] for d in docs)
+
+
+def one(docs: list[dict], kind: str) -> dict:
+    found = [d for d in docs if d["kind"] == kind]
+    assert len(found) == 1, f"expected one {kind}, got {kinds(docs)}"
+    return found[0]
+
+
+def container(docs: list[dict]) -> dict:
+    workload = [d for d in docs if d["kind"] in ("Deployment", "StatefulSet")]
+    assert len(workload) == 1, kinds(docs)
+    (c,) = workload[0]["spec"]["template"]["spec"]["containers"]
+    return c
+
+
+# The RBAC contract: exactly these (apiGroup, resource) -> verbs, nothing else.
+EXPECTED_RULES = {
+    ("ddpjob.dev", "ddpjobs"): {"get", "list", "watch", "delete"},
+    ("ddpjob.dev", "ddpjobs/status"): {"patch"},
+    ("ddpjob.dev", "ddpjobs/finalizers"): {"update"},
+    ("", "pods"): {"list", "watch", "create", "delete"},
+    ("", "services"): {"create"},
+    ("", "events"): {"create"},
+}
+PEERING_VERBS = {"get", "list", "watch", "patch"}
+
+
+def rule_table(role: dict) -> dict[tuple[str, str], set[str]]:
+    table: dict[tuple[str, str], set[str]] = {}
+    for rule in role["rules"]:
+        assert "resourceNames" not in rule and "nonResourceURLs" not in rule, rule
+        for group in rule["apiGroups"]:
+            for res in rule["resources"]:
+                table.setdefault((group, res), set()).update(rule["verbs"])
+    return table
+
+
+def assert_least_privilege(table: dict[tuple[str, str], set[str]]) -> None:
+    for (group, res), verbs in table.items():
+        assert "*" not in verbs and group != "*" and res != "*", (group, res, verbs)
+        assert res not in ("secrets", "nodes", "nodes/status"), f"must never grant {res}"
+        assert group != "rbac.authorization.k8s.io", f"must never grant RBAC objects: {res}"
+        assert not res.startswith(("pods/exec", "pods/attach", "pods/portforward")), res
+
+
+# --- lint and schema ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("sets", [
+    (),
+    ("ha.enabled=true", "replicaCount=3"),
+    ("rbac.namespaced=true", "operator.watchNamespaces={team-a,team-b}"),
+    ("monitoring.podMonitor.enabled=true", "monitoring.serviceMonitor.enabled=true",
+     "monitoring.prometheusRule.enabled=true", "monitoring.dashboards.enabled=true"),
+], ids=["defaults", "ha", "namespaced", "monitoring"])
+def test_helm_lint_strict_is_clean(sets):
+    args = ["lint", "--strict", "--kube-version", KUBE_VERSION, str(CHART)] + [a for s in sets for a in ("--set", s)]
+    proc = helm(*args, check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "[WARNING]" not in proc.stdout and "[ERROR]" not in proc.stdout, proc.stdout
+
+
+def test_default_values_match_schema():
+    import jsonschema
+
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    jsonschema.Draft7Validator.check_schema(schema)
+    jsonschema.validate(yaml.safe_load((CHART / "values.yaml").read_text()), schema)
+
+
+@pytest.mark.parametrize("bad, needle", [
+    ("replicaCount=two", "replicaCount"),
+    ("image.pullPolicy=Sometimes", "pullPolicy"),
+    ("operator.logLevel=VERBOSE", "logLevel"),
+    ("operator.metricsPort=70000", "metricsPort"),
+    ("operater.logLevel=INFO", "operater"),            # a typo'd key is rejected, not ignored
+    ("operator.watchNamespaces={Bad_NS}", "watchNamespaces"),
+    ("monitoring.podMonitor.interval=often", "interval"),
+])
+def test_schema_rejects_bad_values(bad, needle):
+    err = render_error(bad)
+    assert "schema" in err.lower() and needle in err, err
+
+
+def test_ha_refuses_kubernetes_without_pod_index_labels():
+    proc = helm("template", RELEASE, str(CHART), "--kube-version", "1.27.9", "--set", "ha.enabled=true",
+                "--set", "replicaCount=2", check=False)
+    assert proc.returncode != 0 and "Kubernetes >= 1.28" in proc.stderr, proc.stderr
+    assert helm("template", RELEASE, str(CHART), "--kube-version", "1.27.9").returncode == 0
+
+
+@pytest.mark.parametrize("sets, needle", [
+    (("rbac.namespaced=true",), "watchNamespaces"),
+    (("replicaCount=2",), "ha.enabled"),
+    (("ha.enabled=true",), "replicaCount >= 2"),
+    (("operator.healthPort=8080",), "must differ"),
+])
+def test_unsafe_combinations_fail_with_a_clear_message(sets, needle):
+    assert needle in render_error(*sets)
+
+
+def test_every_values_key_is_commented():
+    """Each chart-defined key in values.yaml (a property in values.schema.json) has a comment line
+    right above it, or is a section whose keys do; contents of free-form Kubernetes objects
+    (resources, securityContext, ...) are covered by their key's comment."""
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    lines = (CHART / "values.yaml").read_text().splitlines()
+    stack: list[tuple[int, str]] = []
+    missing = []
+    for i, line in enumerate(lines):
+        m = re.match(r"^(\s*)([A-Za-z]\w*):(.*)$", line)
+        if not m:
+            continue
+        indent = len(m.group(1))
+        while stack and stack[-1][0] >= indent:
+            stack.pop()
+        parent = schema
+        for _, key in stack:
+            parent = parent.get("properties", {}).get(key, {})
+        stack.append((indent, m.group(2)))
+        if "properties" not in parent:
+            continue                       # inside a free-form object: not a chart key
+        node = parent["properties"].get(m.group(2))
+        assert node is not None, f"values.yaml key {'.'.join(k for _, k in stack)} is not in the schema"
+        is_section = "properties" in node and m.group(3).strip() == ""
+        if not is_section and not lines[i - 1].strip().startswith("#"):
+            missing.append(".".join(k for _, k in stack))
+    assert not missing, f"values.yaml keys without a comment: {missing}"
+
+
+# --- default install ------------------------------------------------------------------------
+
+def test_defaults_render_a_recreate_deployment_with_cluster_rbac():
+    docs = render()
+    assert kinds(docs) == ["ClusterRole", "ClusterRoleBinding", "Deployment", "Service", "ServiceAccount"]
+    dep = one(docs, "Deployment")
+    assert dep["spec"]["replicas"] == 1
+    assert dep["spec"]["strategy"] == {"type": "Recreate"}
+    for d in docs:
+        if d["kind"] not in ("ClusterRole", "ClusterRoleBinding"):
+            assert d["metadata"]["namespace"] == NS, d["kind"]
+    sa = one(docs, "ServiceAccount")["metadata"]["name"]
+    assert dep["spec"]["template"]["spec"]["serviceAccountName"] == sa
+    crb = one(docs, "ClusterRoleBinding")
+    assert crb["subjects"] == [{"kind": "ServiceAccount", "name": sa, "namespace": NS}]
+    assert crb["roleRef"]["name"] == one(docs, "ClusterRole")["metadata"]["name"]
+
+
+def test_restrictive_security_context_and_tmp_volume():
+    docs = render()
+    pod = one(docs, "Deployment")["spec"]["template"]["spec"]
+    c = container(docs)
+    sc = c["securityContext"]
+    assert sc["runAsNonRoot"] is True and pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["runAsUser"] != 0
+    assert sc["readOnlyRootFilesystem"] is True
+    assert sc["allowPrivilegeEscalation"] is False
+    assert sc["capabilities"] == {"drop": ["ALL"]}
+    assert sc["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert {"name": "tmp", "mountPath": "/tmp"} in c["volumeMounts"]
+    assert any(v["name"] == "tmp" and "emptyDir" in v for v in pod["volumes"])
+
+
+def test_probes_and_ports_follow_the_operator_settings():
+    docs = render("operator.healthPort=9091", "operator.metricsPort=9090")
+    c = container(docs)
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    assert ports == {"metrics": 9090, "health": 9091}
+    for probe in (c["livenessProbe"], c["readinessProbe"]):
+        assert probe["httpGet"] == {"path": "/healthz", "port": "health"}
+    svc = one(docs, "Service")
+    assert svc["spec"]["ports"][0]["targetPort"] == "metrics"
+    assert svc["spec"]["selector"].items() <= \
+        one(docs, "Deployment")["spec"]["template"]["metadata"]["labels"].items()
+
+
+def parse_operator_args(c: dict) -> dict:
+    """Parse the container's args with the real `ddpjob operator` click command."""
+    from ddpjob_operator import cli
+
+    assert c["command"] == ["ddpjob"] and c["args"][0] == "operator"
+    ctx = cli.main.commands["operator"].make_context("operator", list(c["args"][1:]))
+    return ctx.params
+
+
+def test_operator_args_are_accepted_by_the_real_cli():
+    params = parse_operator_args(container(render(
+        "operator.defaultRuntimeClass=nvidia-cdi", "operator.clusterDomain=cluster.local",
+        "operator.scrapeInterval=30", "operator.unschedulableTimeout=120",
+        "operator.logLevel=DEBUG")))
+    assert params["all_namespaces"] is True and params["namespaces"] == ()
+    assert params["default_runtime_class"] == "nvidia-cdi"
+    assert params["cluster_domain"] == "cluster.local"
+    assert params["scrape_interval"] == 30 and params["unschedulable_timeout"] == 120
+    assert params["log_level"] == "DEBUG"
+    assert params["metrics_port"] == 8080 and params["health_port"] == 8081
+    assert params["peering"] == "", "a single replica runs standalone (no peering object needed)"
+
+
+def test_default_rbac_is_exactly_the_contract():
+    table = rule_table(one(render(), "ClusterRole"))
+    assert_least_privilege(table)
+    assert table == EXPECTED_RULES
+
+
+# --- namespaced mode --------------------------------------------------------------------------
+
+def test_namespaced_mode_renders_roles_only_in_the_listed_namespaces():
+    docs = render("rbac.namespaced=true", "operator.watchNamespaces={team-a,team-b}")
+    assert not [d for d in docs if d["kind"] in ("ClusterRole", "ClusterRoleBinding")]
+    roles = [d for d in docs if d["kind"] == "Role"]
+    bindings = [d for d in docs if d["kind"] == "RoleBinding"]
+    assert sorted(r["metadata"]["namespace"] for r in roles) == ["team-a", "team-b"]
+    assert sorted(b["metadata"]["namespace"] for b in bindings) == ["team-a", "team-b"]
+    sa = one(docs, "ServiceAccount")["metadata"]["name"]
+    for b in bindings:
+        assert b["roleRef"]["kind"] == "Role"
+        assert b["subjects"] == [{"kind": "ServiceAccount", "name": sa, "namespace": NS}]
+    for r in roles:
+        table = rule_table(r)
+        assert_least_privilege(table)
+        assert table == EXPECTED_RULES
+    params = parse_operator_args(container(docs))
+    assert params["all_namespaces"] is False and params["namespaces"] == ("team-a", "team-b")
+
+
+def test_watch_namespaces_without_namespaced_rbac_keeps_a_cluster_role():
+    docs = render("operator.watchNamespaces={team-a}")
+    assert "ClusterRole" in kinds(docs) and "Role" not in kinds(docs)
+    assert parse_operator_args(container(docs))["namespaces"] == ("team-a",)
+
+
+def test_rbac_and_service_account_can_be_brought_by_the_user():
+    docs = render("rbac.create=false", "serviceAccount.create=false", "serviceAccount.name=my-sa")
+    assert kinds(docs) == ["Deployment", "Service"]
+    assert one(docs, "Deployment")["spec"]["template"]["spec"]["serviceAccountName"] == "my-sa"
+
+
+# --- HA -------------------------------------------------------------------------------------------
+
+def test_ha_peers_with_distinct_priorities():
+    docs = render("ha.enabled=true", "replicaCount=3", "peering.name=ddpjob-ha")
+    assert "Deployment" not in kinds(docs)
+    sts = one(docs, "StatefulSet")
+    assert sts["spec"]["replicas"] == 3
+    c = container(docs)
+    env = {e["name"]: e for e in c["env"]}
+    assert env["DDPJOB_PRIORITY"]["valueFrom"]["fieldRef"]["fieldPath"] == \
+        "metadata.labels['apps.kubernetes.io/pod-index']"
+    assert env["POD_ID"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    assert env["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    params = parse_operator_args(c)
+    assert params["peering"] == "ddpjob-ha"
+    assert "--priority" not in " ".join(c["args"]), "the per-pod env must decide the priority"
+    assert one(docs, "ClusterKopfPeering")["metadata"]["name"] == "ddpjob-ha"
+    pdb = one(docs, "PodDisruptionBudget")
+    assert pdb["spec"]["maxUnavailable"] == 1
+    assert pdb["spec"]["selector"]["matchLabels"] == sts["spec"]["selector"]["matchLabels"]
+    table = rule_table(one(docs, "ClusterRole"))
+    assert table.pop(("kopf.dev", "clusterkopfpeerings")) == PEERING_VERBS
+    assert table == EXPECTED_RULES
+
+
+def test_ha_in_namespaced_mode_uses_one_kopfpeering_per_namespace():
+    docs = render("ha.enabled=true", "replicaCount=2", "rbac.namespaced=true",
+                  "operator.watchNamespaces={team-a,team-b}")
+    peerings = [d for d in docs if d["kind"] == "KopfPeering"]
+    assert sorted(p["metadata"]["namespace"] for p in peerings) == ["team-a", "team-b"]
+    assert "ClusterKopfPeering" not in kinds(docs)
+    for r in (d for d in docs if d["kind"] == "Role"):
+        assert rule_table(r)[("kopf.dev", "kopfpeerings")] == PEERING_VERBS
+
+
+def test_peering_crds_ship_in_crds_dir():
+    names = {yaml.safe_load(p.read_text())["metadata"]["name"] for p in (CHART / "crds").glob("*.yaml")}
+    assert {"kopfpeerings.kopf.dev", "clusterkopfpeerings.kopf.dev"} <= names
+
+
+# --- scheduling knobs and monitoring flags ---------------------------------------------------------
+
+def test_scheduling_and_pod_metadata_values_reach_the_pod(tmp_path):
+    docs = render(values={
+        "nodeSelector": {"kubernetes.io/os": "linux"},
+        "tolerations": [{"key": "dedicated", "operator": "Equal", "value": "ops", "effect": "NoSchedule"}],
+        "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+            "nodeSelectorTerms": [{"matchExpressions": [
+                {"key": "gpu", "operator": "DoesNotExist"}]}]}}},
+        "podAnnotations": {"a": "b"}, "podLabels": {"team": "ml"},
+        "imagePullSecrets": [{"name": "regcred"}],
+        "image": {"repository": "example.com/op", "tag": "1.2.3", "pullPolicy": "Always"},
+        "operator": {"extraEnv": [{"name": "DDPJOB_SCRAPE_URL_TEMPLATE", "value": "x"}]},
+    }, tmp_path=tmp_path)
+    tpl = one(docs, "Deployment")["spec"]["template"]
+    spec = tpl["spec"]
+    assert spec["nodeSelector"] == {"kubernetes.io/os": "linux"}
+    assert spec["tolerations"][0]["key"] == "dedicated"
+    assert "nodeAffinity" in spec["affinity"]
+    assert spec["imagePullSecrets"] == [{"name": "regcred"}]
+    assert tpl["metadata"]["annotations"] == {"a": "b"} and tpl["metadata"]["labels"]["team"] == "ml"
+    c = container(docs)
+    assert c["image"] == "example.com/op:1.2.3" and c["imagePullPolicy"] == "Always"
+    assert {"name": "DDPJOB_SCRAPE_URL_TEMPLATE", "value": "x"} in c["env"]
+
+
+def test_image_tag_defaults_to_app_version():
+    app_version = yaml.safe_load((CHART / "Chart.yaml").read_text())["appVersion"]
+    assert container(render())["image"].endswith(f":{app_version}")
+
+
+MONITORING = {
+    "podMonitor": ("podmonitor.yaml", "PodMonitor"),
+    "serviceMonitor": ("servicemonitor.yaml", "ServiceMonitor"),
+    "prometheusRule": ("prometheusrule.yaml", "PrometheusRule"),
+    "dashboards": ("dashboards-configmap.yaml", "ConfigMap"),
+}
+
+
+def test_no_monitoring_objects_by_default():
+    assert not {"PodMonitor", "ServiceMonitor", "PrometheusRule", "ConfigMap"} & set(kinds(render()))
+
+
+@pytest.mark.parametrize("key", sorted(MONITORING))
+def test_monitoring_object_only_when_enabled(key):
+    template, kind = MONITORING[key]
+    if not (CHART / "templates" / template).exists():
+        pytest.skip(f"templates/{template} (observability issue) is not in the chart yet")
+    docs = render(f"monitoring.{key}.enabled=true", f"monitoring.{key}.labels.release=kps")
+    objs = [d for d in docs if d["kind"] == kind]
+    assert objs, f"monitoring.{key}.enabled=true rendered no {kind}"
+    assert all(o["metadata"]["labels"].get("release") == "kps" for o in objs)
+    others = {other for k2, (_, other) in MONITORING.items() if k2 != key}
+    assert not others & set(kinds(docs))
+
+
+def test_helm_package_holds_the_chart_and_nothing_else(tmp_path):
+    import tarfile
+
+    helm("package", str(CHART), "-d", str(tmp_path))
+    (pkg,) = tmp_path.glob("ddpjob-operator-*.tgz")
+    with tarfile.open(pkg) as tar:
+        names = {n.split("/", 1)[1] for n in tar.getnames() if "/" in n}
+    assert {"Chart.yaml", "values.yaml", "values.schema.json", "templates/NOTES.txt",
+            "crds/kopfpeerings.kopf.dev.yaml", "crds/clusterkopfpeerings.kopf.dev.yaml"} <= names
+    assert not [n for n in names if "__pycache__" in n or n.endswith((".pyc", ".swp", "~"))]

@@ -1,0 +1,192 @@
+"""Pure builders: render_service, render_pod, pod_env (via render_pod), render_file."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import yaml
+
+from ddpjob_operator import labels
+from ddpjob_operator.config import OperatorConfig
+from ddpjob_operator.envvars import env_dict
+from ddpjob_operator.pods import LAUNCHER, render_pod
+from ddpjob_operator.render import render_file
+from ddpjob_operator.service import render_service
+from ddpjob_operator.spec import from_manifest
+
+
+def manifest(**spec):
+    base = {"image": "reg/trainer:1", "nodes": 4}
+    base.update(spec)
+    return {"apiVersion": "ddpjob.dev/v1alpha1", "kind": "DDPJob",
+            "metadata": {"name": "train", "namespace": "ml", "uid": "uid-1"}, "spec": base}
+
+
+def job(**spec):
+    return from_manifest(manifest(**spec))
+
+
+def container(pod):
+    (c,) = pod["spec"]["containers"]
+    return c
+
+
+def test_service_is_headless_and_publishes_not_ready_addresses():
+    svc = render_service(job(masterPort=23456, metricsPort=9555))
+    assert svc["metadata"]["name"] == "train"
+    assert svc["metadata"]["namespace"] == "ml"
+    assert svc["spec"]["clusterIP"] == "None"
+    assert svc["spec"]["publishNotReadyAddresses"] is True
+    assert svc["spec"]["selector"] == {labels.JOB_NAME: "train"}
+    assert {p["name"]: p["port"] for p in svc["spec"]["ports"]} == {"master": 23456, "metrics": 9555}
+    (ref,) = svc["metadata"]["ownerReferences"]
+    assert ref == {"apiVersion": "ddpjob.dev/v1alpha1", "kind": "DDPJob", "name": "train", "uid": "uid-1",
+                   "controller": True, "blockOwnerDeletion": True}
+
+
+@pytest.mark.parametrize("rank", [0, 1, 3])
+def test_pod_identity_labels_and_dns(rank):
+    pod = render_pod(job(), rank, attempt=2)
+    meta, spec = pod["metadata"], pod["spec"]
+    assert meta["name"] == f"train-{rank}"
+    assert spec["hostname"] == f"train-{rank}" and spec["subdomain"] == "train"
+    assert meta["labels"][labels.JOB_NAME] == "train"
+    assert meta["labels"][labels.NODE_RANK] == str(rank)
+    assert meta["labels"][labels.ATTEMPT] == "2"
+    assert meta["ownerReferences"][0]["controller"] is True
+    assert spec["restartPolicy"] == "Never"
+    env = env_dict(container(pod)["env"])
+    # NODE_RANK equals the rank label; MASTER_ADDR is rank 0's hostname.subdomain.namespace.svc
+    assert env["NODE_RANK"] == meta["labels"][labels.NODE_RANK] == env["PET_NODE_RANK"]
+    pod0 = render_pod(job(), 0)["spec"]
+    assert env["MASTER_ADDR"] == f"{pod0['hostname']}.{pod0['subdomain']}.ml.svc" == env["PET_MASTER_ADDR"]
+    assert env["DDPJOB_ATTEMPT"] == "2"
+
+
+@pytest.mark.parametrize("domain,expected", [("", "train-0.train.ml.svc"),
+                                             ("cluster.local", "train-0.train.ml.svc.cluster.local")])
+def test_master_addr_cluster_domain(domain, expected):
+    pod = render_pod(job(), 1, config=OperatorConfig(cluster_domain=domain))
+    assert env_dict(container(pod)["env"])["MASTER_ADDR"] == expected
+
+
+@pytest.mark.parametrize("spec,gpus,runtime,nproc", [
+    ({"gpusPerNode": 8}, "8", "nvidia", "8"),                                  # default runtime class
+    ({"gpusPerNode": 2, "runtimeClassName": "nvidia-cdi"}, "2", "nvidia-cdi", "2"),  # job overrides
+    ({"gpusPerNode": 0}, None, None, "1"),                                     # CPU job: no GPU, no runtime
+    ({"gpusPerNode": 0, "runtimeClassName": "kata"}, None, "kata", "1"),
+    ({"gpusPerNode": 4, "nprocPerNode": 2}, "4", "nvidia", "2"),
+])
+def test_gpus_runtime_class_and_world_size(spec, gpus, runtime, nproc):
+    pod = render_pod(job(**spec), 0, config=OperatorConfig(default_runtime_class="nvidia"))
+    limits = container(pod)["resources"].get("limits", {})
+    assert limits.get("nvidia.com/gpu") == gpus
+    assert pod["spec"].get("runtimeClassName") == runtime
+    env = env_dict(container(pod)["env"])
+    assert env["NPROC_PER_NODE"] == nproc
+    assert env["WORLD_SIZE"] == str(4 * int(nproc))
+
+
+def test_operator_without_default_runtime_class():
+    pod = render_pod(job(gpusPerNode=8), 0, config=OperatorConfig(default_runtime_class=""))
+    assert "runtimeClassName" not in pod["spec"]
+
+
+def test_gpu_limit_merges_with_user_resources():
+    pod = render_pod(job(gpusPerNode=1, resources={"limits": {"memory": "8Gi"}, "requests": {"cpu": "2"}}), 0)
+    assert container(pod)["resources"] == {"limits": {"memory": "8Gi", "nvidia.com/gpu": "1"},
+                                           "requests": {"cpu": "2"}}
+
+
+@pytest.mark.parametrize("spec,command,args", [
+    ({}, LAUNCHER, None),                                                    # built-in trainer
+    ({"command": ["torchrun", "train.py"], "args": ["--lr", "0.1"]},
+     LAUNCHER + ["torchrun", "train.py"], ["--lr", "0.1"]),                  # user's command, wrapped
+    ({"command": ["torchrun", "train.py"], "launcher": False}, ["torchrun", "train.py"], None),  # verbatim
+])
+def test_command_follows_launcher_contract(spec, command, args):
+    c = container(render_pod(job(**spec), 0))
+    assert c["command"] == command
+    assert c.get("args") == args
+    assert ("DDPJOB_TRAINER_CONFIG" in env_dict(c["env"])) == ("command" not in spec)
+
+
+def test_shm_volume_user_volumes_and_mounts():
+    vols = [{"name": "data", "persistentVolumeClaim": {"claimName": "imagenet"}}]
+    mounts = [{"name": "data", "mountPath": "/data"}]
+    pod = render_pod(job(shmSize="16Gi", volumes=vols, volumeMounts=mounts), 0)
+    assert pod["spec"]["volumes"][0] == {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "16Gi"}}
+    assert pod["spec"]["volumes"][1:] == vols
+    assert container(pod)["volumeMounts"] == [{"name": "dshm", "mountPath": "/dev/shm"}] + mounts
+
+
+def test_scheduling_and_pod_level_pass_throughs():
+    sched = {"schedulerName": "volcano", "priorityClassName": "high", "nodeSelector": {"gpu": "h100"},
+             "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists"}],
+             "affinity": {"nodeAffinity": {"x": 1}}}
+    pod = render_pod(job(scheduling=sched, serviceAccountName="trainer",
+                         imagePullSecrets=[{"name": "regcred"}], env=[{"name": "FOO", "value": "bar"}],
+                         podLabels={"team": "vision"}), 1)
+    for key, value in sched.items():
+        assert pod["spec"][key] == value
+    assert pod["spec"]["serviceAccountName"] == "trainer"
+    assert pod["spec"]["imagePullSecrets"] == [{"name": "regcred"}]
+    assert pod["metadata"]["labels"]["team"] == "vision"
+    assert env_dict(container(pod)["env"])["FOO"] == "bar"
+    ports = {p["name"]: p["containerPort"] for p in container(pod)["ports"]}
+    assert ports == {"master": 29500, "metrics": 9400}
+
+
+def test_user_env_overrides_ours_by_name():
+    pod = render_pod(job(env=[{"name": "MASTER_PORT", "value": "1234"}]), 0)
+    names = [e["name"] for e in container(pod)["env"]]
+    assert names.count("MASTER_PORT") == 1
+    assert env_dict(container(pod)["env"])["MASTER_PORT"] == "1234"
+
+
+def test_elastic_job_gets_rendezvous_env():
+    env = env_dict(container(render_pod(job(nodes=4, elastic={"minNodes": 2, "maxNodes": 6}), 1))["env"])
+    assert env["PET_NNODES"] == "2:6"
+    assert env["PET_RDZV_BACKEND"] == "c10d"
+    assert env["PET_RDZV_ENDPOINT"] == "train-0.train.ml.svc:29500"
+    assert "PET_NODE_RANK" not in env
+
+
+def test_render_does_not_mutate_the_manifest():
+    m = manifest(volumes=[{"name": "v", "emptyDir": {}}])
+    before = copy.deepcopy(m)
+    render_pod(from_manifest(m), 0)
+    assert m == before
+
+
+def test_render_file(tmp_path):
+    path = tmp_path / "job.yaml"
+    m = manifest(nodes=3)
+    del m["metadata"]["namespace"], m["metadata"]["uid"]
+    path.write_text(yaml.safe_dump(m))
+    docs = list(yaml.safe_load_all(render_file(str(path), namespace="team-a")))
+    assert [d["kind"] for d in docs] == ["Service", "Pod", "Pod", "Pod"]
+    assert all(d["metadata"]["namespace"] == "team-a" for d in docs)
+    assert [d["metadata"]["name"] for d in docs[1:]] == ["train-0", "train-1", "train-2"]
+
+
+def test_render_file_rejects_invalid_spec_naming_the_field(tmp_path):
+    import click
+
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(manifest(nodes=0)))
+    with pytest.raises(click.ClickException, match=r"spec\.nodes"):
+        render_file(str(path))
+
+
+def test_example_resnet_gpu_renders_4_pods_with_8_gpus():
+    from tests.support.cluster import REPO_ROOT
+
+    docs = list(yaml.safe_load_all(render_file(str(REPO_ROOT / "examples/resnet-gpu.yaml"), namespace="d")))
+    pods = [d for d in docs if d["kind"] == "Pod"]
+    assert len(pods) == 4
+    for rank, pod in enumerate(pods):
+        assert container(pod)["resources"]["limits"]["nvidia.com/gpu"] == "8"
+        assert pod["spec"]["runtimeClassName"] == "nvidia"
+        env = env_dict(container(pod)["env"])
+        assert env["NODE_RANK"] == str(rank) and env["WORLD_SIZE"] == "32"

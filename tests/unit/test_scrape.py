@@ -1,0 +1,84 @@
+"""parse_metrics against exposition text produced by the real telemetry + multiprocess collector."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from ddpjob_operator.scrape import RankSample, parse_metrics
+
+# Runs in a subprocess: multiprocess mode is process-global in prometheus_client.
+_PRODUCER = textwrap.dedent("""
+    import json, os, sys
+    from ddpjob_trainer.telemetry import Telemetry
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.multiprocess import MultiProcessCollector
+    ranks = json.loads(sys.argv[1])
+    for r in ranks:
+        t = Telemetry(labels={"ddpjob": "demo", "namespace": "ns1", "rank": str(r["rank"]),
+                              "local_rank": str(r["rank"] % 2), "node_rank": str(r["rank"] // 2)})
+        t.set_total_steps(r["total"])
+        t.set_restart_count(1)
+        for i in range(r["steps"]):
+            t.step_started(step=i + 1)
+            t.step(step=i + 1, epoch=0, loss=r["loss"], samples=32, step_seconds=0.5,
+                   data_wait_seconds=0.1, timestamp=1000.0 + i)
+        if r.get("acc") is not None:
+            t.eval(accuracy=r["acc"], loss=0.25)
+        t.checkpoint(1.5)
+    reg = CollectorRegistry()
+    MultiProcessCollector(reg, path=os.environ["DDPJOB_METRICS_DIR"])
+    sys.stdout.write(generate_latest(reg).decode())
+""")
+
+
+def exposition(tmp_path, ranks: list[dict]) -> str:
+    """Exposition text of a node endpoint whose ranks recorded `ranks` (real prometheus_client)."""
+    env = dict(os.environ, DDPJOB_METRICS_DIR=str(tmp_path / "mp"))
+    env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+    out = subprocess.run([sys.executable, "-c", _PRODUCER, json.dumps(ranks)], env=env,
+                         check=True, capture_output=True, text=True, timeout=120)
+    return out.stdout
+
+
+def test_parse_two_ranks_from_real_exposition(tmp_path):
+    text = exposition(tmp_path, [
+        {"rank": 0, "steps": 3, "total": 10, "loss": 1.5, "acc": 0.9},
+        {"rank": 1, "steps": 4, "total": 10, "loss": 0.5},
+    ])
+    got = parse_metrics(text)
+    assert sorted(got) == [0, 1]
+    r0, r1 = got[0], got[1]
+    assert (r0.step, r1.step) == (3, 4)
+    assert r1.step_started == 4
+    assert r0.total_steps == 10 and r0.epoch == 0
+    assert r0.loss == 1.5 and r1.loss == 0.5
+    assert r0.samples_total == 96 and r1.samples_total == 128
+    assert r0.step_seconds_count == 3 and r0.step_seconds_sum == pytest.approx(1.5)
+    assert r1.data_wait_seconds_total == pytest.approx(0.4)
+    assert r1.last_step_timestamp == 1003.0
+    assert r0.eval_accuracy == 0.9 and r0.eval_loss == 0.25 and r1.eval_accuracy is None
+    assert r0.checkpoint_seconds == 1.5 and r0.restart_count == 1
+    assert (r1.local_rank, r1.node_rank, r1.ddpjob, r1.namespace) == (1, 0, "demo", "ns1")
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("", {}),
+    ("# HELP other_metric x\n# TYPE other_metric gauge\nother_metric 1\n", {}),
+    # no rank label -> not a rank's sample
+    ('# TYPE ddpjob_trainer_step gauge\nddpjob_trainer_step{ddpjob="a"} 5\n', {}),
+    ('# TYPE ddpjob_trainer_step gauge\nddpjob_trainer_step{rank="7",node_rank="3"} 5\n',
+     {7: (5, 3)}),
+])
+def test_parse_edge_cases(text, expected):
+    got = parse_metrics(text)
+    assert {r: (s.step, s.node_rank) for r, s in got.items()} == expected
+
+
+def test_mean_step_seconds():
+    assert RankSample(rank=0).mean_step_seconds is None
+    assert RankSample(rank=0, step_seconds_sum=3.0, step_seconds_count=6).mean_step_seconds == 0.5

@@ -1,0 +1,187 @@
+"""job_status: phase, conditions, node counts, events, progress merge (one pure function)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+
+from ddpjob_operator.config import OperatorConfig
+from ddpjob_operator.status import job_status, node_counts, progress_display
+from tests.unit.test_lifecycle import NOW, ago, make_job, make_pod, running_status
+
+
+def cond(status, type):
+    return next((c for c in status["conditions"] if c["type"] == type), None)
+
+
+def test_first_pass_status_and_event():
+    status, events = job_status(make_job(3), [], now=NOW, prev_status=None)
+    assert status["phase"] == "Pending" and status["restarts"] == 0 and status["attempt"] == 0
+    assert status["masterAddr"] == "j-0.j.ns.svc"
+    assert status["nodes"] == {"total": 3, "pending": 0, "running": 0, "succeeded": 0, "failed": 0,
+                               "ready": "0/3"}
+    assert cond(status, "Created")["status"] == "True"
+    assert status["startTime"] == "2026-11-22T12:00:00Z" and "completionTime" not in status
+    assert events == [("Normal", "Created", "waiting for 3 node(s) to start")]
+
+
+def test_cluster_domain_in_master_addr():
+    status, _ = job_status(make_job(1), [], now=NOW, prev_status=None,
+                           config=OperatorConfig(cluster_domain="cluster.local"))
+    assert status["masterAddr"] == "j-0.j.ns.svc.cluster.local"
+
+
+@pytest.mark.parametrize("pods,counts", [
+    ([make_pod(0), make_pod(1, phase="Pending")], (1, 1, 0, 0)),
+    ([make_pod(0, phase="Succeeded"), make_pod(1)], (0, 1, 1, 0)),
+    ([make_pod(0, attempt=1), make_pod(1, attempt=0)], (0, 1, 0, 0)),     # other attempts don't count
+    ([make_pod(0, attempt=1, deleting=True), make_pod(1, attempt=1, phase="Failed")], (0, 0, 0, 1)),
+])
+def test_node_counts(pods, counts):
+    c = node_counts(make_job(2), pods, attempt=1 if any(p["metadata"]["labels"]["ddpjob.dev/attempt"] == "1"
+                                                          for p in pods) else 0)
+    assert (c["pending"], c["running"], c["succeeded"], c["failed"]) == counts
+
+
+def test_running_transition_emits_one_event_and_is_quiet_after():
+    pods = [make_pod(0), make_pod(1)]
+    status, events = job_status(make_job(2), pods, now=NOW, prev_status={"phase": "Pending", "startTime": ago(5)})
+    assert status["phase"] == "Running" and status["nodes"]["ready"] == "2/2"
+    assert cond(status, "Running")["status"] == "True"
+    assert events == [("Normal", "Running", "all 2 node(s) running")]
+    again, events2 = job_status(make_job(2), pods, now=NOW, prev_status=status)
+    assert again == status and events2 == []  # nothing changed: no write, no event
+
+
+def test_restart_status_conditions_and_event():
+    pods = [make_pod(0), make_pod(1, phase="Failed", code=3)]
+    status, events = job_status(make_job(2), pods, now=NOW, prev_status=running_status())
+    assert status["phase"] == "Restarting" and status["restarts"] == 1 and status["attempt"] == 1
+    assert cond(status, "Restarting")["reason"] == "PodFailed"
+    assert "exit code 3" in cond(status, "Restarting")["message"]
+    ((kind, reason, message),) = events
+    assert (kind, reason) == ("Warning", "Restarting") and "attempt 1" in message
+
+
+def test_failed_status_has_completion_time_and_reason():
+    pods = [make_pod(0, phase="Failed", code=78, message="unknown model"), make_pod(1)]
+    prev = running_status(conditions=[{"type": "Running", "status": "True", "reason": "Running",
+                                       "lastTransitionTime": ago(60)}])
+    status, events = job_status(make_job(2), pods, now=NOW, prev_status=prev)
+    assert status["phase"] == "Failed" and status["reason"] == "BadConfiguration"
+    assert status["completionTime"] == "2026-11-22T12:00:00Z"
+    assert cond(status, "Failed")["status"] == "True"
+    assert cond(status, "Running")["status"] == "False"
+    assert events[0][:2] == ("Warning", "BadConfiguration")
+
+
+def test_condition_transition_time_only_moves_on_flip():
+    pods = [make_pod(0), make_pod(1)]
+    first, _ = job_status(make_job(2), pods, now=NOW, prev_status={"phase": "Pending"})
+    later = NOW.replace(hour=13)
+    second, _ = job_status(make_job(2), pods, now=later, prev_status=first)
+    assert cond(second, "Running")["lastTransitionTime"] == cond(first, "Running")["lastTransitionTime"]
+
+
+def test_unschedulable_condition_carries_the_scheduler_message():
+    pods = [make_pod(0, phase="Pending", unschedulable_for=600), make_pod(1, phase="Pending")]
+    status, events = job_status(make_job(2), pods, now=NOW, prev_status={"phase": "Pending"},
+                                config=OperatorConfig(unschedulable_timeout=300))
+    c = cond(status, "Unschedulable")
+    assert c["status"] == "True" and "Insufficient nvidia.com/gpu" in c["message"]
+    assert ("Warning", "Unschedulable", c["message"]) in events
+    _, again = job_status(make_job(2), pods, now=NOW, prev_status=status,
+                          config=OperatorConfig(unschedulable_timeout=300))
+    assert again == []
+
+
+def test_suspended_then_resumed_conditions():
+    status, events = job_status(make_job(2, suspend=True), [make_pod(0)], now=NOW, prev_status=running_status())
+    assert status["phase"] == "Suspended" and cond(status, "Suspended")["status"] == "True"
+    assert events[0][1] == "Suspended"
+    resumed, events = job_status(make_job(2), [], now=NOW, prev_status=status)
+    assert resumed["phase"] == "Pending" and cond(resumed, "Suspended")["status"] == "False"
+    assert events[0][1] == "Resumed"
+
+
+@dataclass
+class Report:
+    progress: dict | None = None
+    conditions: list = field(default_factory=list)
+    events: list = field(default_factory=list)
+    stalled: bool = False
+
+
+def test_monitor_report_merges_progress_and_conditions_by_type():
+    pods = [make_pod(0), make_pod(1)]
+    prev = running_status(progress={"step": 10, "loss": 2.0},
+                          conditions=[{"type": "Stalled", "status": "False", "reason": "Progressing",
+                                       "lastTransitionTime": ago(50)}])
+    report = Report(progress={"step": 20, "totalSteps": 100, "percent": 20.0},
+                    conditions=[{"type": "Stalled", "status": "False", "reason": "Progressing", "message": "ok"},
+                                {"type": "Straggler", "status": "True", "reason": "SlowRank", "message": "rank 3"}])
+    status, _ = job_status(make_job(2), pods, now=NOW, prev_status=prev, report=report)
+    assert status["progress"] == {"step": 20, "loss": 2.0, "totalSteps": 100, "percent": 20.0,
+                                  "display": "20% (20/100)"}
+    assert cond(status, "Stalled")["lastTransitionTime"] == ago(50)  # unchanged status keeps its time
+    assert cond(status, "Straggler")["status"] == "True"
+    assert [c["type"] for c in status["conditions"]].count("Stalled") == 1
+
+
+def test_progress_kept_between_scrapes():
+    prev = running_status(progress={"step": 5, "display": "step 5"})
+    status, _ = job_status(make_job(2), [make_pod(0), make_pod(1)], now=NOW, prev_status=prev)
+    assert status["progress"]["step"] == 5
+
+
+@pytest.mark.parametrize("progress,text", [
+    (None, None), ({}, None), ({"step": 7}, "step 7"), ({"step": 7, "totalSteps": 10}, "step 7/10"),
+    ({"percent": 42.4, "step": 424, "totalSteps": 1000}, "42% (424/1000)"),
+])
+def test_progress_display(progress, text):
+    assert progress_display(progress) == text
+
+
+def test_status_patch_nulls_removed_keys():
+    from ddpjob_operator.controller import status_patch
+
+    assert status_patch({"phase": "Failed", "completionTime": "t", "restarts": 1},
+                        {"phase": "Pending", "restarts": 1}) == {"phase": "Pending", "restarts": 1,
+                                                                 "completionTime": None}
+
+
+@pytest.mark.parametrize("refs,owned", [([{"uid": "u1"}], True), ([{"uid": "other"}], False), (None, False)])
+def test_only_pods_owned_by_this_job_uid_count(refs, owned):
+    from ddpjob_operator.controller import owned_by
+
+    assert owned_by({"metadata": {"ownerReferences": refs}}, "u1") is owned
+
+
+def test_handlers_never_need_finalizers():
+    import kopf
+
+    from ddpjob_operator.config import OperatorConfig
+    from ddpjob_operator.controller import Reconciler
+    from ddpjob_operator.handlers import register
+    from ddpjob_operator.operator_metrics import OperatorMetrics
+    from prometheus_client import CollectorRegistry
+
+    registry = kopf.OperatorRegistry()
+    register(registry, Reconciler(OperatorConfig(), k8s=None, metrics=OperatorMetrics(CollectorRegistry()),
+                                  monitor=None))
+    handlers = [h for reg in (registry._watching, registry._changing, registry._spawning)
+                for h in reg.get_all_handlers()]
+    assert len(handlers) == 2  # one watch on DDPJobs, one on their pods
+    assert not any(getattr(h, "requires_finalizer", None) for h in handlers)
+    assert not list(registry._spawning.get_all_handlers())  # no per-object timers/daemons
+
+
+def test_operator_settings_bound_watches_and_peering():
+    from ddpjob_operator.config import OperatorConfig
+    from ddpjob_operator.operator_main import operator_settings
+
+    s = operator_settings(OperatorConfig(peering=""))
+    assert s.watching.server_timeout and s.watching.client_timeout > s.watching.server_timeout
+    assert s.peering.standalone is True
+    s = operator_settings(OperatorConfig(peering="ddpjob", priority=7))
+    assert (s.peering.standalone, s.peering.name, s.peering.priority) == (False, "ddpjob", 7)
