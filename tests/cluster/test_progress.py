@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import types
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -69,7 +70,7 @@ def stop_local_run(proc: subprocess.Popen, workdir: Path) -> None:
 
 @contextmanager
 def local_training(tmp_path: Path, *, epochs: int = 40, **debug_env: str):
-    """A real 2-node CPU run of examples/digits.yaml serving metrics on base, base+1; yields base."""
+    """A real 2-node CPU run of examples/digits.yaml serving metrics on base, base+1 (yields .base, .proc)."""
     job = yaml.safe_load((REPO_ROOT / "examples" / "digits.yaml").read_text())
     job["spec"]["trainer"]["epochs"] = epochs
     spec = tmp_path / "digits.yaml"
@@ -83,7 +84,7 @@ def local_training(tmp_path: Path, *, epochs: int = 40, **debug_env: str):
                                  "--no-progress", "--workdir", str(tmp_path / "wd")],
                                 stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         try:
-            yield base
+            yield types.SimpleNamespace(base=base, proc=proc, log=log_path)
         finally:
             stop_local_run(proc, tmp_path / "wd")
             print(f"--- training log ({log_path}) ---\n{log_path.read_text()[-3000:]}")
@@ -93,18 +94,30 @@ def condition(status: dict, kind: str) -> dict | None:
     return next((c for c in status.get("conditions") or [] if c.get("type") == kind), None)
 
 
+def wait_job(k8s, name: str, run, pred, desc: str, timeout: float) -> dict:
+    """k8s.wait_status that gives up at once (with the training log) when the training died."""
+    def check():
+        if run.proc.poll() is not None:
+            return {"training exited": run.proc.returncode}
+        st = k8s.status(name)
+        return st if pred(st) else None
+    got = wait_for(check, timeout=timeout, desc=f"{name}: {desc} (status {k8s.status(name)})")
+    assert "training exited" not in got, f"training ended early: {got}\n{run.log.read_text()[-3000:]}"
+    return got
+
+
 def apply_job(k8s, name: str, base: int, **spec):
     # The pods never run here (kwok); only their names, ranks and phase matter to the monitor.
     return k8s.apply(name, nodes=2, gpusPerNode=0, metricsPort=base, **spec)
 
 
 def test_progress_and_loss_in_status_and_kubectl_get(start_operator, k8s, crd, tmp_path):
-    with local_training(tmp_path) as base:
+    with local_training(tmp_path) as run:
         start_operator(DDPJOB_SCRAPE_URL_TEMPLATE=URL_TEMPLATE)
-        apply_job(k8s, "prog", base)
+        apply_job(k8s, "prog", run.base)
         k8s.wait_status("prog", running(2), "both pods Running", timeout=60)
-        st = k8s.wait_status("prog", lambda s: (s.get("progress") or {}).get("step", 0) >= 20
-                             and "loss" in s["progress"], "progress with a step >= 20 and a loss", timeout=180)
+        st = wait_job(k8s, "prog", run, lambda s: (s.get("progress") or {}).get("step", 0) >= 20
+                      and "loss" in s["progress"], "progress with a step >= 20 and a loss", timeout=180)
         p = st["progress"]
         assert p["totalSteps"] > p["step"] and 0 < p["percent"] < 100
         assert p["samplesPerSecond"] > 0 and p["ranksReporting"] == 2
@@ -121,12 +134,12 @@ def test_progress_and_loss_in_status_and_kubectl_get(start_operator, k8s, crd, t
 
 
 def test_frozen_rank_turns_job_stalled_naming_that_rank(start_operator, k8s, crd, tmp_path):
-    with local_training(tmp_path, DDPJOB_DEBUG_FREEZE_RANK="1:30") as base:
+    with local_training(tmp_path, DDPJOB_DEBUG_FREEZE_RANK="1:30") as run:
         start_operator(DDPJOB_SCRAPE_URL_TEMPLATE=URL_TEMPLATE)
-        apply_job(k8s, "frozen", base, hangTimeoutSeconds=10)
+        apply_job(k8s, "frozen", run.base, hangTimeoutSeconds=10)
         k8s.wait_status("frozen", running(2), "both pods Running", timeout=60)
-        st = k8s.wait_status("frozen", lambda s: (condition(s, "Stalled") or {}).get("status") == "True",
-                             "Stalled condition True", timeout=240)
+        st = wait_job(k8s, "frozen", run, lambda s: (condition(s, "Stalled") or {}).get("status") == "True",
+                      "Stalled condition True", timeout=240)
         msg = condition(st, "Stalled")["message"]
         assert "rank 1 (pod frozen-1" in msg and "rank 0" not in msg, msg
         evs = wait_for(lambda: [e for e in k8s.events("frozen") if e[1] == "Stalled"], timeout=30,
@@ -136,15 +149,85 @@ def test_frozen_rank_turns_job_stalled_naming_that_rank(start_operator, k8s, crd
 
 
 def test_slowed_rank_is_reported_as_straggler(start_operator, k8s, crd, tmp_path):
-    with local_training(tmp_path, epochs=60, DDPJOB_DEBUG_SLOW_RANK="1:0.25") as base:
+    with local_training(tmp_path, epochs=60, DDPJOB_DEBUG_SLOW_RANK="1:0.25") as run:
         start_operator(DDPJOB_SCRAPE_URL_TEMPLATE=URL_TEMPLATE)
-        apply_job(k8s, "slow", base, hangTimeoutSeconds=120)
+        apply_job(k8s, "slow", run.base, hangTimeoutSeconds=120)
         k8s.wait_status("slow", running(2), "both pods Running", timeout=60)
-        st = k8s.wait_status("slow", lambda s: (condition(s, "Straggler") or {}).get("status") == "True",
-                             "Straggler condition True", timeout=240)
+        st = wait_job(k8s, "slow", run, lambda s: (condition(s, "Straggler") or {}).get("status") == "True",
+                      "Straggler condition True", timeout=240)
         msg = condition(st, "Straggler")["message"]
         node = next(p.spec.node_name for p in k8s.pods("slow") if p.metadata.name == "slow-1")
         assert "rank 1 (pod slow-1 on node " + node in msg and "rank 0" not in msg, msg
         evs = wait_for(lambda: [e for e in k8s.events("slow") if e[1] == "Straggler"], timeout=30,
                        desc="a Straggler event")
         assert evs[0][0] == "Warning" and "rank 1" in evs[0][2]
+
+
+# A user's own DDP script (a `command:` job) reporting through the telemetry API, where one rank's
+# input pipeline is slow: that rank's peers wait for it in all-reduce every step.
+SLOW_INPUT_SCRIPT = '''
+import os, time
+import torch, torch.distributed as dist, torch.nn as nn, torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+from ddpjob_trainer import telemetry
+
+dist.init_process_group("gloo")
+rank, slow = dist.get_rank(), int(os.environ.get("SLOW_INPUT_RANK", "-1"))
+steps = 4000
+
+def batches():
+    for _ in range(steps):
+        if rank == slow:
+            time.sleep(0.2)                     # this rank's data loader is slow
+        yield torch.randn(32, 64), torch.randint(0, 10, (32,))
+
+model = DDP(nn.Linear(64, 10))
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+tm = telemetry.Telemetry.from_env()
+tm.set_total_steps(steps)
+for x, y in tm.track(batches()):
+    loss = F.cross_entropy(model(x), y)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    tm.record_loss(loss)
+    time.sleep(0.02)
+dist.destroy_process_group()
+'''
+
+
+@contextmanager
+def local_custom_script(tmp_path: Path, **env_extra: str):
+    """`ddpjob run --local` of a 2-node command: job running SLOW_INPUT_SCRIPT (yields .base, .proc)."""
+    (tmp_path / "slow_input.py").write_text(SLOW_INPUT_SCRIPT)
+    spec = tmp_path / "custom.yaml"
+    spec.write_text(yaml.safe_dump({
+        "apiVersion": "ddpjob.dev/v1alpha1", "kind": "DDPJob", "metadata": {"name": "custom"},
+        "spec": {"nodes": 2, "nprocPerNode": 1, "gpusPerNode": 0, "image": "reg/trainer:1",
+                 "command": ["torchrun", "slow_input.py"], "failurePolicy": {"maxRestarts": 0}}}))
+    base = free_consecutive_ports(2)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DDPJOB_")}
+    env.update(env_extra)
+    log_path = tmp_path / "training.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([DDPJOB, "run", str(spec), "--local", "--metrics-port-base", str(base),
+                                 "--no-progress", "--workdir", str(tmp_path / "wd")],
+                                stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        try:
+            yield types.SimpleNamespace(base=base, proc=proc, log=log_path)
+        finally:
+            stop_local_run(proc, tmp_path / "wd")
+            print(f"--- training log ({log_path}) ---\n{log_path.read_text()[-3000:]}")
+
+
+def test_rank_with_a_slow_data_loader_is_reported_as_straggler(start_operator, k8s, crd, tmp_path):
+    with local_custom_script(tmp_path, SLOW_INPUT_RANK="1") as run:
+        start_operator(DDPJOB_SCRAPE_URL_TEMPLATE=URL_TEMPLATE)
+        apply_job(k8s, "input", run.base, hangTimeoutSeconds=120)
+        k8s.wait_status("input", running(2), "both pods Running", timeout=60)
+        st = wait_job(k8s, "input", run, lambda s: (condition(s, "Straggler") or {}).get("status") == "True",
+                      "Straggler condition True", timeout=240)
+        msg = condition(st, "Straggler")["message"]
+        assert "rank 1 (pod input-1 on node " in msg and "rank 0" not in msg, msg
+        assert condition(st, "Stalled")["status"] == "False"
+        assert st["progress"]["totalSteps"] == 4000 and st["progress"]["step"] > 0

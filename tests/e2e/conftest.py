@@ -37,27 +37,10 @@ def pytest_collection_modifyitems(items):
 
 
 @pytest.fixture(scope="session")
-def cluster() -> Cluster:
-    """The running local control plane; started with hack/cluster-up.sh when none is healthy."""
-    c = ensure_cluster()
-    assert (c.bin_dir / "helm").exists(), f"cluster-up links helm into {c.bin_dir}; it is missing"
-    return c
-
-
-@pytest.fixture
-def api(cluster):
-    """A kubernetes ApiClient (cluster admin) for the test, closed afterwards."""
-    client = cluster.api()
-    yield client
-    client.close()
-
-
-@pytest.fixture
-def namespace(cluster, api) -> str:
-    """A fresh namespace for one test, deleted (without waiting) afterwards."""
-    name = create_namespace(api)
-    yield name
-    delete_namespace(api, name)
+def cluster(cluster) -> Cluster:
+    """The shared control plane (tests/support/fixtures.py), which must also have helm linked."""
+    assert (cluster.bin_dir / "helm").exists(), f"cluster-up links helm into {cluster.bin_dir}; it is missing"
+    return cluster
 
 
 # --- Helm releases of the chart, ServiceAccount kubeconfigs, an operator process -------------------

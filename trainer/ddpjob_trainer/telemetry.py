@@ -17,6 +17,10 @@ dashboards with a few lines::
             tm.record_loss(loss)                     # float or 0-d tensor
 
 Set DDPJOB_TELEMETRY=0 to turn every call into a no-op.
+
+Meaning (what the operator's detectors rely on): `step_seconds` is the whole optimizer step,
+data wait included; `data_wait_seconds` is the part spent waiting for the batch. A gauge never set
+(e.g. eval_accuracy before the first evaluation, GPU memory on CPU) is not exported at all.
 """
 from __future__ import annotations
 
