@@ -48,7 +48,7 @@ done
 [ "${#stopped[@]}" -gt 0 ] && log "stopped ${stopped[*]}"
 
 if [ "$KEEP_LOGS" = 1 ]; then
-  find "$STATE" -mindepth 1 -maxdepth 1 ! -name logs -exec rm -rf {} +
+  find "$STATE" -mindepth 1 -maxdepth 1 ! -name logs ! -name "logs.try*" -exec rm -rf {} +
   log "removed $STATE (kept logs/)"
 else
   rm -rf "$STATE"

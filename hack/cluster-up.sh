@@ -41,6 +41,14 @@ fail() {
   fi
   log "stopping the components started so far (logs kept in $LOGS)"
   "$HERE/cluster-down.sh" --keep-logs >&2 || true
+  # Free ports are chosen before the components bind them, so another process can take one in
+  # between; a fresh try with fresh ports fixes that. Genuine failures still fail on the last try.
+  local try="${DDPJOB_CLUSTER_UP_TRY:-1}"
+  if [ "$try" -lt 3 ]; then
+    rm -rf "$LOGS.try$try" && mv "$LOGS" "$LOGS.try$try" 2>/dev/null || true
+    log "retrying with fresh ports (try $((try + 1)) of 3; logs of this try in $LOGS.try$try)"
+    DDPJOB_CLUSTER_UP_TRY=$((try + 1)) exec "$HERE/cluster-up.sh"
+  fi
   exit 1
 }
 

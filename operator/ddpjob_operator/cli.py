@@ -50,7 +50,9 @@ def render(file, namespace) -> None:
 @click.option("--cluster-domain", default="", envvar="DDPJOB_CLUSTER_DOMAIN")
 @click.option("--scrape-interval", type=float, default=15.0, envvar="DDPJOB_SCRAPE_INTERVAL", show_default=True)
 @click.option("--scrape-url-template", default="", envvar="DDPJOB_SCRAPE_URL_TEMPLATE",
-              help="Override where pod metrics are scraped, e.g. http://127.0.0.1:{port}/metrics")
+              help="Override where pod metrics are scraped; placeholders {pod} {rank} {ip} {port} "
+                   "{rank_port} (= metricsPort + node rank) {namespace} {job}, "
+                   "e.g. http://127.0.0.1:{rank_port}/metrics")
 @click.option("--unschedulable-timeout", type=float, default=300.0, envvar="DDPJOB_UNSCHEDULABLE_TIMEOUT", show_default=True)
 @click.option("--peering", default="ddpjob", envvar="DDPJOB_PEERING", show_default=True,
               help="kopf peering name; empty for standalone.")

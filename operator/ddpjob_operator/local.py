@@ -274,6 +274,10 @@ def run_attempt(job: JobSpec, *, attempt: int, workdir: Path, metrics_ports: lis
         _kill_group(nodes)
 
 
+def _interrupt(signum, _frame) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def run_local(path: str, *, summary_json: str | None = None, metrics_port_base: int | None = None,
               workdir: str | None = None, progress: bool = True) -> int:
     """Run the DDPJob in `path` on this machine; the process exit code."""
@@ -293,6 +297,7 @@ def run_local(path: str, *, summary_json: str | None = None, metrics_port_base: 
                f"{job.world_size}; metrics on ports {ports[0]}..{ports[-1]}; logs in {wd}/logs", err=True)
     display = Display(enabled=progress, job=job)
     attempt_no, outcome = 0, Attempt(ok=False)
+    signal.signal(signal.SIGTERM, _interrupt)  # `kill` stops the group like Ctrl-C does
     try:
         while True:
             outcome = run_attempt(job, attempt=attempt_no, workdir=wd, metrics_ports=ports, display=display)

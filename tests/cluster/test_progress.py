@@ -3,8 +3,9 @@
 The DDPJob's pods are "Running" on kwok's fake nodes; the training itself runs on this machine
 (`ddpjob run --local --metrics-port-base P`: node N serves metrics on P + N), and the operator is
 pointed at it with DDPJOB_SCRAPE_URL_TEMPLATE=http://127.0.0.1:{rank_port}/metrics
-({rank_port} = spec.metricsPort + node rank). Test knobs (trainer/ddpjob_trainer/debug.py):
-DDPJOB_DEBUG_FREEZE_RANK="<rank>:<step>", DDPJOB_DEBUG_SLOW_RANK="<rank>:<seconds>".
+({rank_port} = spec.metricsPort + node rank). Test knob (trainer/ddpjob_trainer/debug.py):
+DDPJOB_DEBUG_FREEZE_RANK="<rank>:<step>"; the straggler is a `command:` job whose rank 1 has a slow
+data loader (SLOW_INPUT_RANK, below).
 """
 from __future__ import annotations
 
@@ -90,6 +91,15 @@ def local_training(tmp_path: Path, *, epochs: int = 40, **debug_env: str):
             print(f"--- training log ({log_path}) ---\n{log_path.read_text()[-3000:]}")
 
 
+def table_row(header: str, row: str) -> dict[str, str]:
+    """A `kubectl get` row by column, cut at the header's offsets (values may contain spaces)."""
+    import re
+
+    starts = [(m.start(), m.group()) for m in re.finditer(r"\S+", header)]
+    bounds = [s for s, _ in starts[1:]] + [None]
+    return {name: row[start:end].strip() for (start, name), end in zip(starts, bounds)}
+
+
 def condition(status: dict, kind: str) -> dict | None:
     return next((c for c in status.get("conditions") or [] if c.get("type") == kind), None)
 
@@ -124,13 +134,24 @@ def test_progress_and_loss_in_status_and_kubectl_get(start_operator, k8s, crd, t
         assert p["lastStepTime"].endswith("Z") and p["eta"]
         out = crd.kubectl("get", "ddpj", "prog", "-n", k8s.ns).stdout
         header, row = out.splitlines()[:2]
-        assert "PROGRESS" in header and "LOSS" in header, out
-        cols = dict(zip(header.split(), row.split()))
-        assert cols["PROGRESS"].endswith("%"), out
+        cols = table_row(header, row)
+        assert "%" in cols["PROGRESS"], out
         assert float(cols["LOSS"]) > 0, out
         # Healthy: both detector conditions present and False.
         assert condition(st, "Stalled")["status"] == "False"
         assert condition(st, "Straggler")["status"] == "False"
+
+
+def test_slowed_rank_is_reported_as_straggler(start_operator, k8s, crd, tmp_path):
+    with local_training(tmp_path, epochs=60, DDPJOB_DEBUG_SLOW_RANK="1:0.25") as run:
+        start_operator(DDPJOB_SCRAPE_URL_TEMPLATE=URL_TEMPLATE)
+        apply_job(k8s, "slow", run.base, hangTimeoutSeconds=120)
+        k8s.wait_status("slow", running(2), "both pods Running", timeout=60)
+        st = wait_job(k8s, "slow", run, lambda s: (condition(s, "Straggler") or {}).get("status") == "True",
+                      "Straggler condition True", timeout=240)
+        msg = condition(st, "Straggler")["message"]
+        node = next(p.spec.node_name for p in k8s.pods("slow") if p.metadata.name == "slow-1")
+        assert "rank 1 (pod slow-1 on node " + node in msg and "rank 0" not in msg, msg
 
 
 def test_frozen_rank_turns_job_stalled_naming_that_rank(start_operator, k8s, crd, tmp_path):
@@ -146,21 +167,6 @@ def test_frozen_rank_turns_job_stalled_naming_that_rank(start_operator, k8s, crd
                        desc="a Stalled event")
         assert evs[0][0] == "Warning" and "rank 1" in evs[0][2]
         assert st["phase"] == "Running"   # restartOnHang is opt-in
-
-
-def test_slowed_rank_is_reported_as_straggler(start_operator, k8s, crd, tmp_path):
-    with local_training(tmp_path, epochs=60, DDPJOB_DEBUG_SLOW_RANK="1:0.25") as run:
-        start_operator(DDPJOB_SCRAPE_URL_TEMPLATE=URL_TEMPLATE)
-        apply_job(k8s, "slow", run.base, hangTimeoutSeconds=120)
-        k8s.wait_status("slow", running(2), "both pods Running", timeout=60)
-        st = wait_job(k8s, "slow", run, lambda s: (condition(s, "Straggler") or {}).get("status") == "True",
-                      "Straggler condition True", timeout=240)
-        msg = condition(st, "Straggler")["message"]
-        node = next(p.spec.node_name for p in k8s.pods("slow") if p.metadata.name == "slow-1")
-        assert "rank 1 (pod slow-1 on node " + node in msg and "rank 0" not in msg, msg
-        evs = wait_for(lambda: [e for e in k8s.events("slow") if e[1] == "Straggler"], timeout=30,
-                       desc="a Straggler event")
-        assert evs[0][0] == "Warning" and "rank 1" in evs[0][2]
 
 
 # A user's own DDP script (a `command:` job) reporting through the telemetry API, where one rank's
@@ -228,6 +234,10 @@ def test_rank_with_a_slow_data_loader_is_reported_as_straggler(start_operator, k
         st = wait_job(k8s, "input", run, lambda s: (condition(s, "Straggler") or {}).get("status") == "True",
                       "Straggler condition True", timeout=240)
         msg = condition(st, "Straggler")["message"]
-        assert "rank 1 (pod input-1 on node " in msg and "rank 0" not in msg, msg
+        node = next(p.spec.node_name for p in k8s.pods("input") if p.metadata.name == "input-1")
+        assert f"rank 1 (pod input-1 on node {node}" in msg and "rank 0" not in msg, msg
+        evs = wait_for(lambda: [e for e in k8s.events("input") if e[1] == "Straggler"], timeout=30,
+                       desc="a Straggler event")
+        assert evs[0][0] == "Warning" and "rank 1" in evs[0][2]
         assert condition(st, "Stalled")["status"] == "False"
         assert st["progress"]["totalSteps"] == 4000 and st["progress"]["step"] > 0

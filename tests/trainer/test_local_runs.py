@@ -182,7 +182,8 @@ def test_failing_rank_error_is_printed_and_the_job_fails(tmp_path):
     assert not left, [Path(f"/proc/{p}/cmdline").read_bytes() for p in left]  # node 0 was stopped
 
 
-def test_ctrl_c_stops_every_process_it_started(tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_ctrl_c_or_sigterm_stops_every_process_it_started(tmp_path, sig):
     job = write_job(tmp_path / "sigint.yaml", name="sigint", trainer={
         "dataset": "digits", "model": "mlp", "epochs": 50, "batchSize": 8})
     proc = subprocess.Popen([*DDPJOB, "run", str(job), "--local", "--no-progress", "--workdir",
@@ -194,7 +195,7 @@ def test_ctrl_c_stops_every_process_it_started(tmp_path):
             assert proc.poll() is None, proc.stdout.read()[-2000:]
             time.sleep(0.2)
         assert _find_worker("sigint", 1), "workers never started"
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(sig)
         proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:

@@ -1,6 +1,6 @@
 """Test knobs that make one rank slow or frozen, so straggler and hang detection can be shown.
 
-DDPJOB_DEBUG_SLOW_RANK="<rank>:<seconds>"   that rank sleeps this long after every step
+DDPJOB_DEBUG_SLOW_RANK="<rank>:<seconds>"   that rank's data loader takes this much longer per step
 DDPJOB_DEBUG_FREEZE_RANK="<rank>:<step>"    that rank stops advancing once it reaches the step
 DDPJOB_DEBUG_STEP_SLEEP="<seconds>"         every rank sleeps this long after every step
 DDPJOB_DEBUG_CRASH_RANK="<rank>:<step>"     that rank exits 1 at the step, on attempt 0 only
@@ -24,6 +24,7 @@ class Knobs:
     """The knobs that apply to this rank (all off by default)."""
 
     sleep: float = 0.0
+    slow_fetch: float = 0.0
     freeze_at: int | None = None
     crash_at: int | None = None
 
@@ -32,14 +33,17 @@ class Knobs:
         """Read the DDPJOB_DEBUG_* variables for `rank`."""
         sleep = float(env.get("DDPJOB_DEBUG_STEP_SLEEP", "0") or 0)
         slow = _pair(env.get("DDPJOB_DEBUG_SLOW_RANK"))
-        if slow and slow[0] == rank:
-            sleep += slow[1]
         freeze = _pair(env.get("DDPJOB_DEBUG_FREEZE_RANK"))
         crash = _pair(env.get("DDPJOB_DEBUG_CRASH_RANK"))
         first_attempt = env.get("DDPJOB_ATTEMPT", "0") == "0"
-        return cls(sleep=sleep,
+        return cls(sleep=sleep, slow_fetch=slow[1] if slow and slow[0] == rank else 0.0,
                    freeze_at=int(freeze[1]) if freeze and freeze[0] == rank else None,
                    crash_at=int(crash[1]) if crash and crash[0] == rank and first_attempt else None)
+
+    def before_fetch(self) -> None:
+        """A slow rank's batch arrives late: the time counts as its data wait, as a real one would."""
+        if self.slow_fetch:
+            time.sleep(self.slow_fetch)
 
     def after_step(self, step: int) -> None:
         """Apply the knobs once `step` has been taken."""

@@ -197,6 +197,8 @@ def train(cfg: TrainerConfig, ctx: DistContext, *, log: NullReporter, telemetry:
             loss_sum, n_samples = 0.0, 0
             for i in range(n_micro):
                 t_wait = time.perf_counter()
+                if i == 0:
+                    knobs.before_fetch()
                 x, y = next(batches)
                 x = x.to(ctx.device, non_blocking=True)
                 y = y.to(ctx.device, non_blocking=True)
