@@ -79,6 +79,7 @@ class Reconciler:
         self._workers: dict[Key, asyncio.Task] = {}
         self._timers: dict[Key, tuple[float, asyncio.TimerHandle]] = {}
         self.paused = False
+        self._paused_checked_at = float("-inf")
         self.identity: str | None = None           # our kopf peering identity (set by operator_main)
 
     # -- triggers ------------------------------------------------------------------------
@@ -148,6 +149,8 @@ class Reconciler:
         while key in self._dirty:
             await asyncio.sleep(self.debounce)
             scrape = self._dirty.pop(key)
+            if not await self.may_act():
+                continue  # a higher-priority peer acts; our resync retries once it is gone
             try:
                 await self.reconcile(*key, scrape=scrape)
                 backoff = 1.0
@@ -164,14 +167,25 @@ class Reconciler:
         """Every interval: one pass per known job (running jobs also get scraped)."""
         while True:
             await asyncio.sleep(self.resync_interval)
-            try:
-                self.paused = await self._peering_paused()
-            except Exception as exc:  # noqa: BLE001
-                log.debug("peering check failed: %s", exc)
-            if self.paused:
+            if not await self.may_act(max_age=0.0):
                 continue
             for key in list(self.known):
                 self.kick(*key, scrape=True)
+
+    async def may_act(self, *, max_age: float = 2.0) -> bool:
+        """False while a live higher-priority peer exists. Every pass asks, not only the resync:
+        kopf notices a new peer only eventually, and a pass started from a watch event in that
+        window would let two replicas act on one job. The answer is cached for `max_age` s."""
+        if not self.config.peering:
+            return True
+        now = time.monotonic()
+        if now - self._paused_checked_at >= max_age:
+            try:
+                self.paused = await self._peering_paused()
+            except Exception as exc:  # noqa: BLE001  (an API hiccup: keep the last answer)
+                log.debug("peering check failed: %s", exc)
+            self._paused_checked_at = now
+        return not self.paused
 
     async def _peering_paused(self) -> bool:
         """True while a live peer with a higher priority exists (then kopf pauses us too)."""

@@ -178,8 +178,6 @@ def reconcile_example_with_token(cluster, api, kit, tmp_path, rel, job_ns: str, 
     Service and pods of examples/digits.yaml, write status, and finish the job."""
     from kubernetes import client
 
-    if not (REPO / "operator" / "ddpjob_operator" / "operator_main.py").exists():
-        pytest.skip("operator_main.py (operator issue) not written yet")
     kubeconfig = kit.token_kubeconfig(cluster, rel, tmp_path / "sa.kubeconfig")
     who = json.loads(cluster.kubectl("--kubeconfig", str(kubeconfig), "auth", "whoami", "-o", "json").stdout)
     assert who["status"]["userInfo"]["username"] == rel.user
@@ -244,8 +242,6 @@ def test_ha_peering_with_the_service_account(cluster, api, crds, helm_release, k
     chart's KopfPeering, only the higher one reconciles, the other takes over when it stops."""
     from kubernetes import client
 
-    if not (REPO / "operator" / "ddpjob_operator" / "operator_main.py").exists():
-        pytest.skip("operator_main.py (operator issue) not written yet")
     rel = helm_release("ha.enabled=true", "replicaCount=2", "rbac.namespaced=true",
                        f"operator.watchNamespaces={{{namespace}}}", "peering.name=ddpjob-ha")
     kubeconfig = kit.token_kubeconfig(cluster, rel, tmp_path / "sa.kubeconfig")
