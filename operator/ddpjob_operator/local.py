@@ -8,6 +8,7 @@ with the same parsing and health logic the operator uses.
 """
 from __future__ import annotations
 
+import copy
 import json
 import os
 import signal
@@ -79,7 +80,7 @@ def free_port() -> int:
 
 def local_trainer_config(trainer: dict[str, Any], workdir: Path) -> dict[str, Any]:
     """Absolute checkpoint dirs (a PVC mount in a pod) move under the workdir on a laptop."""
-    trainer = json.loads(json.dumps(trainer))
+    trainer = copy.deepcopy(trainer)
     ck = trainer.get("checkpoint")
     if ck and ck.get("dir"):
         d = Path(ck["dir"])

@@ -9,86 +9,22 @@ data loader (SLOW_INPUT_RANK, below).
 """
 from __future__ import annotations
 
-import os
-import signal
-import socket
-import subprocess
-import sys
-import types
 from contextlib import contextmanager
 from pathlib import Path
 
-import yaml
-
 from tests.cluster.conftest import wait_for
 from tests.cluster.test_operator import crd, k8s, running, start_operator  # noqa: F401  (fixtures)
-from tests.support.cluster import REPO_ROOT
+from tests.support.localrun import local_run, write_digits_job, write_slow_input_job
 
-DDPJOB = str(Path(sys.executable).parent / "ddpjob")
 URL_TEMPLATE = "http://127.0.0.1:{rank_port}/metrics"
-
-
-def free_consecutive_ports(n: int) -> int:
-    """A base port whose next n ports are all free on loopback."""
-    for _ in range(100):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        socks = []
-        try:
-            for p in range(base, base + n):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", p))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no free port range")
-
-
-def stop_local_run(proc: subprocess.Popen, workdir: Path) -> None:
-    """Stop `ddpjob run` like Ctrl-C does (it stops its nodes), then make sure no node of it survives."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=10)
-    # Nodes run in sessions of their own; any left (a frozen rank) is found by its work dir.
-    marker = f"DDPJOB_RESULT_FILE={workdir}".encode()
-    for pid in [p for p in os.listdir("/proc") if p.isdigit()]:
-        try:
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                if marker in f.read():
-                    os.kill(int(pid), signal.SIGKILL)
-        except OSError:  # gone meanwhile, or not ours to read
-            continue
 
 
 @contextmanager
 def local_training(tmp_path: Path, *, epochs: int = 40, **debug_env: str):
     """A real 2-node CPU run of examples/digits.yaml serving metrics on base, base+1 (yields .base, .proc)."""
-    job = yaml.safe_load((REPO_ROOT / "examples" / "digits.yaml").read_text())
-    job["spec"]["trainer"]["epochs"] = epochs
-    spec = tmp_path / "digits.yaml"
-    spec.write_text(yaml.safe_dump(job))
-    base = free_consecutive_ports(2)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("DDPJOB_")}
-    env.update(DDPJOB_DEBUG_STEP_SLEEP="0.05", **debug_env)
-    log_path = tmp_path / "training.log"
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen([DDPJOB, "run", str(spec), "--local", "--metrics-port-base", str(base),
-                                 "--no-progress", "--workdir", str(tmp_path / "wd")],
-                                stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        try:
-            yield types.SimpleNamespace(base=base, proc=proc, log=log_path)
-        finally:
-            stop_local_run(proc, tmp_path / "wd")
-            print(f"--- training log ({log_path}) ---\n{log_path.read_text()[-3000:]}")
+    with local_run(write_digits_job(tmp_path, epochs=epochs), tmp_path,
+                   DDPJOB_DEBUG_STEP_SLEEP="0.05", **debug_env) as run:
+        yield run
 
 
 def table_row(header: str, row: str) -> dict[str, str]:
@@ -169,61 +105,11 @@ def test_frozen_rank_turns_job_stalled_naming_that_rank(start_operator, k8s, crd
         assert st["phase"] == "Running"   # restartOnHang is opt-in
 
 
-# A user's own DDP script (a `command:` job) reporting through the telemetry API, where one rank's
-# input pipeline is slow: that rank's peers wait for it in all-reduce every step.
-SLOW_INPUT_SCRIPT = '''
-import os, time
-import torch, torch.distributed as dist, torch.nn as nn, torch.nn.functional as F
-from torch.nn.parallel import DistributedDataParallel as DDP
-from ddpjob_trainer import telemetry
-
-dist.init_process_group("gloo")
-rank, slow = dist.get_rank(), int(os.environ.get("SLOW_INPUT_RANK", "-1"))
-steps = 4000
-
-def batches():
-    for _ in range(steps):
-        if rank == slow:
-            time.sleep(0.2)                     # this rank's data loader is slow
-        yield torch.randn(32, 64), torch.randint(0, 10, (32,))
-
-model = DDP(nn.Linear(64, 10))
-opt = torch.optim.SGD(model.parameters(), lr=0.01)
-tm = telemetry.Telemetry.from_env()
-tm.set_total_steps(steps)
-for x, y in tm.track(batches()):
-    loss = F.cross_entropy(model(x), y)
-    opt.zero_grad()
-    loss.backward()
-    opt.step()
-    tm.record_loss(loss)
-    time.sleep(0.02)
-dist.destroy_process_group()
-'''
-
-
 @contextmanager
 def local_custom_script(tmp_path: Path, **env_extra: str):
     """`ddpjob run --local` of a 2-node command: job running SLOW_INPUT_SCRIPT (yields .base, .proc)."""
-    (tmp_path / "slow_input.py").write_text(SLOW_INPUT_SCRIPT)
-    spec = tmp_path / "custom.yaml"
-    spec.write_text(yaml.safe_dump({
-        "apiVersion": "ddpjob.dev/v1alpha1", "kind": "DDPJob", "metadata": {"name": "custom"},
-        "spec": {"nodes": 2, "nprocPerNode": 1, "gpusPerNode": 0, "image": "reg/trainer:1",
-                 "command": ["torchrun", "slow_input.py"], "failurePolicy": {"maxRestarts": 0}}}))
-    base = free_consecutive_ports(2)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("DDPJOB_")}
-    env.update(env_extra)
-    log_path = tmp_path / "training.log"
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen([DDPJOB, "run", str(spec), "--local", "--metrics-port-base", str(base),
-                                 "--no-progress", "--workdir", str(tmp_path / "wd")],
-                                stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        try:
-            yield types.SimpleNamespace(base=base, proc=proc, log=log_path)
-        finally:
-            stop_local_run(proc, tmp_path / "wd")
-            print(f"--- training log ({log_path}) ---\n{log_path.read_text()[-3000:]}")
+    with local_run(write_slow_input_job(tmp_path, name="custom"), tmp_path, **env_extra) as run:
+        yield run
 
 
 def test_rank_with_a_slow_data_loader_is_reported_as_straggler(start_operator, k8s, crd, tmp_path):

@@ -12,7 +12,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -24,11 +23,11 @@ import pytest
 import yaml
 
 from tests.support.cluster import REPO_ROOT, wait_for
+from tests.support.localrun import free_ports, local_run, write_digits_job
 
 CHART = REPO_ROOT / "charts" / "ddpjob-operator"
 RULES = CHART / "rules" / "ddpjob-alerts.yaml"
 DASHBOARDS = CHART / "dashboards"
-DDPJOB = Path(sys.executable).parent / "ddpjob"
 
 # CONTRACT (design.md): metrics every rank exports, and the labels on them.
 TRAINER_METRICS = [
@@ -43,27 +42,6 @@ GPU_METRICS = ["ddpjob_trainer_gpu_memory_allocated_bytes", "ddpjob_trainer_gpu_
 JOB = "digits"
 GPU_JOB = "gpu-fake"
 NAMESPACE = "default"   # from_manifest's default namespace; the local runner labels with it
-
-
-def free_ports(n: int, *, consecutive: bool = False) -> list[int]:
-    """n free loopback ports (consecutive ones when asked: node N serves on base + N)."""
-    for _ in range(200):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        ports = list(range(base, base + n)) if consecutive else [base]
-        ok = True
-        for p in ports:
-            with socket.socket() as s:
-                try:
-                    s.bind(("127.0.0.1", p))
-                except OSError:
-                    ok = False
-        if ok and (consecutive or n == 1):
-            return ports
-        if not consecutive:
-            return [base] + free_ports(n - 1)
-    raise RuntimeError("no free ports")
 
 
 def ensure_prometheus() -> tuple[str, str]:
@@ -160,26 +138,6 @@ def _stop(proc: subprocess.Popen) -> None:
             proc.wait(timeout=10)
 
 
-def stop_local_run(proc: subprocess.Popen, workdir: Path) -> None:
-    """Stop `ddpjob run` like Ctrl-C does (it stops its nodes), then make sure no node of it survives."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=10)
-    # Nodes run in sessions of their own; any left (a frozen rank) is found by its work dir.
-    marker = f"DDPJOB_RESULT_FILE={workdir}".encode()
-    for pid in [p for p in os.listdir("/proc") if p.isdigit()]:
-        try:
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                if marker in f.read():
-                    os.kill(int(pid), signal.SIGKILL)
-        except OSError:  # gone meanwhile, or not ours to read
-            continue
-
-
 @pytest.fixture(scope="module")
 def prometheus_bin() -> tuple[str, str]:
     return ensure_prometheus()
@@ -189,27 +147,18 @@ def prometheus_bin() -> tuple[str, str]:
 def training(tmp_path_factory):
     """`ddpjob run examples/digits.yaml --local --metrics-port-base P`, slowed so it outlives the checks."""
     work = tmp_path_factory.mktemp("train")
-    job = yaml.safe_load((REPO_ROOT / "examples" / "digits.yaml").read_text())
-    job["spec"]["trainer"]["epochs"] = 40                      # long enough for every check below
-    spec_file = work / "digits.yaml"
-    spec_file.write_text(yaml.safe_dump(job))
-    base = free_ports(2, consecutive=True)[0]
-    env = dict(os.environ, DDPJOB_DEBUG_STEP_SLEEP="0.1")
-    env.pop("DDPJOB_METRICS_DIR", None)
-    log = open(work / "run.log", "w")
-    proc = subprocess.Popen([str(DDPJOB), "run", str(spec_file), "--local", "--metrics-port-base", str(base),
-                             "--no-progress", "--workdir", str(work / "wd")],
-                            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    gpu_port = free_ports(1)[0]
-    gpu = subprocess.Popen([sys.executable, "-c", FAKE_GPU, str(gpu_port)], stdout=subprocess.PIPE, text=True,
-                           env=dict(env, DDPJOB_METRICS_DIR=str(work / "gpu-mp")), start_new_session=True)
-    try:
-        assert gpu.stdout.readline().strip() == "ready"
-        yield {"ports": [base, base + 1], "gpu_port": gpu_port, "proc": proc, "log": work / "run.log"}
-    finally:
-        stop_local_run(proc, work / "wd")
-        _stop(gpu)
-        log.close()
+    # 40 epochs, slowed: long enough for every check below.
+    with local_run(write_digits_job(work, epochs=40), work, DDPJOB_DEBUG_STEP_SLEEP="0.1") as run:
+        gpu_port = free_ports(1)[0]
+        env = {k: v for k, v in os.environ.items() if not k.startswith("DDPJOB_")}
+        gpu = subprocess.Popen([sys.executable, "-c", FAKE_GPU, str(gpu_port)], stdout=subprocess.PIPE,
+                               text=True, env=dict(env, DDPJOB_METRICS_DIR=str(work / "gpu-mp")),
+                               start_new_session=True)
+        try:
+            assert gpu.stdout.readline().strip() == "ready"
+            yield {"ports": run.ports, "gpu_port": gpu_port, "proc": run.proc, "log": run.log}
+        finally:
+            _stop(gpu)
 
 
 @pytest.fixture(scope="module")

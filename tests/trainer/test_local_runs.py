@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.support.localrun import pids_with_env
+
 from .helpers import DDPJOB, REPO, run_local, write_job
 
 pytestmark = pytest.mark.timeout(600)
@@ -63,19 +65,15 @@ def test_eval_is_exact_when_world_size_does_not_divide_the_validation_set(tmp_pa
 
 
 def _find_worker(job_name: str, rank: int) -> int | None:
-    """PID of the torchrun worker process with RANK=rank of this job (not its agent)."""
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
+    """PID of the torchrun worker process with RANK=rank of this job (not its agent or launcher)."""
+    for pid in set(pids_with_env(f"DDPJOB_NAME={job_name}")) & set(pids_with_env(f"RANK={rank}")):
         try:
             cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
         except OSError:
             continue
         if b"ddpjob_trainer" in cmd and b"torch.distributed.run" not in cmd \
-                and b"ddpjob_trainer.launch" not in cmd \
-                and f"DDPJOB_NAME={job_name}".encode() in env and f"RANK={rank}".encode() in env:
-            return int(pid)
+                and b"ddpjob_trainer.launch" not in cmd:
+            return pid
     return None
 
 
@@ -156,15 +154,7 @@ def test_custom_script_example_runs_unchanged(tmp_path):
 
 
 def _job_processes(job_name: str) -> list[int]:
-    pids = []
-    for pid in os.listdir("/proc"):
-        if pid.isdigit():
-            try:
-                if f"DDPJOB_NAME={job_name}".encode() in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
-                    pids.append(int(pid))
-            except OSError:
-                continue
-    return pids
+    return pids_with_env(f"DDPJOB_NAME={job_name}")
 
 
 def test_failing_rank_error_is_printed_and_the_job_fails(tmp_path):

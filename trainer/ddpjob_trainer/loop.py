@@ -17,7 +17,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Subset
 
 from . import debug, rng
-from .checkpoint import Checkpointer
+from .checkpoint import Checkpointer, step_dir_name
 from .config import TrainerConfig
 from .data import ResumableSampler, build_data, eval_shard
 from .dist import DistContext
@@ -194,7 +194,7 @@ def train(cfg: TrainerConfig, ctx: DistContext, *, log: NullReporter, telemetry:
             telemetry.step_started(step=step + 1)
             wait = 0.0
             n_micro = min(cfg.grad_accum_steps, micro_per_epoch - micro_done)
-            loss_sum, n_samples = 0.0, 0
+            loss_sum, n_samples = torch.zeros((), device=ctx.device), 0
             for i in range(n_micro):
                 t_wait = time.perf_counter()
                 if i == 0:
@@ -209,7 +209,7 @@ def train(cfg: TrainerConfig, ctx: DistContext, *, log: NullReporter, telemetry:
                     with _autocast(cfg, ctx.device):
                         loss = F.cross_entropy(forward(x), y)
                     (loss / n_micro).backward()
-                loss_sum += loss.item()
+                loss_sum += loss.detach()  # one device sync per step (below), not per micro-batch
                 n_samples += y.numel()
             opt.step()
             sched.step()
@@ -220,7 +220,7 @@ def train(cfg: TrainerConfig, ctx: DistContext, *, log: NullReporter, telemetry:
             dt = time.perf_counter() - t_step
             train_seconds += dt
             samples_seen += n_samples
-            mean_loss = loss_sum / n_micro
+            mean_loss = loss_sum.item() / n_micro
             telemetry.step(step=step, epoch=epoch, loss=mean_loss, samples=n_samples,
                            step_seconds=dt, data_wait_seconds=wait, timestamp=time.time())
             if step % cfg.log_every_steps == 0 or step == total_steps:
@@ -251,7 +251,7 @@ def train(cfg: TrainerConfig, ctx: DistContext, *, log: NullReporter, telemetry:
         resumed_from_step=resumed_from, train_samples_per_second=throughput,
         eval_accuracy=last_eval.accuracy, eval_loss=last_eval.loss, eval_samples=last_eval.samples,
         eval_dataset_size=last_eval.dataset_size,
-        last_checkpoint=str(Path(cfg.checkpoint.dir) / f"step-{step:08d}") if ckpt else None)
+        last_checkpoint=str(Path(cfg.checkpoint.dir) / step_dir_name(step)) if ckpt else None)
     if ctx.is_main and result_path:
         _write_json_atomic(result_path, asdict(result))
     log.info(f"done: {step} steps, eval accuracy {last_eval.accuracy:.4f}, "

@@ -1,0 +1,144 @@
+"""Real `ddpjob run --local` processes for tests that need live trainer metrics endpoints."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import types
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+import yaml
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+DDPJOB = Path(sys.executable).parent / "ddpjob"
+
+# A user's own DDP script (a `command:` job) reporting through the telemetry API, where one rank's
+# input pipeline is slow: that rank's peers wait for it in all-reduce every step.
+SLOW_INPUT_SCRIPT = '''
+import os, time
+import torch, torch.distributed as dist, torch.nn as nn, torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+from ddpjob_trainer import telemetry
+
+dist.init_process_group("gloo")
+rank, slow = dist.get_rank(), int(os.environ.get("SLOW_INPUT_RANK", "-1"))
+steps = 4000
+
+def batches():
+    for _ in range(steps):
+        if rank == slow:
+            time.sleep(0.2)                     # this rank's data loader is slow
+        yield torch.randn(32, 64), torch.randint(0, 10, (32,))
+
+model = DDP(nn.Linear(64, 10))
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+tm = telemetry.Telemetry.from_env()
+tm.set_total_steps(steps)
+for x, y in tm.track(batches()):
+    loss = F.cross_entropy(model(x), y)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    tm.record_loss(loss)
+    time.sleep(0.02)
+dist.destroy_process_group()
+'''
+
+
+def free_ports(n: int, *, consecutive: bool = False) -> list[int]:
+    """n free loopback ports (consecutive ones when asked: node N serves on base + N)."""
+    for _ in range(200):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        ports = list(range(base, base + n)) if consecutive else [base]
+        ok = True
+        for p in ports:
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", p))
+                except OSError:
+                    ok = False
+        if ok and (consecutive or n == 1):
+            return ports
+        if not consecutive:
+            return [base] + free_ports(n - 1)
+    raise RuntimeError("no free ports")
+
+
+def pids_with_env(entry: str, *, prefix: bool = False) -> list[int]:
+    """Live processes whose environment holds `entry` (e.g. "DDPJOB_NAME=digits"), or an entry
+    starting with it when `prefix`."""
+    needle = entry.encode()
+    pids = []
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                entries = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+                if any(e.startswith(needle) if prefix else e == needle for e in entries):
+                    pids.append(int(pid))
+            except OSError:  # gone meanwhile, or not ours to read
+                continue
+    return pids
+
+
+def write_digits_job(directory: Path, *, epochs: int) -> Path:
+    """examples/digits.yaml with another epoch count (long enough for the checks)."""
+    job = yaml.safe_load((REPO_ROOT / "examples" / "digits.yaml").read_text())
+    job["spec"]["trainer"]["epochs"] = epochs
+    spec = directory / "digits.yaml"
+    spec.write_text(yaml.safe_dump(job))
+    return spec
+
+
+def write_slow_input_job(directory: Path, *, name: str) -> Path:
+    """A 2-node `command:` job running SLOW_INPUT_SCRIPT (SLOW_INPUT_RANK picks the slow rank)."""
+    (directory / "slow_input.py").write_text(SLOW_INPUT_SCRIPT)
+    spec = directory / "custom.yaml"
+    spec.write_text(yaml.safe_dump({
+        "apiVersion": "ddpjob.dev/v1alpha1", "kind": "DDPJob", "metadata": {"name": name},
+        "spec": {"nodes": 2, "nprocPerNode": 1, "gpusPerNode": 0, "image": "reg/trainer:1",
+                 "command": ["torchrun", "slow_input.py"], "failurePolicy": {"maxRestarts": 0}}}))
+    return spec
+
+
+def stop_local_run(proc: subprocess.Popen, workdir: Path) -> None:
+    """Stop `ddpjob run` like Ctrl-C does (it stops its nodes), then make sure no node of it survives."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+    # Nodes run in sessions of their own; any left (a frozen rank) is found by its work dir.
+    for pid in pids_with_env(f"DDPJOB_RESULT_FILE={workdir}/", prefix=True):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            continue
+
+
+@contextmanager
+def local_run(spec: Path, root: Path, **env_extra: str) -> Iterator[types.SimpleNamespace]:
+    """`ddpjob run SPEC --local` with node metrics on base, base+1; stopped (and its log shown) after.
+
+    The test process's own DDPJOB_* variables never leak into the run; `env_extra` adds knobs.
+    """
+    base = free_ports(2, consecutive=True)[0]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DDPJOB_")}
+    env.update(env_extra)
+    log_path, workdir = root / "run.log", root / "wd"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([str(DDPJOB), "run", str(spec), "--local", "--metrics-port-base", str(base),
+                                 "--no-progress", "--workdir", str(workdir)],
+                                stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        try:
+            yield types.SimpleNamespace(base=base, ports=[base, base + 1], proc=proc, log=log_path)
+        finally:
+            stop_local_run(proc, workdir)
+            print(f"--- training log ({log_path}) ---\n{log_path.read_text()[-3000:]}")
