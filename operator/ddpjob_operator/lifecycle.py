@@ -14,7 +14,7 @@ from typing import Any
 from . import podinfo
 from .config import OperatorConfig
 from .envvars import pod_hostname
-from .phases import Phase
+from .phases import Cond, Phase
 from .spec import JobSpec
 
 
@@ -25,6 +25,56 @@ class Failure:
     reason: str          # PodFailed | PodEvicted | PodDeleted | Stalled | BadConfiguration
     message: str
     counted: bool        # counts against failurePolicy.maxRestarts
+
+
+# Container waiting reasons that do not clear by themselves: the kubelet retries forever (Kubernetes
+# leaves such a pod Pending), so without a condition the job would look merely slow.
+START_ERRORS = frozenset({"ErrImagePull", "ImagePullBackOff", "ErrImageNeverPull", "InvalidImageName",
+                          "CreateContainerConfigError", "CreateContainerError"})
+# An init container (or native sidecar) that keeps crashing blocks the pod the same way; the
+# training container itself never crash-loops (restartPolicy: Never).
+INIT_START_ERRORS = START_ERRORS | {"CrashLoopBackOff", "RunContainerError"}
+
+
+@dataclass(frozen=True)
+class StartError:
+    """A container of one pod stuck before it could start."""
+
+    pod: str
+    container: str
+    reason: str
+    message: str
+    init: bool = False
+
+    def describe(self) -> str:
+        kind = "init container" if self.init else "container"
+        text = f"pod {self.pod} {kind} {self.container}: {self.reason}"
+        return f"{text}: {self.message}" if self.message else text
+
+
+def start_errors(pods: list[dict[str, Any]]) -> list[StartError]:
+    """Every container of these pods waiting in a start error, in pod order."""
+    out: list[StartError] = []
+    for pod in pods:
+        if podinfo.terminating(pod) or podinfo.phase(pod) not in ("Pending", "Running"):
+            continue
+        status = pod.get("status") or {}
+        for key, reasons, init in (("initContainerStatuses", INIT_START_ERRORS, True),
+                                   ("containerStatuses", START_ERRORS, False)):
+            for cs in status.get(key) or []:
+                waiting = (cs.get("state") or {}).get("waiting") or {}
+                if waiting.get("reason") in reasons:
+                    out.append(StartError(pod=podinfo.name(pod), container=str(cs.get("name") or ""),
+                                          reason=waiting["reason"],
+                                          message=" ".join(str(waiting.get("message") or "").split())[:300],
+                                          init=init))
+    return out
+
+
+def condition(status: dict[str, Any] | None, type: str) -> dict[str, Any] | None:
+    """The condition of this type in a status, when it is True."""
+    return next((c for c in (status or {}).get("conditions") or []
+                 if c.get("type") == type and c.get("status") == "True"), None)
 
 
 @dataclass
@@ -46,6 +96,7 @@ class Decision:
     unschedulable: str | None = None          # scheduler message once past the timeout
     requeue_after: float | None = None        # seconds until a deadline needs another pass
     restarted: Failure | None = None          # set in the pass that starts a group restart
+    start_errors: list[StartError] = field(default_factory=list)   # containers that cannot start
 
 
 def _iso(value: Any) -> dt.datetime | None:
@@ -179,6 +230,16 @@ def decide(job: JobSpec, pods: list[dict[str, Any]], *, now: dt.datetime, prev_s
         d.phase = Phase.PENDING  # cannot really happen (pods never go back to Pending); stay honest
     elif d.phase not in (Phase.RESTARTING,) and d.reason != "Resumed":
         d.phase, d.reason, d.message = Phase.PENDING, "Created", f"waiting for {job.nodes} node(s) to start"
+    refused = condition(prev, Cond.FAILED_CREATE_POD)
+    if refused and d.create_ranks and d.phase is Phase.PENDING:
+        # The API server refused a pod (status.create_refused); say so until every pod exists.
+        d.reason, d.message = Cond.FAILED_CREATE_POD.value, str(refused.get("message") or "")
+
+    d.start_errors = start_errors([current[r] for r in sorted(current)])
+    if d.start_errors:
+        failed = _start_error(job, d, prev, now)
+        if failed:
+            return _finish(job, d, pods, now)
 
     # Pods the scheduler cannot place: a condition (not a failure) after the timeout.
     stuck = [s for s in (podinfo.unschedulable_since(p) for p in current.values()) if s]
@@ -190,6 +251,29 @@ def decide(job: JobSpec, pods: list[dict[str, Any]], *, now: dt.datetime, prev_s
         else:
             d.requeue_after = _sooner(d.requeue_after, config.unschedulable_timeout - waited)
     return d
+
+
+def _start_error(job: JobSpec, d: Decision, prev: dict[str, Any], now: dt.datetime) -> bool:
+    """Name the first stuck container in the job's reason; True when podStartTimeoutSeconds is over.
+
+    The clock is the ContainersNotStarting condition's lastTransitionTime: it survives operator
+    restarts and resets once every container started."""
+    err = d.start_errors[0]
+    timeout = job.pod_start_timeout
+    since = _iso((condition(prev, Cond.CONTAINERS_NOT_STARTING) or {}).get("lastTransitionTime")) or now
+    waited = max(0.0, (now - since).total_seconds())
+    if timeout is not None and waited >= timeout:
+        d.phase, d.reason = Phase.FAILED, err.reason
+        d.message = (f"{err.describe()} (for {waited:.0f}s; spec.failurePolicy.podStartTimeoutSeconds="
+                     f"{timeout})")
+        return True
+    if d.phase is Phase.PENDING:
+        policy = (f"failing after spec.failurePolicy.podStartTimeoutSeconds={timeout}" if timeout is not None
+                  else "waiting (set spec.failurePolicy.podStartTimeoutSeconds to fail instead)")
+        d.phase, d.reason, d.message = Phase.PENDING, err.reason, f"{err.describe()}; {policy}"
+    if timeout is not None:
+        d.requeue_after = _sooner(d.requeue_after, timeout - waited)
+    return False
 
 
 def _finish(job: JobSpec, d: Decision, pods: list[dict], now: dt.datetime) -> Decision:

@@ -38,3 +38,5 @@ class Cond(str, enum.Enum):
     FAILED = "Failed"
     SUSPENDED = "Suspended"
     UNSCHEDULABLE = "Unschedulable"
+    CONTAINERS_NOT_STARTING = "ContainersNotStarting"
+    FAILED_CREATE_POD = "FailedCreatePod"

@@ -70,6 +70,18 @@ class JobSpec:
         return bool((self.spec.get("failurePolicy") or {}).get("restartOnHang", False))
 
     @property
+    def pod_start_timeout(self) -> int | None:
+        """Seconds a container may stay in a start error before the job fails (None = keep waiting)."""
+        val = (self.spec.get("failurePolicy") or {}).get("podStartTimeoutSeconds")
+        return None if val is None else int(val)
+
+    @property
+    def hang_timeout_seconds(self) -> int | None:
+        """spec.hangTimeoutSeconds (None = derived by the monitor)."""
+        val = self.spec.get("hangTimeoutSeconds")
+        return None if val is None else int(val)
+
+    @property
     def clean_pod_policy(self) -> str:
         """None | Running | All: which pods go away when the job finishes."""
         return str(self.spec.get("cleanPodPolicy") or "Running")

@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import datetime as dt
+import json
+from dataclasses import dataclass
 from typing import Any
 
 from . import podinfo
 from .config import OperatorConfig
 from .envvars import master_dns
-from .lifecycle import Decision, decide
+from .lifecycle import Decision, condition, decide
 from .phases import Cond, Phase
 from .spec import JobSpec
 
@@ -81,9 +83,27 @@ def job_status(job: JobSpec, pods: list[dict[str, Any]], *, now: dt.datetime,
     events: list[Event] = []
     prev_phase = Phase.parse(prev.get("phase"))
 
-    if d.create_ranks or pods or any(c.get("type") == Cond.CREATED for c in conds):
+    # A refused create (create_refused) holds until every rank exists; until then nothing claims
+    # the pods were created.
+    refused = bool(d.create_ranks) and condition({"conditions": conds}, Cond.FAILED_CREATE_POD) is not None
+    if not refused and (d.create_ranks or pods or any(c.get("type") == Cond.CREATED for c in conds)):
         set_condition(conds, type=Cond.CREATED, status=True, reason="Created",
                       message=f"headless service and {job.nodes} pod(s) created", now=now, generation=gen)
+    if not d.create_ranks:
+        _clear(conds, Cond.FAILED_CREATE_POD, "Created", f"all {job.nodes} pod(s) created", now, gen)
+    was_stuck = next((c for c in conds if c.get("type") == Cond.CONTAINERS_NOT_STARTING
+                      and c.get("status") == "True"), None)
+    if d.start_errors:
+        first = d.start_errors[0]
+        text = "; ".join(e.describe() for e in d.start_errors[:5])
+        if len(d.start_errors) > 5:
+            text += f"; and {len(d.start_errors) - 5} more"
+        set_condition(conds, type=Cond.CONTAINERS_NOT_STARTING, status=True, reason=first.reason, message=text,
+                      now=now, generation=gen)
+        if not was_stuck or was_stuck.get("reason") != first.reason:
+            events.append(("Warning", first.reason, text))
+    else:
+        _clear(conds, Cond.CONTAINERS_NOT_STARTING, "Started", "", now, gen)
     if d.phase is Phase.RUNNING:
         set_condition(conds, type=Cond.RUNNING, status=True, reason="Running", message=d.message,
                       now=now, generation=gen)
@@ -166,3 +186,74 @@ def job_status(job: JobSpec, pods: list[dict[str, Any]], *, now: dt.datetime,
             reason = d.reason or "Failed"
         events.append((kind, reason, d.message))
     return status, events
+
+
+# API status codes of a create the API server refused for good: the pod spec itself is invalid
+# (schema, admission). Anything else in 4xx (quota, PodSecurity, a namespace being deleted) may
+# clear without a spec change: the job waits and the operator retries.
+PERMANENT_REFUSALS = frozenset({400, 422})
+
+
+@dataclass(frozen=True)
+class CreateRefusal:
+    """One pod create the API server answered with a 4xx (other than 409 AlreadyExists / 429)."""
+
+    pod: str
+    code: int
+    reason: str        # the API Status reason: Invalid, Forbidden, BadRequest, ...
+    message: str       # the API's own message (names the field)
+
+    @property
+    def permanent(self) -> bool:
+        """True when only a different spec could be created."""
+        return self.code in PERMANENT_REFUSALS
+
+
+def refusal(pod: str, code: int | None, body: Any) -> CreateRefusal | None:
+    """A CreateRefusal from an API error (code + JSON Status body), None when it is not one:
+    409 (the pod exists), 429 and 5xx are the controller's to retry."""
+    if code is None or not 400 <= code < 500 or code in (409, 429):
+        return None
+    data: Any = body
+    if isinstance(body, (str, bytes)):
+        try:
+            data = json.loads(body)
+        except ValueError:
+            data = {"message": body.decode(errors="replace") if isinstance(body, bytes) else body}
+    data = data if isinstance(data, dict) else {}
+    message = " ".join(str(data.get("message") or f"HTTP {code}").split())
+    return CreateRefusal(pod=pod, code=int(code), reason=str(data.get("reason") or code), message=message[:1000])
+
+
+def create_refused(job: JobSpec, status: dict[str, Any], refusals: list[CreateRefusal], *,
+                   now: dt.datetime) -> tuple[dict[str, Any], list[Event]]:
+    """The status after pod creates were refused: a FailedCreatePod condition with the API's
+    message, Failed when the spec can never be created (400/422), else Pending with that reason
+    (lifecycle.decide keeps it until every pod exists). One FailedCreatePod event per new message."""
+    if not refusals:
+        return status, []
+    first = next((r for r in refusals if r.permanent), refusals[0])
+    gen = job.generation
+    pods = ", ".join(sorted({r.pod for r in refusals}))
+    message = f"the API server refused to create pod(s) {pods}: {first.message}"
+    conds = [dict(c) for c in status.get("conditions") or []]
+    old = condition({"conditions": conds}, Cond.FAILED_CREATE_POD)
+    set_condition(conds, type=Cond.FAILED_CREATE_POD, status=True, reason=first.reason, message=message,
+                  now=now, generation=gen)
+    set_condition(conds, type=Cond.CREATED, status=False, reason=Cond.FAILED_CREATE_POD.value, message=message,
+                  now=now, generation=gen)
+    new = {**status, "conditions": conds, "reason": Cond.FAILED_CREATE_POD.value}
+    events: list[Event] = []
+    if not old or old.get("message") != message:
+        events.append(("Warning", Cond.FAILED_CREATE_POD.value, message))
+    if first.permanent and not Phase.parse(status.get("phase")) in (Phase.SUCCEEDED, Phase.FAILED):
+        new["phase"] = Phase.FAILED.value
+        new["message"] = f"{message} (the job cannot start: fix the spec and recreate the DDPJob)"
+        new["completionTime"] = iso(now)
+        set_condition(conds, type=Cond.FAILED, status=True, reason=Cond.FAILED_CREATE_POD.value,
+                      message=new["message"], now=now, generation=gen)
+        _clear(conds, Cond.RUNNING, Cond.FAILED_CREATE_POD.value, new["message"], now, gen)
+    else:
+        new["phase"] = Phase.PENDING.value if status.get("phase") != Phase.RESTARTING.value else status["phase"]
+        new["message"] = f"{message} (retrying; the job cannot start until the API server accepts its pods)"
+    return new, events

@@ -148,8 +148,10 @@ def _cel(obj: dict[str, Any]) -> list[str]:
         if is_int(lo) and is_int(hi) and lo > hi:
             errs.append("spec.elastic.minNodes must be <= spec.elastic.maxNodes")
     fp = spec.get("failurePolicy")
-    if isinstance(fp, dict) and is_int(fp.get("maxRestarts")) and fp["maxRestarts"] < 0:
-        errs.append("spec.failurePolicy.maxRestarts must be >= 0")
+    if isinstance(fp, dict):
+        for key, low in (("maxRestarts", 0), ("podStartTimeoutSeconds", 1)):
+            if is_int(fp.get(key)) and fp[key] < low:
+                errs.append(f"spec.failurePolicy.{key} must be >= {low}")
     for key, low in (("hangTimeoutSeconds", 1), ("ttlSecondsAfterFinished", 0), ("activeDeadlineSeconds", 1)):
         if is_int(spec.get(key)) and spec[key] < low:
             errs.append(f"spec.{key} must be >= {low}")

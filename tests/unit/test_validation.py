@@ -25,7 +25,13 @@ def test_good_manifest_has_no_problems():
     {"nprocPerNode": 4}, {"nprocPerNode": "auto"}, {"gpusPerNode": 8}, {"elastic": {"minNodes": 1, "maxNodes": 4}},
     {"shmSize": "16Gi"}, {"shmSize": 1073741824}, {"cleanPodPolicy": "All"}, {"suspend": True},
     {"volumes": [{"name": "d", "persistentVolumeClaim": {"claimName": "x"}}]},
-    {"scheduling": {"affinity": {"nodeAffinity": {"anything": "goes"}}, "nodeSelector": {"a": "b"}}},
+    {"scheduling": {"nodeSelector": {"a": "b"}, "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists"}],
+                    "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+                        "nodeSelectorTerms": [{"matchExpressions": [{"key": "gpu", "operator": "In",
+                                                                     "values": ["a100"]}]}]}}}}},
+    {"resources": {"limits": {"cpu": 2, "memory": "8Gi"}, "requests": {"cpu": "500m"}}},
+    {"env": [{"name": "1PASSWORD_TOKEN", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}}]},
+    {"securityContext": {"capabilities": {"add": ["IPC_LOCK"]}}, "podSecurityContext": {"fsGroup": 1000}},
     {"trainer": {"dataset": "synthetic", "model": "mlp", "optimizer": "adamw", "maxSteps": 10,
                  "synthetic": {"shape": [1, 8, 8], "numClasses": 4}, "checkpoint": {"everySteps": 0}}},
     {"command": ["torchrun", "train.py"], "launcher": False},
@@ -57,6 +63,21 @@ def test_valid_variants(extra):
     ({"trainer": {"synthetic": {"shape": []}}}, "spec.trainer.synthetic.shape"),
     ({"image": ""}, "spec.image"),
     ({"env": [{"value": "x"}]}, "spec.env[0].name"),
+    # Pod-level fields carry Kubernetes' own core/v1 schemas (hack/gen-crd-schemas.py).
+    ({"env": [{"name": "A=B", "value": "x"}]}, "spec.env[0].name"),
+    ({"env": [{"name": "A", "valueFrom": {"secretKeyRef": {"name": "s", "kee": "k"}}}]},
+     "spec.env[0].valueFrom.secretKeyRef.kee: unknown field"),
+    ({"resources": {"limts": {"memory": "8Gi"}}}, "spec.resources.limts: unknown field"),
+    ({"resources": {"limits": {"memory": "8 GB"}}}, "spec.resources.limits.memory"),
+    ({"scheduling": {"tolerations": [{"kye": "gpu", "operator": "Exists"}]}},
+     "spec.scheduling.tolerations[0].kye: unknown field"),
+    ({"scheduling": {"affinity": {"nodeAffinity": {"anything": "goes"}}}},
+     "spec.scheduling.affinity.nodeAffinity.anything: unknown field"),
+    ({"volumes": [{"name": "d", "persistentVolumeClam": {"claimName": "x"}}]},
+     "spec.volumes[0].persistentVolumeClam: unknown field"),
+    ({"volumeMounts": [{"name": "d"}]}, "spec.volumeMounts[0].mountPath"),
+    ({"podSecurityContext": {"fsGroup": "root"}}, "spec.podSecurityContext.fsGroup"),
+    ({"failurePolicy": {"podStartTimeoutSeconds": 0}}, "spec.failurePolicy.podStartTimeoutSeconds"),
 ])
 def test_invalid_specs_name_the_field(change, field):
     problems = validate_manifest(with_spec(**change))

@@ -1,0 +1,318 @@
+#!/usr/bin/env python3
+"""Embed the real core/v1 schemas (EnvVar, Volume, Toleration, ...) in the DDPJob CRD.
+
+The pod-level fields of a DDPJob are copied verbatim into its pods, so the API server must
+refuse there what it would refuse in a Pod: a misspelt toleration key, `resources: {limts:}`.
+Hand-written copies drift; these schemas come from the Kubernetes OpenAPI v3 document of the
+version the project builds (hack/versions.env):
+
+  * by default from the running local API server (`kubectl get --raw /openapi/v3/api/v1`,
+    KUBECONFIG=.cache/cluster/kubeconfig, kubectl from .cache/bin), which is the authority;
+  * `--openapi FILE` reads a saved copy; `--openapi gomod` reads the one shipped in the
+    k8s.io/kubernetes module of that version (api/openapi-spec/v3/api__v1_openapi.json), which is
+    byte-for-byte what that API server serves for these types.
+
+The CRD file is edited in place, one field's block at a time (read fresh from disk at run time):
+comments, hand-written fields and spec.trainer are left exactly as they are. `--check` exits 1
+when the file is not what generation would write (a unit test runs it).
+
+Structural-schema rules applied while inlining $refs: no $ref/allOf/oneOf, Quantity and
+IntOrString become `x-kubernetes-int-or-string` (Quantity with the API's quantity pattern),
+embedded ObjectMeta keeps unknown fields, defaults and list/map merge markers are dropped (the API
+server defaults the pod itself; list-map keys would need defaults the CRD cannot carry).
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+CRD = ROOT / "charts/ddpjob-operator/crds/ddpjobs.ddpjob.dev.yaml"
+CORE = "io.k8s.api.core.v1."
+META = "io.k8s.apimachinery.pkg.apis.meta.v1."
+# What the API server accepts as a resource.Quantity (the pattern controller-gen emits too).
+QUANTITY_PATTERN = (r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|"
+                    r"([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$")
+DROP = {"default", "x-kubernetes-patch-strategy", "x-kubernetes-patch-merge-key", "x-kubernetes-list-type",
+        "x-kubernetes-list-map-keys", "x-kubernetes-map-type", "x-kubernetes-unions",
+        "x-kubernetes-group-version-kind"}
+
+# CRD field (path of keys below spec) -> (core/v1 type, is a list of it).
+FIELDS: dict[tuple[str, ...], tuple[str, bool]] = {
+    ("env",): ("EnvVar", True),
+    ("envFrom",): ("EnvFromSource", True),
+    ("resources",): ("ResourceRequirements", False),
+    ("volumes",): ("Volume", True),
+    ("volumeMounts",): ("VolumeMount", True),
+    ("securityContext",): ("SecurityContext", False),
+    ("podSecurityContext",): ("PodSecurityContext", False),
+    ("imagePullSecrets",): ("LocalObjectReference", True),
+    ("scheduling", "tolerations"): ("Toleration", True),
+    ("scheduling", "affinity"): ("Affinity", False),
+    ("scheduling", "topologySpreadConstraints"): ("TopologySpreadConstraint", True),
+}
+# Rules the API server applies to these fields in a Pod beyond its OpenAPI (Go validation), kept
+# here so that the DDPJob is refused, not its pods. Same limits as Kubernetes 1.36's validation.
+EXTRA: dict[tuple[str, ...], dict[str, Any]] = {
+    # RelaxedEnvironmentVariableValidation (GA, locked on since 1.34): printable ASCII without '='.
+    ("env",): {"items": {"properties": {"name": {"minLength": 1, "pattern": "^[ -<>-~]+$"}}}},
+    ("volumes",): {"items": {"properties": {"name": {"minLength": 1}}}},
+}
+
+
+class GenError(RuntimeError):
+    """The OpenAPI document or the CRD file is not what the generator expects."""
+
+
+# -- OpenAPI -> structural schema --------------------------------------------------------------
+def _ref_name(ref: str) -> str:
+    return ref.rsplit("/", 1)[-1]
+
+
+def _special(name: str, description: str | None) -> dict[str, Any] | None:
+    """Types that are not plain objects in a structural schema."""
+    out: dict[str, Any] | None = None
+    if name == "io.k8s.apimachinery.pkg.api.resource.Quantity":
+        out = {"anyOf": [{"type": "integer"}, {"type": "string"}], "pattern": QUANTITY_PATTERN,
+               "x-kubernetes-int-or-string": True}
+    elif name == "io.k8s.apimachinery.pkg.util.intstr.IntOrString":
+        out = {"anyOf": [{"type": "integer"}, {"type": "string"}], "x-kubernetes-int-or-string": True}
+    elif name in (META + "Time", META + "MicroTime"):
+        out = {"type": "string", "format": "date-time"}
+    elif name == META + "ObjectMeta":
+        # Checked by the API server when the embedded object is created; unknown keys kept so
+        # that labels and annotations survive.
+        out = {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
+    if out is not None and description:
+        out = {"description": description, **out}
+    return out
+
+
+def structural(node: dict[str, Any], schemas: dict[str, Any], *, stack: tuple[str, ...] = (),
+               field: bool = True) -> dict[str, Any]:
+    """`node` with every $ref inlined and the structural-schema rules applied.
+
+    `field` is False for array items and map values: they get no description (kubectl explain
+    shows the field's own), which keeps the CRD small."""
+    desc = node.get("description")
+    ref = node.get("$ref")
+    if ref is None and isinstance(node.get("allOf"), list) and len(node["allOf"]) == 1:
+        ref = node["allOf"][0].get("$ref")
+    if ref is not None:
+        name = _ref_name(ref)
+        if name in stack:
+            raise GenError(f"recursive type {name} (via {' -> '.join(stack)})")
+        target = schemas.get(name)
+        if target is None:
+            raise GenError(f"OpenAPI document has no schema {name}")
+        special = _special(name, (desc or target.get("description")) if field else None)
+        if special is not None:
+            return special
+        merged = {**target, **{k: v for k, v in node.items() if k not in ("$ref", "allOf")}}
+        if desc:
+            merged["description"] = desc
+        return structural(merged, schemas, stack=stack + (name,), field=field)
+    if node.get("format") == "int-or-string" or "oneOf" in node:
+        return _special("io.k8s.apimachinery.pkg.util.intstr.IntOrString", desc if field else None)
+
+    out: dict[str, Any] = {}
+    if field and desc:
+        out["description"] = desc
+    for key, value in node.items():
+        if key in DROP or key == "description":
+            continue
+        if key == "properties":
+            out["properties"] = {k: structural(v, schemas, stack=stack) for k, v in sorted(value.items())}
+        elif key == "items":
+            out["items"] = structural(value, schemas, stack=stack, field=False)
+        elif key == "additionalProperties" and isinstance(value, dict):
+            out["additionalProperties"] = structural(value, schemas, stack=stack, field=False)
+        elif key in ("$ref", "allOf", "oneOf", "anyOf"):
+            raise GenError(f"unexpected {key} left in {stack}")
+        else:
+            out[key] = copy.deepcopy(value)
+    if out.get("type") == "object" and "properties" not in out and "additionalProperties" not in out:
+        out["x-kubernetes-preserve-unknown-fields"] = True
+    if "type" not in out and "x-kubernetes-int-or-string" not in out:
+        raise GenError(f"schema without a type in {stack}: {sorted(node)}")
+    return out
+
+
+def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(base.get(key), dict):
+            _merge(base[key], value)
+        else:
+            base[key] = copy.deepcopy(value)
+    return base
+
+
+_TAG = re.compile(r" ?\[core/v1 [A-Za-z]+( list)?\]$")
+
+
+def field_schema(path: tuple[str, ...], schemas: dict[str, Any], description: str | None) -> dict[str, Any]:
+    """The CRD schema of one pod-level field: our description, Kubernetes' type."""
+    type_name, is_list = FIELDS[path]
+    ref = {"$ref": f"#/components/schemas/{CORE}{type_name}"}
+    if is_list:
+        out = {"type": "array", "items": structural(ref, schemas, field=False)}
+    else:
+        out = structural(ref, schemas)
+        out.pop("description", None)
+    out = _merge(out, EXTRA.get(path, {}))
+    tag = f"[core/v1 {type_name}{' list' if is_list else ''}]"
+    own = _TAG.sub("", description or "").rstrip()
+    return {"description": f"{own} {tag}" if own else f"Kubernetes {tag}", **out}
+
+
+# -- the CRD file, edited one block at a time ---------------------------------------------------
+_KEY = re.compile(r"^(?P<indent>\s*)(?P<dash>- )?(?P<key>[A-Za-z0-9_$.\-]+):(?P<rest>.*)$")
+
+
+def _indent(line: str) -> int:
+    return len(line) - len(line.lstrip(" "))
+
+
+def find_block(lines: list[str], path: tuple[str, ...]) -> tuple[int, int, int]:
+    """(first line, end line, indent) of the mapping entry at key `path` (block-style YAML)."""
+    stack: list[tuple[int, str]] = []
+    skip_deeper: int | None = None
+    for i, line in enumerate(lines):
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        ind = _indent(line)
+        if skip_deeper is not None:
+            if ind > skip_deeper:
+                continue
+            skip_deeper = None
+        m = _KEY.match(line)
+        if not m:
+            continue
+        col = ind + (2 if m.group("dash") else 0)
+        while stack and stack[-1][0] >= col:
+            stack.pop()
+        stack.append((col, m.group("key")))
+        if tuple(k for _, k in stack[-len(path):]) == path and len(stack) >= len(path):
+            end = i + 1
+            while end < len(lines) and (not lines[end].strip() or _indent(lines[end]) > col):
+                end += 1
+            while end > i + 1 and not lines[end - 1].strip():
+                end -= 1
+            return i, end, col
+        if m.group("rest").strip() in (">", ">-", "|", "|-"):
+            skip_deeper = col
+    raise GenError(f"CRD has no field {'.'.join(path)}")
+
+
+class _Dumper(yaml.SafeDumper):
+    """One line per scalar: multi-line descriptions become double-quoted with \\n escapes, so
+    no continuation line can look like a key to find_block."""
+
+
+_Dumper.add_representer(str, lambda d, s: d.represent_scalar(
+    "tag:yaml.org,2002:str", s, style='"' if "\n" in s else None))
+
+
+def dump_block(key: str, schema: dict[str, Any], indent: int) -> list[str]:
+    body = yaml.dump(schema, Dumper=_Dumper, sort_keys=False, width=100000, allow_unicode=True)
+    pad = " " * (indent + 2)
+    return [" " * indent + f"{key}:"] + [pad + ln if ln else ln for ln in body.splitlines()]
+
+
+SPEC_PATH = ("openAPIV3Schema", "properties", "spec", "properties")
+
+
+def _spec_node(doc: dict[str, Any], path: tuple[str, ...]) -> dict[str, Any] | None:
+    node = doc["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    for key in path:
+        node = (node.get("properties") or {}).get(key)
+        if node is None:
+            return None
+    return node
+
+
+def generate(text: str, schemas: dict[str, Any]) -> str:
+    """The CRD text with every FIELDS entry replaced by its generated schema."""
+    before = yaml.safe_load(text)
+    lines = text.splitlines()
+    for path in FIELDS:
+        old = _spec_node(before, path) or {}
+        yaml_path = SPEC_PATH + tuple(p for k in path[:-1] for p in (k, "properties")) + (path[-1],)
+        start, end, col = find_block(lines, yaml_path)
+        lines[start:end] = dump_block(path[-1], field_schema(path, schemas, old.get("description")), col)
+    out = "\n".join(lines) + "\n"
+    after = yaml.safe_load(out)
+    # Only the generated fields may differ; spec.trainer and the rest stay as they were.
+    for doc in (before, after):
+        for path in FIELDS:
+            parent = _spec_node(doc, path[:-1]) if len(path) > 1 else _spec_node(doc, ())
+            (parent or {}).get("properties", {}).pop(path[-1], None)
+    if before != after:
+        raise GenError("generation changed fields outside the generated ones (bug in the block splicer)")
+    return out
+
+
+# -- inputs -------------------------------------------------------------------------------------
+def _versions() -> dict[str, str]:
+    out = {}
+    for line in (ROOT / "hack/versions.env").read_text().splitlines():
+        if "=" in line and not line.lstrip().startswith("#"):
+            key, _, value = line.partition("=")
+            out[key.strip()] = value.strip()
+    return out
+
+
+def load_openapi(source: str | None) -> dict[str, Any]:
+    """The core/v1 OpenAPI v3 document from the API server, a file, or the Go module cache."""
+    if source == "gomod":
+        gomodcache = subprocess.run(["go", "env", "GOMODCACHE"], capture_output=True, text=True,
+                                    check=True).stdout.strip()
+        path = Path(gomodcache) / f"k8s.io/kubernetes@{_versions()['KUBE_VERSION']}" \
+            / "api/openapi-spec/v3/api__v1_openapi.json"
+        return json.loads(path.read_text())
+    if source:
+        return json.loads(Path(source).read_text())
+    kubectl = ROOT / ".cache/bin/kubectl"
+    env = {**os.environ, "KUBECONFIG": os.environ.get("KUBECONFIG") or str(ROOT / ".cache/cluster/kubeconfig")}
+    proc = subprocess.run([str(kubectl) if kubectl.exists() else "kubectl", "get", "--raw", "/openapi/v3/api/v1"],
+                          capture_output=True, text=True, env=env, timeout=60)
+    if proc.returncode != 0:
+        raise GenError("could not read /openapi/v3/api/v1 from the API server (run `make cluster-up`, or pass "
+                       f"--openapi gomod|FILE): {proc.stderr.strip()}")
+    return json.loads(proc.stdout)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--openapi", help="core/v1 OpenAPI v3 JSON file, or 'gomod' (default: the API server)")
+    ap.add_argument("--crd", default=str(CRD), help="the CRD file to update in place")
+    ap.add_argument("--check", action="store_true", help="exit 1 if the file is not up to date")
+    args = ap.parse_args(argv)
+    schemas = load_openapi(args.openapi)["components"]["schemas"]
+    crd = Path(args.crd)
+    text = crd.read_text()
+    new = generate(text, schemas)
+    if args.check:
+        if new != text:
+            print(f"{crd}: generated schemas are out of date; run hack/gen-crd-schemas.py", file=sys.stderr)
+            return 1
+        return 0
+    if new != text:
+        tmp = crd.with_suffix(".yaml.tmp")
+        tmp.write_text(new)
+        tmp.replace(crd)
+    print(f"{crd}: {len(new)} bytes ({len(FIELDS)} core/v1 fields)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,166 @@
+"""Jobs that cannot start say why: containers stuck before starting (ContainersNotStarting) and pod
+creates the API server refused (FailedCreatePod). Pure: lifecycle.decide + status.job_status."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ddpjob_operator.lifecycle import decide
+from ddpjob_operator.phases import Phase
+from ddpjob_operator.status import CreateRefusal, create_refused, job_status, refusal
+from tests.unit.test_lifecycle import NOW, ago, make_job, make_pod
+from tests.unit.test_status import cond
+
+PULL_MSG = 'Back-off pulling image "reg/trainer:typo": ErrImagePull: not found'
+
+
+def stuck(rank, reason, *, init=False, message=PULL_MSG, phase="Pending"):
+    pod = make_pod(rank, phase=phase)
+    key = "initContainerStatuses" if init else "containerStatuses"
+    name = "setup" if init else "trainer"
+    pod["status"][key] = [{"name": name, "state": {"waiting": {"reason": reason, "message": message}}}]
+    return pod
+
+
+def waiting_status(reason, since):
+    return {"phase": "Pending", "attempt": 0, "launchedAttempt": 0, "startTime": ago(since + 5),
+            "conditions": [{"type": "ContainersNotStarting", "status": "True", "reason": reason,
+                            "message": "", "lastTransitionTime": ago(since)}]}
+
+
+@pytest.mark.parametrize("reason,init", [
+    ("ErrImagePull", False), ("ImagePullBackOff", False), ("ErrImageNeverPull", False),
+    ("InvalidImageName", False), ("CreateContainerConfigError", False), ("CreateContainerError", False),
+    ("CrashLoopBackOff", True), ("ImagePullBackOff", True),
+])
+def test_stuck_container_named_in_reason_condition_and_one_event(reason, init):
+    job = make_job(2)
+    pods = [make_pod(0, phase="Pending"), stuck(1, reason, init=init)]
+    status, events = job_status(job, pods, now=NOW, prev_status={"phase": "Pending", "attempt": 0})
+    kind = "init container setup" if init else "container trainer"
+    assert status["phase"] == "Pending" and status["reason"] == reason
+    assert status["message"].startswith(f"pod j-1 {kind}: {reason}: {PULL_MSG}; waiting")
+    c = cond(status, "ContainersNotStarting")
+    assert c["status"] == "True" and c["reason"] == reason and f"pod j-1 {kind}: {reason}" in c["message"]
+    assert ("Warning", reason, c["message"]) in events
+    # The next pass (same pods) keeps the condition and posts nothing new.
+    again, events2 = job_status(job, pods, now=NOW, prev_status=status)
+    assert cond(again, "ContainersNotStarting") == c and not [e for e in events2 if e[1] == reason]
+
+
+@pytest.mark.parametrize("pod", [
+    make_pod(0, phase="Pending"),                                             # not even scheduled yet
+    stuck(0, "ContainerCreating", message=""),                                # normal start
+    stuck(0, "PodInitializing", message=""),
+    stuck(0, "CrashLoopBackOff"),            # the trainer never loops (restartPolicy Never): not a start error
+])
+def test_normal_start_is_not_a_start_error(pod):
+    status, _ = job_status(make_job(1), [pod], now=NOW, prev_status={"phase": "Pending", "attempt": 0})
+    assert status["reason"] == "Created" and cond(status, "ContainersNotStarting") is None
+
+
+def test_default_policy_keeps_waiting_like_kubeflow_and_jobset():
+    d = decide(make_job(1), [stuck(0, "ImagePullBackOff")], now=NOW,
+               prev_status=waiting_status("ImagePullBackOff", since=86400))
+    assert d.phase is Phase.PENDING and d.reason == "ImagePullBackOff" and d.requeue_after is None
+    assert "set spec.failurePolicy.podStartTimeoutSeconds to fail instead" in d.message
+
+
+@pytest.mark.parametrize("since,phase", [(0, Phase.PENDING), (299, Phase.PENDING), (300, Phase.FAILED),
+                                         (5000, Phase.FAILED)])
+def test_pod_start_timeout_fails_the_job_with_the_container_reason(since, phase):
+    job = make_job(2, failurePolicy={"podStartTimeoutSeconds": 300})
+    pods = [make_pod(0), stuck(1, "ErrImagePull")]
+    prev = waiting_status("ErrImagePull", since) if since else {"phase": "Pending", "attempt": 0}
+    d = decide(job, pods, now=NOW, prev_status=prev)
+    assert d.phase is phase and d.reason == "ErrImagePull" and "pod j-1 container trainer" in d.message
+    if phase is Phase.FAILED:
+        assert "podStartTimeoutSeconds=300" in d.message and d.completion_time == NOW
+        assert d.delete_pods == ["j-0", "j-1"]      # cleanPodPolicy Running: unfinished pods go
+    else:
+        assert d.requeue_after == pytest.approx(300 - since) and "failing after" in d.message
+
+
+def test_condition_clears_once_the_container_starts():
+    prev = waiting_status("ImagePullBackOff", since=60)
+    status, _ = job_status(make_job(1), [make_pod(0)], now=NOW, prev_status=prev)
+    c = cond(status, "ContainersNotStarting")
+    assert status["phase"] == "Running" and c["status"] == "False" and c["reason"] == "Started"
+
+
+def test_only_the_current_attempt_counts():
+    prev = {"phase": "Restarting", "attempt": 1, "launchedAttempt": 0}
+    old = stuck(0, "ImagePullBackOff")
+    old["metadata"]["deletionTimestamp"] = ago(1)
+    d = decide(make_job(1), [old], now=NOW, prev_status=prev)
+    assert d.start_errors == []
+
+
+# -- refused creates --------------------------------------------------------------------------------
+INVALID = json.dumps({"kind": "Status", "status": "Failure", "reason": "Invalid", "code": 422,
+                      "message": 'Pod "j-0" is invalid: spec.containers[0].env[0].name: Invalid value: "A=B": '
+                                 "a valid environment variable name must consist only of printable ASCII "
+                                 "characters other than '='"})
+QUOTA = json.dumps({"kind": "Status", "reason": "Forbidden", "code": 403,
+                    "message": 'pods "j-1" is forbidden: exceeded quota: gpus, requested: nvidia.com/gpu=8, '
+                               "used: nvidia.com/gpu=8, limited: nvidia.com/gpu=8"})
+
+
+@pytest.mark.parametrize("code,body,reason,permanent", [
+    (422, INVALID, "Invalid", True),
+    (400, b'{"reason": "BadRequest", "message": "bad"}', "BadRequest", True),
+    (403, QUOTA, "Forbidden", False),
+    (400, "plain text body", "400", True),
+])
+def test_refusal_from_api_error(code, body, reason, permanent):
+    r = refusal("j-0", code, body)
+    assert r.reason == reason and r.permanent is permanent and r.message
+
+
+@pytest.mark.parametrize("code", [409, 429, 500, 503, None, 200])
+def test_retryable_errors_are_not_refusals(code):
+    assert refusal("j-0", code, "{}") is None
+
+
+def test_invalid_pod_fails_the_job_with_the_api_message():
+    job = make_job(2)
+    status, _ = job_status(job, [], now=NOW, prev_status=None)      # the pass that creates both ranks
+    new, events = create_refused(job, status, [refusal("j-0", 422, INVALID)], now=NOW)
+    assert new["phase"] == "Failed" and new["reason"] == "FailedCreatePod"
+    assert "spec.containers[0].env[0].name" in new["message"] and "cannot start" in new["message"]
+    assert new["completionTime"] == "2026-11-22T12:00:00Z"
+    c = cond(new, "FailedCreatePod")
+    assert c["status"] == "True" and c["reason"] == "Invalid" and "pod(s) j-0" in c["message"]
+    assert cond(new, "Created")["status"] == "False" and cond(new, "Failed")["reason"] == "FailedCreatePod"
+    assert events == [("Warning", "FailedCreatePod", c["message"])]
+    # Failed is final: the next pass creates nothing and keeps the reason.
+    d = decide(job, [], now=NOW, prev_status=new)
+    assert d.phase is Phase.FAILED and d.create_ranks == [] and d.reason == "FailedCreatePod"
+
+
+def test_quota_refusal_waits_with_the_reason_until_every_pod_exists():
+    job = make_job(2)
+    status, _ = job_status(job, [make_pod(0, phase="Pending")], now=NOW, prev_status=None)
+    new, events = create_refused(job, status, [refusal("j-1", 403, QUOTA)], now=NOW)
+    assert new["phase"] == "Pending" and new["reason"] == "FailedCreatePod" and "exceeded quota" in new["message"]
+    assert len(events) == 1
+    # Next pass, still refused: the status keeps saying so (no flip back to "Created").
+    again, ev = job_status(job, [make_pod(0, phase="Pending")], now=NOW, prev_status=new)
+    assert again["reason"] == "FailedCreatePod" and "exceeded quota" in again["message"]
+    assert cond(again, "Created")["status"] == "False" and ev == []
+    again2, ev2 = create_refused(job, again, [refusal("j-1", 403, QUOTA)], now=NOW)
+    assert again2["phase"] == "Pending" and ev2 == []                 # same message: no new event
+    # Quota freed: every pod exists, the condition clears and Created is true again.
+    done, _ = job_status(job, [make_pod(0), make_pod(1)], now=NOW, prev_status=again2)
+    assert done["phase"] == "Running" and cond(done, "FailedCreatePod")["status"] == "False"
+    assert cond(done, "Created")["status"] == "True"
+
+
+def test_no_refusals_change_nothing():
+    status = {"phase": "Pending"}
+    assert create_refused(make_job(1), status, [], now=NOW) == (status, [])
+
+
+def test_refusal_is_a_value():
+    assert CreateRefusal("p", 422, "Invalid", "m").permanent
