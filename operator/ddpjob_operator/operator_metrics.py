@@ -1,50 +1,160 @@
-"""ddpjob_operator_* Prometheus metrics (CONTRACT prefix), served on --metrics-port."""
+"""ddpjob_operator_* Prometheus metrics (CONTRACT prefix), served on --metrics-port.
+
+Every series carries `namespace` (as Kubeflow's `job_namespace`); per-job gauges also carry
+`ddpjob` (one series per existing job, removed with it). Counters' labelled series are born at 0
+(all known reasons, as soon as a namespace is known) so that `increase()` counts the first event.
+"""
 from __future__ import annotations
+
+import datetime as dt
+from typing import Any, Iterable
 
 from prometheus_client import REGISTRY, disable_created_metrics, CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from .phases import Phase
+from .lifecycle import INIT_START_ERRORS
+from .phases import Cond, Phase
+from .podinfo import parse_time
 
 # The *_created series only double the output; nothing here reads them.
 disable_created_metrics()
+
+# status.reason of a Failed job (lifecycle.decide, status.create_refused) and Failure.reason of a
+# group restart: every one is a 0-valued series from the start.
+FAILURE_REASONS = tuple(sorted({"BadConfiguration", "RestartLimitExceeded", "DeadlineExceeded",
+                                Cond.FAILED_CREATE_POD.value} | INIT_START_ERRORS))
+RESTART_REASONS = ("PodDeleted", "PodEvicted", "PodFailed", "Stalled")
+Key = tuple[str, str]   # (namespace, name)
+
+
+class _Unscoped:
+    """The call shape the controller used before metrics had a namespace (`.inc()`,
+    `.labels(reason)`); recorded under namespace "". Goes once the controller calls
+    record_pass / count_pods."""
+
+    def __init__(self, metric: Counter):
+        self._metric = metric
+
+    def inc(self, amount: float = 1) -> None:
+        self._metric.labels("").inc(amount)
+
+    def labels(self, *values: str) -> Any:
+        return self._metric.labels("", *values)
 
 
 class OperatorMetrics:
     """The operator's own metrics; one instance per process (or per test registry)."""
 
-    def __init__(self, registry: CollectorRegistry = REGISTRY):
+    def __init__(self, registry: CollectorRegistry = REGISTRY, *, namespaces: Iterable[str] = ()):
         self.registry = registry
-        self.jobs = Gauge("ddpjob_operator_jobs", "DDPJobs known to this operator, by phase",
-                          ["phase"], registry=registry)
-        self.created = Counter("ddpjob_operator_jobs_created_total", "DDPJobs first seen", registry=registry)
-        self.succeeded = Counter("ddpjob_operator_jobs_succeeded_total", "DDPJobs that succeeded",
-                                 registry=registry)
-        self.failed = Counter("ddpjob_operator_jobs_failed_total", "DDPJobs that failed, by reason",
-                              ["reason"], registry=registry)
-        self.restarted = Counter("ddpjob_operator_jobs_restarted_total", "Group restarts, by reason",
-                                 ["reason"], registry=registry)
-        self.pods_created = Counter("ddpjob_operator_pods_created_total", "Pods created", registry=registry)
-        self.pods_deleted = Counter("ddpjob_operator_pods_deleted_total", "Pods deleted", registry=registry)
+        self.jobs = Gauge("ddpjob_operator_jobs", "DDPJobs known to this operator, by namespace and phase",
+                          ["namespace", "phase"], registry=registry)
+        self.jobs_created = Counter("ddpjob_operator_jobs_created_total", "DDPJobs first seen",
+                                    ["namespace"], registry=registry)
+        self.jobs_succeeded = Counter("ddpjob_operator_jobs_succeeded_total", "DDPJobs that succeeded",
+                                      ["namespace"], registry=registry)
+        self.jobs_failed = Counter("ddpjob_operator_jobs_failed_total", "DDPJobs that failed, by reason",
+                                   ["namespace", "reason"], registry=registry)
+        self.jobs_restarted = Counter("ddpjob_operator_jobs_restarted_total", "Group restarts, by reason",
+                                      ["namespace", "reason"], registry=registry)
+        self.pods_created_total = Counter("ddpjob_operator_pods_created_total", "Pods created",
+                                          ["namespace"], registry=registry)
+        self.pods_deleted_total = Counter("ddpjob_operator_pods_deleted_total", "Pods deleted",
+                                          ["namespace"], registry=registry)
+        self.hang_timeout = Gauge(
+            "ddpjob_operator_job_hang_timeout_seconds",
+            "spec.hangTimeoutSeconds of each DDPJob that sets it (the DDPJobStalled alert's threshold)",
+            ["namespace", "ddpjob"], registry=registry)
+        self.failed_at = Gauge(
+            "ddpjob_operator_job_failed_timestamp_seconds",
+            "Unix time each existing failed DDPJob failed (status.completionTime), by reason",
+            ["namespace", "ddpjob", "reason"], registry=registry)
         self.reconcile_seconds = Histogram(
             "ddpjob_operator_reconcile_seconds", "Duration of one reconcile pass",
             buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10), registry=registry)
         self.reconcile_errors = Counter("ddpjob_operator_reconcile_errors_total", "Failed reconcile passes",
                                         registry=registry)
-        self._phases: dict[tuple[str, str], str] = {}
-        for phase in Phase:
-            self.jobs.labels(phase.value).set(0)
+        self._phases: dict[Key, str] = {}
+        self._failed: dict[Key, str] = {}
+        self._namespaces: set[str] = set()
+        for ns in namespaces:
+            self.namespace_seen(ns)
+        # Until the controller passes namespaces (record_pass / count_pods).
+        self.created, self.succeeded = _Unscoped(self.jobs_created), _Unscoped(self.jobs_succeeded)
+        self.failed, self.restarted = _Unscoped(self.jobs_failed), _Unscoped(self.jobs_restarted)
+        self.pods_created, self.pods_deleted = _Unscoped(self.pods_created_total), _Unscoped(self.pods_deleted_total)
 
-    def set_phase(self, key: tuple[str, str], phase: str | None) -> None:
-        """Record a job's phase (None forgets the job) and refresh the by-phase gauge."""
+    def namespace_seen(self, namespace: str) -> None:
+        """Create this namespace's series at 0 (once)."""
+        if namespace in self._namespaces:
+            return
+        self._namespaces.add(namespace)
+        for phase in Phase:
+            self.jobs.labels(namespace, phase.value).set(0)
+        for counter in (self.jobs_created, self.jobs_succeeded, self.pods_created_total, self.pods_deleted_total):
+            counter.labels(namespace)
+        for reason in FAILURE_REASONS:
+            self.jobs_failed.labels(namespace, reason)
+        for reason in RESTART_REASONS:
+            self.jobs_restarted.labels(namespace, reason)
+
+    def set_phase(self, key: Key, phase: str | None) -> None:
+        """Record a job's phase (None forgets the job and its per-job series)."""
         if phase is None:
             self._phases.pop(key, None)
+            self._forget_job(key)
         else:
+            self.namespace_seen(key[0])
             self._phases[key] = phase
-        counts = {p.value: 0 for p in Phase}
-        for value in self._phases.values():
-            counts[value] = counts.get(value, 0) + 1
-        for value, count in counts.items():
-            self.jobs.labels(value).set(count)
+        counts = {(ns, p.value): 0 for ns in self._namespaces for p in Phase}
+        for (ns, _), value in self._phases.items():
+            counts[(ns, value)] = counts.get((ns, value), 0) + 1
+        for (ns, value), count in counts.items():
+            self.jobs.labels(ns, value).set(count)
+
+    def _forget_job(self, key: Key) -> None:
+        self._remove(self.hang_timeout, key)
+        self._remove(self.failed_at, key + (self._failed.pop(key, ""),))
+
+    def record_pass(self, key: Key, *, prev_status: dict[str, Any], status: dict[str, Any],
+                    restarted: str | None = None, hang_timeout: float | None = None) -> None:
+        """Everything one reconcile pass of job `key` tells the metrics: its phase, the counters
+        for what changed (first sight, success, failure, a group restart), its per-job gauges."""
+        ns = key[0]
+        phase, old = status.get("phase"), prev_status.get("phase")
+        self.set_phase(key, phase)
+        if old is None:
+            self.jobs_created.labels(ns).inc()
+        if phase != old and phase == Phase.SUCCEEDED.value:
+            self.jobs_succeeded.labels(ns).inc()
+        reason = str(status.get("reason") or "Failed")
+        if phase != old and phase == Phase.FAILED.value:
+            self.jobs_failed.labels(ns, reason).inc()
+        if restarted is not None:
+            self.jobs_restarted.labels(ns, restarted).inc()
+        if hang_timeout is not None:
+            self.hang_timeout.labels(*key).set(float(hang_timeout))
+        else:
+            self._remove(self.hang_timeout, key)
+        if phase == Phase.FAILED.value and self._failed.get(key) != reason:
+            self._remove(self.failed_at, key + (self._failed.pop(key, ""),))
+            when = parse_time(status.get("completionTime")) or dt.datetime.now(dt.timezone.utc)
+            self.failed_at.labels(*key, reason).set(when.timestamp())
+            self._failed[key] = reason
+
+    @staticmethod
+    def _remove(gauge: Gauge, labels: tuple[str, ...]) -> None:
+        try:
+            gauge.remove(*labels)
+        except KeyError:
+            pass
+
+    def count_pods(self, namespace: str, *, created: int = 0, deleted: int = 0) -> None:
+        """Pods this pass created / deleted in `namespace`."""
+        self.namespace_seen(namespace)
+        if created:
+            self.pods_created_total.labels(namespace).inc(created)
+        if deleted:
+            self.pods_deleted_total.labels(namespace).inc(deleted)
 
     def serve(self, port: int) -> None:
         """Expose /metrics on 0.0.0.0:port (0 = do not serve)."""

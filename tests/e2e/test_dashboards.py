@@ -60,6 +60,22 @@ def test_every_trainer_metric_queried_is_exported(exported):
     assert queried <= exported, f"queried but never exported: {sorted(queried - exported)}"
 
 
+def test_every_operator_metric_queried_is_exported():
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from ddpjob_operator.operator_metrics import OperatorMetrics
+
+    m = OperatorMetrics(CollectorRegistry(), namespaces=["ns"])
+    m.record_pass(("ns", "j"), prev_status={}, status={"phase": "Failed", "reason": "PodFailed"}, hang_timeout=60)
+    m.reconcile_seconds.observe(0.1)
+    m.reconcile_errors.inc()
+    text = generate_latest(m.registry).decode()
+    exported = {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line and not line.startswith("#")}
+    queried = {x for e in exprs() for x in re.findall(r"\bddpjob_operator_\w+", e)}
+    assert {"ddpjob_operator_job_hang_timeout_seconds", "ddpjob_operator_job_failed_timestamp_seconds"} <= queried
+    assert queried <= exported, f"queried but never exported: {sorted(queried - exported)}"
+
+
 def test_no_label_named_job_is_used():
     for e in exprs():
         assert not re.search(r"[{,(]\s*job\s*[=~!]", e), e
@@ -133,6 +149,7 @@ def test_shipped_objects_carry_the_files():
     assert pm["spec"]["namespaceSelector"] == {"any": True}
     sm = next(d for d in docs if d["kind"] == "ServiceMonitor")
     assert sm["spec"]["endpoints"][0]["port"] == "metrics"
+    assert sm["spec"]["endpoints"][0]["honorLabels"] is True      # keep the jobs' namespace label
     svc = next(d for d in docs if d["kind"] == "Service" and any(p.get("name") == "metrics"
                                                                   for p in d["spec"]["ports"]))
     assert sm["spec"]["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()

@@ -2,6 +2,8 @@
 exactly in its scenario (and staying silent in the healthy twin)."""
 from __future__ import annotations
 
+import json
+import re
 import subprocess
 
 import pytest
@@ -44,6 +46,14 @@ def straggler_alert(ratio: str) -> dict:
                                "the other ranks wait for it in all-reduce."}}
 
 
+def stalled_alert(duration: str) -> dict:
+    return {"exp_labels": {"severity": "critical", "namespace": "ns", "ddpjob": "j"},
+            "exp_annotations": {
+                "summary": "DDPJob ns/j is stalled",
+                "description": f"No rank of j finished a training step for {duration}. See `kubectl describe ddpj j "
+                               "-n ns` (Stalled condition names the ranks)."}}
+
+
 SCENARIOS = {
     # Rank 0 sleeps outside its step (0.2 s of work); rank 1 waits 0.8 s for it inside all-reduce.
     "straggler": {"interval": "15s", "input_series": lockstep(["0+3x60", "0+15x60"]), "alert_rule_test": [
@@ -63,43 +73,46 @@ SCENARIOS = {
         {"eval_time": "9m", "alertname": "DDPJobStalled", "exp_alerts": []},
         {"eval_time": "9m", "alertname": "DDPJobDataLoaderStarving", "exp_alerts": []},
     ]},
-    # Last step at t=100 s, still scraped: stalled after 600 s + `for: 2m`.
+    # Last step at t=100 s, still scraped, the job sets no hangTimeoutSeconds: stalled after 600 s + `for: 2m`.
     "stalled": {"interval": "1m", "input_series": [
         series("ddpjob_trainer_last_step_timestamp_seconds", "100x30", **rank(0)),
         series("ddpjob_trainer_last_step_timestamp_seconds", "90x30", **rank(1)),
     ], "alert_rule_test": [
         {"eval_time": "12m", "alertname": "DDPJobStalled", "exp_alerts": []},
-        {"eval_time": "15m", "alertname": "DDPJobStalled", "exp_alerts": [{
-            "exp_labels": {"severity": "critical", "namespace": "ns", "ddpjob": "j"},
-            "exp_annotations": {
-                "summary": "DDPJob ns/j is stalled",
-                "description": "No rank of j finished a training step for 13m 20s. See `kubectl describe ddpj j "
-                               "-n ns` (Stalled condition names the ranks)."}}]},
+        {"eval_time": "15m", "alertname": "DDPJobStalled", "exp_alerts": [stalled_alert("13m 20s")]},
     ]},
+    # spec.hangTimeoutSeconds=120, exported by the operator: stalled after 120 s + `for: 2m`.
+    "stalled-own-timeout": {"interval": "1m", "input_series": [
+        series("ddpjob_trainer_last_step_timestamp_seconds", "100x30", **rank(0)),
+        series("ddpjob_operator_job_hang_timeout_seconds", "120x30", namespace="ns", ddpjob="j"),
+    ], "alert_rule_test": [
+        {"eval_time": "3m", "alertname": "DDPJobStalled", "exp_alerts": []},
+        {"eval_time": "6m", "alertname": "DDPJobStalled", "exp_alerts": [stalled_alert("4m 20s")]},
+    ]},
+    # spec.hangTimeoutSeconds=1800 (a slow checkpoint is normal for this job): 600 s is not a stall.
+    "stalled-long-timeout": {"interval": "1m", "input_series": [
+        series("ddpjob_trainer_last_step_timestamp_seconds", "100x40", **rank(0)),
+        series("ddpjob_operator_job_hang_timeout_seconds", "1800x40", namespace="ns", ddpjob="j"),
+    ], "alert_rule_test": [
+        {"eval_time": "15m", "alertname": "DDPJobStalled", "exp_alerts": []},
+        {"eval_time": "35m", "alertname": "DDPJobStalled", "exp_alerts": [stalled_alert("33m 20s")]},
+    ]},
+    # Job j failed at t=180 s (the operator exports its status.completionTime): one alert naming the
+    # job and its reason, for 10 minutes.
     "failed": {"interval": "1m", "input_series": [
-        series("ddpjob_operator_jobs_failed_total", "0 0 0 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1", reason="BadConfig"),
+        series("ddpjob_operator_job_failed_timestamp_seconds", "_ _ _ 180x20", namespace="ns", ddpjob="j",
+               reason="ImagePullBackOff"),
+        series("ddpjob_operator_job_failed_timestamp_seconds", "_ _ _ -3600x20", namespace="ns", ddpjob="old",
+               reason="PodFailed"),                      # failed an hour before: silent
     ], "alert_rule_test": [
         {"eval_time": "2m", "alertname": "DDPJobFailed", "exp_alerts": []},
         {"eval_time": "5m", "alertname": "DDPJobFailed", "exp_alerts": [{
-            "exp_labels": {"severity": "warning", "reason": "BadConfig"},
+            "exp_labels": {"severity": "warning", "namespace": "ns", "ddpjob": "j", "reason": "ImagePullBackOff"},
             "exp_annotations": {
-                "summary": "DDPJob(s) failed: BadConfig",
-                "description": "1 DDPJob(s) failed in the last 10 minutes with reason BadConfig. "
-                               "`kubectl get ddpj -A` shows which; `kubectl describe` has the message."}}]},
-        {"eval_time": "20m", "alertname": "DDPJobFailed", "exp_alerts": []},   # no new failure in 10 min
-    ]},
-    # The first failure with a new reason: the labelled counter is born at 1 (increase() sees nothing).
-    "first-failure": {"interval": "1m", "input_series": [
-        series("ddpjob_operator_jobs_failed_total", "_ _ _ 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1", reason="Unschedulable"),
-    ], "alert_rule_test": [
-        {"eval_time": "2m", "alertname": "DDPJobFailed", "exp_alerts": []},
-        {"eval_time": "5m", "alertname": "DDPJobFailed", "exp_alerts": [{
-            "exp_labels": {"severity": "warning", "reason": "Unschedulable"},
-            "exp_annotations": {
-                "summary": "DDPJob(s) failed: Unschedulable",
-                "description": "1 DDPJob(s) failed in the last 10 minutes with reason Unschedulable. "
-                               "`kubectl get ddpj -A` shows which; `kubectl describe` has the message."}}]},
-        {"eval_time": "20m", "alertname": "DDPJobFailed", "exp_alerts": []},
+                "summary": "DDPJob ns/j failed: ImagePullBackOff",
+                "description": "DDPJob j in namespace ns failed with reason ImagePullBackOff. "
+                               "`kubectl describe ddpj j -n ns` has the message."}}]},
+        {"eval_time": "14m", "alertname": "DDPJobFailed", "exp_alerts": []},   # 11 minutes later
     ]},
     # 12 of every 15 seconds of stepping are data wait (80 %).
     "starving": {"interval": "1m", "input_series": [
@@ -138,3 +151,30 @@ def test_alert_scenario(promtool, tmp_path, name):
     f.write_text(yaml.safe_dump(spec, sort_keys=False))
     out = subprocess.run([promtool, "test", "rules", str(f)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def counter_panels() -> list[tuple[str, str]]:
+    d = json.loads((RULES.parent.parent / "dashboards" / "ddpjob-operator.json").read_text())
+    return [(p["title"], t["expr"]) for p in d["panels"] for t in p["targets"]
+            if re.search(r"ddpjob_operator_\w+_total", t["expr"]) and "increase(" in t["expr"]]
+
+
+@pytest.mark.parametrize("title,expr", counter_panels(), ids=lambda v: v if len(v) < 40 else None)
+def test_counter_panels_count_the_first_event_of_every_series(promtool, tmp_path, title, expr):
+    """Over the last 10 minutes: one series born at 1 (the operator's first failure in a namespace
+    before it was ever scraped), one born at 0 that went to 1, one that did not move: 2 events."""
+    if "offset" not in expr and "pods_" in expr:
+        pytest.skip("pods are created by the same pass that first sees a namespace: born at 0 before")
+    metric = re.search(r"ddpjob_operator_\w+_total", expr).group(0)
+    q = expr.replace("$__range", "10m").replace("$__rate_interval", "10m")
+    labels = {"reason": "R"} if "by (reason)" in q else {}
+    test = {"interval": "1m", "input_series": [
+        series(metric, "_x9 1x6", namespace="a", **labels),
+        series(metric, "0x7 1x8", namespace="b", **labels),
+        series(metric, "2x15", namespace="c", **labels),
+    ], "promql_expr_test": [{"expr": q, "eval_time": "15m", "exp_samples": [
+        {"labels": "{" + ",".join(f'{k}="{v}"' for k, v in labels.items()) + "}", "value": 2}]}]}
+    f = tmp_path / "panel.test.yaml"
+    f.write_text(yaml.safe_dump({"rule_files": [], "evaluation_interval": "1m", "tests": [test]}, sort_keys=False))
+    out = subprocess.run([promtool, "test", "rules", str(f)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, f"{title}: {out.stdout}{out.stderr}"

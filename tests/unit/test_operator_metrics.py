@@ -1,0 +1,84 @@
+"""ddpjob_operator_* metrics: namespace (and ddpjob) labels, counters born at 0, per-job gauges."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, generate_latest
+
+from ddpjob_operator.operator_metrics import FAILURE_REASONS, RESTART_REASONS, OperatorMetrics
+
+KEY = ("team-a", "mnist")
+
+
+def value(m: OperatorMetrics, name: str, **labels: str) -> float | None:
+    return m.registry.get_sample_value(name, labels)
+
+
+def test_counters_are_born_at_zero_for_every_reason_of_a_configured_namespace():
+    m = OperatorMetrics(CollectorRegistry(), namespaces=["team-a"])
+    for reason in FAILURE_REASONS:
+        assert value(m, "ddpjob_operator_jobs_failed_total", namespace="team-a", reason=reason) == 0
+    for reason in RESTART_REASONS:
+        assert value(m, "ddpjob_operator_jobs_restarted_total", namespace="team-a", reason=reason) == 0
+    for name in ("jobs_created", "jobs_succeeded", "pods_created", "pods_deleted"):
+        assert value(m, f"ddpjob_operator_{name}_total", namespace="team-a") == 0
+    assert value(m, "ddpjob_operator_jobs", namespace="team-a", phase="Failed") == 0
+    assert {"ImagePullBackOff", "FailedCreatePod", "RestartLimitExceeded"} <= set(FAILURE_REASONS)
+
+
+def test_a_new_namespace_gets_its_zero_series_on_first_sight():
+    m = OperatorMetrics(CollectorRegistry())
+    assert value(m, "ddpjob_operator_jobs_failed_total", namespace="team-b", reason="PodFailed") is None
+    m.record_pass(("team-b", "j"), prev_status={}, status={"phase": "Pending"})
+    assert value(m, "ddpjob_operator_jobs_failed_total", namespace="team-b", reason="DeadlineExceeded") == 0
+    assert value(m, "ddpjob_operator_jobs_created_total", namespace="team-b") == 1
+    assert value(m, "ddpjob_operator_jobs", namespace="team-b", phase="Pending") == 1
+
+
+def test_a_pass_counts_transitions_once():
+    m = OperatorMetrics(CollectorRegistry())
+    m.record_pass(KEY, prev_status={}, status={"phase": "Pending"})
+    m.record_pass(KEY, prev_status={"phase": "Pending"}, status={"phase": "Running"})
+    m.record_pass(KEY, prev_status={"phase": "Running"}, status={"phase": "Restarting", "reason": "PodFailed"},
+                  restarted="PodFailed")
+    failed = {"phase": "Failed", "reason": "RestartLimitExceeded", "completionTime": "2026-11-22T12:00:00Z"}
+    m.record_pass(KEY, prev_status={"phase": "Restarting"}, status=failed)
+    m.record_pass(KEY, prev_status=failed, status=failed)                       # no double count
+    assert value(m, "ddpjob_operator_jobs_created_total", namespace="team-a") == 1
+    assert value(m, "ddpjob_operator_jobs_restarted_total", namespace="team-a", reason="PodFailed") == 1
+    assert value(m, "ddpjob_operator_jobs_failed_total", namespace="team-a", reason="RestartLimitExceeded") == 1
+    assert value(m, "ddpjob_operator_jobs", namespace="team-a", phase="Failed") == 1
+    assert value(m, "ddpjob_operator_jobs", namespace="team-a", phase="Running") == 0
+    assert value(m, "ddpjob_operator_job_failed_timestamp_seconds", namespace="team-a", ddpjob="mnist",
+                 reason="RestartLimitExceeded") == 1795348800.0
+
+
+def test_per_job_series_follow_the_spec_and_go_with_the_job():
+    m = OperatorMetrics(CollectorRegistry())
+    m.record_pass(KEY, prev_status={}, status={"phase": "Running"}, hang_timeout=120)
+    assert value(m, "ddpjob_operator_job_hang_timeout_seconds", namespace="team-a", ddpjob="mnist") == 120
+    m.record_pass(KEY, prev_status={"phase": "Running"}, status={"phase": "Running"})       # unset in the spec
+    assert value(m, "ddpjob_operator_job_hang_timeout_seconds", namespace="team-a", ddpjob="mnist") is None
+    m.record_pass(KEY, prev_status={"phase": "Running"}, status={"phase": "Failed", "reason": "PodFailed"},
+                  hang_timeout=60)
+    m.set_phase(KEY, None)                                                   # the DDPJob was deleted
+    text = generate_latest(m.registry).decode()
+    assert 'ddpjob="mnist"' not in text
+    assert value(m, "ddpjob_operator_jobs", namespace="team-a", phase="Failed") == 0
+
+
+def test_pods_counted_per_namespace():
+    m = OperatorMetrics(CollectorRegistry())
+    m.count_pods("team-a", created=4)
+    m.count_pods("team-a", deleted=2)
+    assert value(m, "ddpjob_operator_pods_created_total", namespace="team-a") == 4
+    assert value(m, "ddpjob_operator_pods_deleted_total", namespace="team-a") == 2
+
+
+def test_every_series_has_a_namespace_label_and_none_is_named_job():
+    m = OperatorMetrics(CollectorRegistry(), namespaces=["n"])
+    m.record_pass(("n", "j"), prev_status={}, status={"phase": "Running"}, hang_timeout=5)
+    m.reconcile_seconds.observe(0.1)
+    for metric in m.registry.collect():
+        for sample in metric.samples:
+            assert "job" not in sample.labels, sample
+            if not sample.name.startswith(("ddpjob_operator_reconcile", "python_", "process_")):
+                assert sample.labels.get("namespace") == "n", sample
