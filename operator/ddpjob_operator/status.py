@@ -70,6 +70,38 @@ def progress_display(progress: dict[str, Any] | None) -> str | None:
     return None
 
 
+MAX_FAILURES = 10          # status.failures entries kept (newest last)
+MAX_LOG_TAIL = 1500        # characters of each failed container's termination message / log tail
+
+
+def failure_evidence(pods: list[dict[str, Any]], attempt: int) -> list[dict[str, Any]]:
+    """What a group restart deletes, kept in status.failures: each failed (or killed) container
+    of `attempt` with its exit code, signal, node, finish time and log tail (the kubelet writes the
+    launcher's message, else the log's end, as terminationMessagePolicy FallbackToLogsOnError)."""
+    out: list[dict[str, Any]] = []
+    for pod in sorted(pods, key=podinfo.rank):
+        if podinfo.attempt(pod) != attempt:
+            continue
+        for cs in (pod.get("status") or {}).get("containerStatuses") or []:
+            term = (cs.get("state") or {}).get("terminated") or {}
+            code = term.get("exitCode")
+            if code is None or int(code) == 0:
+                continue
+            entry: dict[str, Any] = {"attempt": attempt, "pod": podinfo.name(pod), "rank": podinfo.rank(pod),
+                                     "container": cs.get("name") or "", "exitCode": int(code)}
+            signal = term.get("signal") or (int(code) - 128 if 128 < int(code) < 160 else None)
+            for key, value in (("signal", signal), ("reason", term.get("reason")),
+                               ("node", (pod.get("spec") or {}).get("nodeName")),
+                               ("finishedAt", term.get("finishedAt"))):
+                if value:
+                    entry[key] = value
+            tail = str(term.get("message") or "").strip()
+            if tail:
+                entry["logTail"] = tail[-MAX_LOG_TAIL:]
+            out.append(entry)
+    return out
+
+
 def job_status(job: JobSpec, pods: list[dict[str, Any]], *, now: dt.datetime,
                prev_status: dict[str, Any] | None, config: OperatorConfig | None = None,
                decision: Decision | None = None, report: Any = None) -> tuple[dict[str, Any], list[Event]]:
@@ -172,6 +204,12 @@ def job_status(job: JobSpec, pods: list[dict[str, Any]], *, now: dt.datetime,
         status["completionTime"] = iso(d.completion_time)
     if progress:
         status["progress"] = progress
+    failures = list(prev.get("failures") or [])
+    ended = d.attempt - 1 if d.restarted is not None else (d.attempt if d.phase is Phase.FAILED else None)
+    if ended is not None and not any(f.get("attempt") == ended for f in failures):
+        failures = (failures + failure_evidence(pods, ended))[-MAX_FAILURES:]
+    if failures:
+        status["failures"] = failures
 
     # Events: one per transition, never per pass.
     if d.restarted is not None:

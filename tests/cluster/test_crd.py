@@ -98,7 +98,12 @@ def test_status_fields_are_not_pruned(crd, namespace, api):
               "progress": {"epoch": 1, "step": 10, "totalSteps": 100, "percent": 10.0, "loss": 0.5,
                            "samplesPerSecond": 99.5, "eta": "1m", "lastStepTime": "2026-11-22T00:00:00Z"},
               "conditions": [{"type": "Running", "status": "True", "reason": "Running", "message": "",
-                              "lastTransitionTime": "2026-11-22T00:00:00Z"}]}
+                              "lastTransitionTime": "2026-11-22T00:00:00Z"},
+                             {"type": "ContainersNotStarting", "status": "False", "reason": "Started",
+                              "message": "", "lastTransitionTime": "2026-11-22T00:00:00Z"}],
+              "failures": [{"attempt": 1, "pod": "st-0", "rank": 0, "container": "trainer", "exitCode": 137,
+                            "signal": 9, "reason": "OOMKilled", "node": "gpu-1",
+                            "finishedAt": "2026-11-22T00:00:00Z", "logTail": "Killed"}]}
     co = client.CustomObjectsApi(api)
     co.patch_namespaced_custom_object_status("ddpjob.dev", "v1alpha1", namespace, "ddpjobs", "st",
                                              {"status": status})
@@ -106,3 +111,135 @@ def test_status_fields_are_not_pruned(crd, namespace, api):
                    .get("status"), timeout=10, desc="status written")
     for key, value in status.items():
         assert got[key] == value, key
+
+
+# -- pod-level fields: Kubernetes' own core/v1 schemas in the CRD (hack/gen-crd-schemas.py) ----------
+POD_FIELD_MISTAKES = [
+    ({"resources": {"limts": {"memory": "8Gi"}}}, 'unknown field "spec.resources.limts"'),
+    ({"resources": {"limits": {"memory": "8 GB"}}}, "spec.resources.limits.memory"),
+    ({"scheduling": {"tolerations": [{"kye": "nvidia.com/gpu", "operator": "Exists"}]}},
+     'unknown field "spec.scheduling.tolerations[0].kye"'),
+    ({"scheduling": {"tolerations": [{"key": "gpu", "tolerationSeconds": "soon"}]}},
+     "spec.scheduling.tolerations[0].tolerationSeconds"),
+    ({"volumes": [{"name": "data", "persistentVolumeClam": {"claimName": "x"}}]},
+     'unknown field "spec.volumes[0].persistentVolumeClam"'),
+    ({"volumeMounts": [{"name": "data", "mountpath": "/data"}]}, "spec.volumeMounts[0].mountPath"),
+    ({"env": [{"name": "A=B", "value": "x"}]}, "spec.env[0].name"),
+    ({"env": [{"name": "A", "valueFrom": {"secretKeyRef": {"name": "s", "kee": "k"}}}]},
+     'unknown field "spec.env[0].valueFrom.secretKeyRef.kee"'),
+    ({"envFrom": [{"configMapRef": {"nmae": "cm"}}]}, 'unknown field "spec.envFrom[0].configMapRef.nmae"'),
+    ({"securityContext": {"runAsUser": "root"}}, "spec.securityContext.runAsUser"),
+    ({"podSecurityContext": {"fsgroup": 1000}}, 'unknown field "spec.podSecurityContext.fsgroup"'),
+    ({"scheduling": {"affinity": {"nodeAffinity": {"required": {}}}}},
+     'unknown field "spec.scheduling.affinity.nodeAffinity.required"'),
+]
+
+
+@pytest.mark.parametrize("spec,field", POD_FIELD_MISTAKES, ids=lambda v: v if isinstance(v, str) else None)
+@pytest.mark.parametrize("how", ["apply", "create"])
+def test_pod_level_mistakes_refused_naming_the_field(crd, namespace, spec, field, how):
+    """What a user types: `kubectl apply -f` (strict field validation is kubectl's default) and
+    `kubectl create --validate=strict`; the API server answers with the field's path."""
+    obj = manifest("podfields", **spec)
+    if how == "apply":
+        proc = apply(crd, namespace, obj)
+    else:
+        proc = crd.kubectl("create", "--validate=strict", "-n", namespace, "-f", "-", input=yaml.safe_dump(obj),
+                           check=False)
+    assert proc.returncode != 0, f"accepted: {spec}"
+    assert field in proc.stderr, proc.stderr
+
+
+def dry_run_pod(cluster, ns, env_name):
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "probe"},
+           "spec": {"containers": [{"name": "c", "image": "i", "env": [{"name": env_name, "value": "1"}]}]}}
+    return cluster.kubectl("create", "--dry-run=server", "-n", ns, "-f", "-", input=yaml.safe_dump(pod), check=False)
+
+
+@pytest.mark.parametrize("env_name", ["1BAD", "A=B", "with space", "OK_NAME", "ü"])
+def test_env_names_accepted_exactly_when_a_pod_accepts_them(crd, namespace, env_name):
+    """The DDPJob refuses the env names this Kubernetes refuses in a Pod, and only those (1.34+
+    accepts any printable ASCII but '=': `1BAD` is a valid name now)."""
+    pod_ok = dry_run_pod(crd, namespace, env_name).returncode == 0
+    job = crd.kubectl("create", "--dry-run=server", "-n", namespace, "-f", "-",
+                      input=yaml.safe_dump(manifest("envname", env=[{"name": env_name, "value": "1"}])), check=False)
+    assert (job.returncode == 0) == pod_ok, job.stderr
+    if not pod_ok:
+        assert "spec.env[0].name" in job.stderr
+
+
+def test_full_pod_level_spec_accepted_and_its_pods_too(crd, namespace):
+    """A DDPJob using every pod-level field is stored as written, and the pods the operator renders
+    from it pass the API server's Pod validation (the two schemas agree on valid input)."""
+    from ddpjob_operator.pods import render_pod
+    from ddpjob_operator.service import render_service
+    from ddpjob_operator.spec import from_manifest
+
+    spec = {
+        "env": [{"name": "TOKEN", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k", "optional": True}}}],
+        "envFrom": [{"configMapRef": {"name": "cm"}, "prefix": "CFG_"}],
+        "resources": {"limits": {"cpu": 2, "memory": "8Gi"}, "requests": {"cpu": "500m", "memory": "4Gi"}},
+        "volumes": [{"name": "data", "persistentVolumeClaim": {"claimName": "datasets", "readOnly": True}},
+                    {"name": "ckpt", "emptyDir": {"sizeLimit": "1Gi"}}],
+        "volumeMounts": [{"name": "data", "mountPath": "/data", "readOnly": True},
+                         {"name": "ckpt", "mountPath": "/ckpt"}],
+        "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
+        "podSecurityContext": {"runAsNonRoot": True, "runAsUser": 1000, "fsGroup": 1000,
+                               "seccompProfile": {"type": "RuntimeDefault"}},
+        "imagePullSecrets": [{"name": "regcred"}],
+        "scheduling": {"nodeSelector": {"gpu": "a100"},
+                       "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+                       "affinity": {"podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [
+                           {"weight": 100, "podAffinityTerm": {"topologyKey": "kubernetes.io/hostname",
+                                                               "labelSelector": {"matchLabels": {"a": "b"}}}}]}},
+                       "topologySpreadConstraints": [{"maxSkew": 1, "topologyKey": "zone",
+                                                      "whenUnsatisfiable": "ScheduleAnyway"}]},
+    }
+    obj = manifest("full", **spec)
+    proc = apply(crd, namespace, obj)
+    assert proc.returncode == 0, proc.stderr
+    stored = json.loads(crd.kubectl("get", "ddpj", "full", "-n", namespace, "-o", "json").stdout)
+    for key, value in spec.items():
+        assert stored["spec"][key] == value, key                  # nothing pruned
+    job = from_manifest(stored)
+    for obj in [render_service(job), render_pod(job, 0)]:
+        obj["metadata"].pop("ownerReferences", None)
+        proc = crd.kubectl("create", "--dry-run=server", "--validate=strict", "-n", namespace, "-f", "-",
+                           input=yaml.safe_dump(obj), check=False)
+        assert proc.returncode == 0, proc.stderr
+
+
+def test_generated_schemas_match_this_api_server(crd):
+    """hack/gen-crd-schemas.py --check against the running API server's /openapi/v3/api/v1."""
+    import subprocess
+    import sys
+
+    from tests.support.cluster import REPO_ROOT
+
+    out = crd.kubectl("get", "--raw", "/openapi/v3/api/v1").stdout
+    import tempfile
+    with tempfile.NamedTemporaryFile("w", suffix=".json") as fh:
+        fh.write(out)
+        fh.flush()
+        proc = subprocess.run([sys.executable, str(REPO_ROOT / "hack/gen-crd-schemas.py"), "--openapi", fh.name,
+                               "--check"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("path", ["ddpjob", "ddpjob.spec", "ddpjob.status"])
+def test_kubectl_explain_has_no_undescribed_field(crd, path):
+    proc = crd.kubectl("explain", path, "--recursive")
+    assert "<no description>" not in proc.stdout
+    assert "DESCRIPTION" in proc.stdout
+
+
+@pytest.mark.parametrize("field,text", [
+    ("ddpjob.spec.scheduling.tolerations.key", "taint key"),
+    ("ddpjob.spec.resources.limits", "maximum amount of compute resources"),
+    ("ddpjob.spec.failurePolicy.podStartTimeoutSeconds", "keep waiting"),
+    ("ddpjob.status.conditions.reason", "reason"),
+    ("ddpjob.status.progress.samplesPerSecond", "throughput"),
+])
+def test_kubectl_explain_describes_fields(crd, field, text):
+    proc = crd.kubectl("explain", field)
+    assert text in proc.stdout and "<no description>" not in proc.stdout, proc.stdout

@@ -164,3 +164,49 @@ def test_no_refusals_change_nothing():
 
 def test_refusal_is_a_value():
     assert CreateRefusal("p", 422, "Invalid", "m").permanent
+
+
+# -- evidence kept across a group restart ---------------------------------------------------------------
+from ddpjob_operator.status import MAX_FAILURES, failure_evidence  # noqa: E402
+from tests.unit.test_lifecycle import running_status  # noqa: E402
+
+
+def killed(rank, code, *, attempt=0, message="", signal=None):
+    pod = make_pod(rank, attempt=attempt, phase="Failed", code=code, message=message)
+    pod["spec"] = {"nodeName": f"gpu-node-{rank}"}
+    term = pod["status"]["containerStatuses"][0]["state"]["terminated"]
+    term.update(reason="Error", finishedAt=ago(3))
+    if signal:
+        term["signal"] = signal
+    return pod
+
+
+def test_a_group_restart_keeps_each_failed_rank_in_status():
+    tail = "Traceback ...\nRuntimeError: NCCL error: unhandled system error"
+    pods = [killed(0, 137), make_pod(1), killed(2, 1, message=tail)]
+    status, _ = job_status(make_job(3), pods, now=NOW, prev_status=running_status())
+    assert status["phase"] == "Restarting" and status["attempt"] == 1
+    assert status["failures"] == [
+        {"attempt": 0, "pod": "j-0", "rank": 0, "container": "trainer", "exitCode": 137, "signal": 9,
+         "reason": "Error", "node": "gpu-node-0", "finishedAt": ago(3)},
+        {"attempt": 0, "pod": "j-2", "rank": 2, "container": "trainer", "exitCode": 1, "reason": "Error",
+         "node": "gpu-node-2", "finishedAt": ago(3), "logTail": tail},
+    ]
+    # The next passes (old pods terminating, new ones created) keep it and do not repeat it.
+    nxt, _ = job_status(make_job(3), [make_pod(0, attempt=1)], now=NOW, prev_status=status)
+    assert nxt["failures"] == status["failures"]
+
+
+def test_the_final_failure_is_kept_too_and_the_list_is_bounded():
+    prev = running_status(restarts=3, countedRestarts=3, attempt=3, launchedAttempt=3,
+                          failures=[{"attempt": a % 3, "pod": f"j-{a}", "exitCode": 1} for a in range(MAX_FAILURES)])
+    status, _ = job_status(make_job(1, failurePolicy={"maxRestarts": 3}), [killed(0, 2, attempt=3)], now=NOW,
+                           prev_status=prev)
+    assert status["phase"] == "Failed" and len(status["failures"]) == MAX_FAILURES
+    assert status["failures"][-1]["attempt"] == 3 and status["failures"][-1]["exitCode"] == 2
+
+
+def test_evidence_ignores_other_attempts_and_clean_exits():
+    pods = [killed(0, 1, attempt=1), make_pod(1, phase="Succeeded", code=0), killed(2, 143, signal=15)]
+    assert [(e["pod"], e.get("signal")) for e in failure_evidence(pods, 0)] == [("j-2", 15)]
+    assert len(failure_evidence(pods, 1)) == 1
