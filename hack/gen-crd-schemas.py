@@ -94,7 +94,7 @@ def _special(name: str, description: str | None) -> dict[str, Any] | None:
         out = {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
     if out is not None and description:
         out = {"description": description, **out}
-    return out
+    return None if out is None else _canonical(out)
 
 
 def structural(node: dict[str, Any], schemas: dict[str, Any], *, stack: tuple[str, ...] = (),
@@ -125,13 +125,15 @@ def structural(node: dict[str, Any], schemas: dict[str, Any], *, stack: tuple[st
         return _special("io.k8s.apimachinery.pkg.util.intstr.IntOrString", desc if field else None)
 
     out: dict[str, Any] = {}
+    required = set(node.get("required") or ())
     if field and desc:
         out["description"] = desc
     for key, value in node.items():
         if key in DROP or key == "description":
             continue
         if key == "properties":
-            out["properties"] = {k: structural(v, schemas, stack=stack) for k, v in sorted(value.items())}
+            out["properties"] = {k: _optional_enum(structural(v, schemas, stack=stack), k not in required)
+                                 for k, v in sorted(value.items())}
         elif key == "items":
             out["items"] = structural(value, schemas, stack=stack, field=False)
         elif key == "additionalProperties" and isinstance(value, dict):
@@ -144,7 +146,22 @@ def structural(node: dict[str, Any], schemas: dict[str, Any], *, stack: tuple[st
         out["x-kubernetes-preserve-unknown-fields"] = True
     if "type" not in out and "x-kubernetes-int-or-string" not in out:
         raise GenError(f"schema without a type in {stack}: {sorted(node)}")
-    return out
+    return _canonical(out)
+
+
+def _optional_enum(node: dict[str, Any], optional: bool) -> dict[str, Any]:
+    """An optional enum field also takes "": Pod validation reads it as unset (a toleration's
+    effect "" matches every effect), and the CRD must not refuse what a Pod accepts."""
+    if optional and "enum" in node and "" not in node["enum"]:
+        node = {**node, "enum": [*node["enum"], ""]}
+    return node
+
+
+def _canonical(node: dict[str, Any]) -> dict[str, Any]:
+    """Description and type first, the rest sorted: the output does not depend on the key order
+    of the document (the API server and the module's copy list keys differently)."""
+    first = [k for k in ("description", "type") if k in node]
+    return {k: node[k] for k in first + sorted(k for k in node if k not in first)}
 
 
 def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:

@@ -123,8 +123,7 @@ def job_status(job: JobSpec, pods: list[dict[str, Any]], *, now: dt.datetime,
                       message=f"headless service and {job.nodes} pod(s) created", now=now, generation=gen)
     if not d.create_ranks:
         _clear(conds, Cond.FAILED_CREATE_POD, "Created", f"all {job.nodes} pod(s) created", now, gen)
-    was_stuck = next((c for c in conds if c.get("type") == Cond.CONTAINERS_NOT_STARTING
-                      and c.get("status") == "True"), None)
+    was_stuck = condition({"conditions": conds}, Cond.CONTAINERS_NOT_STARTING)
     if d.start_errors:
         first = d.start_errors[0]
         text = "; ".join(e.describe() for e in d.start_errors[:5])

@@ -123,7 +123,8 @@ POD_FIELD_MISTAKES = [
      "spec.scheduling.tolerations[0].tolerationSeconds"),
     ({"volumes": [{"name": "data", "persistentVolumeClam": {"claimName": "x"}}]},
      'unknown field "spec.volumes[0].persistentVolumeClam"'),
-    ({"volumeMounts": [{"name": "data", "mountpath": "/data"}]}, "spec.volumeMounts[0].mountPath"),
+    ({"volumeMounts": [{"name": "data", "mountpath": "/data"}]}, 'unknown field "spec.volumeMounts[0].mountpath"'),
+    ({"volumeMounts": [{"name": "data"}]}, "spec.volumeMounts[0].mountPath"),
     ({"env": [{"name": "A=B", "value": "x"}]}, "spec.env[0].name"),
     ({"env": [{"name": "A", "valueFrom": {"secretKeyRef": {"name": "s", "kee": "k"}}}]},
      'unknown field "spec.env[0].valueFrom.secretKeyRef.kee"'),
@@ -226,11 +227,37 @@ def test_generated_schemas_match_this_api_server(crd):
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
-@pytest.mark.parametrize("path", ["ddpjob", "ddpjob.spec", "ddpjob.status"])
-def test_kubectl_explain_has_no_undescribed_field(crd, path):
-    proc = crd.kubectl("explain", path, "--recursive")
-    assert "<no description>" not in proc.stdout
-    assert "DESCRIPTION" in proc.stdout
+def test_every_field_published_to_kubectl_explain_has_a_description(crd):
+    """kubectl explain renders the API server's published OpenAPI v3 of the CRD: every property of
+    DDPJob there (spec, status, the embedded core/v1 types) has a description. (`--recursive`
+    lists names only, so it cannot show `<no description>`.) spec.trainer mirrors
+    ddpjob_trainer.config and is described by that config's maintainers, not here."""
+    doc = json.loads(crd.kubectl("get", "--raw", "/openapi/v3/apis/ddpjob.dev/v1alpha1").stdout)
+    root = doc["components"]["schemas"]["dev.ddpjob.v1alpha1.DDPJob"]
+    missing, seen = [], 0
+
+    def walk(node, path):
+        nonlocal seen
+        for key, sub in (node.get("properties") or {}).items():
+            here = f"{path}.{key}"
+            seen += 1
+            if not sub.get("description") and not sub.get("allOf") and not here.startswith(".spec.trainer"):
+                missing.append(here)
+            walk(sub, here)
+        for key in ("items", "additionalProperties"):
+            if isinstance(node.get(key), dict):
+                walk(node[key], path + "[]")
+
+    walk(root, "")
+    assert seen > 500 and missing == []
+
+
+@pytest.mark.parametrize("path", ["ddpjob.spec", "ddpjob.status", "ddpjob.spec.scheduling",
+                                  "ddpjob.spec.failurePolicy", "ddpjob.status.progress", "ddpjob.status.failures",
+                                  "ddpjob.spec.volumes.persistentVolumeClaim", "ddpjob.spec.env.valueFrom"])
+def test_kubectl_explain_shows_no_undescribed_field(crd, path):
+    proc = crd.kubectl("explain", path)
+    assert "<no description>" not in proc.stdout and "DESCRIPTION" in proc.stdout, proc.stdout
 
 
 @pytest.mark.parametrize("field,text", [
@@ -241,5 +268,5 @@ def test_kubectl_explain_has_no_undescribed_field(crd, path):
     ("ddpjob.status.progress.samplesPerSecond", "throughput"),
 ])
 def test_kubectl_explain_describes_fields(crd, field, text):
-    proc = crd.kubectl("explain", field)
-    assert text in proc.stdout and "<no description>" not in proc.stdout, proc.stdout
+    out = " ".join(crd.kubectl("explain", field).stdout.split())
+    assert text in out and "<no description>" not in out, out

@@ -33,7 +33,10 @@ SCHEMAS = {
         "list": {"type": "array", "x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"],
                  "items": {"allOf": [{"$ref": "#/components/schemas/io.k8s.api.core.v1.Inner"}], "default": {}}},
         "labels": {"type": "object", "additionalProperties": {"type": "string", "default": ""}},
-        "opaque": {"type": "object", "description": "Anything."}}},
+        "opaque": {"type": "object", "description": "Anything."},
+        "effect": {"type": "string", "enum": ["NoSchedule", "NoExecute"]}}},
+    "io.k8s.api.core.v1.Strict": {"type": "object", "required": ["mode"], "properties": {
+        "mode": {"type": "string", "enum": ["A", "B"]}}},
     "io.k8s.api.core.v1.Loop": {"type": "object", "properties": {
         "self": {"$ref": "#/components/schemas/io.k8s.api.core.v1.Loop"}}},
 }
@@ -57,6 +60,9 @@ def test_refs_inlined_with_structural_rules():
     assert props["labels"]["additionalProperties"] == {"type": "string"}
     assert props["opaque"]["x-kubernetes-preserve-unknown-fields"] is True
     assert "$ref" not in str(out) and "allOf" not in str(out) and "oneOf" not in str(out)
+    # An optional enum also takes "" (Pod validation reads it as unset); a required one does not.
+    assert props["effect"]["enum"] == ["NoSchedule", "NoExecute", ""]
+    assert gen.structural(ref("Strict"), SCHEMAS)["properties"]["mode"]["enum"] == ["A", "B"]
 
 
 def test_recursive_and_missing_types_are_errors():
@@ -154,6 +160,7 @@ def test_every_field_has_a_description():
     """`kubectl explain ddpjob.<field>` is the user's manual: no `<no description>` anywhere.
     spec.trainer mirrors ddpjob_trainer.config and is maintained with it."""
     root = crd.version_schema()
-    missing = [p for p, sub in _fields(root) if not sub.get("description") and not p.startswith(".spec.trainer")]
+    missing = [p for p, sub in _fields(root) if not sub.get("description") and p != ".metadata"
+               and not p.startswith(".spec.trainer")]
     assert missing == []
     assert root["description"] and root["properties"]["status"]["description"]
