@@ -1,10 +1,12 @@
 """The peer: a plain hand-written DDP loop in the style of pytorch/examples' multinode.py.
 
-Same model, same synthetic data and batch size as the built-in trainer's benchmark config;
-no checkpoints, telemetry or evaluation. Run under torchrun; rank 0 prints one JSON line.
+Same model, synthetic data, batch size and DDP options as the built-in trainer's benchmark
+config (the model is wrapped by the trainer's own `wrap_ddp`, so DDP cannot differ); no
+checkpoints, telemetry or evaluation. Timing window as the trainer's: from one step boundary to
+the next, first step and data wait included, the loss read to the host every logEverySteps.
+Run under torchrun; rank 0 prints one JSON line.
 """
 import json
-import math
 import os
 import sys
 import time
@@ -12,45 +14,40 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+from torch.utils.data import DataLoader, DistributedSampler
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "trainer"))
-from ddpjob_trainer.models import build_model  # noqa: E402  (the same network, nothing else)
+from ddpjob_trainer.config import parse_config  # noqa: E402
+from ddpjob_trainer.data import synthetic  # noqa: E402  (the same tensors)
+from ddpjob_trainer.loop import wrap_ddp  # noqa: E402  (the same DDP options)
+from ddpjob_trainer.models import build_model  # noqa: E402  (the same network)
 
 
 def main():
-    cfg = json.loads(os.environ["BENCH_CONFIG"])
-    syn = cfg["synthetic"]
+    cfg = parse_config(json.loads(os.environ["BENCH_CONFIG"]))
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    g = torch.Generator().manual_seed(syn["seed"])
-    shape = tuple(syn["shape"])
-    x = torch.randn((syn["trainSize"], *shape), generator=g)
-    w = torch.randn((math.prod(shape), syn["numClasses"]), generator=g)
-    y = (x.flatten(1) @ w).argmax(1)
-    ds = TensorDataset(x, y)
-    sampler = DistributedSampler(ds, num_replicas=world, rank=rank, shuffle=True, seed=cfg["seed"])
-    loader = DataLoader(ds, batch_size=cfg["batchSize"], sampler=sampler)
-    torch.manual_seed(cfg["seed"])
-    model = DDP(build_model(cfg["model"], shape, syn["numClasses"]))
-    opt = torch.optim.SGD(model.parameters(), lr=cfg["lr"], momentum=0.9)
-    seconds, samples = 0.0, 0
-    for epoch in range(cfg["epochs"]):
+    data = synthetic(cfg)
+    sampler = DistributedSampler(data.train, num_replicas=world, rank=rank, shuffle=True, seed=cfg.seed)
+    loader = DataLoader(data.train, batch_size=cfg.batch_size, sampler=sampler)
+    torch.manual_seed(cfg.seed)
+    model = wrap_ddp(build_model(cfg.model, data.input_shape, data.num_classes), cfg, torch.device("cpu"))
+    opt = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
+    seconds, samples, step = 0.0, 0, 0
+    for epoch in range(cfg.epochs):
         sampler.set_epoch(epoch)
-        it = iter(loader)
-        while True:
-            t0 = time.perf_counter()
-            try:
-                xb, yb = next(it)
-            except StopIteration:
-                break
+        boundary = time.perf_counter()
+        for xb, yb in loader:
             loss = F.cross_entropy(model(xb), yb)
-            opt.zero_grad()
             loss.backward()
             opt.step()
-            loss.item()
-            seconds += time.perf_counter() - t0
+            opt.zero_grad(set_to_none=True)
+            step += 1
+            if step % cfg.log_every_steps == 0:
+                loss.item()
+            now = time.perf_counter()
+            seconds += now - boundary
+            boundary = now
             samples += yb.numel()
     t = torch.tensor([samples, seconds], dtype=torch.float64)
     dist.all_reduce(t)

@@ -45,3 +45,25 @@ def run_trainer(trainer: dict, *, env: dict | None = None, timeout: float = 180,
         e["DDPJOB_RESULT_FILE"] = str(result)
     return subprocess.run([sys.executable, "-m", "ddpjob_trainer"], env=e, capture_output=True,
                           text=True, timeout=timeout, cwd=REPO)
+
+
+def single_process_eval(ckpt_dir: Path, trainer: dict) -> tuple[float, float, int]:
+    """Accuracy, mean loss and count of a checkpoint's weights over the whole validation set,
+    evaluated here in one process in one batch (the reference a distributed eval must equal)."""
+    import torch
+    import torch.nn.functional as F
+
+    from ddpjob_trainer.config import parse_config
+    from ddpjob_trainer.data import build_data
+    from ddpjob_trainer.models import build_model
+
+    data = build_data(parse_config(trainer))
+    model = build_model(trainer.get("model", "convnet"), data.input_shape, data.num_classes)
+    model.load_state_dict(torch.load(ckpt_dir / "common.pt", map_location="cpu", weights_only=True)["model"])
+    model.eval()
+    x = torch.stack([data.val[i][0] for i in range(len(data.val))])
+    y = torch.stack([data.val[i][1] for i in range(len(data.val))])
+    with torch.no_grad():
+        logits = model(x)
+    loss = F.cross_entropy(logits, y, reduction="sum").double().item() / len(y)
+    return (logits.argmax(1) == y).double().mean().item(), loss, len(y)

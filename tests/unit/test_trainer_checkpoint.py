@@ -35,10 +35,41 @@ def test_save_publishes_a_verified_directory_with_a_manifest(tmp_path):
     assert not list(tmp_path.glob(".tmp-*")) and not list(path.glob("*.part"))
 
 
+def test_manifest_hash_computed_while_writing_matches_the_bytes_on_disk(tmp_path):
+    import hashlib
+
+    path = save(make(tmp_path), 3)
+    meta = json.loads((path / "MANIFEST.json").read_text())["files"]["common.pt"]
+    data = (path / "common.pt").read_bytes()
+    assert meta == {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
+def test_a_checkpoint_from_another_world_or_batch_size_is_refused():
+    from pathlib import Path
+
+    import pytest
+
+    from ddpjob_trainer.checkpoint import check_resumable
+    from ddpjob_trainer.errors import ConfigError
+
+    common = {"world_size": 2, "epoch": 1, "micro_done": 5,
+              "config": {"batch_size": 64, "grad_accum_steps": 1}}
+    check_resumable(common, path=Path("/c/step-1"), world_size=2, batch_size=64, grad_accum_steps=1)
+    for kwargs, needle in (({"world_size": 3}, "this run has world size 3"),
+                           ({"batch_size": 32}, "batchSize 32"),
+                           ({"grad_accum_steps": 2}, "gradAccumSteps 2")):
+        args = {"world_size": 2, "batch_size": 64, "grad_accum_steps": 1, **kwargs}
+        with pytest.raises(ConfigError) as info:
+            check_resumable(common, path=Path("/c/step-1"), **args)
+        assert "spec.trainer.checkpoint.dir: checkpoint /c/step-1 was written at world size 2" in str(info.value)
+        assert needle in str(info.value)
+
+
 def test_keep_prunes_the_oldest(tmp_path):
     ck = make(tmp_path, keep=2)
     for s in (1, 2, 3, 4):
         save(ck, s)
+    ck.wait()  # pruning runs on a background thread
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000003", "step-00000004"]
 
 

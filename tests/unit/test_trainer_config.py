@@ -62,3 +62,32 @@ def test_mlflow_without_the_package_is_a_config_error(monkeypatch):
         make_reporter(rank=0, mlflow=MlflowConfig(tracking_uri="http://x"))
     # Other ranks never touch MLflow at all (seed 000: log from rank 0 only).
     assert type(make_reporter(rank=1, mlflow=MlflowConfig(tracking_uri="http://x"))).__name__ == "NullReporter"
+
+
+def test_gpu_and_data_loading_keys_and_their_defaults():
+    from ddpjob_trainer.config import AUTO
+
+    d = parse_config({})
+    assert d.num_workers == AUTO and d.prefetch_factor == 2 and d.cudnn_benchmark and d.tf32
+    assert d.channels_last == AUTO and d.step_timeout_seconds == 300
+    assert (d.ddp.buffer_sync, d.ddp.static_graph, d.ddp.bucket_cap_mb) == ("average", AUTO, 25)
+    cfg = parse_config({"numWorkers": 3, "prefetchFactor": 4, "cudnnBenchmark": False, "tf32": False,
+                        "channelsLast": True, "stepTimeoutSeconds": 0,
+                        "ddp": {"bufferSync": "broadcast", "staticGraph": False, "bucketCapMb": 50}})
+    assert (cfg.num_workers, cfg.prefetch_factor, cfg.cudnn_benchmark, cfg.tf32) == (3, 4, False, False)
+    assert cfg.channels_last is True and cfg.step_timeout_seconds == 0
+    assert (cfg.ddp.buffer_sync, cfg.ddp.static_graph, cfg.ddp.bucket_cap_mb) == ("broadcast", False, 50)
+
+
+@pytest.mark.parametrize("raw, needle", [
+    ({"numWorkers": "many"}, 'spec.trainer.numWorkers: expected an integer or "auto"'),
+    ({"numWorkers": -1}, "spec.trainer.numWorkers: must be >= 0"),
+    ({"channelsLast": "auto"}, "spec.trainer.channelsLast: expected true or false"),
+    ({"ddp": {"bufferSync": "mean"}}, "spec.trainer.ddp.bufferSync: must be one of average, broadcast"),
+    ({"ddp": {"bucketCapMb": 0}}, "spec.trainer.ddp.bucketCapMb: must be >= 1"),
+    ({"ddp": {"broadcastBuffers": True}}, "spec.trainer.ddp.broadcastBuffers: unknown key"),
+])
+def test_bad_gpu_and_data_loading_keys_name_the_key(raw, needle):
+    with pytest.raises(ConfigError) as info:
+        parse_config(raw)
+    assert needle in str(info.value)

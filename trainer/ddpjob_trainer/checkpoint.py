@@ -5,6 +5,10 @@ Layout under `dir`: `step-00000120/{common.pt, rank-00000.pt, ..., MANIFEST.json
 `rank-N.pt` holds what differs per rank (RNG states). MANIFEST.json, written last, lists every
 file's size and sha256: a directory without a valid manifest is incomplete and never loaded.
 The directory must be shared by all nodes (an RWX volume on Kubernetes).
+
+common.pt (the big file) is hashed while it is written, never read back; the rank files are a few
+KiB of RNG state that rank 0 hashes from disk. Old checkpoints are pruned on a background thread,
+off the training path (joined before the next save and at the end of the run).
 """
 from __future__ import annotations
 
@@ -13,12 +17,14 @@ import json
 import os
 import re
 import shutil
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
+from .errors import ConfigError
 from .reporting import NullReporter
 
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
@@ -52,14 +58,36 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def atomic_torch_save(obj: Any, path: Path) -> None:
-    """torch.save to a temp name, fsync, rename: readers see the old file or the whole new one."""
+class _HashingWriter:
+    """A write-only file wrapper that hashes and counts the bytes passing through."""
+
+    def __init__(self, f) -> None:
+        self._f = f
+        self.sha256 = hashlib.sha256()
+        self.size = 0
+
+    def write(self, data) -> int:
+        self.sha256.update(data)
+        self.size += len(data)
+        return self._f.write(data)
+
+    def flush(self) -> None:
+        self._f.flush()
+
+
+def atomic_torch_save(obj: Any, path: Path) -> dict[str, Any]:
+    """torch.save to a temp name, fsync, rename: readers see the old file or the whole new one.
+
+    Returns the manifest entry ({size, sha256}) computed from the bytes as they were written.
+    """
     tmp = path.with_name(path.name + ".part")
     with open(tmp, "wb") as f:
-        torch.save(obj, f)
+        w = _HashingWriter(f)
+        torch.save(obj, w)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+    return {"size": w.size, "sha256": w.sha256.hexdigest()}
 
 
 def verify(step_dir: Path) -> str | None:
@@ -80,6 +108,26 @@ def verify(step_dir: Path) -> str | None:
         if _sha256(p) != meta["sha256"]:
             return f"{name} does not match its sha256 (corrupt)"
     return None
+
+
+def check_resumable(common: dict[str, Any], *, path: Path, world_size: int, batch_size: int,
+                    grad_accum_steps: int) -> None:
+    """Refuse a checkpoint whose sampler position means other samples in this run.
+
+    The saved position (epoch, batches done) counts per-rank batches of the old world size and
+    batch size; under another one it would skip or repeat samples silently. Exit 78: retrying
+    cannot help, the job must be resumed with the same sizes or started in a fresh directory.
+    """
+    old = common.get("config", {})
+    saved = (common.get("world_size"), old.get("batch_size"), old.get("grad_accum_steps", 1))
+    now = (world_size, batch_size, grad_accum_steps)
+    if saved != now:
+        raise ConfigError(
+            f"spec.trainer.checkpoint.dir: checkpoint {path} was written at world size {saved[0]}, "
+            f"batchSize {saved[1]}, gradAccumSteps {saved[2]}; this run has world size {now[0]}, "
+            f"batchSize {now[1]}, gradAccumSteps {now[2]}. Its data position (epoch "
+            f"{common.get('epoch')}, batch {common.get('micro_done')}) would point at other samples. "
+            "Resume with the same nodes x nprocPerNode and batch sizes, or use a new checkpoint.dir")
 
 
 @dataclass
@@ -104,6 +152,7 @@ class Checkpointer:
         self._broadcast = broadcast  # rank 0's value -> every rank
         self.log = log
         self.last_saved_step: int | None = None
+        self._pruner: threading.Thread | None = None
 
     def save(self, *, step: int, common: dict[str, Any], rank_state: dict[str, Any]) -> Path:
         """Collective: every rank writes its part; rank 0 publishes the directory atomically."""
@@ -115,11 +164,12 @@ class Checkpointer:
         self._barrier()
         atomic_torch_save(rank_state, tmp / rank_file(self.rank))
         if self.rank == 0:
-            atomic_torch_save(common, tmp / COMMON)
+            common_entry = atomic_torch_save(common, tmp / COMMON)
         self._barrier()
         if self.rank == 0:
             files = {p.name: {"size": p.stat().st_size, "sha256": _sha256(p)}
-                     for p in sorted(tmp.iterdir()) if p.suffix == ".pt"}
+                     for p in sorted(tmp.iterdir()) if p.suffix == ".pt" and p.name != COMMON}
+            files[COMMON] = common_entry
             (tmp / (MANIFEST + ".part")).write_text(json.dumps({"step": step, "files": files}, indent=1))
             os.replace(tmp / (MANIFEST + ".part"), tmp / MANIFEST)
             _fsync_dir(tmp)
@@ -127,9 +177,17 @@ class Checkpointer:
                 shutil.rmtree(final)
             os.replace(tmp, final)
             _fsync_dir(self.dir)
-            self._prune()
+            self.wait()
+            self._pruner = threading.Thread(target=self._prune, name="ckpt-prune", daemon=True)
+            self._pruner.start()
         self.last_saved_step = step
         return final
+
+    def wait(self) -> None:
+        """Block until background pruning has finished (end of run, before the next save)."""
+        if self._pruner is not None:
+            self._pruner.join()
+            self._pruner = None
 
     def _prune(self) -> None:
         steps = sorted(self._step_dirs(), reverse=True)

@@ -13,6 +13,8 @@ MODELS = ("convnet", "mlp", "resnet18", "resnet50")
 OPTIMIZERS = ("sgd", "adamw")
 SCHEDULERS = ("cosine", "constant")
 PRECISIONS = ("auto", "bf16", "fp32")
+BUFFER_SYNCS = ("average", "broadcast")
+AUTO = "auto"
 
 
 @dataclass(frozen=True)
@@ -33,6 +35,25 @@ class SyntheticConfig:
     shape: tuple[int, ...] = (3, 32, 32)
     num_classes: int = 10
     seed: int = 1234
+
+
+@dataclass(frozen=True)
+class DdpConfig:
+    """DistributedDataParallel options (the trainer sets each one explicitly; none is left to torch).
+
+    bufferSync: how BatchNorm running statistics, which each rank updates from its own batches,
+    are made identical before every evaluation and checkpoint: `average` (all-reduce mean of
+    floating buffers: statistics of every rank's data) or `broadcast` (rank 0's copy). DDP's own
+    per-forward buffer broadcast is always off: it costs a collective per step and still leaves
+    eval on rank 0's statistics only.
+    staticGraph: DDP static_graph; unset (auto) turns it on where it is valid for the built-in
+    loop (no torch.compile, no gradient accumulation).
+    bucketCapMb: gradient bucket size in MiB (DDP's bucket_cap_mb).
+    """
+
+    buffer_sync: str = "average"
+    static_graph: str | bool = AUTO
+    bucket_cap_mb: int = 25
 
 
 @dataclass(frozen=True)
@@ -60,17 +81,29 @@ class TrainerConfig:
     warmup_steps: int = 0
     grad_accum_steps: int = 1
     max_steps: int = 0            # 0: no cap (benchmarks and tests cap the run)
-    num_workers: int = 0
-    precision: str = "auto"
+    # DataLoader worker processes per rank; `auto`: none for in-memory data sets (digits,
+    # synthetic: a worker only adds IPC), for imagefolder the CPUs this pod may use divided by
+    # its local ranks, one left for the training process, at most 8.
+    num_workers: int | str = AUTO
+    prefetch_factor: int = 2      # batches each worker keeps ready (only with workers)
+    precision: str = "auto"       # auto: bf16 where the GPU has it (warned otherwise); bf16: required
     compile: bool = False
+    cudnn_benchmark: bool = True  # GPU only: pick conv algorithms once per input shape
+    tf32: bool = True             # GPU only: TF32 tensor cores for fp32 matmuls and convolutions
+    # Unset (auto): on for CNNs on GPU (NHWC is the layout tensor-core convolutions read).
+    channels_last: str | bool = AUTO
     seed: int = 0
-    timeout_seconds: int = 600    # process-group timeout: how long a collective may hang
+    timeout_seconds: int = 600    # process-group timeout until the first step: start-up, rendezvous
+    # After the first step a collective that hangs this long is a hang, not a slow start (0: keep
+    # timeoutSeconds). Short, so a dead peer fails the group instead of holding every GPU.
+    step_timeout_seconds: int = 300
     log_every_steps: int = 10
     data_path: str | None = None
     val_path: str | None = None
     image_size: int = 224
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    ddp: DdpConfig = field(default_factory=DdpConfig)
     mlflow: MlflowConfig | None = None
 
     def to_dict(self) -> dict[str, Any]:
@@ -93,11 +126,16 @@ _TOP: dict[str, tuple[str, str, Any]] = {
     "warmupSteps": ("warmup_steps", "int", 0),
     "gradAccumSteps": ("grad_accum_steps", "int", 1),
     "maxSteps": ("max_steps", "int", 0),
-    "numWorkers": ("num_workers", "int", 0),
+    "numWorkers": ("num_workers", "int_or_auto", 0),
+    "prefetchFactor": ("prefetch_factor", "int", 1),
     "precision": ("precision", "enum", PRECISIONS),
     "compile": ("compile", "bool", None),
+    "cudnnBenchmark": ("cudnn_benchmark", "bool", None),
+    "tf32": ("tf32", "bool", None),
+    "channelsLast": ("channels_last", "bool", None),
     "seed": ("seed", "int", 0),
     "timeoutSeconds": ("timeout_seconds", "int", 1),
+    "stepTimeoutSeconds": ("step_timeout_seconds", "int", 0),
     "logEverySteps": ("log_every_steps", "int", 1),
     "dataPath": ("data_path", "str", None),
     "valPath": ("val_path", "str", None),
@@ -108,11 +146,20 @@ _CHECKPOINT = {"dir": ("dir", "str", None), "everySteps": ("every_steps", "int",
 _SYNTHETIC = {"trainSize": ("train_size", "int", 1), "valSize": ("val_size", "int", 1),
               "shape": ("shape", "shape", None), "numClasses": ("num_classes", "int", 2),
               "seed": ("seed", "int", 0)}
+_DDP = {"bufferSync": ("buffer_sync", "enum", BUFFER_SYNCS),
+        "staticGraph": ("static_graph", "bool", None),
+        "bucketCapMb": ("bucket_cap_mb", "int", 1)}
 _MLFLOW = {"trackingUri": ("tracking_uri", "str", None), "experiment": ("experiment", "str", None),
            "runName": ("run_name", "str", None)}
 
 
 def _check(path: str, value: Any, kind: str, arg: Any) -> Any:
+    if kind == "int_or_auto":
+        if value == AUTO:
+            return value
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{path}: expected an integer or \"auto\", got {value!r}")
+        kind = "int"
     if kind == "int":
         if isinstance(value, bool) or not isinstance(value, int):
             raise ConfigError(f"{path}: expected an integer, got {value!r}")
@@ -157,7 +204,7 @@ def _section(raw: Any, table: dict, path: str) -> dict[str, Any]:
     return out
 
 
-_NESTED = ("checkpoint", "synthetic", "mlflow")
+_NESTED = ("checkpoint", "synthetic", "ddp", "mlflow")
 
 
 def parse_config(raw: dict[str, Any] | None, *, path: str = "spec.trainer") -> TrainerConfig:
@@ -173,6 +220,8 @@ def parse_config(raw: dict[str, Any] | None, *, path: str = "spec.trainer") -> T
         kwargs["checkpoint"] = CheckpointConfig(**_section(nested["checkpoint"], _CHECKPOINT, f"{path}.checkpoint"))
     if "synthetic" in nested:
         kwargs["synthetic"] = SyntheticConfig(**_section(nested["synthetic"], _SYNTHETIC, f"{path}.synthetic"))
+    if "ddp" in nested:
+        kwargs["ddp"] = DdpConfig(**_section(nested["ddp"], _DDP, f"{path}.ddp"))
     if nested.get("mlflow") is not None:
         ml = _section(nested["mlflow"], _MLFLOW, f"{path}.mlflow")
         if "tracking_uri" not in ml:

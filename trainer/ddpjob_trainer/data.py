@@ -3,11 +3,12 @@ from __future__ import annotations
 
 import math
 import os
+import random
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
-from torch.utils.data import Dataset, DistributedSampler, Subset, TensorDataset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset, TensorDataset, get_worker_info
 
 from .config import TrainerConfig
 from .errors import ConfigError
@@ -24,6 +25,7 @@ class DataBundle:
     val: Dataset
     input_shape: tuple[int, ...]
     num_classes: int
+    random_train_transform: bool = False  # augmentation draws random numbers per sample
 
 
 def _split(n: int, val_fraction: float) -> tuple[list[int], list[int]]:
@@ -82,7 +84,7 @@ def imagefolder(cfg: TrainerConfig) -> DataBundle:
         train_idx, val_idx = _split(len(train), 0.1)
         val = Subset(_image_folder(cfg.data_path, "dataPath", val_tf), val_idx)
         train = Subset(train, train_idx)
-    return DataBundle(train, val, (3, size, size), len(_classes(train)))
+    return DataBundle(train, val, (3, size, size), len(_classes(train)), random_train_transform=True)
 
 
 def _classes(ds) -> list[str]:
@@ -105,17 +107,21 @@ class ResumableSampler(DistributedSampler):
     consumed yields exactly the samples an uninterrupted run would still have seen.
     """
 
-    def __init__(self, dataset: Dataset, **kwargs) -> None:
+    def __init__(self, dataset: Dataset, *, tag_epoch: bool = False, **kwargs) -> None:
         super().__init__(dataset, **kwargs)
         self.start = 0
+        self.tag_epoch = tag_epoch  # yield (epoch, index) keys for PerSampleSeeded
 
     def set_epoch(self, epoch: int, start: int = 0) -> None:  # noqa: D401 - torch API
         """Select the epoch's order and where in it to begin."""
         super().set_epoch(epoch)
         self.start = start
 
-    def __iter__(self) -> Iterator[int]:
-        return iter(list(super().__iter__())[self.start:])
+    def __iter__(self) -> Iterator[Any]:
+        order = list(super().__iter__())[self.start:]
+        if self.tag_epoch:
+            return iter([(self.epoch, i) for i in order])
+        return iter(order)
 
     def __len__(self) -> int:
         return self.num_samples - self.start
@@ -124,3 +130,57 @@ class ResumableSampler(DistributedSampler):
 def eval_shard(n: int, *, rank: int, world_size: int) -> list[int]:
     """This rank's validation indices: strided, unpadded, so each sample is counted exactly once."""
     return list(range(rank, n, world_size))
+
+
+class PerSampleSeeded(Dataset):
+    """Random augmentation as a pure function of (seed, epoch, sample index).
+
+    Indexed by the (epoch, index) keys of ResumableSampler(tag_epoch=True). Each sample's
+    transform draws from RNGs seeded for that sample alone, so what it produces does not depend
+    on which worker loads it, how many workers there are, whether they persist across epochs, or
+    whether the run was resumed: resume stays bit-exact with DataLoader workers.
+    """
+
+    def __init__(self, dataset: Dataset, *, seed: int) -> None:
+        self.dataset = dataset
+        self.seed = seed
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def sample_seed(self, epoch: int, index: int) -> int:
+        """The seed of one sample's augmentation."""
+        return ((self.seed * 1_000_003 + epoch) * 2_147_483_647 + index) % (2**63)
+
+    def __getitem__(self, key: tuple[int, int]) -> Any:
+        epoch, index = key
+        s = self.sample_seed(epoch, index)
+        if get_worker_info() is not None:  # a worker's RNGs serve only its samples
+            torch.manual_seed(s)
+            random.seed(s)
+            return self.dataset[index]
+        # In the training process the global RNGs also drive dropout: leave them untouched.
+        py_state = random.getstate()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(s)
+            random.seed(s)
+            try:
+                return self.dataset[index]
+            finally:
+                random.setstate(py_state)
+
+
+def loader_kwargs(*, workers: int, prefetch_factor: int, pin_memory: bool) -> dict[str, Any]:
+    """DataLoader options shared by the training and evaluation loaders."""
+    extra: dict[str, Any] = {"prefetch_factor": prefetch_factor, "persistent_workers": True} if workers else {}
+    return {"num_workers": workers, "pin_memory": pin_memory, **extra}
+
+
+def eval_loader(val: Dataset, *, rank: int, world_size: int, batch_size: int, **kwargs) -> DataLoader:
+    """This rank's exact evaluation shard; built once, its workers (if any) kept between epochs."""
+    shard = Subset(val, eval_shard(len(val), rank=rank, world_size=world_size))
+    # Its own generator: without one, each new iterator draws its workers' base seed from the
+    # global RNG, shifting the dropout stream by one draw per evaluation whenever the workers
+    # are (re)started, and a resumed run restarts them: resume would not be bit-exact.
+    return DataLoader(shard, batch_size=batch_size, shuffle=False, generator=torch.Generator(),
+                      **loader_kwargs(**kwargs))

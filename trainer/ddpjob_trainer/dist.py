@@ -10,6 +10,8 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
+from .tuning import set_nccl_env_defaults
+
 
 @dataclass(frozen=True)
 class DistContext:
@@ -50,6 +52,10 @@ def process_group(*, timeout_seconds: int) -> Iterator[DistContext]:
     else:
         device = torch.device("cpu")
     backend = "nccl" if use_cuda else "gloo"
+    if use_cuda:
+        # NCCL reads these when the communicator is created; a value the user (or the operator's
+        # env builder) set wins.
+        set_nccl_env_defaults()
     timeout = dt.timedelta(seconds=timeout_seconds)
     if launched_by_torchrun(env):
         dist.init_process_group(backend, timeout=timeout,

@@ -19,7 +19,12 @@ dashboards with a few lines::
 Set DDPJOB_TELEMETRY=0 to turn every call into a no-op.
 
 Meaning (what the operator's detectors rely on): `step_seconds` is the whole optimizer step,
-data wait included; `data_wait_seconds` is the part spent waiting for the batch. A gauge never set
+data wait included; `data_wait_seconds` is the part spent waiting for the batch. The built-in
+trainer measures `step_seconds` from one step boundary to the next and lets a GPU run ahead of
+the host between log steps, where it synchronizes: single samples may be short or long, their
+sum over a log interval is the device's time. `loss` is sampled: the built-in trainer reads the
+loss to the host only at log steps (logEverySteps), so the gauge shows the loss of the last log
+step, never a value it did not read. A gauge never set
 (e.g. eval_accuracy before the first evaluation, GPU memory on CPU) is not exported at all.
 """
 from __future__ import annotations
@@ -79,7 +84,8 @@ class Telemetry:
         self._started = gauge("step_started", "Optimizer step this rank has its batch for (in progress).")
         self._epoch = gauge("epoch", "Current epoch (0-based).")
         self._total = gauge("total_steps", "Optimizer steps the whole run will take.")
-        self._loss = gauge("loss", "Training loss of the last step on this rank.")
+        self._loss = gauge("loss", "Training loss of the last step whose loss was read (built-in "
+                           "trainer: every logEverySteps steps) on this rank.")
         self._samples = counter("samples", "Training samples processed by this rank.")
         self._step_s = Histogram(
             PREFIX + "step_seconds", "Wall time of one optimizer step on this rank.", names,
@@ -125,9 +131,9 @@ class Telemetry:
         if self.enabled:
             self._started.set(step)
 
-    def step(self, *, step: int, epoch: int, loss: float, samples: int,
+    def step(self, *, step: int, epoch: int, loss: float | None, samples: int,
              step_seconds: float, data_wait_seconds: float, timestamp: float) -> None:
-        """Record one finished optimizer step."""
+        """Record one finished optimizer step; `loss` None: not read this step (gauge kept)."""
         if not self.enabled:
             return
         self._global_step = step
@@ -135,7 +141,8 @@ class Telemetry:
         if epoch != self._last_epoch:  # changes once per epoch: skip the mmap write otherwise
             self._last_epoch = epoch
             self._epoch.set(epoch)
-        self._loss.set(loss)
+        if loss is not None:
+            self._loss.set(loss)
         self._samples.inc(samples)
         self._step_s.observe(step_seconds)
         self._wait.inc(data_wait_seconds)
