@@ -164,3 +164,12 @@ def test_every_field_has_a_description():
                and not p.startswith(".spec.trainer")]
     assert missing == []
     assert root["description"] and root["properties"]["status"]["description"]
+
+
+def test_crd_fits_client_side_apply():
+    """`kubectl apply -f manifests/` (client-side) stores the whole object in an annotation, and the
+    API server refuses annotations over 256 KiB: the embedded schemas must leave room."""
+    import json
+
+    size = len(json.dumps(crd.load_crd(), separators=(",", ":")))
+    assert size < 256 * 1024 - 16 * 1024, size
