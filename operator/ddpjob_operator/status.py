@@ -262,6 +262,23 @@ def refusal(pod: str, code: int | None, body: Any) -> CreateRefusal | None:
     return CreateRefusal(pod=pod, code=int(code), reason=str(data.get("reason") or code), message=message[:1000])
 
 
+def split_creates(objs: list[dict[str, Any]], results: list[Any]) -> tuple[list[Any], list[CreateRefusal]]:
+    """(created results, refusals) from `asyncio.gather(*creates, return_exceptions=True)` over
+    `objs`; any other exception (5xx, 429, a lost connection) is raised for the pass to retry."""
+    created: list[Any] = []
+    refused: list[CreateRefusal] = []
+    for obj, res in zip(objs, results):
+        if isinstance(res, BaseException):
+            r = refusal(str((obj.get("metadata") or {}).get("name") or ""), getattr(res, "status", None),
+                        getattr(res, "body", None))
+            if r is None:
+                raise res
+            refused.append(r)
+        else:
+            created.append(res)
+    return created, refused
+
+
 def create_refused(job: JobSpec, status: dict[str, Any], refusals: list[CreateRefusal], *,
                    now: dt.datetime) -> tuple[dict[str, Any], list[Event]]:
     """The status after pod creates were refused: a FailedCreatePod condition with the API's

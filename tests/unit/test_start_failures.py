@@ -210,3 +210,22 @@ def test_evidence_ignores_other_attempts_and_clean_exits():
     pods = [killed(0, 1, attempt=1), make_pod(1, phase="Succeeded", code=0), killed(2, 143, signal=15)]
     assert [(e["pod"], e.get("signal")) for e in failure_evidence(pods, 0)] == [("j-2", 15)]
     assert len(failure_evidence(pods, 1)) == 1
+
+
+def test_split_creates_keeps_refusals_and_raises_the_rest():
+    from kubernetes.client.rest import ApiException
+
+    from ddpjob_operator.status import split_creates
+
+    def api_error(code, body):
+        exc = ApiException(status=code, reason="x")
+        exc.body = body
+        return exc
+
+    pods = [{"metadata": {"name": f"j-{r}"}} for r in range(3)]
+    created, refused = split_creates(pods, [{"kind": "Pod"}, api_error(422, INVALID), None])
+    assert created == [{"kind": "Pod"}, None] and [(r.pod, r.code) for r in refused] == [("j-1", 422)]
+    with pytest.raises(ApiException):
+        split_creates(pods, [api_error(500, "{}"), api_error(422, INVALID), None])
+    with pytest.raises(ConnectionError):
+        split_creates(pods[:1], [ConnectionError("reset")])
