@@ -5,13 +5,20 @@ from `envvars.pod_env` (MASTER_ADDR=127.0.0.1). A failed node restarts the whole
 (resuming from the checkpoint) up to failurePolicy.maxRestarts; exit code 78 (bad
 configuration) fails at once. Progress and health come from scraping the nodes' metrics,
 with the same parsing and health logic the operator uses.
+
+Ctrl-C (SIGINT) and SIGTERM stop the run within seconds, whatever the nodes are doing
+(importing torch, training, writing a checkpoint): every process below the runner gets
+SIGTERM, then SIGKILL after DDPJOB_STOP_GRACE_SECONDS (default 5); a second Ctrl-C skips the
+rest of the grace. The exit code is 128 + the signal: 130 for SIGINT, 143 for SIGTERM; the
+summary's phase is "Interrupted". The runner is a child subreaper, so a worker orphaned by its
+torchrun agent (which gives workers sessions of their own) is still found and stopped.
 """
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -25,14 +32,21 @@ from typing import Any
 import click
 import yaml
 
-from . import envvars
-from ddpjob_trainer.launch import die_with_parent
+from ddpjob_trainer.errors import ConfigError
+from ddpjob_trainer.launch import (
+    Stop,
+    StopSignals,
+    become_subreaper,
+    die_with_parent,
+    stop_grace_from_env,
+    stop_tree,
+)
 
+from . import envvars
 from .spec import JobSpec, from_manifest
 
 EXIT_BAD_CONFIG = 78
 SCRAPE_INTERVAL = 1.0
-KILL_GRACE = 5.0
 
 
 class LocalRunError(Exception):
@@ -54,7 +68,6 @@ def load_job_file(path: str | os.PathLike) -> dict[str, Any]:
 def validate(obj: dict[str, Any]) -> JobSpec:
     """The same schema and rules as the API server, plus the trainer config; raise naming the field."""
     from ddpjob_trainer.config import parse_config
-    from ddpjob_trainer.errors import ConfigError
 
     from .validation import apply_defaults, validate_manifest
 
@@ -136,25 +149,30 @@ def node_env(job: JobSpec, rank: int, *, master_port: int, metrics_port: int, at
     return env
 
 
-def _kill_group(nodes: list[Node]) -> None:
-    for n in nodes:
-        if n.proc.poll() is None:
-            try:
-                os.killpg(n.proc.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-    deadline = time.monotonic() + KILL_GRACE
-    for n in nodes:
-        try:
-            n.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            pass
-    for n in nodes:  # whatever ignored SIGTERM, and any grandchildren left behind
-        try:
-            os.killpg(n.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        n.proc.wait()
+def _has_env(pid: int, prefix: bytes) -> bool:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return any(e.startswith(prefix) for e in f.read().split(b"\0"))
+    except OSError:
+        return False
+
+
+def _stop_nodes(nodes: list[Node], *, workdir: Path, signals: StopSignals, grace: float,
+                display: "Display") -> None:
+    """Stop every node and everything below it (bounded); a signal meanwhile only hurries it.
+
+    Besides the nodes' trees, any process re-parented to the runner that carries this run's
+    DDPJOB_RESULT_FILE (a worker whose agent and launcher died first) is stopped; nothing else
+    the caller of run_local may have started is touched."""
+    marker = f"DDPJOB_RESULT_FILE={workdir}{os.sep}".encode()
+    signals.armed = False
+    try:
+        left = stop_tree([n.proc for n in nodes], grace=grace, hurry=signals.hurry,
+                         owned=functools.partial(_has_env, prefix=marker))
+        if left:
+            display.say(f"WARNING processes {left} outlived SIGKILL (stuck in the kernel); not waiting for them")
+    finally:
+        signals.armed = True
 
 
 def _tail(path: Path, lines: int = 40) -> str:
@@ -231,8 +249,8 @@ class Display:
 
 
 def run_attempt(job: JobSpec, *, attempt: int, workdir: Path, metrics_ports: list[int],
-                display: Display) -> Attempt:
-    """Start every node, watch them, stop the group on the first failure."""
+                display: Display, signals: StopSignals, grace: float) -> Attempt:
+    """Start every node, watch them, stop the group on the first failure or a stop signal."""
     logs = workdir / "logs" / f"attempt-{attempt}"
     logs.mkdir(parents=True, exist_ok=True)
     result_file = workdir / f"result-attempt-{attempt}.json"
@@ -248,7 +266,8 @@ def run_attempt(job: JobSpec, *, attempt: int, workdir: Path, metrics_ports: lis
                     env=node_env(job, rank, master_port=master_port, metrics_port=metrics_ports[rank],
                                  attempt=attempt, workdir=workdir, result_file=result_file),
                     stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                    cwd=cwd, start_new_session=True, preexec_fn=die_with_parent)
+                    cwd=cwd, start_new_session=True,
+                    preexec_fn=functools.partial(die_with_parent, os.getpid()))
             nodes.append(Node(rank, proc, log_path, metrics_ports[rank]))
         next_scrape = 0.0
         while True:
@@ -259,7 +278,6 @@ def run_attempt(job: JobSpec, *, attempt: int, workdir: Path, metrics_ports: lis
                 codes = [n.proc.poll() for n in nodes]
                 bad = [n for n, c in zip(nodes, codes) if c == EXIT_BAD_CONFIG]
                 node, code = (bad[0], EXIT_BAD_CONFIG) if bad else failed[0]
-                _kill_group(nodes)
                 return Attempt(ok=False, exit_code=code, failed_rank=node.rank)
             if all(c == 0 for c in codes):
                 result = json.loads(result_file.read_text()) if result_file.exists() else {}
@@ -268,21 +286,34 @@ def run_attempt(job: JobSpec, *, attempt: int, workdir: Path, metrics_ports: lis
                 display.update(metrics_ports)
                 next_scrape = time.monotonic() + SCRAPE_INTERVAL
             time.sleep(0.1)
-    except KeyboardInterrupt:
-        _kill_group(nodes)
-        return Attempt(ok=False, exit_code=130, interrupted=True)
+    except Stop as stop:
+        display.say(f"{stop}: stopping every node (SIGKILL after {grace:g}s)")
+        return Attempt(ok=False, exit_code=128 + stop.signum, interrupted=True)
     finally:
-        _kill_group(nodes)
-
-
-def _interrupt(signum, _frame) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
+        _stop_nodes(nodes, workdir=workdir, signals=signals, grace=grace, display=display)
 
 
 def run_local(path: str, *, summary_json: str | None = None, metrics_port_base: int | None = None,
               workdir: str | None = None, progress: bool = True) -> int:
-    """Run the DDPJob in `path` on this machine; the process exit code."""
+    """Run the DDPJob in `path` on this machine; the process exit code (130/143 when stopped)."""
+    signals = StopSignals().install()  # first: a signal during start-up must stop it too
+    become_subreaper()
+    try:
+        return _run_local(path, signals=signals, summary_json=summary_json,
+                          metrics_port_base=metrics_port_base, workdir=workdir, progress=progress)
+    except Stop as stop:  # before the first node started (each attempt stops its own nodes)
+        click.echo(f"{stop}", err=True)
+        return 128 + stop.signum
+
+
+def _run_local(path: str, *, signals: StopSignals, summary_json: str | None, metrics_port_base: int | None,
+               workdir: str | None, progress: bool) -> int:
     t0 = time.monotonic()
+    try:
+        grace = stop_grace_from_env()
+    except ConfigError as exc:
+        click.echo(f"error: {exc}", err=True)
+        return 2
     try:
         obj = load_job_file(path)
         job = validate(obj)
@@ -298,10 +329,12 @@ def run_local(path: str, *, summary_json: str | None = None, metrics_port_base: 
                f"{job.world_size}; metrics on ports {ports[0]}..{ports[-1]}; logs in {wd}/logs", err=True)
     display = Display(enabled=progress, job=job)
     attempt_no, outcome = 0, Attempt(ok=False)
-    signal.signal(signal.SIGTERM, _interrupt)  # `kill` stops the group like Ctrl-C does
     try:
         while True:
-            outcome = run_attempt(job, attempt=attempt_no, workdir=wd, metrics_ports=ports, display=display)
+            outcome = run_attempt(job, attempt=attempt_no, workdir=wd, metrics_ports=ports, display=display,
+                                  signals=signals, grace=grace)
+            if not outcome.ok and signals.exit_code is not None:  # it came while nodes were stopped
+                outcome = Attempt(ok=False, exit_code=signals.exit_code, interrupted=True)
             if outcome.ok or outcome.interrupted:
                 break
             display.close()
@@ -317,6 +350,8 @@ def run_local(path: str, *, summary_json: str | None = None, metrics_port_base: 
             attempt_no += 1
             click.echo(f"restarting the whole group (restart {attempt_no}/{job.max_restarts}); "
                        "it resumes from the newest complete checkpoint", err=True)
+    except Stop as stop:  # between two attempts: no node is running
+        outcome = Attempt(ok=False, exit_code=128 + stop.signum, interrupted=True)
     finally:
         display.close()
     phase = "Succeeded" if outcome.ok else ("Interrupted" if outcome.interrupted else "Failed")
@@ -345,4 +380,4 @@ def run_local(path: str, *, summary_json: str | None = None, metrics_port_base: 
         Path(summary_json).write_text(json.dumps(summary, indent=2) + "\n")
     if outcome.ok:
         return 0
-    return 130 if outcome.interrupted else (outcome.exit_code or 1)
+    return outcome.exit_code or 1

@@ -12,3 +12,8 @@ def pytest_collection_modifyitems(items):
     for item in items:
         if "tests/cluster/" in str(item.fspath).replace("\\", "/"):
             item.add_marker(pytest.mark.cluster)
+
+
+@pytest.fixture(autouse=True)
+def _network_rule(no_kwok_traffic):
+    """Every cluster test runs under the network rule's watch (tests/support/fixtures.py)."""

@@ -3,11 +3,13 @@ tests/cluster (see tests/support/cluster.py), plus helm."""
 from __future__ import annotations
 
 import base64
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +26,12 @@ from tests.support.cluster import (  # noqa: F401  (re-exported for test modules
     set_pod_exit,
     wait_for,
 )
+from tests.support.network import (
+    check_operator_container,
+    check_operator_scrape,
+    helm_loopback_values,
+    with_loopback_scrape,
+)
 
 CHART = REPO_ROOT / "charts" / "ddpjob-operator"
 RESTRICTED = {"pod-security.kubernetes.io/enforce": "restricted"}
@@ -34,6 +42,11 @@ def pytest_collection_modifyitems(items):
     for item in items:
         if "tests/e2e/" in str(item.fspath).replace("\\", "/"):
             item.add_marker(pytest.mark.e2e)
+
+
+@pytest.fixture(autouse=True)
+def _network_rule(no_kwok_traffic):
+    """Every e2e test runs under the network rule's watch (tests/support/fixtures.py)."""
 
 
 @pytest.fixture(scope="session")
@@ -69,16 +82,37 @@ class Release:
 
 
 def install_release(cluster: Cluster, *sets: str, name: str | None = None, namespace: str,
-                    wait: bool = True) -> Release:
-    """`helm install` the chart (release name random unless given) into namespace (created)."""
+                    wait: bool = True, allow_pod_scrape: bool = False) -> Release:
+    """`helm install` the chart (release name random unless given) into namespace (created).
+
+    The in-cluster operator scrapes loopback (helm_loopback_values, which `sets` may extend but
+    not undo: the installed workload is checked) unless `allow_pod_scrape` (real pods only)."""
     name = name or f"d{uuid.uuid4().hex[:6]}"
     args = ["install", name, str(CHART), "-n", namespace, "--create-namespace"]
     if wait:
         args += ["--wait", "--timeout", "120s"]
     for s in sets:
         args += ["--set", s]
-    cluster.helm(*args, timeout=180)
-    return Release(name, namespace)
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml", prefix="loopback-scrape-") as values:
+        if not allow_pod_scrape:
+            yaml.safe_dump(helm_loopback_values(), values)
+            values.flush()
+            args[3:3] = ["-f", values.name]  # before every --set, which takes precedence
+        cluster.helm(*args, timeout=180)
+    rel = Release(name, namespace)
+    if not allow_pod_scrape:
+        check_release_scrapes_loopback(cluster, rel)
+    return rel
+
+
+def check_release_scrapes_loopback(cluster: Cluster, rel: Release) -> None:
+    """NetworkRuleError unless every operator container of the release scrapes loopback."""
+    for kind in ("deployment", "statefulset"):
+        out = cluster.kubectl("get", kind, "-n", rel.namespace, "-l", f"app.kubernetes.io/instance={rel.name}",
+                              "-o", "json").stdout
+        for obj in json.loads(out)["items"]:
+            for c in obj["spec"]["template"]["spec"]["containers"]:
+                check_operator_container(c, where=f"release {rel.name}: {kind}/{obj['metadata']['name']}")
 
 
 def uninstall_release(cluster: Cluster, rel: Release) -> None:
@@ -172,17 +206,31 @@ class OperatorProcess:
         return self.proc.returncode
 
 
-def start_operator(kubeconfig: Path, log: Path, *args: str, pod_name: str | None = None) -> OperatorProcess:
-    """Start `ddpjob operator ARGS` with only the given kubeconfig's identity; pod_name is what
-    the chart's POD_NAME would be (the reportingInstance of the operator's events)."""
-    health, metrics = free_port(), free_port()
+def operator_command(kubeconfig: Path, *args: str, health: int, metrics: int, pod_name: str | None = None,
+                     allow_pod_scrape: bool = False) -> tuple[list[str], dict[str, str]]:
+    """(command, env) of `ddpjob operator ARGS` with only the given kubeconfig's identity; it
+    scrapes loopback (kwok pods' addresses are fictitious) unless `allow_pod_scrape` (real pods
+    only). NetworkRuleError when ARGS point the scraper elsewhere."""
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("KUBERNETES_", "DDPJOB_")) and k not in ("POD_NAME", "POD_ID")}
     env["KUBECONFIG"] = str(kubeconfig)
     if pod_name:
         env["POD_NAME"] = env["POD_ID"] = pod_name
+    if not allow_pod_scrape:
+        env = with_loopback_scrape(env)
+    check_operator_scrape(list(args), env, allow_pod_scrape=allow_pod_scrape)
     cmd = [sys.executable, "-m", "ddpjob_operator.cli", "operator", *args,
            f"--health-port={health}", f"--metrics-port={metrics}"]
+    return cmd, env
+
+
+def start_operator(kubeconfig: Path, log: Path, *args: str, pod_name: str | None = None,
+                   allow_pod_scrape: bool = False) -> OperatorProcess:
+    """Start `ddpjob operator ARGS` (see operator_command); pod_name is what the chart's POD_NAME
+    would be (the reportingInstance of the operator's events)."""
+    health, metrics = free_port(), free_port()
+    cmd, env = operator_command(kubeconfig, *args, health=health, metrics=metrics, pod_name=pod_name,
+                                allow_pod_scrape=allow_pod_scrape)
     fh = open(log, "w")  # noqa: SIM115  (owned by the child for its lifetime)
     proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT)
     fh.close()

@@ -64,12 +64,27 @@ class Cluster:
     kubeconfig: Path = KUBECONFIG
     bin_dir: Path = BIN_DIR
 
-    def env(self, **extra: str) -> dict[str, str]:
-        """os.environ with KUBECONFIG set and bin_dir first on PATH (for subprocesses)."""
+    def env(self, *, allow_pod_scrape: bool = False, **extra: str) -> dict[str, str]:
+        """os.environ with KUBECONFIG set and bin_dir first on PATH (for subprocesses).
+
+        An operator started with this env scrapes loopback (NO_SCRAPE_TEMPLATE unless `extra` or
+        the environment name another loopback template): this cluster's pods are kwok's, whose
+        addresses are fictitious. A non-loopback template raises NetworkRuleError unless
+        `allow_pod_scrape` (real pods only; see tests/support/network.py).
+        """
+        from tests.support.network import check_operator_scrape, with_loopback_scrape
+
+        env = self._tool_env()
+        env.update(extra)
+        if not allow_pod_scrape:
+            env = with_loopback_scrape(env)
+        check_operator_scrape([], env, allow_pod_scrape=allow_pod_scrape)
+        return env
+
+    def _tool_env(self) -> dict[str, str]:
         env = dict(os.environ)
         env["KUBECONFIG"] = str(self.kubeconfig)
         env["PATH"] = f"{self.bin_dir}{os.pathsep}{env.get('PATH', '')}"
-        env.update(extra)
         return env
 
     def _run(self, tool: str, args: tuple[str, ...], *, check: bool, input: str | None,
@@ -77,7 +92,7 @@ class Cluster:
         exe = self.bin_dir / tool
         cmd = [str(exe) if exe.exists() else tool, *map(str, args)]
         proc = subprocess.run(cmd, input=input, capture_output=True, text=True,
-                              env=self.env(), timeout=timeout)
+                              env=self._tool_env(), timeout=timeout)
         if check and proc.returncode != 0:
             raise AssertionError(
                 f"`{tool} {' '.join(map(str, args))}` exited {proc.returncode}\n"

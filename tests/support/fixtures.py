@@ -4,6 +4,12 @@ from __future__ import annotations
 import pytest
 
 from tests.support.cluster import Cluster, create_namespace, delete_namespace, ensure_cluster
+from tests.support.network import ConnectionWatch, block_in_process_connects
+
+
+def pytest_configure(config):
+    """No test process may connect to a fictitious kwok address (docs/development.md, Network rule)."""
+    block_in_process_connects()
 
 
 @pytest.fixture(scope="session")
@@ -26,3 +32,20 @@ def namespace(cluster, api) -> str:
     name = create_namespace(api)
     yield name
     delete_namespace(api, name)
+
+
+@pytest.fixture(scope="session")
+def connection_watch():
+    """This machine's TCP table, sampled for the whole session (tests/support/network.py)."""
+    watch = ConnectionWatch().start()
+    yield watch
+    watch.stop()
+
+
+@pytest.fixture
+def no_kwok_traffic(connection_watch, request):
+    """Fails the test (at teardown) when one of this run's processes, e.g. an operator it
+    started, tried to reach a kwok pod's or node's fictitious address meanwhile."""
+    yield
+    connection_watch.sample()
+    connection_watch.check(what=f"{request.node.nodeid}: a process of this test run")

@@ -1,13 +1,21 @@
 """The in-pod launcher's wait for the master: real sockets and real name resolution."""
 from __future__ import annotations
 
+import json
+import os
+import signal
 import socket
+import subprocess
+import sys
+import textwrap
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
 from ddpjob_trainer.launch import wait_for_master
+from tests.support.stopping import first_child, pid1_prefix
 
 
 def test_returns_once_the_master_port_accepts():
@@ -37,3 +45,134 @@ def test_closed_port_names_the_port():
         port = s.getsockname()[1]
     with pytest.raises(TimeoutError, match=rf"waiting for its port.*127.0.0.1:{port} refuses"):
         wait_for_master("127.0.0.1", port, timeout=0.5, interval=0.1)
+
+
+# --- stopping: signals, process trees ------------------------------------------------------------
+
+def _run_py(code: str, *, timeout: float = 60) -> subprocess.CompletedProcess:
+    """Run `code` in a fresh interpreter: stop_tree acts on every descendant of its caller, which
+    must not be this test process."""
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_bytes()
+    except OSError:
+        return False
+    return stat[stat.rfind(b")") + 2:][:1] != b"Z"
+
+
+def test_stop_tree_kills_a_tree_that_ignores_sigterm_across_sessions():
+    proc = _run_py("""
+        import json, os, signal, subprocess, sys, time
+        from ddpjob_trainer.launch import stop_tree
+        # child (own session) -> grandchild (own session again, like torchrun's workers); both ignore SIGTERM
+        inner = "import signal, subprocess, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); " \\
+                "subprocess.Popen([sys.executable, '-c', 'import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)'], start_new_session=True); time.sleep(600)"
+        child = subprocess.Popen([sys.executable, "-c", inner], start_new_session=True)
+        from ddpjob_trainer.launch import descendants
+        while len(descendants(os.getpid())) < 2:
+            time.sleep(0.05)
+        tree = sorted(descendants(os.getpid()))
+        left = stop_tree([child], grace=0.5)
+        print(json.dumps({"tree": tree, "left": left, "rc": child.returncode}))
+    """)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["left"] == [] and out["rc"] == -signal.SIGKILL
+    assert not [p for p in out["tree"] if _alive(p)]
+
+
+def test_orphans_reparented_to_the_subreaper_are_stopped_and_reaped():
+    proc = _run_py("""
+        import json, os, subprocess, sys, time
+        from ddpjob_trainer.launch import become_subreaper, descendants, stop_tree
+        assert become_subreaper()
+        # the middle process starts a grandchild and exits at once: the grandchild is orphaned
+        subprocess.run([sys.executable, "-c", "import subprocess, sys; "
+                        "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'], start_new_session=True)"])
+        deadline = time.monotonic() + 30
+        while not descendants(os.getpid()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        orphans = sorted(descendants(os.getpid()))
+        left = stop_tree([], grace=5)
+        print(json.dumps({"orphans": orphans, "left": left, "after": descendants(os.getpid())}))
+    """)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert len(out["orphans"]) == 1, "the orphan was re-parented to the subreaper"
+    assert out["left"] == [] and out["after"] == {}, "stopped, and reaped (no zombie left)"
+
+
+@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_the_first_signal_raises_stop_and_later_ones_only_hurry(sig, code):
+    proc = _run_py(f"""
+        import os, signal
+        from ddpjob_trainer.launch import Stop, StopSignals
+        s = StopSignals().install()
+        try:
+            os.kill(os.getpid(), {int(sig)})
+            signal.pause()  # not reached: the handler raises
+        except Stop as exc:
+            print(exc, s.exit_code, s.hurry())
+        s.armed = False
+        os.kill(os.getpid(), {int(sig)})  # a second one, during the stop: recorded, not raised
+        print(s.exit_code, s.hurry())
+    """)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split("\n")[:2] == [f"stopped by {sig.name} {code} False", f"{code} True"]
+
+
+def test_a_bad_stop_grace_names_the_variable():
+    from ddpjob_trainer.errors import ConfigError
+    from ddpjob_trainer.launch import stop_grace_from_env
+
+    assert stop_grace_from_env({}) == 5.0 and stop_grace_from_env({"DDPJOB_STOP_GRACE_SECONDS": "2.5"}) == 2.5
+    for bad in ("soon", "-1"):
+        with pytest.raises(ConfigError, match="DDPJOB_STOP_GRACE_SECONDS"):
+            stop_grace_from_env({"DDPJOB_STOP_GRACE_SECONDS": bad})
+
+
+def test_a_launcher_waiting_for_its_master_stops_at_once_even_as_pid_1(tmp_path):
+    """A pod deleted while its worker waits for the master: as a container's PID 1 (simulated
+    with a PID namespace where allowed) a launcher without a handler would ignore SIGTERM for
+    the whole --master-timeout."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed once the block ends: the master never comes
+    env = {**os.environ, "NODE_RANK": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+           "DDPJOB_TRAINER_CONFIG": '{"dataset": "digits", "model": "mlp"}'}
+    prefix = pid1_prefix()
+    proc = subprocess.Popen([*prefix, sys.executable, "-m", "ddpjob_trainer.launch", "--master-timeout", "300"],
+                            env=env, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        line = proc.stderr.readline()  # printed after the handlers are installed
+        assert "waiting up to 300s for master" in line, line
+        target = first_child(proc.pid) if prefix else proc.pid
+        os.kill(target, signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 143, err
+    assert "stopped by SIGTERM" in err
+
+
+def test_with_owned_the_callers_other_children_are_left_alone():
+    proc = _run_py("""
+        import json, os, subprocess, sys, time
+        from ddpjob_trainer.launch import descendants, stop_tree
+        sleeper = [sys.executable, "-c", "import time; time.sleep(600)"]
+        node = subprocess.Popen(sleeper, start_new_session=True)
+        bystander = subprocess.Popen(sleeper, start_new_session=True)  # not the run's
+        left = stop_tree([node], grace=5, owned=lambda pid: False)
+        alive = bystander.poll() is None
+        bystander.kill()
+        print(json.dumps({"left": left, "node": node.returncode, "bystander_alive": alive}))
+    """)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out == {"left": [], "node": -15, "bystander_alive": True}

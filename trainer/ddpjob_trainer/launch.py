@@ -4,12 +4,21 @@ What Kubeflow users otherwise bolt on with init containers, done in-process:
 1. non-zero node ranks wait (with a deadline) until the master's DNS name resolves and
    its port accepts, so a worker never dies because pod 0 is a second late;
 2. one Prometheus endpoint per pod serves every local rank (a shared multiprocess dir);
-3. CMD (default: `torchrun -m ddpjob_trainer`, configured by the PET_* env) runs with
-   signals forwarded; the exit code is 78 when any rank failed on bad configuration.
+3. CMD (default: `torchrun -m ddpjob_trainer`, configured by the PET_* env) runs; the exit code
+   is 78 when any rank failed on bad configuration.
+
+Stopping (a pod deletion sends SIGTERM; Ctrl-C sends SIGINT) is bounded: the handlers are
+installed before anything else (as a container's PID 1 the launcher would otherwise *ignore*
+SIGTERM until the kubelet's SIGKILL at the end of terminationGracePeriodSeconds), every process
+below the launcher (torchrun's agent and its workers, which torchrun puts in sessions of their
+own, and any orphan re-parented to the launcher) gets SIGTERM, then SIGKILL after
+`--stop-grace` seconds (DDPJOB_STOP_GRACE_SECONDS, default 5). Exit code 128 + signal:
+143 for SIGTERM, 130 for SIGINT.
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import shutil
 import signal
@@ -18,10 +27,18 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Callable, Sequence
 
 from .errors import EXIT_BAD_CONFIG, EXIT_TRAINING_FAILED, ConfigError
 
 TERMINATION_LOG = "/dev/termination-log"
+DEFAULT_STOP_GRACE = 5.0
+# After SIGKILL, how long to wait for processes to vanish before giving up on them (one stuck
+# in uninterruptible kernel sleep cannot be reaped; waiting longer would only hang the caller).
+KILL_WAIT = 5.0
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+_PR_SET_PDEATHSIG = 1
+_PR_SET_CHILD_SUBREAPER = 36
 
 
 def _say(msg: str) -> None:
@@ -50,14 +67,204 @@ def wait_for_master(addr: str, port: int, *, timeout: float, interval: float = 1
         time.sleep(interval)
 
 
-def die_with_parent() -> None:
-    """preexec_fn: the child gets SIGTERM when its parent dies, even by SIGKILL (Linux)."""
+def _load_prctl() -> Callable[..., int] | None:
     try:
         import ctypes
 
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        return ctypes.CDLL("libc.so.6", use_errno=True).prctl
     except (OSError, AttributeError):
-        pass  # not Linux: Ctrl-C and SIGTERM still stop the group, a SIGKILLed parent may not
+        return None  # not Linux (glibc)
+
+
+# Resolved once in the parent: a preexec_fn runs between fork and exec, where dlopen (taking
+# locks another thread of the parent may have held at fork time) could deadlock the child.
+_prctl = _load_prctl()
+
+
+def die_with_parent(parent: int | None = None) -> None:
+    """preexec_fn: the child gets SIGTERM when its parent dies, even by SIGKILL (Linux).
+
+    With `parent` (the caller's pid, e.g. `functools.partial(die_with_parent, os.getpid())`), a
+    parent that died before the prctl took effect kills the child at once instead of leaving it.
+    Elsewhere Ctrl-C and SIGTERM still stop the group; a SIGKILLed parent may not.
+    """
+    if _prctl is None:
+        return
+    _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    if parent is not None and os.getppid() != parent:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def become_subreaper() -> bool:
+    """Orphans below this process (torchrun's workers once their agent is gone) are re-parented
+    to it instead of init, so `stop_tree` still finds them. False where unsupported."""
+    return _prctl is not None and _prctl(_PR_SET_CHILD_SUBREAPER, 1) == 0
+
+
+class Stop(BaseException):
+    """A stop signal arrived. A BaseException (like KeyboardInterrupt) so that no `except
+    Exception` on the way swallows it before the process tree is stopped."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"stopped by {signal.Signals(signum).name}")
+        self.signum = signum
+
+
+class StopSignals:
+    """SIGTERM/SIGINT handling: the first signal raises Stop in the main thread while `armed`
+    (disarm around cleanup that must not be interrupted); every later one only hurries the
+    shutdown (no more grace)."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self.count = 0
+        self.armed = True
+
+    def install(self) -> "StopSignals":
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, self._on_signal)
+        return self
+
+    def _on_signal(self, signum: int, _frame) -> None:
+        self.count += 1
+        if self.signum is None:
+            self.signum = signum
+        if self.armed and self.count == 1:
+            raise Stop(signum)
+
+    def hurry(self) -> bool:
+        """True once a second signal arrived (Ctrl-C pressed again): skip what is left of the grace."""
+        return self.count > 1
+
+    @property
+    def exit_code(self) -> int | None:
+        """128 + the first signal's number (130 SIGINT, 143 SIGTERM), None when none arrived."""
+        return None if self.signum is None else 128 + self.signum
+
+
+def stop_grace_from_env(env=os.environ) -> float:
+    """DDPJOB_STOP_GRACE_SECONDS (default 5): seconds between SIGTERM and SIGKILL on a stop."""
+    raw = env.get("DDPJOB_STOP_GRACE_SECONDS", "")
+    try:
+        value = float(raw) if raw else DEFAULT_STOP_GRACE
+    except ValueError:
+        raise ConfigError(f"DDPJOB_STOP_GRACE_SECONDS: not a number of seconds: {raw!r}") from None
+    if value < 0:
+        raise ConfigError(f"DDPJOB_STOP_GRACE_SECONDS: must be >= 0, got {raw!r}")
+    return value
+
+
+def _proc_table() -> dict[int, tuple[int, str]] | None:
+    """pid -> (parent pid, state letter) of every process; None without /proc (not Linux)."""
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return None
+    table = {}
+    for name in names:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                data = f.read()
+        except OSError:  # exited meanwhile
+            continue
+        # "pid (comm) state ppid ...": comm may hold spaces and parentheses, the last ")" ends it.
+        fields = data[data.rfind(b")") + 2:].split()
+        table[int(name)] = (int(fields[1]), fields[0].decode())
+    return table
+
+
+def descendants(root: int, table: dict[int, tuple[int, str]] | None = None) -> dict[int, str]:
+    """Every process below `root` (children, grandchildren, ...) -> its state letter ("Z": zombie)."""
+    table = _proc_table() if table is None else table
+    if not table:
+        return {}
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, _state) in table.items():
+        children.setdefault(ppid, []).append(pid)
+    found: dict[int, str] = {}
+    todo = list(children.get(root, []))
+    while todo:
+        pid = todo.pop()
+        if pid not in found:
+            found[pid] = table[pid][1]
+            todo.extend(children.get(pid, []))
+    return found
+
+
+def _signal_all(pids, groups, sig: int) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+    for pgid in groups:
+        try:
+            os.killpg(pgid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def _live_below(me: int, keep: set[int], roots: set[int], owned: Callable[[int], bool] | None) -> list[int]:
+    """Live (non-zombie) processes below `me` — with `owned`, only those below one of `roots` or
+    for which owned(pid) holds. Reaps zombie children that no Popen object owns (orphans
+    re-parented to this subreaper), never those in `keep` (Popen reaps its own)."""
+    table = _proc_table()
+    below = descendants(me, table)
+    if owned is not None:
+        mine = set().union(*(descendants(r, table) for r in roots)) if roots else set()
+        below = {p: st for p, st in below.items() if p in roots or p in mine or owned(p)}
+    live = []
+    for pid, state in below.items():
+        if state != "Z":
+            live.append(pid)
+        elif table[pid][0] == me and pid not in keep:
+            try:
+                os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                pass
+    return live
+
+
+def stop_tree(children: Sequence[subprocess.Popen], *, grace: float, hurry: Callable[[], bool] = lambda: False,
+              owned: Callable[[int], bool] | None = None, kill_wait: float = KILL_WAIT) -> list[int]:
+    """Stop every process below this one: SIGTERM, up to `grace` seconds to exit, then SIGKILL.
+
+    `children` are this process's Popen children, each the leader of its own session: their
+    groups are signalled too (all that works without /proc), and they are polled, never reaped
+    behind Popen's back. With `owned`, other processes below this one are only touched when they
+    descend from `children` or owned(pid) is true (e.g. they carry the run's environment: orphans
+    re-parented here). Processes forked while stopping are signalled as they appear. Bounded:
+    returns within about grace + kill_wait seconds whatever the processes do, with the pids
+    still there then (stuck in uninterruptible kernel sleep), normally [].
+    """
+    me = os.getpid()
+    keep = {c.pid for c in children}
+    groups = [c.pid for c in children if c.poll() is None]
+
+    def alive() -> list[int]:
+        running = {c.pid for c in children if c.poll() is None}
+        return sorted(running.union(_live_below(me, keep, keep, owned)))
+
+    pids = alive()
+    _signal_all(pids, groups, signal.SIGTERM)
+    signalled = set(pids)
+    until = time.monotonic() + grace
+    while pids and time.monotonic() < until and not hurry():
+        time.sleep(0.05)
+        pids = alive()
+        fresh = [p for p in pids if p not in signalled]
+        _signal_all(fresh, (), signal.SIGTERM)
+        signalled.update(fresh)
+    until = time.monotonic() + kill_wait
+    while pids:
+        _signal_all(pids, groups, signal.SIGKILL)
+        if time.monotonic() >= until:
+            return pids
+        time.sleep(0.05)
+        pids = alive()
+    return []
 
 
 def _write_termination(msg: str) -> None:
@@ -84,16 +291,44 @@ def _bad_config_messages(status_dir: str) -> list[str]:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run the pod's part of the job and return its exit code."""
+class _Node:
+    """What one launch holds until it ends: the child, the metrics server, a scratch dir."""
+
+    def __init__(self) -> None:
+        self.children: list[subprocess.Popen] = []
+        self.server = None
+        self.scratch: str | None = None
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.shutdown()
+        if self.scratch:
+            shutil.rmtree(self.scratch, ignore_errors=True)
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m ddpjob_trainer.launch")
     p.add_argument("--master-timeout", type=float,
                    default=float(os.environ.get("DDPJOB_MASTER_TIMEOUT", "600")),
                    help="seconds a worker waits for the master's DNS name and port")
     p.add_argument("--metrics-port", type=int, default=int(os.environ.get("DDPJOB_METRICS_PORT", "0")),
                    help="serve this pod's metrics here (0: don't)")
+    p.add_argument("--stop-grace", type=float, default=None,
+                   help="on SIGTERM/SIGINT, seconds every process of the node gets before SIGKILL "
+                        f"(default: DDPJOB_STOP_GRACE_SECONDS or {DEFAULT_STOP_GRACE:g})")
     p.add_argument("cmd", nargs=argparse.REMAINDER)
     args = p.parse_args(argv)
+    if args.stop_grace is None:
+        try:
+            args.stop_grace = stop_grace_from_env()
+        except ConfigError as exc:
+            p.error(str(exc))
+    elif args.stop_grace < 0:
+        p.error(f"--stop-grace must be >= 0, got {args.stop_grace}")
+    return args
+
+
+def _launch(args: argparse.Namespace, node: _Node) -> int:
     cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
     builtin = not cmd
     cmd = cmd or default_command()
@@ -120,36 +355,22 @@ def main(argv: list[str] | None = None) -> int:
             _write_termination(str(exc))
             return EXIT_TRAINING_FAILED
 
-    scratch = tempfile.mkdtemp(prefix="ddpjob-")
-    metrics_dir = env.setdefault("DDPJOB_METRICS_DIR", os.path.join(scratch, "metrics"))
-    status_dir = env.setdefault("DDPJOB_STATUS_DIR", os.path.join(scratch, "status"))
-    server = None
+    node.scratch = tempfile.mkdtemp(prefix="ddpjob-")
+    metrics_dir = env.setdefault("DDPJOB_METRICS_DIR", os.path.join(node.scratch, "metrics"))
+    status_dir = env.setdefault("DDPJOB_STATUS_DIR", os.path.join(node.scratch, "status"))
+    # The child starts before the metrics server's thread does: a fork with no other thread
+    # running cannot inherit a lock that thread held.
+    child = subprocess.Popen(cmd, env=env, start_new_session=True,
+                             preexec_fn=functools.partial(die_with_parent, os.getpid()))
+    node.children.append(child)
     if args.metrics_port:
         from .telemetry import serve_node_endpoint
         try:
-            server = serve_node_endpoint(args.metrics_port, metrics_dir)
+            node.server = serve_node_endpoint(args.metrics_port, metrics_dir)
         except OSError as exc:  # training matters more than its metrics
             _say(f"WARNING metrics port {args.metrics_port} unavailable ({exc}); continuing without metrics")
-
-    child = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=die_with_parent)
-
-    def forward(signum, _frame):
-        try:
-            os.killpg(child.pid, signum)
-        except ProcessLookupError:
-            pass
-
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, forward)
     code = child.wait()
-    try:
-        os.killpg(child.pid, signal.SIGKILL)  # no orphaned workers survive their agent
-    except ProcessLookupError:
-        pass
     bad = _bad_config_messages(status_dir)
-    if server is not None:
-        server.shutdown()
-    shutil.rmtree(scratch, ignore_errors=True)
     if bad:
         _write_termination(bad[0])
         return EXIT_BAD_CONFIG
@@ -157,6 +378,32 @@ def main(argv: list[str] | None = None) -> int:
         _write_termination(f"training exited with code {code}")
         return code if code > 0 else EXIT_TRAINING_FAILED
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the pod's part of the job and return its exit code (128 + signal when stopped)."""
+    signals = StopSignals().install()  # before anything else: see the module docstring
+    become_subreaper()
+    args = _parse(argv)
+    node = _Node()
+    stop: Stop | None = None
+    try:
+        code = _launch(args, node)
+    except Stop as exc:
+        stop, code = exc, 128 + exc.signum
+    finally:
+        signals.armed = False  # a later signal only hurries the stop below
+    if stop is not None:
+        _say(f"{stop}: stopping every process of this node (SIGKILL after {args.stop_grace:g}s)")
+    # After a normal end this only removes what the agent left behind (its workers live in
+    # sessions of their own): no orphaned worker outlives its node.
+    left = stop_tree(node.children, grace=args.stop_grace if stop else 0.0, hurry=signals.hurry)
+    if left:
+        _say(f"WARNING processes {left} outlived SIGKILL (stuck in the kernel); exiting anyway")
+    node.close()
+    if stop is not None:
+        _write_termination(str(stop))
+    return code
 
 
 if __name__ == "__main__":

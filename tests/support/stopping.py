@@ -1,0 +1,175 @@
+"""Helpers for the tests that stop a run with a signal at a chosen moment on a loaded machine
+(issue 18: `ddpjob run --local` and the in-pod launcher stop within seconds, whatever they do).
+
+The moments, each detected from outside the way a user would see it:
+- "agents":     a torchrun agent exists and is starting (importing torch);
+- "import":     a worker process exists and is importing torch;
+- "step":       training is under way (a rank reports step >= 3 on its metrics endpoint);
+- "checkpoint": a checkpoint is being written (its `.tmp-step-*` directory exists).
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Callable, Iterator
+
+from tests.support.localrun import pids_with_env
+
+MOMENTS = ("agents", "import", "step", "checkpoint")
+# A behaviour bound, not a performance figure: the stop path sends SIGKILL after 5 s of grace,
+# so anything near this means the stop did not happen at all (the old failure took over 60 s).
+STOP_BOUND_SECONDS = 15.0
+_STEP = re.compile(r"^ddpjob_trainer_step\{[^}]*\} (\S+)$", re.M)
+
+
+@contextmanager
+def cpu_load(processes: int | None = None) -> Iterator[list[subprocess.Popen]]:
+    """One busy process per core (or `processes`) for the duration: the loaded machine on which
+    a stop that merely usually works would fail."""
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+             for _ in range(processes or os.cpu_count() or 1)]
+    try:
+        yield procs
+    finally:
+        for p in procs:
+            p.kill()
+        for p in procs:
+            p.wait(timeout=30)
+
+
+def run_processes(marker: str) -> list[int]:
+    """Live processes of one run: every node process carries DDPJOB_RESULT_FILE under its work
+    dir (a unique path), which torchrun passes on to its workers."""
+    return [p for p in pids_with_env(f"DDPJOB_RESULT_FILE={marker}", prefix=True) if not _zombie(p)]
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_bytes()
+    except OSError:
+        return True
+    return stat[stat.rfind(b")") + 2:][:1] == b"Z"
+
+
+def _cmdline(pid: int) -> list[bytes]:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return []
+
+
+def agents(marker: str) -> list[int]:
+    """torchrun's agents. (Not the launchers: one signalled in the first milliseconds of its life,
+    before Python has run a line of it, dies of the signal's default action, or as a container's
+    PID 1 never sees it; the kubelet's SIGKILL at the end of the grace period bounds that case.)"""
+    return [p for p in run_processes(marker) if b"torch.distributed.run" in _cmdline(p)]
+
+
+def workers(marker: str) -> list[int]:
+    """The training processes (not launchers, not torchrun agents)."""
+    out = []
+    for p in run_processes(marker):
+        cmd = _cmdline(p)
+        if b"ddpjob_trainer" in cmd and b"torch.distributed.run" not in cmd and b"ddpjob_trainer.launch" not in cmd:
+            out.append(p)
+    return out
+
+
+def max_step(ports: list[int]) -> int:
+    """The highest step any rank reports on these loopback metrics ports (0 when none answers)."""
+    best = 0
+    for port in ports:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as r:
+                text = r.read().decode()
+        except OSError:
+            continue
+        best = max([best, *(int(float(v)) for v in _STEP.findall(text))])
+    return best
+
+
+def moment_reached(moment: str, *, marker: str, ports: list[int], ckpt_dir: Path) -> Callable[[], bool]:
+    """A predicate that turns true at `moment` (see the module docstring)."""
+    if moment == "agents":
+        return lambda: bool(agents(marker))
+    if moment == "import":
+        return lambda: bool(workers(marker))
+    if moment == "step":
+        return lambda: max_step(ports) >= 3
+    if moment == "checkpoint":
+        return lambda: ckpt_dir.is_dir() and any(p.name.startswith(".tmp-") for p in ckpt_dir.iterdir())
+    raise ValueError(f"unknown moment {moment!r}; one of {MOMENTS}")
+
+
+def wait_for_moment(reached: Callable[[], bool], *, alive: Callable[[], bool], timeout: float,
+                    what: str, interval: float = 0.01) -> None:
+    """Poll until `reached()`; AssertionError when the run ended first or after `timeout`."""
+    deadline = time.monotonic() + timeout
+    while not reached():
+        assert alive(), f"the run ended before {what}"
+        assert time.monotonic() < deadline, f"no {what} within {timeout:.0f}s"
+        time.sleep(interval)
+
+
+def wait_gone(marker: str, *, until: float) -> list[int]:
+    """Wait (until the monotonic deadline) for every process of the run to be gone; the ones left."""
+    left = run_processes(marker)
+    while left and time.monotonic() < until:
+        time.sleep(0.1)
+        left = run_processes(marker)
+    return left
+
+
+def describe(pids: list[int]) -> list[str]:
+    return [f"{p}: {b' '.join(_cmdline(p))[:160].decode(errors='replace')}" for p in pids]
+
+
+def kill_run(proc: subprocess.Popen, marker: str) -> None:
+    """Whatever the test's outcome, leave nothing of the run behind: SIGKILL its top process
+    (its whole group when it leads one) and every process carrying its marker."""
+    if proc.poll() is None:
+        try:
+            leads_group = os.getpgid(proc.pid) == proc.pid
+        except ProcessLookupError:
+            leads_group = False
+        if leads_group:
+            os.killpg(proc.pid, signal.SIGKILL)
+        else:
+            proc.kill()
+        proc.wait()
+    for pid in run_processes(marker):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def pid1_prefix() -> list[str]:
+    """`unshare` arguments that make a command PID 1 of a new PID namespace, as a container's
+    entrypoint is (PID 1 ignores every signal it has no handler for); [] where not allowed."""
+    if os.geteuid() != 0 or not shutil.which("unshare"):
+        return []
+    probe = subprocess.run(["unshare", "-fp", "--mount-proc", "true"], capture_output=True, timeout=30)
+    return ["unshare", "-fp", "--mount-proc"] if probe.returncode == 0 else []
+
+
+def first_child(pid: int, *, timeout: float = 30) -> int:
+    """The first child of `pid` (e.g. the PID 1 that `unshare -f` starts), waiting for it to exist."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            kids = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+        except OSError:
+            kids = []
+        if kids:
+            return int(kids[0])
+        assert time.monotonic() < deadline, f"process {pid} started no child within {timeout:.0f}s"
+        time.sleep(0.01)
