@@ -1,8 +1,11 @@
-"""One reconcile pass per job: observe, decide (pure), write status once, act, then post events.
+"""One reconcile pass per job: read the caches, decide (pure), write status once, act, post events.
 
-Passes for one job never overlap; bursts of triggers (a 64-pod group emits hundreds of pod
-events) coalesce into a few passes. A single periodic resync (not a per-object kopf timer,
-which would put a finalizer on every DDPJob) covers deadlines, scraping and missed events.
+Passes read the job and its pods from caches fed by watches, so a pass that changes nothing
+sends nothing to the API server: jobs at rest cost no requests. Passes for one job never overlap;
+bursts of triggers (a 64-pod group emits hundreds of pod events) coalesce into a few passes, and
+status changes nobody acts on (node counts) are written at most once per `coalesce` seconds.
+Periodic work is only the scrape schedule of running jobs (pods' metrics, not the API server)
+and one timer per job for its next deadline (activeDeadlineSeconds, TTL, unschedulable timeout).
 """
 from __future__ import annotations
 
@@ -15,10 +18,11 @@ from typing import Any
 
 from kubernetes.client.rest import ApiException
 
-from . import podinfo
+from . import labels, podinfo
+from .cache import PeerGate, Store, key_of
 from .config import OperatorConfig
 from .k8s import K8s
-from .lifecycle import decide
+from .lifecycle import Decision, decide
 from .operator_metrics import OperatorMetrics
 from .phases import Phase
 from .pods import render_pod
@@ -31,14 +35,16 @@ Key = tuple[str, str]
 # Test knob: seconds to wait between pod creations (lets a test kill the operator mid-creation).
 CREATE_DELAY_ENV = "DDPJOB_DEBUG_CREATE_DELAY"
 MONITOR_TIMEOUT = 30.0
+# Status writes per pass: a 409 (someone wrote in between) re-reads the job and decides again.
+WRITE_ATTEMPTS = 4
+# Status fields that only mirror pods (nobody acts on them): their changes may wait and coalesce.
+_QUIET_FIELDS = frozenset({"nodes", "launchedAttempt"})
 
 
 def _load_monitor(config: OperatorConfig) -> Any:
-    """Helper C's progress/health monitor when present; the operator works without it."""
-    try:
-        from .monitor import Monitor  # noqa: PLC0415  (optional module)
-    except ImportError:
-        return None
+    """The progress/health monitor; the operator works without it."""
+    from .monitor import Monitor  # noqa: PLC0415  (imports aiohttp; unit tests pass monitor=None)
+
     try:
         return Monitor(config)
     except Exception:  # noqa: BLE001  (a broken monitor must not stop the operator)
@@ -60,34 +66,53 @@ def owned_by(pod: dict[str, Any], uid: str) -> bool:
     return any(ref.get("uid") == uid for ref in (pod.get("metadata") or {}).get("ownerReferences") or [])
 
 
+def urgent(prev: dict[str, Any], status: dict[str, Any], decision: Decision, events: list) -> bool:
+    """True when the write must happen in this pass: it precedes actions (the attempt and counters
+    are stored before pods are deleted), announces a transition, or changes what users act on."""
+    if events or decision.create_ranks or decision.delete_pods or decision.delete_job:
+        return True
+    return any(status.get(k) != prev.get(k) for k in set(status) | set(prev) if k not in _QUIET_FIELDS)
+
+
+def _rv(obj: dict[str, Any] | None) -> str:
+    return str(((obj or {}).get("metadata") or {}).get("resourceVersion") or "")
+
+
 class Reconciler:
-    """Serialises and coalesces reconcile passes per job; owns the periodic resync."""
+    """Serialises and coalesces reconcile passes per job; owns the scrape schedule and timers."""
 
     def __init__(self, config: OperatorConfig, k8s: K8s, metrics: OperatorMetrics, *,
-                 monitor: Any = "auto", resync_interval: float | None = None):
+                 monitor: Any = "auto", jobs: Store | None = None, pods: Store | None = None,
+                 gate: PeerGate | None = None, coalesce: float = 1.0):
         self.config = config
         self.k8s = k8s
         self.metrics = metrics
         self.monitor = _load_monitor(config) if monitor == "auto" else monitor
-        self.resync_interval = resync_interval or max(float(config.scrape_interval), 5.0)
+        self.jobs = jobs if jobs is not None else Store()
+        self.pods = pods if pods is not None else Store(index_label=labels.JOB_NAME)
+        self.pods.listeners.append(self._pod_changed)
+        self.gate = gate
+        if gate is not None:
+            gate.store.listeners.append(lambda *_: self._unblock())
+        self.scrape_interval = max(float(config.scrape_interval), 1.0)
         self.create_delay = float(os.environ.get(CREATE_DELAY_ENV) or 0)
         # A short pause before each pass folds a burst of pod events into one pass.
         self.debounce = 0.1
+        self.coalesce = coalesce
         self._written_rv: dict[Key, str] = {}      # resourceVersion of our own last status write
-        self.known: dict[Key, str] = {}            # (ns, name) -> uid
+        self._last_write: dict[Key, float] = {}    # loop time of that write
         self._dirty: dict[Key, bool] = {}          # pending pass; True = also scrape
         self._workers: dict[Key, asyncio.Task] = {}
         self._timers: dict[Key, tuple[float, asyncio.TimerHandle]] = {}
-        self.paused = False
-        self._paused_checked_at = float("-inf")
-        self.identity: str | None = None           # our kopf peering identity (set by operator_main)
+        self._services: set[str] = set()           # job uids whose Service exists
+        self._blocked: set[Key] = set()            # passes held back by a higher-priority peer
 
     # -- triggers ------------------------------------------------------------------------
     def kick(self, namespace: str, name: str, *, scrape: bool = False) -> None:
         """Ask for a pass over this job (coalesced with any pass already pending)."""
         key = (namespace, name)
         self._dirty[key] = self._dirty.get(key, False) or scrape
-        if key not in self._workers or self._workers[key].done():
+        if key not in self._workers:
             self._workers[key] = asyncio.get_running_loop().create_task(self._work(key))
 
     def kick_later(self, key: Key, delay: float) -> None:
@@ -105,32 +130,45 @@ class Reconciler:
         self._timers.pop(key, None)
         self.kick(*key)
 
-    def seen(self, namespace: str, name: str, uid: str) -> None:
-        """A DDPJob exists (from its watch)."""
-        self.known[(namespace, name)] = uid
-
-    def job_changed(self, namespace: str, name: str, uid: str, resource_version: str | None) -> None:
-        """A DDPJob watch event: pass over it unless it is the echo of our own status write."""
-        self.seen(namespace, name, uid)
-        if resource_version and self._written_rv.get((namespace, name)) == resource_version:
+    def job_event(self, obj: dict[str, Any]) -> None:
+        """A DDPJob watch event: cache it; pass over it unless it is the echo of our own write."""
+        key = key_of(obj)
+        self.jobs.upsert(obj, notify=False)
+        if _rv(obj) and self._written_rv.get(key) == _rv(obj):
             return
-        self.kick(namespace, name)
+        self.kick(*key)
+
+    def job_deleted(self, obj: dict[str, Any]) -> None:
+        """A DDPJob is gone (its watch said so)."""
+        self.jobs.delete(obj, notify=False)
+        self.forget(*key_of(obj), uid=(obj.get("metadata") or {}).get("uid"))
+
+    def _pod_changed(self, _etype: str, pod: dict[str, Any]) -> None:
+        job_name = ((pod.get("metadata") or {}).get("labels") or {}).get(labels.JOB_NAME)
+        if job_name:
+            self.kick(key_of(pod)[0], job_name)
 
     def forget(self, namespace: str, name: str, uid: str | None = None) -> None:
-        """A DDPJob is gone: drop timers, monitor state and its metrics."""
+        """A DDPJob is gone: drop everything kept about it (a running pass ends by itself)."""
         key = (namespace, name)
-        uid = uid or self.known.get(key)
-        self.known.pop(key, None)
-        self._written_rv.pop(key, None)
+        obj = self.jobs.get(namespace, name)
+        if obj is not None and (uid is None or (obj.get("metadata") or {}).get("uid") == uid):
+            uid = uid or (obj.get("metadata") or {}).get("uid")
+            self.jobs.delete(obj, notify=False)
+        for table in (self._written_rv, self._last_write, self._dirty):
+            table.pop(key, None)
+        self._blocked.discard(key)
         timer = self._timers.pop(key, None)
         if timer:
             timer[1].cancel()
         self.metrics.set_phase(key, None)
-        if self.monitor is not None and uid:
-            try:
-                self.monitor.forget(uid)
-            except Exception:  # noqa: BLE001
-                log.exception("monitor.forget failed")
+        if uid:
+            self._services.discard(uid)
+            if self.monitor is not None:
+                try:
+                    self.monitor.forget(uid)
+                except Exception:  # noqa: BLE001
+                    log.exception("monitor.forget failed")
 
     async def shutdown(self) -> None:
         """Stop timers and in-flight passes (on operator exit), then the I/O pool."""
@@ -144,151 +182,177 @@ class Reconciler:
         await asyncio.gather(*tasks, return_exceptions=True)
         self.k8s.close()
 
+    # -- scheduling ------------------------------------------------------------------------
     async def _work(self, key: Key) -> None:
         backoff = 1.0
-        while key in self._dirty:
-            await asyncio.sleep(self.debounce)
-            scrape = self._dirty.pop(key)
-            if not await self.may_act():
-                continue  # a higher-priority peer acts; our resync retries once it is gone
-            try:
-                await self.reconcile(*key, scrape=scrape)
-                backoff = 1.0
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # noqa: BLE001  (retry with backoff; never crash the operator)
-                self.metrics.reconcile_errors.inc()
-                log.warning("reconcile %s/%s failed (retry in %.0fs): %s", *key, backoff, exc)
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 30.0)
-                self._dirty[key] = self._dirty.get(key, False) or scrape
-
-    async def resync_loop(self) -> None:
-        """Every interval: one pass per known job (running jobs also get scraped)."""
-        while True:
-            await asyncio.sleep(self.resync_interval)
-            if not await self.may_act(max_age=0.0):
-                continue
-            for key in list(self.known):
-                self.kick(*key, scrape=True)
-
-    async def may_act(self, *, max_age: float = 2.0) -> bool:
-        """False while a live higher-priority peer exists. Every pass asks, not only the resync:
-        kopf notices a new peer only eventually, and a pass started from a watch event in that
-        window would let two replicas act on one job. The answer is cached for `max_age` s."""
-        if not self.config.peering:
-            return True
-        now = time.monotonic()
-        if now - self._paused_checked_at >= max_age:
-            try:
-                self.paused = await self._peering_paused()
-            except Exception as exc:  # noqa: BLE001  (an API hiccup: keep the last answer)
-                log.debug("peering check failed: %s", exc)
-            self._paused_checked_at = now
-        return not self.paused
-
-    async def _peering_paused(self) -> bool:
-        """True while a live peer with a higher priority exists (then kopf pauses us too)."""
-        if not self.config.peering:
-            return False
-        from kopf._core.engines.peering import Peer  # noqa: PLC0415  (kopf's own liveness rules)
-
-        namespaces = [None] if self.config.all_namespaces else list(self.config.namespaces or ("default",))
-        for ns in namespaces:
-            obj = await self.k8s.get_peering(self.config.peering, ns)
-            for ident, info in ((obj or {}).get("status") or {}).items():
-                if not isinstance(info, dict) or ident == self.identity:
+        try:
+            await self.pods.wait_synced()  # an unsynced cache would make launched pods look deleted
+            while key in self._dirty:
+                await asyncio.sleep(self.debounce)
+                scrape = self._dirty.pop(key)
+                wait = self.held_back()
+                if wait is not None:
+                    # A higher-priority peer acts; retry when it would be presumed dead (its
+                    # keep-alives move that time, and its leaving wakes us through the peer cache).
+                    self._blocked.add(key)
+                    self.kick_later(key, wait)
                     continue
-                peer = Peer(identity=ident, **info)
-                if not peer.is_dead and peer.priority > self.config.priority:
-                    return True
-        return False
+                try:
+                    await self.reconcile(*key, scrape=scrape)
+                    backoff = 1.0
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:  # noqa: BLE001  (retry with backoff; never crash the operator)
+                    self.metrics.reconcile_errors.inc()
+                    log.warning("reconcile %s/%s failed (retry in %.0fs): %s", *key, backoff, exc)
+                    await asyncio.sleep(backoff)
+                    backoff = min(backoff * 2, 30.0)
+                    self._dirty[key] = self._dirty.get(key, False) or scrape
+        finally:
+            if self._workers.get(key) is asyncio.current_task():
+                del self._workers[key]
+
+    def held_back(self) -> float | None:
+        """Seconds until a live higher-priority peer would be presumed dead; None = act now."""
+        until = self.gate.blocking_until() if self.gate is not None else None
+        if until is None:
+            return None
+        return max(1.0, (until - dt.datetime.now(dt.timezone.utc)).total_seconds())
+
+    def _unblock(self) -> None:
+        """The peering object changed: passes held back may run now (or wait again)."""
+        blocked, self._blocked = self._blocked, set()
+        for key in blocked:
+            self.kick(*key)
+
+    async def scrape_loop(self) -> None:
+        """Every scrape interval: a scraping pass over each running job. The API server is not
+        asked anything unless the scrape changed what the status shows."""
+        if self.monitor is None:
+            return
+        while True:
+            await asyncio.sleep(self.scrape_interval)
+            for obj in self.jobs.items():
+                if (obj.get("status") or {}).get("phase") == Phase.RUNNING.value:
+                    self.kick(*key_of(obj), scrape=True)
 
     # -- one pass ------------------------------------------------------------------------
+    async def _observe(self, obj: dict[str, Any], pods: list[dict[str, Any]]) -> Any:
+        try:
+            return await asyncio.wait_for(self.monitor.observe(obj, pods), MONITOR_TIMEOUT)
+        except Exception as exc:  # noqa: BLE001  (progress is optional; lifecycle is not)
+            meta = obj.get("metadata") or {}
+            log.warning("monitor.observe %s/%s failed: %s", meta.get("namespace"), meta.get("name"), exc)
+            return None
+
     async def reconcile(self, namespace: str, name: str, *, scrape: bool = False) -> None:
-        """Observe the job and its pods, write status once, act, post events."""
+        """Decide from the caches, write status once (if it changed), act, post events."""
         started = time.monotonic()
         key = (namespace, name)
-        obj = await self.k8s.get_job(namespace, name)
+        obj = self.jobs.get(namespace, name)
         if obj is None:
             self.forget(namespace, name)
             return
-        job = from_manifest(obj)
-        self.seen(namespace, name, job.uid)
-        pods = [p for p in await self.k8s.list_pods(namespace, name) if owned_by(p, job.uid)]
-        prev = dict(obj.get("status") or {})
-        now = dt.datetime.now(dt.timezone.utc)
-
         report = None
-        if scrape and self.monitor is not None and prev.get("phase") == Phase.RUNNING.value:
-            try:
-                report = await asyncio.wait_for(self.monitor.observe(obj, pods), MONITOR_TIMEOUT)
-            except Exception as exc:  # noqa: BLE001  (progress is optional; lifecycle is not)
-                log.warning("monitor.observe %s/%s failed: %s", namespace, name, exc)
+        if (scrape and self.monitor is not None
+                and (obj.get("status") or {}).get("phase") == Phase.RUNNING.value):
+            uid = (obj.get("metadata") or {}).get("uid") or ""
+            report = await self._observe(obj, [p for p in self.pods.by_index(namespace, name) if owned_by(p, uid)])
 
-        decision = decide(job, pods, now=now, prev_status=prev, config=self.config,
-                          stalled=bool(getattr(report, "stalled", False)))
-        status, events = job_status(job, pods, now=now, prev_status=prev, config=self.config,
-                                    decision=decision, report=report)
-        if status != prev:
+        for _ in range(WRITE_ATTEMPTS):
+            job = from_manifest(obj)
+            pods = [p for p in self.pods.by_index(namespace, name) if owned_by(p, job.uid)]
+            prev = dict(obj.get("status") or {})
+            now = dt.datetime.now(dt.timezone.utc)
+            decision = decide(job, pods, now=now, prev_status=prev, config=self.config,
+                              stalled=bool(getattr(report, "stalled", False)))
+            status, events = job_status(job, pods, now=now, prev_status=prev, config=self.config,
+                                        decision=decision, report=report)
+            if status == prev:
+                break
+            if not urgent(prev, status, decision, events):
+                wait = self._last_write.get(key, float("-inf")) + self.coalesce - asyncio.get_running_loop().time()
+                if wait > 0:
+                    self.kick_later(key, wait)  # fold this change into a later write
+                    break
             try:
-                written = await self.k8s.patch_status(namespace, name, status_patch(prev, status))
+                written = await self.k8s.patch_status(namespace, name, status_patch(prev, status),
+                                                      resource_version=_rv(obj) or None)
             except ApiException as exc:
+                if exc.status == 404:
+                    self.forget(namespace, name)
+                    return
+                if exc.status == 409:
+                    # Someone wrote since our read: decide again from the current object.
+                    fresh = await self.k8s.get_job(namespace, name)
+                    if fresh is None:
+                        self.forget(namespace, name)
+                        return
+                    self.jobs.upsert(fresh, notify=False)
+                    obj = fresh
+                    continue
                 if exc.status != 422 or report is None:
                     raise
                 # The monitor's part was refused by the schema: never let progress block the lifecycle.
                 log.warning("status of %s/%s refused with the monitor report (%s); writing it without",
                             namespace, name, exc.reason)
                 report = None
-                status, events = job_status(job, pods, now=now, prev_status=prev, config=self.config,
-                                            decision=decision)
-                written = await self.k8s.patch_status(namespace, name, status_patch(prev, status))
-            self._written_rv[key] = ((written or {}).get("metadata") or {}).get("resourceVersion", "")
+                continue
+            self._wrote(key, written)
+            break
+        else:
+            raise RuntimeError(f"status of {namespace}/{name}: {WRITE_ATTEMPTS} conflicting writes in a row")
 
         # Actions only after the status (attempt, counters) is safely stored.
-        by_name = {podinfo.name(p): p for p in pods}
-        deletes = [self.k8s.delete_pod(namespace, n, uid=(by_name[n].get("metadata") or {}).get("uid"))
-                   for n in decision.delete_pods]
-        if deletes:
-            results = await asyncio.gather(*deletes)
-            self.metrics.pods_deleted.inc(sum(bool(r) for r in results))
-        if decision.create_ranks:
-            await self._create(job, decision.create_ranks, decision.attempt)
-        if decision.delete_job:
-            log.info("deleting %s/%s: ttlSecondsAfterFinished passed", namespace, name)
-            await self.k8s.delete_job(namespace, name)
-
-        for etype, reason, message in events:
+        await self._act(job, pods, decision)
+        for etype, reason, message in events + list(getattr(report, "events", None) or []):
             await self.k8s.post_event(obj, etype, reason, message)
-        if report is not None:
-            for etype, reason, message in getattr(report, "events", None) or []:
-                await self.k8s.post_event(obj, etype, reason, message)
 
-        self._count(key, prev, status, decision)
+        self.metrics.record_pass(key, prev_status=prev, status=status,
+                                 restarted=decision.restarted.reason if decision.restarted else None,
+                                 hang_timeout=job.hang_timeout_seconds)
         if decision.requeue_after is not None and not decision.delete_job:
             self.kick_later(key, decision.requeue_after)
         self.metrics.reconcile_seconds.observe(time.monotonic() - started)
 
+    def _wrote(self, key: Key, written: dict[str, Any] | None) -> None:
+        """Our write is the newest state: the next pass must see it before its watch echo."""
+        self._written_rv[key] = _rv(written)
+        self._last_write[key] = asyncio.get_running_loop().time()
+        if written:
+            self.jobs.upsert(written, notify=False)
+
+    async def _act(self, job, pods: list[dict[str, Any]], decision: Decision) -> None:
+        by_name = {podinfo.name(p): p for p in pods}
+        deletes = [self.k8s.delete_pod(job.namespace, n, uid=(by_name[n].get("metadata") or {}).get("uid"))
+                   for n in decision.delete_pods]
+        if deletes:
+            results = await asyncio.gather(*deletes)
+            self.metrics.count_pods(job.namespace, deleted=sum(bool(r) for r in results))
+        if decision.create_ranks:
+            await self._create(job, decision.create_ranks, decision.attempt)
+        if decision.delete_job:
+            log.info("deleting %s/%s: ttlSecondsAfterFinished passed", job.namespace, job.name)
+            await self.k8s.delete_job(job.namespace, job.name)
+
     async def _create(self, job, ranks: list[int], attempt: int) -> None:
-        await self.k8s.create(render_service(job))
+        # The Service outlives group restarts: POST it once per job (a 409 after an operator
+        # restart also means it exists).
+        if job.uid not in self._services:
+            await self.k8s.create(render_service(job))
+            self._services.add(job.uid)
         pods = [render_pod(job, r, attempt=attempt, config=self.config) for r in ranks]
         if self.create_delay > 0:
             for pod in pods:
-                if await self.k8s.create(pod):
-                    self.metrics.pods_created.inc()
+                self._created(job.namespace, [await self.k8s.create(pod)])
                 await asyncio.sleep(self.create_delay)
             return
-        results = await asyncio.gather(*(self.k8s.create(p) for p in pods))
-        self.metrics.pods_created.inc(sum(bool(r) for r in results))
+        self._created(job.namespace, await asyncio.gather(*(self.k8s.create(p) for p in pods)))
 
-    def _count(self, key: Key, prev: dict, status: dict, decision) -> None:
-        phase, old = status.get("phase"), prev.get("phase")
-        self.metrics.set_phase(key, phase)
-        if old is None:
-            self.metrics.created.inc()
-        if phase != old and phase == Phase.SUCCEEDED.value:
-            self.metrics.succeeded.inc()
-        if phase != old and phase == Phase.FAILED.value:
-            self.metrics.failed.labels(status.get("reason") or "Failed").inc()
-        if decision.restarted is not None:
-            self.metrics.restarted.labels(decision.restarted.reason).inc()
+    def _created(self, namespace: str, pods: list[dict[str, Any] | None]) -> None:
+        made = [p for p in pods if p is not None]  # None: it existed already (409)
+        self.metrics.count_pods(namespace, created=len(made))
+        for pod in made:
+            if pod.get("metadata"):
+                self.pods.upsert(pod, notify=False)  # seen by the next pass even before its watch event
+

@@ -1,4 +1,9 @@
-"""Thin kopf handlers: every trigger just asks the Reconciler for a pass over one job."""
+"""Thin kopf handlers: DDPJob events feed the Reconciler's job cache and ask for a pass.
+
+Pods are not watched through kopf: its label filters are applied client-side, after every pod
+event of the namespace was decoded. Our own informer (cache.py) asks the API server for our pods
+only, and keeps the cache that passes read.
+"""
 from __future__ import annotations
 
 import asyncio
@@ -6,12 +11,11 @@ from typing import Any
 
 import kopf
 
-from . import labels as lbl
 from .controller import Reconciler
 from .spec import GROUP, PLURAL, VERSION
 
 
-def register(registry: kopf.OperatorRegistry, reconciler: Reconciler) -> None:
+def register(registry: kopf.OperatorRegistry, reconciler: Reconciler, *, informers: list = ()) -> None:
     """Attach the handlers to `registry` (watch-only handlers: no finalizers, no annotations)."""
 
     # A plain OperatorRegistry has no fallback login: use the kubernetes client's config
@@ -20,29 +24,29 @@ def register(registry: kopf.OperatorRegistry, reconciler: Reconciler) -> None:
     def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
         return kopf.login_via_client(**kwargs)
 
+    # Startup handlers run before kopf's watches start, so the pod cache is listing by the
+    # time the first DDPJob event asks for a pass (passes wait until it has synced).
     @kopf.on.startup(registry=registry)
-    async def start_resync(memo: kopf.Memo, **_: Any) -> None:
-        memo.resync = asyncio.get_running_loop().create_task(reconciler.resync_loop())
+    async def start(memo: kopf.Memo, **_: Any) -> None:
+        loop = asyncio.get_running_loop()
+        for informer in informers:
+            informer.start(loop)
+        memo.scrape = loop.create_task(reconciler.scrape_loop())
 
     @kopf.on.cleanup(registry=registry)
-    async def stop_resync(memo: kopf.Memo, **_: Any) -> None:
-        task = getattr(memo, "resync", None)
+    async def stop(memo: kopf.Memo, **_: Any) -> None:
+        for informer in informers:
+            informer.stop()
+        task = getattr(memo, "scrape", None)
         if task is not None:
             task.cancel()
         await reconciler.shutdown()
 
     # Every DDPJob event, including the initial listing after a restart (= resume).
     @kopf.on.event(GROUP, VERSION, PLURAL, registry=registry)
-    async def job_event(type: str | None, name: str, namespace: str, uid: str, meta: kopf.Meta,
-                        **_: Any) -> None:
-        if type == "DELETED":
-            reconciler.forget(namespace, name, uid)
-            return
-        reconciler.job_changed(namespace, name, uid, meta.get("resourceVersion"))
-
-    # Any change to one of our pods (phase, deletion, eviction) re-evaluates its job.
-    @kopf.on.event("", "v1", "pods", labels={lbl.JOB_NAME: kopf.PRESENT}, registry=registry)
-    async def pod_event(labels: dict[str, str], namespace: str, **_: Any) -> None:
-        job_name = labels.get(lbl.JOB_NAME)
-        if job_name:
-            reconciler.kick(namespace, job_name)
+    async def job_event(event: kopf.RawEvent, **_: Any) -> None:
+        obj = event.get("object") or {}
+        if event.get("type") == "DELETED":
+            reconciler.job_deleted(obj)
+        else:
+            reconciler.job_event(obj)

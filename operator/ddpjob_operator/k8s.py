@@ -11,14 +11,14 @@ import json
 import logging
 import os
 import uuid
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
-from typing import Any
+from typing import Any, Callable
 
 from kubernetes import client, config as kconfig
 from kubernetes.client.rest import ApiException
 
-from . import labels
 from .spec import GROUP, KIND, PLURAL, VERSION, API_VERSION
 
 log = logging.getLogger("ddpjob.k8s")
@@ -36,17 +36,46 @@ def load_api_client(*, pool: int = 32) -> client.ApiClient:
     return client.ApiClient(cfg)
 
 
+_SUBRESOURCES = {"status", "scale", "binding", "eviction", "log"}
+
+
+def request_kind(method: str, path: str, *, watch: bool = False) -> tuple[str, str]:
+    """(verb, resource) of a request, as the API server's metrics name them:
+    GET /api/v1/namespaces/ns/pods -> (LIST, pods); PATCH .../ddpjobs/x/status -> (PATCH, ddpjobs/status)."""
+    parts = [p for p in path.split("?")[0].split("/") if p]
+    parts = parts[2:] if parts[:1] == ["api"] else parts[3:]   # drop api/v1 or apis/group/version
+    if parts[:1] == ["namespaces"] and len(parts) > 2:
+        parts = parts[2:]
+    resource, rest = (parts[0], parts[1:]) if parts else ("", [])
+    if len(rest) > 1 and rest[1] in _SUBRESOURCES:
+        resource = f"{resource}/{rest[1]}"
+    if watch:
+        return "WATCH", resource
+    if method == "GET" and not rest:
+        return "LIST", resource
+    return method, resource
+
+
 class K8s:
     """Async facade: raw JSON requests through the client's auth and connection pool,
     each run in a bounded thread pool (no model classes, so pass-through fields survive)."""
 
-    def __init__(self, api: client.ApiClient | None = None, *, workers: int = 16):
+    def __init__(self, api: client.ApiClient | None = None, *, workers: int = 16,
+                 on_request: Callable[[str, str], None] | None = None):
         self.api = api or load_api_client(pool=workers * 2)
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="k8s")
         self._instance = os.environ.get("POD_NAME") or os.uname().nodename
+        self.on_request = on_request  # (verb, resource): counts what we ask of the API server
+
+    def _count(self, method: str, path: str, *, watch: bool = False) -> None:
+        if self.on_request is None:
+            return
+        verb, resource = request_kind(method, path, watch=watch)
+        self.on_request(verb, resource)
 
     def _request(self, method: str, path: str, *, body: Any = None, query: list | None = None,
                  content_type: str = "application/json") -> Any:
+        self._count(method, path)
         headers = {"Accept": "application/json", "Content-Type": content_type}
         params = self.api.param_serialize(method=method, resource_path=path, query_params=query or [],
                                           header_params=headers, body=body, auth_settings=["BearerToken"])
@@ -55,6 +84,38 @@ class K8s:
         if not 200 <= resp.status <= 299:
             raise ApiException(http_resp=resp)
         return json.loads(resp.data) if resp.data else None
+
+    def list_objects(self, path: str, query: list | None = None) -> tuple[list[dict[str, Any]], str]:
+        """(items, the list's resourceVersion): blocking, for an informer's thread."""
+        data = self._request("GET", path, query=query) or {}
+        return list(data.get("items") or []), str((data.get("metadata") or {}).get("resourceVersion") or "")
+
+    def watch(self, path: str, query: list | None, *, resource_version: str,
+              timeout: int = 270) -> Iterator[dict[str, Any]]:
+        """Watch events (dicts with type/object) from `resource_version` until the server ends the
+        stream after `timeout` s: blocking, for an informer's thread. Bookmarks keep the version fresh."""
+        q = list(query or []) + [("watch", "true"), ("allowWatchBookmarks", "true"),
+                                 ("resourceVersion", resource_version), ("timeoutSeconds", str(timeout))]
+        self._count("GET", path, watch=True)
+        headers = {"Accept": "application/json"}
+        params = self.api.param_serialize(method="GET", resource_path=path, query_params=q,
+                                          header_params=headers, auth_settings=["BearerToken"])
+        # The read timeout outlives the server's own, so a silently dead connection still ends.
+        resp = self.api.call_api(*params, _request_timeout=(10, timeout + 30))
+        raw = resp.response
+        try:
+            if not 200 <= resp.status <= 299:
+                resp.read()
+                raise ApiException(http_resp=resp)
+            buf = b""
+            for chunk in raw.stream(65536, decode_content=True):
+                buf += chunk
+                *lines, buf = buf.split(b"\n")
+                for line in lines:
+                    if line.strip():
+                        yield json.loads(line)
+        finally:
+            raw.release_conn()
 
     async def _call(self, method: str, path: str, **kwargs: Any) -> Any:
         loop = asyncio.get_running_loop()
@@ -78,22 +139,16 @@ class K8s:
                 return None
             raise
 
-    async def list_pods(self, namespace: str, job_name: str) -> list[dict[str, Any]]:
-        """Every pod labelled with the job's name (all attempts, owner not checked)."""
-        data = await self._call("GET", f"/api/v1/namespaces/{namespace}/pods",
-                                query=[("labelSelector", labels.selector(job_name))])
-        return list((data or {}).get("items") or [])
-
-    async def create(self, obj: dict[str, Any]) -> bool:
-        """Create a Pod or Service; False when it already exists (409), so retries are harmless."""
+    async def create(self, obj: dict[str, Any]) -> dict[str, Any] | None:
+        """Create a Pod or Service: the created object, or None when it already exists (409),
+        so retries are harmless."""
         ns = obj["metadata"]["namespace"]
         plural = {"Pod": "pods", "Service": "services"}[obj["kind"]]
         try:
-            await self._call("POST", f"/api/v1/namespaces/{ns}/{plural}", body=obj)
-            return True
+            return await self._call("POST", f"/api/v1/namespaces/{ns}/{plural}", body=obj) or {}
         except ApiException as exc:
             if exc.status == 409:
-                return False
+                return None
             raise
 
     async def delete_pod(self, namespace: str, name: str, *, uid: str | None = None) -> bool:
@@ -109,10 +164,15 @@ class K8s:
                 return False
             raise
 
-    async def patch_status(self, namespace: str, name: str, patch: dict[str, Any]) -> dict[str, Any]:
-        """Merge-patch the status subresource; returns the updated object."""
+    async def patch_status(self, namespace: str, name: str, patch: dict[str, Any], *,
+                           resource_version: str | None = None) -> dict[str, Any]:
+        """Merge-patch the status subresource; returns the updated object. With `resource_version`
+        the API server refuses (409) a write based on a stale read, as an Update would."""
+        body: dict[str, Any] = {"status": patch}
+        if resource_version:
+            body["metadata"] = {"resourceVersion": resource_version}
         return await self._call("PATCH", self._job_path(namespace, name) + "/status",
-                                body={"status": patch}, content_type="application/merge-patch+json")
+                                body=body, content_type="application/merge-patch+json")
 
     async def delete_job(self, namespace: str, name: str) -> bool:
         """Delete the DDPJob; garbage collection removes its Service and pods."""
@@ -145,14 +205,3 @@ class K8s:
             await self._call("POST", f"/api/v1/namespaces/{meta.get('namespace')}/events", body=body)
         except ApiException as exc:
             log.warning("could not post event %s on %s: %s", reason, meta.get("name"), exc.reason)
-
-    async def get_peering(self, name: str, namespace: str | None) -> dict[str, Any] | None:
-        """The kopf peering object (namespaced, or cluster-wide when namespace is None)."""
-        path = (f"/apis/kopf.dev/v1/clusterkopfpeerings/{name}" if namespace is None
-                else f"/apis/kopf.dev/v1/namespaces/{namespace}/kopfpeerings/{name}")
-        try:
-            return await self._call("GET", path)
-        except ApiException as exc:
-            if exc.status == 404:
-                return None
-            raise

@@ -10,7 +10,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Callable
 
 from . import health, progress, scrape
 from .config import OperatorConfig
@@ -146,12 +146,13 @@ class Monitor:
         now = self.clock()
         samples: dict[int, scrape.RankSample] = {}
         failing = set()
+        first_error = ""
         for (url, pod), res in zip(targets, results):
             pod_name = (pod.get("metadata") or {}).get("name", "")
             if res.text is None:
                 failing.add(pod_name)
-                if pod_name not in st.failing:
-                    log.info("scrape of %s/%s (%s) failed: %s", namespace, pod_name, url, res.error)
+                if pod_name not in st.failing and not first_error:
+                    first_error = f"{pod_name} ({url}): {res.error}"
                 continue
             try:
                 parsed = scrape.parse_metrics(res.text)
@@ -163,6 +164,10 @@ class Monitor:
             for s in parsed.values():
                 s.pod, s.node = pod_name, node
             samples.update(parsed)
+        if first_error:
+            # One line per job, not per pod (800 pods would give 800 lines), when pods start failing.
+            log.info("scrape of %s/%s: %d of %d pod(s) failed, e.g. %s", namespace, name, len(failing),
+                     len(targets), first_error)
         st.failing = failing
 
         events: list[tuple[str, str, str]] = []
@@ -203,8 +208,3 @@ def _event(f: health.Finding) -> tuple[str, str, str]:
     if f.active:
         return ("Warning", f.kind, f.message)
     return ("Normal", {"Straggler": "StragglerRecovered", "Stalled": "Resumed"}.get(f.kind, f.reason), f.message)
-
-
-def hang_restart_enabled(job: dict[str, Any]) -> bool:
-    """spec.failurePolicy.restartOnHang (opt-in)."""
-    return bool(((job.get("spec") or {}).get("failurePolicy") or {}).get("restartOnHang", False))

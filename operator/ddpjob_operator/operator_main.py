@@ -2,13 +2,17 @@
 from __future__ import annotations
 
 import asyncio
+import getpass
 import logging
+import os
+import secrets
 
 import kopf
-from kopf._core.engines.peering import detect_own_id  # kopf's own id, shared with our peering check
-
 from kubernetes.config import ConfigException
+from prometheus_client import Counter
 
+from . import labels
+from .cache import PeerGate, Store, peering_informers, pod_informers
 from .config import OperatorConfig
 from .controller import Reconciler
 from .handlers import register
@@ -43,6 +47,15 @@ def operator_settings(cfg: OperatorConfig) -> kopf.OperatorSettings:
     return settings
 
 
+def own_identity() -> str:
+    """This process's name in the peering object (given to kopf, and skipped by our gate):
+    the pod's name when set (POD_ID, as kopf reads it), else user@host/pid-random."""
+    pod = os.environ.get("POD_ID")
+    if pod:
+        return pod
+    return f"{getpass.getuser()}@{os.uname().nodename}/{os.getpid()}-{secrets.token_hex(3)}"
+
+
 def run_operator(cfg: OperatorConfig) -> int:
     """Run until stopped; returns the process exit code."""
     logging.basicConfig(level=getattr(logging, cfg.log_level.upper(), logging.INFO),
@@ -50,27 +63,38 @@ def run_operator(cfg: OperatorConfig) -> int:
     if logging.getLogger().level > logging.DEBUG:
         # kopf logs every handler call at INFO ("Handler ... succeeded"): thousands of lines per job.
         logging.getLogger("kopf.objects").setLevel(logging.WARNING)
-    metrics = OperatorMetrics()
+    namespaces = () if cfg.all_namespaces else (cfg.namespaces or ("default",))
+    # Series of the watched namespaces exist at 0 from the start (a replica that never acts shows 0).
+    metrics = OperatorMetrics(namespaces=namespaces)
     try:
+        requests = Counter("ddpjob_operator_api_requests_total",
+                           "Requests this operator sent to the API server (kopf's own DDPJob list/watch "
+                           "excepted), by verb and resource", ["verb", "resource"], registry=metrics.registry)
         metrics.serve(cfg.metrics_port)
-        k8s = K8s()
+        k8s = K8s(on_request=lambda verb, resource: requests.labels(verb, resource).inc())
     except OSError as exc:
         log.error("cannot serve metrics on port %s: %s", cfg.metrics_port, exc)
         return 2
     except ConfigException as exc:
         log.error("no Kubernetes credentials: neither in-cluster config nor a kubeconfig (%s)", exc)
         return 2
-    namespaces = () if cfg.all_namespaces else (cfg.namespaces or ("default",))
     log.info("ddpjob operator: namespaces=%s peering=%s metrics=:%s health=:%s/healthz",
              "ALL" if cfg.all_namespaces else ",".join(namespaces), cfg.peering or "standalone",
              cfg.metrics_port, cfg.health_port)
     registry = kopf.OperatorRegistry()
 
     async def main() -> None:
-        reconciler = Reconciler(cfg, k8s, metrics)
-        register(registry, reconciler)
-        identity = detect_own_id(manual=False)
-        reconciler.identity = identity
+        identity = own_identity()
+        scope = None if cfg.all_namespaces else tuple(namespaces)
+        pods = Store(index_label=labels.JOB_NAME)
+        informers = pod_informers(k8s, pods, scope)
+        gate = None
+        if cfg.peering:
+            peers = Store()
+            informers += peering_informers(k8s, peers, cfg.peering, scope)
+            gate = PeerGate(peers, identity=identity, priority=cfg.priority)
+        reconciler = Reconciler(cfg, k8s, metrics, pods=pods, gate=gate)
+        register(registry, reconciler, informers=informers)
         await kopf.operator(
             registry=registry,
             settings=operator_settings(cfg),

@@ -43,9 +43,12 @@ class Operator:
         cmd = [DDPJOB, "operator", "-n", namespace, "--metrics-port", str(self.metrics_port),
                "--health-port", str(self.health_port), "--scrape-interval", "2",
                "--unschedulable-timeout", "2", "--log-level", "INFO", *(extra or ["--peering", ""])]
+        # kwok pod IPs are fictitious: unless a test points the scraper at its own endpoints,
+        # scrape a closed loopback port (fails at once) rather than those addresses.
+        env = {"DDPJOB_SCRAPE_URL_TEMPLATE": f"http://127.0.0.1:{free_port()}/metrics", **(env or {})}
         self.log = open(log_path, "a")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, cwd=REPO_ROOT,
-                                     env=cluster.env(**(env or {})))
+                                     env=cluster.env(**env))
         wait_for(self.healthy, timeout=30, desc=f"operator /healthz on :{self.health_port}")
 
     def healthy(self) -> bool:
@@ -174,8 +177,8 @@ def test_creates_headless_service_and_gpu_pods(start_operator, k8s):
         assert ref.uid == uid and ref.controller is True
     assert ("Normal", "Running", "all 3 node(s) running") in k8s.events("resnet")
     text = op.metrics()
-    assert "ddpjob_operator_pods_created_total 3.0" in text
-    assert 'ddpjob_operator_jobs{phase="Running"} 1.0' in text
+    assert f'ddpjob_operator_pods_created_total{{namespace="{k8s.ns}"}} 3.0' in text
+    assert f'ddpjob_operator_jobs{{namespace="{k8s.ns}",phase="Running"}} 1.0' in text
     # Watch-only handlers: kopf leaves no finalizers or state annotations on the DDPJob.
     meta = k8s.job("resnet")["metadata"]
     assert not meta.get("finalizers")
@@ -214,8 +217,34 @@ def test_example_resnet_gpu_runs_4_nodes_of_8_gpus(start_operator, k8s, crd):
             crd.kubectl("delete", "pv", name, "--wait=false", check=False)
 
 
+def api_requests(op) -> dict[str, float]:
+    """The operator's own count of its API requests, by "VERB resource"."""
+    out = {}
+    for line in op.metrics().splitlines():
+        if line.startswith("ddpjob_operator_api_requests_total{"):
+            labels, value = line.rsplit(" ", 1)
+            lab = dict(kv.split("=", 1) for kv in labels[labels.index("{") + 1:-1].split(","))
+            out[f"{lab['verb'].strip(chr(34))} {lab['resource'].strip(chr(34))}"] = float(value)
+    return out
+
+
+def test_running_job_at_rest_costs_no_api_requests(start_operator, k8s):
+    """Scrape passes (every 2 s here, failing on a closed port) read caches: nothing reaches the API server."""
+    op = start_operator()
+    k8s.apply("idle", nodes=2)
+    k8s.wait_status("idle", running(2), "Running 2/2")
+    # Our pods come from one label-selected list+watch, never a LIST per pass.
+    wait_for(lambda: api_requests(op).get("PATCH ddpjobs/status", 0) >= 2, timeout=10, desc="status written")
+    time.sleep(3)  # let trailing writes (the coalesced node counts, the first scrape's conditions) land
+    before = api_requests(op)
+    time.sleep(5)  # more than two scrape intervals
+    assert api_requests(op) == before
+    assert before.get("LIST pods") == 1 and before.get("WATCH pods", 0) >= 1
+    assert not [k for k in before if k.startswith("GET ")], before
+
+
 def test_pod_failure_and_deletion_restart_the_group(start_operator, k8s):
-    start_operator()
+    op = start_operator()
     k8s.apply("grp", nodes=3)
     k8s.wait_status("grp", running(3), "Running 3/3")
     set_pod_exit(k8s.core.api_client, k8s.ns, "grp-1", 1)
@@ -228,6 +257,8 @@ def test_pod_failure_and_deletion_restart_the_group(start_operator, k8s):
     k8s.wait_status("grp", lambda s: s.get("restarts") == 2 and running(3)(s), "restarted twice")
     pods = k8s.pods("grp")
     assert len(pods) == 3 and {p.metadata.labels["ddpjob.dev/attempt"] for p in pods} == {"2"}
+    # The Service outlives group restarts: created once, never re-POSTed.
+    assert api_requests(op)["POST services"] == 1
 
 
 def test_restart_budget_exhausted_fails(start_operator, k8s):
@@ -362,8 +393,9 @@ def test_peering_only_the_highest_priority_operator_acts(crd, namespace, tmp_pat
         time.sleep(2)  # the low-priority operator sees the higher peer and pauses
         k8s.apply("peer", nodes=3)
         k8s.wait_status("peer", running(3), "Running 3/3")
-        assert "ddpjob_operator_pods_created_total 3.0" in high.metrics()
-        assert "ddpjob_operator_pods_created_total 0.0" in low.metrics()
+        created = f'ddpjob_operator_pods_created_total{{namespace="{namespace}"}}'
+        assert f"{created} 3.0" in high.metrics()
+        assert f"{created} 3.0" not in low.metrics() and f"{created} 0.0" in low.metrics()
         assert len(k8s.pods("peer")) == 3
     finally:
         for op in ops:

@@ -1,0 +1,305 @@
+"""What the operator knows about the cluster, kept current by watches instead of polling.
+
+`Store` holds objects by (namespace, name), newest resourceVersion wins, so an object the
+operator itself just wrote (a created pod, a status write) is visible to the next pass before
+its watch event arrives, and a late event never rolls it back. `Informer` feeds a Store from a
+server-side label- or field-selected list+watch in a thread (the API server filters, Python
+never decodes other objects); after a relist, objects that vanished meanwhile are reported as
+deleted, so no ghost survives a dropped watch. `PeerGate` answers "does a live peer with a
+higher priority exist" from kopf's peering object, kept by an informer: no request per pass.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import datetime as dt
+import logging
+import threading
+from typing import Any, Callable
+
+from kubernetes.client.rest import ApiException
+
+from . import labels
+
+log = logging.getLogger("ddpjob.cache")
+Key = tuple[str, str]
+Obj = dict[str, Any]
+# (event type ADDED|MODIFIED|DELETED, the object); called in the event loop's thread.
+Listener = Callable[[str, Obj], None]
+TOMBSTONES = 4096  # uids of recently deleted objects, so a late response cannot resurrect one
+
+
+def key_of(obj: Obj) -> Key:
+    meta = obj.get("metadata") or {}
+    return str(meta.get("namespace") or ""), str(meta.get("name") or "")
+
+
+def _rv(obj: Obj) -> str:
+    return str((obj.get("metadata") or {}).get("resourceVersion") or "")
+
+
+def newer(a: Obj, b: Obj | None) -> bool:
+    """True unless `b` is provably newer than `a` (resourceVersions are opaque, but etcd's are
+    integers; when either is not, the later arrival wins)."""
+    if b is None:
+        return True
+    ra, rb = _rv(a), _rv(b)
+    if ra.isdigit() and rb.isdigit():
+        return int(ra) >= int(rb)
+    return True
+
+
+class Store:
+    """Objects by (namespace, name), optionally indexed by a label (our pods by job name).
+    Touched only from the event loop's thread."""
+
+    def __init__(self, *, index_label: str | None = None) -> None:
+        self.index_label = index_label
+        self._objs: dict[Key, Obj] = {}
+        self._index: dict[Key, set[str]] = collections.defaultdict(set)
+        self._gone: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._synced = 0          # informers whose first list has landed
+        self.informers = 0        # informers feeding this store (0 = filled by hand, always synced)
+        self._synced_event: asyncio.Event | None = None
+        self.listeners: list[Listener] = []
+
+    # -- reads -------------------------------------------------------------------------
+    def get(self, namespace: str, name: str) -> Obj | None:
+        return self._objs.get((namespace, name))
+
+    def by_index(self, namespace: str, value: str) -> list[Obj]:
+        """Objects in `namespace` whose index label equals `value` (e.g. a job's pods)."""
+        return [self._objs[(namespace, n)] for n in sorted(self._index.get((namespace, value), ()))
+                if (namespace, n) in self._objs]
+
+    def items(self) -> list[Obj]:
+        return list(self._objs.values())
+
+    def __len__(self) -> int:
+        return len(self._objs)
+
+    @property
+    def synced(self) -> bool:
+        return self._synced >= self.informers
+
+    async def wait_synced(self) -> None:
+        """Return once every informer feeding the store has delivered its first list."""
+        if self.synced:
+            return
+        if self._synced_event is None:
+            self._synced_event = asyncio.Event()
+        await self._synced_event.wait()
+
+    # -- writes ------------------------------------------------------------------------
+    def _label(self, obj: Obj) -> str | None:
+        if self.index_label is None:
+            return None
+        return ((obj.get("metadata") or {}).get("labels") or {}).get(self.index_label)
+
+    def upsert(self, obj: Obj, *, notify: bool = True) -> bool:
+        """Keep `obj` unless what is stored is newer or it was deleted; True when stored."""
+        uid = (obj.get("metadata") or {}).get("uid")
+        if uid and uid in self._gone:
+            return False
+        k = key_of(obj)
+        old = self._objs.get(k)
+        if not newer(obj, old):
+            return False
+        if old is not None and self._label(old) != self._label(obj):
+            self._unindex(k, old)
+        self._objs[k] = obj
+        label = self._label(obj)
+        if label is not None:
+            self._index[(k[0], label)].add(k[1])
+        if notify:
+            self._notify("MODIFIED" if old is not None else "ADDED", obj)
+        return True
+
+    def delete(self, obj: Obj, *, notify: bool = True) -> None:
+        """Drop the object (only the same uid: a newer object may already hold the name)."""
+        k = key_of(obj)
+        uid = (obj.get("metadata") or {}).get("uid")
+        if uid:
+            self._gone[uid] = None
+            while len(self._gone) > TOMBSTONES:
+                self._gone.popitem(last=False)
+        old = self._objs.get(k)
+        if old is None or (uid and (old.get("metadata") or {}).get("uid") != uid):
+            return
+        del self._objs[k]
+        self._unindex(k, old)
+        if notify:
+            self._notify("DELETED", old)
+
+    def replace(self, namespace: str | None, items: list[Obj]) -> None:
+        """A fresh list for `namespace` (None = all): upsert each, delete what is missing."""
+        seen = {key_of(o) for o in items}
+        for k, old in list(self._objs.items()):
+            if (namespace is None or k[0] == namespace) and k not in seen:
+                self.delete(old)
+        for obj in items:
+            self.upsert(obj)
+
+    def mark_synced(self) -> None:
+        self._synced += 1
+        if self.synced and self._synced_event is not None:
+            self._synced_event.set()
+
+    def _unindex(self, k: Key, obj: Obj) -> None:
+        label = self._label(obj)
+        if label is None:
+            return
+        names = self._index.get((k[0], label))
+        if names is not None:
+            names.discard(k[1])
+            if not names:
+                del self._index[(k[0], label)]
+
+    def _notify(self, etype: str, obj: Obj) -> None:
+        for listener in self.listeners:
+            try:
+                listener(etype, obj)
+            except Exception:  # noqa: BLE001  (one broken listener must not stop the cache)
+                log.exception("cache listener failed")
+
+
+class Informer:
+    """List, then watch, one collection into a Store, from a daemon thread; relists after a
+    410 or an error (with backoff). The store is updated in the event loop's thread."""
+
+    def __init__(self, k8s: Any, store: Store, path: str, *, query: list | None = None,
+                 namespace: str | None = None, timeout: int = 270, what: str = "") -> None:
+        self.k8s, self.store, self.path = k8s, store, path
+        self.query = list(query or [])
+        self.namespace = namespace      # the store's scope that a relist replaces (None = all)
+        self.timeout = timeout
+        self.what = what or path
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._first = True
+        store.informers += 1
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._thread = threading.Thread(target=self._run, name=f"informer {self.what}", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _post(self, fn: Callable, *args: Any) -> None:
+        assert self._loop is not None
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the loop is closed: the operator is exiting
+            self._stop.set()
+
+    def _listed(self, items: list[Obj]) -> None:
+        self.store.replace(self.namespace, items)
+        if self._first:
+            self._first = False
+            self.store.mark_synced()
+
+    def _event(self, etype: str, obj: Obj) -> None:
+        if etype == "DELETED":
+            self.store.delete(obj)
+        else:
+            self.store.upsert(obj)
+
+    def _run(self) -> None:
+        backoff = 1.0
+        while not self._stop.is_set():
+            try:
+                items, rv = self.k8s.list_objects(self.path, self.query)
+                self._post(self._listed, items)
+                backoff = 1.0
+                rv = self._watch(rv)
+            except ApiException as exc:
+                if exc.status in (403, 404):
+                    # Not installed (e.g. no peering CRD) or not allowed: nothing to keep. Count
+                    # as synced so that passes are not held back forever, and ask again rarely.
+                    log.warning("cannot watch %s (%s %s); retrying in 5 min", self.what, exc.status,
+                                exc.reason)
+                    if self._first:
+                        self._post(self._listed, [])
+                    self._stop.wait(300)
+                    continue
+                log.warning("watch of %s failed (%s); relisting in %.0fs", self.what, exc, backoff)
+            except Exception as exc:  # noqa: BLE001  (network trouble: relist with backoff)
+                if self._stop.is_set():
+                    return
+                log.warning("watch of %s failed (%s); relisting in %.0fs", self.what, exc, backoff)
+            self._stop.wait(backoff)
+            backoff = min(backoff * 2, 30.0)
+
+    def _watch(self, rv: str) -> str:
+        """Watch from `rv` until the stream must be relisted (410) or the informer stops."""
+        while not self._stop.is_set():
+            for ev in self.k8s.watch(self.path, self.query, resource_version=rv, timeout=self.timeout):
+                if self._stop.is_set():
+                    return rv
+                etype, obj = ev.get("type"), ev.get("object") or {}
+                if etype == "ERROR":
+                    if obj.get("code") == 410:
+                        return rv  # too old: relist (the caller does)
+                    raise RuntimeError(f"watch error: {obj.get('message') or obj}")
+                rv = _rv(obj) or rv
+                if etype in ("ADDED", "MODIFIED", "DELETED"):
+                    self._post(self._event, etype, obj)
+        return rv
+
+
+def pod_informers(k8s: Any, store: Store, namespaces: tuple[str, ...] | None) -> list[Informer]:
+    """Our pods only (`ddpjob.dev/job-name` present), selected by the API server."""
+    query = [("labelSelector", labels.JOB_NAME)]
+    if namespaces is None:
+        return [Informer(k8s, store, "/api/v1/pods", query=query, what="pods (all namespaces)")]
+    return [Informer(k8s, store, f"/api/v1/namespaces/{ns}/pods", query=query, namespace=ns,
+                     what=f"pods in {ns}") for ns in namespaces]
+
+
+def peering_informers(k8s: Any, store: Store, name: str, namespaces: tuple[str, ...] | None) -> list[Informer]:
+    """kopf's peering object(s) named `name`: cluster-wide, or one per namespace."""
+    query = [("fieldSelector", f"metadata.name={name}")]
+    if namespaces is None:
+        return [Informer(k8s, store, "/apis/kopf.dev/v1/clusterkopfpeerings", query=query,
+                         what=f"clusterkopfpeering {name}")]
+    return [Informer(k8s, store, f"/apis/kopf.dev/v1/namespaces/{ns}/kopfpeerings", query=query,
+                     namespace=ns, what=f"kopfpeering {ns}/{name}") for ns in namespaces]
+
+
+def _parse_time(value: Any) -> dt.datetime | None:
+    try:
+        t = dt.datetime.fromisoformat(str(value).replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    return t if t.tzinfo else t.replace(tzinfo=dt.timezone.utc)
+
+
+class PeerGate:
+    """kopf's peering rule, from the peering objects in `store`: pause while a live peer with a
+    higher priority exists. A peer is live until `lastseen + lifetime` (kopf's keep-alive format,
+    the documented status of KopfPeering objects)."""
+
+    def __init__(self, store: Store, *, identity: str | None, priority: int,
+                 clock: Callable[[], dt.datetime] = lambda: dt.datetime.now(dt.timezone.utc)) -> None:
+        self.store, self.identity, self.priority, self.clock = store, identity, priority, clock
+
+    def blocking_until(self) -> dt.datetime | None:
+        """When the last live higher-priority peer would be presumed dead; None = act now."""
+        now = self.clock()
+        until: dt.datetime | None = None
+        for obj in self.store.items():
+            for ident, info in (obj.get("status") or {}).items():
+                if ident == self.identity or not isinstance(info, dict):
+                    continue
+                try:
+                    prio, lifetime = int(info.get("priority", 0)), float(info.get("lifetime", 60))
+                except (TypeError, ValueError):
+                    continue
+                seen = _parse_time(info.get("lastseen")) or now
+                deadline = seen + dt.timedelta(seconds=lifetime)
+                if prio > self.priority and deadline > now:
+                    until = max(until or deadline, deadline)
+        return until

@@ -1,0 +1,116 @@
+"""cache.Store and cache.Informer: newest wins, no ghosts after a relist, synced only once listed."""
+from __future__ import annotations
+
+import asyncio
+import threading
+
+from ddpjob_operator import labels
+from ddpjob_operator.cache import Informer, Store, pod_informers
+
+
+def pod(name: str, rv: int, *, job: str = "j", uid: str | None = None, ns: str = "ns") -> dict:
+    return {"metadata": {"name": name, "namespace": ns, "resourceVersion": str(rv), "uid": uid or f"u-{name}",
+                         "labels": {labels.JOB_NAME: job}}}
+
+
+def test_store_keeps_the_newest_version_and_indexes_by_job():
+    store = Store(index_label=labels.JOB_NAME)
+    store.upsert(pod("a", 5))
+    assert not store.upsert(pod("a", 4))            # a late, older event
+    store.upsert(pod("b", 6, job="k"))
+    assert [p["metadata"]["resourceVersion"] for p in store.by_index("ns", "j")] == ["5"]
+    assert [p["metadata"]["name"] for p in store.by_index("ns", "k")] == ["b"]
+    assert store.by_index("other", "j") == []
+
+
+def test_deleted_object_is_not_resurrected_by_a_late_copy():
+    store = Store(index_label=labels.JOB_NAME)
+    store.upsert(pod("a", 5))
+    store.delete(pod("a", 7))
+    assert not store.upsert(pod("a", 6))            # e.g. our create's response, after the DELETED event
+    assert store.get("ns", "a") is None
+    assert store.by_index("ns", "j") == []
+
+
+def test_delete_of_an_older_object_keeps_the_newer_one_with_that_name():
+    store = Store(index_label=labels.JOB_NAME)
+    store.upsert(pod("a", 9, uid="new"))
+    store.delete(pod("a", 5, uid="old"))
+    assert store.get("ns", "a")["metadata"]["uid"] == "new"
+
+
+def test_relist_drops_what_vanished_and_notifies():
+    store = Store(index_label=labels.JOB_NAME)
+    seen = []
+    store.listeners.append(lambda etype, obj: seen.append((etype, obj["metadata"]["name"])))
+    store.upsert(pod("a", 1))
+    store.upsert(pod("b", 2))
+    store.upsert(pod("x", 3, ns="elsewhere"))
+    store.replace("ns", [pod("b", 4)])
+    assert store.get("ns", "a") is None and store.get("ns", "b")["metadata"]["resourceVersion"] == "4"
+    assert store.get("elsewhere", "x") is not None   # another informer's scope is left alone
+    assert ("DELETED", "a") in seen and ("MODIFIED", "b") in seen
+
+
+class ScriptedAPI:
+    """Lists and watch streams played from a script, as the API server would send them."""
+
+    def __init__(self, lists: list, watches: list) -> None:
+        self.lists, self.watches = list(lists), list(watches)
+        self.calls: list[tuple] = []
+        self.idle = threading.Event()
+
+    def list_objects(self, path, query=None):
+        self.calls.append(("list", path, tuple(query or ())))
+        return self.lists.pop(0)
+
+    def watch(self, path, query, *, resource_version, timeout=270):
+        self.calls.append(("watch", path, resource_version))
+        if not self.watches:
+            self.idle.set()
+            threading.Event().wait(0.05)
+            return iter(())
+        return iter(self.watches.pop(0))
+
+
+def test_informer_lists_watches_and_relists_after_410_without_ghosts():
+    api = ScriptedAPI(
+        lists=[([pod("a", 1), pod("b", 2)], "10"), ([pod("b", 13)], "20")],
+        watches=[[{"type": "MODIFIED", "object": pod("a", 11)},
+                  {"type": "BOOKMARK", "object": {"metadata": {"resourceVersion": "12"}}},
+                  {"type": "ERROR", "object": {"code": 410, "message": "too old"}}]])
+    store = Store(index_label=labels.JOB_NAME)
+    informer, = pod_informers(api, store, ("ns",))
+
+    async def main():
+        assert not store.synced
+        informer.start(asyncio.get_running_loop())
+        await asyncio.wait_for(store.wait_synced(), 5)
+        while not api.idle.is_set():
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(0.05)
+        informer.stop()
+    asyncio.run(main())
+    # "a" was deleted while the watch was gone: the relist removed it.
+    assert [p["metadata"]["name"] for p in store.by_index("ns", "j")] == ["b"]
+    assert api.calls[0] == ("list", "/api/v1/namespaces/ns/pods", (("labelSelector", labels.JOB_NAME),))
+    assert ("watch", "/api/v1/namespaces/ns/pods", "10") in api.calls
+    assert ("watch", "/api/v1/namespaces/ns/pods", "20") in api.calls   # continued from the relist
+
+
+def test_informer_for_a_missing_resource_counts_as_synced():
+    from kubernetes.client.rest import ApiException
+
+    class Missing:
+        def list_objects(self, path, query=None):
+            raise ApiException(status=404, reason="NotFound")
+
+    store = Store()
+    informer = Informer(Missing(), store, "/apis/kopf.dev/v1/namespaces/ns/kopfpeerings")
+
+    async def main():
+        informer.start(asyncio.get_running_loop())
+        await asyncio.wait_for(store.wait_synced(), 5)
+        informer.stop()
+    asyncio.run(main())
+    assert len(store) == 0

@@ -1,0 +1,385 @@
+"""Reconciler.reconcile against an in-memory fake of the narrow K8s facade.
+
+The fake keeps objects the way the API server does where it matters here: resourceVersions
+that move on every write, a 409 for a status write based on a stale read, merge-patch nulls,
+and a schema that may refuse the monitor's part of the status (422). Pods reach the Reconciler
+through its cache, as the watch would deliver them.
+"""
+from __future__ import annotations
+
+import asyncio
+import copy
+import datetime as dt
+import types
+
+import pytest
+from kubernetes.client.rest import ApiException
+from prometheus_client import CollectorRegistry
+
+from ddpjob_operator import labels
+from ddpjob_operator.cache import PeerGate, Store
+from ddpjob_operator.config import OperatorConfig
+from ddpjob_operator.controller import Reconciler
+from ddpjob_operator.operator_metrics import OperatorMetrics
+
+NS = "ns"
+
+
+def ddpjob(name: str = "j", nodes: int = 2, **spec) -> dict:
+    return {"apiVersion": "ddpjob.dev/v1alpha1", "kind": "DDPJob",
+            "metadata": {"name": name, "namespace": NS, "uid": f"uid-{name}", "generation": 1},
+            "spec": {"image": "img", "nodes": nodes, **spec}}
+
+
+class FakeK8s:
+    """The Reconciler's I/O boundary, in memory; `calls` records every request in order."""
+
+    def __init__(self) -> None:
+        self.jobs: dict[str, dict] = {}
+        self.objects: dict[tuple[str, str], dict] = {}   # (kind, name) -> Pod/Service
+        self.calls: list[tuple] = []
+        self.rv = 100
+        self.refuse_progress = False
+        self.fail_status: list[int] = []   # HTTP codes the next status writes fail with
+
+    def _bump(self, obj: dict) -> None:
+        self.rv += 1
+        obj["metadata"]["resourceVersion"] = str(self.rv)
+
+    def add_job(self, obj: dict) -> dict:
+        obj = copy.deepcopy(obj)
+        self._bump(obj)
+        self.jobs[obj["metadata"]["name"]] = obj
+        return copy.deepcopy(obj)
+
+    def touch(self, name: str, **status) -> dict:
+        """Someone else writes the job (a user, another replica)."""
+        obj = self.jobs[name]
+        obj.setdefault("status", {}).update(status)
+        self._bump(obj)
+        return copy.deepcopy(obj)
+
+    async def get_job(self, namespace, name):
+        self.calls.append(("get_job", name))
+        obj = self.jobs.get(name)
+        return copy.deepcopy(obj) if obj else None
+
+    async def patch_status(self, namespace, name, patch, *, resource_version=None):
+        self.calls.append(("patch_status", name, resource_version))
+        if self.fail_status:
+            raise ApiException(status=self.fail_status.pop(0), reason="injected")
+        obj = self.jobs.get(name)
+        if obj is None:
+            raise ApiException(status=404, reason="NotFound")
+        if resource_version and resource_version != obj["metadata"]["resourceVersion"]:
+            raise ApiException(status=409, reason="Conflict")
+        if self.refuse_progress and patch.get("progress"):
+            raise ApiException(status=422, reason="Invalid")
+        status = obj.setdefault("status", {})
+        for key, value in patch.items():
+            if value is None:
+                status.pop(key, None)
+            else:
+                status[key] = copy.deepcopy(value)
+        self._bump(obj)
+        return copy.deepcopy(obj)
+
+    async def create(self, obj):
+        kind, name = obj["kind"], obj["metadata"]["name"]
+        self.calls.append(("create", kind, name))
+        if (kind, name) in self.objects:
+            return None
+        obj = copy.deepcopy(obj)
+        obj["metadata"]["uid"] = f"uid-{kind}-{name}-{self.rv}"
+        self._bump(obj)
+        self.objects[(kind, name)] = obj
+        return copy.deepcopy(obj)
+
+    async def delete_pod(self, namespace, name, *, uid=None):
+        self.calls.append(("delete_pod", name))
+        return self.objects.pop(("Pod", name), None) is not None
+
+    async def delete_job(self, namespace, name):
+        self.calls.append(("delete_job", name))
+        return self.jobs.pop(name, None) is not None
+
+    async def post_event(self, job, type, reason, message):
+        self.calls.append(("event", reason))
+
+    def close(self) -> None:
+        pass
+
+    def writes(self) -> list[tuple]:
+        return [c for c in self.calls if c[0] != "event"]
+
+
+def reconciler(k8s: FakeK8s, *, monitor=None, **kw) -> Reconciler:
+    cfg = OperatorConfig(namespaces=(NS,), peering="")
+    return Reconciler(cfg, k8s, OperatorMetrics(CollectorRegistry()), monitor=monitor, **kw)
+
+
+def set_phase(rec: Reconciler, k8s: FakeK8s, phase: str, *, name: str | None = None, code: int | None = None):
+    """kwok/kubelet moved pods (all, or one) to `phase`; the watch delivers it to the cache."""
+    for (kind, pname), pod in k8s.objects.items():
+        if kind != "Pod" or (name and pname != name):
+            continue
+        pod["status"] = {"phase": phase}
+        if code is not None:
+            pod["status"]["containerStatuses"] = [{"name": "trainer", "state": {"terminated": {"exitCode": code}}}]
+        k8s._bump(pod)
+        rec.pods.upsert(copy.deepcopy(pod), notify=False)
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+async def start_running(k8s: FakeK8s, rec: Reconciler, nodes: int = 2) -> None:
+    rec.job_event(k8s.add_job(ddpjob(nodes=nodes)))
+    await rec.reconcile(NS, "j")              # status, then Service and pods
+    set_phase(rec, k8s, "Running")
+    rec.coalesce = 0.0
+    await rec.reconcile(NS, "j")              # -> Running
+    assert k8s.jobs["j"]["status"]["phase"] == "Running"
+    k8s.calls.clear()
+
+
+def test_first_pass_stores_status_then_creates_service_and_pods():
+    k8s = FakeK8s()
+    rec = reconciler(k8s)
+
+    async def main():
+        rec.job_event(k8s.add_job(ddpjob(nodes=2)))
+        await rec.reconcile(NS, "j")
+        await rec.shutdown()
+    run(main())
+    assert [c[:2] for c in k8s.writes()] == [("patch_status", "j"), ("create", "Service"),
+                                             ("create", "Pod"), ("create", "Pod")]
+    # The created pods are in the cache at once: a second pass creates nothing again.
+    k8s.calls.clear()
+
+    async def again():
+        await rec.reconcile(NS, "j")
+    run(again())
+    assert not [c for c in k8s.calls if c[0] == "create"]
+
+
+def test_restart_writes_the_new_attempt_before_deleting_and_keeps_the_service():
+    k8s = FakeK8s()
+    rec = reconciler(k8s)
+
+    async def main():
+        await start_running(k8s, rec)
+        set_phase(rec, k8s, "Failed", name="j-1", code=1)
+        await rec.reconcile(NS, "j")
+        order = [c[0] for c in k8s.writes()]
+        assert order[0] == "patch_status" and set(order[1:]) == {"delete_pod"}
+        assert k8s.jobs["j"]["status"]["attempt"] == 1
+        assert k8s.jobs["j"]["status"]["phase"] == "Restarting"
+        # The old pods are gone (as the watch reports): the new attempt's pods, no second Service.
+        for pod in list(rec.pods.by_index(NS, "j")):
+            rec.pods.delete(pod, notify=False)
+        k8s.calls.clear()
+        await rec.reconcile(NS, "j")
+        await rec.shutdown()
+    run(main())
+    created = [c[1] for c in k8s.calls if c[0] == "create"]
+    assert created == ["Pod", "Pod"]
+
+
+def test_job_at_rest_costs_no_requests():
+    k8s = FakeK8s()
+    rec = reconciler(k8s)
+
+    async def main():
+        await start_running(k8s, rec)
+        for _ in range(3):
+            await rec.reconcile(NS, "j", scrape=True)
+        await rec.shutdown()
+    run(main())
+    assert k8s.calls == []
+
+
+def test_stale_write_gets_409_and_is_decided_again_from_the_fresh_object():
+    k8s = FakeK8s()
+    rec = reconciler(k8s)
+
+    async def main():
+        rec.job_event(k8s.add_job(ddpjob(nodes=2)))
+        await rec.reconcile(NS, "j")
+        set_phase(rec, k8s, "Running")
+        # Another writer stored restarts=5 after our cache's copy: our write must not undo it.
+        k8s.touch("j", restarts=5)
+        rec.coalesce = 0.0
+        await rec.reconcile(NS, "j")
+        await rec.shutdown()
+    run(main())
+    status_calls = [c for c in k8s.calls if c[0] in ("patch_status", "get_job")]
+    assert [c[0] for c in status_calls[-3:]] == ["patch_status", "get_job", "patch_status"]
+    assert status_calls[-1][2] != status_calls[-3][2]  # retried with the fresh resourceVersion
+    assert k8s.jobs["j"]["status"]["phase"] == "Running"
+    assert k8s.jobs["j"]["status"]["restarts"] == 5
+
+
+class Report(types.SimpleNamespace):
+    pass
+
+
+class ProgressMonitor:
+    """Returns a progress report the (fake) schema refuses."""
+
+    async def observe(self, job, pods):
+        return Report(progress={"step": 3, "bogus": True}, conditions=[], events=[], stalled=False)
+
+    def forget(self, uid):
+        pass
+
+
+def test_status_refused_with_the_monitor_report_is_written_without_it():
+    k8s = FakeK8s()
+    rec = reconciler(k8s, monitor=ProgressMonitor())
+
+    async def main():
+        await start_running(k8s, rec)
+        k8s.refuse_progress = True
+        set_phase(rec, k8s, "Failed", name="j-0", code=1)
+        await rec.reconcile(NS, "j", scrape=True)
+        await rec.shutdown()
+    run(main())
+    patches = [c for c in k8s.calls if c[0] == "patch_status"]
+    assert len(patches) == 2
+    status = k8s.jobs["j"]["status"]
+    assert status["phase"] == "Restarting" and "progress" not in status
+    assert ("delete_pod", "j-0") in k8s.calls  # the lifecycle went on
+
+
+def test_own_status_write_echo_does_not_trigger_a_pass_but_a_foreign_change_does():
+    k8s = FakeK8s()
+    rec = reconciler(k8s)
+
+    async def main():
+        rec.job_event(k8s.add_job(ddpjob()))
+        await asyncio.sleep(0.3)           # the kicked pass ran and wrote status
+        assert "status" in k8s.jobs["j"]
+        k8s.calls.clear()
+        rec.job_event(copy.deepcopy(k8s.jobs["j"]))   # the watch echo of our write
+        assert ("ns", "j") not in rec._workers
+        rec.job_event(k8s.touch("j", message="edited"))
+        assert ("ns", "j") in rec._workers
+        await rec.shutdown()
+    run(main())
+
+
+def test_failed_pass_is_retried_with_backoff():
+    k8s = FakeK8s()
+    rec = reconciler(k8s)
+
+    async def main():
+        k8s.fail_status = [500]
+        rec.job_event(k8s.add_job(ddpjob()))
+        await asyncio.sleep(0.5)
+        assert rec.metrics.reconcile_errors._value.get() == 1
+        assert "status" not in k8s.jobs["j"]    # nothing yet: waiting out the backoff
+        await asyncio.sleep(1.0)
+        assert k8s.jobs["j"]["status"]["phase"] == "Pending"
+        await rec.shutdown()
+    run(main())
+
+
+def test_pod_count_changes_coalesce_into_one_later_write():
+    k8s = FakeK8s()
+    rec = reconciler(k8s, coalesce=0.5)
+
+    async def main():
+        rec.job_event(k8s.add_job(ddpjob(nodes=2)))
+        await rec.reconcile(NS, "j")
+        k8s.calls.clear()
+        # Pods reach the cache one by one (the pods' own Pending status), a pass after each.
+        set_phase(rec, k8s, "Pending", name="j-0")
+        await rec.reconcile(NS, "j")
+        set_phase(rec, k8s, "Pending", name="j-1")
+        await rec.reconcile(NS, "j")
+        assert [c for c in k8s.calls if c[0] == "patch_status"] == []
+        await asyncio.sleep(0.8)                # the coalescing timer fires one pass
+        await rec.shutdown()
+    run(main())
+    assert len([c for c in k8s.calls if c[0] == "patch_status"]) == 1
+    assert k8s.jobs["j"]["status"]["launchedAttempt"] == 0
+
+
+def test_forget_leaves_no_state_behind():
+    k8s = FakeK8s()
+    rec = reconciler(k8s)
+
+    async def main():
+        await start_running(k8s, rec, nodes=2)
+        rec.kick(NS, "j")
+        rec.kick_later(("ns", "j"), 60)
+        rec.job_deleted(copy.deepcopy(k8s.jobs["j"]))
+        await asyncio.sleep(0.3)
+        await rec.shutdown()
+    run(main())
+    for table in (rec._written_rv, rec._last_write, rec._dirty, rec._workers, rec._timers, rec._services):
+        assert not table
+    assert rec.jobs.get(NS, "j") is None
+
+
+def test_deleted_job_stops_at_404():
+    k8s = FakeK8s()
+    rec = reconciler(k8s)
+
+    async def main():
+        rec.jobs.upsert(ddpjob("gone"), notify=False)   # the cache still has it; the server does not
+        await rec.reconcile(NS, "gone")
+        await rec.shutdown()
+    run(main())
+    assert rec.jobs.get(NS, "gone") is None
+    assert not [c for c in k8s.calls if c[0] == "create"]
+
+
+def test_passes_wait_for_the_pod_cache_to_sync():
+    k8s = FakeK8s()
+    pods = Store(index_label=labels.JOB_NAME)
+    pods.informers = 1   # one informer feeds it and has not listed yet
+    rec = reconciler(k8s, pods=pods)
+
+    async def main():
+        rec.job_event(k8s.add_job(ddpjob()))
+        await asyncio.sleep(0.3)
+        assert k8s.calls == []          # no pass may decide from an empty, unsynced cache
+        pods.mark_synced()
+        await asyncio.sleep(0.3)
+        await rec.shutdown()
+    run(main())
+    assert k8s.calls[0][0] == "patch_status"
+
+
+def _peer(priority: int, *, seconds_ago: float, lifetime: int = 60) -> dict:
+    seen = dt.datetime.now(dt.timezone.utc) - dt.timedelta(seconds=seconds_ago)
+    return {"priority": priority, "lifetime": lifetime, "lastseen": seen.isoformat()}
+
+
+@pytest.mark.parametrize("peers, acts", [
+    ({"other": _peer(10, seconds_ago=1)}, False),
+    ({"low": _peer(1, seconds_ago=1), "dead": _peer(10, seconds_ago=3600)}, True),
+    ({"me": _peer(10, seconds_ago=1)}, True),
+])
+def test_peer_gate_from_the_cached_peering_object(peers, acts):
+    k8s = FakeK8s()
+    store = Store()
+    store.upsert({"metadata": {"name": "ddpjob", "namespace": NS, "resourceVersion": "1"}, "status": peers})
+    rec = reconciler(k8s, gate=PeerGate(store, identity="me", priority=5))
+
+    async def main():
+        rec.job_event(k8s.add_job(ddpjob()))
+        await asyncio.sleep(0.3)
+        if not acts:
+            assert k8s.calls == []
+            # The peer leaves (kopf removes its entry): the held-back pass runs at once.
+            store.upsert({"metadata": {"name": "ddpjob", "namespace": NS, "resourceVersion": "2"},
+                          "status": {}})
+            await asyncio.sleep(0.3)
+        await rec.shutdown()
+    run(main())
+    assert [c for c in k8s.calls if c[0] == "get_peering"] == []
+    assert k8s.calls and k8s.calls[0][0] == "patch_status"
