@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import re
 from typing import Any
 
 from . import labels
@@ -104,3 +105,44 @@ def render_pod(job: JobSpec, rank: int, *, attempt: int = 0,
     if spec.get("podAnnotations"):
         meta["annotations"] = dict(spec["podAnnotations"])
     return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": pod_spec}
+
+
+_C = r"spec\.containers\[0\]\."
+# Pod field -> the DDPJob field it is copied from (render_pod above), for the API's error paths.
+_FIELD_MAP: list[tuple[str, str]] = [
+    (_C + r"(env|envFrom|resources|securityContext|imagePullPolicy|workingDir|image|args)\b", r"spec.\1"),
+    (r"spec\.securityContext\b", "spec.podSecurityContext"),
+    (r"spec\.(nodeSelector|tolerations|affinity|topologySpreadConstraints|schedulerName|priorityClassName)\b",
+     r"spec.scheduling.\1"),
+    (r"spec\.(imagePullSecrets|serviceAccountName|runtimeClassName)\b", r"spec.\1"),
+    (r"metadata\.labels\b", "spec.podLabels"),
+    (r"metadata\.annotations\b", "spec.podAnnotations"),
+]
+_PATH = re.compile(r"(?:spec|metadata)\.[A-Za-z0-9_.\[\]]+")
+_INDEX = re.compile(r"^(spec\.containers\[0\]\.volumeMounts|spec\.volumes|spec\.containers\[0\]\.env)\[(\d+)\](.*)$")
+
+
+def job_field(pod_path: str, job: JobSpec, *, rank: int = 0) -> str | None:
+    """The DDPJob field that a field path of its rendered Pod comes from (None: the operator's own)."""
+    m = _INDEX.match(pod_path)
+    if m:
+        base, i, rest = m.group(1), int(m.group(2)), m.group(3)
+        if base.endswith("env"):
+            # User variables come last (pod_env), after the operator's.
+            first = len(pod_env(job, rank)) - len(job.env)
+            return f"spec.env[{i - first}]{rest}" if i >= first else None
+        # Index 0 is the operator's /dev/shm volume and its mount.
+        name = "volumeMounts" if "volumeMounts" in base else "volumes"
+        return f"spec.{name}[{i - 1}]{rest}" if i >= 1 else None
+    for pattern, repl in _FIELD_MAP:
+        if re.match(pattern, pod_path):
+            return re.sub(pattern, repl, pod_path, count=1)
+    return None
+
+
+def explain_pod_error(message: str, job: JobSpec, *, rank: int = 0) -> str:
+    """An API error about a rendered Pod, with the DDPJob field named after each Pod field path."""
+    def name(m: re.Match) -> str:
+        field = job_field(m.group(0), job, rank=rank)
+        return f"{m.group(0)} (DDPJob {field})" if field else m.group(0)
+    return _PATH.sub(name, message)

@@ -11,6 +11,7 @@ from .config import OperatorConfig
 from .envvars import master_dns
 from .lifecycle import Decision, condition, decide
 from .phases import Cond, Phase
+from .pods import explain_pod_error
 from .spec import JobSpec
 
 Event = tuple[str, str, str]  # (Normal|Warning, reason, message)
@@ -289,7 +290,7 @@ def create_refused(job: JobSpec, status: dict[str, Any], refusals: list[CreateRe
     first = next((r for r in refusals if r.permanent), refusals[0])
     gen = job.generation
     pods = ", ".join(sorted({r.pod for r in refusals}))
-    message = f"the API server refused to create pod(s) {pods}: {first.message}"
+    message = f"the API server refused to create pod(s) {pods}: {explain_pod_error(first.message, job)}"
     conds = [dict(c) for c in status.get("conditions") or []]
     old = condition({"conditions": conds}, Cond.FAILED_CREATE_POD)
     set_condition(conds, type=Cond.FAILED_CREATE_POD, status=True, reason=first.reason, message=message,

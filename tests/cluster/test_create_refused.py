@@ -53,6 +53,7 @@ def test_invalid_pod_fails_the_job_naming_the_field(crd, namespace, api):
     assert got["phase"] == "Failed" and got["reason"] == "FailedCreatePod"
     cond = next(c for c in got["conditions"] if c["type"] == "FailedCreatePod")
     assert cond["reason"] == "Invalid" and "volumeMounts[1].name" in cond["message"]
+    assert "(DDPJob spec.volumeMounts[0].name)" in cond["message"]      # the field the user wrote
     wide = crd.kubectl("get", "ddpj", "refused", "-n", namespace, "-o", "wide").stdout
     assert "Failed" in wide and "FailedCreatePod" in wide
     assert events and events[0][1] == "FailedCreatePod"

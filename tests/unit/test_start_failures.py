@@ -229,3 +229,33 @@ def test_split_creates_keeps_refusals_and_raises_the_rest():
         split_creates(pods, [api_error(500, "{}"), api_error(422, INVALID), None])
     with pytest.raises(ConnectionError):
         split_creates(pods[:1], [ConnectionError("reset")])
+
+
+@pytest.mark.parametrize("pod_path,job_path", [
+    ("spec.containers[0].volumeMounts[1].name", "spec.volumeMounts[0].name"),
+    ("spec.volumes[2].persistentVolumeClaim", "spec.volumes[1].persistentVolumeClaim"),
+    ("spec.containers[0].env[17].name", "spec.env[0].name"),             # the user's come after ours
+    ("spec.containers[0].resources.limits", "spec.resources.limits"),
+    ("spec.securityContext.fsGroup", "spec.podSecurityContext.fsGroup"),
+    ("spec.containers[0].securityContext.runAsUser", "spec.securityContext.runAsUser"),
+    ("spec.tolerations[0].operator", "spec.scheduling.tolerations[0].operator"),
+    ("metadata.labels", "spec.podLabels"),
+    ("spec.containers[0].env[3].name", None),                              # MASTER_ADDR & co: ours
+    ("spec.volumes[0].emptyDir.sizeLimit", None),                          # /dev/shm (spec.shmSize)
+    ("spec.hostname", None),
+])
+def test_pod_error_paths_name_the_ddpjob_field(pod_path, job_path):
+    from ddpjob_operator.pods import job_field
+
+    job = make_job(2, env=[{"name": "A", "value": "1"}])
+    assert job_field(pod_path, job) == job_path
+
+
+def test_refused_create_names_the_ddpjob_field():
+    job = make_job(1, volumeMounts=[{"name": "data", "mountPath": "/data"}])
+    body = json.dumps({"reason": "Invalid", "code": 422, "message": 'Pod "j-0" is invalid: '
+                       'spec.containers[0].volumeMounts[1].name: Not found: "data"'})
+    status, _ = job_status(job, [], now=NOW, prev_status=None)
+    new, _ = create_refused(job, status, [refusal("j-0", 422, body)], now=NOW)
+    assert ('spec.containers[0].volumeMounts[1].name (DDPJob spec.volumeMounts[0].name): Not found: "data"'
+            in new["message"])
