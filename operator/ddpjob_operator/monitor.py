@@ -179,7 +179,9 @@ class Monitor:
                 events.append(_event(f))
             if prog:
                 st.last_progress = prog
-        conditions = self._conditions(job, st, now)
+        # Nothing scraped yet (e.g. endpoints unreachable): claim no health either way, so jobs whose
+        # metrics cannot be read cost no status write per scrape and show no false "Progressing".
+        conditions = self._conditions(job, st, now) if st.prev is not None or st.tracker.active else []
         return MonitorReport(progress=prog, conditions=conditions, events=events,
                              stalled=health.STALLED in st.tracker.active)
 

@@ -161,3 +161,15 @@ def test_group_restart_starts_the_hang_clock_afresh(endpoints, monkeypatch):
     assert not rep.stalled and next(c for c in rep.conditions if c["type"] == "Stalled")["status"] == "False"
     now[0] = 80                                    # the new attempt gets its own full timeout
     assert run(m.observe(job(hang=30), [pod(0, attempt=1), pod(1, attempt=1)])).stalled
+
+
+def test_unreachable_endpoints_claim_no_health_and_cost_no_status_write():
+    import socket
+
+    with socket.socket() as s:            # a loopback port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    m = Monitor(OperatorConfig(scrape_url_template=f"http://127.0.0.1:{closed}/metrics"), timeout=1.0)
+    for _ in range(2):
+        rep = run(m.observe(job(), [pod(0), pod(1)]))
+        assert rep.progress is None and rep.conditions == [] and rep.events == [] and not rep.stalled
