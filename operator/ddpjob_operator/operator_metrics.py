@@ -26,21 +26,6 @@ RESTART_REASONS = ("PodDeleted", "PodEvicted", "PodFailed", "Stalled")
 Key = tuple[str, str]   # (namespace, name)
 
 
-class _Unscoped:
-    """The call shape the controller used before metrics had a namespace (`.inc()`,
-    `.labels(reason)`); recorded under namespace "". Goes once the controller calls
-    record_pass / count_pods."""
-
-    def __init__(self, metric: Counter):
-        self._metric = metric
-
-    def inc(self, amount: float = 1) -> None:
-        self._metric.labels("").inc(amount)
-
-    def labels(self, *values: str) -> Any:
-        return self._metric.labels("", *values)
-
-
 class OperatorMetrics:
     """The operator's own metrics; one instance per process (or per test registry)."""
 
@@ -78,10 +63,6 @@ class OperatorMetrics:
         self._namespaces: set[str] = set()
         for ns in namespaces:
             self.namespace_seen(ns)
-        # Until the controller passes namespaces (record_pass / count_pods).
-        self.created, self.succeeded = _Unscoped(self.jobs_created), _Unscoped(self.jobs_succeeded)
-        self.failed, self.restarted = _Unscoped(self.jobs_failed), _Unscoped(self.jobs_restarted)
-        self.pods_created, self.pods_deleted = _Unscoped(self.pods_created_total), _Unscoped(self.pods_deleted_total)
 
     def namespace_seen(self, namespace: str) -> None:
         """Create this namespace's series at 0 (once)."""

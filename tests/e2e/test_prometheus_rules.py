@@ -176,3 +176,21 @@ def test_counter_panels_count_the_first_event_of_every_series(promtool, tmp_path
     f.write_text(yaml.safe_dump({"rule_files": [], "evaluation_interval": "1m", "tests": [test]}, sort_keys=False))
     out = subprocess.run([promtool, "test", "rules", str(f)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, f"{title}: {out.stdout}{out.stderr}"
+
+
+@pytest.mark.parametrize("hang,state", [(None, 0), (120, 1), (1800, 0)])
+def test_training_state_panel_uses_the_jobs_hang_timeout(promtool, tmp_path, hang, state):
+    """Last step 200 s ago: Stalled (1) only when the job's own hangTimeoutSeconds is shorter."""
+    d = json.loads((RULES.parent.parent / "dashboards" / "ddpjob-job.json").read_text())
+    expr = next(p["targets"][0]["expr"] for p in d["panels"] if p["title"] == "Training state")
+    q = expr.replace("$namespace", "ns").replace("$ddpjob", "j")
+    inputs = [series("ddpjob_trainer_step", "5x10", **rank(0)), series("ddpjob_trainer_total_steps", "100x10", **rank(0)),
+              series("ddpjob_trainer_last_step_timestamp_seconds", "100x10", **rank(0))]
+    if hang:
+        inputs.append(series("ddpjob_operator_job_hang_timeout_seconds", f"{hang}x10", namespace="ns", ddpjob="j"))
+    test = {"interval": "1m", "input_series": inputs, "promql_expr_test": [
+        {"expr": q, "eval_time": "5m", "exp_samples": [{"labels": '{ddpjob="j", namespace="ns"}', "value": state}]}]}
+    f = tmp_path / "state.test.yaml"
+    f.write_text(yaml.safe_dump({"rule_files": [], "evaluation_interval": "1m", "tests": [test]}, sort_keys=False))
+    out = subprocess.run([promtool, "test", "rules", str(f)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
