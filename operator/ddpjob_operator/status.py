@@ -301,7 +301,7 @@ def create_refused(job: JobSpec, status: dict[str, Any], refusals: list[CreateRe
     events: list[Event] = []
     if not old or old.get("message") != message:
         events.append(("Warning", Cond.FAILED_CREATE_POD.value, message))
-    if first.permanent and not Phase.parse(status.get("phase")) in (Phase.SUCCEEDED, Phase.FAILED):
+    if first.permanent:
         new["phase"] = Phase.FAILED.value
         new["message"] = f"{message} (the job cannot start: fix the spec and recreate the DDPJob)"
         new["completionTime"] = iso(now)
