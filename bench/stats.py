@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import math
 import statistics
+import subprocess
+from pathlib import Path
 
 # Two-sided 97.5 % quantiles of Student's t for n - 1 degrees of freedom (n = 2..30).
 _T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262,
@@ -36,3 +38,12 @@ def verdict(ci: dict[str, float], *, what: str, above_one: str = "faster", below
         return f"{what}: {span}: no difference detectable within ±{x:.1f} %"
     direction = above_one if lo > 1.0 else below_one
     return f"{what}: {span}: {direction} (interval excludes 1.0)"
+
+
+def git_head() -> str | None:
+    """The commit the benchmarked code comes from (results must come from HEAD)."""
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True,
+                              text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None

@@ -28,10 +28,12 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from stats import ratio_interval, verdict  # noqa: E402
+from stats import git_head, ratio_interval, verdict  # noqa: E402
 
+# A constant learning rate: the plain loop has no scheduler, and the arms must do the same math
+# (different weights can mean different speed on a CPU, e.g. through denormal floats).
 CONFIG = {"dataset": "synthetic", "model": "convnet", "epochs": 1, "batchSize": 64, "lr": 0.01,
-          "seed": 0, "logEverySteps": 20, "numWorkers": 0,
+          "scheduler": "constant", "seed": 0, "logEverySteps": 20, "numWorkers": 0,
           "synthetic": {"trainSize": 4096, "valSize": 256, "shape": [3, 32, 32], "numClasses": 10, "seed": 1}}
 
 
@@ -96,7 +98,7 @@ def main() -> int:
     line = verdict(ci, what="throughput ours/plain")
     result = {
         "benchmark": "trainer_overhead", "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "git_head": _git_head(), "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+        "git_head": git_head(), "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
         "config": CONFIG, "nproc": args.nproc, "backend": "gloo", "method": "rotated pairs, both warmed",
         "order": order, "ours_samples_per_second": ours, "plain_samples_per_second": plain,
         "pair_ratios": ratios, "ratio": ci["ratio"], "ratio_95ci": [ci["low"], ci["high"]],
@@ -106,14 +108,6 @@ def main() -> int:
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(line)
     return 0
-
-
-def _git_head() -> str | None:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=HERE, capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
 
 
 if __name__ == "__main__":

@@ -86,3 +86,38 @@ def test_truncated_file_is_skipped_with_a_warning_naming_it(tmp_path):
 
 def test_nothing_to_resume_from(tmp_path):
     assert make(tmp_path / "empty").load_latest(map_location="cpu") is None
+
+
+def make_async(tmp_path, keep=3):
+    return Checkpointer(str(tmp_path), keep=keep, rank=0, barrier=lambda: None,
+                        broadcast=lambda v: v, log=NullReporter(), async_save=True)
+
+
+def test_async_save_writes_the_state_as_it_was_when_save_returned(tmp_path):
+    ck = make_async(tmp_path)
+    w = torch.zeros(1000)
+    path = ck.save(step=5, common={"step": 5, "w": w}, rank_state={"rng": torch.get_rng_state()})
+    w.add_(1.0)  # training goes on while the write runs
+    ck.wait()
+    assert verify(path) is None
+    assert torch.equal(torch.load(path / "common.pt", weights_only=True)["w"], torch.zeros(1000))
+    assert not list(tmp_path.glob(".tmp-*"))
+
+
+def test_async_save_failure_is_raised_by_the_next_wait(tmp_path):
+    import pytest
+
+    ck = make_async(tmp_path)
+    ck.save(step=1, common={"step": 1, "bad": lambda: None}, rank_state={})  # unpicklable
+    with pytest.raises(RuntimeError, match="writing a checkpoint under .* failed"):
+        ck.wait()
+    assert not (tmp_path / "step-00000001").exists()  # never published: never loaded
+    assert ck.load_latest(map_location="cpu") is None
+
+
+def test_async_keep_prunes_after_publishing(tmp_path):
+    ck = make_async(tmp_path, keep=2)
+    for s in (1, 2, 3):
+        ck.save(step=s, common={"step": s}, rank_state={})
+    ck.wait()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000002", "step-00000003"]

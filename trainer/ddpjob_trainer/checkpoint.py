@@ -7,8 +7,8 @@ file's size and sha256: a directory without a valid manifest is incomplete and n
 The directory must be shared by all nodes (an RWX volume on Kubernetes).
 
 common.pt (the big file) is hashed while it is written, never read back; the rank files are a few
-KiB of RNG state that rank 0 hashes from disk. Old checkpoints are pruned on a background thread,
-off the training path (joined before the next save and at the end of the run).
+KiB of RNG state that rank 0 hashes from disk. With async saving (the trainer's default) common.pt
+is written, published and old checkpoints pruned on a background thread, off the training path.
 """
 from __future__ import annotations
 
@@ -139,55 +139,133 @@ class Loaded:
     rank_state: dict[str, Any] | None
 
 
+class _Stager:
+    """Copies a state tree to host buffers so that training may change the original while it is written.
+
+    The buffers are kept and reused from one save to the next (same shapes): fresh memory costs
+    page faults on first touch, which made a copy of resnet18's state 5x slower than the copy
+    itself. CUDA tensors go to pinned buffers (asynchronous copies, one synchronize at the end).
+    Reuse is safe because a save waits for the previous write before staging again.
+    """
+
+    def __init__(self) -> None:
+        self._bufs: list[torch.Tensor] = []
+        self._next = 0
+        self._cuda = False
+
+    def stage(self, obj: Any) -> Any:
+        self._next, self._cuda = 0, False
+        # One thread: a state is ~200 tensor copies, each too small to gain from OpenMP, and on
+        # a busy CPU every parallel region waits for descheduled threads (measured: 0.08 s with
+        # one thread, 0.6-0.9 s with two, resnet18 + momentum on a loaded 2-core machine).
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            out = self._walk(obj)
+        finally:
+            torch.set_num_threads(threads)
+        if self._cuda:
+            torch.cuda.synchronize()
+        return out
+
+    def _walk(self, obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor):
+            return self._copy(obj.detach())
+        if isinstance(obj, dict):
+            return {k: self._walk(v) for k, v in obj.items()}
+        if isinstance(obj, (list, tuple)):
+            return type(obj)(self._walk(v) for v in obj)
+        return obj  # numbers, strings: immutable
+
+    def _copy(self, t: torch.Tensor) -> torch.Tensor:
+        if t.device.type not in ("cpu", "cuda"):
+            return t.clone()  # e.g. meta in tests: nothing to stage
+        cuda = t.device.type == "cuda"
+        self._cuda |= cuda
+        i, self._next = self._next, self._next + 1
+        if i >= len(self._bufs) or self._bufs[i].shape != t.shape or self._bufs[i].dtype != t.dtype:
+            buf = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=cuda)
+            self._bufs[i:i + 1] = [buf]
+        return self._bufs[i].copy_(t, non_blocking=cuda)
+
+
 class Checkpointer:
-    """Saves and finds checkpoints for one rank; collective calls are made by every rank."""
+    """Saves and finds checkpoints for one rank; collective calls are made by every rank.
+
+    With `async_save`, rank 0 stages the common state (a host copy) and writes, hashes,
+    publishes and prunes it on a background thread while training goes on; training stands
+    still only for the staging copy and the small per-rank files. At most one write is in
+    flight: the next save, and the end of the run (`wait`), first wait for it and raise its
+    error, if any. A write cut short by a crash leaves only a `.tmp-*` directory, which is never
+    loaded: the previous complete checkpoint is.
+    """
 
     def __init__(self, directory: str, *, keep: int, rank: int,
                  barrier: Callable[[], None], broadcast: Callable[[Any], Any],
-                 log: NullReporter) -> None:
+                 log: NullReporter, async_save: bool = False) -> None:
         self.dir = Path(directory)
         self.keep = keep
         self.rank = rank
         self._barrier = barrier
         self._broadcast = broadcast  # rank 0's value -> every rank
         self.log = log
+        self.async_save = async_save
         self.last_saved_step: int | None = None
-        self._pruner: threading.Thread | None = None
+        self._writer: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._stager = _Stager()
 
     def save(self, *, step: int, common: dict[str, Any], rank_state: dict[str, Any]) -> Path:
         """Collective: every rank writes its part; rank 0 publishes the directory atomically."""
         final = self.dir / step_dir_name(step)
         tmp = self.dir / f".tmp-{step_dir_name(step)}"
+        self.wait()
         if self.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a crashed earlier attempt
             tmp.mkdir(parents=True)
         self._barrier()
         atomic_torch_save(rank_state, tmp / rank_file(self.rank))
+        self._barrier()  # every rank's file is complete: rank 0 may publish whenever common.pt is
         if self.rank == 0:
-            common_entry = atomic_torch_save(common, tmp / COMMON)
-        self._barrier()
-        if self.rank == 0:
+            # The rank files are a few KiB of RNG state; hashing them here is cheap.
             files = {p.name: {"size": p.stat().st_size, "sha256": _sha256(p)}
-                     for p in sorted(tmp.iterdir()) if p.suffix == ".pt" and p.name != COMMON}
-            files[COMMON] = common_entry
-            (tmp / (MANIFEST + ".part")).write_text(json.dumps({"step": step, "files": files}, indent=1))
-            os.replace(tmp / (MANIFEST + ".part"), tmp / MANIFEST)
-            _fsync_dir(tmp)
-            if final.exists():
-                shutil.rmtree(final)
-            os.replace(tmp, final)
-            _fsync_dir(self.dir)
-            self.wait()
-            self._pruner = threading.Thread(target=self._prune, name="ckpt-prune", daemon=True)
-            self._pruner.start()
+                     for p in sorted(tmp.iterdir()) if p.suffix == ".pt"}
+            if self.async_save:
+                staged = self._stager.stage(common)
+                self._writer = threading.Thread(target=self._publish_in_background, name="ckpt-writer",
+                                                args=(staged, files, tmp, final, step), daemon=True)
+                self._writer.start()
+            else:
+                self._publish(common, files, tmp, final, step)
         self.last_saved_step = step
         return final
 
+    def _publish_in_background(self, *args) -> None:
+        try:
+            self._publish(*args)
+        except BaseException as exc:  # noqa: BLE001 - handed to the training thread by wait()
+            self._error = exc
+
+    def _publish(self, common: dict[str, Any], files: dict[str, Any], tmp: Path, final: Path,
+                 step: int) -> None:
+        files = {**files, COMMON: atomic_torch_save(common, tmp / COMMON)}
+        (tmp / (MANIFEST + ".part")).write_text(json.dumps({"step": step, "files": files}, indent=1))
+        os.replace(tmp / (MANIFEST + ".part"), tmp / MANIFEST)
+        _fsync_dir(tmp)
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _fsync_dir(self.dir)
+        self._prune()
+
     def wait(self) -> None:
-        """Block until background pruning has finished (end of run, before the next save)."""
-        if self._pruner is not None:
-            self._pruner.join()
-            self._pruner = None
+        """Block until the checkpoint being written is published; raise if writing it failed."""
+        if self._writer is not None:
+            self._writer.join()
+            self._writer = None
+        if self._error is not None:
+            exc, self._error = self._error, None
+            raise RuntimeError(f"writing a checkpoint under {self.dir} failed: {exc}") from exc
 
     def _prune(self) -> None:
         steps = sorted(self._step_dirs(), reverse=True)

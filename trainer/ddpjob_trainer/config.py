@@ -24,6 +24,9 @@ class CheckpointConfig:
     dir: str | None = None
     every_steps: int = 0          # 0: only at epoch end
     keep: int = 3
+    # Write on a background thread from a host copy: training pauses only for the copy. A crash
+    # during the write loses that checkpoint (never half of it): the previous one is loaded.
+    async_save: bool = True
 
 
 @dataclass(frozen=True)
@@ -142,7 +145,7 @@ _TOP: dict[str, tuple[str, str, Any]] = {
     "imageSize": ("image_size", "int", 8),
 }
 _CHECKPOINT = {"dir": ("dir", "str", None), "everySteps": ("every_steps", "int", 0),
-               "keep": ("keep", "int", 1)}
+               "keep": ("keep", "int", 1), "asyncSave": ("async_save", "bool", None)}
 _SYNTHETIC = {"trainSize": ("train_size", "int", 1), "valSize": ("val_size", "int", 1),
               "shape": ("shape", "shape", None), "numClasses": ("num_classes", "int", 2),
               "seed": ("seed", "int", 0)}

@@ -180,7 +180,8 @@ def train(cfg: TrainerConfig, ctx: DistContext, *, log: NullReporter, telemetry:
     ckpt = None
     if cfg.checkpoint.dir:
         ckpt = Checkpointer(cfg.checkpoint.dir, keep=cfg.checkpoint.keep, rank=ctx.rank,
-                            barrier=comm.barrier, broadcast=comm.broadcast_object, log=log)
+                            barrier=comm.barrier, broadcast=comm.broadcast_object, log=log,
+                            async_save=cfg.checkpoint.async_save)
         loaded = ckpt.load_latest(map_location=ctx.device)
         if loaded:
             c = loaded.common
@@ -222,9 +223,10 @@ def train(cfg: TrainerConfig, ctx: DistContext, *, log: NullReporter, telemetry:
                   "scheduler": sched.state_dict(), "step": step, "epoch": epoch,
                   "micro_done": micro_done, "world_size": ctx.world_size, "config": cfg.to_dict()}
         path = ckpt.save(step=step, common=common, rank_state={"rng": rng.get_state()})
-        seconds = time.perf_counter() - t0
+        seconds = time.perf_counter() - t0  # how long training stood still for it
         telemetry.checkpoint(seconds)
-        log.info(f"checkpoint {path} ({seconds:.2f}s)")
+        how = "being written in the background" if cfg.checkpoint.async_save else "written"
+        log.info(f"checkpoint {path}: training paused {seconds:.2f}s ({how})")
 
     def run_eval() -> EvalResult:
         sync_buffers()

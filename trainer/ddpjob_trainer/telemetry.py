@@ -95,7 +95,8 @@ class Telemetry:
         self._last = gauge("last_step_timestamp_seconds", "Unix time the last step finished.")
         self._acc = gauge("eval_accuracy", "Validation accuracy of the last evaluation.")
         self._eval_loss = gauge("eval_loss", "Validation loss of the last evaluation.")
-        self._ckpt = gauge("checkpoint_seconds", "Seconds the last checkpoint took to write.")
+        self._ckpt = gauge("checkpoint_seconds", "Seconds training stood still for the last checkpoint "
+                           "(with async saving: the host copy, not the write).")
         self._restarts = gauge("restart_count", "Group restarts before this attempt.")
         self._gpu_alloc = gauge("gpu_memory_allocated_bytes", "torch.cuda.memory_allocated().")
         self._gpu_max = gauge("gpu_memory_max_allocated_bytes", "torch.cuda.max_memory_allocated().")
