@@ -12,8 +12,8 @@ export UV_LINK_MODE ?= hardlink
 STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: help install demo test test-unit test-trainer test-cluster test-e2e cluster-up cluster-down \
-        build-cluster manifests bench lint clean
+.PHONY: help install demo test test-unit test-trainer test-cluster test-e2e test-realpods cluster-up \
+        cluster-down build-cluster images manifests bench lint clean
 
 help: ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-14s %s\n", $$1, $$2}'
@@ -29,7 +29,7 @@ install: $(STAMP) ## create .venv with the project and its test deps (idempotent
 demo: install ## train examples/digits.yaml on 2 simulated nodes with a progress bar
 	$(DDPJOB) run examples/digits.yaml --local
 
-test: install cluster-up ## the whole test suite (unit, trainer, cluster, e2e); CI runs exactly this
+test: install cluster-up images ## the whole test suite (unit, trainer, cluster, e2e, realpods); CI runs exactly this
 	$(PY) -m pytest -ra $(PYTEST_ARGS) tests
 
 test-unit: install ## pure functions only
@@ -44,10 +44,16 @@ test-cluster: install cluster-up ## the operator against the local control plane
 test-e2e: install cluster-up ## Helm + Prometheus end to end
 	$(PY) -m pytest -ra $(PYTEST_ARGS) tests/e2e
 
-build-cluster: ## build (or reuse cached) kube-apiserver, controller-manager, scheduler, etcd, kwok, helm
+test-realpods: install cluster-up images ## DDPJobs that really train in pods on the real nodes
+	$(PY) -m pytest -ra $(PYTEST_ARGS) tests/realpods
+
+images: install cluster-up ## build localhost/ddpjob/{operator,trainer}:dev with buildah; import into the real nodes
+	hack/images.sh all
+
+build-cluster: ## build (or reuse cached) the control plane, kwok, helm, kubelet, CoreDNS
 	hack/build.sh all
 
-cluster-up: build-cluster ## start the local control plane; kubeconfig at .cache/cluster/kubeconfig
+cluster-up: build-cluster ## control plane + kwok GPU nodes + 2 real nodes (DDPJOB_REAL_NODES=0: none)
 	hack/cluster-up.sh
 
 cluster-down: ## stop the local control plane and remove its state

@@ -13,9 +13,10 @@ CACHE="${DDPJOB_CACHE:-$HOME/.cache/ddpjob}"
 KUBE_DIR="$CACHE/bin/kube-$KUBE_VERSION-etcd-$ETCD_VERSION"
 KWOK_DIR="$CACHE/bin/kwok-$KWOK_VERSION"
 HELM_DIR="$CACHE/bin/helm-$HELM_VERSION"
+COREDNS_DIR="$CACHE/bin/coredns-$COREDNS_VERSION"
 SCRATCH="$CACHE/src/kube-$KUBE_VERSION-etcd-$ETCD_VERSION"
 LOGS="$CACHE/build-logs"
-mkdir -p "$KUBE_DIR" "$KWOK_DIR" "$HELM_DIR" "$LOGS"
+mkdir -p "$KUBE_DIR" "$KWOK_DIR" "$HELM_DIR" "$COREDNS_DIR" "$LOGS"
 exec 8>"$CACHE/build.lock"
 flock 8
 
@@ -94,6 +95,34 @@ build_kube() {
   fi
 }
 
+# kubelet and the pod sandbox ("pause") binary, for the real nodes (hack/nodes-up.sh). kubelet is
+# built in the control plane's scratch module (same pinned staging modules, same build cache).
+build_node_binaries() {
+  build_kube
+  if ! recipe_ok "$KUBE_DIR/kubelet" "$KUBE_LDFLAGS"; then
+    log "building kubelet (cold: ~5 min after the control plane)"
+    cd "$SCRATCH"
+    go get "k8s.io/kubernetes/cmd/kubelet@$KUBE_VERSION" >>"$LOGS/go-get.log" 2>&1 \
+      || die "kubelet: go get k8s.io/kubernetes/cmd/kubelet@$KUBE_VERSION failed (see $LOGS/go-get.log)"
+    go build -ldflags "$KUBE_LDFLAGS" -o "$KUBE_DIR/kubelet.tmp" k8s.io/kubernetes/cmd/kubelet >"$LOGS/kubelet.log" 2>&1 \
+      || die "kubelet: go build failed (see $LOGS/kubelet.log): $(tail -3 "$LOGS/kubelet.log")"
+    mv "$KUBE_DIR/kubelet.tmp" "$KUBE_DIR/kubelet"
+    recipe_write "$KUBE_DIR/kubelet" "$KUBE_LDFLAGS"
+  fi
+  # The sandbox image's only binary: Kubernetes' own pause.c, static so the image is FROM scratch
+  # (no registry here to pull registry.k8s.io/pause from).
+  if [ ! -x "$KUBE_DIR/pause" ]; then
+    local src
+    src="$(go env GOMODCACHE)/k8s.io/kubernetes@$KUBE_VERSION/build/pause/linux/pause.c"
+    [ -f "$src" ] || (cd "$SCRATCH" && go mod download "k8s.io/kubernetes@$KUBE_VERSION")
+    command -v gcc >/dev/null || die "pause: gcc is not installed (needed for the pod sandbox binary)"
+    gcc -Os -static -DVERSION="$KUBE_VERSION" -o "$KUBE_DIR/pause.tmp" "$src" >"$LOGS/pause.log" 2>&1 \
+      || die "pause: gcc -static $src failed (see $LOGS/pause.log)"
+    mv "$KUBE_DIR/pause.tmp" "$KUBE_DIR/pause"
+  fi
+  build_simple coredns "$COREDNS_DIR" github.com/coredns/coredns "$COREDNS_VERSION"
+}
+
 build_simple() {  # name dir pkg version [ldflags]
   local name="$1" dir="$2" pkg="$3" ver="$4" ldflags="${5:-}"
   if [ -x "$dir/$name" ] && { [ -z "$ldflags" ] || recipe_ok "$dir/$name" "$ldflags"; }; then
@@ -123,13 +152,16 @@ start=$(date +%s)
 case "${1:-all}" in
   kube) build_kube ;;
   kwok) build_simple kwok "$KWOK_DIR" sigs.k8s.io/kwok/cmd/kwok "$KWOK_VERSION" ;;
+  nodes) build_node_binaries ;;
   helm) HELM_LDFLAGS="$(helm_ldflags)"; build_simple helm "$HELM_DIR" helm.sh/helm/v3/cmd/helm "$HELM_VERSION" "$HELM_LDFLAGS" ;;
   all)
     build_kube
     build_simple kwok "$KWOK_DIR" sigs.k8s.io/kwok/cmd/kwok "$KWOK_VERSION"
     HELM_LDFLAGS="$(helm_ldflags)"
     build_simple helm "$HELM_DIR" helm.sh/helm/v3/cmd/helm "$HELM_VERSION" "$HELM_LDFLAGS"
+    # DDPJOB_REAL_NODES=0: a control plane with kwok nodes only needs no kubelet or CoreDNS.
+    [ "${DDPJOB_REAL_NODES:-2}" = 0 ] || build_node_binaries
     ;;
-  *) die "unknown target '$1' (kube | kwok | helm | all)" ;;
+  *) die "unknown target '$1' (kube | kwok | helm | nodes | all)" ;;
 esac
 log "done in $(( $(date +%s) - start ))s"

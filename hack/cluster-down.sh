@@ -27,6 +27,10 @@ if [ ! -d "$STATE" ]; then
   exit 0
 fi
 
+# Real nodes first (their pods, kubelets, containerds, CoreDNS, mounts, bridges): they need nothing
+# from the control plane to stop.
+"$HERE/nodes-down.sh" || log "stopping the real nodes reported an error (see above)"
+
 # Stop one at a time in reverse start order, clients first and etcd last (an API server whose
 # etcd is gone hangs in shutdown): SIGTERM, up to 10 s, then SIGKILL.
 stopped=()

@@ -4,7 +4,10 @@
 # Idempotent: exits at once when the cluster recorded in .cache/cluster/ is running and healthy;
 # stale state (a crashed component) is torn down and started afresh.
 # State: .cache/cluster/{kubeconfig,pki,pids,logs,etcd}; binaries linked into .cache/bin/.
-# Env: DDPJOB_CACHE (binary cache root), DDPJOB_FAKE_NODES (default 4),
+# With DDPJOB_REAL_NODES > 0 (default 2) it then starts real nodes (hack/nodes-up.sh: containerd +
+# kubelet per node, CoreDNS) whose pods really run; the API server then also listens on the pod
+# bridge's gateway (10.248.0.1) so in-cluster clients reach it.
+# Env: DDPJOB_CACHE (binary cache root), DDPJOB_FAKE_NODES (default 4), DDPJOB_REAL_NODES (default 2),
 #      DDPJOB_CLUSTER_TIMEOUT (seconds per component, default 90).
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -23,6 +26,7 @@ PKI="$STATE/pki"
 BIN="$ROOT/.cache/bin"
 KUBECONFIG_FILE="$STATE/kubeconfig"
 NODES="${DDPJOB_FAKE_NODES:-4}"
+REAL_NODES="${DDPJOB_REAL_NODES:-2}"
 TIMEOUT="${DDPJOB_CLUSTER_TIMEOUT:-90}"
 COMPONENTS=(etcd kube-apiserver kube-controller-manager kube-scheduler kwok)
 T0=$SECONDS
@@ -69,7 +73,10 @@ healthy() {
   [ -f "$KUBECONFIG_FILE" ] || return 1
   kc get --raw /readyz >/dev/null 2>&1 || return 1
   kc get nodes -l type=kwok -o jsonpath='{.items[*].status.conditions[?(@.type=="Ready")].status}' 2>/dev/null \
-    | grep -q True
+    | grep -q True || return 1
+  # Real nodes: as many Ready as asked for (a cluster started with another count is restarted).
+  [ "$(kc get nodes -l ddpjob.dev/node-kind=real -o jsonpath='{.items[*].status.conditions[?(@.type=="Ready")].status}' \
+        2>/dev/null | tr ' ' '\n' | grep -c True)" -eq "$REAL_NODES" ]
 }
 
 # One cluster-up/cluster-down at a time per clone (parallel test sessions may all call this).
@@ -145,7 +152,7 @@ sign() {
 sign apiserver "/CN=kube-apiserver" "$(printf '%s\n' \
   'basicConstraints=CA:FALSE' 'keyUsage=critical,digitalSignature,keyEncipherment' \
   'extendedKeyUsage=serverAuth' \
-  'subjectAltName=DNS:localhost,DNS:kubernetes,DNS:kubernetes.default,DNS:kubernetes.default.svc,DNS:kubernetes.default.svc.cluster.local,IP:127.0.0.1,IP:10.96.0.1')"
+  'subjectAltName=DNS:localhost,DNS:kubernetes,DNS:kubernetes.default,DNS:kubernetes.default.svc,DNS:kubernetes.default.svc.cluster.local,IP:127.0.0.1,IP:10.96.0.1,IP:10.248.0.1')"
 client_ext="$(printf '%s\n' 'basicConstraints=CA:FALSE' 'keyUsage=critical,digitalSignature,keyEncipherment' 'extendedKeyUsage=clientAuth')"
 sign admin "/O=system:masters/CN=ddpjob-admin" "$client_ext"
 sign controller-manager "/CN=system:kube-controller-manager" "$client_ext"
@@ -210,13 +217,20 @@ start etcd "$KUBE_DIR/etcd" --name ddpjob --data-dir "$STATE/etcd" \
 etcd_ok() { curl_ok "http://127.0.0.1:$P_ETCD/health" | grep -q '"health":"true"'; }
 wait_healthy etcd "GET /health on :$P_ETCD" etcd_ok
 
+# Real nodes' pods reach the API server through the bridge gateway (10.248.0.1), which only exists
+# once nodes-up has made the bridges: listen on every local address then. The kubelets
+# authenticate as system:node:<name> (Node authorizer + NodeRestriction, as on a real cluster), and
+# the API server reaches them (logs, exec) at their InternalIP, not by resolving node names.
+API_BIND=127.0.0.1
+[ "$REAL_NODES" -gt 0 ] && API_BIND=0.0.0.0
 start kube-apiserver "$KUBE_DIR/kube-apiserver" \
   --etcd-servers "http://127.0.0.1:$P_ETCD" \
-  --bind-address 127.0.0.1 --advertise-address 127.0.0.1 --secure-port "$P_API" \
+  --bind-address "$API_BIND" --advertise-address 127.0.0.1 --secure-port "$P_API" \
   --tls-cert-file "$PKI/apiserver.crt" --tls-private-key-file "$PKI/apiserver.key" \
   --client-ca-file "$PKI/ca.crt" \
-  --authorization-mode RBAC \
-  --enable-admission-plugins RuntimeClass \
+  --authorization-mode Node,RBAC \
+  --enable-admission-plugins RuntimeClass,NodeRestriction \
+  --kubelet-preferred-address-types InternalIP,Hostname \
   --service-account-issuer https://kubernetes.default.svc.cluster.local \
   --service-account-key-file "$PKI/sa.pub" --service-account-signing-key-file "$PKI/sa.key" \
   --service-cluster-ip-range 10.96.0.0/16 \
@@ -317,5 +331,9 @@ nodes_ready() {
 wait_healthy kwok "$NODES fake GPU nodes Ready" nodes_ready
 wait_healthy kube-controller-manager "ServiceAccount default/default created" kc get serviceaccount default -n default
 
-log "up in $((SECONDS - T0))s: API server https://127.0.0.1:$P_API, $NODES fake nodes x 8 nvidia.com/gpu"
+if [ "$REAL_NODES" -gt 0 ]; then
+  "$HERE/nodes-up.sh" || fail kube-apiserver "real nodes did not come up (hack/nodes-up.sh; DDPJOB_REAL_NODES=0 skips them)"
+fi
+
+log "up in $((SECONDS - T0))s: API server https://127.0.0.1:$P_API, $NODES fake nodes x 8 nvidia.com/gpu, $REAL_NODES real nodes"
 log "export KUBECONFIG=$KUBECONFIG_FILE   (binaries: $BIN)"

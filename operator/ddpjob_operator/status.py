@@ -12,6 +12,7 @@ from .envvars import master_dns
 from .lifecycle import Decision, condition, decide
 from .phases import Cond, Phase
 from .pods import explain_pod_error
+from .result import run_result
 from .spec import JobSpec
 
 Event = tuple[str, str, str]  # (Normal|Warning, reason, message)
@@ -210,6 +211,9 @@ def job_status(job: JobSpec, pods: list[dict[str, Any]], *, now: dt.datetime,
         failures = (failures + failure_evidence(pods, ended))[-MAX_FAILURES:]
     if failures:
         status["failures"] = failures
+    result = prev.get("result") or run_result(pods, attempt=d.attempt)
+    if result:
+        status["result"] = result
 
     # Events: one per transition, never per pass.
     if d.restarted is not None:

@@ -168,8 +168,14 @@ def diag(op) -> str:
 
 
 def example_job(namespace: str) -> dict:
-    job = yaml.safe_load((REPO / "examples" / "digits.yaml").read_text())
+    from ddpjob_operator.local import load_job_file
+
+    job = load_job_file(REPO / "examples" / "digits.yaml")
     job["metadata"]["namespace"] = namespace
+    # kwok's pods run nothing and this tier provisions no storage: without the checkpoint claim
+    # the pods schedule at once (the real-pod tier applies the example with its claim).
+    for key in ("volumes", "volumeMounts"):
+        job["spec"].pop(key, None)
     return job
 
 

@@ -88,7 +88,9 @@ def pids_with_env(entry: str, *, prefix: bool = False) -> list[int]:
 
 def write_digits_job(directory: Path, *, epochs: int) -> Path:
     """examples/digits.yaml with another epoch count (long enough for the checks)."""
-    job = yaml.safe_load((REPO_ROOT / "examples" / "digits.yaml").read_text())
+    from ddpjob_operator.local import load_job_file
+
+    job = load_job_file(REPO_ROOT / "examples" / "digits.yaml")
     job["spec"]["trainer"]["epochs"] = epochs
     spec = directory / "digits.yaml"
     spec.write_text(yaml.safe_dump(job))

@@ -358,6 +358,7 @@ def _launch(args: argparse.Namespace, node: _Node) -> int:
     node.scratch = tempfile.mkdtemp(prefix="ddpjob-")
     metrics_dir = env.setdefault("DDPJOB_METRICS_DIR", os.path.join(node.scratch, "metrics"))
     status_dir = env.setdefault("DDPJOB_STATUS_DIR", os.path.join(node.scratch, "status"))
+    result_file = env.setdefault("DDPJOB_RESULT_FILE", os.path.join(node.scratch, "result.json"))
     # The child starts before the metrics server's thread does: a fork with no other thread
     # running cannot inherit a lock that thread held.
     child = subprocess.Popen(cmd, env=env, start_new_session=True,
@@ -377,7 +378,21 @@ def _launch(args: argparse.Namespace, node: _Node) -> int:
     if code != 0:
         _write_termination(f"training exited with code {code}")
         return code if code > 0 else EXIT_TRAINING_FAILED
+    _report_result(result_file)
     return 0
+
+
+def _report_result(path: str) -> None:
+    """Rank 0's result (final eval, steps, resumed-from step) as the termination message: the run's
+    last numbers come after the last metrics scrape, and the operator reads them from there into
+    status.result. Other nodes, and user scripts that write no result, leave it empty."""
+    try:
+        with open(path) as f:
+            text = f.read()
+    except OSError:
+        return
+    if text.strip() and len(text) <= 4000:
+        _write_termination(text.strip())
 
 
 def main(argv: list[str] | None = None) -> int:

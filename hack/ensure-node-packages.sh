@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Make sure the Debian packages that real nodes and image builds need are installed:
+# containerd + runc + CNI plugins (the nodes' runtime), buildah + podman (image builds without a
+# Docker engine), debootstrap (the base image), iptables (keeps pod traffic between our bridges).
+# Idempotent: does nothing when every tool is present. Package services are kept from starting
+# (policy-rc.d): each real node runs its own containerd with its own socket.
+set -euo pipefail
+
+need=()
+have() { command -v "$1" >/dev/null 2>&1 || [ -x "/usr/sbin/$1" ] || [ -x "/usr/bin/$1" ]; }
+have containerd || need+=(containerd)
+have runc || need+=(runc)
+[ -x /usr/lib/cni/bridge ] && [ -x /usr/lib/cni/host-local ] && [ -x /usr/lib/cni/loopback ] \
+  || need+=(containernetworking-plugins)
+have buildah || need+=(buildah)
+have podman || need+=(podman)
+have debootstrap || need+=(debootstrap)
+have iptables || need+=(iptables)
+have ip || need+=(iproute2)
+have gcc || need+=(gcc libc6-dev)
+[ "${#need[@]}" = 0 ] && exit 0
+
+SUDO=""
+if [ "$(id -u)" != 0 ]; then
+  command -v sudo >/dev/null || { echo "ensure-node-packages: need root (or sudo) to apt-get install ${need[*]}" >&2; exit 1; }
+  SUDO="sudo"
+fi
+POLICY=/usr/sbin/policy-rc.d
+created_policy=0
+if [ ! -e "$POLICY" ]; then
+  printf '#!/bin/sh\nexit 101\n' | $SUDO tee "$POLICY" >/dev/null
+  $SUDO chmod +x "$POLICY"
+  created_policy=1
+fi
+cleanup() { if [ "$created_policy" = 1 ]; then $SUDO rm -f "$POLICY"; fi; }
+trap cleanup EXIT
+echo "ensure-node-packages: apt-get install ${need[*]}" >&2
+export DEBIAN_FRONTEND=noninteractive
+$SUDO apt-get update -qq >&2
+$SUDO apt-get install -y -qq --no-install-recommends "${need[@]}" >&2

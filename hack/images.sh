@@ -1,0 +1,168 @@
+#!/usr/bin/env bash
+# `make images`: build the Dockerfile's `operator` and `trainer` targets, unchanged, with buildah
+# (no Docker engine, no registry here), on bases made locally, and import them into every real node.
+#   localhost/ddpjob/python:3.11-bookworm   debootstrap'd Debian bookworm + python3 (the PYTHON_IMAGE)
+#   localhost/ddpjob/torch:<ver>            that + torch/torchvision from PyPI (the TORCH_IMAGE)
+#   localhost/ddpjob/pause:<kube ver>       the pod sandbox: Kubernetes' pause.c, static, FROM scratch
+#   localhost/ddpjob/operator:dev, localhost/ddpjob/trainer:dev   the product images
+# Cached machine-wide: buildah's storage keeps the images, each tagged with a hash of its inputs
+# (`:in-<hash>`), so an unchanged tree builds nothing; exported archives live in
+# ${DDPJOB_CACHE}/images and each node records what it imported.
+# Env: DDPJOB_BUILD_CA — a CA bundle that pip inside the build must trust (users behind a
+#      TLS-intercepting proxy; defaults to $SSL_CERT_FILE when set). Empty: pip's own CAs.
+# Usage: hack/images.sh [build|import|pause|all]   (default all; import needs running real nodes;
+#        pause: only the sandbox image, which hack/nodes-up.sh needs before any pod can start)
+set -euo pipefail
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+ROOT="$(cd "$HERE/.." && pwd)"
+# shellcheck source=versions.env
+source "$HERE/versions.env"
+CACHE="${DDPJOB_CACHE:-$HOME/.cache/ddpjob}"
+IMG_CACHE="$CACHE/images"
+LOGS="$IMG_CACHE/logs"
+STATE="$ROOT/.cache/cluster"
+mkdir -p "$IMG_CACHE" "$LOGS"
+exec 7>"$IMG_CACHE/images.lock"
+flock 7
+
+PYTHON_BASE=localhost/ddpjob/python:3.11-bookworm
+PAUSE_IMAGE="localhost/ddpjob/pause:$KUBE_VERSION"
+OPERATOR_IMAGE=localhost/ddpjob/operator:dev
+TRAINER_IMAGE=localhost/ddpjob/trainer:dev
+CA="${DDPJOB_BUILD_CA-${SSL_CERT_FILE:-}}"
+
+log() { printf '[hack/images %s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
+die() { log "FAILED: $*"; exit 1; }
+has_image() { buildah inspect --type image "$1" >/dev/null 2>&1; }
+"$HERE/ensure-node-packages.sh"
+
+# Build-time volumes: a CA bundle and a pip.conf naming it, so pip inside every RUN trusts it.
+build_volumes=()
+if [ -n "$CA" ]; then
+  [ -r "$CA" ] || die "DDPJOB_BUILD_CA=$CA is not a readable file"
+  printf '[global]\ncert = /etc/ssl/certs/ddpjob-build-ca.crt\n' >"$IMG_CACHE/pip.conf"
+  build_volumes+=(-v "$CA:/etc/ssl/certs/ddpjob-build-ca.crt:ro" -v "$IMG_CACHE/pip.conf:/etc/pip.conf:ro")
+fi
+
+# inputs_hash FILES...: what a product image is built from (tracked and untracked, not ignored).
+inputs_hash() {
+  (cd "$ROOT" && git ls-files -co --exclude-standard -z -- "$@" | sort -z | while IFS= read -r -d '' f; do
+    if [ -L "$f" ]; then echo "link $f -> $(readlink "$f")"; elif [ -f "$f" ]; then sha256sum "$f"; fi
+  done) | sha256sum | cut -c1-16
+}
+
+build_python_base() {
+  has_image "$PYTHON_BASE" && { log "$PYTHON_BASE: cached"; return; }
+  log "$PYTHON_BASE: debootstrap bookworm (minbase + python3; ~3 min)"
+  local rootfs="$IMG_CACHE/rootfs.tmp"
+  rm -rf "$rootfs"
+  debootstrap --variant=minbase --include=python3,python3-pip,python3-venv,python-is-python3,ca-certificates \
+    bookworm "$rootfs" http://deb.debian.org/debian >"$LOGS/debootstrap.log" 2>&1 \
+    || die "debootstrap failed (see $LOGS/debootstrap.log): $(tail -3 "$LOGS/debootstrap.log")"
+  # Behave like the official python image: pip may install into the system interpreter.
+  rm -f "$rootfs"/usr/lib/python3*/EXTERNALLY-MANAGED
+  rm -rf "$rootfs"/var/lib/apt/lists/* "$rootfs"/var/cache/apt/archives/*.deb
+  tar -C "$rootfs" -c . | podman import --change 'CMD ["python3"]' - "$PYTHON_BASE" >"$LOGS/import.log" 2>&1 \
+    || die "podman import of the base failed (see $LOGS/import.log)"
+  rm -rf "$rootfs"
+}
+
+torch_versions() {  # the versions in this project's venv: the image runs what the tests ran
+  "$ROOT/.venv/bin/python" - <<'PY'
+import importlib.metadata as m
+print(m.version("torch"), m.version("torchvision"))
+PY
+}
+
+build_torch_base() {
+  local tv vv uv
+  read -r tv vv < <(torch_versions) || die "no torch in $ROOT/.venv (run make install)"
+  TORCH_BASE="localhost/ddpjob/torch:${tv//+/-}"
+  has_image "$TORCH_BASE" && { log "$TORCH_BASE: cached"; return; }
+  uv="$ROOT/.venv/bin/uv"
+  [ -x "$uv" ] || die "no uv in $ROOT/.venv (run make install)"
+  log "$TORCH_BASE: torch $tv + torchvision $vv from the uv cache (~3 min)"
+  buildah bud --isolation chroot --layers -f "$HERE/images/torch-base.Containerfile" \
+    --build-arg PYTHON_IMAGE="$PYTHON_BASE" --build-arg TORCH_VERSION="$tv" --build-arg TORCHVISION_VERSION="$vv" \
+    "${build_volumes[@]}" -v "$uv:/usr/local/bin/uv:ro" -v "${UV_CACHE_DIR:-$HOME/.cache/uv}:/uv-cache" \
+    ${CA:+--env SSL_CERT_FILE=/etc/ssl/certs/ddpjob-build-ca.crt} \
+    -t "$TORCH_BASE" "$HERE/images" >"$LOGS/torch-base.log" 2>&1 \
+    || die "torch base failed (see $LOGS/torch-base.log): $(tail -3 "$LOGS/torch-base.log")"
+}
+
+build_pause() {
+  has_image "$PAUSE_IMAGE" && { log "$PAUSE_IMAGE: cached"; return; }
+  local bin="$CACHE/bin/kube-$KUBE_VERSION-etcd-$ETCD_VERSION/pause" c
+  [ -x "$bin" ] || die "$bin missing (hack/build.sh nodes builds it)"
+  c="$(buildah from scratch)"
+  buildah copy "$c" "$bin" /pause >/dev/null
+  buildah config --entrypoint '["/pause"]' --user 65535:65535 "$c"
+  buildah commit -q "$c" "$PAUSE_IMAGE" >/dev/null
+  buildah rm "$c" >/dev/null
+  log "$PAUSE_IMAGE: built"
+}
+
+# build_target TARGET IMAGE: the Dockerfile's target, unchanged; bases come in through its ARGs.
+# No --layers: buildah 1.28 mounts an empty directory for `RUN --mount=type=bind,from=<stage>` when
+# that stage came from its layer cache, and the trainer target would install no wheel.
+build_target() {
+  local target="$1" image="$2" hash
+  hash="$(inputs_hash Dockerfile .dockerignore pyproject.toml README.md operator trainer requirements charts/ddpjob-operator/crds)"
+  if has_image "${image%:*}:in-$hash"; then
+    has_image "$image" || buildah tag "${image%:*}:in-$hash" "$image"
+    log "$image: cached (inputs $hash)"; return
+  fi
+  log "$image: buildah bud --target $target (inputs $hash)"
+  (cd "$ROOT" && buildah bud --isolation chroot --format docker --target "$target" \
+    --build-arg PYTHON_IMAGE="$PYTHON_BASE" --build-arg TORCH_IMAGE="${TORCH_BASE:-}" \
+    "${build_volumes[@]}" -t "$image" -t "${image%:*}:in-$hash" -f Dockerfile . ) >"$LOGS/$target.log" 2>&1 \
+    || die "$image failed (see $LOGS/$target.log): $(tail -5 "$LOGS/$target.log")"
+}
+
+build_all() {
+  local t0=$SECONDS
+  build_python_base
+  build_torch_base
+  build_target operator "$OPERATOR_IMAGE"
+  build_target trainer "$TRAINER_IMAGE"
+  build_pause
+  log "images ready in $((SECONDS - t0))s"
+}
+
+# import_all: every image into every running real node's containerd (skipped when the node
+# already has that image id).
+import_images() {  # import_images IMAGE...
+  local nodes_env="$STATE/nodes.env" sock node img id archive mark
+  [ -f "$nodes_env" ] || { log "no real nodes running ($nodes_env missing): nothing to import"; return; }
+  # shellcheck disable=SC1090
+  source "$nodes_env"
+  for img in "$@"; do
+    has_image "$img" || die "$img: not built (hack/images.sh build)"
+    id="$(buildah inspect --type image --format '{{.FromImageID}}' "$img")"
+    archive="$IMG_CACHE/$(echo "${img#localhost/}" | tr '/:' '__')-${id:0:16}.tar"
+    for node in $REAL_NODE_NAMES; do
+      sock="$(eval echo "\$CONTAINERD_SOCK_${node//-/_}")"
+      mark="$(eval echo "\$CONTAINERD_ROOT_${node//-/_}")/.ddpjob-imported-$(echo "$img" | tr '/:' '__')"
+      [ "$(cat "$mark" 2>/dev/null)" = "$id" ] && continue
+      if [ ! -f "$archive" ]; then
+        rm -f "$IMG_CACHE/$(echo "${img#localhost/}" | tr '/:' '__')"-*.tar
+        log "$img: exporting to $archive"
+        buildah push -q "$img" "docker-archive:$archive.tmp:$img" >/dev/null 2>"$LOGS/push.log" \
+          || die "exporting $img failed (see $LOGS/push.log)"
+        mv "$archive.tmp" "$archive"
+      fi
+      log "$img: importing into $node"
+      ctr -a "$sock" -n k8s.io images import --no-unpack=false "$archive" >"$LOGS/ctr-import.log" 2>&1 \
+        || die "importing $img into $node failed (see $LOGS/ctr-import.log): $(tail -3 "$LOGS/ctr-import.log")"
+      echo "$id" >"$mark"
+    done
+  done
+}
+
+case "${1:-all}" in
+  build) build_all ;;
+  import) import_images "$PAUSE_IMAGE" "$OPERATOR_IMAGE" "$TRAINER_IMAGE" ;;
+  pause) build_pause; import_images "$PAUSE_IMAGE" ;;
+  all) build_all; import_images "$PAUSE_IMAGE" "$OPERATOR_IMAGE" "$TRAINER_IMAGE" ;;
+  *) die "unknown command '$1' (build | import | pause | all)" ;;
+esac

@@ -1,0 +1,58 @@
+# Shared by hack/nodes-up.sh, hack/nodes-down.sh and hack/images.sh: where the real nodes live.
+# Sourced, not run. Needs HERE, ROOT and versions.env already loaded.
+CACHE="${DDPJOB_CACHE:-$HOME/.cache/ddpjob}"
+KUBE_DIR="$CACHE/bin/kube-$KUBE_VERSION-etcd-$ETCD_VERSION"
+KUBELET_BIN="$KUBE_DIR/kubelet"
+COREDNS_BIN="$CACHE/bin/coredns-$COREDNS_VERSION/coredns"
+STATE="$ROOT/.cache/cluster"
+PIDS="$STATE/pids"
+LOGS="$STATE/logs"
+PKI="$STATE/pki"
+KUBECONFIG_FILE="$STATE/kubeconfig"
+KUBECTL="$ROOT/.cache/bin/kubectl"
+# Sockets have a 108-byte path limit, so runtime state lives under a short path named by a hash of
+# this clone's state dir (several clones on one machine do not collide).
+STATE_ID="$(printf '%s' "$STATE" | sha256sum | cut -c1-10)"
+NODES_RUN="/run/ddpjob-$STATE_ID"
+NODES_VAR="/var/lib/ddpjob-$STATE_ID"
+# containerd roots (content store and snapshots, i.e. the imported images) outlive cluster-down,
+# so the multi-GB trainer image is imported once per machine, not once per cluster-up.
+CONTAINERD_CACHE="$CACHE/containerd"
+POD_RANGE=10.248.0.0/16
+DNS_IP=10.248.0.1
+IPT_TAG="ddpjob-nodes-$STATE_ID"
+
+# sign_node_cert NODE: a kubelet client certificate (group system:nodes, for the Node authorizer).
+sign_node_cert() {
+  local n="$1"
+  [ -f "$PKI/$n.crt" ] && return
+  openssl req -new -newkey rsa:2048 -nodes -keyout "$PKI/$n.key" -out "$PKI/$n.csr" \
+    -subj "/O=system:nodes/CN=system:node:$n" >>"$LOGS/openssl.log" 2>&1
+  printf '%s\n' 'basicConstraints=CA:FALSE' 'keyUsage=critical,digitalSignature,keyEncipherment' \
+    'extendedKeyUsage=clientAuth' >"$PKI/$n.ext"
+  openssl x509 -req -in "$PKI/$n.csr" -CA "$PKI/ca.crt" -CAkey "$PKI/ca.key" -CAcreateserial \
+    -days 3650 -sha256 -extfile "$PKI/$n.ext" -out "$PKI/$n.crt" >>"$LOGS/openssl.log" 2>&1
+}
+
+# write_node_kubeconfig NODE FILE
+write_node_kubeconfig() {
+  cat >"$2" <<KC
+apiVersion: v1
+kind: Config
+clusters:
+- name: ddpjob-local
+  cluster:
+    server: https://127.0.0.1:$APISERVER_PORT
+    certificate-authority-data: $(base64 -w0 "$PKI/ca.crt")
+users:
+- name: $1
+  user:
+    client-certificate-data: $(base64 -w0 "$PKI/$1.crt")
+    client-key-data: $(base64 -w0 "$PKI/$1.key")
+contexts:
+- name: ddpjob-local
+  context: {cluster: ddpjob-local, user: $1}
+current-context: ddpjob-local
+KC
+  chmod 600 "$2"
+}

@@ -1,0 +1,176 @@
+"""Fixtures for the real-pod tier: DDPJobs that really train in pods on the real nodes of the local
+cluster (hack/nodes-up.sh: containerd + kubelet per node, CoreDNS), with the project's own images
+(hack/images.sh: localhost/ddpjob/{operator,trainer}:dev) and the operator installed by Helm,
+in-cluster, from its image. Nothing here points the operator at a URL template: it scrapes the
+pods' own addresses, which live on the nodes' bridges (10.248.<node>.0/24) that this run created.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.support.cluster import REPO_ROOT, Cluster, create_namespace, delete_namespace, wait_for
+
+CHART = REPO_ROOT / "charts" / "ddpjob-operator"
+EXAMPLES = REPO_ROOT / "examples"
+OPERATOR_IMAGE = "localhost/ddpjob/operator:dev"
+TRAINER_IMAGE = "localhost/ddpjob/trainer:dev"
+REAL_NODE_LABEL = "ddpjob.dev/node-kind"
+REAL_NODE_TAINT = "ddpjob.dev/real-node"
+# What a test job needs to land on the real nodes (they are tainted so kwok-tier jobs never do).
+REAL_NODE_SCHEDULING = {
+    "nodeSelector": {REAL_NODE_LABEL: "real"},
+    "tolerations": [{"key": REAL_NODE_TAINT, "operator": "Exists", "effect": "NoSchedule"}],
+}
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if "tests/realpods/" in str(item.fspath).replace("\\", "/"):
+            item.add_marker(pytest.mark.realpods)
+
+
+def real_nodes(cluster: Cluster) -> list[str]:
+    out = cluster.kubectl("get", "nodes", "-l", f"{REAL_NODE_LABEL}=real", "-o",
+                          "jsonpath={range .items[*]}{.metadata.name}={.status.conditions[?(@.type==\"Ready\")].status}{\"\\n\"}{end}")
+    return [line.split("=")[0] for line in out.stdout.split() if line.endswith("=True")]
+
+
+@pytest.fixture(scope="session")
+def real_cluster(cluster) -> Cluster:
+    """The shared cluster, which must have two Ready real nodes and our images imported into them."""
+    if os.environ.get("DDPJOB_REAL_NODES") == "0":
+        pytest.skip("DDPJOB_REAL_NODES=0: the cluster was started without real nodes")
+    nodes = real_nodes(cluster)
+    assert len(nodes) >= 2, (
+        f"the real-pod tier needs 2 Ready real nodes (label {REAL_NODE_LABEL}=real), found {nodes}: "
+        "start the cluster with DDPJOB_REAL_NODES=2 make cluster-up")
+    # Idempotent and cached by a hash of the inputs: builds/imports only what changed.
+    proc = subprocess.run(["bash", str(REPO_ROOT / "hack" / "images.sh"), "all"], cwd=REPO_ROOT,
+                          capture_output=True, text=True, timeout=3000)
+    assert proc.returncode == 0, f"hack/images.sh all failed:\n{proc.stderr[-4000:]}"
+    return cluster
+
+
+def helm_install_operator(cluster: Cluster, *, namespace: str, watch: list[str], name: str) -> None:
+    """The chart, as a user installs it, with the locally built image, on the real nodes."""
+    repo, tag = OPERATOR_IMAGE.rsplit(":", 1)
+    sets = [f"image.repository={repo}", f"image.tag={tag}", "image.pullPolicy=Never",
+            f"nodeSelector.{REAL_NODE_LABEL.replace('.', chr(92) + '.')}=real",
+            f"tolerations[0].key={REAL_NODE_TAINT}", "tolerations[0].operator=Exists",
+            "tolerations[0].effect=NoSchedule", "operator.scrapeInterval=3"]
+    for i, ns in enumerate(watch):
+        sets.append(f"operator.watchNamespaces[{i}]={ns}")
+    args = ["install", name, str(CHART), "-n", namespace, "--create-namespace", "--wait", "--timeout", "180s"]
+    for s in sets:
+        args += ["--set", s]
+    cluster.helm(*args, timeout=240)
+
+
+# One namespace per test that runs a job; one in-cluster operator (session-wide) watches them all.
+JOB_NAMESPACES = ("digits", "restart", "custom")
+
+
+@pytest.fixture(scope="session")
+def namespaces(real_cluster) -> dict[str, str]:
+    """{purpose: namespace}, watched by the operator that the chart installs from our image."""
+    api = real_cluster.api()
+    made = {k: create_namespace(api, prefix=f"real-{k}-") for k in JOB_NAMESPACES}
+    # Random release name: its ClusterRole and binding are cluster-wide, and another session
+    # (a developer's run beside CI's) may have a release of its own.
+    op_ns, release = f"ddpjob-op-{uuid.uuid4().hex[:6]}", f"op{uuid.uuid4().hex[:6]}"
+    helm_install_operator(real_cluster, namespace=op_ns, watch=list(made.values()), name=release)
+    yield made
+    if os.environ.get("DDPJOB_KEEP_REALPODS"):  # leave everything for a person to look at
+        return
+    real_cluster.helm("uninstall", release, "-n", op_ns, "--wait", "--timeout", "60s", check=False, timeout=90)
+    for ns in [*made.values(), op_ns]:
+        delete_namespace(api, ns)
+    api.close()
+
+
+def example_docs(name: str, *, image: str = TRAINER_IMAGE) -> list[dict]:
+    """examples/NAME.yaml as a user applies it; only the DDPJob's image is swapped for the local
+    one and its pods are pointed at the real nodes (which carry a taint the example cannot know)."""
+    docs = [d for d in yaml.safe_load_all((EXAMPLES / name).read_text()) if d]
+    for d in docs:
+        if d.get("kind") == "DDPJob":
+            spec = d["spec"]
+            spec["image"] = image
+            sched = spec.setdefault("scheduling", {})
+            sched.setdefault("nodeSelector", {}).update(REAL_NODE_SCHEDULING["nodeSelector"])
+            sched.setdefault("tolerations", []).extend(REAL_NODE_SCHEDULING["tolerations"])
+    return docs
+
+
+def apply_docs(cluster: Cluster, docs: list[dict], namespace: str) -> None:
+    cluster.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump_all(docs))
+
+
+def shared_checkpoint_pv(cluster: Cluster, *, claim: str, namespace: str, tmp: Path) -> Path:
+    """A hostPath PV pre-bound to CLAIM: both real nodes are this one VM, so the directory is shared
+    the way an RWX volume (NFS, CephFS, EFS) is shared on a real cluster."""
+    path = tmp / f"pv-{claim}"
+    path.mkdir(parents=True, exist_ok=True)
+    path.chmod(0o1777)  # the trainer runs as uid 10001; hostPath volumes ignore fsGroup
+    pv = {"apiVersion": "v1", "kind": "PersistentVolume",
+          "metadata": {"name": f"{namespace}-{claim}", "labels": {"ddpjob.dev/test": "true"}},
+          "spec": {"capacity": {"storage": "1Gi"}, "accessModes": ["ReadWriteMany"],
+                   "storageClassName": "", "persistentVolumeReclaimPolicy": "Retain",
+                   "claimRef": {"namespace": namespace, "name": claim},
+                   "hostPath": {"path": str(path), "type": "Directory"}}}
+    cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump(pv))
+    return path
+
+
+def job_status(cluster: Cluster, namespace: str, name: str) -> dict:
+    out = cluster.kubectl("get", "ddpj", name, "-n", namespace, "-o", "yaml").stdout
+    return yaml.safe_load(out).get("status") or {}
+
+
+def wait_phase(cluster: Cluster, namespace: str, name: str, phases: set[str], *, timeout: float) -> dict:
+    def done():
+        st = job_status(cluster, namespace, name)
+        return st if st.get("phase") in phases else None
+    try:
+        return wait_for(done, timeout=timeout, desc=f"DDPJob {namespace}/{name} in {sorted(phases)}", interval=1)
+    except AssertionError:
+        print(diagnose(cluster, namespace))
+        raise
+
+
+def diagnose(cluster: Cluster, namespace: str) -> str:
+    """What a user would look at when a job is stuck: the job, its pods, events, pod logs."""
+    parts = []
+    for args in (("get", "ddpj,pods,svc", "-o", "wide"), ("get", "events", "--sort-by=.lastTimestamp")):
+        parts.append(cluster.kubectl(*args, "-n", namespace, check=False).stdout)
+    pods = cluster.kubectl("get", "pods", "-n", namespace, "-o", "name", check=False).stdout.split()
+    for p in pods:
+        parts.append(f"--- logs {p}\n" + cluster.kubectl("logs", "-n", namespace, p, "--tail=30",
+                                                         check=False).stdout)
+    return "\n".join(parts)
+
+
+def pod_nodes(cluster: Cluster, namespace: str, job: str) -> dict[str, str]:
+    out = cluster.kubectl("get", "pods", "-n", namespace, "-l", f"ddpjob.dev/job-name={job}", "-o",
+                          "jsonpath={range .items[*]}{.metadata.name}={.spec.nodeName}{\"\\n\"}{end}")
+    return dict(line.split("=", 1) for line in out.stdout.split())
+
+
+def exec_kill_trainer(cluster: Cluster, namespace: str, pod: str) -> None:
+    """SIGKILL the pod's training worker processes (not torchrun's agent, not the launcher): a
+    rank dying mid-step the way an OOM kill or a segfault would."""
+    code = ("import os, signal\n"
+            "for p in filter(str.isdigit, os.listdir('/proc')):\n"
+            "    try: cmd = open(f'/proc/{p}/cmdline', 'rb').read().split(b'\\0')\n"
+            "    except OSError: continue\n"
+            "    if b'ddpjob_trainer' in cmd and b'torch.distributed.run' not in cmd and b'ddpjob_trainer.launch' not in cmd:\n"
+            "        os.kill(int(p), signal.SIGKILL); print('killed', p)\n")
+    out = cluster.kubectl("exec", "-n", namespace, pod, "--", "python", "-c", code, timeout=60)
+    assert "killed" in out.stdout, f"no trainer worker found in {pod}: {out.stdout} {out.stderr}"
