@@ -9,6 +9,19 @@ MANAGER = "ddpjob-operator"
 CONTAINER = "trainer"
 
 
+def reserved(key: str) -> bool:
+    """True for label/annotation keys the operator owns (ddpjob.dev/*, sub-domains included)."""
+    prefix = key.split("/", 1)[0] if "/" in key else ""
+    return prefix == "ddpjob.dev" or prefix.endswith(".ddpjob.dev")
+
+
+def user_keys(mapping: dict[str, str] | None) -> dict[str, str]:
+    """A job's podLabels/podAnnotations without reserved keys: the schema refuses them, and a
+    manifest that never met the API server (ddpjob render, --local) must not steer the operator
+    (a job-name label would put the pods into another job's Service)."""
+    return {str(k): str(v) for k, v in (mapping or {}).items() if not reserved(str(k))}
+
+
 def selector(job_name: str) -> str:
     """Label selector for every child of a job."""
     return f"{JOB_NAME}={job_name}"

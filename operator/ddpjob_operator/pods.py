@@ -16,6 +16,39 @@ LAUNCHER = ["python", "-m", "ddpjob_trainer.launch", "--"]
 SHM_VOLUME = "dshm"
 DEFAULT_SHM = "2Gi"
 
+# Hardened defaults (Pod Security "restricted"): each key yields to the same key in the job's own
+# podSecurityContext / securityContext, so a job that needs more says so in its spec, where an
+# admission policy can see it.
+POD_SECURITY_DEFAULTS: dict[str, Any] = {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}}
+CONTAINER_SECURITY_DEFAULTS: dict[str, Any] = {"allowPrivilegeEscalation": False,
+                                               "capabilities": {"drop": ["ALL"]}}
+
+
+def pod_security_context(job: JobSpec) -> dict[str, Any]:
+    """The pod's securityContext: the hardened defaults under the job's podSecurityContext."""
+    return {**copy.deepcopy(POD_SECURITY_DEFAULTS), **copy.deepcopy(job.spec.get("podSecurityContext") or {})}
+
+
+def container_security_context(job: JobSpec) -> dict[str, Any]:
+    """The training container's securityContext: hardened defaults under the job's securityContext.
+
+    capabilities merge per list (a job that only adds NET_RAW still drops the rest); a privileged
+    container gets no allowPrivilegeEscalation default (the API refuses privileged + false)."""
+    own = copy.deepcopy(job.spec.get("securityContext") or {})
+    out = copy.deepcopy(CONTAINER_SECURITY_DEFAULTS)
+    if own.get("privileged"):
+        out.pop("allowPrivilegeEscalation")
+    caps = {**out["capabilities"], **(own.pop("capabilities", None) or {})}
+    out.update(own)
+    out["capabilities"] = caps
+    return out
+
+
+def automount_token(job: JobSpec) -> bool:
+    """Mount an API token only for a job that names its ServiceAccount (the default one's token
+    is an API credential the training code has no use for)."""
+    return bool(job.spec.get("serviceAccountName"))
+
 
 def container_command(job: JobSpec) -> tuple[list[str], list[str] | None]:
     """(command, args) per the launcher contract: our launcher wraps the user's command."""
@@ -72,15 +105,18 @@ def render_pod(job: JobSpec, rank: int, *, attempt: int = 0,
     }
     if args:
         container["args"] = list(args)
-    for key in ("imagePullPolicy", "workingDir", "envFrom", "securityContext"):
+    for key in ("imagePullPolicy", "workingDir", "envFrom"):
         if spec.get(key):
             container[key] = copy.deepcopy(spec[key])
+    container["securityContext"] = container_security_context(job)
     pod_spec: dict[str, Any] = {
         "hostname": pod_hostname(job, rank),
         "subdomain": service_name(job),
         "restartPolicy": "Never",
         # Thousands of service env vars are noise and slow pod start in busy namespaces.
         "enableServiceLinks": False,
+        "automountServiceAccountToken": automount_token(job),
+        "securityContext": pod_security_context(job),
         "containers": [container],
         "volumes": [{"name": SHM_VOLUME, "emptyDir": {"medium": "Memory",
                                                        "sizeLimit": str(spec.get("shmSize") or DEFAULT_SHM)}}]
@@ -97,13 +133,12 @@ def render_pod(job: JobSpec, rank: int, *, attempt: int = 0,
         pod_spec["serviceAccountName"] = spec["serviceAccountName"]
     if spec.get("imagePullSecrets"):
         pod_spec["imagePullSecrets"] = copy.deepcopy(spec["imagePullSecrets"])
-    if spec.get("podSecurityContext"):
-        pod_spec["securityContext"] = copy.deepcopy(spec["podSecurityContext"])
-    extra = {**(spec.get("podLabels") or {}),
+    extra = {**labels.user_keys(spec.get("podLabels")),
              labels.NODE_RANK: str(rank), labels.ATTEMPT: str(attempt)}
     meta = child_metadata(job, pod_hostname(job, rank), extra)
-    if spec.get("podAnnotations"):
-        meta["annotations"] = dict(spec["podAnnotations"])
+    annotations = labels.user_keys(spec.get("podAnnotations"))
+    if annotations:
+        meta["annotations"] = annotations
     return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": pod_spec}
 
 
