@@ -151,10 +151,16 @@ def test_schema_rejects_bad_values(bad, needle):
 
 
 def test_ha_refuses_kubernetes_without_pod_index_labels():
-    proc = helm("template", RELEASE, str(CHART), "--kube-version", "1.27.9", "--set", "ha.enabled=true",
+    old = ("--kube-version", "1.27.9", "--set", "tenantPolicy.enabled=false")  # no VAP before 1.30
+    proc = helm("template", RELEASE, str(CHART), *old, "--set", "ha.enabled=true",
                 "--set", "replicaCount=2", check=False)
     assert proc.returncode != 0 and "Kubernetes >= 1.28" in proc.stderr, proc.stderr
-    assert helm("template", RELEASE, str(CHART), "--kube-version", "1.27.9").returncode == 0
+    assert helm("template", RELEASE, str(CHART), *old).returncode == 0
+
+
+def test_tenant_policy_refuses_kubernetes_without_admission_policies():
+    proc = helm("template", RELEASE, str(CHART), "--kube-version", "1.29.9", check=False)
+    assert proc.returncode != 0 and "tenantPolicy.enabled needs Kubernetes >= 1.30" in proc.stderr, proc.stderr
 
 
 @pytest.mark.parametrize("sets, needle", [
@@ -198,14 +204,19 @@ def test_every_values_key_is_commented():
 
 # --- default install ------------------------------------------------------------------------
 
+CLUSTER_SCOPED = ("ClusterRole", "ClusterRoleBinding", "ValidatingAdmissionPolicy",
+                  "ValidatingAdmissionPolicyBinding")
+
+
 def test_defaults_render_a_recreate_deployment_with_cluster_rbac():
     docs = render()
-    assert kinds(docs) == ["ClusterRole", "ClusterRoleBinding", "Deployment", "Service", "ServiceAccount"]
+    assert kinds(docs) == ["ClusterRole", "ClusterRoleBinding", "Deployment", "Service", "ServiceAccount",
+                           "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"]
     dep = one(docs, "Deployment")
     assert dep["spec"]["replicas"] == 1
     assert dep["spec"]["strategy"] == {"type": "Recreate"}
     for d in docs:
-        if d["kind"] not in ("ClusterRole", "ClusterRoleBinding"):
+        if d["kind"] not in CLUSTER_SCOPED:
             assert d["metadata"]["namespace"] == NS, d["kind"]
     sa = one(docs, "ServiceAccount")["metadata"]["name"]
     assert dep["spec"]["template"]["spec"]["serviceAccountName"] == sa
@@ -299,7 +310,8 @@ def test_watch_namespaces_without_namespaced_rbac_keeps_a_cluster_role():
 
 
 def test_rbac_and_service_account_can_be_brought_by_the_user():
-    docs = render("rbac.create=false", "serviceAccount.create=false", "serviceAccount.name=my-sa")
+    docs = render("rbac.create=false", "serviceAccount.create=false", "serviceAccount.name=my-sa",
+                  "tenantPolicy.enabled=false")
     assert kinds(docs) == ["Deployment", "Service"]
     assert one(docs, "Deployment")["spec"]["template"]["spec"]["serviceAccountName"] == "my-sa"
 
@@ -408,3 +420,45 @@ def test_helm_package_holds_the_chart_and_nothing_else(tmp_path):
     assert {"Chart.yaml", "values.yaml", "values.schema.json", "templates/NOTES.txt",
             "crds/kopfpeerings.kopf.dev.yaml", "crds/clusterkopfpeerings.kopf.dev.yaml"} <= names
     assert not [n for n in names if "__pycache__" in n or n.endswith((".pyc", ".swp", "~"))]
+
+
+# --- tenant policy (ValidatingAdmissionPolicy per profile) ----------------------------------------
+
+def test_tenant_policy_default_profile_is_baseline_with_empty_allow_lists():
+    docs = render()
+    vap = one(docs, "ValidatingAdmissionPolicy")
+    binding = one(docs, "ValidatingAdmissionPolicyBinding")
+    assert binding["spec"]["policyName"] == vap["metadata"]["name"]
+    assert binding["spec"]["validationActions"] == ["Deny"]
+    # Namespaces that carry a profile label of their own are left to that profile.
+    assert binding["spec"]["matchResources"]["namespaceSelector"] == {
+        "matchExpressions": [{"key": "ddpjob.dev/tenant-profile", "operator": "DoesNotExist"}]}
+    assert vap["spec"]["failurePolicy"] == "Fail"
+    assert vap["spec"]["matchConstraints"]["resourceRules"][0]["resources"] == ["ddpjobs"]
+    variables = {v["name"]: json.loads(v["expression"]) for v in vap["spec"]["variables"]}
+    assert variables["serviceAccounts"] == [] and variables["priorityClasses"] == []
+    assert "SYS_ADMIN" not in variables["allowedCapabilities"] and "CHOWN" in variables["allowedCapabilities"]
+    text = json.dumps(vap["spec"]["validations"])
+    for field in ("privileged", "hostPath", "capabilities.add", "hostProcess", "procMount", "seccompProfile",
+                  "appArmorProfile", "seLinuxOptions", "sysctls", "serviceAccountName", "priorityClassName"):
+        assert field in text, field
+
+
+def test_tenant_policy_profiles_per_namespace_label(tmp_path):
+    profiles = [{"name": "strict", "baseline": True,
+                 "namespaceSelector": {"matchLabels": {"ddpjob.dev/tenant-profile": "strict"}}},
+                {"name": "trusted", "baseline": False, "serviceAccounts": ["*"], "priorityClasses": ["high"],
+                 "namespaceSelector": {"matchLabels": {"ddpjob.dev/tenant-profile": "trusted"}}}]
+    docs = render(values={"tenantPolicy": {"profiles": profiles, "validationActions": ["Warn", "Audit"]}},
+                  tmp_path=tmp_path)
+    vaps = {d["metadata"]["name"]: d for d in docs if d["kind"] == "ValidatingAdmissionPolicy"}
+    binds = {d["metadata"]["name"]: d for d in docs if d["kind"] == "ValidatingAdmissionPolicyBinding"}
+    assert set(vaps) == set(binds) == {f"{RELEASE}-ddpjob-operator-strict", f"{RELEASE}-ddpjob-operator-trusted"}
+    trusted = json.dumps(vaps[f"{RELEASE}-ddpjob-operator-trusted"]["spec"]["validations"])
+    assert "privileged" not in trusted and "serviceAccountName" not in trusted  # "*": any account
+    assert "priorityClassName" in trusted
+    assert binds[f"{RELEASE}-ddpjob-operator-trusted"]["spec"]["validationActions"] == ["Warn", "Audit"]
+
+
+def test_tenant_policy_can_be_switched_off():
+    assert "ValidatingAdmissionPolicy" not in kinds(render("tenantPolicy.enabled=false"))

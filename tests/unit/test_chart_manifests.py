@@ -38,9 +38,11 @@ def test_operator_yaml_is_namespace_rbac_deployment_service():
                                     "labels": {"app.kubernetes.io/part-of": "ddpjob",
                                                "pod-security.kubernetes.io/enforce": "restricted"}}}
     assert sorted(d["kind"] for d in docs[1:]) == \
-        ["ClusterRole", "ClusterRoleBinding", "Deployment", "Service", "ServiceAccount"]
+        ["ClusterRole", "ClusterRoleBinding", "Deployment", "Service", "ServiceAccount",
+         "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"]
     for d in docs[1:]:
-        if d["kind"] not in ("ClusterRole", "ClusterRoleBinding"):
+        if d["kind"] not in ("ClusterRole", "ClusterRoleBinding", "ValidatingAdmissionPolicy",
+                             "ValidatingAdmissionPolicyBinding"):
             assert d["metadata"]["namespace"] == "ddpjob-system", d["kind"]
     # kubectl apply -f manifests/ applies files in name order: the CRDs come first.
     assert sorted(p.name for p in MANIFESTS.glob("*.yaml")) == ["crd.yaml", "operator.yaml"]
