@@ -49,6 +49,15 @@ def newer(a: Obj, b: Obj | None) -> bool:
     return True
 
 
+def slim(obj: Obj) -> Obj:
+    """The object without metadata.managedFields (nothing here reads them; they are a good part
+    of a pod's size, and the cache holds every pod of every job)."""
+    meta = obj.get("metadata")
+    if not meta or "managedFields" not in meta:
+        return obj
+    return {**obj, "metadata": {k: v for k, v in meta.items() if k != "managedFields"}}
+
+
 class Store:
     """Objects by (namespace, name), optionally indexed by a label (our pods by job name).
     Touched only from the event loop's thread."""
@@ -105,6 +114,7 @@ class Store:
         old = self._objs.get(k)
         if not newer(obj, old):
             return False
+        obj = slim(obj)
         if old is not None and self._label(old) != self._label(obj):
             self._unindex(k, old)
         self._objs[k] = obj

@@ -37,6 +37,7 @@ CREATE_DELAY_ENV = "DDPJOB_DEBUG_CREATE_DELAY"
 MONITOR_TIMEOUT = 30.0
 # Status writes per pass: a 409 (someone wrote in between) re-reads the job and decides again.
 WRITE_ATTEMPTS = 4
+MAX_SCRAPE_BACKOFF = 8
 # Status fields that only mirror pods (nobody acts on them): their changes may wait and coalesce.
 _QUIET_FIELDS = frozenset({"nodes", "launchedAttempt"})
 
@@ -106,6 +107,9 @@ class Reconciler:
         self._timers: dict[Key, tuple[float, asyncio.TimerHandle]] = {}
         self._services: set[str] = set()           # job uids whose Service exists
         self._blocked: set[Key] = set()            # passes held back by a higher-priority peer
+        # Jobs whose metrics endpoints do not answer are scraped every Nth interval (N doubles up
+        # to MAX_SCRAPE_BACKOFF): jobs running their own command often serve no metrics at all.
+        self._scrape_every: dict[Key, int] = {}
 
     # -- triggers ------------------------------------------------------------------------
     def kick(self, namespace: str, name: str, *, scrape: bool = False) -> None:
@@ -155,7 +159,7 @@ class Reconciler:
         if obj is not None and (uid is None or (obj.get("metadata") or {}).get("uid") == uid):
             uid = uid or (obj.get("metadata") or {}).get("uid")
             self.jobs.delete(obj, notify=False)
-        for table in (self._written_rv, self._last_write, self._dirty):
+        for table in (self._written_rv, self._last_write, self._dirty, self._scrape_every):
             table.pop(key, None)
         self._blocked.discard(key)
         timer = self._timers.pop(key, None)
@@ -230,11 +234,15 @@ class Reconciler:
         asked anything unless the scrape changed what the status shows."""
         if self.monitor is None:
             return
+        tick = 0
         while True:
             await asyncio.sleep(self.scrape_interval)
+            tick += 1
             for obj in self.jobs.items():
-                if (obj.get("status") or {}).get("phase") == Phase.RUNNING.value:
-                    self.kick(*key_of(obj), scrape=True)
+                key = key_of(obj)
+                if ((obj.get("status") or {}).get("phase") == Phase.RUNNING.value
+                        and tick % self._scrape_every.get(key, 1) == 0):
+                    self.kick(*key, scrape=True)
 
     # -- one pass ------------------------------------------------------------------------
     async def _observe(self, obj: dict[str, Any], pods: list[dict[str, Any]]) -> Any:
@@ -258,6 +266,8 @@ class Reconciler:
                 and (obj.get("status") or {}).get("phase") == Phase.RUNNING.value):
             uid = (obj.get("metadata") or {}).get("uid") or ""
             report = await self._observe(obj, [p for p in self.pods.by_index(namespace, name) if owned_by(p, uid)])
+            every = self._scrape_every.get(key, 1)
+            self._scrape_every[key] = min(every * 2, MAX_SCRAPE_BACKOFF) if getattr(report, "unreachable", False) else 1
 
         for _ in range(WRITE_ATTEMPTS):
             job = from_manifest(obj)

@@ -33,7 +33,10 @@ def load_api_client(*, pool: int = 32) -> client.ApiClient:
     except kconfig.ConfigException:
         kconfig.load_kube_config(client_configuration=cfg)
     cfg.connection_pool_maxsize = pool
-    return client.ApiClient(cfg)
+    api = client.ApiClient(cfg)
+    # Our name in the API server's audit log and metrics (kopf's own requests say kopf/<version>).
+    api.user_agent = COMPONENT
+    return api
 
 
 _SUBRESOURCES = {"status", "scale", "binding", "eviction", "log"}

@@ -37,6 +37,7 @@ class MonitorReport:
     conditions: list[dict]     # Straggler / Stalled, metav1.Condition style, merge by type
     events: list[tuple[str, str, str]]   # (Normal|Warning, reason, message) new since the last report
     stalled: bool              # True -> restart the group when spec.failurePolicy.restartOnHang
+    unreachable: bool = False  # running pods, none answered: the caller may scrape this job less often
 
 
 @dataclass
@@ -183,7 +184,8 @@ class Monitor:
         # metrics cannot be read cost no status write per scrape and show no false "Progressing".
         conditions = self._conditions(job, st, now) if st.prev is not None or st.tracker.active else []
         return MonitorReport(progress=prog, conditions=conditions, events=events,
-                             stalled=health.STALLED in st.tracker.active)
+                             stalled=health.STALLED in st.tracker.active,
+                             unreachable=bool(targets) and not samples)
 
     def _conditions(self, job: dict, st: _JobState, now: float) -> list[dict]:
         """Straggler and Stalled, keeping lastTransitionTime when the status did not change."""

@@ -114,3 +114,12 @@ def test_informer_for_a_missing_resource_counts_as_synced():
         informer.stop()
     asyncio.run(main())
     assert len(store) == 0
+
+
+def test_store_drops_managed_fields_without_touching_the_original():
+    store = Store(index_label=labels.JOB_NAME)
+    original = pod("a", 1)
+    original["metadata"]["managedFields"] = [{"manager": "kubectl"}]
+    store.upsert(original)
+    assert "managedFields" not in store.get("ns", "a")["metadata"]
+    assert original["metadata"]["managedFields"] == [{"manager": "kubectl"}]

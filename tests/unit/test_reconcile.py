@@ -383,3 +383,38 @@ def test_peer_gate_from_the_cached_peering_object(peers, acts):
     run(main())
     assert [c for c in k8s.calls if c[0] == "get_peering"] == []
     assert k8s.calls and k8s.calls[0][0] == "patch_status"
+
+
+class SilentMonitor:
+    """Running pods whose metrics endpoints never answer (e.g. the user's own command serves none)."""
+
+    def __init__(self):
+        self.answer = False
+
+    async def observe(self, job, pods):
+        return Report(progress={"step": 1} if self.answer else None, conditions=[], events=[], stalled=False,
+                      unreachable=not self.answer)
+
+    def forget(self, uid):
+        pass
+
+
+def test_jobs_whose_metrics_do_not_answer_are_scraped_less_often():
+    k8s = FakeK8s()
+    mon = SilentMonitor()
+    rec = reconciler(k8s, monitor=mon)
+    key = (NS, "j")
+
+    async def main():
+        await start_running(k8s, rec)
+        periods = []
+        for _ in range(5):
+            await rec.reconcile(NS, "j", scrape=True)
+            periods.append(rec._scrape_every[key])
+        assert periods == [2, 4, 8, 8, 8]
+        mon.answer = True
+        await rec.reconcile(NS, "j", scrape=True)
+        assert rec._scrape_every[key] == 1
+        await rec.shutdown()
+    run(main())
+    assert k8s.jobs["j"]["status"]["progress"]["step"] == 1
