@@ -4,6 +4,10 @@ from __future__ import annotations
 JOB_NAME = "ddpjob.dev/job-name"
 NODE_RANK = "ddpjob.dev/node-rank"
 ATTEMPT = "ddpjob.dev/attempt"
+# Pod annotations: the restart counters before the pod's attempt, the operator's own record of
+# them (lifecycle.trusted_counters), out of reach of whoever may edit the DDPJob's status.
+RESTARTS = "ddpjob.dev/restarts"
+COUNTED_RESTARTS = "ddpjob.dev/counted-restarts"
 MANAGED_BY = "app.kubernetes.io/managed-by"
 MANAGER = "ddpjob-operator"
 CONTAINER = "trainer"

@@ -8,13 +8,15 @@ moment resumes the same plan: pods whose attempt label differs from status.attem
 from __future__ import annotations
 
 import datetime as dt
+import enum
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable, Iterable
 
-from . import podinfo
+from . import labels, podinfo
 from .config import OperatorConfig
 from .envvars import pod_hostname
 from .phases import Cond, Phase
+from .redact import redact
 from .spec import JobSpec
 
 
@@ -22,9 +24,88 @@ from .spec import JobSpec
 class Failure:
     """One reason to restart (or fail) the group."""
 
-    reason: str          # PodFailed | PodEvicted | PodDeleted | Stalled | BadConfiguration
+    reason: str          # PodFailed | PodEvicted | PodPreempted | NodeLost | PodDeleted | Stalled | BadConfiguration
     message: str
     counted: bool        # counts against failurePolicy.maxRestarts
+    fatal: bool = False  # fails the job at once (no restart helps)
+
+
+class Verdict(str, enum.Enum):
+    """What a pod's end means for the group."""
+
+    FAIL = "fail"                   # the job fails: no restart can help
+    RESTART = "restart"             # group restart, charged to failurePolicy.maxRestarts
+    RESTART_FREE = "restart-free"   # group restart, not the training's fault: free
+
+
+# DisruptionTarget condition reasons (Kubernetes sets them before it takes a pod away) -> our reason.
+DISRUPTION_REASONS = {
+    "DeletionByPodGC": "NodeLost",             # the pod's node object is gone
+    "DeletionByTaintManager": "NodeLost",      # NoExecute taint: node unreachable / not ready
+    "PreemptionByScheduler": "PodPreempted",
+    "EvictionByEvictionAPI": "PodEvicted",     # drain, descheduler, autoscaler scale-down
+    "TerminationByKubelet": "PodEvicted",      # node pressure, graceful node shutdown
+}
+# pod status.reason values the kubelet and node lifecycle write for the same cases.
+STATUS_REASONS = {"Evicted": "PodEvicted", "Preempting": "PodPreempted", "Preempted": "PodPreempted",
+                  "NodeLost": "NodeLost", "Shutdown": "PodEvicted", "NodeShutdown": "PodEvicted",
+                  "Terminated": "PodEvicted", "OutOfcpu": "PodEvicted", "OutOfmemory": "PodEvicted",
+                  "UnexpectedAdmissionError": "PodEvicted"}
+
+
+def disruption(pod: dict[str, Any]) -> tuple[str, str] | None:
+    """(our reason, what Kubernetes said) when the cluster, not the training, ended this pod."""
+    st = pod.get("status") or {}
+    for c in st.get("conditions") or []:
+        if c.get("type") == "DisruptionTarget" and c.get("status") == "True":
+            why = str(c.get("reason") or "")
+            return DISRUPTION_REASONS.get(why, "PodEvicted"), str(c.get("message") or why)
+    if st.get("reason") in STATUS_REASONS:
+        return STATUS_REASONS[st["reason"]], str(st.get("reason"))
+    return None
+
+
+def _exit_text(pod: dict[str, Any], *, with_log: bool) -> str:
+    """'exit code 1 (Error)': reason and exit code only; the container's own words (its termination
+    message: the launcher's reason, else the log's end) only when the job opted in, redacted."""
+    code = podinfo.exit_code(pod)
+    reasons = {str(t.get("reason")) for t in podinfo.terminated_states(pod)
+               if t.get("reason") and int(t.get("exitCode") or 0) != 0}
+    text = f"exit code {code}" + (f" ({', '.join(sorted(reasons))})" if reasons else "")
+    if with_log:
+        msg = redact(podinfo.failure_message(pod))
+        if msg:
+            text += f": {msg}"
+    return text
+
+
+# The rules, first match wins: (test on the pod's last known state, verdict, reason, message).
+# `gone` = the pod vanished (force-deleted: PodGC after its node was deleted, or a user).
+_Rule = tuple[Callable[[dict[str, Any], bool], bool], Verdict, Callable[[dict[str, Any], bool], str],
+              Callable[[dict[str, Any], str, bool], str]]
+RULES: list[_Rule] = [
+    (lambda p, gone: podinfo.bad_config(p), Verdict.FAIL, lambda p, gone: "BadConfiguration",
+     lambda p, n, log: f"pod {n} exited with code {podinfo.EXIT_BAD_CONFIG} (bad configuration)"
+                       + (f": {redact(podinfo.failure_message(p))}" if log and podinfo.failure_message(p)
+                          else f"; see `kubectl logs {n}`")),
+    (lambda p, gone: disruption(p) is not None, Verdict.RESTART_FREE,
+     lambda p, gone: disruption(p)[0],
+     lambda p, n, log: f"pod {n} was taken away by the cluster: {redact(disruption(p)[1])}"),
+    (lambda p, gone: podinfo.phase(p) == "Failed", Verdict.RESTART, lambda p, gone: "PodFailed",
+     lambda p, n, log: f"pod {n} failed with {_exit_text(p, with_log=log)}"),
+    (lambda p, gone: gone or podinfo.terminating(p), Verdict.RESTART, lambda p, gone: "PodDeleted",
+     lambda p, n, log: f"pod {n} is being deleted" if podinfo.terminating(p) else f"pod {n} disappeared"),
+]
+
+
+def verdict(pod: dict[str, Any], *, gone: bool = False, with_log: bool = False) -> Failure | None:
+    """What this pod's end means (None: it has not ended). The rule table above decides."""
+    name = podinfo.name(pod)
+    for test, v, reason, message in RULES:
+        if test(pod, gone):
+            return Failure(reason(pod, gone), message(pod, name, with_log),
+                           counted=v is Verdict.RESTART, fatal=v is Verdict.FAIL)
+    return None
 
 
 # Container waiting reasons that do not clear by themselves: the kubelet retries forever (Kubernetes
@@ -66,7 +147,7 @@ def start_errors(pods: list[dict[str, Any]]) -> list[StartError]:
                 if waiting.get("reason") in reasons:
                     out.append(StartError(pod=podinfo.name(pod), container=str(cs.get("name") or ""),
                                           reason=waiting["reason"],
-                                          message=" ".join(str(waiting.get("message") or "").split())[:300],
+                                          message=redact(" ".join(str(waiting.get("message") or "").split()))[:300],
                                           init=init))
     return out
 
@@ -118,52 +199,102 @@ def _finished_deletes(job: JobSpec, pods: list[dict]) -> list[str]:
             and not (keep_done and podinfo.phase(p) in ("Succeeded", "Failed"))]
 
 
-def _failures(job: JobSpec, current: dict[int, dict], launched: bool) -> list[Failure]:
+def _failures(job: JobSpec, current: dict[int, dict], launched: bool,
+              departed: dict[str, dict[str, Any]]) -> list[Failure]:
     out: list[Failure] = []
     for r, pod in sorted(current.items()):
-        pname = podinfo.name(pod)
-        if podinfo.bad_config(pod):
-            msg = podinfo.failure_message(pod) or "the trainer rejected its configuration"
-            out.append(Failure("BadConfiguration", f"pod {pname} exited with code 78 (bad configuration): {msg}",
-                               counted=True))
-        elif podinfo.phase(pod) == "Failed":
-            if podinfo.disrupted(pod):
-                why = (pod.get("status") or {}).get("message") or "evicted"
-                out.append(Failure("PodEvicted", f"pod {pname} was evicted: {why}", counted=False))
-            else:
-                code = podinfo.exit_code(pod)
-                msg = podinfo.failure_message(pod)
-                out.append(Failure("PodFailed", f"pod {pname} failed with exit code {code}"
-                                   + (f": {msg}" if msg else ""), counted=True))
-        elif podinfo.terminating(pod):
-            out.append(Failure("PodEvicted" if podinfo.disrupted(pod) else "PodDeleted",
-                               f"pod {pname} is being deleted", counted=not podinfo.disrupted(pod)))
+        f = verdict(pod, with_log=job.log_tail_in_status)
+        if f is not None:
+            out.append(f)
     if launched:
         for r in range(job.nodes):
             if r not in current:
-                out.append(Failure("PodDeleted", f"pod {pod_hostname(job, r)} disappeared", counted=True))
+                name = pod_hostname(job, r)
+                last = departed.get(name) or {"metadata": {"name": name}}
+                out.append(verdict(last, gone=True, with_log=job.log_tail_in_status))
     return out
 
 
+# Bounds the schema also enforces on status; a counter beyond them is an edit, never ours.
+MAX_ATTEMPT = 1_000_000
+
+
+def _count(value: Any, default: int = 0, *, low: int = 0) -> int:
+    try:
+        n = int(value)
+    except (TypeError, ValueError):
+        return default
+    return min(max(n, low), MAX_ATTEMPT)
+
+
+def _annotation(pod: dict[str, Any], key: str) -> int:
+    return _count(((pod.get("metadata") or {}).get("annotations") or {}).get(key), -1, low=-1)
+
+
+@dataclass(frozen=True)
+class Counters:
+    """The attempt and restart counters, from what the operator wrote into its pods as well as
+    from the status: anyone allowed to patch ddpjobs/status may edit the status, not our pods."""
+
+    attempt: int
+    restarts: int
+    counted_restarts: int
+
+
+def trusted_counters(prev: dict[str, Any], pods: list[dict[str, Any]]) -> Counters:
+    """Counters a status edit cannot lower (to grant restarts) or inflate (to wedge the job or
+    make every pod stale): the attempt is at most one past the newest pod's (a restart writes
+    attempt+1 before it deletes the old pods), and the restart counters never fall below what
+    the current attempt's pods carry."""
+    labelled = [a for a in (podinfo.attempt(p) for p in pods) if a >= 0]
+    claimed = _count(prev.get("attempt"))
+    attempt = max(labelled + [min(claimed, max(labelled) + 1) if labelled else claimed])
+    ours = [p for p in pods if podinfo.attempt(p) == attempt]
+    restarts = max([_count(prev.get("restarts"))] + [_annotation(p, labels.RESTARTS) for p in ours])
+    counted = max([_count(prev.get("countedRestarts"))] + [_annotation(p, labels.COUNTED_RESTARTS) for p in ours])
+    return Counters(attempt=attempt, restarts=max(restarts, counted), counted_restarts=counted)
+
+
+def finished_claim_holds(job: JobSpec, prev_phase: Phase | None, pods: list[dict[str, Any]], attempt: int) -> bool:
+    """A finished phase in the status is believed unless every rank of its attempt still has a
+    live pod: a status edited to Succeeded must not get a healthy group deleted. (Every way the
+    operator finishes a job leaves a rank ended, missing or never created, except a deadline,
+    which deciding again from the pods finds anyway.)"""
+    if prev_phase is None or not prev_phase.finished:
+        return False
+    active = {podinfo.rank(p) for p in pods if podinfo.attempt(p) == attempt and not podinfo.terminating(p)
+              and podinfo.phase(p) in ("Pending", "Running")}
+    return not all(r in active for r in range(job.nodes))
+
+
 def decide(job: JobSpec, pods: list[dict[str, Any]], *, now: dt.datetime, prev_status: dict[str, Any] | None,
-           config: OperatorConfig | None = None, stalled: bool = False) -> Decision:
-    """The next step for `job` given its pods (all attempts) and the previous status."""
+           config: OperatorConfig | None = None, stalled: bool = False,
+           departed: Iterable[dict[str, Any]] = ()) -> Decision:
+    """The next step for `job` given its pods (all attempts) and the previous status.
+
+    `departed`: the last state seen of the job's pods that vanished since (a pod force-deleted by
+    PodGC after its node went away is Failed with a DisruptionTarget condition just before), so
+    a lost node is told apart from a deleted pod."""
     config = config or OperatorConfig()
     prev = prev_status or {}
     prev_phase = Phase.parse(prev.get("phase"))
-    attempt = max([int(prev.get("attempt") or 0)] + [podinfo.attempt(p) for p in pods])
+    counters = trusted_counters(prev, pods)
+    attempt = counters.attempt
     d = Decision(
         phase=prev_phase or Phase.PENDING, reason=str(prev.get("reason") or ""),
         message=str(prev.get("message") or ""), attempt=attempt,
-        launched_attempt=int(prev.get("launchedAttempt", -1) if prev.get("launchedAttempt") is not None else -1),
-        restarts=int(prev.get("restarts") or 0), counted_restarts=int(prev.get("countedRestarts") or 0),
+        launched_attempt=min(_count(prev.get("launchedAttempt"), -1, low=-1), attempt),
+        restarts=counters.restarts, counted_restarts=counters.counted_restarts,
         start_time=_iso(prev.get("startTime")), completion_time=_iso(prev.get("completionTime")),
     )
     live = [p for p in pods if not podinfo.terminating(p)]
 
     # Finished jobs stay finished: only cleanPodPolicy and the TTL act on them.
-    if prev_phase is not None and prev_phase.finished:
+    if finished_claim_holds(job, prev_phase, pods, attempt):
         return _finish(job, d, pods, now)
+    if prev_phase is not None and prev_phase.finished:
+        # Claimed finished while its pods still run: decide from the pods instead.
+        prev_phase, d.phase, d.completion_time = Phase.RUNNING, Phase.RUNNING, None
 
     if job.suspend:
         d.phase, d.reason, d.message = Phase.SUSPENDED, "Suspended", "spec.suspend is true: pods deleted"
@@ -190,12 +321,14 @@ def decide(job: JobSpec, pods: list[dict[str, Any]], *, now: dt.datetime, prev_s
         if podinfo.attempt(p) == d.attempt and 0 <= podinfo.rank(p) < job.nodes:
             current.setdefault(podinfo.rank(p), p)
     stale = [p for p in live if podinfo.name(p) not in {podinfo.name(c) for c in current.values()}]
-    failures = _failures(job, current, launched=d.launched_attempt == d.attempt)
+    gone = {podinfo.name(p): p for p in departed
+            if podinfo.attempt(p) == d.attempt and podinfo.name(p) not in {podinfo.name(q) for q in pods}}
+    failures = _failures(job, current, launched=d.launched_attempt == d.attempt, departed=gone)
     if stalled and job.restart_on_hang and prev_phase is Phase.RUNNING:
         failures.append(Failure("Stalled", "training stalled (no step progress); failurePolicy.restartOnHang",
                                 counted=True))
 
-    fatal = next((f for f in failures if f.reason == "BadConfiguration"), None)
+    fatal = next((f for f in failures if f.fatal), None)
     if fatal:
         d.phase, d.reason, d.message = Phase.FAILED, fatal.reason, fatal.message
         return _finish(job, d, pods, now)

@@ -81,8 +81,21 @@ def container_resources(job: JobSpec) -> dict[str, Any]:
     return res
 
 
-def render_pod(job: JobSpec, rank: int, *, attempt: int = 0,
-               config: OperatorConfig | None = None) -> dict[str, Any]:
+def restart_counters(job: JobSpec, restarts: int | None, counted_restarts: int | None) -> tuple[int, int]:
+    """(restarts, counted restarts) before this attempt: given, else the job's status as last
+    written (the restart's own write precedes its pods' creation)."""
+    status = job.raw.get("status") or {}
+
+    def count(given: int | None, key: str) -> int:
+        try:
+            return max(0, int(status.get(key) or 0) if given is None else int(given))
+        except (TypeError, ValueError):
+            return 0
+    return count(restarts, "restarts"), count(counted_restarts, "countedRestarts")
+
+
+def render_pod(job: JobSpec, rank: int, *, attempt: int = 0, config: OperatorConfig | None = None,
+               restarts: int | None = None, counted_restarts: int | None = None) -> dict[str, Any]:
     """Pod `<job>-<rank>` for one attempt of the group."""
     config = config or OperatorConfig()
     spec = job.spec
@@ -136,9 +149,9 @@ def render_pod(job: JobSpec, rank: int, *, attempt: int = 0,
     extra = {**labels.user_keys(spec.get("podLabels")),
              labels.NODE_RANK: str(rank), labels.ATTEMPT: str(attempt)}
     meta = child_metadata(job, pod_hostname(job, rank), extra)
-    annotations = labels.user_keys(spec.get("podAnnotations"))
-    if annotations:
-        meta["annotations"] = annotations
+    total, counted = restart_counters(job, restarts, counted_restarts)
+    meta["annotations"] = {**labels.user_keys(spec.get("podAnnotations")),
+                           labels.RESTARTS: str(total), labels.COUNTED_RESTARTS: str(counted)}
     return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": pod_spec}
 
 

@@ -70,6 +70,13 @@ class JobSpec:
         return bool((self.spec.get("failurePolicy") or {}).get("restartOnHang", False))
 
     @property
+    def log_tail_in_status(self) -> bool:
+        """Copy failed containers' own words (termination message / log end, redacted) into
+        status and events; off: reason and exit code only (readers of a DDPJob may not be
+        readers of its pods' logs)."""
+        return bool((self.spec.get("failurePolicy") or {}).get("logTailInStatus", False))
+
+    @property
     def pod_start_timeout(self) -> int | None:
         """Seconds a container may stay in a start error before the job fails (None = keep waiting)."""
         val = (self.spec.get("failurePolicy") or {}).get("podStartTimeoutSeconds")

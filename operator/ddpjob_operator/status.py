@@ -12,6 +12,7 @@ from .envvars import master_dns
 from .lifecycle import Decision, condition, decide
 from .phases import Cond, Phase
 from .pods import explain_pod_error
+from .redact import redact
 from .result import run_result
 from .spec import JobSpec
 
@@ -76,10 +77,11 @@ MAX_FAILURES = 10          # status.failures entries kept (newest last)
 MAX_LOG_TAIL = 1500        # characters of each failed container's termination message / log tail
 
 
-def failure_evidence(pods: list[dict[str, Any]], attempt: int) -> list[dict[str, Any]]:
+def failure_evidence(pods: list[dict[str, Any]], attempt: int, *, with_log: bool = False) -> list[dict[str, Any]]:
     """What a group restart deletes, kept in status.failures: each failed (or killed) container
-    of `attempt` with its exit code, signal, node, finish time and log tail (the kubelet writes the
-    launcher's message, else the log's end, as terminationMessagePolicy FallbackToLogsOnError)."""
+    of `attempt` with its exit code, signal, node and finish time, and with `with_log`
+    (spec.failurePolicy.logTailInStatus) its log tail, redacted (the kubelet writes the launcher's
+    message, else the log's end, as terminationMessagePolicy FallbackToLogsOnError)."""
     out: list[dict[str, Any]] = []
     for pod in sorted(pods, key=podinfo.rank):
         if podinfo.attempt(pod) != attempt:
@@ -97,7 +99,7 @@ def failure_evidence(pods: list[dict[str, Any]], attempt: int) -> list[dict[str,
                                ("finishedAt", term.get("finishedAt"))):
                 if value:
                     entry[key] = value
-            tail = str(term.get("message") or "").strip()
+            tail = redact(str(term.get("message") or "").strip()) if with_log else ""
             if tail:
                 entry["logTail"] = tail[-MAX_LOG_TAIL:]
             out.append(entry)
@@ -208,7 +210,7 @@ def job_status(job: JobSpec, pods: list[dict[str, Any]], *, now: dt.datetime,
     failures = list(prev.get("failures") or [])
     ended = d.attempt - 1 if d.restarted is not None else (d.attempt if d.phase is Phase.FAILED else None)
     if ended is not None and not any(f.get("attempt") == ended for f in failures):
-        failures = (failures + failure_evidence(pods, ended))[-MAX_FAILURES:]
+        failures = (failures + failure_evidence(pods, ended, with_log=job.log_tail_in_status))[-MAX_FAILURES:]
     if failures:
         status["failures"] = failures
     result = prev.get("result") or run_result(pods, attempt=d.attempt)

@@ -14,6 +14,7 @@ from typing import Any
 import jsonschema
 
 from . import crd as crd_mod
+from . import labels
 from .spec import API_VERSION, KIND
 
 MAX_NAME = 58            # `<name>-<rank>` <= 63 characters for ranks up to 9999
@@ -155,6 +156,9 @@ def _cel(obj: dict[str, Any]) -> list[str]:
     for key, low in (("hangTimeoutSeconds", 1), ("ttlSecondsAfterFinished", 0), ("activeDeadlineSeconds", 1)):
         if is_int(spec.get(key)) and spec[key] < low:
             errs.append(f"spec.{key} must be >= {low}")
+    for key, what in (("podLabels", "labels"), ("podAnnotations", "annotations")):
+        if isinstance(spec.get(key), dict) and any(labels.reserved(str(k)) for k in spec[key]):
+            errs.append(f"spec.{key} must not use ddpjob.dev/ keys (the operator's own {what})")
     return errs
 
 

@@ -44,7 +44,7 @@ def test_defaults_applied_by_the_api_server(crd, namespace):
     spec = json.loads(crd.kubectl("get", "ddpj", "defaults", "-n", namespace, "-o", "json").stdout)["spec"]
     assert spec["nprocPerNode"] == "auto" and spec["gpusPerNode"] == 0
     assert spec["masterPort"] == 29500 and spec["metricsPort"] == 9400
-    assert spec["failurePolicy"] == {"maxRestarts": 3, "restartOnHang": False}
+    assert spec["failurePolicy"] == {"maxRestarts": 3, "restartOnHang": False, "logTailInStatus": False}
     assert spec["cleanPodPolicy"] == "Running" and spec["launcher"] is True and spec["suspend"] is False
 
 
@@ -60,6 +60,10 @@ def test_defaults_applied_by_the_api_server(crd, namespace):
     ("job", {"shmSize": "lots"}, "spec.shmSize"),
     ("job", {"cleanPodPolicy": "Sometimes"}, "spec.cleanPodPolicy"),
     ("job", {"failurePolicy": {"maxRestarts": -1}}, "spec.failurePolicy.maxRestarts"),
+    ("job", {"podLabels": {"ddpjob.dev/job-name": "other"}}, "spec.podLabels must not use ddpjob.dev/ keys"),
+    ("job", {"podLabels": {"x.ddpjob.dev/attempt": "9"}}, "spec.podLabels must not use ddpjob.dev/ keys"),
+    ("job", {"podAnnotations": {"ddpjob.dev/counted-restarts": "0"}},
+     "spec.podAnnotations must not use ddpjob.dev/ keys"),
     ("job", {"activeDeadlineSeconds": 0}, "spec.activeDeadlineSeconds"),
     ("job", {"trainer": {"model": "vgg19"}}, "spec.trainer.model"),
     ("job", {"trainer": {"batch_size": 8}}, "spec.trainer.batch_size"),   # unknown key: strict decoding
@@ -111,6 +115,21 @@ def test_status_fields_are_not_pruned(crd, namespace, api):
                    .get("status"), timeout=10, desc="status written")
     for key, value in status.items():
         assert got[key] == value, key
+
+
+@pytest.mark.parametrize("edit,field", [
+    ({"countedRestarts": -100}, "status.countedRestarts"),
+    ({"restarts": -1}, "status.restarts"),
+    ({"attempt": 2 ** 63 - 1}, "status.attempt"),
+    ({"attempt": -1}, "status.attempt"),
+    ({"launchedAttempt": 1000001}, "status.launchedAttempt"),
+])
+def test_status_counters_are_bounded_by_the_schema(crd, namespace, api, edit, field):
+    """A status edit (anyone with ddpjobs/status patch) cannot wedge the job with absurd counters."""
+    apply(crd, namespace, manifest("bounded"))
+    proc = crd.kubectl("patch", "ddpj", "bounded", "-n", namespace, "--subresource", "status", "--type", "merge",
+                       "-p", json.dumps({"status": edit}), check=False)
+    assert proc.returncode != 0 and field in proc.stderr, proc.stderr
 
 
 # -- pod-level fields: Kubernetes' own core/v1 schemas in the CRD (hack/gen-crd-schemas.py) ----------

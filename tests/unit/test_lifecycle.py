@@ -111,9 +111,12 @@ def test_evictions_do_not_use_the_budget():
 
 
 def test_bad_configuration_fails_at_once():
-    d = decide(make_job(2), [make_pod(0, phase="Failed", code=78, message="bad lr"), make_pod(1)],
-               now=NOW, prev_status=running_status())
+    pods = [make_pod(0, phase="Failed", code=78, message="bad lr"), make_pod(1)]
+    d = decide(make_job(2), pods, now=NOW, prev_status=running_status())
     assert d.phase is Phase.FAILED and d.reason == "BadConfiguration" and d.restarts == 0
+    # The trainer's words only where the job opted in (spec.failurePolicy.logTailInStatus).
+    assert "bad lr" not in d.message and "kubectl logs j-0" in d.message
+    d = decide(make_job(2, failurePolicy={"logTailInStatus": True}), pods, now=NOW, prev_status=running_status())
     assert "bad lr" in d.message
 
 

@@ -95,8 +95,8 @@ def test_reserved_label_keys_never_reach_the_pod(key):
     meta = pod["metadata"]
     assert meta["labels"][labels.JOB_NAME] == "train"
     assert meta["labels"][labels.NODE_RANK] == "1" and meta["labels"][labels.ATTEMPT] == "0"
-    assert meta["labels"]["team"] == "ml" and meta["annotations"] == {"note": "y"}
-    assert key not in meta["annotations"]
+    assert meta["labels"]["team"] == "ml"
+    assert meta["annotations"] == {"note": "y", labels.RESTARTS: "0", labels.COUNTED_RESTARTS: "0"}
     if key.startswith("x."):
         assert key not in meta["labels"]
 

@@ -184,7 +184,8 @@ def killed(rank, code, *, attempt=0, message="", signal=None):
 def test_a_group_restart_keeps_each_failed_rank_in_status():
     tail = "Traceback ...\nRuntimeError: NCCL error: unhandled system error"
     pods = [killed(0, 137), make_pod(1), killed(2, 1, message=tail)]
-    status, _ = job_status(make_job(3), pods, now=NOW, prev_status=running_status())
+    status, _ = job_status(make_job(3, failurePolicy={"logTailInStatus": True}), pods, now=NOW,
+                           prev_status=running_status())
     assert status["phase"] == "Restarting" and status["attempt"] == 1
     assert status["failures"] == [
         {"attempt": 0, "pod": "j-0", "rank": 0, "container": "trainer", "exitCode": 137, "signal": 9,
@@ -195,6 +196,21 @@ def test_a_group_restart_keeps_each_failed_rank_in_status():
     # The next passes (old pods terminating, new ones created) keep it and do not repeat it.
     nxt, _ = job_status(make_job(3), [make_pod(0, attempt=1)], now=NOW, prev_status=status)
     assert nxt["failures"] == status["failures"]
+
+
+def test_log_tails_stay_out_of_status_unless_the_job_opts_in():
+    tail = "connecting to https://alice:hunter2@mlflow.example/api\nRuntimeError: boom"
+    pods = [killed(0, 1, message=tail), make_pod(1)]
+    status, events = job_status(make_job(2), pods, now=NOW, prev_status=running_status())
+    assert "logTail" not in status["failures"][0] and "boom" not in status["message"]
+    assert status["message"] == "pod j-0 failed with exit code 1 (Error)"
+    assert not any("boom" in m for _, _, m in events)
+    opted, events = job_status(make_job(2, failurePolicy={"logTailInStatus": True}), pods, now=NOW,
+                               prev_status=running_status())
+    assert opted["failures"][0]["logTail"].endswith("RuntimeError: boom")
+    assert "hunter2" not in opted["failures"][0]["logTail"] and "https://***@mlflow.example" in \
+        opted["failures"][0]["logTail"]
+    assert opted["message"] == "pod j-0 failed with exit code 1 (Error): RuntimeError: boom"
 
 
 def test_the_final_failure_is_kept_too_and_the_list_is_bounded():
