@@ -152,8 +152,9 @@ import_images() {  # import_images IMAGE...
         mv "$archive.tmp" "$archive"
       fi
       log "$img: importing into $node"
-      ctr -a "$sock" -n k8s.io images import --no-unpack=false "$archive" >"$LOGS/ctr-import.log" 2>&1 \
+      python3 "$HERE/ctr-import-thin.py" --address "$sock" --name "$img" "$archive" >"$LOGS/ctr-import.log" 2>&1 \
         || die "importing $img into $node failed (see $LOGS/ctr-import.log): $(tail -3 "$LOGS/ctr-import.log")"
+      log "  $(tail -1 "$LOGS/ctr-import.log")"
       echo "$id" >"$mark"
     done
   done

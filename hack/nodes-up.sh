@@ -51,9 +51,18 @@ wait_for() {  # wait_for NAME WHAT CMD...
 command -v runc >/dev/null || fail nodes "runc is not installed"
 # One set of real nodes per machine: their containerd roots (which keep the imported images
 # between cluster-up runs) are machine-wide.
+owner_running() {  # owner_running STATE_DIR: a containerd recorded there is alive and is ours
+  local f pid
+  for f in "$1"/pids/containerd-*.pid; do
+    [ -f "$f" ] || continue
+    pid="$(cat "$f")"
+    tr '\0' ' ' 2>/dev/null <"/proc/$pid/cmdline" | grep -q containerd && return 0
+  done
+  return 1
+}
 for i in $(seq 0 $((COUNT - 1))); do
   other="$(cat "$CONTAINERD_CACHE/node-$i.owner" 2>/dev/null || true)"
-  if [ -n "$other" ] && [ "$other" != "$STATE" ] && [ -d "$other/pids" ] && ls "$other"/pids/containerd-*.pid >/dev/null 2>&1; then
+  if [ -n "$other" ] && [ "$other" != "$STATE" ] && owner_running "$other"; then
     fail nodes "real nodes of another cluster ($other) are running on this machine; stop them with its cluster-down first"
   fi
 done
