@@ -117,6 +117,11 @@ build_target() {
     --build-arg PYTHON_IMAGE="$PYTHON_BASE" --build-arg TORCH_IMAGE="${TORCH_BASE:-}" \
     "${build_volumes[@]}" -t "$image" -t "${image%:*}:in-$hash" -f Dockerfile . ) >"$LOGS/$target.log" 2>&1 \
     || die "$image failed (see $LOGS/$target.log): $(tail -5 "$LOGS/$target.log")"
+  # Earlier builds of this image are never used again: each trainer build is a few hundred MB
+  # over the torch base, and this machine's disk is shared with everything else.
+  buildah images --format '{{.Name}}:{{.Tag}}' 2>/dev/null | grep -F "${image%:*}:in-" \
+    | grep -vF ":in-$hash" | xargs -r buildah rmi >/dev/null 2>&1 || true
+  buildah rmi --prune >/dev/null 2>&1 || true
 }
 
 build_all() {

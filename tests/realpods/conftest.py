@@ -34,6 +34,10 @@ def pytest_collection_modifyitems(items):
     for item in items:
         if "tests/realpods/" in str(item.fspath).replace("\\", "/"):
             item.add_marker(pytest.mark.realpods)
+            # A first test may pay for the image build (make test builds them before pytest, a
+            # direct pytest run does it here) and a full training run on a loaded 2-core machine.
+            if not item.get_closest_marker("timeout"):
+                item.add_marker(pytest.mark.timeout(2400))
 
 
 def real_nodes(cluster: Cluster) -> list[str]:
