@@ -66,6 +66,7 @@ manifests: install ## regenerate manifests/ from the Helm chart (a test fails wh
 bench: install cluster-up ## benchmarks (ratios, JSON under bench/results/)
 	$(PY) bench/trainer_overhead.py
 	$(PY) bench/metrics_overhead.py
+	$(PY) bench/checkpoint.py
 	$(PY) bench/operator_scale.py
 
 clean: cluster-down ## remove the venv and local caches of this clone

@@ -161,8 +161,21 @@ import_images() {  # import_images IMAGE...
         || die "importing $img into $node failed (see $LOGS/ctr-import.log): $(tail -3 "$LOGS/ctr-import.log")"
       log "  $(tail -1 "$LOGS/ctr-import.log")"
       echo "$id" >"$mark"
+      prune_node_images "$sock"
     done
   done
+}
+
+# prune_node_images SOCK: the CRI plugin keeps an image-id reference ("sha256:<config>") for every
+# image it has seen, which would hold each replaced build (GBs) forever; drop those that no named
+# image points at any more, and let containerd's GC take their layers.
+prune_node_images() {
+  local sock="$1" named ref digest
+  named="$(ctr -a "$sock" -n k8s.io images ls 2>/dev/null | awk 'NR > 1 && $1 !~ /^sha256:/ {print $3}')"
+  ctr -a "$sock" -n k8s.io images ls 2>/dev/null | awk 'NR > 1 && $1 ~ /^sha256:/ {print $1, $3}' \
+    | while read -r ref digest; do
+        grep -qxF "$digest" <<<"$named" || ctr -a "$sock" -n k8s.io images rm "$ref" >/dev/null 2>&1 || true
+      done
 }
 
 case "${1:-all}" in
