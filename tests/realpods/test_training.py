@@ -43,6 +43,10 @@ def test_digits_example_trains_across_two_real_nodes(real_cluster, namespaces, t
     assert result.get("evalAccuracy", 0) >= 0.95, st
     assert result.get("evalSamples") == result.get("evalDatasetSize") == DIGITS_VAL_SAMPLES, st
     assert st["masterAddr"] == f"digits-0.digits.{ns}.svc", st
+    # What a user sees first: `kubectl get ddpj digits` shows the outcome and its accuracy.
+    head, row = real_cluster.kubectl("get", "ddpj", "digits", "-n", ns).stdout.splitlines()[:2]
+    cols = dict(zip(head.split(), row.split()))
+    assert cols["PHASE"] == "Succeeded" and float(cols["ACCURACY"]) >= 0.95, (head, row)
 
     # The operator scraped the real pods while they trained (no URL template in this tier).
     assert (st.get("progress") or {}).get("ranksReporting") == 2, st
