@@ -9,6 +9,7 @@ import json
 import re
 from typing import Any
 
+from . import labels
 from .spec import JobSpec
 
 # spec.nccl keys -> NCCL_* variables; anything else in spec.nccl is upper-snake-cased.
@@ -101,6 +102,11 @@ def pod_env(
         env["DDPJOB_TRAINER_CONFIG"] = json.dumps(job.trainer, sort_keys=True)
     env.update(nccl_env(job.nccl))
     ours = [{"name": k, "value": v} for k, v in env.items()]
+    if ((job.spec.get("resources") or {}).get("requests") or {}).get("cpu"):
+        # The trainer sizes numWorkers: auto from the CPUs the pod asked for, not the node's cores
+        # (which os.cpu_count() reports inside a container). Rounded up to whole CPUs.
+        ours.append({"name": "DDPJOB_CPUS", "valueFrom": {"resourceFieldRef": {
+            "containerName": labels.CONTAINER, "resource": "requests.cpu", "divisor": "1"}}})
     user_names = {e.get("name") for e in job.env}
     return [e for e in ours if e["name"] not in user_names] + [dict(e) for e in job.env]
 

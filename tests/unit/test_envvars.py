@@ -78,3 +78,17 @@ def test_nccl_knobs_become_nccl_env(nccl, expected):
 
 def test_command_jobs_get_no_trainer_config():
     assert "DDPJOB_TRAINER_CONFIG" not in env_dict(pod_env(job(command=["torchrun", "t.py"]), 0))
+
+
+@pytest.mark.parametrize("resources, present", [
+    ({"requests": {"cpu": "6"}}, True),
+    ({"limits": {"cpu": "6"}}, False),   # a limit alone: the trainer falls back to its affinity mask
+    ({}, False),
+])
+def test_the_pods_cpu_request_reaches_the_trainer_through_the_downward_api(resources, present):
+    env = {e["name"]: e for e in pod_env(job(resources=resources), 0)}
+    assert ("DDPJOB_CPUS" in env) is present
+    if present:
+        ref = env["DDPJOB_CPUS"]["valueFrom"]["resourceFieldRef"]
+        assert ref == {"containerName": "trainer", "resource": "requests.cpu", "divisor": "1"}
+        assert "DDPJOB_CPUS" not in env_dict(list(env.values()))  # local runs: not a plain value
