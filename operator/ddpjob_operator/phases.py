@@ -40,3 +40,4 @@ class Cond(str, enum.Enum):
     UNSCHEDULABLE = "Unschedulable"
     CONTAINERS_NOT_STARTING = "ContainersNotStarting"
     FAILED_CREATE_POD = "FailedCreatePod"
+    NODE_NOT_READY = "NodeNotReady"

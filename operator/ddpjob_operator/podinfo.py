@@ -106,3 +106,13 @@ def unschedulable_since(pod: dict[str, Any]) -> tuple[dt.datetime | None, str] |
         if c.get("type") == "PodScheduled" and c.get("status") == "False" and c.get("reason") == "Unschedulable":
             return parse_time(c.get("lastTransitionTime")), str(c.get("message") or "")
     return None
+
+
+def node_not_ready(pod: dict[str, Any]) -> bool:
+    """A running pod whose node stopped reporting: the node lifecycle controller marks the pod not
+    Ready while its containers, as last reported by the kubelet, are still ready. The operator
+    reads no Node objects (least privilege); this is how a lost or stalled kubelet shows on a pod."""
+    if phase(pod) != "Running" or (pod.get("metadata") or {}).get("deletionTimestamp"):
+        return False
+    conds = {c.get("type"): c.get("status") for c in (pod.get("status") or {}).get("conditions") or []}
+    return conds.get("Ready") == "False" and conds.get("ContainersReady") == "True"

@@ -139,6 +139,20 @@ def job_status(job: JobSpec, pods: list[dict[str, Any]], *, now: dt.datetime,
             events.append(("Warning", first.reason, text))
     else:
         _clear(conds, Cond.CONTAINERS_NOT_STARTING, "Started", "", now, gen)
+    stranded = [p for p in pods if podinfo.attempt(p) == d.attempt and podinfo.node_not_ready(p)]
+    was_stranded = condition({"conditions": conds}, Cond.NODE_NOT_READY)
+    if stranded and not d.phase.finished:
+        text = "; ".join(f"pod {podinfo.name(p)} on node {(p.get('spec') or {}).get('nodeName', '?')}"
+                         for p in stranded[:5])
+        text += (": the node stopped reporting (NotReady). Training may go on; if Kubernetes evicts "
+                 "the pod (after its node.kubernetes.io/unreachable toleration, 300 s by default) the "
+                 "group restarts without using the restart budget")
+        set_condition(conds, type=Cond.NODE_NOT_READY, status=True, reason="NodeNotReady", message=text,
+                      now=now, generation=gen)
+        if not was_stranded or was_stranded.get("status") != "True":
+            events.append(("Warning", "NodeNotReady", text))
+    else:
+        _clear(conds, Cond.NODE_NOT_READY, "NodesReady", "every pod's node is reporting", now, gen)
     if d.phase is Phase.RUNNING:
         set_condition(conds, type=Cond.RUNNING, status=True, reason="Running", message=d.message,
                       now=now, generation=gen)

@@ -186,3 +186,38 @@ def test_operator_settings_bound_watches_and_peering():
     assert s.peering.standalone is True
     s = operator_settings(OperatorConfig(peering="ddpjob", priority=7))
     assert (s.peering.standalone, s.peering.name, s.peering.priority) == (False, "ddpjob", 7)
+
+
+def _node_lost(pod, node="node-b"):
+    """What the node lifecycle controller leaves on a running pod whose kubelet stopped reporting."""
+    pod["spec"] = {"nodeName": node}
+    pod["status"]["conditions"] += [{"type": "Ready", "status": "False"},
+                                    {"type": "ContainersReady", "status": "True"}]
+    return pod
+
+
+@pytest.mark.parametrize("ready, containers, shown", [
+    ("False", "True", True),      # node NotReady: the pod was marked unready over the kubelet's head
+    ("False", "False", False),    # the container itself is not ready (a probe): not a node problem
+    ("True", "True", False),
+])
+def test_a_pod_whose_node_stopped_reporting_is_named_in_a_condition(ready, containers, shown):
+    p1 = make_pod(1)
+    p1["spec"] = {"nodeName": "node-b"}
+    p1["status"]["conditions"] += [{"type": "Ready", "status": ready},
+                                   {"type": "ContainersReady", "status": containers}]
+    status, events = job_status(make_job(2), [make_pod(0), p1], now=NOW, prev_status=running_status())
+    c = cond(status, "NodeNotReady")
+    assert (c is not None and c["status"] == "True") is shown
+    if shown:
+        assert "pod j-1 on node node-b" in c["message"] and status["phase"] == "Running"
+        assert [e for e in events if e[1] == "NodeNotReady"]
+
+
+def test_node_not_ready_clears_when_the_node_reports_again_and_warns_once():
+    pods = [make_pod(0), _node_lost(make_pod(1))]
+    first, ev1 = job_status(make_job(2), pods, now=NOW, prev_status=running_status())
+    again, ev2 = job_status(make_job(2), pods, now=NOW, prev_status=first)
+    assert [e[1] for e in ev1].count("NodeNotReady") == 1 and not [e for e in ev2 if e[1] == "NodeNotReady"]
+    back, _ = job_status(make_job(2), [make_pod(0), make_pod(1)], now=NOW, prev_status=again)
+    assert cond(back, "NodeNotReady")["status"] == "False" and cond(back, "NodeNotReady")["reason"] == "NodesReady"
