@@ -229,8 +229,8 @@ class Informer:
                 if exc.status in (403, 404):
                     # Not installed (e.g. no peering CRD) or not allowed: nothing to keep. Count
                     # as synced so that passes are not held back forever, and ask again rarely.
-                    log.warning("cannot watch %s (%s %s); retrying in 5 min", self.what, exc.status,
-                                exc.reason)
+                    (log.warning if self._first else log.debug)(
+                        "cannot watch %s (%s %s); asking again every 5 min", self.what, exc.status, exc.reason)
                     if self._first:
                         self._post(self._listed, [])
                     self._stop.wait(300)

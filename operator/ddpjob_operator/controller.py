@@ -84,7 +84,7 @@ class Reconciler:
 
     def __init__(self, config: OperatorConfig, k8s: K8s, metrics: OperatorMetrics, *,
                  monitor: Any = "auto", jobs: Store | None = None, pods: Store | None = None,
-                 gate: PeerGate | None = None, coalesce: float = 1.0):
+                 gate: PeerGate | None = None, coalesce: float = 5.0):
         self.config = config
         self.k8s = k8s
         self.metrics = metrics
