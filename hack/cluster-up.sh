@@ -160,28 +160,9 @@ sign scheduler "/CN=system:kube-scheduler" "$client_ext"
 ossl genpkey -algorithm RSA -pkeyopt rsa_keygen_bits:2048 -out "$PKI/sa.key"
 ossl pkey -in "$PKI/sa.key" -pubout -out "$PKI/sa.pub"
 
-# write_kubeconfig FILE USER (client cert/key $PKI/USER.{crt,key}); certificates embedded.
-write_kubeconfig() {
-  cat >"$1" <<EOF
-apiVersion: v1
-kind: Config
-clusters:
-- name: ddpjob-local
-  cluster:
-    server: https://127.0.0.1:$P_API
-    certificate-authority-data: $(base64 -w0 "$PKI/ca.crt")
-users:
-- name: $2
-  user:
-    client-certificate-data: $(base64 -w0 "$PKI/$2.crt")
-    client-key-data: $(base64 -w0 "$PKI/$2.key")
-contexts:
-- name: ddpjob-local
-  context: {cluster: ddpjob-local, user: $2}
-current-context: ddpjob-local
-EOF
-  chmod 600 "$1"
-}
+APISERVER_PORT=$P_API
+# shellcheck source=nodes-lib.sh
+source "$HERE/nodes-lib.sh"   # write_kubeconfig FILE USER
 write_kubeconfig "$KUBECONFIG_FILE.tmp" admin
 write_kubeconfig "$STATE/controller-manager.kubeconfig" controller-manager
 write_kubeconfig "$STATE/scheduler.kubeconfig" scheduler

@@ -20,21 +20,6 @@ have ip || need+=(iproute2)
 have gcc || need+=(gcc libc6-dev)
 [ "${#need[@]}" = 0 ] && exit 0
 
-SUDO=""
-if [ "$(id -u)" != 0 ]; then
-  command -v sudo >/dev/null || { echo "ensure-node-packages: need root (or sudo) to apt-get install ${need[*]}" >&2; exit 1; }
-  SUDO="sudo"
-fi
-POLICY=/usr/sbin/policy-rc.d
-created_policy=0
-if [ ! -e "$POLICY" ]; then
-  printf '#!/bin/sh\nexit 101\n' | $SUDO tee "$POLICY" >/dev/null
-  $SUDO chmod +x "$POLICY"
-  created_policy=1
-fi
-cleanup() { if [ "$created_policy" = 1 ]; then $SUDO rm -f "$POLICY"; fi; }
-trap cleanup EXIT
-echo "ensure-node-packages: apt-get install ${need[*]}" >&2
-export DEBIAN_FRONTEND=noninteractive
-$SUDO apt-get update -qq >&2
-$SUDO apt-get install -y -qq --no-install-recommends "${need[@]}" >&2
+# shellcheck source=apt-lib.sh
+source "$(dirname "${BASH_SOURCE[0]}")/apt-lib.sh"
+apt_install ensure-node-packages "${need[@]}"

@@ -34,9 +34,10 @@ sign_node_cert() {
     -days 3650 -sha256 -extfile "$PKI/$n.ext" -out "$PKI/$n.crt" >>"$LOGS/openssl.log" 2>&1
 }
 
-# write_node_kubeconfig NODE FILE
-write_node_kubeconfig() {
-  cat >"$2" <<KC
+# write_kubeconfig FILE USER: client cert/key $PKI/USER.{crt,key} and the CA embedded; the server
+# is the API server's loopback port ($APISERVER_PORT).
+write_kubeconfig() {
+  cat >"$1" <<KC
 apiVersion: v1
 kind: Config
 clusters:
@@ -45,14 +46,14 @@ clusters:
     server: https://127.0.0.1:$APISERVER_PORT
     certificate-authority-data: $(base64 -w0 "$PKI/ca.crt")
 users:
-- name: $1
+- name: $2
   user:
-    client-certificate-data: $(base64 -w0 "$PKI/$1.crt")
-    client-key-data: $(base64 -w0 "$PKI/$1.key")
+    client-certificate-data: $(base64 -w0 "$PKI/$2.crt")
+    client-key-data: $(base64 -w0 "$PKI/$2.key")
 contexts:
 - name: ddpjob-local
-  context: {cluster: ddpjob-local, user: $1}
+  context: {cluster: ddpjob-local, user: $2}
 current-context: ddpjob-local
 KC
-  chmod 600 "$2"
+  chmod 600 "$1"
 }

@@ -186,7 +186,7 @@ ss=[socket.socket() for _ in range(2)]
 [s.bind(("127.0.0.1",0)) for s in ss]
 print(*[s.getsockname()[1] for s in ss])')
   sign_node_cert "$node"
-  write_node_kubeconfig "$node" "$var/kubeconfig"
+  write_kubeconfig "$var/kubeconfig" "$node"
   printf 'search cluster.local\noptions ndots:5\n' >"$var/resolv.conf"
   cat >"$var/kubelet.yaml" <<YAML
 apiVersion: kubelet.config.k8s.io/v1beta1
