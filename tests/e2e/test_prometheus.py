@@ -58,7 +58,8 @@ def ensure_prometheus() -> tuple[str, str]:
 class Prometheus:
     """A throw-away Prometheus on a free loopback port with a temp config and TSDB."""
 
-    def __init__(self, binary: str, workdir: Path, *, targets: dict[str, list[str]], rule_files=()):
+    def __init__(self, binary: str, workdir: Path, *, targets: dict[str, list[str]], rule_files=(),
+                 scrape_configs=()):
         self.port = free_ports(1)[0]
         self.url = f"http://127.0.0.1:{self.port}"
         workdir.mkdir(parents=True, exist_ok=True)
@@ -66,7 +67,7 @@ class Prometheus:
             "global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
             "rule_files": [str(p) for p in rule_files],
             "scrape_configs": [{"job_name": name, "static_configs": [{"targets": t}]}
-                               for name, t in targets.items()],
+                               for name, t in targets.items()] + list(scrape_configs),
         }
         cfg = workdir / "prometheus.yml"
         cfg.write_text(yaml.safe_dump(config))
@@ -184,9 +185,9 @@ def prom(prometheus_bin, training, tmp_path_factory):
         p.stop()
 
 
-def substitute(expr: str, *, job: str = JOB) -> str:
+def substitute(expr: str, *, job: str = JOB, namespace: str = NAMESPACE) -> str:
     """Grafana's variables as the dashboard would fill them for one job, all ranks."""
-    return (expr.replace("$namespace", NAMESPACE).replace("$ddpjob", job).replace("$rank", ".*")
+    return (expr.replace("$namespace", namespace).replace("$ddpjob", job).replace("$rank", ".*")
             .replace("$__rate_interval", "30s").replace("$__range", "10m").replace("$__interval", "5s"))
 
 
