@@ -152,6 +152,7 @@ import_images() {  # import_images IMAGE...
       if [ ! -f "$archive" ]; then
         rm -f "$IMG_CACHE/$(echo "${img#localhost/}" | tr '/:' '__')"-*.tar
         log "$img: exporting to $archive"
+        rm -f "$archive.tmp"  # a killed earlier export: docker-archive refuses to add to it
         buildah push -q "$img" "docker-archive:$archive.tmp:$img" >/dev/null 2>"$LOGS/push.log" \
           || die "exporting $img failed (see $LOGS/push.log)"
         mv "$archive.tmp" "$archive"
