@@ -28,7 +28,7 @@ from .phases import Phase
 from .pods import render_pod
 from .service import render_service
 from .spec import from_manifest
-from .status import job_status
+from .status import create_refused, job_status, split_creates
 
 log = logging.getLogger("ddpjob.controller")
 Key = tuple[str, str]
@@ -38,6 +38,7 @@ MONITOR_TIMEOUT = 30.0
 # Status writes per pass: a 409 (someone wrote in between) re-reads the job and decides again.
 WRITE_ATTEMPTS = 4
 MAX_SCRAPE_BACKOFF = 8
+REFUSED_RETRY_SECONDS = 10.0  # a refusal that may pass later (403 from a quota): try again after this
 # Status fields that only mirror pods (nobody acts on them): their changes may wait and coalesce.
 _QUIET_FIELDS = frozenset({"nodes", "launchedAttempt"})
 
@@ -107,6 +108,9 @@ class Reconciler:
         self._timers: dict[Key, tuple[float, asyncio.TimerHandle]] = {}
         self._services: set[str] = set()           # job uids whose Service exists
         self._blocked: set[Key] = set()            # passes held back by a higher-priority peer
+        # Last state of each job's pods that vanished (PodGC marks a lost node's pod Failed +
+        # DisruptionTarget just before it force-deletes it): lifecycle.decide's evidence.
+        self._departed: dict[Key, dict[str, dict[str, Any]]] = {}
         # Jobs whose metrics endpoints do not answer are scraped every Nth interval (N doubles up
         # to MAX_SCRAPE_BACKOFF): jobs running their own command often serve no metrics at all.
         self._scrape_every: dict[Key, int] = {}
@@ -147,10 +151,13 @@ class Reconciler:
         self.jobs.delete(obj, notify=False)
         self.forget(*key_of(obj), uid=(obj.get("metadata") or {}).get("uid"))
 
-    def _pod_changed(self, _etype: str, pod: dict[str, Any]) -> None:
+    def _pod_changed(self, etype: str, pod: dict[str, Any]) -> None:
         job_name = ((pod.get("metadata") or {}).get("labels") or {}).get(labels.JOB_NAME)
         if job_name:
-            self.kick(key_of(pod)[0], job_name)
+            key = (key_of(pod)[0], job_name)
+            if etype == "DELETED":
+                self._departed.setdefault(key, {})[podinfo.name(pod)] = pod
+            self.kick(*key)
 
     def forget(self, namespace: str, name: str, uid: str | None = None) -> None:
         """A DDPJob is gone: drop everything kept about it (a running pass ends by itself)."""
@@ -159,7 +166,7 @@ class Reconciler:
         if obj is not None and (uid is None or (obj.get("metadata") or {}).get("uid") == uid):
             uid = uid or (obj.get("metadata") or {}).get("uid")
             self.jobs.delete(obj, notify=False)
-        for table in (self._written_rv, self._last_write, self._dirty, self._scrape_every):
+        for table in (self._written_rv, self._last_write, self._dirty, self._scrape_every, self._departed):
             table.pop(key, None)
         self._blocked.discard(key)
         timer = self._timers.pop(key, None)
@@ -275,7 +282,8 @@ class Reconciler:
             prev = dict(obj.get("status") or {})
             now = dt.datetime.now(dt.timezone.utc)
             decision = decide(job, pods, now=now, prev_status=prev, config=self.config,
-                              stalled=bool(getattr(report, "stalled", False)))
+                              stalled=bool(getattr(report, "stalled", False)),
+                              departed=list(self._departed.get(key, {}).values()))
             status, events = job_status(job, pods, now=now, prev_status=prev, config=self.config,
                                         decision=decision, report=report)
             if status == prev:
@@ -314,7 +322,17 @@ class Reconciler:
             raise RuntimeError(f"status of {namespace}/{name}: {WRITE_ATTEMPTS} conflicting writes in a row")
 
         # Actions only after the status (attempt, counters) is safely stored.
-        await self._act(job, pods, decision)
+        refused = await self._act(job, pods, decision)
+        gone = {n: p for n, p in self._departed.pop(key, {}).items() if podinfo.attempt(p) >= decision.attempt}
+        if gone:
+            self._departed[key] = gone  # older attempts' records are history
+        if refused:
+            # The API server refused a pod (a 4xx naming the field): say so in the job.
+            new, more = create_refused(job, status, refused, now=now)
+            self._wrote(key, await self.k8s.patch_status(namespace, name, status_patch(status, new)))
+            status, events = new, events + more
+            if not any(r.permanent for r in refused):
+                self.kick_later(key, REFUSED_RETRY_SECONDS)  # e.g. a quota: try again
         for etype, reason, message in events + list(getattr(report, "events", None) or []):
             await self.k8s.post_event(obj, etype, reason, message)
 
@@ -332,32 +350,42 @@ class Reconciler:
         if written:
             self.jobs.upsert(written, notify=False)
 
-    async def _act(self, job, pods: list[dict[str, Any]], decision: Decision) -> None:
+    async def _act(self, job, pods: list[dict[str, Any]], decision: Decision) -> list:
+        """Delete, create, delete the job, as decided; returns the pod creates the API refused."""
         by_name = {podinfo.name(p): p for p in pods}
         deletes = [self.k8s.delete_pod(job.namespace, n, uid=(by_name[n].get("metadata") or {}).get("uid"))
                    for n in decision.delete_pods]
         if deletes:
             results = await asyncio.gather(*deletes)
             self.metrics.count_pods(job.namespace, deleted=sum(bool(r) for r in results))
+        refused = []
         if decision.create_ranks:
-            await self._create(job, decision.create_ranks, decision.attempt)
+            refused = await self._create(job, decision)
         if decision.delete_job:
             log.info("deleting %s/%s: ttlSecondsAfterFinished passed", job.namespace, job.name)
             await self.k8s.delete_job(job.namespace, job.name)
+        return refused
 
-    async def _create(self, job, ranks: list[int], attempt: int) -> None:
+    async def _create(self, job, decision: Decision) -> list:
         # The Service outlives group restarts: POST it once per job (a 409 after an operator
         # restart also means it exists).
         if job.uid not in self._services:
             await self.k8s.create(render_service(job))
             self._services.add(job.uid)
-        pods = [render_pod(job, r, attempt=attempt, config=self.config) for r in ranks]
+        pods = [render_pod(job, r, attempt=decision.attempt, config=self.config, restarts=decision.restarts,
+                           counted_restarts=decision.counted_restarts) for r in decision.create_ranks]
+        refused = []
         if self.create_delay > 0:
             for pod in pods:
-                self._created(job.namespace, [await self.k8s.create(pod)])
+                made, no = split_creates([pod], await asyncio.gather(self.k8s.create(pod), return_exceptions=True))
+                self._created(job.namespace, made)
+                refused += no
                 await asyncio.sleep(self.create_delay)
-            return
-        self._created(job.namespace, await asyncio.gather(*(self.k8s.create(p) for p in pods)))
+            return refused
+        made, refused = split_creates(pods, await asyncio.gather(*(self.k8s.create(p) for p in pods),
+                                                                 return_exceptions=True))
+        self._created(job.namespace, made)
+        return refused
 
     def _created(self, namespace: str, pods: list[dict[str, Any] | None]) -> None:
         made = [p for p in pods if p is not None]  # None: it existed already (409)

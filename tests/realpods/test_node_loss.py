@@ -59,6 +59,7 @@ def test_a_node_that_stops_reporting_is_named_and_the_job_still_finishes(real_cl
     assert st["phase"] == "Succeeded", st
     assert st.get("restarts", 0) == 0 and st.get("countedRestarts", 0) == 0, st
     assert _condition(st, "NodeNotReady")["status"] == "False", st
-    events = real_cluster.kubectl("get", "events", "-n", ns, "--field-selector", "reason=NodeNotReady",
+    events = real_cluster.kubectl("get", "events", "-n", ns, "--field-selector",
+                                  "involvedObject.kind=DDPJob,reason=NodeNotReady",
                                   "-o", "name").stdout.split()
     assert len(events) == 1, events
