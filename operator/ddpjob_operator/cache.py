@@ -139,7 +139,9 @@ class Store:
         del self._objs[k]
         self._unindex(k, old)
         if notify:
-            self._notify("DELETED", old)
+            # A DELETED event carries the object's last state, which may be newer than what
+            # is stored (PodGC's Failed + DisruptionTarget write, seen only with the deletion).
+            self._notify("DELETED", slim(obj) if newer(obj, old) else old)
 
     def replace(self, namespace: str | None, items: list[Obj]) -> None:
         """A fresh list for `namespace` (None = all): upsert each, delete what is missing."""

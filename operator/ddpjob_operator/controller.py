@@ -323,6 +323,10 @@ class Reconciler:
 
         # Actions only after the status (attempt, counters) is safely stored.
         refused = await self._act(job, pods, decision)
+        if decision.restarted is not None:
+            # The new group is created by a later pass once the old pods' names are free; their
+            # DELETED events usually bring it, but a lost node's pods were gone before this pass.
+            self.kick(namespace, name)
         gone = {n: p for n, p in self._departed.pop(key, {}).items() if podinfo.attempt(p) >= decision.attempt}
         if gone:
             self._departed[key] = gone  # older attempts' records are history

@@ -51,8 +51,6 @@ def own_nodes(cluster):
         cluster.kubectl("delete", "node", name, "--ignore-not-found", "--wait=false", check=False)
 
 
-@pytest.mark.xfail(strict=False, reason="flaky since the controller hands departed pods over: passed 1 of 3 "
-                   "runs (no restart within 180 s; cause not found yet, see the stop-9 note)")
 def test_deleted_node_restarts_the_group_without_charging_the_budget(cluster, own_nodes, start_operator, k8s):
     tag, make_node = own_nodes
     first = make_node("a")

@@ -138,15 +138,25 @@ def job_status(cluster: Cluster, namespace: str, name: str) -> dict:
     return yaml.safe_load(out).get("status") or {}
 
 
-def wait_phase(cluster: Cluster, namespace: str, name: str, phases: set[str], *, timeout: float) -> dict:
+def wait_job(cluster: Cluster, namespace: str, name: str, until, *, desc: str, timeout: float,
+             give_up=lambda st: False) -> dict:
+    """The job's status once until(status) holds; fails at once when give_up(status) does. On
+    failure the namespace's pods, events and logs are printed first, so a CI failure says why."""
     def done():
         st = job_status(cluster, namespace, name)
-        return st if st.get("phase") in phases else None
+        return ("ok", st) if until(st) else ("gave up", st) if give_up(st) else None
     try:
-        return wait_for(done, timeout=timeout, desc=f"DDPJob {namespace}/{name} in {sorted(phases)}", interval=1)
+        outcome, st = wait_for(done, timeout=timeout, desc=f"DDPJob {namespace}/{name}: {desc}", interval=1)
+        assert outcome == "ok", f"DDPJob {namespace}/{name} ended before {desc}: {st}"
+        return st
     except AssertionError:
         print(diagnose(cluster, namespace))
         raise
+
+
+def wait_phase(cluster: Cluster, namespace: str, name: str, phases: set[str], *, timeout: float) -> dict:
+    return wait_job(cluster, namespace, name, lambda st: st.get("phase") in phases,
+                    desc=f"phase in {sorted(phases)}", timeout=timeout)
 
 
 def diagnose(cluster: Cluster, namespace: str) -> str:

@@ -20,6 +20,7 @@ from tests.realpods.conftest import (
     job_status,
     pod_nodes,
     shared_checkpoint_pv,
+    wait_job,
     wait_phase,
 )
 from tests.support.cluster import wait_for
@@ -39,8 +40,8 @@ def test_a_node_that_stops_reporting_is_named_and_the_job_still_finishes(real_cl
     claim = next(d["metadata"]["name"] for d in example_docs("digits.yaml") if d["kind"] == "PersistentVolumeClaim")
     shared_checkpoint_pv(real_cluster, claim=claim, namespace=ns, tmp=tmp_path)
     apply_docs(real_cluster, example_docs("digits.yaml"), ns)
-    wait_for(lambda: (job_status(real_cluster, ns, "digits").get("progress") or {}).get("step", 0) >= 10,
-             timeout=600, desc="digits training", interval=1)
+    wait_job(real_cluster, ns, "digits", lambda st: (st.get("progress") or {}).get("step", 0) >= 10,
+             give_up=lambda st: st.get("phase") in ("Succeeded", "Failed"), desc="training", timeout=600)
 
     node = pod_nodes(real_cluster, ns, "digits")["digits-1"]
     pid = _kubelet_pid(node)

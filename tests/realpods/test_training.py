@@ -8,12 +8,11 @@ from tests.realpods.conftest import (
     apply_docs,
     example_docs,
     exec_kill_trainer,
-    job_status,
     pod_nodes,
     shared_checkpoint_pv,
+    wait_job,
     wait_phase,
 )
-from tests.support.cluster import wait_for
 
 DIGITS_VAL_SAMPLES = 359  # scikit-learn's digits: 1797 samples, 20 % held out
 
@@ -66,12 +65,14 @@ def test_digits_example_trains_across_two_real_nodes(real_cluster, namespaces, t
 
 def test_killed_rank_restarts_the_group_and_resumes_from_the_shared_checkpoint(real_cluster, namespaces, tmp_path):
     ns = namespaces["restart"]
-    shared_checkpoint_pv(real_cluster, claim=_digits_claim(), namespace=ns, tmp=tmp_path)
+    ckpt = shared_checkpoint_pv(real_cluster, claim=_digits_claim(), namespace=ns, tmp=tmp_path)
     apply_docs(real_cluster, example_docs("digits.yaml"), ns)
 
-    # Past the first checkpoint (everySteps 50 in the example), then kill rank 1's worker.
-    wait_for(lambda: (job_status(real_cluster, ns, "digits").get("progress") or {}).get("step", 0) >= 70,
-             timeout=600, desc="digits past step 70", interval=1)
+    # Once the first complete checkpoint (everySteps 50 in the example) is on the shared volume,
+    # kill rank 1's worker. A job that ends first fails here, with its pods' story printed.
+    wait_job(real_cluster, ns, "digits", lambda st: any((p / "MANIFEST.json").exists() for p in ckpt.rglob("step-*")),
+             give_up=lambda st: st.get("phase") in ("Succeeded", "Failed"),
+             desc="a complete checkpoint (then the kill)", timeout=600)
     exec_kill_trainer(real_cluster, ns, "digits-1")
 
     st = wait_phase(real_cluster, ns, "digits", {"Succeeded", "Failed"}, timeout=900)
