@@ -309,9 +309,10 @@ class Reconciler:
                     self.jobs.upsert(fresh, notify=False)
                     obj = fresh
                     continue
-                if exc.status != 422 or report is None:
+                if not 400 <= exc.status < 500 or report is None:
                     raise
-                # The monitor's part was refused by the schema: never let progress block the lifecycle.
+                # Refused with the monitor's part (the schema's 422, or a 400 for a body a pod's
+                # metrics made invalid): never let what a pod says block the lifecycle.
                 log.warning("status of %s/%s refused with the monitor report (%s); writing it without",
                             namespace, name, exc.reason)
                 report = None

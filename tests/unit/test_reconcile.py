@@ -39,7 +39,7 @@ class FakeK8s:
         self.objects: dict[tuple[str, str], dict] = {}   # (kind, name) -> Pod/Service
         self.calls: list[tuple] = []
         self.rv = 100
-        self.refuse_progress = False
+        self.refuse_progress = 0    # HTTP code for a status write that carries progress (0: accept)
         self.fail_status: list[int] = []   # HTTP codes the next status writes fail with
 
     def _bump(self, obj: dict) -> None:
@@ -74,7 +74,7 @@ class FakeK8s:
         if resource_version and resource_version != obj["metadata"]["resourceVersion"]:
             raise ApiException(status=409, reason="Conflict")
         if self.refuse_progress and patch.get("progress"):
-            raise ApiException(status=422, reason="Invalid")
+            raise ApiException(status=self.refuse_progress, reason="Invalid")
         status = obj.setdefault("status", {})
         for key, value in patch.items():
             if value is None:
@@ -266,13 +266,15 @@ class ProgressMonitor:
         pass
 
 
-def test_status_refused_with_the_monitor_report_is_written_without_it():
+# 422: the schema refused a field; 400: the body itself (e.g. a non-finite number a pod served).
+@pytest.mark.parametrize("code", [422, 400])
+def test_status_refused_with_the_monitor_report_is_written_without_it(code):
     k8s = FakeK8s()
     rec = reconciler(k8s, monitor=ProgressMonitor())
 
     async def main():
         await start_running(k8s, rec)
-        k8s.refuse_progress = True
+        k8s.refuse_progress = code
         set_phase(rec, k8s, "Failed", name="j-0", code=1)
         await rec.reconcile(NS, "j", scrape=True)
         await rec.shutdown()
