@@ -9,7 +9,6 @@ import uuid
 from pathlib import Path
 
 import pytest
-import torch
 
 from tests.support.localrun import free_ports, pids_with_env
 from tests.support.stopping import (
@@ -24,7 +23,7 @@ from tests.support.stopping import (
     wait_gone,
 )
 
-from .helpers import DDPJOB, REPO, run_local, write_job
+from .helpers import DDPJOB, REPO, run_local, single_process_eval, write_job
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -40,37 +39,16 @@ def test_digits_example_converges_across_two_nodes(tmp_path):
     assert s["train_samples_per_second"] > 0
 
 
-def _single_process_eval(ckpt_dir: Path) -> tuple[float, float, int]:
-    """Evaluate the checkpoint's weights in this process over the whole validation set."""
-    import torch.nn.functional as F
-
-    from ddpjob_trainer.data import digits
-    from ddpjob_trainer.models import build_model
-
-    common = torch.load(ckpt_dir / "common.pt", map_location="cpu", weights_only=True)
-    data = digits()
-    model = build_model("convnet", data.input_shape, data.num_classes)
-    model.load_state_dict(common["model"])
-    model.eval()
-    x = torch.stack([data.val[i][0] for i in range(len(data.val))])
-    y = torch.stack([data.val[i][1] for i in range(len(data.val))])
-    with torch.no_grad():
-        logits = model(x)
-    loss = F.cross_entropy(logits, y, reduction="sum").double().item() / len(y)
-    acc = (logits.argmax(1) == y).double().mean().item()
-    return acc, loss, len(y)
-
-
 def test_eval_is_exact_when_world_size_does_not_divide_the_validation_set(tmp_path):
-    job = write_job(tmp_path / "three.yaml", name="three", nodes=3, trainer={
-        "dataset": "digits", "model": "convnet", "epochs": 1, "batchSize": 16, "lr": 0.05,
-        "checkpoint": {"dir": "ckpt", "keep": 1}})
+    trainer = {"dataset": "digits", "model": "convnet", "epochs": 1, "batchSize": 16, "lr": 0.05,
+               "checkpoint": {"dir": "ckpt", "keep": 1}}
+    job = write_job(tmp_path / "three.yaml", name="three", nodes=3, trainer=trainer)
     proc, s = run_local(job, tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert s["world_size"] == 3 and 359 % 3 != 0
     # DistributedSampler would pad to 360 and count a sample twice; every sample counts once.
     assert s["eval_samples"] == s["eval_dataset_size"] == 359
-    acc, loss, n = _single_process_eval(Path(s["last_checkpoint"]))
+    acc, loss, n = single_process_eval(Path(s["last_checkpoint"]), trainer)
     assert n == 359
     assert s["eval_accuracy"] == pytest.approx(acc, abs=1e-12)
     assert s["eval_loss"] == pytest.approx(loss, rel=1e-6)
