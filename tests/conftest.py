@@ -1,2 +1,27 @@
 """Root conftest: fixtures shared by the cluster and e2e tiers live in tests/support/fixtures.py."""
+from __future__ import annotations
+
+from collections import defaultdict
+
 pytest_plugins = ["tests.support.fixtures"]
+
+# Wall time per tier (tests/<tier>/), setup and teardown included: session fixtures (cluster,
+# images, the Helm-installed operator) are charged to the tier whose first test pays for them.
+_tier_seconds: dict[str, float] = defaultdict(float)
+_tier_tests: dict[str, int] = defaultdict(int)
+
+
+def pytest_runtest_logreport(report) -> None:
+    parts = report.nodeid.split("/")
+    tier = parts[1] if len(parts) > 2 and parts[0] == "tests" else parts[0]
+    _tier_seconds[tier] += report.duration
+    if report.when == "call":
+        _tier_tests[tier] += 1
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    if not _tier_seconds:
+        return
+    terminalreporter.section("time per tier")
+    for tier, secs in sorted(_tier_seconds.items(), key=lambda kv: -kv[1]):
+        terminalreporter.write_line(f"{tier:<10} {_tier_tests[tier]:>4} tests {secs / 60:6.1f} min")
