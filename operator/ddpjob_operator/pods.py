@@ -94,6 +94,15 @@ def restart_counters(job: JobSpec, restarts: int | None, counted_restarts: int |
     return count(restarts, "restarts"), count(counted_restarts, "countedRestarts")
 
 
+def default_spread(job: JobSpec) -> list[dict[str, Any]]:
+    """One pod per node where the cluster allows it: the product's model, which GPU requests
+    enforce by themselves but CPU jobs would otherwise leave to the scheduler's scoring. A score
+    (ScheduleAnyway), never a refusal, and spreading rather than pod anti-affinity, whose cost
+    grows with the cluster; a job's own topologySpreadConstraints replace it."""
+    return [{"maxSkew": 1, "topologyKey": "kubernetes.io/hostname", "whenUnsatisfiable": "ScheduleAnyway",
+             "labelSelector": {"matchLabels": {labels.JOB_NAME: job.name}}}]
+
+
 def render_pod(job: JobSpec, rank: int, *, attempt: int = 0, config: OperatorConfig | None = None,
                restarts: int | None = None, counted_restarts: int | None = None) -> dict[str, Any]:
     """Pod `<job>-<rank>` for one attempt of the group."""
@@ -142,6 +151,8 @@ def render_pod(job: JobSpec, rank: int, *, attempt: int = 0, config: OperatorCon
                 "topologySpreadConstraints"):
         if sched.get(key):
             pod_spec[key] = copy.deepcopy(sched[key])
+    if not sched.get("topologySpreadConstraints"):
+        pod_spec["topologySpreadConstraints"] = default_spread(job)
     if spec.get("serviceAccountName"):
         pod_spec["serviceAccountName"] = spec["serviceAccountName"]
     if spec.get("imagePullSecrets"):

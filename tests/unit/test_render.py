@@ -137,6 +137,33 @@ def test_scheduling_and_pod_level_pass_throughs():
     assert ports == {"master": 29500, "metrics": 9400}
 
 
+OWN_SPREAD = [{"maxSkew": 2, "topologyKey": "topology.kubernetes.io/zone", "whenUnsatisfiable": "DoNotSchedule",
+               "labelSelector": {"matchLabels": {"team": "vision"}}}]
+
+
+@pytest.mark.parametrize("sched, expected", [
+    # No constraints of the job's own: its pods spread one per node where the cluster allows it.
+    ({}, [{"maxSkew": 1, "topologyKey": "kubernetes.io/hostname", "whenUnsatisfiable": "ScheduleAnyway",
+           "labelSelector": {"matchLabels": {labels.JOB_NAME: "train"}}}]),
+    ({"nodeSelector": {"gpu": "h100"}}, "default"),
+    # The job's own constraints replace the default, not add to it.
+    ({"topologySpreadConstraints": OWN_SPREAD}, OWN_SPREAD),
+])
+def test_pods_spread_over_nodes_unless_the_job_says_how(sched, expected):
+    pods = [render_pod(job(scheduling=sched), r) for r in range(4)]
+    got = [p["spec"]["topologySpreadConstraints"] for p in pods]
+    assert all(g == got[0] for g in got)
+    if expected == "default":
+        assert got[0][0]["topologyKey"] == "kubernetes.io/hostname"
+        assert got[0][0]["whenUnsatisfiable"] == "ScheduleAnyway"  # a preference, never Pending
+    else:
+        assert got[0] == expected
+    # The selector matches the job's own pods (their labels), whatever their rank or attempt.
+    sel = got[0][0]["labelSelector"]["matchLabels"]
+    if sched.get("topologySpreadConstraints") is None:
+        assert all(pods[r]["metadata"]["labels"][k] == v for r in range(4) for k, v in sel.items())
+
+
 def test_user_env_overrides_ours_by_name():
     pod = render_pod(job(env=[{"name": "MASTER_PORT", "value": "1234"}]), 0)
     names = [e["name"] for e in container(pod)["env"]]
