@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -87,8 +88,10 @@ class Monitor:
     """Per-operator scraper of training pods (bounded concurrency, per-request timeouts)."""
 
     def __init__(self, config: OperatorConfig, *, concurrency: int = 32, timeout: float | None = None,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time,
+                 max_body_bytes: int = scrape.MAX_BODY_BYTES) -> None:
         self.config = config
+        self.max_body_bytes = max_body_bytes
         self.concurrency = concurrency
         # A scrape must finish well inside one interval, whatever a pod does.
         self.timeout = timeout if timeout is not None else max(1.0, min(5.0, config.scrape_interval / 2))
@@ -143,7 +146,8 @@ class Monitor:
         if self._sem is None or self._sem_loop is not loop:
             self._sem, self._sem_loop = asyncio.Semaphore(self.concurrency), loop
         results = await scrape.fetch_all([u for u, _ in targets], concurrency=self.concurrency,
-                                         timeout=self.timeout, semaphore=self._sem)
+                                         timeout=self.timeout, semaphore=self._sem,
+                                         max_bytes=self.max_body_bytes)
         now = self.clock()
         samples: dict[int, scrape.RankSample] = {}
         failing = set()
@@ -152,11 +156,15 @@ class Monitor:
             pod_name = (pod.get("metadata") or {}).get("name", "")
             if res.text is None:
                 failing.add(pod_name)
+                if res.oversized:
+                    # Named every time: an oversized body is a pod misbehaving, not a network blip.
+                    log.warning("metrics of %s/%s at %s exceed the %d-byte cap; scrape dropped",
+                                namespace, pod_name, url, self.max_body_bytes)
                 if pod_name not in st.failing and not first_error:
                     first_error = f"{pod_name} ({url}): {res.error}"
                 continue
             try:
-                parsed = scrape.parse_metrics(res.text)
+                parsed = await scrape.parse_metrics_async(res.text)
             except Exception as exc:  # a broken exposition is that pod's problem
                 failing.add(pod_name)
                 log.warning("bad metrics from %s/%s: %s", namespace, pod_name, exc)
@@ -174,7 +182,7 @@ class Monitor:
         events: list[tuple[str, str, str]] = []
         prog = None
         if samples:
-            prog = progress.compute_progress(samples, now=now, prev=st.prev) or None
+            prog = _finite_only(progress.compute_progress(samples, now=now, prev=st.prev)) or None
             st.prev = (now, samples)
             for f in st.tracker.update(samples, now):
                 events.append(_event(f))
@@ -205,6 +213,19 @@ class Monitor:
             out.append({"type": kind, "status": status, "reason": reason, "message": message,
                         "lastTransitionTime": since})
         return out
+
+
+def _finite_only(value):
+    """`value` without NaN/±Inf floats: the API server rejects a status patch carrying them, and a
+    rejected patch must never be something a pod's metrics can cause."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        out = {k: _finite_only(v) for k, v in value.items()}
+        return {k: v for k, v in out.items() if v is not None or value[k] is None}
+    if isinstance(value, list):
+        return [v for v in (_finite_only(x) for x in value) if v is not None]
+    return value
 
 
 def _event(f: health.Finding) -> tuple[str, str, str]:

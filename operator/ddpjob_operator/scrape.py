@@ -36,6 +36,27 @@ _GAUGES = {
 }
 _INTS = {"step", "epoch", "total_steps", "restart_count", "step_started"}
 
+# A pod controls its exposition, so every value is bounded before it can reach status: a value
+# outside these ranges (or NaN/±Inf) is dropped as if the rank had not reported it. 1e12 steps or
+# seconds is far beyond any real run yet keeps every derived number a plain finite JSON float.
+_ABSURD = 1e12
+_BOUNDS: dict[str, tuple[float, float]] = {
+    "loss": (-_ABSURD, _ABSURD),
+    "eval_loss": (-_ABSURD, _ABSURD),
+    "eval_accuracy": (0.0, 100.0),
+    "gpu_memory_allocated_bytes": (0.0, 1e18),
+    "gpu_memory_max_allocated_bytes": (0.0, 1e18),
+}
+_DEFAULT_BOUNDS = (0.0, _ABSURD)
+
+# Default cap on one metrics body: a trainer's exposition is a few KiB per rank.
+MAX_BODY_BYTES = 4 * 1024 * 1024
+_CHUNK = 64 * 1024
+
+
+class BodyTooLarge(Exception):
+    """A metrics response grew past the cap; the scrape is abandoned before it is held in memory."""
+
 
 @dataclass
 class RankSample:
@@ -104,12 +125,28 @@ def parse_metrics(text: str) -> dict[int, RankSample]:
                     ddpjob=s.labels.get("ddpjob") or None,
                     namespace=s.labels.get("namespace") or None,
                 )
-            value = float(s.value)
-            if attr in _INTS:
-                setattr(rs, attr, int(value) if math.isfinite(value) else None)
-            else:
-                setattr(rs, attr, value)
+            value = _sane(attr, s.value)
+            if value is None:
+                continue  # keep the default: a hostile value must not displace "not reported"
+            setattr(rs, attr, int(value) if attr in _INTS else value)
     return out
+
+
+def _sane(attr: str, raw: object) -> float | None:
+    """The value when finite and within the attribute's plausible range, else None."""
+    try:
+        value = float(raw)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return None
+    lo, hi = _BOUNDS.get(attr, _DEFAULT_BOUNDS)
+    if not math.isfinite(value) or not lo <= value <= hi:
+        return None
+    return value
+
+
+async def parse_metrics_async(text: str) -> dict[int, RankSample]:
+    """`parse_metrics` in a worker thread: a large (but allowed) body must not stall the loop."""
+    return await asyncio.to_thread(parse_metrics, text)
 
 
 def merge(parts: Iterable[dict[int, RankSample]]) -> dict[int, RankSample]:
@@ -127,12 +164,29 @@ class ScrapeResult:
     url: str
     text: str | None = None
     error: str | None = None
+    oversized: bool = False  # the body passed the cap (a pod misbehaving, worth a warning)
+
+
+async def _read_capped(resp: object, *, max_bytes: int) -> bytes:
+    """The body, read in chunks and abandoned as soon as it passes `max_bytes`."""
+    length = getattr(resp, "content_length", None)
+    if length is not None and length > max_bytes:
+        raise BodyTooLarge(f"Content-Length {length} over the {max_bytes}-byte cap")
+    buf = bytearray()
+    async for chunk in resp.content.iter_chunked(_CHUNK):  # type: ignore[attr-defined]
+        buf += chunk
+        if len(buf) > max_bytes:
+            raise BodyTooLarge(f"body over the {max_bytes}-byte cap")
+    return bytes(buf)
 
 
 async def fetch_all(urls: list[str], *, concurrency: int = 16, timeout: float = 5.0,
-                    semaphore: asyncio.Semaphore | None = None) -> list[ScrapeResult]:
+                    semaphore: asyncio.Semaphore | None = None,
+                    max_bytes: int = MAX_BODY_BYTES) -> list[ScrapeResult]:
     """GET every URL concurrently (at most `concurrency` at once, or as `semaphore` allows across
-    callers), each with its own deadline; never raises."""
+    callers), each with its own deadline and a body of at most `max_bytes`; never raises."""
+    if max_bytes < 1:
+        raise ValueError(f"fetch_all: max_bytes must be positive, got {max_bytes}")
     import aiohttp  # comes with kopf; imported here so parse_metrics users need not have it
 
     sem = semaphore or asyncio.Semaphore(max(1, concurrency))
@@ -144,10 +198,13 @@ async def fetch_all(urls: list[str], *, concurrency: int = 16, timeout: float = 
         async with sem:
             try:
                 async with session.get(url, timeout=per_request) as resp:
-                    body = await resp.text(errors="replace")
                     if resp.status != 200:
                         return ScrapeResult(url=url, error=f"HTTP {resp.status}")
-                    return ScrapeResult(url=url, text=body)
+                    body = await _read_capped(resp, max_bytes=max_bytes)
+                    return ScrapeResult(url=url, text=body.decode(resp.charset or "utf-8",
+                                                                  errors="replace"))
+            except BodyTooLarge as exc:
+                return ScrapeResult(url=url, error=f"BodyTooLarge: {exc}", oversized=True)
             except Exception as exc:  # any failure is one pod's problem, not the job's
                 return ScrapeResult(url=url, error=f"{type(exc).__name__}: {exc}".rstrip(": "))
 
