@@ -215,11 +215,16 @@ class Monitor:
         return out
 
 
+_INT64_MAX = 2**63 - 1
+
+
 def _finite_only(value):
-    """`value` without NaN/±Inf floats: the API server rejects a status patch carrying them, and a
-    rejected patch must never be something a pod's metrics can cause."""
+    """`value` without NaN/±Inf floats or ints past int64: the API server rejects a status patch
+    carrying them, and a rejected patch must never be something a pod's metrics can cause."""
     if isinstance(value, float):
         return value if math.isfinite(value) else None
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value if abs(value) <= _INT64_MAX else None
     if isinstance(value, dict):
         out = {k: _finite_only(v) for k, v in value.items()}
         return {k: v for k, v in out.items() if v is not None or value[k] is None}

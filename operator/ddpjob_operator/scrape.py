@@ -141,6 +141,8 @@ def _sane(attr: str, raw: object) -> float | None:
     lo, hi = _BOUNDS.get(attr, _DEFAULT_BOUNDS)
     if not math.isfinite(value) or not lo <= value <= hi:
         return None
+    if attr == "step_seconds_count" and 0 < value < 1:
+        return None  # a count is whole; a tiny one would make the mean step time overflow
     return value
 
 

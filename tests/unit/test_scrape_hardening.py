@@ -9,7 +9,7 @@ import logging
 import pytest
 from aiohttp import web
 
-from ddpjob_operator import scrape
+from ddpjob_operator import monitor as monitor_mod, scrape
 from ddpjob_operator.config import OperatorConfig
 from ddpjob_operator.monitor import Monitor
 
@@ -36,7 +36,7 @@ def _poison(rank: int) -> str:
             f"ddpjob_trainer_eval_loss{{{lab}}} -Inf\n"
             f"ddpjob_trainer_samples_total{{{lab}}} +Inf\n"
             f"ddpjob_trainer_step_seconds_sum{{{lab}}} 1e300\n"
-            f"ddpjob_trainer_step_seconds_count{{{lab}}} 7\n"
+            f"ddpjob_trainer_step_seconds_count{{{lab}}} 1e-300\n"
             f"ddpjob_trainer_gpu_memory_allocated_bytes{{{lab}}} NaN\n"
             f"ddpjob_trainer_last_step_timestamp_seconds{{{lab}}} +Inf\n")
 
@@ -125,7 +125,7 @@ def test_non_finite_and_absurd_values_never_reach_the_report(server):
     s = parsed[0]
     assert s.step == 7
     assert s.total_steps is None and s.epoch is None and s.loss is None and s.eval_loss is None
-    assert s.samples_total == 0.0 and s.step_seconds_sum == 0.0
+    assert s.samples_total == 0.0 and s.step_seconds_sum == 0.0 and s.step_seconds_count == 0.0
     assert s.gpu_memory_allocated_bytes is None and s.last_step_timestamp is None
 
     mon = Monitor(OperatorConfig(scrape_url_template=base + "/{pod}"), timeout=20)
@@ -136,6 +136,21 @@ def test_non_finite_and_absurd_values_never_reach_the_report(server):
         json.dumps({"progress": report.progress, "conditions": report.conditions,
                     "events": report.events}, allow_nan=False)
     assert report.progress
+
+
+def test_huge_but_finite_values_keep_the_report_within_int64(server):
+    """Values inside the bounds can still multiply past int64 (etaSeconds); such fields are dropped."""
+    loop, base = server
+    lab = 'rank="0",node_rank="0"'
+    text = (f"ddpjob_trainer_step{{{lab}}} 0\nddpjob_trainer_total_steps{{{lab}}} 1e12\n"
+            f"ddpjob_trainer_step_seconds_sum{{{lab}}} 1e12\n"
+            f"ddpjob_trainer_step_seconds_count{{{lab}}} 1\n")
+    samples = scrape.parse_metrics(text)
+    assert samples[0].total_steps == 10**12
+    mon = Monitor(OperatorConfig(scrape_url_template=base + "/{pod}"), timeout=20)
+    prog = monitor_mod._finite_only(monitor_mod.progress.compute_progress(samples, now=1.0))
+    assert "etaSeconds" not in prog and prog["totalSteps"] == 10**12
+    assert mon.max_body_bytes == scrape.MAX_BODY_BYTES
 
 
 def test_slow_endpoint_fails_alone(server):
