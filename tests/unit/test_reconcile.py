@@ -149,15 +149,20 @@ async def start_running(k8s: FakeK8s, rec: Reconciler, nodes: int = 2) -> None:
     k8s.calls.clear()
 
 
-def test_first_pass_stores_status_then_creates_service_and_pods():
-    k8s = FakeK8s()
-    rec = reconciler(k8s)
-
+def first_pass(k8s: FakeK8s, rec: Reconciler) -> None:
+    """A new two-node job's first pass, then the reconciler's shutdown."""
     async def main():
         rec.job_event(k8s.add_job(ddpjob(nodes=2)))
         await rec.reconcile(NS, "j")
         await rec.shutdown()
     run(main())
+
+
+def test_first_pass_stores_status_then_creates_service_and_pods():
+    k8s = FakeK8s()
+    rec = reconciler(k8s)
+
+    first_pass(k8s, rec)
     assert [c[:2] for c in k8s.writes()] == [("patch_status", "j"), ("create", "Service"),
                                              ("create", "Pod"), ("create", "Pod")]
     # The created pods are in the cache at once: a second pass creates nothing again.
@@ -485,11 +490,7 @@ def test_pod_name_taken_by_an_object_the_job_does_not_own_is_named_in_the_status
     k8s.objects[("Pod", "j-0")] = {"kind": "Pod", "metadata": {"name": "j-0", "namespace": NS, "uid": "foreign"}}
     rec = reconciler(k8s)
 
-    async def main():
-        rec.job_event(k8s.add_job(ddpjob(nodes=2)))
-        await rec.reconcile(NS, "j")
-        await rec.shutdown()
-    run(main())
+    first_pass(k8s, rec)
     status = k8s.jobs["j"]["status"]
     assert status["phase"] == "Pending" and status["reason"] == "FailedCreatePod", status
     cond = next(c for c in status["conditions"] if c["type"] == "FailedCreatePod")
