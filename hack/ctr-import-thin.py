@@ -48,6 +48,8 @@ def main() -> int:
     p.add_argument("--address", required=True, help="the node's containerd socket")
     p.add_argument("--namespace", default="k8s.io")
     p.add_argument("--name", required=True, help="image name to record, e.g. localhost/ddpjob/trainer:dev")
+    p.add_argument("--all-layers", action="store_true",
+                   help="send every layer (the fallback when the node's snapshots do not match its content)")
     p.add_argument("archive")
     args = p.parse_args()
     ctr = ["ctr", "-a", args.address, "-n", args.namespace]
@@ -57,7 +59,7 @@ def main() -> int:
         (entry,) = json.load(src.extractfile(members["manifest.json"]))
         config = src.extractfile(members[entry["Config"]]).read()
         layers = [(name, _layer_digest(name), members[name].size) for name in entry["Layers"]]
-        have = present_digests(ctr)
+        have = set() if args.all_layers else present_digests(ctr)
         manifest = json.dumps({
             "schemaVersion": 2, "mediaType": OCI_MANIFEST,
             "config": {"mediaType": OCI_CONFIG, "digest": "sha256:" + hashlib.sha256(config).hexdigest(),

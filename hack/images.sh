@@ -158,7 +158,13 @@ import_images() {  # import_images IMAGE...
         mv "$archive.tmp" "$archive"
       fi
       log "$img: importing into $node"
+      # A layer whose blob the node holds may have lost its unpacked snapshot (containerd's GC
+      # collects snapshots no image references, e.g. while the name moves to the new build):
+      # then the unpack fails with "parent snapshot ... does not exist"; every layer is sent again.
       python3 "$HERE/ctr-import-thin.py" --address "$sock" --name "$img" "$archive" >"$LOGS/ctr-import.log" 2>&1 \
+        || { log "  thin import failed ($(tail -1 "$LOGS/ctr-import.log" | cut -c1-160)); sending every layer"
+             python3 "$HERE/ctr-import-thin.py" --all-layers --address "$sock" --name "$img" "$archive" \
+               >"$LOGS/ctr-import.log" 2>&1; } \
         || die "importing $img into $node failed (see $LOGS/ctr-import.log): $(tail -3 "$LOGS/ctr-import.log")"
       log "  $(tail -1 "$LOGS/ctr-import.log")"
       echo "$id" >"$mark"
