@@ -28,7 +28,7 @@ from .phases import Phase
 from .pods import render_pod
 from .service import render_service
 from .spec import from_manifest
-from .status import NAME_CONFLICT, CreateRefusal, create_refused, job_status, split_creates
+from .status import create_refused, job_status, split_creates
 
 log = logging.getLogger("ddpjob.controller")
 Key = tuple[str, str]
@@ -373,41 +373,23 @@ class Reconciler:
 
     async def _create(self, job, decision: Decision) -> list:
         # The Service outlives group restarts: POST it once per job (a 409 after an operator
-        # restart also means it exists). Nothing watches Services, so a later creation pass
-        # (a restart) reads it back: someone may have deleted it, and the new group's
-        # rendezvous would then never resolve.
-        service = render_service(job)
-        if job.uid in self._services and await self.k8s.get_child(
-                "Service", job.namespace, service["metadata"]["name"]) is None:
-            self._services.discard(job.uid)
+        # restart also means it exists).
         if job.uid not in self._services:
-            await self.k8s.create(service)
+            await self.k8s.create(render_service(job))
             self._services.add(job.uid)
         pods = [render_pod(job, r, attempt=decision.attempt, config=self.config, restarts=decision.restarts,
                            counted_restarts=decision.counted_restarts) for r in decision.create_ranks]
+        refused = []
         if self.create_delay > 0:
-            refused = []
             for pod in pods:
-                refused += await self._create_pods(job, [pod])
+                made, no = split_creates([pod], await asyncio.gather(self.k8s.create(pod), return_exceptions=True))
+                self._created(job.namespace, made)
+                refused += no
                 await asyncio.sleep(self.create_delay)
             return refused
-        return await self._create_pods(job, pods)
-
-    async def _create_pods(self, job, pods: list[dict[str, Any]]) -> list[CreateRefusal]:
-        results = await asyncio.gather(*(self.k8s.create(p) for p in pods), return_exceptions=True)
-        made, refused = split_creates(pods, results)
+        made, refused = split_creates(pods, await asyncio.gather(*(self.k8s.create(p) for p in pods),
+                                                                 return_exceptions=True))
         self._created(job.namespace, made)
-        # A 409 is usually our own pod the cache has not shown yet; a pod of that name made by
-        # someone else would keep the job waiting forever without a word, so look at its owner.
-        for pod, res in zip(pods, results):
-            if res is not None:
-                continue
-            name = pod["metadata"]["name"]
-            other = await self.k8s.get_child("Pod", job.namespace, name)
-            owners = {o.get("uid") for o in ((other or {}).get("metadata") or {}).get("ownerReferences") or []}
-            if other is not None and job.uid not in owners:
-                refused.append(CreateRefusal(pod=name, code=409, reason=NAME_CONFLICT,
-                                             message=f"pod {name} exists and is not owned by this DDPJob"))
         return refused
 
     def _created(self, namespace: str, pods: list[dict[str, Any] | None]) -> None:

@@ -250,8 +250,6 @@ def job_status(job: JobSpec, pods: list[dict[str, Any]], *, now: dt.datetime,
 # (schema, admission). Anything else in 4xx (quota, PodSecurity, a namespace being deleted) may
 # clear without a spec change: the job waits and the operator retries.
 PERMANENT_REFUSALS = frozenset({400, 422})
-# A pod name already taken by an object this job does not own: retried, as its owner may delete it.
-NAME_CONFLICT = "NameConflict"
 
 
 @dataclass(frozen=True)
