@@ -152,6 +152,7 @@ class Monitor:
         samples: dict[int, scrape.RankSample] = {}
         failing = set()
         first_error = ""
+        answered = []
         for (url, pod), res in zip(targets, results):
             pod_name = (pod.get("metadata") or {}).get("name", "")
             if res.text is None:
@@ -163,11 +164,12 @@ class Monitor:
                 if pod_name not in st.failing and not first_error:
                     first_error = f"{pod_name} ({url}): {res.error}"
                 continue
-            try:
-                parsed = await scrape.parse_metrics_async(res.text)
-            except Exception as exc:  # a broken exposition is that pod's problem
+            answered.append((pod, pod_name, res.text))
+        parsed_all = await scrape.parse_all_async([text for *_, text in answered])
+        for (pod, pod_name, _), parsed in zip(answered, parsed_all):
+            if isinstance(parsed, Exception):
                 failing.add(pod_name)
-                log.warning("bad metrics from %s/%s: %s", namespace, pod_name, exc)
+                log.warning("bad metrics from %s/%s: %s", namespace, pod_name, parsed)
                 continue
             node = (pod.get("spec") or {}).get("nodeName")
             for s in parsed.values():

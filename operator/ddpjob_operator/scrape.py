@@ -146,9 +146,20 @@ def _sane(attr: str, raw: object) -> float | None:
     return value
 
 
-async def parse_metrics_async(text: str) -> dict[int, RankSample]:
-    """`parse_metrics` in a worker thread: a large (but allowed) body must not stall the loop."""
-    return await asyncio.to_thread(parse_metrics, text)
+def _parse_each(texts: list[str]) -> list[dict[int, RankSample] | Exception]:
+    out: list[dict[int, RankSample] | Exception] = []
+    for text in texts:
+        try:
+            out.append(parse_metrics(text))
+        except Exception as exc:  # noqa: BLE001  (a broken exposition is that pod's problem)
+            out.append(exc)
+    return out
+
+
+async def parse_all_async(texts: list[str]) -> list[dict[int, RankSample] | Exception]:
+    """`parse_metrics` of every body, in one worker-thread call per pass (not one per pod): large
+    (but allowed) bodies must not stall the loop. A body that does not parse gives its exception."""
+    return await asyncio.to_thread(_parse_each, texts) if texts else []
 
 
 def merge(parts: Iterable[dict[int, RankSample]]) -> dict[int, RankSample]:
