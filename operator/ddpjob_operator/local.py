@@ -19,6 +19,7 @@ import copy
 import functools
 import json
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -84,11 +85,52 @@ def validate(obj: dict[str, Any]) -> JobSpec:
     return job
 
 
-def free_port() -> int:
-    """An unused TCP port on loopback."""
+_EPHEMERAL_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+_LOWEST_PICK = 10000  # below the usual well-known service ports people run locally
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(_EPHEMERAL_FILE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
+def _bindable(port: int) -> bool:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_ports(count: int = 1) -> int:
+    """The first of `count` consecutive unused loopback ports.
+
+    Picked below the kernel's ephemeral range when there is room: a port from that range (what
+    bind(0) returns) can be taken as the source port of any outgoing connection between this check
+    and the node's own bind, which then fails (seen in CI: a node's metrics port lost that way).
+    """
+    rng = random.SystemRandom()
+    top = _ephemeral_low() - count
+    if top > _LOWEST_PICK:
+        for _ in range(500):
+            base = rng.randrange(_LOWEST_PICK, top)
+            if all(_bindable(p) for p in range(base, base + count)):
+                return base
+    for _ in range(500):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if all(_bindable(p) for p in range(base, base + count)):
+            return base
+    raise LocalRunError(f"no {count} consecutive free loopback port(s)")
+
+
+def free_port() -> int:
+    """An unused TCP port on loopback (see free_ports)."""
+    return free_ports(1)
 
 
 def local_trainer_config(trainer: dict[str, Any], workdir: Path) -> dict[str, Any]:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,14 +22,9 @@ from kubernetes.client.rest import ApiException
 from tests.cluster.conftest import wait_for
 from tests.cluster.test_crd import install_crd
 from tests.support.cluster import REPO_ROOT, evict_pod, set_pod_exit
+from ddpjob_operator.local import free_port
 
 DDPJOB = str(Path(sys.executable).parent / "ddpjob")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Operator:

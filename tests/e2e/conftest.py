@@ -6,7 +6,6 @@ import base64
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -17,6 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from ddpjob_operator.local import free_port
 from tests.support.cluster import (  # noqa: F401  (re-exported for test modules)
     REPO_ROOT,
     Cluster,
@@ -175,12 +175,6 @@ def token_kubeconfig(cluster: Cluster, rel: Release, path: Path) -> Path:
     }))
     path.chmod(0o600)
     return path
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

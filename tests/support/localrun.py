@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import types
@@ -12,6 +11,8 @@ from pathlib import Path
 from typing import Iterator
 
 import yaml
+
+from ddpjob_operator import local
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DDPJOB = Path(sys.executable).parent / "ddpjob"
@@ -50,24 +51,17 @@ dist.destroy_process_group()
 
 
 def free_ports(n: int, *, consecutive: bool = False) -> list[int]:
-    """n free loopback ports (consecutive ones when asked: node N serves on base + N)."""
-    for _ in range(200):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        ports = list(range(base, base + n)) if consecutive else [base]
-        ok = True
-        for p in ports:
-            with socket.socket() as s:
-                try:
-                    s.bind(("127.0.0.1", p))
-                except OSError:
-                    ok = False
-        if ok and (consecutive or n == 1):
-            return ports
-        if not consecutive:
-            return [base] + free_ports(n - 1)
-    raise RuntimeError("no free ports")
+    """n free loopback ports (consecutive ones when asked: node N serves on base + N), below the
+    ephemeral range so that no outgoing connection takes one before its server binds it."""
+    if consecutive:
+        base = local.free_ports(n)
+        return list(range(base, base + n))
+    ports: list[int] = []
+    while len(ports) < n:
+        p = local.free_port()
+        if p not in ports:
+            ports.append(p)
+    return ports
 
 
 def pids_with_env(entry: str, *, prefix: bool = False) -> list[int]:
@@ -144,3 +138,7 @@ def local_run(spec: Path, root: Path, **env_extra: str) -> Iterator[types.Simple
         finally:
             stop_local_run(proc, workdir)
             print(f"--- training log ({log_path}) ---\n{log_path.read_text()[-3000:]}")
+            # Each node's launcher log (e.g. a metrics port it could not bind) explains a missing rank.
+            for node_log in sorted((workdir / "logs").glob("attempt-*/*")):
+                if node_log.is_file():
+                    print(f"--- {node_log.relative_to(workdir)} ---\n{node_log.read_text(errors='replace')[-1500:]}")
