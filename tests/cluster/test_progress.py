@@ -62,11 +62,13 @@ def test_progress_and_loss_in_status_and_kubectl_get(start_operator, k8s, crd, t
         start_operator(DDPJOB_SCRAPE_URL_TEMPLATE=URL_TEMPLATE)
         apply_job(k8s, "prog", run.base)
         k8s.wait_status("prog", running(2), "both pods Running", timeout=60)
+        # Both ranks in the same pass: one scrape that times out on a loaded machine is not a bug.
         st = wait_job(k8s, "prog", run, lambda s: (s.get("progress") or {}).get("step", 0) >= 20
-                      and "loss" in s["progress"], "progress with a step >= 20 and a loss", timeout=180)
+                      and "loss" in s["progress"] and s["progress"].get("ranksReporting") == 2,
+                      "progress from both ranks with a step >= 20 and a loss", timeout=180)
         p = st["progress"]
         assert p["totalSteps"] > p["step"] and 0 < p["percent"] < 100
-        assert p["samplesPerSecond"] > 0 and p["ranksReporting"] == 2
+        assert p["samplesPerSecond"] > 0
         assert p["lastStepTime"].endswith("Z") and p["eta"]
         out = crd.kubectl("get", "ddpj", "prog", "-n", k8s.ns).stdout
         header, row = out.splitlines()[:2]
