@@ -28,7 +28,7 @@ from .phases import Phase
 from .pods import render_pod
 from .service import render_service
 from .spec import from_manifest
-from .status import create_refused, job_status, split_creates
+from .status import NAME_CONFLICT, CreateRefusal, create_refused, job_status, split_creates
 
 log = logging.getLogger("ddpjob.controller")
 Key = tuple[str, str]
@@ -66,6 +66,23 @@ def status_patch(prev: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
 def owned_by(pod: dict[str, Any], uid: str) -> bool:
     """True when the pod's controller owner is the DDPJob with this uid."""
     return any(ref.get("uid") == uid for ref in (pod.get("metadata") or {}).get("ownerReferences") or [])
+
+
+def foreign_service(job, svc: dict[str, Any] | None) -> CreateRefusal | None:
+    """A refusal naming the Service that holds this job's Service name when it is not this job's
+    headless Service; None when it is (or it has gone meanwhile: the next pass creates it)."""
+    if svc is None:
+        return None
+    name = (svc.get("metadata") or {}).get("name") or job.name
+    if not owned_by(svc, job.uid):
+        why = f"service {name} exists and is not owned by this DDPJob"
+    elif (svc.get("spec") or {}).get("clusterIP") != "None":
+        why = f"service {name} is not headless (clusterIP {(svc.get('spec') or {}).get('clusterIP')})"
+    else:
+        return None
+    return CreateRefusal(pod=name, code=409, reason=NAME_CONFLICT, kind="service",
+                         message=f"{why}: pods would get a MASTER_ADDR that does not resolve; "
+                                 "rename the job or delete that service")
 
 
 def urgent(prev: dict[str, Any], status: dict[str, Any], decision: Decision, events: list) -> bool:
@@ -373,23 +390,46 @@ class Reconciler:
 
     async def _create(self, job, decision: Decision) -> list:
         # The Service outlives group restarts: POST it once per job (a 409 after an operator
-        # restart also means it exists).
+        # restart also means it exists). Nothing watches Services, so a later creation pass
+        # (a restart) reads it back: someone may have deleted it, and the new group's
+        # rendezvous would then never resolve.
+        service = render_service(job)
+        if job.uid in self._services and await self.k8s.get_child(
+                "Service", job.namespace, service["metadata"]["name"]) is None:
+            self._services.discard(job.uid)
         if job.uid not in self._services:
-            await self.k8s.create(render_service(job))
+            if await self.k8s.create(service) is None:
+                # 409: after an operator restart it is ours; anyone else's (or one that is not
+                # headless) would give the pods a MASTER_ADDR that never resolves, so no pods yet.
+                conflict = foreign_service(job, await self.k8s.get_child(
+                    "Service", job.namespace, service["metadata"]["name"]))
+                if conflict:
+                    return [conflict]
             self._services.add(job.uid)
         pods = [render_pod(job, r, attempt=decision.attempt, config=self.config, restarts=decision.restarts,
                            counted_restarts=decision.counted_restarts) for r in decision.create_ranks]
-        refused = []
         if self.create_delay > 0:
+            refused = []
             for pod in pods:
-                made, no = split_creates([pod], await asyncio.gather(self.k8s.create(pod), return_exceptions=True))
-                self._created(job.namespace, made)
-                refused += no
+                refused += await self._create_pods(job, [pod])
                 await asyncio.sleep(self.create_delay)
             return refused
-        made, refused = split_creates(pods, await asyncio.gather(*(self.k8s.create(p) for p in pods),
-                                                                 return_exceptions=True))
+        return await self._create_pods(job, pods)
+
+    async def _create_pods(self, job, pods: list[dict[str, Any]]) -> list[CreateRefusal]:
+        results = await asyncio.gather(*(self.k8s.create(p) for p in pods), return_exceptions=True)
+        made, refused = split_creates(pods, results)
         self._created(job.namespace, made)
+        # A 409 is usually our own pod the cache has not shown yet; a pod of that name made by
+        # someone else would keep the job waiting forever without a word, so look at its owner.
+        for pod, res in zip(pods, results):
+            if res is not None:
+                continue
+            name = pod["metadata"]["name"]
+            other = await self.k8s.get_child("Pod", job.namespace, name)
+            if other is not None and not owned_by(other, job.uid):
+                refused.append(CreateRefusal(pod=name, code=409, reason=NAME_CONFLICT,
+                                             message=f"pod {name} exists and is not owned by this DDPJob"))
         return refused
 
     def _created(self, namespace: str, pods: list[dict[str, Any] | None]) -> None:

@@ -154,6 +154,16 @@ class K8s:
                 return None
             raise
 
+    async def get_child(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+        """A Pod or Service (a consistent read), or None when it is gone."""
+        plural = {"Pod": "pods", "Service": "services"}[kind]
+        try:
+            return await self._call("GET", f"/api/v1/namespaces/{namespace}/{plural}/{name}")
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+
     async def delete_pod(self, namespace: str, name: str, *, uid: str | None = None) -> bool:
         """Delete a pod (by uid precondition when given); False when already gone."""
         body = {"apiVersion": "v1", "kind": "DeleteOptions"}

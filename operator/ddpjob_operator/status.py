@@ -250,16 +250,19 @@ def job_status(job: JobSpec, pods: list[dict[str, Any]], *, now: dt.datetime,
 # (schema, admission). Anything else in 4xx (quota, PodSecurity, a namespace being deleted) may
 # clear without a spec change: the job waits and the operator retries.
 PERMANENT_REFUSALS = frozenset({400, 422})
+# A pod name already taken by an object this job does not own: retried, as its owner may delete it.
+NAME_CONFLICT = "NameConflict"
 
 
 @dataclass(frozen=True)
 class CreateRefusal:
     """One pod create the API server answered with a 4xx (other than 409 AlreadyExists / 429)."""
 
-    pod: str
+    pod: str           # the object's name (a pod's, or the job's Service's when kind is "service")
     code: int
     reason: str        # the API Status reason: Invalid, Forbidden, BadRequest, ...
     message: str       # the API's own message (names the field)
+    kind: str = "pod"
 
     @property
     def permanent(self) -> bool:
@@ -309,8 +312,8 @@ def create_refused(job: JobSpec, status: dict[str, Any], refusals: list[CreateRe
         return status, []
     first = next((r for r in refusals if r.permanent), refusals[0])
     gen = job.generation
-    pods = ", ".join(sorted({r.pod for r in refusals}))
-    message = f"the API server refused to create pod(s) {pods}: {explain_pod_error(first.message, job)}"
+    names = ", ".join(sorted({r.pod for r in refusals}))
+    message = f"the API server refused to create {first.kind}(s) {names}: {explain_pod_error(first.message, job)}"
     conds = [dict(c) for c in status.get("conditions") or []]
     old = condition({"conditions": conds}, Cond.FAILED_CREATE_POD)
     set_condition(conds, type=Cond.FAILED_CREATE_POD, status=True, reason=first.reason, message=message,

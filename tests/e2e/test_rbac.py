@@ -39,6 +39,8 @@ ALLOWED = [  # (verb, resource, subresource)
     ("delete", "pods", None),
     ("watch", "pods", None),
     ("create", "services", None),
+    ("get", "services", None),          # read back: ours, headless, not deleted
+    ("get", "pods", None),              # after a 409: whose pod holds our name
     ("list", "ddpjobs.ddpjob.dev", None),
     ("patch", "ddpjobs.ddpjob.dev", "status"),
     ("delete", "ddpjobs.ddpjob.dev", None),

@@ -87,8 +87,8 @@ EXPECTED_RULES = {
     ("ddpjob.dev", "ddpjobs"): {"get", "list", "watch", "delete"},
     ("ddpjob.dev", "ddpjobs/status"): {"patch"},
     ("ddpjob.dev", "ddpjobs/finalizers"): {"update"},
-    ("", "pods"): {"list", "watch", "create", "delete"},
-    ("", "services"): {"create"},
+    ("", "pods"): {"get", "list", "watch", "create", "delete"},
+    ("", "services"): {"get", "create"},
     ("", "events"): {"create"},
 }
 PEERING_VERBS = {"get", "list", "watch", "patch"}

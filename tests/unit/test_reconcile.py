@@ -21,6 +21,8 @@ from ddpjob_operator.cache import PeerGate, Store
 from ddpjob_operator.config import OperatorConfig
 from ddpjob_operator.controller import Reconciler
 from ddpjob_operator.operator_metrics import OperatorMetrics
+from ddpjob_operator.service import render_service
+from ddpjob_operator.spec import from_manifest
 
 NS = "ns"
 
@@ -94,6 +96,11 @@ class FakeK8s:
         self._bump(obj)
         self.objects[(kind, name)] = obj
         return copy.deepcopy(obj)
+
+    async def get_child(self, kind, namespace, name):
+        self.calls.append(("get_child", kind, name))
+        obj = self.objects.get((kind, name))
+        return copy.deepcopy(obj) if obj else None
 
     async def delete_pod(self, namespace, name, *, uid=None):
         self.calls.append(("delete_pod", name))
@@ -459,3 +466,80 @@ def test_jobs_whose_metrics_do_not_answer_are_scraped_less_often():
         await rec.shutdown()
     run(main())
     assert k8s.jobs["j"]["status"]["progress"]["step"] == 1
+
+
+def test_service_deleted_while_running_is_created_again_on_the_restart_pass():
+    k8s = FakeK8s()
+    rec = reconciler(k8s)
+
+    async def main():
+        await start_running(k8s, rec)
+        del k8s.objects[("Service", "j")]        # someone deleted the headless Service
+        set_phase(rec, k8s, "Failed", name="j-1", code=1)
+        await rec.reconcile(NS, "j")
+        for pod in list(rec.pods.by_index(NS, "j")):
+            rec.pods.delete(pod, notify=False)
+        k8s.calls.clear()
+        await rec.reconcile(NS, "j")
+        await rec.shutdown()
+    run(main())
+    assert ("Service", "j") in k8s.objects, k8s.calls
+    assert sorted(c[1] for c in k8s.calls if c[0] == "create") == ["Pod", "Pod", "Service"]
+
+
+def test_pod_name_taken_by_an_object_the_job_does_not_own_is_named_in_the_status():
+    k8s = FakeK8s()
+    k8s.objects[("Pod", "j-0")] = {"kind": "Pod", "metadata": {"name": "j-0", "namespace": NS, "uid": "foreign"}}
+    rec = reconciler(k8s)
+
+    first_pass(k8s, rec)
+    status = k8s.jobs["j"]["status"]
+    assert status["phase"] == "Pending" and status["reason"] == "FailedCreatePod", status
+    cond = next(c for c in status["conditions"] if c["type"] == "FailedCreatePod")
+    assert cond["reason"] == "NameConflict"
+    assert "pod j-0 exists and is not owned by this DDPJob" in cond["message"]
+    assert ("event", "FailedCreatePod") in k8s.calls
+
+
+@pytest.mark.parametrize("owned, cluster_ip, message", [
+    (False, "None", "service j exists and is not owned by this DDPJob"),
+    (False, "10.96.0.7", "service j exists and is not owned by this DDPJob"),
+    (True, "10.96.0.7", "service j is not headless (clusterIP 10.96.0.7)"),
+])
+def test_service_name_taken_by_another_service_is_named_and_no_pod_is_created(owned, cluster_ip, message):
+    k8s = FakeK8s()
+    rec = reconciler(k8s)
+
+    async def main():
+        job = k8s.add_job(ddpjob(nodes=2))
+        owners = [{"uid": job["metadata"]["uid"]}] if owned else []
+        k8s.objects[("Service", "j")] = {"kind": "Service", "metadata": {"name": "j", "namespace": NS,
+                                         "ownerReferences": owners}, "spec": {"clusterIP": cluster_ip}}
+        rec.job_event(job)
+        await rec.reconcile(NS, "j")
+        await rec.shutdown()
+    run(main())
+    status = k8s.jobs["j"]["status"]
+    assert status["phase"] == "Pending" and status["reason"] == "FailedCreatePod", status
+    cond = next(c for c in status["conditions"] if c["type"] == "FailedCreatePod")
+    assert cond["reason"] == "NameConflict" and message in cond["message"]
+    assert "create service(s) j" in cond["message"]
+    # Pods would rendezvous at a MASTER_ADDR that does not resolve: none is made until it is fixed.
+    assert not [c for c in k8s.calls if c[:2] == ("create", "Pod")]
+
+
+def test_our_own_headless_service_found_by_a_409_is_used():
+    # An operator restart: the Service exists and is this job's; pods are created as usual.
+    k8s = FakeK8s()
+    rec = reconciler(k8s)
+
+    async def main():
+        job = k8s.add_job(ddpjob(nodes=2))
+        svc = render_service(from_manifest(job))
+        k8s.objects[("Service", "j")] = svc
+        rec.job_event(job)
+        await rec.reconcile(NS, "j")
+        await rec.shutdown()
+    run(main())
+    assert len([c for c in k8s.calls if c[:2] == ("create", "Pod")]) == 2
+    assert k8s.jobs["j"]["status"].get("reason") != "FailedCreatePod"

@@ -97,15 +97,17 @@ ddpjob_operator (k8s.py: its only I/O module; handlers.py: kopf watches) and of 
 - apiGroups: ["ddpjob.dev"]
   resources: ["ddpjobs/finalizers"]
   verbs: ["update"]
-# One pod per node: watched by kopf, listed by job label, created, deleted for group restarts.
+# One pod per node: watched by kopf, listed by job label, created, deleted for group restarts;
+# read (get) after a 409 on create to tell our own pod from one someone else made with our name.
 - apiGroups: [""]
   resources: ["pods"]
-  verbs: ["list", "watch", "create", "delete"]
-# The headless Service that gives pod 0 its stable MASTER_ADDR (creation is idempotent: 409 =
-# already there; garbage collection removes it with the job).
+  verbs: ["get", "list", "watch", "create", "delete"]
+# The headless Service that gives pod 0 its stable MASTER_ADDR (garbage collection removes it with
+# the job). Read (get) after a 409 to check it is ours and headless, and before each restarted
+# group to recreate one that was deleted (nothing watches Services).
 - apiGroups: [""]
   resources: ["services"]
-  verbs: ["create"]
+  verbs: ["get", "create"]
 # core/v1 Events on DDPJobs (the operator's transitions and kopf's warnings).
 - apiGroups: [""]
   resources: ["events"]
