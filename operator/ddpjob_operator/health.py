@@ -13,10 +13,22 @@ for its peers hides in all-reduce inside the step). A rank whose own time stays 
 more) for `straggler_windows` consecutive observations is a straggler. When ranks do
 not run in lock-step (iteration times differ), own time is simply the iteration time.
 
-A job is stalled when no rank's step advanced for the hang timeout: `hang_timeout`
-when given (spec.hangTimeoutSeconds), else max(`min_hang_timeout`, `hang_step_multiple`
-x the median iteration time seen so far). The ranks named are those that did not start
-the step their peers are waiting in (`step_started` lags), else those behind, else all.
+A job is stalled when it made no progress for the hang timeout. Progress is a step (the
+highest step of any rank went up) or a stage change (a rank began a stage: the launcher's
+waiting_for_master and rendezvous, the trainer's process_group_init, first_step, training,
+eval, checkpoint; see ddpjob_trainer.telemetry), so a job frozen before its first step is
+caught, and a long eval or checkpoint is judged from its own start. The timeout is
+`hang_timeout` when given (spec.hangTimeoutSeconds), in every stage. Without it: before the
+first step, and in eval or checkpoint, `startup_hang_timeout` (600 s: the trainer's own
+start-up limits, the launcher's wait for the master and the process-group timeout until the
+first step, are 600 s too, so a start-up the trainer itself still waits for is no hang); while
+stepping, max(`min_hang_timeout`, `hang_step_multiple` x the median iteration time).
+Idle time runs on the operator's clock from the change it saw, except before the first step,
+where it starts at the reported stage start (the operator's first look does not reset it).
+
+Who is named: in training, the ranks that did not start the step their peers are waiting in
+(`step_started` lags), else those behind, else all; in any other stage, the ranks in the
+earliest stage before the first step (their peers wait for them), or those in eval/checkpoint.
 """
 from __future__ import annotations
 
@@ -24,13 +36,17 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Mapping
 
-from .scrape import RankSample
+from .progress import rfc3339
+from .scrape import STAGES, RankSample
 
 STRAGGLER = "Straggler"
 STALLED = "Stalled"
 
 DEFAULT_MIN_HANG_TIMEOUT = 300.0
 DEFAULT_HANG_STEP_MULTIPLE = 20.0
+DEFAULT_STARTUP_HANG_TIMEOUT = 600.0
+TRAINING = "training"
+_PAUSES = ("eval", "checkpoint")   # stages between steps that are judged from their own start
 
 
 @dataclass(frozen=True)
@@ -63,23 +79,55 @@ class HealthTracker:
     min_excess_seconds: float = 0.02
     min_hang_timeout: float = DEFAULT_MIN_HANG_TIMEOUT
     hang_step_multiple: float = DEFAULT_HANG_STEP_MULTIPLE
+    startup_hang_timeout: float = DEFAULT_STARTUP_HANG_TIMEOUT
     _prev: dict[int, _RankState] = field(default_factory=dict, repr=False)
     _streak: dict[int, int] = field(default_factory=dict, repr=False)
     _calm: dict[int, int] = field(default_factory=dict, repr=False)
     _iterations: list[float] = field(default_factory=list, repr=False)
     _max_step: int | None = field(default=None, repr=False)
     _advanced_at: float | None = field(default=None, repr=False)
+    _stages: dict[int, tuple[str, float | None]] = field(default_factory=dict, repr=False)
     active: dict[str, Finding] = field(default_factory=dict)
 
     # ---- public -------------------------------------------------------------------------
-    def effective_hang_timeout(self) -> float:
-        """The hang timeout in force now (explicit, or derived from observed step time)."""
+    def effective_hang_timeout(self, stage: str | None = TRAINING) -> float:
+        """The hang timeout in force now for a job in `stage` (None: before its first step)."""
         if self.hang_timeout:
             return float(self.hang_timeout)
+        derived = self.min_hang_timeout
         if self._iterations:
             p50 = statistics.median(self._iterations[-50:])
-            return max(self.min_hang_timeout, self.hang_step_multiple * p50)
-        return self.min_hang_timeout
+            derived = max(self.min_hang_timeout, self.hang_step_multiple * p50)
+        if stage is None or stage in _PAUSES:
+            return max(self.startup_hang_timeout, derived)
+        return derived
+
+    def stage(self) -> str | None:
+        """The job's stage as last seen: the earliest stage of any rank before the first step,
+        eval/checkpoint while a rank is in one, else training (None: nothing reported)."""
+        seen = [st for st, _ in self._stages.values()]
+        if self._max_step is None:
+            return min(seen, key=STAGES.index) if seen else None
+        pauses = [st for st in seen if st in _PAUSES]
+        return pauses[0] if pauses else TRAINING
+
+    def calm_condition(self) -> tuple[str, str]:
+        """(reason, message) of the Stalled condition while it is False: never a claim of
+        advancing steps before the first step. Stable between stage changes (no status write per
+        scrape)."""
+        stage = self.stage()
+        if self._max_step is None:
+            if stage is None:
+                return "Starting", "no training step yet; no stage reported"
+            since = self._stage_start(stage)
+            when = f" since {rfc3339(since)}" if since else ""
+            return "Starting", (f"no training step yet; in {stage}{when} (Stalled after "
+                                f"{self.effective_hang_timeout(None):.0f}s without progress)")
+        if stage in _PAUSES:
+            since = self._stage_start(stage)
+            when = f" since {rfc3339(since)}" if since else ""
+            return "Progressing", f"in {stage}{when}, after step {self._max_step}"
+        return "Progressing", "training steps are advancing"
 
     def stragglers(self) -> tuple[int, ...]:
         """Ranks currently flagged as stragglers."""
@@ -89,11 +137,12 @@ class HealthTracker:
     def update(self, samples: Mapping[int, RankSample], now: float) -> list[Finding]:
         """Observe one scrape taken at `now`; return findings that started or cleared."""
         ranks = {r: s for r, s in samples.items() if s.step is not None}
-        if not ranks:
+        known = {r: s for r, s in samples.items() if s.step is not None or s.stage is not None}
+        if not known:
             return []
         changes: list[Finding] = []
-        changes += self._check_stall(ranks, now)
-        if STALLED not in self.active:
+        changes += self._check_stall(known, now)
+        if STALLED not in self.active and ranks:
             changes += self._check_stragglers(ranks)
         for r, s in ranks.items():
             self._prev[r] = _RankState(step=s.step, ts=s.last_step_timestamp,
@@ -102,32 +151,75 @@ class HealthTracker:
         return changes
 
     # ---- hang ---------------------------------------------------------------------------
+    def _stage_start(self, stage: str) -> float | None:
+        starts = [t for st, t in self._stages.values() if st == stage and t]
+        return max(starts) if starts else None
+
+    def _stages_moved(self, ranks: Mapping[int, RankSample]) -> bool:
+        """Remember each rank's (stage, start); True when one began a stage since the last look
+        (a rank missing from one scrape keeps what it had: a flaky scrape is no progress)."""
+        moved = False
+        for r, s in ranks.items():
+            if s.stage is None:
+                continue
+            now = (s.stage, s.stage_started_at)
+            moved |= self._stages.get(r) != now
+            self._stages[r] = now
+        return moved
+
     def _check_stall(self, ranks: Mapping[int, RankSample], now: float) -> list[Finding]:
-        top = max(s.step for s in ranks.values())
-        if self._max_step is None or self._advanced_at is None:
-            # First sight: the idle clock starts now (a stall seeded from status stays until steps move).
+        steps = [s.step for s in ranks.values() if s.step is not None]
+        top = max(steps) if steps else None
+        first_sight = self._advanced_at is None
+        moved = self._stages_moved(ranks)
+        if first_sight:
+            # The idle clock starts now (a stall seeded from status stays until the job moves), or
+            # before the first step at the reported stage start when that is in the past.
             self._max_step, self._advanced_at = top, now
+            starts = [t for _, t in self._stages.values() if t]
+            if top is None and starts:
+                self._advanced_at = min(now, max(starts))
             return []
-        if top != self._max_step:
+        if top != self._max_step or moved:
             self._max_step = top
             self._advanced_at = now
             if STALLED in self.active:
                 old = self.active.pop(STALLED)
-                return [Finding(STALLED, False, old.ranks, "Resumed",
-                                f"training advanced again (step {top})")]
+                what = f"step {top}" if top is not None else f"stage {self.stage()}"
+                return [Finding(STALLED, False, old.ranks, "Resumed", f"training advanced again ({what})")]
             return []
         idle = now - self._advanced_at
-        timeout = self.effective_hang_timeout()
+        stage = self.stage()
+        timeout = self.effective_hang_timeout(None if top is None else stage)
         if idle < timeout or STALLED in self.active:
             return []
-        culprits = _stopped_ranks(ranks)
-        names = ", ".join(_describe(ranks[r]) for r in culprits)
-        steps = sorted({ranks[r].step for r in culprits})
-        msg = (f"no rank advanced for {idle:.0f}s (hang timeout {timeout:.0f}s); "
-               f"stopped: {names} at step {'/'.join(map(str, steps))}")
-        f = Finding(STALLED, True, culprits, "NoProgress", msg)
+        if top is None or stage in _PAUSES:
+            f = self._stuck_in_stage(ranks, stage, idle, timeout)
+        else:
+            culprits = _stopped_ranks({r: s for r, s in ranks.items() if s.step is not None})
+            names = ", ".join(_describe(ranks[r]) for r in culprits)
+            steps_at = sorted({ranks[r].step for r in culprits})
+            msg = (f"no rank advanced for {idle:.0f}s (hang timeout {timeout:.0f}s); "
+                   f"stopped: {names} at step {'/'.join(map(str, steps_at))}")
+            f = Finding(STALLED, True, culprits, "NoProgress", msg)
         self.active[STALLED] = f
         return [f]
+
+    def _stuck_in_stage(self, ranks: Mapping[int, RankSample], stage: str | None, idle: float,
+                        timeout: float) -> Finding:
+        """'stuck in rendezvous for 312s (hangTimeoutSeconds 300): rank 1 (pod j-1); other ranks: ...'"""
+        staged = {r: st for r, (st, _) in self._stages.items() if r in ranks}
+        culprits = tuple(sorted(r for r, st in staged.items() if st == stage)) or tuple(sorted(ranks))
+        limit = (f"hangTimeoutSeconds {timeout:.0f}" if self.hang_timeout
+                 else f"default hang timeout {timeout:.0f}s; set spec.hangTimeoutSeconds")
+        where = "" if self._max_step is None else f" after step {self._max_step}"
+        msg = (f"stuck in {stage or 'start-up'}{where} for {idle:.0f}s ({limit}): "
+               + ", ".join(_describe(ranks[r]) for r in culprits))
+        others = sorted(r for r in ranks if r not in culprits)
+        if others:
+            msg += "; other ranks: " + ", ".join(
+                f"{_describe(ranks[r])} in {staged.get(r, 'an unreported stage')}" for r in others)
+        return Finding(STALLED, True, culprits, "StuckInStage", msg)
 
     # ---- stragglers -----------------------------------------------------------------------
     def _check_stragglers(self, ranks: Mapping[int, RankSample]) -> list[Finding]:

@@ -23,11 +23,8 @@ NODE_RANK_LABEL = "ddpjob.dev/node-rank"
 ATTEMPT_LABEL = "ddpjob.dev/attempt"
 CONDITION_TYPES = (health.STRAGGLER, health.STALLED)
 
-# Condition wording when nothing is wrong.
-_OK = {
-    health.STRAGGLER: ("NoStraggler", "every rank keeps pace with the median"),
-    health.STALLED: ("Progressing", "training steps are advancing"),
-}
+# Straggler's wording when nothing is wrong (Stalled's depends on the stage: HealthTracker.calm_condition).
+_NO_STRAGGLER = ("NoStraggler", "every rank keeps pace with the median")
 
 
 @dataclass
@@ -205,8 +202,12 @@ class Monitor:
             f = st.tracker.active.get(kind)
             if f is not None:
                 status, reason, message = "True", f.reason, f.message
+            elif kind == health.STALLED:
+                # Before the first step: False with reason Starting (not Unknown): the operator does
+                # see the job, and knows it has not been stuck in one stage past the timeout.
+                status, (reason, message) = "False", st.tracker.calm_condition()
             else:
-                status, (reason, message) = "False", _OK[kind]
+                status, (reason, message) = "False", _NO_STRAGGLER
             old = existing.get(kind)
             if old and old.get("status") == status and old.get("lastTransitionTime"):
                 since = old["lastTransitionTime"]

@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Iterable
 
+from ddpjob_trainer.telemetry import STAGES  # same wheel; a light module (no torch)
 from prometheus_client.parser import text_string_to_metric_families
 
 PREFIX = "ddpjob_trainer_"
@@ -33,7 +34,10 @@ _GAUGES = {
     "step_seconds_count": "step_seconds_count",
     "gpu_memory_allocated_bytes": "gpu_memory_allocated_bytes",
     "gpu_memory_max_allocated_bytes": "gpu_memory_max_allocated_bytes",
+    "stage_start_timestamp_seconds": "stage_started_at",
 }
+# `stage{stage=S} 1` names a rank's stage; a name not in STAGES is dropped, so a pod cannot put
+# text of its choosing into a condition message.
 _INTS = {"step", "epoch", "total_steps", "restart_count", "step_started"}
 
 # A pod controls its exposition, so every value is bounded before it can reach status: a value
@@ -83,6 +87,8 @@ class RankSample:
     restart_count: int | None = None
     gpu_memory_allocated_bytes: float | None = None
     gpu_memory_max_allocated_bytes: float | None = None
+    stage: str | None = None             # one of STAGES
+    stage_started_at: float | None = None  # Unix time (the pod's clock) the stage began
     pod: str | None = None       # filled in by the scraper, not the exposition
     node: str | None = None
     extra: dict = field(default_factory=dict, repr=False)
@@ -111,7 +117,7 @@ def parse_metrics(text: str) -> dict[int, RankSample]:
         for s in family.samples:
             short = s.name[len(PREFIX):]
             attr = _GAUGES.get(short)
-            if attr is None:
+            if attr is None and not (short == "stage" and s.value == 1 and s.labels.get("stage") in STAGES):
                 continue
             rank = _int_or_none(s.labels.get("rank"))
             if rank is None:
@@ -125,6 +131,9 @@ def parse_metrics(text: str) -> dict[int, RankSample]:
                     ddpjob=s.labels.get("ddpjob") or None,
                     namespace=s.labels.get("namespace") or None,
                 )
+            if attr is None:
+                rs.stage = s.labels["stage"]
+                continue
             value = _sane(attr, s.value)
             if value is None:
                 continue  # keep the default: a hostile value must not displace "not reported"

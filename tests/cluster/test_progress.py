@@ -4,7 +4,7 @@ The DDPJob's pods are "Running" on kwok's fake nodes; the training itself runs o
 (`ddpjob run --local --metrics-port-base P`: node N serves metrics on P + N), and the operator is
 pointed at it with DDPJOB_SCRAPE_URL_TEMPLATE=http://127.0.0.1:{rank_port}/metrics
 ({rank_port} = spec.metricsPort + node rank). Test knob (trainer/ddpjob_trainer/debug.py):
-DDPJOB_DEBUG_FREEZE_RANK="<rank>:<step>"; the straggler is a `command:` job whose rank 1 has a slow
+DDPJOB_DEBUG_FREEZE_RANK="<rank>:<step>", DDPJOB_DEBUG_FREEZE_STAGE="<rank>:<stage>"; the straggler is a `command:` job whose rank 1 has a slow
 data loader (SLOW_INPUT_RANK, below).
 """
 from __future__ import annotations
@@ -105,6 +105,35 @@ def test_frozen_rank_turns_job_stalled_naming_that_rank(start_operator, k8s, crd
                        desc="a Stalled event")
         assert evs[0][0] == "Warning" and "rank 1" in evs[0][2]
         assert st["phase"] == "Running"   # restartOnHang is opt-in
+
+
+def test_job_frozen_before_its_first_step_is_stalled_naming_the_stage(start_operator, k8s, crd, tmp_path):
+    """Rank 1 freezes on entering first_step (its data and model never come), so rank 0 waits in the
+    first step's all-reduce: no step is ever taken. Until hangTimeoutSeconds has passed, Stalled is
+    False and claims no advancing steps; then it is True and names the stage."""
+    with local_training(tmp_path, DDPJOB_DEBUG_FREEZE_STAGE="1:first_step") as run:
+        start_operator(DDPJOB_SCRAPE_URL_TEMPLATE=URL_TEMPLATE)
+        apply_job(k8s, "early", run.base, hangTimeoutSeconds=20)
+        k8s.wait_status("early", running(2), "both pods Running", timeout=60)
+        seen: list[dict] = []
+
+        def stalled(s: dict) -> bool:
+            c = condition(s, "Stalled")
+            if c and c not in seen:
+                seen.append(c)
+            return bool(c) and c["status"] == "True"
+
+        st = wait_job(k8s, "early", run, stalled, "Stalled condition True", timeout=240)
+        msg = condition(st, "Stalled")["message"]
+        assert condition(st, "Stalled")["reason"] == "StuckInStage", st
+        assert msg.startswith("stuck in first_step for ") and "(hangTimeoutSeconds 20)" in msg, msg
+        assert "rank 1 (pod early-1 on node " in msg, msg
+        assert "step" not in (st.get("progress") or {}), st
+        calm = [c for c in seen if c["status"] == "False"]
+        assert all(c["reason"] == "Starting" and "advancing" not in c["message"] for c in calm), seen
+        evs = wait_for(lambda: [e for e in k8s.events("early") if e[1] == "Stalled"], timeout=30,
+                       desc="a Stalled event")
+        assert evs[0][0] == "Warning" and "first_step" in evs[0][2]
 
 
 @contextmanager

@@ -114,3 +114,98 @@ def test_default_hang_timeout_from_observed_step_time():
         h.update(job.advance(n=1), now=40 * i)
     assert h.effective_hang_timeout() == 600
     assert HealthTracker(hang_timeout=42).effective_hang_timeout() == 42
+
+
+# ---- stages: hangs before the first step, long evals and checkpoints -----------------------------
+
+def staged(stages: dict[int, tuple[str, float]], step: int | None = None) -> dict[int, RankSample]:
+    """What ranks report per stage: {rank: (stage, stage start)}, optionally with a step."""
+    return {r: RankSample(rank=r, stage=st, stage_started_at=t, step=step, last_step_timestamp=None,
+                          pod=f"j-{r}", node=f"n{r}")
+            for r, (st, t) in stages.items()}
+
+
+@pytest.mark.parametrize("stage", ["waiting_for_master", "rendezvous", "process_group_init", "first_step"])
+def test_job_frozen_before_its_first_step_is_stalled_naming_the_stage(stage):
+    h = HealthTracker(hang_timeout=30)
+    frozen = staged({0: (stage, 1000.0), 1: (stage, 1001.0)})
+    assert h.update(frozen, now=1010) == []
+    assert h.calm_condition()[0] == "Starting"
+    assert h.update(frozen, now=1025) == []                  # 24 s since the stage began < 30 s
+    found = h.update(frozen, now=1032)                       # 31 s: the clock ran from the stage start
+    assert [(f.kind, f.active, f.reason, f.ranks) for f in found] == [(STALLED, True, "StuckInStage", (0, 1))]
+    assert found[0].message.startswith(f"stuck in {stage} for 31s (hangTimeoutSeconds 30): "
+                                       "rank 0 (pod j-0 on node n0), rank 1 (pod j-1 on node n1)")
+    assert h.update(frozen, now=1060) == []                  # reported once
+
+
+def test_stage_change_is_progress_and_the_earliest_stage_names_the_culprit():
+    h = HealthTracker(hang_timeout=30)
+    h.update(staged({0: ("rendezvous", 1000.0), 1: ("waiting_for_master", 1000.0)}), now=1000)
+    # 25 s later rank 0 begins process-group init: progress, the clock starts again
+    later = staged({0: ("process_group_init", 1025.0), 1: ("waiting_for_master", 1000.0)})
+    assert h.update(later, now=1026) == []
+    assert h.update(later, now=1050) == []
+    found = h.update(later, now=1057)
+    assert found[0].ranks == (1,)
+    assert found[0].message.startswith("stuck in waiting_for_master for 31s")
+    assert "other ranks: rank 0 (pod j-0 on node n0) in process_group_init" in found[0].message
+    resumed = h.update(staged({0: ("process_group_init", 1025.0), 1: ("rendezvous", 1058.0)}), now=1060)
+    assert [(f.kind, f.active, f.reason) for f in resumed] == [(STALLED, False, "Resumed")]
+
+
+def test_no_advancing_claim_before_a_step_and_a_stable_message():
+    h = HealthTracker(hang_timeout=300)
+    assert h.calm_condition() == ("Starting", "no training step yet; no stage reported")
+    h.update(staged({0: ("rendezvous", 1000.0)}), now=1005)
+    first = h.calm_condition()
+    h.update(staged({0: ("rendezvous", 1000.0)}), now=1050)
+    assert h.calm_condition() == first                       # no status write per scrape
+    assert first == ("Starting", "no training step yet; in rendezvous since 1970-01-01T00:16:40Z "
+                                 "(Stalled after 300s without progress)")
+    assert "advancing" not in first[1]
+    h.update(staged({0: ("training", 1060.0)}, step=1), now=1061)
+    assert h.calm_condition() == ("Progressing", "training steps are advancing")
+
+
+def test_default_timeout_before_the_first_step_is_generous():
+    h = HealthTracker()                                     # no spec.hangTimeoutSeconds
+    assert h.effective_hang_timeout(None) == 600 and h.effective_hang_timeout() == 300
+    frozen = staged({0: ("first_step", 0.0 + 1000)})
+    h.update(frozen, now=1000)
+    assert h.update(frozen, now=1000 + 400) == []           # past the 300 s training default
+    found = h.update(frozen, now=1000 + 601)
+    assert "stuck in first_step for 601s (default hang timeout 600s; set spec.hangTimeoutSeconds)" \
+        in found[0].message
+
+
+def test_timeout_from_spec_applies_to_every_stage():
+    assert HealthTracker(hang_timeout=20).effective_hang_timeout(None) == 20
+    assert HealthTracker(hang_timeout=20).effective_hang_timeout("eval") == 20
+    assert HealthTracker(hang_timeout=900).effective_hang_timeout(None) == 900
+
+
+def test_long_eval_is_judged_from_its_start_not_the_last_step():
+    job, h = Job(world=2, compute=0.1), HealthTracker(hang_timeout=60)
+    s = job.advance()
+    for r in s.values():
+        r.stage, r.stage_started_at = "training", 900.0
+    h.update(s, now=0)
+    # 50 s without a step, then the eval begins: a stage change, the clock starts again
+    for r in s.values():
+        r.stage, r.stage_started_at = "eval", 1050.0
+    assert h.update(s, now=50) == []
+    assert h.calm_condition() == ("Progressing", "in eval since 1970-01-01T00:17:30Z, after step 10")
+    assert h.update(s, now=105) == []                        # 105 s since the last step, 55 s in eval
+    found = h.update(s, now=111)
+    assert found[0].reason == "StuckInStage"
+    assert found[0].message.startswith("stuck in eval after step 10 for 61s (hangTimeoutSeconds 60)")
+
+
+def test_a_rank_missing_from_one_scrape_is_no_progress():
+    h = HealthTracker(hang_timeout=30)
+    both = staged({0: ("rendezvous", 1000.0), 1: ("rendezvous", 1000.0)})
+    h.update(both, now=1000)
+    h.update({0: both[0]}, now=1015)                        # rank 1's scrape failed once
+    assert h.update(both, now=1025) == []
+    assert h.update(both, now=1031)[0].active

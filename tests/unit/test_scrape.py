@@ -82,3 +82,17 @@ def test_parse_edge_cases(text, expected):
 def test_mean_step_seconds():
     assert RankSample(rank=0).mean_step_seconds is None
     assert RankSample(rank=0, step_seconds_sum=3.0, step_seconds_count=6).mean_step_seconds == 0.5
+
+
+@pytest.mark.parametrize("lines,expected", [
+    (['stage{rank="0",stage="rendezvous"} 1', 'stage{rank="0",stage="training"} 0',
+      'stage_start_timestamp_seconds{rank="0"} 1.7e9'], ("rendezvous", 1.7e9)),
+    # only the stage at 1 is the rank's; a name the trainer never uses is dropped (it would reach a
+    # condition message), and so is an absurd start time
+    (['stage{rank="0",stage="rendezvous"} 0', 'stage{rank="0",stage="<script>"} 1',
+      'stage_start_timestamp_seconds{rank="0"} 1e300'], (None, None)),
+])
+def test_parse_stage(lines, expected):
+    text = "".join(f"ddpjob_trainer_{line}\n" for line in lines)
+    s = parse_metrics(text)[0]
+    assert (s.stage, s.stage_started_at) == expected

@@ -135,3 +135,65 @@ def test_track_api_reports_steps_loss_and_samples(tmp_path):
     s = parse_metrics(text)[0]
     assert (s.step, s.epoch, s.loss, s.samples_total, s.step_seconds_count) == (7, 2, 0.25, 34, 7)
     assert s.step_started == 7
+
+
+STAGE_SCRIPT = """
+    import sys
+    from ddpjob_trainer.telemetry import Telemetry
+    labels = {"ddpjob": "demo", "namespace": "team", "rank": "1", "local_rank": "0", "node_rank": "1"}
+    t = Telemetry(labels=labels)
+    for stage in sys.argv[1:]:
+        t.set_stage(stage)
+"""
+
+
+def collect(mp) -> str:
+    return run_py(f"""
+        import sys
+        from prometheus_client import CollectorRegistry, generate_latest
+        from prometheus_client.multiprocess import MultiProcessCollector
+        reg = CollectorRegistry()
+        MultiProcessCollector(reg, path={str(mp)!r})
+        sys.stdout.write(generate_latest(reg).decode())
+    """)
+
+
+def run_stages(mp, *stages: str) -> None:
+    env = {k: v for k, v in os.environ.items() if k not in ("PROMETHEUS_MULTIPROC_DIR",)}
+    env["DDPJOB_METRICS_DIR"] = str(mp)
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent(STAGE_SCRIPT), *stages], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+
+
+def test_stage_set_last_wins_across_processes(tmp_path):
+    """The launcher sets rendezvous for a rank it has not started; the rank (another process, same
+    dir) moves on: the endpoint shows the rank's stage, one stage at 1, with its start time."""
+    mp = tmp_path / "mp"
+    run_stages(mp, "waiting_for_master", "rendezvous")          # the launcher
+    s = parse_metrics(collect(mp))[1]
+    assert s.stage == "rendezvous" and s.step is None and s.stage_started_at > 1.7e9
+    before = s.stage_started_at
+    run_stages(mp, "process_group_init", "first_step")          # the rank
+    text = collect(mp)
+    s = parse_metrics(text)[1]
+    assert s.stage == "first_step" and s.stage_started_at >= before
+    assert text.count('ddpjob_trainer_stage{') == 7 and text.count("} 1.0") >= 1
+    assert ('ddpjob_trainer_stage{ddpjob="demo",local_rank="0",namespace="team",node_rank="1",rank="1",'
+            'stage="rendezvous"} 0.0') in text
+
+
+def test_first_step_ends_start_up_and_unknown_stages_are_refused(tmp_path):
+    out = run_py("""
+        from ddpjob_trainer.telemetry import Telemetry
+        t = Telemetry.from_env()
+        for x in t.track([[1, 2]]):
+            print("during", t.stage)
+        print("after", t.stage)
+        try:
+            t.set_stage("warmup")
+        except ValueError as e:
+            print(e)
+    """, metrics_dir=tmp_path / "mp")
+    assert out.splitlines()[:2] == ["during first_step", "after training"]
+    assert "unknown stage 'warmup'" in out

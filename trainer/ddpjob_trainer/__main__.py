@@ -20,6 +20,7 @@ def _record_bad_config(msg: str) -> None:
 def main() -> int:
     """Parse config, set up the process group, train; map failures to exit codes."""
     from .config import config_from_env
+    from .debug import Knobs
     from .dist import process_group
     from .loop import train
     from .reporting import make_reporter
@@ -28,11 +29,14 @@ def main() -> int:
     rank = os.environ.get("RANK", "0")
     try:
         cfg = config_from_env()
+        telemetry = Telemetry.from_env()
+        telemetry.set_stage("process_group_init")
+        Knobs.from_env(rank=int(rank)).at_stage("process_group_init")
         with process_group(timeout_seconds=cfg.timeout_seconds) as ctx:
             log = make_reporter(rank=ctx.rank, mlflow=cfg.mlflow)
             status = "FAILED"
             try:
-                train(cfg, ctx, log=log, telemetry=Telemetry.from_env(),
+                train(cfg, ctx, log=log, telemetry=telemetry,
                       result_path=os.environ.get("DDPJOB_RESULT_FILE"))
                 status = "FINISHED"
             finally:

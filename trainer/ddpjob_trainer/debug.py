@@ -4,6 +4,8 @@ DDPJOB_DEBUG_SLOW_RANK="<rank>:<seconds>"   that rank's data loader takes this m
 DDPJOB_DEBUG_FREEZE_RANK="<rank>:<step>"    that rank stops advancing once it reaches the step
 DDPJOB_DEBUG_STEP_SLEEP="<seconds>"         every rank sleeps this long after every step
 DDPJOB_DEBUG_CRASH_RANK="<rank>:<step>"     that rank exits 1 at the step, on attempt 0 only
+DDPJOB_DEBUG_FREEZE_STAGE="<rank>:<stage>"  that rank freezes on entering the stage (e.g. first_step:
+                                            a job that hangs before its first step)
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ class Knobs:
     slow_fetch: float = 0.0
     freeze_at: int | None = None
     crash_at: int | None = None
+    freeze_stage: str | None = None
 
     @classmethod
     def from_env(cls, *, rank: int, env=os.environ) -> "Knobs":
@@ -36,7 +39,9 @@ class Knobs:
         freeze = _pair(env.get("DDPJOB_DEBUG_FREEZE_RANK"))
         crash = _pair(env.get("DDPJOB_DEBUG_CRASH_RANK"))
         first_attempt = env.get("DDPJOB_ATTEMPT", "0") == "0"
-        return cls(sleep=sleep, slow_fetch=slow[1] if slow and slow[0] == rank else 0.0,
+        f_rank, _, f_stage = (env.get("DDPJOB_DEBUG_FREEZE_STAGE") or "").partition(":")
+        return cls(freeze_stage=f_stage if f_stage and f_rank == str(rank) else None,
+                   sleep=sleep, slow_fetch=slow[1] if slow and slow[0] == rank else 0.0,
                    freeze_at=int(freeze[1]) if freeze and freeze[0] == rank else None,
                    crash_at=int(crash[1]) if crash and crash[0] == rank and first_attempt else None)
 
@@ -52,5 +57,14 @@ class Knobs:
         if self.crash_at is not None and step >= self.crash_at:
             os._exit(1)
         if self.freeze_at is not None and step >= self.freeze_at:
-            while True:  # frozen: alive, but never advancing (what a hung NCCL call looks like)
-                time.sleep(3600)
+            _freeze()
+
+    def at_stage(self, stage: str) -> None:
+        """Apply the knobs once this rank has entered `stage`."""
+        if stage == self.freeze_stage:
+            _freeze()
+
+
+def _freeze() -> None:
+    while True:  # frozen: alive, but never advancing (what a hung NCCL call looks like)
+        time.sleep(3600)

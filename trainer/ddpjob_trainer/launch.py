@@ -299,11 +299,54 @@ class _Node:
         self.server = None
         self.scratch: str | None = None
 
-    def close(self) -> None:
+    def stop_server(self) -> None:
         if self.server is not None:
             self.server.shutdown()
+            self.server.server_close()  # the port is served again by the next server at once
+            self.server = None
+
+    def close(self) -> None:
+        self.stop_server()
         if self.scratch:
             shutil.rmtree(self.scratch, ignore_errors=True)
+
+
+class _RankStages:
+    """The stage of the ranks this node is about to start (before any of them runs), written
+    under the labels each rank's own telemetry will use: rank = node rank x nproc + local rank."""
+
+    def __init__(self, env: dict[str, str]) -> None:
+        self.telemetry = []
+        try:
+            nproc = int(env.get("NPROC_PER_NODE") or env.get("PET_NPROC_PER_NODE") or "1")
+            node_rank = int(env.get("NODE_RANK", "0"))
+        except ValueError:
+            return  # e.g. nproc "auto" in a user's own env: torchrun decides, the ranks report alone
+        if env.get("DDPJOB_TELEMETRY", "1") == "0":
+            return
+        os.environ["DDPJOB_METRICS_DIR"] = env["DDPJOB_METRICS_DIR"]
+        from .telemetry import Telemetry
+
+        for local in range(max(1, nproc)):
+            labels = {"ddpjob": env.get("DDPJOB_NAME", "local"), "namespace": env.get("DDPJOB_NAMESPACE", ""),
+                      "rank": str(node_rank * nproc + local), "local_rank": str(local),
+                      "node_rank": str(node_rank)}
+            self.telemetry.append(Telemetry(labels=labels))
+
+    def set(self, stage: str) -> None:
+        now = time.time()
+        for t in self.telemetry:
+            t.set_stage(stage, timestamp=now)
+
+
+def _serve(args: argparse.Namespace, node: _Node, metrics_dir: str) -> None:
+    if not args.metrics_port:
+        return
+    from .telemetry import serve_node_endpoint
+    try:
+        node.server = serve_node_endpoint(args.metrics_port, metrics_dir)
+    except OSError as exc:  # training matters more than its metrics
+        _say(f"WARNING metrics port {args.metrics_port} unavailable ({exc}); continuing without metrics")
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -346,30 +389,31 @@ def _launch(args: argparse.Namespace, node: _Node) -> int:
     env = dict(os.environ)
     node_rank = int(env.get("NODE_RANK", "0"))
     addr, port = env.get("MASTER_ADDR"), int(env.get("MASTER_PORT", "29500"))
+    node.scratch = tempfile.mkdtemp(prefix="ddpjob-")
+    metrics_dir = env.setdefault("DDPJOB_METRICS_DIR", os.path.join(node.scratch, "metrics"))
+    status_dir = env.setdefault("DDPJOB_STATUS_DIR", os.path.join(node.scratch, "status"))
+    result_file = env.setdefault("DDPJOB_RESULT_FILE", os.path.join(node.scratch, "result.json"))
+    stages = _RankStages(env)
     if node_rank != 0 and addr and "PET_RDZV_ENDPOINT" not in env:
+        stages.set("waiting_for_master")
         _say(f"waiting up to {args.master_timeout:.0f}s for master {addr}:{port}")
+        # Served while waiting, so a worker stuck here is seen (and named) like any other hang.
+        _serve(args, node, metrics_dir)
         try:
             wait_for_master(addr, port, timeout=args.master_timeout)
         except TimeoutError as exc:
             _say(str(exc))
             _write_termination(str(exc))
             return EXIT_TRAINING_FAILED
-
-    node.scratch = tempfile.mkdtemp(prefix="ddpjob-")
-    metrics_dir = env.setdefault("DDPJOB_METRICS_DIR", os.path.join(node.scratch, "metrics"))
-    status_dir = env.setdefault("DDPJOB_STATUS_DIR", os.path.join(node.scratch, "status"))
-    result_file = env.setdefault("DDPJOB_RESULT_FILE", os.path.join(node.scratch, "result.json"))
+        finally:
+            node.stop_server()  # no thread may run while the child is forked (below)
+    stages.set("rendezvous")
     # The child starts before the metrics server's thread does: a fork with no other thread
     # running cannot inherit a lock that thread held.
     child = subprocess.Popen(cmd, env=env, start_new_session=True,
                              preexec_fn=functools.partial(die_with_parent, os.getpid()))
     node.children.append(child)
-    if args.metrics_port:
-        from .telemetry import serve_node_endpoint
-        try:
-            node.server = serve_node_endpoint(args.metrics_port, metrics_dir)
-        except OSError as exc:  # training matters more than its metrics
-            _say(f"WARNING metrics port {args.metrics_port} unavailable ({exc}); continuing without metrics")
+    _serve(args, node, metrics_dir)
     code = child.wait()
     bad = _bad_config_messages(status_dir)
     if bad:

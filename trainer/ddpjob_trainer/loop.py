@@ -142,6 +142,14 @@ def _write_json_atomic(path: str, data: dict[str, Any]) -> None:
 def train(cfg: TrainerConfig, ctx: DistContext, *, log: NullReporter, telemetry: Telemetry,
           result_path: str | None = None) -> RunResult:
     """Run (or resume) training to completion; every rank calls this."""
+    knobs = debug.Knobs.from_env(rank=ctx.rank)
+
+    def enter(stage: str) -> None:
+        telemetry.set_stage(stage)
+        knobs.at_stage(stage)
+
+    # Data, model and the first step's collectives: a hang here is named "first_step".
+    enter("first_step")
     rng.seed_all(cfg.seed + ctx.rank)
     tuning.apply_backend_switches(cfg, ctx.device)
     comm = Collectives(ctx.device)
@@ -217,6 +225,7 @@ def train(cfg: TrainerConfig, ctx: DistContext, *, log: NullReporter, telemetry:
     def save() -> None:
         if not ckpt or ckpt.last_saved_step == step:
             return
+        enter("checkpoint")
         t0 = time.perf_counter()
         sync_buffers()
         common = {"model": model.state_dict(), "optimizer": opt.state_dict(),
@@ -227,15 +236,17 @@ def train(cfg: TrainerConfig, ctx: DistContext, *, log: NullReporter, telemetry:
         telemetry.checkpoint(seconds)
         how = "being written in the background" if cfg.checkpoint.async_save else "written"
         log.info(f"checkpoint {path}: training paused {seconds:.2f}s ({how})")
+        enter("training")
 
     def run_eval() -> EvalResult:
+        enter("eval")
         sync_buffers()
         result = evaluate(model, val_loader, dataset_size=len(data.val), place=place, comm=comm)
         telemetry.eval(accuracy=result.accuracy, loss=result.loss)
+        enter("training")
         return result
 
     cuda = ctx.device.type == "cuda"
-    knobs = debug.Knobs.from_env(rank=ctx.rank)
     train_seconds, samples_seen, last_eval, eval_step = 0.0, 0, None, -1
     timeout_shortened = not cfg.step_timeout_seconds
     ddp.train()

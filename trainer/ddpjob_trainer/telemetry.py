@@ -18,6 +18,13 @@ dashboards with a few lines::
 
 Set DDPJOB_TELEMETRY=0 to turn every call into a no-op.
 
+Stages (what a hang before the first step is named by): `stage{stage=S}` is 1 for the stage the
+rank is in and 0 for the others, `stage_start_timestamp_seconds` the Unix time it began. The pod's
+launcher sets waiting_for_master and rendezvous for the ranks it is about to start; the built-in
+trainer sets process_group_init, first_step, then training, eval and checkpoint. In your own
+script, `track()` sets first_step and its first finished step training; `set_stage` sets any
+other (e.g. `tm.set_stage("eval")` around your evaluation, then `tm.set_stage("training")`).
+
 Meaning (what the operator's detectors rely on): `step_seconds` is the whole optimizer step,
 data wait included; `data_wait_seconds` is the part spent waiting for the batch. The built-in
 trainer measures `step_seconds` from one step boundary to the next and lets a GPU run ahead of
@@ -36,6 +43,9 @@ from typing import Any, Iterable, Iterator
 PREFIX = "ddpjob_trainer_"
 METRICS_DIR_ENV = "DDPJOB_METRICS_DIR"
 LABELS = ("ddpjob", "namespace", "rank", "local_rank", "node_rank")
+# In the order a job passes through them (the operator names the earliest one a stuck rank is in).
+STAGES = ("waiting_for_master", "rendezvous", "process_group_init", "first_step", "training", "eval",
+          "checkpoint")
 STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
@@ -63,6 +73,7 @@ class Telemetry:
         self._global_step = 0
         self._pending_loss = float("nan")
         self._last_epoch: int | None = None
+        self._stage: str | None = None
         if not enabled:
             return
         _prepare_multiprocess()
@@ -101,6 +112,10 @@ class Telemetry:
         self._gpu_alloc = gauge("gpu_memory_allocated_bytes", "torch.cuda.memory_allocated().")
         self._gpu_max = gauge("gpu_memory_max_allocated_bytes", "torch.cuda.max_memory_allocated().")
         self._gpu_reserved = gauge("gpu_memory_reserved_bytes", "torch.cuda.memory_reserved().")
+        stage = Gauge(PREFIX + "stage", "1 for the stage this rank is in (" + ", ".join(STAGES) + "), "
+                      "0 for the others.", names + ["stage"], registry=reg, multiprocess_mode="mostrecent")
+        self._stages = {s: stage.labels(**labels, stage=s) for s in STAGES}
+        self._stage_start = gauge("stage_start_timestamp_seconds", "Unix time this rank's current stage began.")
 
     @classmethod
     def from_env(cls, *, enabled: bool | None = None) -> "Telemetry":
@@ -116,6 +131,23 @@ class Telemetry:
         if enabled is None:
             enabled = env.get("DDPJOB_TELEMETRY", "1") != "0"
         return cls(labels=labels, enabled=enabled)
+
+    @property
+    def stage(self) -> str | None:
+        """The stage this process last set (None: none yet)."""
+        return self._stage
+
+    def set_stage(self, stage: str, *, timestamp: float | None = None) -> None:
+        """Enter `stage` (one of STAGES): every stage's gauge is written, so that the process that
+        set the stage last (the launcher, then the rank) wins in the shared directory."""
+        if stage not in STAGES:
+            raise ValueError(f"unknown stage {stage!r}; one of {', '.join(STAGES)}")
+        if not self.enabled or stage == self._stage:
+            return
+        self._stage = stage
+        for name, child in self._stages.items():
+            child.set(1 if name == stage else 0)
+        self._stage_start.set(time.time() if timestamp is None else timestamp)
 
     def set_total_steps(self, n: int) -> None:
         """The number of optimizer steps the run will take."""
@@ -137,6 +169,8 @@ class Telemetry:
         """Record one finished optimizer step; `loss` None: not read this step (gauge kept)."""
         if not self.enabled:
             return
+        if self._stage is None or self._stage == "first_step":
+            self.set_stage("training")  # the first finished step ends start-up
         self._global_step = step
         self._step.set(step)
         if epoch != self._last_epoch:  # changes once per epoch: skip the mmap write otherwise
@@ -178,6 +212,8 @@ class Telemetry:
 
         `samples` per step defaults to the length of the batch's first element.
         """
+        if self._stage is None:
+            self.set_stage("first_step")
         it = iter(batches)
         while True:
             t0 = time.perf_counter()
