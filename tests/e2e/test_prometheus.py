@@ -36,6 +36,7 @@ TRAINER_METRICS = [
     "ddpjob_trainer_step_seconds_count", "ddpjob_trainer_data_wait_seconds_total",
     "ddpjob_trainer_last_step_timestamp_seconds", "ddpjob_trainer_eval_accuracy",
     "ddpjob_trainer_eval_loss", "ddpjob_trainer_checkpoint_seconds", "ddpjob_trainer_restart_count",
+    "ddpjob_trainer_stage", "ddpjob_trainer_stage_start_timestamp_seconds",
 ]
 GPU_METRICS = ["ddpjob_trainer_gpu_memory_allocated_bytes", "ddpjob_trainer_gpu_memory_max_allocated_bytes",
                "ddpjob_trainer_gpu_memory_reserved_bytes"]
@@ -251,3 +252,61 @@ def test_alert_expression_is_valid_against_real_series(prom, alert):
     assert body["data"]["result"] == [], f"{alert} fires on a healthy run: {body['data']['result']}"
     loaded = {r["name"]: r for g in prom.api("rules")["data"]["groups"] for r in g["rules"]}
     assert loaded[alert]["health"] == "ok", loaded[alert]
+
+
+# ---- a job frozen before its first step ------------------------------------------------------------
+EARLY_HANG_TIMEOUT = 20
+
+
+@pytest.fixture(scope="module")
+def frozen_before_first_step(tmp_path_factory):
+    """A real 2-node run whose rank 1 freezes on entering first_step (rank 0 then waits in the first
+    all-reduce): no step is ever taken. Beside it, the operator's own metrics exporter (the real
+    OperatorMetrics) exporting the job's hangTimeoutSeconds, as an in-cluster operator would."""
+    from prometheus_client import CollectorRegistry
+
+    from ddpjob_operator.operator_metrics import OperatorMetrics
+
+    work = tmp_path_factory.mktemp("early")
+    registry = CollectorRegistry()
+    metrics = OperatorMetrics(registry)
+    metrics.record_pass((NAMESPACE, JOB), prev_status={}, status={"phase": "Running"},
+                        hang_timeout=EARLY_HANG_TIMEOUT)
+    operator_port = free_ports(1)[0]
+    from prometheus_client import start_http_server
+
+    server, _thread = start_http_server(operator_port, addr="127.0.0.1", registry=registry)
+    try:
+        with local_run(write_digits_job(work, epochs=40), work, DDPJOB_DEBUG_FREEZE_STAGE="1:first_step") as run:
+            yield {"ports": run.ports, "operator_port": operator_port, "proc": run.proc, "log": run.log}
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_stalled_fires_for_a_job_frozen_before_its_first_step(prometheus_bin, frozen_before_first_step,
+                                                              tmp_path):
+    run = frozen_before_first_step
+    targets = {"ddpjob-trainers": [f"127.0.0.1:{p}" for p in run["ports"]],
+               "ddpjob-operator": [f"127.0.0.1:{run['operator_port']}"]}
+    p = Prometheus(prometheus_bin[0], tmp_path / "prom", targets=targets, rule_files=[RULES])
+    try:
+        def alert_state(state: str):
+            if run["proc"].poll() is not None:
+                raise AssertionError(f"training ended ({run['proc'].returncode}): {run['log'].read_text()[-3000:]}")
+            alerts = [a for a in p.api("alerts")["data"]["alerts"] if a["labels"]["alertname"] == "DDPJobStalled"]
+            return [a for a in alerts if a["state"] == state]
+
+        # pending once the job has been stuck for its own 20 s (not the 600 s default), firing after `for`
+        pending = wait_for(lambda: alert_state("pending") or alert_state("firing"), timeout=120, interval=1,
+                           desc="DDPJobStalled pending for the frozen job")
+        assert p.series(f'ddpjob:hang_timeout_seconds{{ddpjob="{JOB}"}} == {EARLY_HANG_TIMEOUT}')
+        assert not p.series(f'ddpjob_trainer_step{{ddpjob="{JOB}"}}'), "the job took a step"
+        firing = wait_for(lambda: alert_state("firing"), timeout=240, interval=2, desc="DDPJobStalled firing")
+        labels = {(a["labels"]["namespace"], a["labels"]["ddpjob"], a["labels"].get("stage")) for a in firing}
+        assert labels == {(NAMESPACE, JOB, "first_step")}, firing
+        assert pending[0]["labels"].get("stage") == "first_step"
+        desc = firing[0]["annotations"]["description"]
+        assert desc.startswith(f"DDPJob {JOB} has not finished its first step: ranks have been in stage first_step"), desc
+    finally:
+        p.stop()
