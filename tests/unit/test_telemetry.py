@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import time
 import urllib.request
 
 from ddpjob_operator.scrape import parse_metrics
@@ -197,3 +198,33 @@ def test_first_step_ends_start_up_and_unknown_stages_are_refused(tmp_path):
     """, metrics_dir=tmp_path / "mp")
     assert out.splitlines()[:2] == ["during first_step", "after training"]
     assert "unknown stage 'warmup'" in out
+
+
+def test_launcher_serves_waiting_for_master_while_it_waits(tmp_path):
+    """A worker node whose master never answers: its endpoint already names the stage its ranks
+    (not yet started) are stuck in, under the labels they will have (rank = node rank x nproc + local)."""
+    port, master = free_port(), free_port()        # nothing listens on `master`
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DDPJOB_", "PROMETHEUS_"))}
+    env.update(NODE_RANK="1", NPROC_PER_NODE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(master),
+               DDPJOB_NAME="demo", DDPJOB_NAMESPACE="team", DDPJOB_METRICS_DIR=str(tmp_path / "mp"))
+    launcher = subprocess.Popen([sys.executable, "-m", "ddpjob_trainer.launch", "--metrics-port", str(port),
+                                 "--master-timeout", "60", "--", "true"], env=env,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        text = ""
+        for _ in range(200):
+            try:
+                text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2).read().decode()
+                break
+            except OSError:
+                if launcher.poll() is not None:
+                    raise AssertionError(launcher.stderr.read())
+                time.sleep(0.1)
+    finally:
+        launcher.terminate()
+        launcher.wait(timeout=30)
+    got = parse_metrics(text)
+    assert sorted(got) == [2, 3], text
+    assert {(s.stage, s.node_rank, s.local_rank) for s in got.values()} == {
+        ("waiting_for_master", 1, 0), ("waiting_for_master", 1, 1)}
+    assert all(s.step is None and s.stage_started_at > 1.7e9 for s in got.values())
