@@ -7,6 +7,14 @@ from tests.cluster.test_operator import crd, k8s, running, start_operator  # noq
 from tests.support.cluster import set_pod_exit
 
 
+def name_conflict(k8s, name: str) -> str:
+    """Wait for the job to say a name it needs is taken (Pending, FailedCreatePod NameConflict)."""
+    status = k8s.wait_status(name, lambda s: s.get("reason") == "FailedCreatePod", "FailedCreatePod")
+    cond = next(c for c in status["conditions"] if c["type"] == "FailedCreatePod")
+    assert cond["reason"] == "NameConflict" and status["phase"] == "Pending", status
+    return cond["message"]
+
+
 def test_deleted_service_is_created_again_when_the_group_restarts(start_operator, k8s):
     start_operator()
     job = k8s.apply("svc", nodes=2)
@@ -29,11 +37,7 @@ def test_pod_name_taken_by_someone_else_is_named_in_the_job(start_operator, k8s)
                  "nodeSelector": {"ddpjob.dev/test-no-such-node": "x"}}})
     start_operator()
     k8s.apply("taken", nodes=2)
-    status = k8s.wait_status("taken", lambda s: s.get("reason") == "FailedCreatePod", "FailedCreatePod")
-    cond = next(c for c in status["conditions"] if c["type"] == "FailedCreatePod")
-    assert cond["reason"] == "NameConflict"
-    assert "pod taken-0 exists and is not owned by this DDPJob" in cond["message"]
-    assert status["phase"] == "Pending"
+    assert "pod taken-0 exists and is not owned by this DDPJob" in name_conflict(k8s, "taken")
 
 
 def test_service_name_taken_by_a_plain_service_is_named_and_the_job_starts_once_it_is_gone(start_operator, k8s):
@@ -43,11 +47,7 @@ def test_service_name_taken_by_a_plain_service_is_named_and_the_job_starts_once_
         "spec": {"selector": {"app": "other"}, "ports": [{"port": 80}]}})
     start_operator()
     k8s.apply("squat", nodes=2)
-    status = k8s.wait_status("squat", lambda s: s.get("reason") == "FailedCreatePod", "FailedCreatePod")
-    cond = next(c for c in status["conditions"] if c["type"] == "FailedCreatePod")
-    assert cond["reason"] == "NameConflict"
-    assert "service squat exists and is not owned by this DDPJob" in cond["message"]
-    assert status["phase"] == "Pending"
+    assert "service squat exists and is not owned by this DDPJob" in name_conflict(k8s, "squat")
     assert not [p for p in k8s.core.list_namespaced_pod(k8s.ns).items if p.metadata.name.startswith("squat-")]
     k8s.core.delete_namespaced_service("squat", k8s.ns)
     k8s.wait_status("squat", running(2), "Running 2/2 once the foreign Service is gone", timeout=90)

@@ -160,6 +160,25 @@ def first_pass(k8s: FakeK8s, rec: Reconciler) -> None:
     run(main())
 
 
+async def next_group_pass(k8s: FakeK8s, rec: Reconciler) -> None:
+    """The old group's pods vanish from the cache (as their watch reports), then one pass with
+    fresh call records (it creates the next group), then shutdown."""
+    for pod in list(rec.pods.by_index(NS, "j")):
+        rec.pods.delete(pod, notify=False)
+    k8s.calls.clear()
+    await rec.reconcile(NS, "j")
+    await rec.shutdown()
+
+
+def name_conflict(k8s: FakeK8s) -> str:
+    """The FailedCreatePod NameConflict message of a job left Pending by a taken name."""
+    status = k8s.jobs["j"]["status"]
+    assert status["phase"] == "Pending" and status["reason"] == "FailedCreatePod", status
+    cond = next(c for c in status["conditions"] if c["type"] == "FailedCreatePod")
+    assert cond["reason"] == "NameConflict", cond
+    return cond["message"]
+
+
 def test_first_pass_stores_status_then_creates_service_and_pods():
     k8s = FakeK8s()
     rec = reconciler(k8s)
@@ -189,11 +208,7 @@ def test_restart_writes_the_new_attempt_before_deleting_and_keeps_the_service():
         assert k8s.jobs["j"]["status"]["attempt"] == 1
         assert k8s.jobs["j"]["status"]["phase"] == "Restarting"
         # The old pods are gone (as the watch reports): the new attempt's pods, no second Service.
-        for pod in list(rec.pods.by_index(NS, "j")):
-            rec.pods.delete(pod, notify=False)
-        k8s.calls.clear()
-        await rec.reconcile(NS, "j")
-        await rec.shutdown()
+        await next_group_pass(k8s, rec)
     run(main())
     created = [c[1] for c in k8s.calls if c[0] == "create"]
     assert created == ["Pod", "Pod"]
@@ -477,11 +492,7 @@ def test_service_deleted_while_running_is_created_again_on_the_restart_pass():
         del k8s.objects[("Service", "j")]        # someone deleted the headless Service
         set_phase(rec, k8s, "Failed", name="j-1", code=1)
         await rec.reconcile(NS, "j")
-        for pod in list(rec.pods.by_index(NS, "j")):
-            rec.pods.delete(pod, notify=False)
-        k8s.calls.clear()
-        await rec.reconcile(NS, "j")
-        await rec.shutdown()
+        await next_group_pass(k8s, rec)
     run(main())
     assert ("Service", "j") in k8s.objects, k8s.calls
     assert sorted(c[1] for c in k8s.calls if c[0] == "create") == ["Pod", "Pod", "Service"]
@@ -493,11 +504,7 @@ def test_pod_name_taken_by_an_object_the_job_does_not_own_is_named_in_the_status
     rec = reconciler(k8s)
 
     first_pass(k8s, rec)
-    status = k8s.jobs["j"]["status"]
-    assert status["phase"] == "Pending" and status["reason"] == "FailedCreatePod", status
-    cond = next(c for c in status["conditions"] if c["type"] == "FailedCreatePod")
-    assert cond["reason"] == "NameConflict"
-    assert "pod j-0 exists and is not owned by this DDPJob" in cond["message"]
+    assert "pod j-0 exists and is not owned by this DDPJob" in name_conflict(k8s)
     assert ("event", "FailedCreatePod") in k8s.calls
 
 
@@ -519,11 +526,8 @@ def test_service_name_taken_by_another_service_is_named_and_no_pod_is_created(ow
         await rec.reconcile(NS, "j")
         await rec.shutdown()
     run(main())
-    status = k8s.jobs["j"]["status"]
-    assert status["phase"] == "Pending" and status["reason"] == "FailedCreatePod", status
-    cond = next(c for c in status["conditions"] if c["type"] == "FailedCreatePod")
-    assert cond["reason"] == "NameConflict" and message in cond["message"]
-    assert "create service(s) j" in cond["message"]
+    got = name_conflict(k8s)
+    assert message in got and "create service(s) j" in got
     # Pods would rendezvous at a MASTER_ADDR that does not resolve: none is made until it is fixed.
     assert not [c for c in k8s.calls if c[:2] == ("create", "Pod")]
 
