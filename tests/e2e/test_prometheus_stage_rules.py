@@ -2,7 +2,11 @@
 the stage a job is stuck in, timed against the job's own hangTimeoutSeconds."""
 from __future__ import annotations
 
+import json
+import subprocess
+
 import pytest
+import yaml
 
 from tests.e2e import test_prometheus_rules as rules_tests
 from tests.e2e.test_prometheus_rules import promtool, rank, series  # noqa: F401  (fixture)
@@ -71,3 +75,18 @@ def test_stalled_by_stage(promtool, tmp_path, name, monkeypatch):  # noqa: F811 
     # test_prometheus_rules' runner (group order and all), for a scenario of this file.
     monkeypatch.setitem(rules_tests.SCENARIOS, name, SCENARIOS[name])
     rules_tests.test_alert_scenario(promtool, tmp_path, name)
+
+
+@pytest.mark.parametrize("eval_time,state", [("2m", 4), ("5m", 1)])
+def test_training_state_panel_before_the_first_step(promtool, tmp_path, eval_time, state):  # noqa: F811
+    """In rendezvous since t=100 s, hangTimeoutSeconds=120: Starting (4), then Stalled (1)."""
+    d = json.loads((rules_tests.RULES.parent.parent / "dashboards" / "ddpjob-job.json").read_text())
+    expr = next(p["targets"][0]["expr"] for p in d["panels"] if p["title"] == "Training state")
+    q = expr.replace("$namespace", "ns").replace("$ddpjob", "j")
+    test = {"interval": "1m", "input_series": [*in_stage(0, "rendezvous", "100x10"), hang_timeout(120)],
+            "promql_expr_test": [{"expr": q, "eval_time": eval_time,
+                                  "exp_samples": [{"labels": '{ddpjob="j", namespace="ns"}', "value": state}]}]}
+    f = tmp_path / "state.test.yaml"
+    f.write_text(yaml.safe_dump({"rule_files": [], "evaluation_interval": "1m", "tests": [test]}, sort_keys=False))
+    out = subprocess.run([promtool, "test", "rules", str(f)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
