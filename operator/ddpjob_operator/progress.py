@@ -19,6 +19,7 @@ PROGRESS_FIELDS = (
 )
 
 Prev = tuple[float, Mapping[int, RankSample]]
+MAX_ETA_SECONDS = 10 * 365 * 86400  # ten years: past this no ETA is shown
 
 
 def rfc3339(ts: float) -> str:
@@ -111,6 +112,9 @@ def compute_progress(samples: Mapping[int, RankSample], *, now: float,
         seconds_per_step = max(means) if means else None
     if total and seconds_per_step is not None:
         remaining = max(0, total - step) * seconds_per_step
-        out["etaSeconds"] = int(round(remaining))
-        out["eta"] = human_duration(remaining)
+        # Inputs are bounded one by one, but their product is not: an ETA past MAX_ETA_SECONDS
+        # means nothing to a user and would not fit the status' int64.
+        if math.isfinite(remaining) and remaining <= MAX_ETA_SECONDS:
+            out["etaSeconds"] = int(round(remaining))
+            out["eta"] = human_duration(remaining)
     return out

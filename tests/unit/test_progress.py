@@ -63,3 +63,15 @@ def test_nan_loss_is_left_out():
 @pytest.mark.parametrize("secs,text", [(0, "0s"), (35.4, "35s"), (250, "4m10s"), (3720, "1h02m"), (-5, "0s")])
 def test_human_duration(secs, text):
     assert human_duration(secs) == text
+
+
+@pytest.mark.parametrize("total, ssum, shown", [
+    (10**12, 10**12, False),        # each value within the scraper's bounds; their product is ~1e24 s
+    (10**9, 10**9, False),          # ~1e9 s: past ten years
+    (1000, 10.0, True),             # an ordinary ETA is still shown
+])
+def test_eta_past_any_meaning_is_left_out_rather_than_overflowing(total, ssum, shown):
+    p = compute_progress({0: rs(0, 0, total=total, ssum=ssum, scount=1)}, now=0)
+    assert ("etaSeconds" in p) is shown and ("eta" in p) is shown
+    if shown:
+        assert 0 < p["etaSeconds"] < 2**63
