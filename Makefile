@@ -68,6 +68,7 @@ bench: install cluster-up ## benchmarks (ratios, JSON under bench/results/)
 	$(PY) bench/metrics_overhead.py
 	$(PY) bench/checkpoint.py
 	$(PY) bench/operator_scale.py
+	$(PY) bench/fairness.py
 
 clean: cluster-down ## remove the venv and local caches of this clone
 	rm -rf $(VENV) .cache .pytest_cache

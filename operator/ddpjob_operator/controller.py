@@ -38,6 +38,9 @@ MONITOR_TIMEOUT = 30.0
 # Status writes per pass: a 409 (someone wrote in between) re-reads the job and decides again.
 WRITE_ATTEMPTS = 4
 MAX_SCRAPE_BACKOFF = 8
+# Pods POSTed per pass: a larger group is created over several passes (the job kicks itself), so
+# another job's requests queue behind at most one batch in the K8s facade's pool, not a whole group.
+CREATE_BATCH = 32
 REFUSED_RETRY_SECONDS = 10.0  # a refusal that may pass later (403 from a quota): try again after this
 # Status fields that only mirror pods (nobody acts on them): their changes may wait and coalesce.
 _QUIET_FIELDS = frozenset({"nodes", "launchedAttempt"})
@@ -406,8 +409,12 @@ class Reconciler:
                 if conflict:
                     return [conflict]
             self._services.add(job.uid)
+        ranks = list(decision.create_ranks)
+        if len(ranks) > CREATE_BATCH:
+            ranks = ranks[:CREATE_BATCH]
+            self.kick(job.namespace, job.name)  # the rest in later passes, other jobs' passes between
         pods = [render_pod(job, r, attempt=decision.attempt, config=self.config, restarts=decision.restarts,
-                           counted_restarts=decision.counted_restarts) for r in decision.create_ranks]
+                           counted_restarts=decision.counted_restarts) for r in ranks]
         if self.create_delay > 0:
             refused = []
             for pod in pods:

@@ -547,3 +547,39 @@ def test_our_own_headless_service_found_by_a_409_is_used():
     run(main())
     assert len([c for c in k8s.calls if c[:2] == ("create", "Pod")]) == 2
     assert k8s.jobs["j"]["status"].get("reason") != "FailedCreatePod"
+
+
+def test_a_large_group_is_created_in_batches_with_another_jobs_pass_between():
+    from ddpjob_operator.controller import CREATE_BATCH
+
+    k8s = FakeK8s()
+    rec = reconciler(k8s)
+    big = 3 * CREATE_BATCH + 5
+
+    def created(job: str) -> list[int]:
+        """Indexes in the call record of this job's pod creates."""
+        return [i for i, c in enumerate(k8s.calls) if c[:2] == ("create", "Pod") and c[2].startswith(f"{job}-")]
+
+    async def main():
+        rec.job_event(k8s.add_job(ddpjob("big", nodes=big)))
+        await asyncio.sleep(0.05)               # the big job's first pass is under way
+        rec.job_event(k8s.add_job(ddpjob("s", nodes=2)))
+        for _ in range(100):
+            if len(created("big")) == big and len(created("s")) == 2:
+                break
+            await asyncio.sleep(0.05)
+        await rec.shutdown()
+    run(main())
+    big_creates, small_creates = created("big"), created("s")
+    assert len(big_creates) == big and len(small_creates) == 2
+    # The big group went out over several passes (each a status-free run of creates between
+    # other calls), at most CREATE_BATCH pods each ...
+    runs, start = [], big_creates[0]
+    for prev, cur in zip(big_creates, big_creates[1:] + [None]):
+        if cur != prev + 1:
+            runs.append(prev - start + 1)
+            start = cur
+    assert len(runs) >= 4 and max(runs) <= CREATE_BATCH, runs
+    # ... and the small job, kicked after the big one started, got its pods before the big one was done.
+    assert max(small_creates) < max(big_creates)
+    assert len(set(c[2] for c in k8s.calls if c[:2] == ("create", "Pod"))) == big + 2  # nothing twice
