@@ -126,7 +126,7 @@ class Reconciler:
         self._dirty: dict[Key, bool] = {}          # pending pass; True = also scrape
         self._workers: dict[Key, asyncio.Task] = {}
         self._timers: dict[Key, tuple[float, asyncio.TimerHandle]] = {}
-        self._services: set[str] = set()           # job uids whose Service exists
+        self._services: dict[str, int] = {}        # job uid -> attempt its Service was last seen in
         self._blocked: set[Key] = set()            # passes held back by a higher-priority peer
         # Last state of each job's pods that vanished (PodGC marks a lost node's pod Failed +
         # DisruptionTarget just before it force-deletes it): lifecycle.decide's evidence.
@@ -194,7 +194,7 @@ class Reconciler:
             timer[1].cancel()
         self.metrics.set_phase(key, None)
         if uid:
-            self._services.discard(uid)
+            self._services.pop(uid, None)
             if self.monitor is not None:
                 try:
                     self.monitor.forget(uid)
@@ -394,12 +394,15 @@ class Reconciler:
     async def _create(self, job, decision: Decision) -> list:
         # The Service outlives group restarts: POST it once per job (a 409 after an operator
         # restart also means it exists). Nothing watches Services, so a later creation pass
-        # (a restart) reads it back: someone may have deleted it, and the new group's
-        # rendezvous would then never resolve.
+        # (a restart) reads it back, once per attempt (not per batch): someone may have deleted
+        # it, and the new group's rendezvous would then never resolve.
         service = render_service(job)
-        if job.uid in self._services and await self.k8s.get_child(
-                "Service", job.namespace, service["metadata"]["name"]) is None:
-            self._services.discard(job.uid)
+        seen_in = self._services.get(job.uid)
+        if seen_in is not None and seen_in != decision.attempt:
+            if await self.k8s.get_child("Service", job.namespace, service["metadata"]["name"]) is None:
+                del self._services[job.uid]
+            else:
+                self._services[job.uid] = decision.attempt
         if job.uid not in self._services:
             if await self.k8s.create(service) is None:
                 # 409: after an operator restart it is ours; anyone else's (or one that is not
@@ -408,7 +411,7 @@ class Reconciler:
                     "Service", job.namespace, service["metadata"]["name"]))
                 if conflict:
                     return [conflict]
-            self._services.add(job.uid)
+            self._services[job.uid] = decision.attempt
         ranks = list(decision.create_ranks)
         if len(ranks) > CREATE_BATCH:
             ranks = ranks[:CREATE_BATCH]

@@ -320,9 +320,12 @@ def decide(job: JobSpec, pods: list[dict[str, Any]], *, now: dt.datetime, prev_s
     for p in pods:
         if podinfo.attempt(p) == d.attempt and 0 <= podinfo.rank(p) < job.nodes:
             current.setdefault(podinfo.rank(p), p)
-    stale = [p for p in live if podinfo.name(p) not in {podinfo.name(c) for c in current.values()}]
+    # Sets built once: a 10,000-pod job made this quadratic (9 s per pass at 5,000 pods).
+    current_names = {podinfo.name(c) for c in current.values()}
+    present = {podinfo.name(q) for q in pods}
+    stale = [p for p in live if podinfo.name(p) not in current_names]
     gone = {podinfo.name(p): p for p in departed
-            if podinfo.attempt(p) == d.attempt and podinfo.name(p) not in {podinfo.name(q) for q in pods}}
+            if podinfo.attempt(p) == d.attempt and podinfo.name(p) not in present}
     failures = _failures(job, current, launched=d.launched_attempt == d.attempt, departed=gone)
     if stalled and job.restart_on_hang and prev_phase is Phase.RUNNING:
         failures.append(Failure("Stalled", "training stalled (no step progress); failurePolicy.restartOnHang",

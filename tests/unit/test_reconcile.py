@@ -583,3 +583,5 @@ def test_a_large_group_is_created_in_batches_with_another_jobs_pass_between():
     # ... and the small job, kicked after the big one started, got its pods before the big one was done.
     assert max(small_creates) < max(big_creates)
     assert len(set(c[2] for c in k8s.calls if c[:2] == ("create", "Pod"))) == big + 2  # nothing twice
+    # The Service is read back once per attempt, not once per batch.
+    assert not [c for c in k8s.calls if c[:2] == ("get_child", "Service")]
