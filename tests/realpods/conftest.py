@@ -101,7 +101,9 @@ def namespaces(real_cluster) -> dict[str, str]:
 
 def example_docs(name: str, *, image: str = TRAINER_IMAGE) -> list[dict]:
     """examples/NAME.yaml as a user applies it; only the DDPJob's image is swapped for the local
-    one and its pods are pointed at the real nodes (which carry a taint the example cannot know)."""
+    one, its pods are pointed at the real nodes (which carry a taint the example cannot know) and
+    a failed rank's traceback is kept in status.failures (logTailInStatus), so a test that fails
+    on a restart it did not expect prints why the rank died."""
     docs = [d for d in yaml.safe_load_all((EXAMPLES / name).read_text()) if d]
     for d in docs:
         if d.get("kind") == "DDPJob":
@@ -110,6 +112,7 @@ def example_docs(name: str, *, image: str = TRAINER_IMAGE) -> list[dict]:
             sched = spec.setdefault("scheduling", {})
             sched.setdefault("nodeSelector", {}).update(REAL_NODE_SCHEDULING["nodeSelector"])
             sched.setdefault("tolerations", []).extend(REAL_NODE_SCHEDULING["tolerations"])
+            spec.setdefault("failurePolicy", {})["logTailInStatus"] = True
     return docs
 
 
@@ -160,7 +163,8 @@ def wait_phase(cluster: Cluster, namespace: str, name: str, phases: set[str], *,
 
 
 def diagnose(cluster: Cluster, namespace: str) -> str:
-    """What a user would look at when a job is stuck: the job, its pods, events, pod logs."""
+    """What a user would look at when a job is stuck: the job, its pods, events, pod logs, the
+    jobs' status (conditions, failures with the failed ranks' tracebacks), the operator's log."""
     parts = []
     for args in (("get", "ddpj,pods,svc", "-o", "wide"), ("get", "events", "--sort-by=.lastTimestamp")):
         parts.append(cluster.kubectl(*args, "-n", namespace, check=False).stdout)
@@ -168,6 +172,15 @@ def diagnose(cluster: Cluster, namespace: str) -> str:
     for p in pods:
         parts.append(f"--- logs {p}\n" + cluster.kubectl("logs", "-n", namespace, p, "--tail=30",
                                                          check=False).stdout)
+    jobs = yaml.safe_load(cluster.kubectl("get", "ddpj", "-n", namespace, "-o", "yaml", check=False).stdout or "{}")
+    for job in (jobs or {}).get("items") or []:
+        parts.append(f"--- status ddpjob/{job['metadata']['name']}\n" + yaml.safe_dump(job.get("status") or {}))
+    ops = cluster.kubectl("get", "pods", "-A", "-l", "app.kubernetes.io/part-of=ddpjob", "-o",
+                          "jsonpath={range .items[*]}{.metadata.namespace}/{.metadata.name} {end}", check=False)
+    for ref in ops.stdout.split():
+        op_ns, op_pod = ref.split("/", 1)
+        parts.append(f"--- operator log {ref} (tail)\n" + cluster.kubectl(
+            "logs", "-n", op_ns, op_pod, "--tail=60", check=False).stdout)
     return "\n".join(parts)
 
 

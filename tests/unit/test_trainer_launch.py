@@ -176,3 +176,42 @@ def test_with_owned_the_callers_other_children_are_left_alone():
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
     assert out == {"left": [], "node": -15, "bystander_alive": True}
+
+
+@pytest.mark.parametrize("failed, limit, want_start, want_end", [
+    ([], 4000, "training exited with code 1", "training exited with code 1"),
+    (["rank 1 failed:\nTraceback ...\nRuntimeError: boom"], 4000,
+     "training exited with code 1\nrank 1 failed:", "RuntimeError: boom"),
+    # Too long: the first line and the traceback's end (the error itself) stay, the middle goes.
+    (["rank 0 failed:\n" + "  frame\n" * 2000 + "ValueError: last words"], 200,
+     "training exited with code 1\n...", "ValueError: last words"),
+])
+def test_failure_message_keeps_the_exit_code_and_the_end_of_the_traceback(failed, limit, want_start, want_end):
+    from ddpjob_trainer.launch import failure_message
+
+    msg = failure_message(1, failed, limit=limit)
+    assert msg.startswith(want_start) and msg.endswith(want_end), msg
+    assert len(msg) <= limit
+
+
+def test_a_failed_trainer_leaves_its_traceback_as_the_termination_message(tmp_path, monkeypatch):
+    """The real launcher and a child that fails the way the built-in trainer does (its failure
+    recorded under DDPJOB_STATUS_DIR): the pod's termination message — which outlives the pod's log
+    once a group restart deletes it — carries the error, not only the exit code."""
+    from ddpjob_trainer import launch
+
+    term = tmp_path / "termination-log"
+    monkeypatch.setattr(launch, "TERMINATION_LOG", str(term))
+    monkeypatch.delenv("DDPJOB_STATUS_DIR", raising=False)
+    monkeypatch.setenv("NODE_RANK", "1")
+    monkeypatch.setenv("RANK", "1")
+    script = textwrap.dedent("""
+        import sys
+        from ddpjob_trainer.__main__ import _record
+        _record("failed", "rank 1 failed:\\nTraceback (most recent call last):\\nOSError: disk full")
+        sys.exit(1)
+    """)
+    assert launch.main(["--", sys.executable, "-c", script]) == 1
+    text = term.read_text()
+    assert text.startswith("training exited with code 1\nrank 1 failed:"), text
+    assert text.endswith("OSError: disk full"), text

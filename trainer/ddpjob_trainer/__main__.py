@@ -8,12 +8,13 @@ import traceback
 from .errors import EXIT_BAD_CONFIG, EXIT_TRAINING_FAILED, ConfigError
 
 
-def _record_bad_config(msg: str) -> None:
-    """Tell the launcher this rank failed on configuration, so nobody retries."""
+def _record(kind: str, msg: str) -> None:
+    """Tell the launcher why this rank failed: `bad-config` (nobody retries) or `failed` (its
+    traceback becomes the pod's termination message, which outlives the pod's log)."""
     status_dir = os.environ.get("DDPJOB_STATUS_DIR")
     if status_dir:
         os.makedirs(status_dir, exist_ok=True)
-        with open(os.path.join(status_dir, f"bad-config-rank-{os.environ.get('RANK', '0')}.txt"), "w") as f:
+        with open(os.path.join(status_dir, f"{kind}-rank-{os.environ.get('RANK', '0')}.txt"), "w") as f:
             f.write(msg + "\n")
 
 
@@ -45,12 +46,14 @@ def main() -> int:
     except ConfigError as exc:
         msg = f"bad configuration: {exc}"
         print(f"[rank {rank}] {msg}", file=sys.stderr, flush=True)
-        _record_bad_config(msg)
+        _record("bad-config", msg)
         return EXIT_BAD_CONFIG
     except KeyboardInterrupt:
         return 130
     except Exception:  # noqa: BLE001 - any other failure may succeed on retry
-        print(f"[rank {rank}] training failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        tb = traceback.format_exc()
+        print(f"[rank {rank}] training failed:\n{tb}", file=sys.stderr, flush=True)
+        _record("failed", f"rank {rank} failed:\n{tb}")
         return EXIT_TRAINING_FAILED
 
 

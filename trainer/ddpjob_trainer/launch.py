@@ -32,6 +32,7 @@ from typing import Callable, Sequence
 from .errors import EXIT_BAD_CONFIG, EXIT_TRAINING_FAILED, ConfigError
 
 TERMINATION_LOG = "/dev/termination-log"
+TERMINATION_LIMIT = 4000  # characters; the kubelet truncates a termination message at 4096 bytes
 DEFAULT_STOP_GRACE = 5.0
 # After SIGKILL, how long to wait for processes to vanish before giving up on them (one stuck
 # in uninterruptible kernel sleep cannot be reaped; waiting longer would only hang the caller).
@@ -270,7 +271,7 @@ def stop_tree(children: Sequence[subprocess.Popen], *, grace: float, hurry: Call
 def _write_termination(msg: str) -> None:
     try:
         with open(TERMINATION_LOG, "w") as f:
-            f.write(msg[-4000:])
+            f.write(msg[-TERMINATION_LIMIT:])
     except OSError:
         pass  # not in a pod, or no termination log mounted
 
@@ -280,15 +281,29 @@ def default_command() -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "-m", "ddpjob_trainer"]
 
 
-def _bad_config_messages(status_dir: str) -> list[str]:
+def _rank_messages(status_dir: str, kind: str) -> list[str]:
+    """What the ranks of this node recorded under `kind` (bad-config, failed), by file name."""
     if not os.path.isdir(status_dir):
         return []
+    paths = [os.path.join(status_dir, n) for n in os.listdir(status_dir) if n.startswith(f"{kind}-rank-")]
     out = []
-    for name in sorted(os.listdir(status_dir)):
-        if name.startswith("bad-config-"):
-            with open(os.path.join(status_dir, name)) as f:
-                out.append(f.read().strip())
+    # Oldest first: the rank that failed first is the likely cause, the others its casualties.
+    for path in sorted(paths, key=lambda p: (os.stat(p).st_mtime_ns, p)):
+        with open(path, errors="replace") as f:
+            out.append(f.read().strip())
     return out
+
+
+def failure_message(code: int, failed: list[str], *, limit: int = TERMINATION_LIMIT) -> str:
+    """The termination message of a node whose training exited with `code`: the first line says
+    so, the rest is the end of the first failed rank's traceback (its last line names the error),
+    cut to `limit` characters — the kubelet keeps 4 KiB, and the start of a traceback matters least."""
+    head = f"training exited with code {code}"
+    if not failed:
+        return head
+    detail = failed[0]
+    room = limit - len(head) - len("\n...")
+    return head + "\n" + (detail if len(detail) <= room else "..." + detail[-room:])
 
 
 class _Node:
@@ -415,12 +430,12 @@ def _launch(args: argparse.Namespace, node: _Node) -> int:
     node.children.append(child)
     _serve(args, node, metrics_dir)
     code = child.wait()
-    bad = _bad_config_messages(status_dir)
+    bad = _rank_messages(status_dir, "bad-config")
     if bad:
         _write_termination(bad[0])
         return EXIT_BAD_CONFIG
     if code != 0:
-        _write_termination(f"training exited with code {code}")
+        _write_termination(failure_message(code, _rank_messages(status_dir, "failed")))
         return code if code > 0 else EXIT_TRAINING_FAILED
     _report_result(result_file)
     return 0
