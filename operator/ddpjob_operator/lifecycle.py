@@ -350,10 +350,18 @@ def decide(job: JobSpec, pods: list[dict[str, Any]], *, now: dt.datetime, prev_s
         d.delete_pods = [podinfo.name(p) for p in live]
         return d
 
-    # Steady state: remove stale pods, create missing ranks once their names are free.
+    # Steady state: remove stale pods; create the missing ranks once no pod of an older attempt is
+    # left. Per-name readiness is not enough: a master still terminating serves its rendezvous
+    # store on the job's DNS name, and a new worker that reaches it joins the old attempt (seen:
+    # a new rank 1 "finished" with the dying master while the new master waited in rendezvous).
     d.delete_pods = [podinfo.name(p) for p in stale]
     taken = {podinfo.name(p) for p in pods}
-    d.create_ranks = [r for r in range(job.nodes) if r not in current and pod_hostname(job, r) not in taken]
+    blocking = [when for when in (_leftover_until(p, now) for p in pods if podinfo.name(p) not in current_names)
+                if when is not None]
+    if blocking:
+        d.requeue_after = _sooner(d.requeue_after, max(0.1, (min(blocking) - now).total_seconds()))
+    else:
+        d.create_ranks = [r for r in range(job.nodes) if r not in current and pod_hostname(job, r) not in taken]
     if len(current) == job.nodes:
         d.launched_attempt = d.attempt
     phases = [podinfo.phase(current[r]) for r in sorted(current)]
@@ -387,6 +395,22 @@ def decide(job: JobSpec, pods: list[dict[str, Any]], *, now: dt.datetime, prev_s
         else:
             d.requeue_after = _sooner(d.requeue_after, config.unschedulable_timeout - waited)
     return d
+
+
+# A terminating pod still there this long after its grace period ended is on a node whose kubelet
+# stopped reporting: it no longer holds up the next attempt (its processes, if any still run,
+# are cut off with their node).
+LEFTOVER_SLACK = dt.timedelta(seconds=30)
+
+
+def _leftover_until(pod: dict[str, Any], now: dt.datetime) -> dt.datetime | None:
+    """Until when a pod of another attempt holds up the creation of new pods (None: it does not).
+    A pod not yet terminating is deleted this pass; wait for it like for any other."""
+    gone_by = podinfo.gone_by(pod)
+    if gone_by is None:
+        return now + LEFTOVER_SLACK
+    until = gone_by + LEFTOVER_SLACK
+    return until if until > now else None
 
 
 def _start_error(job: JobSpec, d: Decision, prev: dict[str, Any], now: dt.datetime) -> bool:

@@ -45,6 +45,12 @@ def terminating(pod: dict[str, Any]) -> bool:
     return bool(meta(pod).get("deletionTimestamp"))
 
 
+def gone_by(pod: dict[str, Any]) -> dt.datetime | None:
+    """When a terminating pod should be gone (its deletionTimestamp: the delete request plus the
+    grace period); None when it is not terminating."""
+    return parse_time(meta(pod).get("deletionTimestamp"))
+
+
 def _conditions(pod: dict[str, Any]) -> list[dict[str, Any]]:
     return list((pod.get("status") or {}).get("conditions") or [])
 

@@ -255,6 +255,28 @@ def test_pod_failure_and_deletion_restart_the_group(start_operator, k8s):
     assert api_requests(op)["POST services"] == 1
 
 
+def test_a_new_attempt_waits_until_the_old_master_is_gone(start_operator, k8s):
+    """A master pod still terminating serves its rendezvous store on the job's DNS name: no pod of
+    the next attempt may start beside it, not even a rank whose own name is already free."""
+    start_operator()
+    k8s.apply("gen", nodes=2)
+    k8s.wait_status("gen", running(2), "Running 2/2")
+    hold = {"metadata": {"finalizers": ["ddpjob.dev/test-hold"]}}  # keeps gen-0 Terminating
+    k8s.core.patch_namespaced_pod("gen-0", k8s.ns, hold)
+    try:
+        set_pod_exit(k8s.core.api_client, k8s.ns, "gen-1", 1)
+        k8s.wait_status("gen", lambda s: s.get("restarts") == 1, "restart 1")
+        wait_for(lambda: [p.metadata.name for p in k8s.pods("gen")] == ["gen-0"], timeout=30,
+                 desc="only the held old master left")
+        time.sleep(3)  # several operator passes (a pod event each) — still nothing new beside it
+        pods = k8s.pods("gen")
+        assert [(p.metadata.name, p.metadata.labels["ddpjob.dev/attempt"]) for p in pods] == [("gen-0", "0")]
+    finally:  # or the namespace could never be deleted
+        k8s.core.patch_namespaced_pod("gen-0", k8s.ns, {"metadata": {"finalizers": None}})
+    k8s.wait_status("gen", lambda s: s.get("attempt") == 1 and running(2)(s), "attempt 1 Running 2/2")
+    assert {p.metadata.labels["ddpjob.dev/attempt"] for p in k8s.pods("gen")} == {"1"}
+
+
 def test_restart_budget_exhausted_fails(start_operator, k8s):
     start_operator()
     k8s.apply("budget", nodes=2, failurePolicy={"maxRestarts": 1})

@@ -96,6 +96,11 @@ def namespaces(real_cluster) -> dict[str, str]:
     real_cluster.helm("uninstall", release, "-n", op_ns, "--wait", "--timeout", "60s", check=False, timeout=90)
     for ns in [*made.values(), op_ns]:
         delete_namespace(api, ns)
+    # The checkpoint PVs (cluster-scoped, Released once their claims went with the namespaces).
+    pvs = real_cluster.kubectl("get", "pv", "-l", "ddpjob.dev/test=true", "-o", "name", check=False).stdout.split()
+    mine = [pv for pv in pvs if any(pv.split("/", 1)[1].startswith(f"{ns}-") for ns in made.values())]
+    if mine:
+        real_cluster.kubectl("delete", *mine, "--wait=false", check=False)
     api.close()
 
 
@@ -157,8 +162,14 @@ def wait_job(cluster: Cluster, namespace: str, name: str, until, *, desc: str, t
         raise
 
 
+def stalled(st: dict) -> bool:
+    return any(c.get("type") == "Stalled" and c.get("status") == "True" for c in st.get("conditions") or [])
+
+
 def wait_phase(cluster: Cluster, namespace: str, name: str, phases: set[str], *, timeout: float) -> dict:
-    return wait_job(cluster, namespace, name, lambda st: st.get("phase") in phases,
+    """The status once the phase is one of `phases`; a job the operator calls Stalled (its hang
+    timeout passed) fails the wait at once instead of at `timeout`."""
+    return wait_job(cluster, namespace, name, lambda st: st.get("phase") in phases, give_up=stalled,
                     desc=f"phase in {sorted(phases)}", timeout=timeout)
 
 

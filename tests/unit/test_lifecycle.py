@@ -41,8 +41,8 @@ def make_pod(rank, *, attempt=0, phase="Running", code=None, deleting=False, evi
     meta = {"name": f"{job}-{rank}", "uid": f"pod-{rank}-{attempt}",
             "labels": {"ddpjob.dev/job-name": job, "ddpjob.dev/node-rank": str(rank),
                        "ddpjob.dev/attempt": str(attempt)}}
-    if deleting:
-        meta["deletionTimestamp"] = ago(1)
+    if deleting is not False:  # True: its grace period ended a second ago; a number: that long ago
+        meta["deletionTimestamp"] = ago(1 if deleting is True else deleting)
     return {"metadata": meta, "status": status}
 
 
@@ -84,12 +84,28 @@ def test_failure_restarts_the_whole_group(pods, reason, counted):
     assert d.restarted is not None
 
 
-def test_after_restart_old_pods_are_stale_and_new_ones_created_once_names_are_free():
+@pytest.mark.parametrize("old, create", [
+    # Rank 0's old pod (the old master) is still terminating: nothing new yet, not even rank 1,
+    # whose name is free — a new worker would find the old master's store on the job's DNS name.
+    ([make_pod(0, attempt=0, deleting=True)], []),
+    ([make_pod(0, attempt=0, deleting=True), make_pod(1, attempt=0, deleting=True)], []),
+    # Gone: the new attempt starts.
+    ([], [0, 1]),
+    # Still there 31 s after its grace period: its node's kubelet stopped reporting; it no longer
+    # holds the attempt up (rank 0 waits for its name, rank 1 is created).
+    ([make_pod(0, attempt=0, deleting=31)], [1]),
+])
+def test_a_new_attempt_starts_once_every_pod_of_the_old_one_is_gone(old, create):
     prev = running_status(phase="Restarting", attempt=1, restarts=1, countedRestarts=1)
-    # Rank 0's old pod is still terminating: its name is taken, so only rank 1 is created now.
-    d = decide(make_job(2), [make_pod(0, attempt=0, deleting=True)], now=NOW, prev_status=prev)
-    assert d.phase is Phase.RESTARTING and d.create_ranks == [1] and d.restarts == 1
-    # An old pod that was never deleted (operator died after writing status) is deleted now.
+    d = decide(make_job(2), old, now=NOW, prev_status=prev)
+    assert d.phase is Phase.RESTARTING and d.create_ranks == create and d.restarts == 1
+    if not create:
+        assert d.requeue_after is not None and 0 < d.requeue_after <= 30  # re-checked, not forgotten
+
+
+def test_an_old_pod_that_was_never_deleted_is_deleted_before_anything_is_created():
+    prev = running_status(phase="Restarting", attempt=1, restarts=1, countedRestarts=1)
+    # The operator died after writing status, before deleting rank 0's old pod.
     d = decide(make_job(2), [make_pod(0, attempt=0), make_pod(1, attempt=1)], now=NOW, prev_status=prev)
     assert d.delete_pods == ["j-0"] and d.create_ranks == [] and d.restarts == 1
 

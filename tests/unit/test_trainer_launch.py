@@ -179,7 +179,6 @@ def test_with_owned_the_callers_other_children_are_left_alone():
 
 
 @pytest.mark.parametrize("failed, limit, want_start, want_end", [
-    ([], 4000, "training exited with code 1", "training exited with code 1"),
     (["rank 1 failed:\nTraceback ...\nRuntimeError: boom"], 4000,
      "training exited with code 1\nrank 1 failed:", "RuntimeError: boom"),
     # Too long: the first line and the traceback's end (the error itself) stay, the middle goes.
@@ -194,15 +193,19 @@ def test_failure_message_keeps_the_exit_code_and_the_end_of_the_traceback(failed
     assert len(msg) <= limit
 
 
-def test_a_failed_trainer_leaves_its_traceback_as_the_termination_message(tmp_path, monkeypatch):
+def test_no_recorded_failure_leaves_the_message_to_the_kubelets_log_tail():
+    from ddpjob_trainer.launch import failure_message
+
+    assert failure_message(1, []) is None
+
+
+def test_a_failed_trainer_leaves_its_traceback_as_the_termination_message(termination_log, monkeypatch):
     """The real launcher and a child that fails the way the built-in trainer does (its failure
     recorded under DDPJOB_STATUS_DIR): the pod's termination message — which outlives the pod's log
     once a group restart deletes it — carries the error, not only the exit code."""
     from ddpjob_trainer import launch
 
-    term = tmp_path / "termination-log"
-    monkeypatch.setattr(launch, "TERMINATION_LOG", str(term))
-    monkeypatch.delenv("DDPJOB_STATUS_DIR", raising=False)
+    term = termination_log
     monkeypatch.setenv("NODE_RANK", "1")
     monkeypatch.setenv("RANK", "1")
     script = textwrap.dedent("""
@@ -215,3 +218,13 @@ def test_a_failed_trainer_leaves_its_traceback_as_the_termination_message(tmp_pa
     text = term.read_text()
     assert text.startswith("training exited with code 1\nrank 1 failed:"), text
     assert text.endswith("OSError: disk full"), text
+
+
+def test_a_failure_nobody_recorded_writes_no_termination_message(termination_log, monkeypatch):
+    """The kubelet keeps the log's tail instead (FallbackToLogsOnError): more than 'exit code 3'."""
+    from ddpjob_trainer import launch
+
+    term = termination_log
+    monkeypatch.setenv("NODE_RANK", "1")
+    assert launch.main(["--", sys.executable, "-c", "import sys; sys.exit(3)"]) == 3
+    assert not term.exists()

@@ -294,13 +294,15 @@ def _rank_messages(status_dir: str, kind: str) -> list[str]:
     return out
 
 
-def failure_message(code: int, failed: list[str], *, limit: int = TERMINATION_LIMIT) -> str:
+def failure_message(code: int, failed: list[str], *, limit: int = TERMINATION_LIMIT) -> str | None:
     """The termination message of a node whose training exited with `code`: the first line says
     so, the rest is the end of the first failed rank's traceback (its last line names the error),
-    cut to `limit` characters — the kubelet keeps 4 KiB, and the start of a traceback matters least."""
-    head = f"training exited with code {code}"
+    cut to `limit` characters — the kubelet keeps 4 KiB, and the start of a traceback matters least.
+    None when no rank recorded why (a user's script, a crash, torchrun itself): the pod's
+    terminationMessagePolicy (FallbackToLogsOnError) then has the kubelet keep the log's tail."""
     if not failed:
-        return head
+        return None
+    head = f"training exited with code {code}"
     detail = failed[0]
     room = limit - len(head) - len("\n...")
     return head + "\n" + (detail if len(detail) <= room else "..." + detail[-room:])
@@ -435,7 +437,9 @@ def _launch(args: argparse.Namespace, node: _Node) -> int:
         _write_termination(bad[0])
         return EXIT_BAD_CONFIG
     if code != 0:
-        _write_termination(failure_message(code, _rank_messages(status_dir, "failed")))
+        msg = failure_message(code, _rank_messages(status_dir, "failed"))
+        if msg:
+            _write_termination(msg)
         return code if code > 0 else EXIT_TRAINING_FAILED
     _report_result(result_file)
     return 0
