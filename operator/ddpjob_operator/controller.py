@@ -378,7 +378,7 @@ class Reconciler:
     async def _act(self, job, pods: list[dict[str, Any]], decision: Decision) -> list:
         """Delete, create, delete the job, as decided; returns the pod creates the API refused."""
         by_name = {podinfo.name(p): p for p in pods}
-        deletes = [self.k8s.delete_pod(job.namespace, n, uid=(by_name[n].get("metadata") or {}).get("uid"))
+        deletes = [self.k8s.delete_pod(job.namespace, n, job=job.name, uid=(by_name[n].get("metadata") or {}).get("uid"))
                    for n in decision.delete_pods]
         if deletes:
             results = await asyncio.gather(*deletes)
@@ -399,7 +399,7 @@ class Reconciler:
         service = render_service(job)
         seen_in = self._services.get(job.uid)
         if seen_in is not None and seen_in != decision.attempt:
-            if await self.k8s.get_child("Service", job.namespace, service["metadata"]["name"]) is None:
+            if await self.k8s.get_child("Service", job.namespace, service["metadata"]["name"], job=job.name) is None:
                 del self._services[job.uid]
             else:
                 self._services[job.uid] = decision.attempt
@@ -408,7 +408,7 @@ class Reconciler:
                 # 409: after an operator restart it is ours; anyone else's (or one that is not
                 # headless) would give the pods a MASTER_ADDR that never resolves, so no pods yet.
                 conflict = foreign_service(job, await self.k8s.get_child(
-                    "Service", job.namespace, service["metadata"]["name"]))
+                    "Service", job.namespace, service["metadata"]["name"], job=job.name))
                 if conflict:
                     return [conflict]
             self._services[job.uid] = decision.attempt
@@ -436,7 +436,7 @@ class Reconciler:
             if res is not None:
                 continue
             name = pod["metadata"]["name"]
-            other = await self.k8s.get_child("Pod", job.namespace, name)
+            other = await self.k8s.get_child("Pod", job.namespace, name, job=job.name)
             if other is not None and not owned_by(other, job.uid):
                 refused.append(CreateRefusal(pod=name, code=409, reason=NAME_CONFLICT,
                                              message=f"pod {name} exists and is not owned by this DDPJob"))

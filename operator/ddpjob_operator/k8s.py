@@ -14,11 +14,13 @@ import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
-from typing import Any, Callable
+from typing import Any, Callable, Hashable
 
 from kubernetes import client, config as kconfig
 from kubernetes.client.rest import ApiException
 
+from . import labels
+from .fairqueue import FairSlots
 from .spec import GROUP, KIND, PLURAL, VERSION, API_VERSION
 
 log = logging.getLogger("ddpjob.k8s")
@@ -61,12 +63,17 @@ def request_kind(method: str, path: str, *, watch: bool = False) -> tuple[str, s
 
 class K8s:
     """Async facade: raw JSON requests through the client's auth and connection pool,
-    each run in a bounded thread pool (no model classes, so pass-through fields survive)."""
+    each run in a bounded thread pool (no model classes, so pass-through fields survive).
+    Requests are shared out fairly between jobs (`fairqueue`): a job creating thousands of pods
+    does not hold up another job's restart behind its backlog."""
 
     def __init__(self, api: client.ApiClient | None = None, *, workers: int = 16,
                  on_request: Callable[[str, str], None] | None = None):
         self.api = api or load_api_client(pool=workers * 2)
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="k8s")
+        # As many slots as threads: a request that holds a slot runs at once, so the wait (and
+        # its order) is decided here, per job, not in the pool's first-come queue.
+        self._slots = FairSlots(workers)
         self._instance = os.environ.get("POD_NAME") or os.uname().nodename
         self.on_request = on_request  # (verb, resource): counts what we ask of the API server
 
@@ -120,9 +127,11 @@ class K8s:
         finally:
             raw.release_conn()
 
-    async def _call(self, method: str, path: str, **kwargs: Any) -> Any:
+    async def _call(self, method: str, path: str, *, job: Hashable, **kwargs: Any) -> Any:
+        """One request, made when `job` (namespace, name) gets its turn."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._pool, partial(self._request, method, path, **kwargs))
+        async with self._slots.slot(job):
+            return await loop.run_in_executor(self._pool, partial(self._request, method, path, **kwargs))
 
     def close(self) -> None:
         """Stop the thread pool (pending calls finish)."""
@@ -136,7 +145,7 @@ class K8s:
     async def get_job(self, namespace: str, name: str) -> dict[str, Any] | None:
         """The DDPJob (a consistent read), or None when it is gone."""
         try:
-            return await self._call("GET", self._job_path(namespace, name))
+            return await self._call("GET", self._job_path(namespace, name), job=(namespace, name))
         except ApiException as exc:
             if exc.status == 404:
                 return None
@@ -145,32 +154,36 @@ class K8s:
     async def create(self, obj: dict[str, Any]) -> dict[str, Any] | None:
         """Create a Pod or Service: the created object, or None when it already exists (409),
         so retries are harmless."""
-        ns = obj["metadata"]["namespace"]
+        meta = obj["metadata"]
+        ns = meta["namespace"]
         plural = {"Pod": "pods", "Service": "services"}[obj["kind"]]
+        job = (ns, (meta.get("labels") or {}).get(labels.JOB_NAME) or meta["name"])
         try:
-            return await self._call("POST", f"/api/v1/namespaces/{ns}/{plural}", body=obj) or {}
+            return await self._call("POST", f"/api/v1/namespaces/{ns}/{plural}", body=obj, job=job) or {}
         except ApiException as exc:
             if exc.status == 409:
                 return None
             raise
 
-    async def get_child(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
-        """A Pod or Service (a consistent read), or None when it is gone."""
+    async def get_child(self, kind: str, namespace: str, name: str, *, job: str) -> dict[str, Any] | None:
+        """A Pod or Service of `job` (a consistent read), or None when it is gone."""
         plural = {"Pod": "pods", "Service": "services"}[kind]
         try:
-            return await self._call("GET", f"/api/v1/namespaces/{namespace}/{plural}/{name}")
+            return await self._call("GET", f"/api/v1/namespaces/{namespace}/{plural}/{name}",
+                                    job=(namespace, job))
         except ApiException as exc:
             if exc.status == 404:
                 return None
             raise
 
-    async def delete_pod(self, namespace: str, name: str, *, uid: str | None = None) -> bool:
-        """Delete a pod (by uid precondition when given); False when already gone."""
+    async def delete_pod(self, namespace: str, name: str, *, job: str, uid: str | None = None) -> bool:
+        """Delete a pod of `job` (by uid precondition when given); False when already gone."""
         body = {"apiVersion": "v1", "kind": "DeleteOptions"}
         if uid:
             body["preconditions"] = {"uid": uid}
         try:
-            await self._call("DELETE", f"/api/v1/namespaces/{namespace}/pods/{name}", body=body)
+            await self._call("DELETE", f"/api/v1/namespaces/{namespace}/pods/{name}", body=body,
+                             job=(namespace, job))
             return True
         except ApiException as exc:
             if exc.status in (404, 409):  # gone, or a newer pod took the name
@@ -184,13 +197,13 @@ class K8s:
         body: dict[str, Any] = {"status": patch}
         if resource_version:
             body["metadata"] = {"resourceVersion": resource_version}
-        return await self._call("PATCH", self._job_path(namespace, name) + "/status",
+        return await self._call("PATCH", self._job_path(namespace, name) + "/status", job=(namespace, name),
                                 body=body, content_type="application/merge-patch+json")
 
     async def delete_job(self, namespace: str, name: str) -> bool:
         """Delete the DDPJob; garbage collection removes its Service and pods."""
         try:
-            await self._call("DELETE", self._job_path(namespace, name),
+            await self._call("DELETE", self._job_path(namespace, name), job=(namespace, name),
                              body={"apiVersion": "v1", "kind": "DeleteOptions",
                                    "propagationPolicy": "Background"})
             return True
@@ -215,6 +228,7 @@ class K8s:
             "firstTimestamp": now, "lastTimestamp": now, "count": 1,
         }
         try:
-            await self._call("POST", f"/api/v1/namespaces/{meta.get('namespace')}/events", body=body)
+            await self._call("POST", f"/api/v1/namespaces/{meta.get('namespace')}/events", body=body,
+                             job=(meta.get("namespace"), meta.get("name")))
         except ApiException as exc:
             log.warning("could not post event %s on %s: %s", reason, meta.get("name"), exc.reason)

@@ -97,12 +97,12 @@ class FakeK8s:
         self.objects[(kind, name)] = obj
         return copy.deepcopy(obj)
 
-    async def get_child(self, kind, namespace, name):
+    async def get_child(self, kind, namespace, name, *, job):
         self.calls.append(("get_child", kind, name))
         obj = self.objects.get((kind, name))
         return copy.deepcopy(obj) if obj else None
 
-    async def delete_pod(self, namespace, name, *, uid=None):
+    async def delete_pod(self, namespace, name, *, job, uid=None):
         self.calls.append(("delete_pod", name))
         return self.objects.pop(("Pod", name), None) is not None
 

@@ -1,0 +1,99 @@
+"""FairSlots: API-request slots shared out round-robin between jobs."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from ddpjob_operator.fairqueue import FairSlots
+
+
+async def _run(slots: FairSlots, requests: list[str], *, hold: float = 0.01) -> list[str]:
+    """Start `requests` (job keys) in this order, all at once; the order in which they got a slot."""
+    order: list[str] = []
+
+    async def one(key: str) -> None:
+        async with slots.slot(key):
+            order.append(key)
+            await asyncio.sleep(hold)
+
+    await asyncio.gather(*(one(k) for k in requests))
+    return order
+
+
+@pytest.mark.parametrize("slots, requests, want", [
+    # A small job's two requests queued behind a big job's backlog are served in turn, not last.
+    (1, ["big"] * 6 + ["small"] * 2, ["big", "big", "small", "big", "small", "big", "big", "big"]),
+    # Three jobs: round-robin; FIFO within a job.
+    (1, ["a", "a", "a", "b", "c", "c"], ["a", "a", "b", "c", "a", "c"]),
+    # Free slots at once: first come, first served.
+    (4, ["a", "a", "b"], ["a", "a", "b"]),
+    (2, ["big"] * 4 + ["small"], ["big", "big", "big", "small", "big"]),
+])
+def test_waiting_requests_are_served_one_job_at_a_time(slots, requests, want):
+    assert asyncio.run(_run(FairSlots(slots), requests)) == want
+
+
+def test_never_more_in_flight_than_slots_and_every_slot_comes_back():
+    async def main():
+        slots, busy, peak = FairSlots(3), 0, 0
+
+        async def one(key: str) -> None:
+            nonlocal busy, peak
+            async with slots.slot(key):
+                busy += 1
+                peak = max(peak, busy)
+                await asyncio.sleep(0.001)
+                busy -= 1
+
+        await asyncio.gather(*(one(f"job-{i % 5}") for i in range(200)))
+        return peak, slots.free, slots.waiting()
+
+    assert asyncio.run(main()) == (3, 3, 0)
+
+
+def test_a_failed_request_gives_its_slot_back():
+    async def main():
+        slots = FairSlots(1)
+        with pytest.raises(RuntimeError):
+            async with slots.slot("a"):
+                raise RuntimeError("API said no")
+        async with slots.slot("b"):
+            return slots.free
+
+    assert asyncio.run(main()) == 0
+
+
+def test_a_cancelled_waiter_leaves_the_queue_and_loses_no_slot():
+    async def main():
+        slots = FairSlots(1)
+        gate = asyncio.Event()
+
+        async def holder():
+            async with slots.slot("a"):
+                await gate.wait()
+
+        async def waiter(key):
+            async with slots.slot(key):
+                return key
+
+        h = asyncio.create_task(holder())
+        await asyncio.sleep(0)
+        cancelled = asyncio.create_task(waiter("b"))
+        served = asyncio.create_task(waiter("c"))
+        await asyncio.sleep(0)
+        assert slots.waiting() == 2
+        cancelled.cancel()
+        await asyncio.sleep(0)
+        assert slots.waiting() == 1
+        gate.set()
+        await h
+        got = await served
+        return got, slots.free, slots.waiting(), cancelled.cancelled()
+
+    assert asyncio.run(main()) == ("c", 1, 0, True)
+
+
+def test_zero_slots_is_refused():
+    with pytest.raises(ValueError, match="slots must be >= 1"):
+        FairSlots(0)
