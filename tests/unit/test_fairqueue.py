@@ -97,3 +97,36 @@ def test_a_cancelled_waiter_leaves_the_queue_and_loses_no_slot():
 def test_zero_slots_is_refused():
     with pytest.raises(ValueError, match="slots must be >= 1"):
         FairSlots(0)
+
+
+def test_the_k8s_facade_queues_requests_per_job():
+    """K8s itself: with one request thread busy, a small job's status write overtakes a big job's
+    queued pod creations after at most one of them."""
+    import time
+
+    from ddpjob_operator.k8s import K8s
+
+    k8s = K8s(api=object(), workers=1)
+    made: list[str] = []
+
+    def request(method, path, **kwargs):
+        time.sleep(0.01)
+        made.append(f"{method} {path.rsplit('/', 1)[-1]}")
+        return {}
+
+    k8s._request = request  # the facade's one blocking call; everything above it is what we test
+
+    def pod(i):
+        return {"kind": "Pod", "metadata": {"name": f"big-{i}", "namespace": "ns",
+                                            "labels": {"ddpjob.dev/job-name": "big"}}}
+
+    async def main():
+        creates = [asyncio.create_task(k8s.create(pod(i))) for i in range(6)]
+        await asyncio.sleep(0)
+        await asyncio.gather(k8s.patch_status("ns", "small", {"phase": "Restarting"}), *creates)
+
+    try:
+        asyncio.run(main())
+    finally:
+        k8s.close()
+    assert made.index("PATCH status") <= 2, made
