@@ -15,6 +15,7 @@ from pathlib import Path
 from tests.cluster.conftest import wait_for
 from tests.cluster.test_operator import crd, k8s, running, start_operator  # noqa: F401  (fixtures)
 from tests.support.localrun import local_run, write_digits_job, write_slow_input_job
+from tests.support.status import condition
 
 URL_TEMPLATE = "http://127.0.0.1:{rank_port}/metrics"
 
@@ -34,10 +35,6 @@ def table_row(header: str, row: str) -> dict[str, str]:
     starts = [(m.start(), m.group()) for m in re.finditer(r"\S+", header)]
     bounds = [s for s, _ in starts[1:]] + [None]
     return {name: row[start:end].strip() for (start, name), end in zip(starts, bounds)}
-
-
-def condition(status: dict, kind: str) -> dict | None:
-    return next((c for c in status.get("conditions") or [] if c.get("type") == kind), None)
 
 
 def wait_job(k8s, name: str, run, pred, desc: str, timeout: float) -> dict:

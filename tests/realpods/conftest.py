@@ -16,6 +16,7 @@ import pytest
 import yaml
 
 from tests.support.cluster import REPO_ROOT, Cluster, create_namespace, delete_namespace, wait_for
+from tests.support.status import condition
 
 CHART = REPO_ROOT / "charts" / "ddpjob-operator"
 EXAMPLES = REPO_ROOT / "examples"
@@ -163,7 +164,7 @@ def wait_job(cluster: Cluster, namespace: str, name: str, until, *, desc: str, t
 
 
 def stalled(st: dict) -> bool:
-    return any(c.get("type") == "Stalled" and c.get("status") == "True" for c in st.get("conditions") or [])
+    return (condition(st, "Stalled") or {}).get("status") == "True"
 
 
 def wait_phase(cluster: Cluster, namespace: str, name: str, phases: set[str], *, timeout: float) -> dict:

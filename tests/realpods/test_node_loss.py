@@ -24,15 +24,12 @@ from tests.realpods.conftest import (
     wait_phase,
 )
 from tests.support.cluster import wait_for
+from tests.support.status import condition
 
 
 def _kubelet_pid(node: str) -> int:
     index = node.rsplit("-", 1)[-1]
     return int((REPO_ROOT / ".cache" / "cluster" / "pids" / f"kubelet-{index}.pid").read_text())
-
-
-def _condition(st: dict, type_: str) -> dict | None:
-    return next((c for c in st.get("conditions") or [] if c.get("type") == type_), None)
 
 
 def test_a_node_that_stops_reporting_is_named_and_the_job_still_finishes(real_cluster, namespaces, tmp_path):
@@ -48,7 +45,7 @@ def test_a_node_that_stops_reporting_is_named_and_the_job_still_finishes(real_cl
     os.kill(pid, signal.SIGSTOP)
     try:
         def named():
-            c = _condition(job_status(real_cluster, ns, "digits"), "NodeNotReady")
+            c = condition(job_status(real_cluster, ns, "digits"), "NodeNotReady")
             return c if c and c["status"] == "True" else None
         cond = wait_for(named, timeout=180, desc=f"NodeNotReady naming digits-1 on {node}", interval=1)
         assert f"pod digits-1 on node {node}" in cond["message"], cond
@@ -59,7 +56,7 @@ def test_a_node_that_stops_reporting_is_named_and_the_job_still_finishes(real_cl
     st = wait_phase(real_cluster, ns, "digits", {"Succeeded", "Failed"}, timeout=900)
     assert st["phase"] == "Succeeded", st
     assert st.get("restarts", 0) == 0 and st.get("countedRestarts", 0) == 0, st
-    assert _condition(st, "NodeNotReady")["status"] == "False", st
+    assert condition(st, "NodeNotReady")["status"] == "False", st
     events = real_cluster.kubectl("get", "events", "-n", ns, "--field-selector",
                                   "involvedObject.kind=DDPJob,reason=NodeNotReady",
                                   "-o", "name").stdout.split()

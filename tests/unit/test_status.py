@@ -7,11 +7,8 @@ import pytest
 
 from ddpjob_operator.config import OperatorConfig
 from ddpjob_operator.status import job_status, node_counts, progress_display
+from tests.support.status import condition as cond
 from tests.unit.test_lifecycle import NOW, ago, make_job, make_pod, running_status
-
-
-def cond(status, type):
-    return next((c for c in status["conditions"] if c["type"] == type), None)
 
 
 def test_first_pass_status_and_event():
