@@ -81,6 +81,10 @@ def test_killed_rank_restarts_the_group_and_resumes_from_the_shared_checkpoint(r
     result = st.get("result") or {}
     assert result.get("resumedFromStep", 0) > 0, st
     assert result.get("evalSamples") == DIGITS_VAL_SAMPLES, st
+    # Why rank 1 died outlives its pod: the launcher left the termination message to the kubelet,
+    # whose log tail has torchrun's account of the kill (the job opted in: logTailInStatus).
+    killed = [f for f in st.get("failures") or [] if f.get("pod") == "digits-1" and f.get("attempt") == 0]
+    assert killed and "SIGKILL" in killed[0].get("logTail", ""), st.get("failures")
 
 
 def test_custom_script_example_runs_unchanged_with_its_script_from_a_configmap(real_cluster, namespaces):

@@ -228,3 +228,18 @@ def test_a_failure_nobody_recorded_writes_no_termination_message(termination_log
     monkeypatch.setenv("NODE_RANK", "1")
     assert launch.main(["--", sys.executable, "-c", "import sys; sys.exit(3)"]) == 3
     assert not term.exists()
+
+
+def test_a_rank_exits_without_teardown_and_loses_no_output():
+    """exit_now: the exit code is main's, buffered output is flushed, and no interpreter teardown
+    runs (where torch's C++ destructors abort now and then, failing a finished rank)."""
+    script = textwrap.dedent("""
+        import atexit, sys
+        from ddpjob_trainer.__main__ import exit_now
+        atexit.register(lambda: print("teardown ran"))
+        print("last words", end="")
+        print("to stderr", end="", file=sys.stderr)
+        exit_now(3)
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert (proc.returncode, proc.stdout, proc.stderr) == (3, "last words", "to stderr")
