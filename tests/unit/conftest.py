@@ -14,6 +14,13 @@ def termination_log(tmp_path, monkeypatch) -> Path:
 
     term = tmp_path / "termination-log"
     monkeypatch.setattr(launch, "TERMINATION_LOG", str(term))
-    for var in ("DDPJOB_RESULT_FILE", "DDPJOB_STATUS_DIR"):
-        monkeypatch.delenv(var, raising=False)
+    from prometheus_client import values
+
+    for var in ("DDPJOB_RESULT_FILE", "DDPJOB_STATUS_DIR", "DDPJOB_METRICS_DIR", "PROMETHEUS_MULTIPROC_DIR"):
+        # Set, then deleted, so that monkeypatch restores the absence: the launcher points its own
+        # process's metrics at a scratch dir that it removes on exit, which must not leak into
+        # later tests (nor must prometheus-client's multiprocess value class).
+        monkeypatch.setenv(var, "")
+        monkeypatch.delenv(var)
+    monkeypatch.setattr(values, "ValueClass", values.ValueClass)
     return term

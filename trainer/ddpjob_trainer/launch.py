@@ -40,6 +40,9 @@ KILL_WAIT = 5.0
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 _PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
+# A sitecustomize that frees a run's process group before interpreter finalization (why: its
+# docstring); first on every child's PYTHONPATH.
+EXIT_GUARD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "exitguard")
 
 
 def _say(msg: str) -> None:
@@ -276,6 +279,12 @@ def _write_termination(msg: str) -> None:
         pass  # not in a pod, or no termination log mounted
 
 
+def with_exit_guard(env: dict[str, str]) -> dict[str, str]:
+    """`env` with EXIT_GUARD first on PYTHONPATH, the rest (the user's own entries) kept in order."""
+    rest = [p for p in env["PYTHONPATH"].split(os.pathsep) if p != EXIT_GUARD] if env.get("PYTHONPATH") else []
+    return {**env, "PYTHONPATH": os.pathsep.join([EXIT_GUARD, *rest])}
+
+
 def default_command() -> list[str]:
     """torchrun with the built-in trainer; torchrun reads PET_NNODES, PET_NODE_RANK, ... itself."""
     return [sys.executable, "-m", "torch.distributed.run", "-m", "ddpjob_trainer"]
@@ -403,7 +412,7 @@ def _launch(args: argparse.Namespace, node: _Node) -> int:
             _write_termination(msg)
             return EXIT_BAD_CONFIG
 
-    env = dict(os.environ)
+    env = with_exit_guard(dict(os.environ))
     node_rank = int(env.get("NODE_RANK", "0"))
     addr, port = env.get("MASTER_ADDR"), int(env.get("MASTER_PORT", "29500"))
     node.scratch = tempfile.mkdtemp(prefix="ddpjob-")
