@@ -44,7 +44,7 @@ def render(file, namespace) -> None:
 @click.option("--namespace", "-n", "namespaces", multiple=True, envvar="DDPJOB_NAMESPACES",
               help="Watch this namespace (repeatable).")
 @click.option("--all-namespaces", "-A", is_flag=True, envvar="DDPJOB_ALL_NAMESPACES")
-@click.option("--metrics-port", type=int, default=8080, envvar="DDPJOB_METRICS_PORT", show_default=True)
+@click.option("--metrics-port", type=int, default=8080, envvar="DDPJOB_OPERATOR_METRICS_PORT", show_default=True)
 @click.option("--health-port", type=int, default=8081, envvar="DDPJOB_HEALTH_PORT", show_default=True)
 @click.option("--default-runtime-class", default="nvidia", envvar="DDPJOB_DEFAULT_RUNTIME_CLASS", show_default=True)
 @click.option("--cluster-domain", default="", envvar="DDPJOB_CLUSTER_DOMAIN")

@@ -1,7 +1,7 @@
 """Operator-level settings (CLI flags, each also settable by a DDPJOB_* env var)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
@@ -22,4 +22,3 @@ class OperatorConfig:
     peering: str = "ddpjob"                   # kopf peering name; "" -> standalone
     priority: int = 0                         # kopf peering priority (HA replicas differ)
     log_level: str = "INFO"
-    extra: dict = field(default_factory=dict)

@@ -1,4 +1,4 @@
-"""The environment every training container gets (CONTRACT in design.md).
+"""The environment every training container gets (names: ddpjob_trainer.contract).
 
 One pure function used by the operator (pods) and by `ddpjob run --local`, so a job
 sees exactly the same variables in both places.
@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 import re
 from typing import Any
+
+from ddpjob_trainer import contract
 
 from . import labels
 from .spec import JobSpec
@@ -73,11 +75,11 @@ def pod_env(
         "NODE_RANK": str(rank),
         "NPROC_PER_NODE": str(job.nproc_per_node),
         "WORLD_SIZE": str(job.world_size),
-        "PET_NPROC_PER_NODE": str(job.nproc_per_node),
-        "DDPJOB_NAME": job.name,
-        "DDPJOB_NAMESPACE": job.namespace,
-        "DDPJOB_METRICS_PORT": str(metrics_port or job.metrics_port),
-        "DDPJOB_ATTEMPT": str(attempt),
+        contract.PET_NPROC_PER_NODE: str(job.nproc_per_node),
+        contract.ENV_JOB_NAME: job.name,
+        contract.ENV_JOB_NAMESPACE: job.namespace,
+        contract.ENV_POD_METRICS_PORT: str(metrics_port or job.metrics_port),
+        contract.ENV_ATTEMPT: str(attempt),
         # Unbuffered output so `kubectl logs` and the local runner see errors at once.
         "PYTHONUNBUFFERED": "1",
     }
@@ -85,27 +87,27 @@ def pod_env(
         lo = job.elastic.get("minNodes", job.nodes)
         hi = job.elastic.get("maxNodes", job.nodes)
         env.update({
-            "PET_NNODES": f"{lo}:{hi}",
-            "PET_RDZV_BACKEND": "c10d",
-            "PET_RDZV_ENDPOINT": f"{addr}:{port}",
-            "PET_RDZV_ID": job.uid or job.name,
-            "PET_MAX_RESTARTS": str(job.elastic.get("maxRestarts", 3)),
+            contract.PET_NNODES: f"{lo}:{hi}",
+            contract.PET_RDZV_BACKEND: "c10d",
+            contract.PET_RDZV_ENDPOINT: f"{addr}:{port}",
+            contract.PET_RDZV_ID: job.uid or job.name,
+            contract.PET_MAX_RESTARTS: str(job.elastic.get("maxRestarts", 3)),
         })
     else:
         env.update({
-            "PET_NNODES": str(job.nodes),
-            "PET_NODE_RANK": str(rank),
-            "PET_MASTER_ADDR": addr,
-            "PET_MASTER_PORT": str(port),
+            contract.PET_NNODES: str(job.nodes),
+            contract.PET_NODE_RANK: str(rank),
+            contract.PET_MASTER_ADDR: addr,
+            contract.PET_MASTER_PORT: str(port),
         })
     if job.uses_builtin_trainer:
-        env["DDPJOB_TRAINER_CONFIG"] = json.dumps(job.trainer, sort_keys=True)
+        env[contract.ENV_TRAINER_CONFIG] = json.dumps(job.trainer, sort_keys=True)
     env.update(nccl_env(job.nccl))
     ours = [{"name": k, "value": v} for k, v in env.items()]
     if ((job.spec.get("resources") or {}).get("requests") or {}).get("cpu"):
         # The trainer sizes numWorkers: auto from the CPUs the pod asked for, not the node's cores
         # (which os.cpu_count() reports inside a container). Rounded up to whole CPUs.
-        ours.append({"name": "DDPJOB_CPUS", "valueFrom": {"resourceFieldRef": {
+        ours.append({"name": contract.ENV_CPUS, "valueFrom": {"resourceFieldRef": {
             "containerName": labels.CONTAINER, "resource": "requests.cpu", "divisor": "1"}}})
     user_names = {e.get("name") for e in job.env}
     return [e for e in ours if e["name"] not in user_names] + [dict(e) for e in job.env]

@@ -1,4 +1,4 @@
-"""Label and annotation keys on the operator's children (CONTRACT: job-name, node-rank)."""
+"""Label and annotation keys on the operator's children."""
 from __future__ import annotations
 
 JOB_NAME = "ddpjob.dev/job-name"

@@ -33,6 +33,8 @@ from typing import Any
 import click
 import yaml
 
+from ddpjob_trainer import contract
+from ddpjob_trainer.contract import EXIT_BAD_CONFIG
 from ddpjob_trainer.errors import ConfigError
 from ddpjob_trainer.launch import (
     Stop,
@@ -46,7 +48,6 @@ from ddpjob_trainer.launch import (
 from . import envvars
 from .spec import JobSpec, from_manifest
 
-EXIT_BAD_CONFIG = 78
 SCRAPE_INTERVAL = 1.0
 
 
@@ -181,9 +182,9 @@ def node_env(job: JobSpec, rank: int, *, master_port: int, metrics_port: int, at
         job, rank, master_addr="127.0.0.1", master_port=master_port,
         metrics_port=metrics_port, attempt=attempt)))
     if job.uses_builtin_trainer:
-        env["DDPJOB_TRAINER_CONFIG"] = json.dumps(local_trainer_config(job.trainer, workdir))
-    env["DDPJOB_RESULT_FILE"] = str(result_file)
-    env["DDPJOB_LOCAL"] = "1"
+        env[contract.ENV_TRAINER_CONFIG] = json.dumps(local_trainer_config(job.trainer, workdir))
+    env[contract.ENV_RESULT_FILE] = str(result_file)
+    env[contract.ENV_LOCAL] = "1"
     # `torchrun` in a user's command must be this environment's.
     env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
     # N processes sharing this machine's cores: one thread pool each would oversubscribe.
@@ -206,7 +207,7 @@ def _stop_nodes(nodes: list[Node], *, workdir: Path, signals: StopSignals, grace
     Besides the nodes' trees, any process re-parented to the runner that carries this run's
     DDPJOB_RESULT_FILE (a worker whose agent and launcher died first) is stopped; nothing else
     the caller of run_local may have started is touched."""
-    marker = f"DDPJOB_RESULT_FILE={workdir}{os.sep}".encode()
+    marker = f"{contract.ENV_RESULT_FILE}={workdir}{os.sep}".encode()
     signals.armed = False
     try:
         left = stop_tree([n.proc for n in nodes], grace=grace, hurry=signals.hurry,

@@ -13,14 +13,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from . import health, progress, scrape
+from . import health, podinfo, progress, scrape
 from .config import OperatorConfig
 
 log = logging.getLogger(__name__)
 
 DEFAULT_URL_TEMPLATE = "http://{ip}:{port}/metrics"
-NODE_RANK_LABEL = "ddpjob.dev/node-rank"
-ATTEMPT_LABEL = "ddpjob.dev/attempt"
 CONDITION_TYPES = (health.STRAGGLER, health.STALLED)
 
 # Straggler's wording when nothing is wrong (Stalled's depends on the stage: HealthTracker.calm_condition).
@@ -54,20 +52,13 @@ def _now_rfc3339(ts: float) -> str:
 def scrape_url(template: str, *, pod: dict, port: int, job_name: str, namespace: str) -> str | None:
     """The metrics URL of one pod; None when it has no IP yet (default template)."""
     meta = pod.get("metadata") or {}
-    rank = int((meta.get("labels") or {}).get(NODE_RANK_LABEL, 0))
+    rank = max(podinfo.rank(pod), 0)
     ip = (pod.get("status") or {}).get("podIP") or ""
     tpl = template or DEFAULT_URL_TEMPLATE
     if "{ip}" in tpl and not ip:
         return None
     return tpl.format(pod=meta.get("name", ""), rank=rank, ip=ip, port=port,
                       rank_port=port + rank, namespace=namespace, job=job_name)
-
-
-def _attempt(pod: dict) -> int:
-    try:
-        return int(((pod.get("metadata") or {}).get("labels") or {}).get(ATTEMPT_LABEL, 0))
-    except ValueError:
-        return 0
 
 
 def _running(pods: list[dict]) -> list[dict]:
@@ -77,8 +68,8 @@ def _running(pods: list[dict]) -> list[dict]:
             and not (p.get("metadata") or {}).get("deletionTimestamp")]
     if not live:
         return []
-    top = max(_attempt(p) for p in live)
-    return [p for p in live if _attempt(p) == top]
+    top = max(podinfo.attempt(p) for p in live)
+    return [p for p in live if podinfo.attempt(p) == top]
 
 
 class Monitor:
@@ -127,7 +118,7 @@ class Monitor:
         st = self._state(job)
         running = _running(pods)
         if running:
-            attempt = _attempt(running[0])
+            attempt = podinfo.attempt(running[0])
             if st.attempt is not None and attempt != st.attempt:
                 # A group restart: fresh processes, fresh counters; judge the new attempt on its own.
                 st.tracker = health.HealthTracker(hang_timeout=spec.get("hangTimeoutSeconds"))

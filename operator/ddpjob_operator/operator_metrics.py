@@ -1,4 +1,4 @@
-"""ddpjob_operator_* Prometheus metrics (CONTRACT prefix), served on --metrics-port.
+"""ddpjob_operator_* Prometheus metrics, served on --metrics-port.
 
 Every series carries `namespace` (as Kubeflow's `job_namespace`); per-job gauges also carry
 `ddpjob` (one series per existing job, removed with it). Counters' labelled series are born at 0

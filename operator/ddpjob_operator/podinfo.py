@@ -4,9 +4,10 @@ from __future__ import annotations
 import datetime as dt
 from typing import Any
 
+from ddpjob_trainer.contract import EXIT_BAD_CONFIG  # never retried
+
 from . import labels
 
-EXIT_BAD_CONFIG = 78  # ddpjob_trainer.errors.EXIT_BAD_CONFIG: never retry
 # status.reason values of pods the node or cluster took away (not the training's fault).
 _DISRUPTION_REASONS = {"Evicted", "Preempting", "Preempted", "NodeLost", "Shutdown", "Terminated",
                        "NodeShutdown", "OutOfcpu", "OutOfmemory", "UnexpectedAdmissionError"}

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterable
 
+from ddpjob_trainer.contract import METRIC_PREFIX
 from ddpjob_trainer.telemetry import STAGES  # same wheel; a light module (no torch)
 from prometheus_client.parser import text_string_to_metric_families
 
-PREFIX = "ddpjob_trainer_"
+PREFIX = METRIC_PREFIX
 
 # metric name (without prefix, as the parser reports the sample) -> RankSample attribute
 _GAUGES = {
@@ -91,7 +92,6 @@ class RankSample:
     stage_started_at: float | None = None  # Unix time (the pod's clock) the stage began
     pod: str | None = None       # filled in by the scraper, not the exposition
     node: str | None = None
-    extra: dict = field(default_factory=dict, repr=False)
 
     @property
     def mean_step_seconds(self) -> float | None:

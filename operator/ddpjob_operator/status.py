@@ -197,7 +197,6 @@ def job_status(job: JobSpec, pods: list[dict[str, Any]], *, now: dt.datetime,
                 conds[conds.index(old)] = {"lastTransitionTime": iso(now), **cond}
             else:
                 conds.append({"lastTransitionTime": iso(now), **cond})
-        by_type = {c.get("type"): c for c in conds}
     display = progress_display(progress)
     if display:
         progress["display"] = display

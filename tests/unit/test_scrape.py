@@ -30,6 +30,12 @@ _PRODUCER = textwrap.dedent("""
         if r.get("acc") is not None:
             t.eval(accuracy=r["acc"], loss=0.25)
         t.checkpoint(1.5)
+        if r.get("gpu"):  # no GPU here: a stand-in for torch.cuda's three memory counters
+            import types
+            cuda = types.SimpleNamespace(memory_allocated=lambda d: 1e9, max_memory_allocated=lambda d: 2e9,
+                                         memory_reserved=lambda d: 3e9)
+            t.gpu_memory(types.SimpleNamespace(cuda=cuda), types.SimpleNamespace(type="cuda"))
+        t.set_stage("training")
     reg = CollectorRegistry()
     MultiProcessCollector(reg, path=os.environ["DDPJOB_METRICS_DIR"])
     sys.stdout.write(generate_latest(reg).decode())
@@ -64,6 +70,20 @@ def test_parse_two_ranks_from_real_exposition(tmp_path):
     assert r0.eval_accuracy == 0.9 and r0.eval_loss == 0.25 and r1.eval_accuracy is None
     assert r0.checkpoint_seconds == 1.5 and r0.restart_count == 1
     assert (r1.local_rank, r1.node_rank, r1.ddpjob, r1.namespace) == (1, 0, "demo", "ns1")
+
+
+def test_every_metric_the_scraper_reads_is_one_a_rank_writes(tmp_path):
+    """The scraper's names and the telemetry's are spelled in two modules: a rename on one side
+    would leave a status field empty for good, with no error anywhere."""
+    from ddpjob_operator.scrape import _GAUGES, PREFIX
+
+    text = exposition(tmp_path, [{"rank": 0, "steps": 2, "total": 4, "loss": 1.0, "acc": 0.5, "gpu": True}])
+    written = {line.split("{")[0].split(" ")[0][len(PREFIX):] for line in text.splitlines()
+               if line.startswith(PREFIX)}
+    assert set(_GAUGES) <= written, set(_GAUGES) - written
+    assert "stage" in written
+    r0 = parse_metrics(text)[0]
+    assert all(getattr(r0, attr) is not None for attr in _GAUGES.values())
 
 
 @pytest.mark.parametrize("text,expected", [

@@ -6,13 +6,14 @@ import os
 import sys
 import traceback
 
+from . import contract
 from .errors import EXIT_BAD_CONFIG, EXIT_TRAINING_FAILED, ConfigError
 
 
 def _record(kind: str, msg: str) -> None:
     """Tell the launcher why this rank failed: `bad-config` (nobody retries) or `failed` (its
     traceback becomes the pod's termination message, which outlives the pod's log)."""
-    status_dir = os.environ.get("DDPJOB_STATUS_DIR")
+    status_dir = os.environ.get(contract.ENV_STATUS_DIR)
     if status_dir:
         os.makedirs(status_dir, exist_ok=True)
         with open(os.path.join(status_dir, f"{kind}-rank-{os.environ.get('RANK', '0')}.txt"), "w") as f:
@@ -39,7 +40,7 @@ def main() -> int:
             status = "FAILED"
             try:
                 train(cfg, ctx, log=log, telemetry=telemetry,
-                      result_path=os.environ.get("DDPJOB_RESULT_FILE"))
+                      result_path=os.environ.get(contract.ENV_RESULT_FILE))
                 status = "FINISHED"
             finally:
                 log.close(status=status)

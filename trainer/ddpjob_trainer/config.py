@@ -3,9 +3,10 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
 
+from . import contract
 from .errors import ConfigError
 
 DATASETS = ("digits", "synthetic", "imagefolder")
@@ -242,14 +243,10 @@ def parse_config(raw: dict[str, Any] | None, *, path: str = "spec.trainer") -> T
 def config_from_env(environ: dict[str, str] | None = None) -> TrainerConfig:
     """Read DDPJOB_TRAINER_CONFIG (JSON of spec.trainer) as injected by the operator."""
     env = os.environ if environ is None else environ
-    text = env.get("DDPJOB_TRAINER_CONFIG", "{}")
+    text = env.get(contract.ENV_TRAINER_CONFIG, "{}")
     try:
         raw = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise ConfigError(f"DDPJOB_TRAINER_CONFIG: not valid JSON ({exc})") from None
+        raise ConfigError(f"{contract.ENV_TRAINER_CONFIG}: not valid JSON ({exc})") from None
     return parse_config(raw)
 
-
-def config_field_names() -> list[str]:
-    """Field names of TrainerConfig (for docs and tests)."""
-    return [f.name for f in fields(TrainerConfig)]

@@ -13,6 +13,8 @@ import os
 import time
 from dataclasses import dataclass
 
+from . import contract
+
 
 def _pair(value: str | None) -> tuple[int, float] | None:
     if not value:
@@ -38,7 +40,7 @@ class Knobs:
         slow = _pair(env.get("DDPJOB_DEBUG_SLOW_RANK"))
         freeze = _pair(env.get("DDPJOB_DEBUG_FREEZE_RANK"))
         crash = _pair(env.get("DDPJOB_DEBUG_CRASH_RANK"))
-        first_attempt = env.get("DDPJOB_ATTEMPT", "0") == "0"
+        first_attempt = env.get(contract.ENV_ATTEMPT, "0") == "0"
         f_rank, _, f_stage = (env.get("DDPJOB_DEBUG_FREEZE_STAGE") or "").partition(":")
         return cls(freeze_stage=f_stage if f_stage and f_rank == str(rank) else None,
                    sleep=sleep, slow_fetch=slow[1] if slow and slow[0] == rank else 0.0,

@@ -1,9 +1,9 @@
-"""Exit codes the launcher, the local runner and the operator agree on."""
+"""The trainer's errors, and the exit codes they map to (defined in contract)."""
 from __future__ import annotations
 
-EXIT_OK = 0
-EXIT_TRAINING_FAILED = 1   # may be retried (group restart, resume from checkpoint)
-EXIT_BAD_CONFIG = 78       # EX_CONFIG: retrying cannot help; fail the job at once
+from .contract import EXIT_BAD_CONFIG, EXIT_OK, EXIT_TRAINING_FAILED
+
+__all__ = ["ConfigError", "EXIT_BAD_CONFIG", "EXIT_OK", "EXIT_TRAINING_FAILED"]
 
 
 class ConfigError(ValueError):

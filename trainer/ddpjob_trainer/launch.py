@@ -29,6 +29,7 @@ import tempfile
 import time
 from typing import Callable, Sequence
 
+from . import contract
 from .errors import EXIT_BAD_CONFIG, EXIT_TRAINING_FAILED, ConfigError
 
 TERMINATION_LOG = "/dev/termination-log"
@@ -344,17 +345,17 @@ class _RankStages:
     def __init__(self, env: dict[str, str]) -> None:
         self.telemetry = []
         try:
-            nproc = int(env.get("NPROC_PER_NODE") or env.get("PET_NPROC_PER_NODE") or "1")
+            nproc = int(env.get("NPROC_PER_NODE") or env.get(contract.PET_NPROC_PER_NODE) or "1")
             node_rank = int(env.get("NODE_RANK", "0"))
         except ValueError:
             return  # e.g. nproc "auto" in a user's own env: torchrun decides, the ranks report alone
-        if env.get("DDPJOB_TELEMETRY", "1") == "0":
+        if env.get(contract.ENV_TELEMETRY, "1") == "0":
             return
-        os.environ["DDPJOB_METRICS_DIR"] = env["DDPJOB_METRICS_DIR"]
+        os.environ[contract.ENV_METRICS_DIR] = env[contract.ENV_METRICS_DIR]
         from .telemetry import Telemetry
 
         for local in range(max(1, nproc)):
-            labels = {"ddpjob": env.get("DDPJOB_NAME", "local"), "namespace": env.get("DDPJOB_NAMESPACE", ""),
+            labels = {"ddpjob": env.get(contract.ENV_JOB_NAME, "local"), "namespace": env.get(contract.ENV_JOB_NAMESPACE, ""),
                       "rank": str(node_rank * nproc + local), "local_rank": str(local),
                       "node_rank": str(node_rank)}
             self.telemetry.append(Telemetry(labels=labels))
@@ -380,7 +381,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--master-timeout", type=float,
                    default=float(os.environ.get("DDPJOB_MASTER_TIMEOUT", "600")),
                    help="seconds a worker waits for the master's DNS name and port")
-    p.add_argument("--metrics-port", type=int, default=int(os.environ.get("DDPJOB_METRICS_PORT", "0")),
+    p.add_argument("--metrics-port", type=int, default=int(os.environ.get(contract.ENV_POD_METRICS_PORT, "0")),
                    help="serve this pod's metrics here (0: don't)")
     p.add_argument("--stop-grace", type=float, default=None,
                    help="on SIGTERM/SIGINT, seconds every process of the node gets before SIGKILL "
@@ -416,11 +417,11 @@ def _launch(args: argparse.Namespace, node: _Node) -> int:
     node_rank = int(env.get("NODE_RANK", "0"))
     addr, port = env.get("MASTER_ADDR"), int(env.get("MASTER_PORT", "29500"))
     node.scratch = tempfile.mkdtemp(prefix="ddpjob-")
-    metrics_dir = env.setdefault("DDPJOB_METRICS_DIR", os.path.join(node.scratch, "metrics"))
-    status_dir = env.setdefault("DDPJOB_STATUS_DIR", os.path.join(node.scratch, "status"))
-    result_file = env.setdefault("DDPJOB_RESULT_FILE", os.path.join(node.scratch, "result.json"))
+    metrics_dir = env.setdefault(contract.ENV_METRICS_DIR, os.path.join(node.scratch, "metrics"))
+    status_dir = env.setdefault(contract.ENV_STATUS_DIR, os.path.join(node.scratch, "status"))
+    result_file = env.setdefault(contract.ENV_RESULT_FILE, os.path.join(node.scratch, "result.json"))
     stages = _RankStages(env)
-    if node_rank != 0 and addr and "PET_RDZV_ENDPOINT" not in env:
+    if node_rank != 0 and addr and contract.PET_RDZV_ENDPOINT not in env:
         stages.set("waiting_for_master")
         _say(f"waiting up to {args.master_timeout:.0f}s for master {addr}:{port}")
         # Served while waiting, so a worker stuck here is seen (and named) like any other hang.

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 
-from . import debug, rng, tuning
+from . import contract, debug, rng, tuning
 from .checkpoint import Checkpointer, check_resumable, step_dir_name
 from .collectives import Collectives
 from .config import TrainerConfig
@@ -205,7 +205,7 @@ def train(cfg: TrainerConfig, ctx: DistContext, *, log: NullReporter, telemetry:
             log.info(f"resumed from {loaded.path} at step {step} (epoch {epoch}, batch {micro_done})")
 
     telemetry.set_total_steps(total_steps)
-    telemetry.set_restart_count(int(os.environ.get("DDPJOB_ATTEMPT", "0")))
+    telemetry.set_restart_count(int(os.environ.get(contract.ENV_ATTEMPT, "0")))
     log.params({"world_size": ctx.world_size, "backend": ctx.backend, "resolved_num_workers": workers,
                 "amp_dtype": str(place.amp_dtype), "channels_last": place.channels_last,
                 "static_graph": tuning.static_graph(cfg),

@@ -1,4 +1,4 @@
-"""Per-rank Prometheus metrics (names and labels: CONTRACT in design.md).
+"""Per-rank Prometheus metrics (the prefix: contract.METRIC_PREFIX; the operator's scrape.py reads them).
 
 Every local rank writes into a shared prometheus-client multiprocess directory
 (DDPJOB_METRICS_DIR); the pod's launcher serves one endpoint over all of them.
@@ -40,8 +40,10 @@ import os
 import time
 from typing import Any, Iterable, Iterator
 
-PREFIX = "ddpjob_trainer_"
-METRICS_DIR_ENV = "DDPJOB_METRICS_DIR"
+from . import contract
+
+PREFIX = contract.METRIC_PREFIX
+METRICS_DIR_ENV = contract.ENV_METRICS_DIR
 LABELS = ("ddpjob", "namespace", "rank", "local_rank", "node_rank")
 # In the order a job passes through them (the operator names the earliest one a stuck rank is in).
 STAGES = ("waiting_for_master", "rendezvous", "process_group_init", "first_step", "training", "eval",
@@ -122,14 +124,14 @@ class Telemetry:
         """Labels from torchrun's and the operator's env vars."""
         env = os.environ
         labels = {
-            "ddpjob": env.get("DDPJOB_NAME", "local"),
-            "namespace": env.get("DDPJOB_NAMESPACE", ""),
+            "ddpjob": env.get(contract.ENV_JOB_NAME, "local"),
+            "namespace": env.get(contract.ENV_JOB_NAMESPACE, ""),
             "rank": env.get("RANK", "0"),
             "local_rank": env.get("LOCAL_RANK", "0"),
             "node_rank": env.get("NODE_RANK", env.get("GROUP_RANK", "0")),
         }
         if enabled is None:
-            enabled = env.get("DDPJOB_TELEMETRY", "1") != "0"
+            enabled = env.get(contract.ENV_TELEMETRY, "1") != "0"
         return cls(labels=labels, enabled=enabled)
 
     @property

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from . import contract
 from .config import AUTO, TrainerConfig
 from .errors import ConfigError
 from .reporting import NullReporter
@@ -46,11 +47,11 @@ def set_nccl_env_defaults(environ=os.environ) -> dict[str, str]:
 def available_cpus(environ=os.environ) -> int:
     """CPUs this pod may use: DDPJOB_CPUS (the pod's CPU request, via the downward API) if set,
     else the affinity mask capped by a cgroup CPU quota (a pod's limit)."""
-    if environ.get("DDPJOB_CPUS"):
+    if environ.get(contract.ENV_CPUS):
         try:
-            return max(1, math.floor(float(environ["DDPJOB_CPUS"])))
+            return max(1, math.floor(float(environ[contract.ENV_CPUS])))
         except ValueError:
-            raise ConfigError(f"DDPJOB_CPUS: expected a number of CPUs, got {environ['DDPJOB_CPUS']!r}") from None
+            raise ConfigError(f"{contract.ENV_CPUS}: expected a number of CPUs, got {environ[contract.ENV_CPUS]!r}") from None
     try:
         n = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux

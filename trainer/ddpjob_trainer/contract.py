@@ -1,0 +1,41 @@
+"""What the operator, the local runner, the in-pod launcher and the trainer agree on, defined
+once: the environment a pod gets, the exit codes a node reports, the metric name prefix.
+
+It lives in the trainer package because that is the one package every side has (the operator's
+image installs the same wheel); it imports nothing, so the operator pays nothing for it.
+"""
+from __future__ import annotations
+
+# Exit codes of a rank, a node's launcher and the local runner.
+EXIT_OK = 0
+EXIT_TRAINING_FAILED = 1   # may be retried (group restart, resume from checkpoint)
+EXIT_BAD_CONFIG = 78       # EX_CONFIG: retrying cannot help; fail the job at once
+
+# Set by the operator in every pod (operator/envvars.py) and by the local runner.
+ENV_JOB_NAME = "DDPJOB_NAME"
+ENV_JOB_NAMESPACE = "DDPJOB_NAMESPACE"
+ENV_ATTEMPT = "DDPJOB_ATTEMPT"            # the group attempt: 0, then +1 per restart
+ENV_POD_METRICS_PORT = "DDPJOB_METRICS_PORT"  # the pod's metrics endpoint (not the operator's own)
+ENV_TRAINER_CONFIG = "DDPJOB_TRAINER_CONFIG"  # spec.trainer as JSON (built-in trainer only)
+ENV_CPUS = "DDPJOB_CPUS"                  # the pod's CPU request, via the downward API
+ENV_LOCAL = "DDPJOB_LOCAL"                # "1" under `ddpjob run --local`
+
+# Set by the launcher (or the local runner) for the ranks below it.
+ENV_METRICS_DIR = "DDPJOB_METRICS_DIR"    # prometheus-client's multiprocess dir, one per node
+ENV_STATUS_DIR = "DDPJOB_STATUS_DIR"      # a failing rank's reason (failed-/bad-config-rank-N.txt)
+ENV_RESULT_FILE = "DDPJOB_RESULT_FILE"    # rank 0's final numbers (JSON)
+ENV_TELEMETRY = "DDPJOB_TELEMETRY"        # "0": no metrics at all
+
+# torchrun's flags as env (torch.distributed.run reads PET_<FLAG>).
+PET_NNODES = "PET_NNODES"
+PET_NODE_RANK = "PET_NODE_RANK"
+PET_NPROC_PER_NODE = "PET_NPROC_PER_NODE"
+PET_MASTER_ADDR = "PET_MASTER_ADDR"
+PET_MASTER_PORT = "PET_MASTER_PORT"
+PET_RDZV_BACKEND = "PET_RDZV_BACKEND"
+PET_RDZV_ENDPOINT = "PET_RDZV_ENDPOINT"
+PET_RDZV_ID = "PET_RDZV_ID"
+PET_MAX_RESTARTS = "PET_MAX_RESTARTS"
+
+# Every metric a rank exports starts with this; the operator's scraper keeps only these.
+METRIC_PREFIX = "ddpjob_trainer_"
