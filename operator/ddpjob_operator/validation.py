@@ -125,6 +125,10 @@ def _cel(obj: dict[str, Any]) -> list[str]:
     gpus = spec.get("gpusPerNode")
     if is_int(gpus) and gpus < 0:
         errs.append("spec.gpusPerNode must be >= 0")
+    workers = spec.get("trainer", {}).get("numWorkers") if isinstance(spec.get("trainer"), dict) else None
+    if workers is not None and not (is_int(workers) and workers >= 0) and workers != "auto" \
+            and isinstance(workers, (int, str)):
+        errs.append('spec.trainer.numWorkers must be "auto" or an integer >= 0')
     for port in ("masterPort", "metricsPort"):
         val = spec.get(port)
         if is_int(val) and not 1 <= val <= 65535:

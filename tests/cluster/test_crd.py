@@ -66,6 +66,7 @@ def test_defaults_applied_by_the_api_server(crd, namespace):
      "spec.podAnnotations must not use ddpjob.dev/ keys"),
     ("job", {"activeDeadlineSeconds": 0}, "spec.activeDeadlineSeconds"),
     ("job", {"trainer": {"model": "vgg19"}}, "spec.trainer.model"),
+    ("job", {"trainer": {"numWorkers": -1}}, "spec.trainer.numWorkers"),   # a CEL rule the local validator once missed
     ("job", {"trainer": {"batch_size": 8}}, "spec.trainer.batch_size"),   # unknown key: strict decoding
     ("j" * 59, {}, "metadata.name"),
 ])

@@ -91,3 +91,54 @@ def test_bad_gpu_and_data_loading_keys_name_the_key(raw, needle):
     with pytest.raises(ConfigError) as info:
         parse_config(raw)
     assert needle in str(info.value)
+
+
+# The trainer's key tables (config.py) and the CRD's spec.trainer schema are two spellings of one
+# set of keys: the API server validates with one, the trainer with the other. A key, type, bound or
+# enum value changed on one side only fails here (a key the CRD lacks would be pruned or refused
+# by the API server; one the trainer lacks would make every pod exit 78).
+def _trainer_schema() -> dict:
+    import yaml
+
+    from ddpjob_operator.crd import crd_path
+
+    doc = yaml.safe_load(crd_path().read_text())
+    spec = doc["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    return spec["properties"]["trainer"]
+
+
+def _sections():
+    from ddpjob_trainer import config as c
+
+    schema = _trainer_schema()
+    yield "spec.trainer", c._TOP, schema
+    for name, table in (("checkpoint", c._CHECKPOINT), ("synthetic", c._SYNTHETIC), ("ddp", c._DDP),
+                        ("mlflow", c._MLFLOW)):
+        yield f"spec.trainer.{name}", table, schema["properties"][name]
+
+
+def _disagreements(path: str, key: str, kind: str, arg, prop: dict) -> list[str]:
+    want = {"int": "integer", "float": "number", "bool": "boolean", "enum": "string", "str": "string",
+            "shape": "array"}
+    where = f"{path}.{key}"
+    if kind == "int_or_auto":
+        return [] if prop.get("x-kubernetes-int-or-string") else [f"{where}: CRD is not int-or-string"]
+    out = []
+    if prop.get("type") != want[kind]:
+        out.append(f"{where}: CRD type {prop.get('type')}, trainer {kind}")
+    if kind in ("int", "float") and prop.get("minimum") != arg:
+        out.append(f"{where}: CRD minimum {prop.get('minimum')}, trainer {arg}")
+    if kind == "enum" and list(prop.get("enum") or []) != list(arg):
+        out.append(f"{where}: CRD enum {prop.get('enum')}, trainer {list(arg)}")
+    if kind == "shape" and (prop.get("items") or {}).get("type") != "integer":
+        out.append(f"{where}: CRD items are not integers")
+    return out
+
+
+@pytest.mark.parametrize("path, table, schema", list(_sections()), ids=lambda v: v if isinstance(v, str) else "")
+def test_the_crd_and_the_trainer_know_the_same_keys_with_the_same_types(path, table, schema):
+    props = schema["properties"]
+    nested = {"checkpoint", "synthetic", "ddp", "mlflow"} if path == "spec.trainer" else set()
+    assert set(props) - nested == set(table), (set(props) - nested ^ set(table))
+    problems = [p for key, (_, kind, arg) in table.items() for p in _disagreements(path, key, kind, arg, props[key])]
+    assert not problems, problems

@@ -122,3 +122,77 @@ def test_check_manifest_raises_with_every_problem():
         check_manifest(with_spec(nodes=0, gpusPerNode=-1))
     assert "spec.nodes" in str(err.value) and "spec.gpusPerNode" in str(err.value)
     assert len(err.value.problems) == 2
+
+
+def _crd_rules() -> list[dict]:
+    """Every x-kubernetes-validations rule of the CRD the operator installs."""
+    import yaml
+
+    from ddpjob_operator.crd import crd_path
+
+    out: list[dict] = []
+
+    def walk(node):
+        if isinstance(node, dict):
+            out.extend(node.get("x-kubernetes-validations", []))
+            for value in node.values():
+                walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value)
+
+    walk(yaml.safe_load(crd_path().read_text())["spec"]["versions"][0]["schema"])
+    return out
+
+
+# One violation per CEL rule of the CRD, keyed by the rule's message. The local validator
+# re-expresses the rules in Python (validation._cel); this table is how a rule added to or changed
+# in the CRD without the Python side is caught. Transition rules (oldSelf: immutability) need an
+# old object and are the API server's alone (cluster tier: test_immutable_fields_...).
+CEL_VIOLATIONS = {
+    "metadata.name: must be at most 58 characters so that every pod's DNS name `<name>-<rank>` fits 63 "
+    "characters": {"metadata": {"name": "a" * 59}},
+    "metadata.name: must be a DNS-1035 label (lowercase letters, digits, '-', starting with a letter): it "
+    "names the headless Service": {"metadata": {"name": "9lives"}},
+    "spec.elastic.minNodes must be <= spec.nodes": {"spec": {"nodes": 2, "elastic": {"minNodes": 3, "maxNodes": 4}}},
+    "spec.elastic.maxNodes must be >= spec.nodes": {"spec": {"nodes": 4, "elastic": {"minNodes": 1, "maxNodes": 3}}},
+    "spec.elastic.minNodes must be <= spec.elastic.maxNodes": {"spec": {"nodes": 4, "elastic": {"minNodes": 6,
+                                                                                                "maxNodes": 2}}},
+    "spec.masterPort and spec.metricsPort must differ": {"spec": {"masterPort": 9400, "metricsPort": 9400}},
+    "spec.nodes must be >= 1": {"spec": {"nodes": 0}},
+    "spec.nodes must be <= 10000": {"spec": {"nodes": 10001}},
+    'spec.nprocPerNode must be "auto" or an integer >= 1': {"spec": {"nprocPerNode": 0}},
+    "spec.gpusPerNode must be >= 0": {"spec": {"gpusPerNode": -1}},
+    'spec.trainer.numWorkers must be "auto" or an integer >= 0': {"spec": {"trainer": {"numWorkers": -1}}},
+    "spec.masterPort must be between 1 and 65535": {"spec": {"masterPort": 70000}},
+    "spec.metricsPort must be between 1 and 65535": {"spec": {"metricsPort": 0}},
+    "spec.shmSize must be a quantity such as 16Gi": {"spec": {"shmSize": "lots"}},
+    "spec.podLabels must not use ddpjob.dev/ keys (the operator's own labels)":
+        {"spec": {"podLabels": {"ddpjob.dev/job-name": "other"}}},
+    "spec.podAnnotations must not use ddpjob.dev/ keys (the operator's own annotations)":
+        {"spec": {"podAnnotations": {"x.ddpjob.dev/attempt": "9"}}},
+    "spec.failurePolicy.maxRestarts must be >= 0": {"spec": {"failurePolicy": {"maxRestarts": -1}}},
+    "spec.failurePolicy.podStartTimeoutSeconds must be >= 1": {"spec": {"failurePolicy": {"podStartTimeoutSeconds": 0}}},
+    "spec.hangTimeoutSeconds must be >= 1": {"spec": {"hangTimeoutSeconds": 0}},
+    "spec.elastic.minNodes must be >= 1": {"spec": {"nodes": 2, "elastic": {"minNodes": 0, "maxNodes": 2}}},
+    "spec.elastic.maxNodes must be >= 1": {"spec": {"nodes": 1, "elastic": {"minNodes": 1, "maxNodes": 0}}},
+    "spec.elastic.maxRestarts must be >= 0": {"spec": {"elastic": {"maxRestarts": -1}}},
+    "spec.ttlSecondsAfterFinished must be >= 0": {"spec": {"ttlSecondsAfterFinished": -1}},
+    "spec.activeDeadlineSeconds must be >= 1": {"spec": {"activeDeadlineSeconds": 0}},
+}
+
+
+def test_every_cel_rule_of_the_crd_has_a_violation_in_the_table():
+    messages = {r["message"] for r in _crd_rules() if "oldSelf" not in r["rule"]}
+    assert len(messages) > 20
+    assert messages == set(CEL_VIOLATIONS), (messages - set(CEL_VIOLATIONS), set(CEL_VIOLATIONS) - messages)
+
+
+@pytest.mark.parametrize("message", sorted(CEL_VIOLATIONS))
+def test_the_local_validator_gives_each_cel_rules_own_message(message):
+    change = CEL_VIOLATIONS[message]
+    m = copy.deepcopy(GOOD)
+    m["metadata"].update(change.get("metadata", {}))
+    m["spec"].update(change.get("spec", {}))
+    problems = validate_manifest(m)
+    assert any(p.startswith(message) for p in problems), problems
