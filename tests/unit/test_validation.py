@@ -196,3 +196,23 @@ def test_the_local_validator_gives_each_cel_rules_own_message(message):
     m["spec"].update(change.get("spec", {}))
     problems = validate_manifest(m)
     assert any(p.startswith(message) for p in problems), problems
+
+
+@pytest.mark.parametrize("spec", [{"image": "i"}, {"image": "i", "trainer": {}, "failurePolicy": {}},
+                                  {"image": "i", "elastic": {"minNodes": 1, "maxNodes": 2}}])
+def test_the_operators_fallbacks_are_the_crds_defaults(spec):
+    """The API server fills in the CRD's defaults; a manifest that never met it (`ddpjob run
+    --local`, `ddpjob render`, an object from an older CRD) falls back to spec.py's. Every field and
+    property of the JobSpec must come out the same both ways, or the two paths run different jobs."""
+    import dataclasses
+
+    from ddpjob_operator.spec import JobSpec, from_manifest
+
+    bare = {"apiVersion": "ddpjob.dev/v1alpha1", "kind": "DDPJob", "metadata": {"name": "j", "namespace": "ns"},
+            "spec": spec}
+    as_written, as_stored = from_manifest(copy.deepcopy(bare)), from_manifest(apply_defaults(bare))
+    names = [f.name for f in dataclasses.fields(JobSpec) if f.name not in ("raw", "spec")]
+    names += [n for n, v in vars(JobSpec).items() if isinstance(v, property) and n != "spec"]
+    differ = {n: (getattr(as_written, n), getattr(as_stored, n)) for n in names
+              if getattr(as_written, n) != getattr(as_stored, n)}
+    assert len(names) > 15 and not differ, differ
