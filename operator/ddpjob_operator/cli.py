@@ -5,6 +5,11 @@ import sys
 
 import click
 
+from .config import OperatorConfig
+
+# The flags' defaults are OperatorConfig's: one place (the chart's values.yaml is checked against it).
+_OP = OperatorConfig()
+
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 def main() -> None:
@@ -44,23 +49,22 @@ def render(file, namespace) -> None:
 @click.option("--namespace", "-n", "namespaces", multiple=True, envvar="DDPJOB_NAMESPACES",
               help="Watch this namespace (repeatable).")
 @click.option("--all-namespaces", "-A", is_flag=True, envvar="DDPJOB_ALL_NAMESPACES")
-@click.option("--metrics-port", type=int, default=8080, envvar="DDPJOB_OPERATOR_METRICS_PORT", show_default=True)
-@click.option("--health-port", type=int, default=8081, envvar="DDPJOB_HEALTH_PORT", show_default=True)
-@click.option("--default-runtime-class", default="nvidia", envvar="DDPJOB_DEFAULT_RUNTIME_CLASS", show_default=True)
-@click.option("--cluster-domain", default="", envvar="DDPJOB_CLUSTER_DOMAIN")
-@click.option("--scrape-interval", type=float, default=15.0, envvar="DDPJOB_SCRAPE_INTERVAL", show_default=True)
-@click.option("--scrape-url-template", default="", envvar="DDPJOB_SCRAPE_URL_TEMPLATE",
+@click.option("--metrics-port", type=int, default=_OP.metrics_port, envvar="DDPJOB_OPERATOR_METRICS_PORT", show_default=True)
+@click.option("--health-port", type=int, default=_OP.health_port, envvar="DDPJOB_HEALTH_PORT", show_default=True)
+@click.option("--default-runtime-class", default=_OP.default_runtime_class, envvar="DDPJOB_DEFAULT_RUNTIME_CLASS", show_default=True)
+@click.option("--cluster-domain", default=_OP.cluster_domain, envvar="DDPJOB_CLUSTER_DOMAIN")
+@click.option("--scrape-interval", type=float, default=_OP.scrape_interval, envvar="DDPJOB_SCRAPE_INTERVAL", show_default=True)
+@click.option("--scrape-url-template", default=_OP.scrape_url_template, envvar="DDPJOB_SCRAPE_URL_TEMPLATE",
               help="Override where pod metrics are scraped; placeholders {pod} {rank} {ip} {port} "
                    "{rank_port} (= metricsPort + node rank) {namespace} {job}, "
                    "e.g. http://127.0.0.1:{rank_port}/metrics")
-@click.option("--unschedulable-timeout", type=float, default=300.0, envvar="DDPJOB_UNSCHEDULABLE_TIMEOUT", show_default=True)
-@click.option("--peering", default="ddpjob", envvar="DDPJOB_PEERING", show_default=True,
+@click.option("--unschedulable-timeout", type=float, default=_OP.unschedulable_timeout, envvar="DDPJOB_UNSCHEDULABLE_TIMEOUT", show_default=True)
+@click.option("--peering", default=_OP.peering, envvar="DDPJOB_PEERING", show_default=True,
               help="kopf peering name; empty for standalone.")
-@click.option("--priority", type=int, default=0, envvar="DDPJOB_PRIORITY", show_default=True)
-@click.option("--log-level", default="INFO", envvar="DDPJOB_LOG_LEVEL", show_default=True)
+@click.option("--priority", type=int, default=_OP.priority, envvar="DDPJOB_PRIORITY", show_default=True)
+@click.option("--log-level", default=_OP.log_level, envvar="DDPJOB_LOG_LEVEL", show_default=True)
 def operator(namespaces, all_namespaces, **opts) -> None:
     """Run the operator against the current kubeconfig (or in-cluster config)."""
-    from .config import OperatorConfig
     from .operator_main import run_operator
 
     namespaces = tuple(n for ns in namespaces for n in ns.split(",") if n)

@@ -462,3 +462,18 @@ def test_tenant_policy_profiles_per_namespace_label(tmp_path):
 
 def test_tenant_policy_can_be_switched_off():
     assert "ValidatingAdmissionPolicy" not in kinds(render("tenantPolicy.enabled=false"))
+
+
+def test_the_charts_operator_defaults_are_the_operators_own():
+    """The chart passes every one of these as a flag, so a default changed in OperatorConfig only
+    (the CLI's defaults come from it) would silently not reach Helm installs."""
+    import dataclasses
+
+    from ddpjob_operator.config import OperatorConfig
+
+    values = yaml.safe_load((CHART / "values.yaml").read_text())["operator"]
+    defaults = {f.name: f.default for f in dataclasses.fields(OperatorConfig)}
+    snake = {key: re.sub(r"(?<!^)(?=[A-Z])", "_", key).lower() for key in values}
+    shared = {key: name for key, name in snake.items() if name in defaults}
+    assert len(shared) >= 7, shared
+    assert {key: values[key] for key in shared} == {key: defaults[name] for key, name in shared.items()}
