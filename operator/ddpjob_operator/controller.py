@@ -14,7 +14,7 @@ import datetime as dt
 import logging
 import os
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kubernetes.client.rest import ApiException
 
@@ -26,6 +26,9 @@ from .lifecycle import Decision, decide
 from .operator_metrics import OperatorMetrics
 from .phases import Phase
 from .pods import render_pod
+
+if TYPE_CHECKING:
+    from .monitor import Monitor, MonitorReport
 from .service import render_service
 from .spec import from_manifest
 from .status import NAME_CONFLICT, CreateRefusal, create_refused, job_status, split_creates
@@ -46,7 +49,7 @@ REFUSED_RETRY_SECONDS = 10.0  # a refusal that may pass later (403 from a quota)
 _QUIET_FIELDS = frozenset({"nodes", "launchedAttempt"})
 
 
-def _load_monitor(config: OperatorConfig) -> Any:
+def _load_monitor(config: OperatorConfig) -> Monitor | None:
     """The progress/health monitor; the operator works without it."""
     from .monitor import Monitor  # noqa: PLC0415  (imports aiohttp; unit tests pass monitor=None)
 
@@ -272,7 +275,7 @@ class Reconciler:
                     self.kick(*key, scrape=True)
 
     # -- one pass ------------------------------------------------------------------------
-    async def _observe(self, obj: dict[str, Any], pods: list[dict[str, Any]]) -> Any:
+    async def _observe(self, obj: dict[str, Any], pods: list[dict[str, Any]]) -> MonitorReport | None:
         try:
             return await asyncio.wait_for(self.monitor.observe(obj, pods), MONITOR_TIMEOUT)
         except Exception as exc:  # noqa: BLE001  (progress is optional; lifecycle is not)
@@ -288,13 +291,13 @@ class Reconciler:
         if obj is None:
             self.forget(namespace, name)
             return
-        report = None
+        report: MonitorReport | None = None
         if (scrape and self.monitor is not None
                 and (obj.get("status") or {}).get("phase") == Phase.RUNNING.value):
             uid = (obj.get("metadata") or {}).get("uid") or ""
             report = await self._observe(obj, [p for p in self.pods.by_index(namespace, name) if owned_by(p, uid)])
             every = self._scrape_every.get(key, 1)
-            self._scrape_every[key] = min(every * 2, MAX_SCRAPE_BACKOFF) if getattr(report, "unreachable", False) else 1
+            self._scrape_every[key] = min(every * 2, MAX_SCRAPE_BACKOFF) if report is not None and report.unreachable else 1
 
         for _ in range(WRITE_ATTEMPTS):
             job = from_manifest(obj)
@@ -302,7 +305,7 @@ class Reconciler:
             prev = dict(obj.get("status") or {})
             now = dt.datetime.now(dt.timezone.utc)
             decision = decide(job, pods, now=now, prev_status=prev, config=self.config,
-                              stalled=bool(getattr(report, "stalled", False)),
+                              stalled=report is not None and report.stalled,
                               departed=list(self._departed.get(key, {}).values()))
             status, events = job_status(job, pods, now=now, prev_status=prev, config=self.config,
                                         decision=decision, report=report)
@@ -358,7 +361,7 @@ class Reconciler:
             status, events = new, events + more
             if not any(r.permanent for r in refused):
                 self.kick_later(key, REFUSED_RETRY_SECONDS)  # e.g. a quota: try again
-        for etype, reason, message in events + list(getattr(report, "events", None) or []):
+        for etype, reason, message in events + (report.events if report is not None else []):
             await self.k8s.post_event(obj, etype, reason, message)
 
         self.metrics.record_pass(key, prev_status=prev, status=status,

@@ -4,7 +4,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import podinfo
 from .config import OperatorConfig
@@ -15,6 +15,9 @@ from .pods import explain_pod_error
 from .redact import redact
 from .result import run_result
 from .spec import JobSpec
+
+if TYPE_CHECKING:  # the monitor module imports aiohttp; status needs only the report's shape
+    from .monitor import MonitorReport
 
 Event = tuple[str, str, str]  # (Normal|Warning, reason, message)
 
@@ -108,12 +111,12 @@ def failure_evidence(pods: list[dict[str, Any]], attempt: int, *, with_log: bool
 
 def job_status(job: JobSpec, pods: list[dict[str, Any]], *, now: dt.datetime,
                prev_status: dict[str, Any] | None, config: OperatorConfig | None = None,
-               decision: Decision | None = None, report: Any = None) -> tuple[dict[str, Any], list[Event]]:
+               decision: Decision | None = None, report: MonitorReport | None = None) -> tuple[dict[str, Any], list[Event]]:
     """(new status, events for what changed) for one reconcile pass."""
     config = config or OperatorConfig()
     prev = dict(prev_status or {})
     d = decision or decide(job, pods, now=now, prev_status=prev, config=config,
-                           stalled=bool(getattr(report, "stalled", False)))
+                           stalled=report is not None and report.stalled)
     gen = job.generation
     conds: list[dict[str, Any]] = [dict(c) for c in prev.get("conditions") or []]
     events: list[Event] = []
@@ -186,10 +189,10 @@ def job_status(job: JobSpec, pods: list[dict[str, Any]], *, now: dt.datetime,
 
     progress = dict(prev.get("progress") or {})
     if report is not None:
-        if getattr(report, "progress", None):
+        if report.progress:
             progress.update(report.progress)
         by_type = {c.get("type"): c for c in conds}
-        for cond in getattr(report, "conditions", None) or []:
+        for cond in report.conditions:
             if cond.get("type") in by_type:
                 old = by_type[cond["type"]]
                 if old.get("status") == cond.get("status") and old.get("lastTransitionTime"):

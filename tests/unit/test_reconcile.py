@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import copy
 import datetime as dt
-import types
 
 import pytest
 from kubernetes.client.rest import ApiException
@@ -20,6 +19,7 @@ from ddpjob_operator import labels
 from ddpjob_operator.cache import PeerGate, Store
 from ddpjob_operator.config import OperatorConfig
 from ddpjob_operator.controller import Reconciler
+from ddpjob_operator.monitor import MonitorReport
 from ddpjob_operator.operator_metrics import OperatorMetrics
 from ddpjob_operator.service import render_service
 from ddpjob_operator.spec import from_manifest
@@ -279,15 +279,11 @@ def test_stale_write_gets_409_and_is_decided_again_from_the_fresh_object():
     assert k8s.jobs["j"]["status"]["restarts"] == 5
 
 
-class Report(types.SimpleNamespace):
-    pass
-
-
 class ProgressMonitor:
     """Returns a progress report the (fake) schema refuses."""
 
     async def observe(self, job, pods):
-        return Report(progress={"step": 3, "bogus": True}, conditions=[], events=[], stalled=False)
+        return MonitorReport(progress={"step": 3, "bogus": True}, conditions=[], events=[], stalled=False)
 
     def forget(self, uid):
         pass
@@ -455,7 +451,7 @@ class SilentMonitor:
         self.answer = False
 
     async def observe(self, job, pods):
-        return Report(progress={"step": 1} if self.answer else None, conditions=[], events=[], stalled=False,
+        return MonitorReport(progress={"step": 1} if self.answer else None, conditions=[], events=[], stalled=False,
                       unreachable=not self.answer)
 
     def forget(self, uid):
