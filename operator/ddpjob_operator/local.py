@@ -45,7 +45,7 @@ from ddpjob_trainer.launch import (
     stop_tree,
 )
 
-from . import envvars
+from . import envvars, pods
 from .spec import JobSpec, from_manifest
 
 SCRAPE_INTERVAL = 1.0
@@ -166,12 +166,14 @@ class Attempt:
 
 
 def node_command(job: JobSpec, *, metrics_port: int) -> list[str]:
-    """What a pod's container runs, with the local Python."""
-    launcher = [sys.executable, "-m", "ddpjob_trainer.launch", "--metrics-port", str(metrics_port), "--"]
-    if job.uses_builtin_trainer:
-        return launcher
-    user = list(job.command or []) + list(job.args or [])
-    return user if job.spec.get("launcher") is False else launcher + user
+    """What the job's pods run (pods.container_command, the one command builder: `launcher: false`
+    and spec.args mean the same here), with this environment's Python and this node's port."""
+    command, args = pods.container_command(job)
+    launcher = pods.LAUNCHER
+    if command[:len(launcher)] == launcher:
+        command = [sys.executable, *launcher[1:-1], "--metrics-port", str(metrics_port), "--",
+                   *command[len(launcher):]]
+    return command + list(args or [])
 
 
 def node_env(job: JobSpec, rank: int, *, master_port: int, metrics_port: int, attempt: int,

@@ -1,0 +1,38 @@
+"""`ddpjob run --local` runs what the job's pods run: the command comes from pods.container_command."""
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from ddpjob_operator.local import node_command
+from ddpjob_operator.spec import from_manifest
+
+LOCAL_LAUNCHER = [sys.executable, "-m", "ddpjob_trainer.launch", "--metrics-port", "19400", "--"]
+
+
+def job(**spec):
+    return from_manifest({"apiVersion": "ddpjob.dev/v1alpha1", "kind": "DDPJob", "metadata": {"name": "j"},
+                          "spec": {"image": "i", "nodes": 2, **spec}})
+
+
+@pytest.mark.parametrize("spec, want", [
+    ({}, LOCAL_LAUNCHER),
+    ({"trainer": {"epochs": 1}}, LOCAL_LAUNCHER),
+    # no launcher: torchrun itself, as in the pod (it reads PET_* from the env)
+    ({"launcher": False}, ["torchrun", "-m", "ddpjob_trainer"]),
+    ({"command": ["torchrun", "train.py"], "args": ["--epochs", "3"]},
+     LOCAL_LAUNCHER + ["torchrun", "train.py", "--epochs", "3"]),
+    ({"command": ["torchrun", "train.py"], "launcher": False}, ["torchrun", "train.py"]),
+    # spec.args of a built-in job reach the launcher after `--`, exactly as in the pod
+    ({"args": ["torchrun", "-m", "ddpjob_trainer"]}, LOCAL_LAUNCHER + ["torchrun", "-m", "ddpjob_trainer"]),
+])
+def test_a_local_node_runs_the_pods_command(spec, want):
+    from ddpjob_operator.pods import LAUNCHER, container_command
+
+    assert node_command(job(**spec), metrics_port=19400) == want
+    command, args = container_command(job(**spec))
+    pod = command + list(args or [])
+    if pod[:len(LAUNCHER)] == LAUNCHER:  # the pod's `python` is the image's; locally it is this one
+        pod = LOCAL_LAUNCHER + pod[len(LAUNCHER):]
+    assert pod == want
