@@ -1,9 +1,10 @@
 """`ddpjob run FILE --local`: the DDPJob's nodes as processes on this machine.
 
 Each simulated node is the same in-pod launcher the operator's pods run, with the env
-from `envvars.pod_env` (MASTER_ADDR=127.0.0.1). A failed node restarts the whole group
-(resuming from the checkpoint) up to failurePolicy.maxRestarts; exit code 78 (bad
-configuration) fails at once. Progress and health come from scraping the nodes' metrics,
+from `envvars.pod_env` (MASTER_ADDR=127.0.0.1) and the pod's command (`pods.container_command`).
+When a node fails, the operator's own decision (`lifecycle.decide`, via `localpolicy`) says what
+next: restart the whole group (resuming from the checkpoint) within failurePolicy.maxRestarts, or
+fail at once (exit code 78: bad configuration; activeDeadlineSeconds passed). Progress and health come from scraping the nodes' metrics,
 with the same parsing and health logic the operator uses.
 
 Ctrl-C (SIGINT) and SIGTERM stop the run within seconds, whatever the nodes are doing
@@ -16,6 +17,7 @@ torchrun agent (which gives workers sessions of their own) is still found and st
 from __future__ import annotations
 
 import copy
+import datetime as dt
 import functools
 import json
 import os
@@ -46,6 +48,8 @@ from ddpjob_trainer.launch import (
 )
 
 from . import envvars, pods
+from .localpolicy import Tally, after_failure, next_tally
+from .phases import Phase
 from .spec import JobSpec, from_manifest
 
 SCRAPE_INTERVAL = 1.0
@@ -163,6 +167,7 @@ class Attempt:
     failed_rank: int | None = None
     interrupted: bool = False
     result: dict[str, Any] = field(default_factory=dict)
+    returncodes: dict[int, int | None] = field(default_factory=dict)  # per node rank; None: running
 
 
 def node_command(job: JobSpec, *, metrics_port: int) -> list[str]:
@@ -323,7 +328,8 @@ def run_attempt(job: JobSpec, *, attempt: int, workdir: Path, metrics_ports: lis
                 codes = [n.proc.poll() for n in nodes]
                 bad = [n for n, c in zip(nodes, codes) if c == EXIT_BAD_CONFIG]
                 node, code = (bad[0], EXIT_BAD_CONFIG) if bad else failed[0]
-                return Attempt(ok=False, exit_code=code, failed_rank=node.rank)
+                return Attempt(ok=False, exit_code=code, failed_rank=node.rank,
+                               returncodes={n.rank: c for n, c in zip(nodes, codes)})
             if all(c == 0 for c in codes):
                 result = json.loads(result_file.read_text()) if result_file.exists() else {}
                 return Attempt(ok=True, result=result)
@@ -336,6 +342,14 @@ def run_attempt(job: JobSpec, *, attempt: int, workdir: Path, metrics_ports: lis
         return Attempt(ok=False, exit_code=128 + stop.signum, interrupted=True)
     finally:
         _stop_nodes(nodes, workdir=workdir, signals=signals, grace=grace, display=display)
+
+
+def _give_up(job: JobSpec, reason: str) -> str:
+    if reason == "BadConfiguration":
+        return "bad configuration: not retrying"
+    if reason == "RestartLimitExceeded":
+        return f"restart budget exhausted (failurePolicy.maxRestarts={job.max_restarts})"
+    return "not retrying"
 
 
 def run_local(path: str, *, summary_json: str | None = None, metrics_port_base: int | None = None,
@@ -373,9 +387,10 @@ def _run_local(path: str, *, signals: StopSignals, summary_json: str | None, met
     click.echo(f"{job.name}: {job.nodes} node(s) x {job.nproc_per_node} process(es) = world size "
                f"{job.world_size}; metrics on ports {ports[0]}..{ports[-1]}; logs in {wd}/logs", err=True)
     display = Display(enabled=progress, job=job)
-    attempt_no, outcome = 0, Attempt(ok=False)
+    tally, outcome, started = Tally(), Attempt(ok=False), dt.datetime.now(dt.timezone.utc)
     try:
         while True:
+            attempt_no = tally.attempt
             outcome = run_attempt(job, attempt=attempt_no, workdir=wd, metrics_ports=ports, display=display,
                                   signals=signals, grace=grace)
             if not outcome.ok and signals.exit_code is not None:  # it came while nodes were stopped
@@ -386,14 +401,14 @@ def _run_local(path: str, *, signals: StopSignals, summary_json: str | None, met
             log = wd / "logs" / f"attempt-{attempt_no}" / f"node-{outcome.failed_rank}.log"
             click.echo(f"node {outcome.failed_rank} failed with exit code {outcome.exit_code} "
                        f"(attempt {attempt_no}); its log ({log}) ends:\n{_tail(log)}", err=True)
-            if outcome.exit_code == EXIT_BAD_CONFIG:
-                click.echo("bad configuration: not retrying", err=True)
+            decision = after_failure(job, tally=tally, returncodes=outcome.returncodes, started=started,
+                                     now=dt.datetime.now(dt.timezone.utc))
+            if decision.phase is Phase.FAILED:
+                click.echo(f"{decision.reason}: {decision.message}", err=True)
+                click.echo(_give_up(job, decision.reason), err=True)
                 break
-            if attempt_no >= job.max_restarts:
-                click.echo(f"restart budget exhausted (failurePolicy.maxRestarts={job.max_restarts})", err=True)
-                break
-            attempt_no += 1
-            click.echo(f"restarting the whole group (restart {attempt_no}/{job.max_restarts}); "
+            tally = next_tally(decision)
+            click.echo(f"restarting the whole group (restart {tally.counted_restarts}/{job.max_restarts}); "
                        "it resumes from the newest complete checkpoint", err=True)
     except Stop as stop:  # between two attempts: no node is running
         outcome = Attempt(ok=False, exit_code=128 + stop.signum, interrupted=True)
@@ -403,7 +418,7 @@ def _run_local(path: str, *, signals: StopSignals, summary_json: str | None, met
     r = outcome.result
     summary = {
         "phase": phase, "job": job.name, "world_size": job.world_size, "nodes": job.nodes,
-        "nproc_per_node": job.nproc_per_node, "steps": r.get("steps"), "restarts": attempt_no,
+        "nproc_per_node": job.nproc_per_node, "steps": r.get("steps"), "restarts": tally.restarts,
         "train_samples_per_second": r.get("train_samples_per_second"),
         "eval_accuracy": r.get("eval_accuracy"), "eval_loss": r.get("eval_loss"),
         "eval_samples": r.get("eval_samples"), "eval_dataset_size": r.get("eval_dataset_size"),
@@ -416,9 +431,9 @@ def _run_local(path: str, *, signals: StopSignals, summary_json: str | None, met
         click.echo(f"{job.name}: Succeeded in {summary['wall_seconds']:.1f}s — {r.get('steps')} steps, "
                    f"eval accuracy {r.get('eval_accuracy', 0):.4f} on {r.get('eval_samples')}/"
                    f"{r.get('eval_dataset_size')} samples, {r.get('train_samples_per_second', 0):.0f} "
-                   f"samples/s, restarts {attempt_no}", err=True)
+                   f"samples/s, restarts {tally.restarts}", err=True)
     elif outcome.ok:
-        click.echo(f"{job.name}: Succeeded in {summary['wall_seconds']:.1f}s, restarts {attempt_no}", err=True)
+        click.echo(f"{job.name}: Succeeded in {summary['wall_seconds']:.1f}s, restarts {tally.restarts}", err=True)
     else:
         click.echo(f"{job.name}: {phase}", err=True)
     if summary_json:
