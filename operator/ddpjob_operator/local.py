@@ -298,14 +298,14 @@ class Display:
             self.bar = None
 
 
-def run_attempt(job: JobSpec, *, attempt: int, workdir: Path, metrics_ports: list[int],
+def run_attempt(job: JobSpec, *, attempt: int, workdir: Path, cwd: Path, metrics_ports: list[int],
                 display: Display, signals: StopSignals, grace: float) -> Attempt:
-    """Start every node, watch them, stop the group on the first failure or a stop signal."""
+    """Start every node (in `cwd`: the DDPJob file's folder, against which relative paths in its
+    command resolve), watch them, stop the group on the first failure or a stop signal."""
     logs = workdir / "logs" / f"attempt-{attempt}"
     logs.mkdir(parents=True, exist_ok=True)
     result_file = workdir / f"result-attempt-{attempt}.json"
     master_port = free_port()
-    cwd = Path(job.raw.get("_file_dir", "."))
     nodes: list[Node] = []
     try:
         for rank in range(job.nodes):
@@ -379,7 +379,6 @@ def _run_local(path: str, *, signals: StopSignals, summary_json: str | None, met
     except LocalRunError as exc:
         click.echo(f"error: {exc}", err=True)
         return 2
-    job.raw["_file_dir"] = str(Path(path).resolve().parent)
     wd = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix=f"ddpjob-{job.name}-"))
     wd.mkdir(parents=True, exist_ok=True)
     ports = ([metrics_port_base + r for r in range(job.nodes)] if metrics_port_base
@@ -391,7 +390,8 @@ def _run_local(path: str, *, signals: StopSignals, summary_json: str | None, met
     try:
         while True:
             attempt_no = tally.attempt
-            outcome = run_attempt(job, attempt=attempt_no, workdir=wd, metrics_ports=ports, display=display,
+            outcome = run_attempt(job, attempt=attempt_no, workdir=wd, cwd=Path(path).resolve().parent,
+                                  metrics_ports=ports, display=display,
                                   signals=signals, grace=grace)
             if not outcome.ok and signals.exit_code is not None:  # it came while nodes were stopped
                 outcome = Attempt(ok=False, exit_code=signals.exit_code, interrupted=True)
