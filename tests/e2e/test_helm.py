@@ -9,7 +9,6 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-import yaml
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "ddpjob-operator"
@@ -155,10 +154,20 @@ LEGIT_403 = (
 )
 
 
+# A log line's own timestamp ("23:13:16,403") is not an HTTP status.
+_TIMESTAMP = re.compile(r"^\d{4}-\d\d-\d\d[ T]\d\d:\d\d:\d\d[,.]\d+\s")
+
+
 def forbidden_lines(log: str) -> list[str]:
     return [line for line in log.splitlines()
-            if re.search(r"\b403\b|[Ff]orbidden|Not enough permissions", line)
+            if re.search(r"\b403\b|[Ff]orbidden|Not enough permissions", _TIMESTAMP.sub("", line))
             and not any(ok in line for ok in LEGIT_403)]
+
+
+def test_a_timestamp_ending_in_403_is_not_a_denial():
+    log = ("2026-11-23 23:13:16,403 INFO kopf._core.engines.activities: Initial authentication has finished.\n"
+           "2026-11-23 23:13:17,001 ERROR kopf: (403) Forbidden: pods is forbidden\n")
+    assert forbidden_lines(log) == ["2026-11-23 23:13:17,001 ERROR kopf: (403) Forbidden: pods is forbidden"]
 
 
 def diag(op) -> str:
