@@ -118,16 +118,17 @@ def _cel(obj: dict[str, Any]) -> list[str]:
         errs.append("spec.nodes must be >= 1")
     if is_int(nodes) and nodes > MAX_NODES:
         errs.append(f"spec.nodes must be <= {MAX_NODES}")
-    nproc = spec.get("nprocPerNode")
-    if nproc is not None and not (is_int(nproc) and nproc >= 1) and nproc != "auto" \
-            and isinstance(nproc, (int, str)):
+    def bad_int_or_auto(v: Any, low: int) -> bool:
+        """The CRD's `type(self) == int ? self >= low : self == 'auto'` (other types: the schema's)."""
+        return isinstance(v, (int, str)) and v != "auto" and not (is_int(v) and v >= low)
+
+    if bad_int_or_auto(spec.get("nprocPerNode"), 1):
         errs.append('spec.nprocPerNode must be "auto" or an integer >= 1')
     gpus = spec.get("gpusPerNode")
     if is_int(gpus) and gpus < 0:
         errs.append("spec.gpusPerNode must be >= 0")
-    workers = spec.get("trainer", {}).get("numWorkers") if isinstance(spec.get("trainer"), dict) else None
-    if workers is not None and not (is_int(workers) and workers >= 0) and workers != "auto" \
-            and isinstance(workers, (int, str)):
+    trainer = spec.get("trainer")
+    if isinstance(trainer, dict) and bad_int_or_auto(trainer.get("numWorkers"), 0):
         errs.append('spec.trainer.numWorkers must be "auto" or an integer >= 0')
     for port in ("masterPort", "metricsPort"):
         val = spec.get(port)
