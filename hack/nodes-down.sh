@@ -69,24 +69,13 @@ done
 # 3. CoreDNS
 pid="$(recorded coredns)" && stop_pid "$pid"
 # 4. mounts (network namespaces, volumes, rootfs) under our runtime dirs, deepest first.
-for dir in "$NODES_RUN" "$NODES_VAR" "$CONTAINERD_CACHE"; do
-  awk -v d="$dir/" 'index($5, d) == 1 {print $5}' /proc/self/mountinfo | sort -r | while read -r m; do
-    umount "$m" 2>/dev/null || umount -l "$m" 2>/dev/null || log "could not unmount $m"
-  done
-done
+for dir in "$NODES_RUN" "$NODES_VAR" "$CONTAINERD_CACHE"; do unmount_under "$dir"; done
 # 5. bridges (their veths went with the namespaces), our iptables rules (filter and nat), the
 #    runtime dirs.
 for br in $(ip -o link show type bridge 2>/dev/null | awk -F': ' '{print $2}' | grep -E '^ddpbr[0-9]+$' || true); do
   if ip -o addr show dev "$br" | grep -q ' 10\.248\.'; then ip link del "$br" 2>/dev/null || true; fi
 done
-while read -r rule; do
-  [ -n "$rule" ] || continue
-  eval "iptables ${rule/-A /-D }" 2>/dev/null || true
-done < <(iptables -S FORWARD 2>/dev/null | grep -F -- "$IPT_TAG" || true)
-while read -r rule; do
-  [ -n "$rule" ] || continue
-  eval "iptables -t nat ${rule/-A /-D }" 2>/dev/null || true
-done < <(iptables -t nat -S PREROUTING 2>/dev/null | grep -F -- "$IPT_TAG" || true)
+delete_ipt_rules "$IPT_TAG"
 rm -rf "$NODES_RUN" "$NODES_VAR"
 for f in "$CONTAINERD_CACHE"/node-*.owner; do
   if [ -e "$f" ] && [ "$(cat "$f")" = "$STATE" ]; then rm -f "$f"; fi

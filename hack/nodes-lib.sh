@@ -22,6 +22,49 @@ POD_RANGE=10.248.0.0/16
 DNS_IP=10.248.0.1
 IPT_TAG="ddpjob-nodes-$STATE_ID"
 
+# unmount_under DIR: every mount below DIR (network namespaces, volumes, rootfs), deepest first.
+unmount_under() {
+  awk -v d="$1/" 'index($5, d) == 1 {print $5}' /proc/self/mountinfo | sort -r | while read -r m; do
+    umount "$m" 2>/dev/null || umount -l "$m" 2>/dev/null || log "could not unmount $m"
+  done
+}
+
+# delete_ipt_rules TAG: the FORWARD and nat PREROUTING rules whose comment is TAG.
+delete_ipt_rules() {
+  local spec table chain rule
+  for spec in filter:FORWARD nat:PREROUTING; do
+    table="${spec%%:*}"; chain="${spec#*:}"
+    while read -r rule; do
+      [ -n "$rule" ] || continue
+      eval "iptables -t $table ${rule/-A /-D }" 2>/dev/null || true
+    done < <(iptables -t "$table" -S "$chain" 2>/dev/null | grep -F -- "--comment $1 " || true)
+  done
+}
+
+# sweep_dead_clusters: what the real nodes of a cluster that was never stopped leave behind. A
+# session's (or CI's) processes are killed when it ends, but mounts, runtime dirs and iptables rules
+# are kernel state and outlive them; a dead cluster's DNAT of 10.96.0.1 comes first in PREROUTING
+# and sends every pod's API traffic to a port nobody serves (CI's in-cluster operator crash-looped
+# on exactly that). Only clusters none of whose processes is alive are swept.
+sweep_dead_clusters() {
+  local path id ids
+  ids="$( { for path in /run/ddpjob-* /var/lib/ddpjob-*; do [ -d "$path" ] && echo "${path##*-}"; done
+            iptables-save 2>/dev/null | grep -o 'ddpjob-nodes-[0-9a-f]\{10\}' | sed 's/^ddpjob-nodes-//'
+          } | sort -u)"
+  for id in $ids; do
+    [ "$id" = "$STATE_ID" ] && continue
+    # kubelet and containerd of a live cluster name its runtime dirs on their command lines.
+    pgrep -f -- "/ddpjob-$id/" >/dev/null && continue
+    for path in "/run/ddpjob-$id" "/var/lib/ddpjob-$id"; do
+      [ -d "$path" ] || continue
+      unmount_under "$path"
+      rm -rf "$path"
+    done
+    delete_ipt_rules "ddpjob-nodes-$id"
+    log "removed what the real nodes of a cluster that was not stopped left behind (ddpjob-$id)"
+  done
+}
+
 # sign_node_cert NODE: a kubelet client certificate (group system:nodes, for the Node authorizer).
 sign_node_cert() {
   local n="$1"

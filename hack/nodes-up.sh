@@ -66,6 +66,7 @@ for i in $(seq 0 $((COUNT - 1))); do
     fail nodes "real nodes of another cluster ($other) are running on this machine; stop them with its cluster-down first"
   fi
 done
+sweep_dead_clusters
 mkdir -p "$NODES_RUN" "$NODES_VAR" "$CONTAINERD_CACHE"
 sysctl -qw net.ipv4.ip_forward=1
 

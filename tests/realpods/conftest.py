@@ -23,6 +23,8 @@ EXAMPLES = REPO_ROOT / "examples"
 OPERATOR_IMAGE = "localhost/ddpjob/operator:dev"
 TRAINER_IMAGE = "localhost/ddpjob/trainer:dev"
 REAL_NODE_LABEL = "ddpjob.dev/node-kind"
+# The chart's operator pods (part-of is on the chart's objects, not on its pod template).
+OPERATOR_PODS = "app.kubernetes.io/name=ddpjob-operator,app.kubernetes.io/component=operator"
 REAL_NODE_TAINT = "ddpjob.dev/real-node"
 # What a test job needs to land on the real nodes (they are tainted so kwok-tier jobs never do).
 REAL_NODE_SCHEDULING = {
@@ -151,16 +153,38 @@ def wait_job(cluster: Cluster, namespace: str, name: str, until, *, desc: str, t
              give_up=lambda st: False) -> dict:
     """The job's status once until(status) holds; fails at once when give_up(status) does. On
     failure the namespace's pods, events and logs are printed first, so a CI failure says why."""
+    started = time.monotonic()
+
     def done():
         st = job_status(cluster, namespace, name)
-        return ("ok", st) if until(st) else ("gave up", st) if give_up(st) else None
+        if until(st):
+            return "ok", st
+        if give_up(st):
+            return f"ended before {desc}", st
+        # Without these a broken operator costs every test its whole timeout (stop 21's CI).
+        if not st.get("phase") and time.monotonic() - started > NO_STATUS_GRACE_S:
+            return f"has no status {NO_STATUS_GRACE_S} s after it was created: the operator is not reconciling", st
+        if crashlooping := operator_crashlooping(cluster):
+            return f"cannot get there: the operator is in CrashLoopBackOff ({crashlooping})", st
+        return None
     try:
         outcome, st = wait_for(done, timeout=timeout, desc=f"DDPJob {namespace}/{name}: {desc}", interval=1)
-        assert outcome == "ok", f"DDPJob {namespace}/{name} ended before {desc}: {st}"
+        assert outcome == "ok", f"DDPJob {namespace}/{name} {outcome}: {st}"
         return st
     except AssertionError:
         print(diagnose(cluster, namespace))
         raise
+
+
+NO_STATUS_GRACE_S = 180
+
+
+def operator_crashlooping(cluster: Cluster) -> str:
+    """The in-cluster operator pods whose container is waiting in CrashLoopBackOff, by name."""
+    out = cluster.kubectl("get", "pods", "-A", "-l", OPERATOR_PODS, "-o",
+                          "jsonpath={range .items[*]}{.metadata.name}={.status.containerStatuses[*].state.waiting.reason}{\"\\n\"}{end}",
+                          check=False).stdout
+    return " ".join(line.split("=")[0] for line in out.split() if line.endswith("=CrashLoopBackOff"))
 
 
 def stalled(st: dict) -> bool:
@@ -187,7 +211,7 @@ def diagnose(cluster: Cluster, namespace: str) -> str:
     jobs = yaml.safe_load(cluster.kubectl("get", "ddpj", "-n", namespace, "-o", "yaml", check=False).stdout or "{}")
     for job in (jobs or {}).get("items") or []:
         parts.append(f"--- status ddpjob/{job['metadata']['name']}\n" + yaml.safe_dump(job.get("status") or {}))
-    ops = cluster.kubectl("get", "pods", "-A", "-l", "app.kubernetes.io/part-of=ddpjob", "-o",
+    ops = cluster.kubectl("get", "pods", "-A", "-l", OPERATOR_PODS, "-o",
                           "jsonpath={range .items[*]}{.metadata.namespace}/{.metadata.name} {end}", check=False)
     for ref in ops.stdout.split():
         op_ns, op_pod = ref.split("/", 1)
