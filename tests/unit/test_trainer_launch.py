@@ -243,3 +243,69 @@ def test_a_rank_exits_without_teardown_and_loses_no_output():
     """)
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert (proc.returncode, proc.stdout, proc.stderr) == (3, "last words", "to stderr")
+
+
+def _torch_error_file(path, exc: BaseException) -> None:
+    """What torch.distributed.elastic's @record writes for `exc`, written by torch itself."""
+    from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+    old = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    os.environ["TORCHELASTIC_ERROR_FILE"] = str(path)
+    try:
+        try:
+            raise exc
+        except type(exc) as e:
+            ErrorHandler().record_exception(e)
+    finally:
+        if old is None:
+            os.environ.pop("TORCHELASTIC_ERROR_FILE")
+        else:
+            os.environ["TORCHELASTIC_ERROR_FILE"] = old
+
+
+@pytest.mark.parametrize("content, want", [
+    (None, []),                                    # nothing recorded
+    ("not json", []),
+    ('{"message": "ChildFailedError: rank 3"}', ["ChildFailedError: rank 3"]),
+    ('{"message": {"message": "KeyError: x", "extraInfo": {}}}', ["KeyError: x"]),
+    ('{"other": 1}', []),
+    ('{"message": ""}', []),
+])
+def test_recorded_error_reads_the_traceback_or_message_or_nothing(tmp_path, content, want):
+    from ddpjob_trainer.launch import recorded_error
+
+    path = tmp_path / "error.json"
+    if content is not None:
+        path.write_text(content)
+    assert recorded_error(str(path)) == want
+
+
+def test_recorded_error_reads_what_torch_itself_writes(tmp_path):
+    from ddpjob_trainer.launch import recorded_error
+
+    path = tmp_path / "error.json"
+    _torch_error_file(path, ValueError("learning rate is negative"))
+    [detail] = recorded_error(str(path))
+    assert detail.startswith("Traceback (most recent call last):"), detail
+    assert detail.endswith("ValueError: learning rate is negative"), detail
+
+
+def test_a_users_script_with_record_leaves_its_traceback_as_the_termination_message(termination_log, monkeypatch):
+    """`launcher: true` with a user's own command: the launcher points TORCHELASTIC_ERROR_FILE at
+    its scratch dir and reads what @record wrote there."""
+    from ddpjob_trainer import launch
+
+    monkeypatch.delenv("TORCHELASTIC_ERROR_FILE", raising=False)
+    script = textwrap.dedent("""
+        from torch.distributed.elastic.multiprocessing.errors import record
+
+        @record
+        def main():
+            raise FileNotFoundError("no such dataset: /data/imagenet")
+
+        main()
+    """)
+    assert launch.main(["--", sys.executable, "-c", script]) == 1
+    text = termination_log.read_text()
+    assert text.startswith("training exited with code 1\nTraceback (most recent call last):"), text
+    assert text.endswith("FileNotFoundError: no such dataset: /data/imagenet"), text

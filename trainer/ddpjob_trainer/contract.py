@@ -25,6 +25,10 @@ ENV_METRICS_DIR = "DDPJOB_METRICS_DIR"    # prometheus-client's multiprocess dir
 ENV_STATUS_DIR = "DDPJOB_STATUS_DIR"      # a failing rank's reason (failed-/bad-config-rank-N.txt)
 ENV_RESULT_FILE = "DDPJOB_RESULT_FILE"    # rank 0's final numbers (JSON)
 ENV_TELEMETRY = "DDPJOB_TELEMETRY"        # "0": no metrics at all
+# torch.distributed.elastic's: where an entrypoint decorated with @record writes its exception,
+# and where torchrun copies the first failed worker's (a user's script gets its traceback into
+# the pod's termination message by decorating its main with @record).
+ENV_TORCHELASTIC_ERROR_FILE = "TORCHELASTIC_ERROR_FILE"
 
 # torchrun's flags as env (torch.distributed.run reads PET_<FLAG>).
 PET_NNODES = "PET_NNODES"

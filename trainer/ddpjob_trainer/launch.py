@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import os
 import shutil
 import signal
@@ -304,11 +305,30 @@ def _rank_messages(status_dir: str, kind: str) -> list[str]:
     return out
 
 
+def recorded_error(path: str) -> list[str]:
+    """The exception that torch.distributed.elastic's @record wrote to `path` (directly, or copied
+    there by torchrun from the first failed worker): its traceback, else its message. Empty when
+    nothing was recorded (an entrypoint without @record, a crash) or the file is not that JSON."""
+    try:
+        with open(path, errors="replace") as f:
+            data = json.load(f)
+        message = data["message"]
+    except (OSError, ValueError, TypeError, KeyError):
+        return []
+    if isinstance(message, str):
+        return [message.strip()] if message.strip() else []
+    if not isinstance(message, dict):
+        return []
+    extra = message.get("extraInfo") if isinstance(message.get("extraInfo"), dict) else {}
+    detail = extra.get("py_callstack") or message.get("message")
+    return [str(detail).strip()] if detail and str(detail).strip() else []
+
+
 def failure_message(code: int, failed: list[str], *, limit: int = TERMINATION_LIMIT) -> str | None:
     """The termination message of a node whose training exited with `code`: the first line says
     so, the rest is the end of the first failed rank's traceback (its last line names the error),
     cut to `limit` characters — the kubelet keeps 4 KiB, and the start of a traceback matters least.
-    None when no rank recorded why (a user's script, a crash, torchrun itself): the pod's
+    None when no rank recorded why (a user's script without @record, a crash, torchrun itself): the pod's
     terminationMessagePolicy (FallbackToLogsOnError) then has the kubelet keep the log's tail."""
     if not failed:
         return None
@@ -420,6 +440,7 @@ def _launch(args: argparse.Namespace, node: _Node) -> int:
     metrics_dir = env.setdefault(contract.ENV_METRICS_DIR, os.path.join(node.scratch, "metrics"))
     status_dir = env.setdefault(contract.ENV_STATUS_DIR, os.path.join(node.scratch, "status"))
     result_file = env.setdefault(contract.ENV_RESULT_FILE, os.path.join(node.scratch, "result.json"))
+    error_file = env.setdefault(contract.ENV_TORCHELASTIC_ERROR_FILE, os.path.join(node.scratch, "error.json"))
     stages = _RankStages(env)
     if node_rank != 0 and addr and contract.PET_RDZV_ENDPOINT not in env:
         stages.set("waiting_for_master")
@@ -447,7 +468,8 @@ def _launch(args: argparse.Namespace, node: _Node) -> int:
         _write_termination(bad[0])
         return EXIT_BAD_CONFIG
     if code != 0:
-        msg = failure_message(code, _rank_messages(status_dir, "failed"))
+        # The built-in trainer records its ranks' failures itself; a user's script may use @record.
+        msg = failure_message(code, _rank_messages(status_dir, "failed") or recorded_error(error_file))
         if msg:
             _write_termination(msg)
         return code if code > 0 else EXIT_TRAINING_FAILED

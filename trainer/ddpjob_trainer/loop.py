@@ -139,201 +139,284 @@ def _write_json_atomic(path: str, data: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
+@dataclass
+class TrainState:
+    """Where training stands; what a checkpoint must bring back besides the tensors."""
+
+    step: int = 0
+    epoch: int = 0
+    micro_done: int = 0  # micro-batches of the current epoch already trained on
+
+
+@dataclass
+class StepOutput:
+    """One optimizer step. The loss stays on the device: reading it is a host sync."""
+
+    loss_sum: torch.Tensor  # summed over the step's micro-batches
+    micro_batches: int
+    samples: int
+    data_wait_seconds: float
+
+
+class CheckpointManager:
+    """The checkpointer and the interval at which the loop asks it to save."""
+
+    def __init__(self, checkpointer: Checkpointer, *, every_steps: int) -> None:
+        self.checkpointer = checkpointer
+        self.every_steps = every_steps
+
+    def due(self, step: int) -> bool:
+        return bool(self.every_steps) and step % self.every_steps == 0
+
+    def saved(self, step: int) -> bool:
+        return self.checkpointer.last_saved_step == step
+
+
+class Trainer:
+    """One rank's run of the built-in trainer.
+
+    The constructor builds everything (data, model, optimizer, schedule, loaders, checkpoints);
+    `restore` resumes from the newest complete checkpoint; `train_step` runs one optimizer step;
+    `evaluate` measures the whole validation set; `save` writes a checkpoint; `fit` runs to the
+    end. A variant (another loss, another model) overrides `loss` or `build_model` instead of
+    copying the loop.
+    """
+
+    def __init__(self, cfg: TrainerConfig, ctx: DistContext, *, log: NullReporter, telemetry: Telemetry) -> None:
+        self.cfg, self.ctx, self.log, self.telemetry = cfg, ctx, log, telemetry
+        self.knobs = debug.Knobs.from_env(rank=ctx.rank)
+        # Data, model and the first step's collectives: a hang here is named "first_step".
+        self.enter("first_step")
+        rng.seed_all(cfg.seed + ctx.rank)
+        tuning.apply_backend_switches(cfg, ctx.device)
+        self.comm = Collectives(ctx.device)
+        self.place = _Placement(device=ctx.device, amp_dtype=tuning.autocast_dtype(cfg, ctx.device, log=log),
+                                channels_last=tuning.use_channels_last(cfg, ctx.device))
+        self.data = data = build_data(cfg)
+        torch.manual_seed(cfg.seed)  # identical initial weights on every rank
+        self.model = self.build_model()
+        self.ddp = wrap_ddp(self.model, cfg, ctx.device)
+        self.forward = torch.compile(self.ddp) if cfg.compile else self.ddp
+        self.has_buffers = any(b.numel() for b in self.model.buffers())
+
+        self.workers = tuning.resolve_num_workers(
+            cfg, local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        io = {"workers": self.workers, "prefetch_factor": cfg.prefetch_factor,
+              "pin_memory": ctx.device.type == "cuda"}
+        self.sampler = ResumableSampler(data.train, num_replicas=ctx.world_size, rank=ctx.rank, shuffle=True,
+                                        seed=cfg.seed, tag_epoch=data.random_train_transform)
+        train_set = PerSampleSeeded(data.train, seed=cfg.seed) if data.random_train_transform else data.train
+        # The loader's own generator: creating an iterator must not draw from the global RNG,
+        # or a resumed run's dropout stream would differ from an uninterrupted one.
+        self.loader_rng = torch.Generator()
+        self.loader = DataLoader(train_set, batch_size=cfg.batch_size, sampler=self.sampler,
+                                 generator=self.loader_rng, **loader_kwargs(**io))
+        self.val_loader = eval_loader(data.val, rank=ctx.rank, world_size=ctx.world_size,
+                                      batch_size=cfg.batch_size, **io)
+        self.micro_per_epoch = math.ceil(self.sampler.num_samples / cfg.batch_size)
+        steps_per_epoch = math.ceil(self.micro_per_epoch / cfg.grad_accum_steps)
+        self.total_steps = cfg.epochs * steps_per_epoch
+        if cfg.max_steps:
+            self.total_steps = min(self.total_steps, cfg.max_steps)
+        self.opt = _build_optimizer(cfg, self.ddp.parameters())
+        self.sched = _build_scheduler(cfg, self.opt, self.total_steps)
+        self.state = TrainState()
+        self.checkpoints = None
+        if cfg.checkpoint.dir:
+            self.checkpoints = CheckpointManager(
+                Checkpointer(cfg.checkpoint.dir, keep=cfg.checkpoint.keep, rank=ctx.rank,
+                             barrier=self.comm.barrier, broadcast=self.comm.broadcast_object, log=log,
+                             async_save=cfg.checkpoint.async_save),
+                every_steps=cfg.checkpoint.every_steps)
+        self._synced_at: int | None = None
+
+    def enter(self, stage: str) -> None:
+        self.telemetry.set_stage(stage)
+        self.knobs.at_stage(stage)
+
+    def build_model(self) -> torch.nn.Module:
+        """The bare model on this rank's device (DDP wraps it afterwards)."""
+        model = build_model(self.cfg.model, self.data.input_shape, self.data.num_classes).to(self.ctx.device)
+        if self.place.channels_last:
+            model = model.to(memory_format=torch.channels_last)
+        return model
+
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits, targets)
+
+    def restore(self) -> int:
+        """Resume from the newest complete checkpoint; the step resumed from (0: none)."""
+        if not self.checkpoints:
+            return 0
+        loaded = self.checkpoints.checkpointer.load_latest(map_location=self.ctx.device)
+        if not loaded:
+            return 0
+        c = loaded.common
+        check_resumable(c, path=loaded.path, world_size=self.ctx.world_size, batch_size=self.cfg.batch_size,
+                        grad_accum_steps=self.cfg.grad_accum_steps)
+        self.model.load_state_dict(c["model"])
+        self.opt.load_state_dict(c["optimizer"])
+        self.sched.load_state_dict(c["scheduler"])
+        self.state = TrainState(step=c["step"], epoch=c["epoch"], micro_done=c["micro_done"])
+        if loaded.rank_state:
+            rng.set_state(loaded.rank_state["rng"])
+        self.log.info(f"resumed from {loaded.path} at step {self.state.step} "
+                      f"(epoch {self.state.epoch}, batch {self.state.micro_done})")
+        return self.state.step
+
+    def sync_buffers(self) -> None:
+        """BatchNorm statistics made identical on every rank (once per step at most)."""
+        if self.has_buffers and self._synced_at != self.state.step:
+            self.comm.sync_buffers(self.model, mode=self.cfg.ddp.buffer_sync)
+            self._synced_at = self.state.step
+
+    def save(self) -> None:
+        """A checkpoint of this step (once: a second call for the same step does nothing)."""
+        if not self.checkpoints or self.checkpoints.saved(self.state.step):
+            return
+        self.enter("checkpoint")
+        t0 = time.perf_counter()
+        self.sync_buffers()
+        st = self.state
+        common = {"model": self.model.state_dict(), "optimizer": self.opt.state_dict(),
+                  "scheduler": self.sched.state_dict(), "step": st.step, "epoch": st.epoch,
+                  "micro_done": st.micro_done, "world_size": self.ctx.world_size, "config": self.cfg.to_dict()}
+        path = self.checkpoints.checkpointer.save(step=st.step, common=common, rank_state={"rng": rng.get_state()})
+        seconds = time.perf_counter() - t0  # how long training stood still for it
+        self.telemetry.checkpoint(seconds)
+        how = "being written in the background" if self.cfg.checkpoint.async_save else "written"
+        self.log.info(f"checkpoint {path}: training paused {seconds:.2f}s ({how})")
+        self.enter("training")
+
+    def evaluate(self) -> EvalResult:
+        self.enter("eval")
+        self.sync_buffers()
+        result = evaluate(self.model, self.val_loader, dataset_size=len(self.data.val), place=self.place,
+                          comm=self.comm)
+        self.telemetry.eval(accuracy=result.accuracy, loss=result.loss)
+        self.enter("training")
+        return result
+
+    def train_step(self, batches) -> StepOutput:
+        """One optimizer step over up to grad_accum_steps micro-batches drawn from `batches`."""
+        cfg, ddp = self.cfg, self.ddp
+        wait = 0.0
+        n_micro = min(cfg.grad_accum_steps, self.micro_per_epoch - self.state.micro_done)
+        loss_sum, n_samples = None, 0
+        for i in range(n_micro):
+            t_wait = time.perf_counter()
+            if i == 0:
+                self.knobs.before_fetch()
+            x, y = self.place.batch(*next(batches))
+            wait += time.perf_counter() - t_wait
+            # Only the last micro-batch all-reduces gradients (no_sync skips the others).
+            sync = contextlib.nullcontext() if i == n_micro - 1 else ddp.no_sync()
+            with sync:
+                with self.place.autocast():
+                    loss = self.loss(self.forward(x), y)
+                (loss / n_micro).backward()
+            loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
+            n_samples += y.numel()
+        self.opt.step()
+        self.sched.step()
+        self.opt.zero_grad(set_to_none=True)
+        self.knobs.after_step(self.state.step + 1)
+        self.state.step += 1
+        self.state.micro_done += n_micro
+        return StepOutput(loss_sum=loss_sum, micro_batches=n_micro, samples=n_samples, data_wait_seconds=wait)
+
+    def _eval_and_log(self) -> EvalResult:
+        result = self.evaluate()
+        self.log.info(f"epoch {self.state.epoch} eval accuracy {result.accuracy:.4f} loss {result.loss:.4f} "
+                      f"({result.samples}/{result.dataset_size} samples)")
+        self.log.metrics({"eval_accuracy": result.accuracy, "eval_loss": result.loss}, step=self.state.step)
+        return result
+
+    def fit(self) -> RunResult:
+        """Run (or resume) training to completion; every rank calls this."""
+        cfg, ctx, log, telemetry = self.cfg, self.ctx, self.log, self.telemetry
+        resumed_from = self.restore()
+        st = self.state
+        telemetry.set_total_steps(self.total_steps)
+        telemetry.set_restart_count(int(os.environ.get(contract.ENV_ATTEMPT, "0")))
+        log.params({"world_size": ctx.world_size, "backend": ctx.backend, "resolved_num_workers": self.workers,
+                    "amp_dtype": str(self.place.amp_dtype), "channels_last": self.place.channels_last,
+                    "static_graph": tuning.static_graph(cfg),
+                    **{k: v for k, v in asdict(cfg).items() if not isinstance(v, dict)}})
+        log.info(f"training {cfg.model} on {cfg.dataset}: world size {ctx.world_size} ({ctx.backend}), "
+                 f"{len(self.data.train)} train / {len(self.data.val)} val samples, {self.total_steps} steps, "
+                 f"{self.workers} data workers per rank")
+
+        cuda = ctx.device.type == "cuda"
+        train_seconds, samples_seen, last_eval, eval_step = 0.0, 0, None, -1
+        timeout_shortened = not cfg.step_timeout_seconds
+        self.ddp.train()
+        while st.epoch < cfg.epochs and st.step < self.total_steps:
+            if st.micro_done >= self.micro_per_epoch:  # a checkpoint taken exactly at an epoch's end
+                st.epoch, st.micro_done = st.epoch + 1, 0
+                continue
+            self.sampler.set_epoch(st.epoch, start=st.micro_done * cfg.batch_size)
+            self.loader_rng.manual_seed(cfg.seed * 100_003 + st.epoch * 1009 + ctx.rank)
+            batches = iter(self.loader)
+            boundary = time.perf_counter()  # step time runs from one step boundary to the next
+            while st.micro_done < self.micro_per_epoch and st.step < self.total_steps:
+                telemetry.step_started(step=st.step + 1)
+                out = self.train_step(batches)
+                epoch_end = st.micro_done >= self.micro_per_epoch
+                log_step = st.step % cfg.log_every_steps == 0 or st.step == self.total_steps
+                save_step = bool(self.checkpoints) and self.checkpoints.due(st.step)
+                # The host reads the loss (a device sync) only at log steps; elsewhere the GPU runs
+                # ahead. Before an eval or checkpoint the step's queued work is finished here, so
+                # its time is charged to the step and not to what follows.
+                mean_loss = out.loss_sum.item() / out.micro_batches if log_step else None
+                if cuda and not log_step and (save_step or epoch_end):
+                    torch.cuda.synchronize(ctx.device)
+                now = time.perf_counter()
+                dt_step, boundary = now - boundary, now
+                train_seconds += dt_step
+                samples_seen += out.samples
+                telemetry.step(step=st.step, epoch=st.epoch, loss=mean_loss, samples=out.samples,
+                               step_seconds=dt_step, data_wait_seconds=out.data_wait_seconds,
+                               timestamp=time.time())
+                if not timeout_shortened:
+                    # Start-up (rendezvous, first NCCL communicator, compile) is over: from here a
+                    # collective that hangs this long means a dead or stuck peer.
+                    dist.set_timeout(dt.timedelta(seconds=cfg.step_timeout_seconds))
+                    timeout_shortened = True
+                if log_step:
+                    telemetry.gpu_memory(torch, ctx.device)
+                    lr = self.sched.get_last_lr()[0]
+                    log.info(f"epoch {st.epoch} step {st.step}/{self.total_steps} loss {mean_loss:.4f} lr {lr:.4g}")
+                    log.metrics({"train_loss": mean_loss, "lr": lr}, step=st.step)
+                if save_step:
+                    self.save()
+                    boundary = time.perf_counter()
+            if st.micro_done >= self.micro_per_epoch:
+                last_eval, eval_step = self._eval_and_log(), st.step
+                st.epoch, st.micro_done = st.epoch + 1, 0
+                self.save()
+        if last_eval is None or eval_step != st.step:  # stopped by maxSteps mid-epoch, or resumed at the end
+            last_eval, eval_step = self.evaluate(), st.step
+            self.save()
+        if self.checkpoints:
+            self.checkpoints.checkpointer.wait()
+        # Global throughput: every rank processed about the same number of samples in the same time.
+        total_samples, total_seconds = self.comm.sum([samples_seen, train_seconds]).tolist()
+        throughput = total_samples / (total_seconds / ctx.world_size) if total_seconds > 0 else 0.0
+        return RunResult(
+            steps=st.step, total_steps=self.total_steps, epochs_completed=st.epoch, world_size=ctx.world_size,
+            resumed_from_step=resumed_from, train_samples_per_second=throughput,
+            eval_accuracy=last_eval.accuracy, eval_loss=last_eval.loss, eval_samples=last_eval.samples,
+            eval_dataset_size=last_eval.dataset_size,
+            last_checkpoint=str(Path(cfg.checkpoint.dir) / step_dir_name(st.step)) if self.checkpoints else None)
+
+
 def train(cfg: TrainerConfig, ctx: DistContext, *, log: NullReporter, telemetry: Telemetry,
           result_path: str | None = None) -> RunResult:
     """Run (or resume) training to completion; every rank calls this."""
-    knobs = debug.Knobs.from_env(rank=ctx.rank)
-
-    def enter(stage: str) -> None:
-        telemetry.set_stage(stage)
-        knobs.at_stage(stage)
-
-    # Data, model and the first step's collectives: a hang here is named "first_step".
-    enter("first_step")
-    rng.seed_all(cfg.seed + ctx.rank)
-    tuning.apply_backend_switches(cfg, ctx.device)
-    comm = Collectives(ctx.device)
-    place = _Placement(device=ctx.device, amp_dtype=tuning.autocast_dtype(cfg, ctx.device, log=log),
-                       channels_last=tuning.use_channels_last(cfg, ctx.device))
-    data = build_data(cfg)
-    torch.manual_seed(cfg.seed)  # identical initial weights on every rank
-    model = build_model(cfg.model, data.input_shape, data.num_classes).to(ctx.device)
-    if place.channels_last:
-        model = model.to(memory_format=torch.channels_last)
-    ddp = wrap_ddp(model, cfg, ctx.device)
-    forward = torch.compile(ddp) if cfg.compile else ddp
-    has_buffers = any(b.numel() for b in model.buffers())
-
-    workers = tuning.resolve_num_workers(cfg, local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    io = {"workers": workers, "prefetch_factor": cfg.prefetch_factor, "pin_memory": ctx.device.type == "cuda"}
-    sampler = ResumableSampler(data.train, num_replicas=ctx.world_size, rank=ctx.rank, shuffle=True,
-                               seed=cfg.seed, tag_epoch=data.random_train_transform)
-    train_set = PerSampleSeeded(data.train, seed=cfg.seed) if data.random_train_transform else data.train
-    # The loader's own generator: creating an iterator must not draw from the global RNG,
-    # or a resumed run's dropout stream would differ from an uninterrupted one.
-    loader_rng = torch.Generator()
-    loader = DataLoader(train_set, batch_size=cfg.batch_size, sampler=sampler, generator=loader_rng,
-                        **loader_kwargs(**io))
-    val_loader = eval_loader(data.val, rank=ctx.rank, world_size=ctx.world_size,
-                             batch_size=cfg.batch_size, **io)
-    micro_per_epoch = math.ceil(sampler.num_samples / cfg.batch_size)
-    steps_per_epoch = math.ceil(micro_per_epoch / cfg.grad_accum_steps)
-    total_steps = cfg.epochs * steps_per_epoch
-    if cfg.max_steps:
-        total_steps = min(total_steps, cfg.max_steps)
-    opt = _build_optimizer(cfg, ddp.parameters())
-    sched = _build_scheduler(cfg, opt, total_steps)
-
-    step, epoch, micro_done, resumed_from = 0, 0, 0, 0
-    ckpt = None
-    if cfg.checkpoint.dir:
-        ckpt = Checkpointer(cfg.checkpoint.dir, keep=cfg.checkpoint.keep, rank=ctx.rank,
-                            barrier=comm.barrier, broadcast=comm.broadcast_object, log=log,
-                            async_save=cfg.checkpoint.async_save)
-        loaded = ckpt.load_latest(map_location=ctx.device)
-        if loaded:
-            c = loaded.common
-            check_resumable(c, path=loaded.path, world_size=ctx.world_size, batch_size=cfg.batch_size,
-                            grad_accum_steps=cfg.grad_accum_steps)
-            model.load_state_dict(c["model"])
-            opt.load_state_dict(c["optimizer"])
-            sched.load_state_dict(c["scheduler"])
-            step, epoch, micro_done = c["step"], c["epoch"], c["micro_done"]
-            resumed_from = step
-            if loaded.rank_state:
-                rng.set_state(loaded.rank_state["rng"])
-            log.info(f"resumed from {loaded.path} at step {step} (epoch {epoch}, batch {micro_done})")
-
-    telemetry.set_total_steps(total_steps)
-    telemetry.set_restart_count(int(os.environ.get(contract.ENV_ATTEMPT, "0")))
-    log.params({"world_size": ctx.world_size, "backend": ctx.backend, "resolved_num_workers": workers,
-                "amp_dtype": str(place.amp_dtype), "channels_last": place.channels_last,
-                "static_graph": tuning.static_graph(cfg),
-                **{k: v for k, v in asdict(cfg).items() if not isinstance(v, dict)}})
-    log.info(f"training {cfg.model} on {cfg.dataset}: world size {ctx.world_size} ({ctx.backend}), "
-             f"{len(data.train)} train / {len(data.val)} val samples, {total_steps} steps, "
-             f"{workers} data workers per rank")
-
-    synced_at: list[int | None] = [None]
-
-    def sync_buffers() -> None:
-        """BatchNorm statistics made identical on every rank (once per step at most)."""
-        if has_buffers and synced_at[0] != step:
-            comm.sync_buffers(model, mode=cfg.ddp.buffer_sync)
-            synced_at[0] = step
-
-    def save() -> None:
-        if not ckpt or ckpt.last_saved_step == step:
-            return
-        enter("checkpoint")
-        t0 = time.perf_counter()
-        sync_buffers()
-        common = {"model": model.state_dict(), "optimizer": opt.state_dict(),
-                  "scheduler": sched.state_dict(), "step": step, "epoch": epoch,
-                  "micro_done": micro_done, "world_size": ctx.world_size, "config": cfg.to_dict()}
-        path = ckpt.save(step=step, common=common, rank_state={"rng": rng.get_state()})
-        seconds = time.perf_counter() - t0  # how long training stood still for it
-        telemetry.checkpoint(seconds)
-        how = "being written in the background" if cfg.checkpoint.async_save else "written"
-        log.info(f"checkpoint {path}: training paused {seconds:.2f}s ({how})")
-        enter("training")
-
-    def run_eval() -> EvalResult:
-        enter("eval")
-        sync_buffers()
-        result = evaluate(model, val_loader, dataset_size=len(data.val), place=place, comm=comm)
-        telemetry.eval(accuracy=result.accuracy, loss=result.loss)
-        enter("training")
-        return result
-
-    cuda = ctx.device.type == "cuda"
-    train_seconds, samples_seen, last_eval, eval_step = 0.0, 0, None, -1
-    timeout_shortened = not cfg.step_timeout_seconds
-    ddp.train()
-    while epoch < cfg.epochs and step < total_steps:
-        if micro_done >= micro_per_epoch:  # a checkpoint taken exactly at an epoch's end
-            epoch, micro_done = epoch + 1, 0
-            continue
-        sampler.set_epoch(epoch, start=micro_done * cfg.batch_size)
-        loader_rng.manual_seed(cfg.seed * 100_003 + epoch * 1009 + ctx.rank)
-        batches = iter(loader)
-        boundary = time.perf_counter()  # step time runs from one step boundary to the next
-        while micro_done < micro_per_epoch and step < total_steps:
-            telemetry.step_started(step=step + 1)
-            wait = 0.0
-            n_micro = min(cfg.grad_accum_steps, micro_per_epoch - micro_done)
-            loss_sum, n_samples = None, 0
-            for i in range(n_micro):
-                t_wait = time.perf_counter()
-                if i == 0:
-                    knobs.before_fetch()
-                x, y = place.batch(*next(batches))
-                wait += time.perf_counter() - t_wait
-                # Only the last micro-batch all-reduces gradients (no_sync skips the others).
-                sync = contextlib.nullcontext() if i == n_micro - 1 else ddp.no_sync()
-                with sync:
-                    with place.autocast():
-                        loss = F.cross_entropy(forward(x), y)
-                    (loss / n_micro).backward()
-                loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
-                n_samples += y.numel()
-            opt.step()
-            sched.step()
-            opt.zero_grad(set_to_none=True)
-            knobs.after_step(step + 1)
-            step += 1
-            micro_done += n_micro
-            epoch_end = micro_done >= micro_per_epoch
-            log_step = step % cfg.log_every_steps == 0 or step == total_steps
-            save_step = bool(cfg.checkpoint.every_steps) and step % cfg.checkpoint.every_steps == 0
-            # The host reads the loss (a device sync) only at log steps; elsewhere the GPU runs
-            # ahead. Before an eval or checkpoint the step's queued work is finished here, so
-            # its time is charged to the step and not to what follows.
-            mean_loss = loss_sum.item() / n_micro if log_step else None
-            if cuda and not log_step and (save_step or epoch_end):
-                torch.cuda.synchronize(ctx.device)
-            now = time.perf_counter()
-            dt_step, boundary = now - boundary, now
-            train_seconds += dt_step
-            samples_seen += n_samples
-            telemetry.step(step=step, epoch=epoch, loss=mean_loss, samples=n_samples,
-                           step_seconds=dt_step, data_wait_seconds=wait, timestamp=time.time())
-            if not timeout_shortened:
-                # Start-up (rendezvous, first NCCL communicator, compile) is over: from here a
-                # collective that hangs this long means a dead or stuck peer.
-                dist.set_timeout(dt.timedelta(seconds=cfg.step_timeout_seconds))
-                timeout_shortened = True
-            if log_step:
-                telemetry.gpu_memory(torch, ctx.device)
-                lr = sched.get_last_lr()[0]
-                log.info(f"epoch {epoch} step {step}/{total_steps} loss {mean_loss:.4f} lr {lr:.4g}")
-                log.metrics({"train_loss": mean_loss, "lr": lr}, step=step)
-            if save_step:
-                save()
-                boundary = time.perf_counter()
-        if micro_done >= micro_per_epoch:
-            last_eval, eval_step = run_eval(), step
-            log.info(f"epoch {epoch} eval accuracy {last_eval.accuracy:.4f} loss {last_eval.loss:.4f} "
-                     f"({last_eval.samples}/{last_eval.dataset_size} samples)")
-            log.metrics({"eval_accuracy": last_eval.accuracy, "eval_loss": last_eval.loss}, step=step)
-            epoch, micro_done = epoch + 1, 0
-            save()
-    if last_eval is None or eval_step != step:  # stopped by maxSteps mid-epoch, or resumed at the end
-        last_eval, eval_step = run_eval(), step
-        save()
-    if ckpt:
-        ckpt.wait()
-    # Global throughput: every rank processed about the same number of samples in the same time.
-    total_samples, total_seconds = comm.sum([samples_seen, train_seconds]).tolist()
-    throughput = total_samples / (total_seconds / ctx.world_size) if total_seconds > 0 else 0.0
-    result = RunResult(
-        steps=step, total_steps=total_steps, epochs_completed=epoch, world_size=ctx.world_size,
-        resumed_from_step=resumed_from, train_samples_per_second=throughput,
-        eval_accuracy=last_eval.accuracy, eval_loss=last_eval.loss, eval_samples=last_eval.samples,
-        eval_dataset_size=last_eval.dataset_size,
-        last_checkpoint=str(Path(cfg.checkpoint.dir) / step_dir_name(step)) if ckpt else None)
+    result = Trainer(cfg, ctx, log=log, telemetry=telemetry).fit()
     if ctx.is_main and result_path:
         _write_json_atomic(result_path, asdict(result))
-    log.info(f"done: {step} steps, eval accuracy {last_eval.accuracy:.4f}, "
-             f"{throughput:.0f} samples/s")
+    log.info(f"done: {result.steps} steps, eval accuracy {result.eval_accuracy:.4f}, "
+             f"{result.train_samples_per_second:.0f} samples/s")
     return result
