@@ -15,6 +15,7 @@ WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY operator/ operator/
 COPY trainer/ trainer/
+COPY cli/ cli/
 RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
 
 # --- operator: `ddpjob operator`, non-root, read-only-root-filesystem friendly --------------

@@ -170,7 +170,7 @@ class Ours:
         env = cluster.env()
         if source is not None:
             env["PYTHONPATH"] = str(source / "operator")
-        cmd = [sys.executable, "-m", "ddpjob_operator.cli", "operator", "-n", ns, "--peering", "",
+        cmd = [sys.executable, "-m", "ddpjob_cli", "operator", "-n", ns, "--peering", "",
                "--metrics-port", str(self.metrics_port), "--health-port", str(self.health_port),
                "--scrape-interval", "15", "--log-level", "WARNING",
                # kwok pod IPs are fictitious: scrape a closed loopback port instead (fails at once).

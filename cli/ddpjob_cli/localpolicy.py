@@ -7,11 +7,11 @@ from __future__ import annotations
 import datetime as dt
 from dataclasses import dataclass
 
-from . import labels
-from .envvars import pod_hostname
-from .lifecycle import Decision, decide
-from .phases import Phase
-from .spec import JobSpec
+from ddpjob_operator import labels
+from ddpjob_operator.envvars import pod_hostname
+from ddpjob_operator.lifecycle import Decision, decide
+from ddpjob_operator.phases import Phase
+from ddpjob_operator.spec import JobSpec
 
 
 @dataclass(frozen=True)

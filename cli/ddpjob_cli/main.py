@@ -5,7 +5,7 @@ import sys
 
 import click
 
-from .config import OperatorConfig
+from ddpjob_operator.config import OperatorConfig
 
 # The flags' defaults are OperatorConfig's: one place (the chart's values.yaml is checked against it).
 _OP = OperatorConfig()
@@ -40,7 +40,7 @@ def run(file, local, summary_json, metrics_port_base, workdir, no_progress) -> N
 @click.option("--namespace", "-n", default=None, help="Namespace when the file names none.")
 def render(file, namespace) -> None:
     """Print the Service and Pods the operator would create for FILE (YAML)."""
-    from .render import render_file
+    from ddpjob_operator.render import render_file
 
     click.echo(render_file(file, namespace=namespace), nl=False)
 
@@ -65,12 +65,8 @@ def render(file, namespace) -> None:
 @click.option("--log-level", default=_OP.log_level, envvar="DDPJOB_LOG_LEVEL", show_default=True)
 def operator(namespaces, all_namespaces, **opts) -> None:
     """Run the operator against the current kubeconfig (or in-cluster config)."""
-    from .operator_main import run_operator
+    from ddpjob_operator.operator_main import run_operator
 
     namespaces = tuple(n for ns in namespaces for n in ns.split(",") if n)
     cfg = OperatorConfig(namespaces=namespaces, all_namespaces=all_namespaces, **opts)
     sys.exit(run_operator(cfg))
-
-
-if __name__ == "__main__":
-    main()

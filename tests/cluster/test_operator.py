@@ -22,7 +22,7 @@ from kubernetes.client.rest import ApiException
 from tests.cluster.conftest import wait_for
 from tests.cluster.test_crd import install_crd
 from tests.support.cluster import REPO_ROOT, evict_pod, set_pod_exit
-from ddpjob_operator.local import free_port
+from ddpjob_cli.local import free_port
 
 DDPJOB = str(Path(sys.executable).parent / "ddpjob")
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ddpjob_operator.local import free_port
+from ddpjob_cli.local import free_port
 from tests.support.cluster import (  # noqa: F401  (re-exported for test modules)
     REPO_ROOT,
     Cluster,
@@ -213,7 +213,7 @@ def operator_command(kubeconfig: Path, *args: str, health: int, metrics: int, po
     if not allow_pod_scrape:
         env = with_loopback_scrape(env)
     check_operator_scrape(list(args), env, allow_pod_scrape=allow_pod_scrape)
-    cmd = [sys.executable, "-m", "ddpjob_operator.cli", "operator", *args,
+    cmd = [sys.executable, "-m", "ddpjob_cli", "operator", *args,
            f"--health-port={health}", f"--metrics-port={metrics}"]
     return cmd, env
 

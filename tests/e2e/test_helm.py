@@ -177,7 +177,7 @@ def diag(op) -> str:
 
 
 def example_job(namespace: str) -> dict:
-    from ddpjob_operator.local import load_job_file
+    from ddpjob_cli.local import load_job_file
 
     job = load_job_file(REPO / "examples" / "digits.yaml")
     job["metadata"]["namespace"] = namespace

@@ -21,7 +21,7 @@ def training_pod(namespace: str, name: str) -> dict:
     """The pod the operator renders for node 0 of a 1-node x 2-process digits job (the master is
     the pod itself, on loopback), placed on a real node."""
     from ddpjob_operator.config import OperatorConfig
-    from ddpjob_operator.local import validate
+    from ddpjob_cli.local import validate
     from ddpjob_operator.render import render_pod
 
     job = validate({"apiVersion": "ddpjob.dev/v1alpha1", "kind": "DDPJob",

@@ -12,7 +12,7 @@ from typing import Iterator
 
 import yaml
 
-from ddpjob_operator import local
+from ddpjob_cli import local
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DDPJOB = Path(sys.executable).parent / "ddpjob"
@@ -82,7 +82,7 @@ def pids_with_env(entry: str, *, prefix: bool = False) -> list[int]:
 
 def write_digits_job(directory: Path, *, epochs: int) -> Path:
     """examples/digits.yaml with another epoch count (long enough for the checks)."""
-    from ddpjob_operator.local import load_job_file
+    from ddpjob_cli.local import load_job_file
 
     job = load_job_file(REPO_ROOT / "examples" / "digits.yaml")
     job["spec"]["trainer"]["epochs"] = epochs

@@ -10,7 +10,7 @@ from pathlib import Path
 import yaml
 
 REPO = Path(__file__).resolve().parents[2]
-DDPJOB = [sys.executable, "-m", "ddpjob_operator.cli"]
+DDPJOB = [sys.executable, "-m", "ddpjob_cli"]
 
 
 def write_job(path: Path, *, name: str, trainer: dict, nodes: int = 2, nproc: int | str = 1,

@@ -37,7 +37,7 @@ def start_pod_launcher(tmp_path, *, metrics_port: int, as_pid1: bool = True):
     """One node of a 1-node x 2-process job, started exactly as a pod's container command (env
     from the operator's own pod env), as PID 1 of a PID namespace when `as_pid1` and allowed;
     returns (process, pid to signal, work dir)."""
-    from ddpjob_operator.local import free_port, node_command, node_env, validate
+    from ddpjob_cli.local import free_port, node_command, node_env, validate
 
     work = tmp_path / "w"
     job = validate({"apiVersion": "ddpjob.dev/v1alpha1", "kind": "DDPJob", "metadata": {"name": "podstop"},

@@ -255,7 +255,7 @@ def test_probes_and_ports_follow_the_operator_settings():
 
 def parse_operator_args(c: dict) -> dict:
     """Parse the container's args with the real `ddpjob operator` click command."""
-    from ddpjob_operator import cli
+    from ddpjob_cli import main as cli
 
     assert c["command"] == ["ddpjob"] and c["args"][0] == "operator"
     ctx = cli.main.commands["operator"].make_context("operator", list(c["args"][1:]))

@@ -12,7 +12,7 @@ import pytest
 from ddpjob_trainer import contract
 
 REPO = Path(__file__).resolve().parents[2]
-PRODUCT = sorted(p for d in ("operator/ddpjob_operator", "trainer/ddpjob_trainer")
+PRODUCT = sorted(p for d in ("operator/ddpjob_operator", "trainer/ddpjob_trainer", "cli/ddpjob_cli")
                  for p in (REPO / d).rglob("*.py") if p.name != "contract.py")
 SHARED = {value: name for name, value in vars(contract).items()
           if name.startswith(("ENV_", "PET_", "METRIC_"))}
@@ -27,6 +27,7 @@ def literals(path: Path) -> list[tuple[int, str, str]]:
 
 def test_the_product_files_are_found():
     assert len(PRODUCT) > 30 and REPO / "trainer/ddpjob_trainer/launch.py" in PRODUCT
+    assert REPO / "cli/ddpjob_cli/local.py" in PRODUCT
 
 
 @pytest.mark.parametrize("path", PRODUCT, ids=lambda p: str(p.relative_to(REPO)))
@@ -43,7 +44,7 @@ def test_no_shared_name_or_exit_code_is_spelled_outside_the_contract(path):
 
 def test_the_pod_and_the_operator_do_not_share_a_metrics_port_variable():
     """One name meant two ports (the operator's own /metrics and a pod's launcher endpoint)."""
-    from ddpjob_operator.cli import operator
+    from ddpjob_cli.main import operator
 
     envvars = {p.envvar for p in operator.params}
     assert contract.ENV_POD_METRICS_PORT not in envvars

@@ -5,15 +5,10 @@ import sys
 
 import pytest
 
-from ddpjob_operator.local import node_command
-from ddpjob_operator.spec import from_manifest
+from ddpjob_cli.local import node_command
+from tests.support.builders import make_job
 
 LOCAL_LAUNCHER = [sys.executable, "-m", "ddpjob_trainer.launch", "--metrics-port", "19400", "--"]
-
-
-def job(**spec):
-    return from_manifest({"apiVersion": "ddpjob.dev/v1alpha1", "kind": "DDPJob", "metadata": {"name": "j"},
-                          "spec": {"image": "i", "nodes": 2, **spec}})
 
 
 @pytest.mark.parametrize("spec, want", [
@@ -30,8 +25,8 @@ def job(**spec):
 def test_a_local_node_runs_the_pods_command(spec, want):
     from ddpjob_operator.pods import LAUNCHER, container_command
 
-    assert node_command(job(**spec), metrics_port=19400) == want
-    command, args = container_command(job(**spec))
+    assert node_command(make_job(**spec), metrics_port=19400) == want
+    command, args = container_command(make_job(**spec))
     pod = command + list(args or [])
     if pod[:len(LAUNCHER)] == LAUNCHER:  # the pod's `python` is the image's; locally it is this one
         pod = LOCAL_LAUNCHER + pod[len(LAUNCHER):]

@@ -5,7 +5,7 @@ import socket
 
 import pytest
 
-from ddpjob_operator import local
+from ddpjob_cli import local
 
 
 @pytest.fixture

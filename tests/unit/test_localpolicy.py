@@ -7,17 +7,11 @@ import datetime as dt
 import pytest
 
 from ddpjob_operator.lifecycle import decide
-from ddpjob_operator.localpolicy import Tally, after_failure, exit_code, node_pod
+from ddpjob_cli.localpolicy import Tally, after_failure, exit_code, node_pod
 from ddpjob_operator.phases import Phase
-from ddpjob_operator.spec import from_manifest
+from tests.support.builders import make_job
 
 NOW = dt.datetime(2026, 11, 23, 12, 0, tzinfo=dt.timezone.utc)
-
-
-def job(**spec):
-    return from_manifest({"apiVersion": "ddpjob.dev/v1alpha1", "kind": "DDPJob",
-                          "metadata": {"name": "j", "namespace": "ns"},
-                          "spec": {"image": "i", "nodes": 2, "failurePolicy": {"maxRestarts": 2}, **spec}})
 
 
 @pytest.mark.parametrize("returncode, code", [(0, 0), (1, 1), (78, 78), (-9, 137), (-15, 143)])
@@ -41,7 +35,7 @@ CASES = [
 
 @pytest.mark.parametrize("tally, codes, spec, phase, reason, after", CASES)
 def test_the_local_runner_decides_as_the_operator_does(tally, codes, spec, phase, reason, after):
-    j = job(**spec)
+    j = make_job(**{"failurePolicy": {"maxRestarts": 2}, **spec})  # a case may bring its own policy
     started = NOW - dt.timedelta(seconds=120)
     local = after_failure(j, tally=tally, returncodes=codes, started=started, now=NOW)
     # The operator, from the same pods as its watch would deliver them and its own status.

@@ -65,7 +65,7 @@ def test_pod_scraping_needs_an_explicit_opt_in():
     (["-n", "x"], {}),
 ])
 def test_the_effective_template_is_what_the_real_cli_parses(monkeypatch, args, env):
-    from ddpjob_operator import cli
+    from ddpjob_cli import main as cli
 
     monkeypatch.delenv(SCRAPE_ENV, raising=False)
     for k, v in env.items():
