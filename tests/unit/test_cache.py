@@ -6,18 +6,14 @@ import threading
 
 from ddpjob_operator import labels
 from ddpjob_operator.cache import Informer, Store, pod_informers
-
-
-def pod(name: str, rv: int, *, job: str = "j", uid: str | None = None, ns: str = "ns") -> dict:
-    return {"metadata": {"name": name, "namespace": ns, "resourceVersion": str(rv), "uid": uid or f"u-{name}",
-                         "labels": {labels.JOB_NAME: job}}}
+from tests.support.builders import make_pod
 
 
 def test_store_keeps_the_newest_version_and_indexes_by_job():
     store = Store(index_label=labels.JOB_NAME)
-    store.upsert(pod("a", 5))
-    assert not store.upsert(pod("a", 4))            # a late, older event
-    store.upsert(pod("b", 6, job="k"))
+    store.upsert(make_pod(name="a", resource_version=5))
+    assert not store.upsert(make_pod(name="a", resource_version=4))     # a late, older event
+    store.upsert(make_pod(name="b", resource_version=6, job="k"))
     assert [p["metadata"]["resourceVersion"] for p in store.by_index("ns", "j")] == ["5"]
     assert [p["metadata"]["name"] for p in store.by_index("ns", "k")] == ["b"]
     assert store.by_index("other", "j") == []
@@ -25,17 +21,18 @@ def test_store_keeps_the_newest_version_and_indexes_by_job():
 
 def test_deleted_object_is_not_resurrected_by_a_late_copy():
     store = Store(index_label=labels.JOB_NAME)
-    store.upsert(pod("a", 5))
-    store.delete(pod("a", 7))
-    assert not store.upsert(pod("a", 6))            # e.g. our create's response, after the DELETED event
+    store.upsert(make_pod(name="a", resource_version=5))
+    store.delete(make_pod(name="a", resource_version=7))
+    # e.g. our create's response, after the DELETED event
+    assert not store.upsert(make_pod(name="a", resource_version=6))
     assert store.get("ns", "a") is None
     assert store.by_index("ns", "j") == []
 
 
 def test_delete_of_an_older_object_keeps_the_newer_one_with_that_name():
     store = Store(index_label=labels.JOB_NAME)
-    store.upsert(pod("a", 9, uid="new"))
-    store.delete(pod("a", 5, uid="old"))
+    store.upsert(make_pod(name="a", resource_version=9, uid="new"))
+    store.delete(make_pod(name="a", resource_version=5, uid="old"))
     assert store.get("ns", "a")["metadata"]["uid"] == "new"
 
 
@@ -43,10 +40,10 @@ def test_relist_drops_what_vanished_and_notifies():
     store = Store(index_label=labels.JOB_NAME)
     seen = []
     store.listeners.append(lambda etype, obj: seen.append((etype, obj["metadata"]["name"])))
-    store.upsert(pod("a", 1))
-    store.upsert(pod("b", 2))
-    store.upsert(pod("x", 3, ns="elsewhere"))
-    store.replace("ns", [pod("b", 4)])
+    store.upsert(make_pod(name="a", resource_version=1))
+    store.upsert(make_pod(name="b", resource_version=2))
+    store.upsert(make_pod(name="x", resource_version=3, namespace="elsewhere"))
+    store.replace("ns", [make_pod(name="b", resource_version=4)])
     assert store.get("ns", "a") is None and store.get("ns", "b")["metadata"]["resourceVersion"] == "4"
     assert store.get("elsewhere", "x") is not None   # another informer's scope is left alone
     assert ("DELETED", "a") in seen and ("MODIFIED", "b") in seen
@@ -75,8 +72,9 @@ class ScriptedAPI:
 
 def test_informer_lists_watches_and_relists_after_410_without_ghosts():
     api = ScriptedAPI(
-        lists=[([pod("a", 1), pod("b", 2)], "10"), ([pod("b", 13)], "20")],
-        watches=[[{"type": "MODIFIED", "object": pod("a", 11)},
+        lists=[([make_pod(name="a", resource_version=1), make_pod(name="b", resource_version=2)], "10"),
+               ([make_pod(name="b", resource_version=13)], "20")],
+        watches=[[{"type": "MODIFIED", "object": make_pod(name="a", resource_version=11)},
                   {"type": "BOOKMARK", "object": {"metadata": {"resourceVersion": "12"}}},
                   {"type": "ERROR", "object": {"code": 410, "message": "too old"}}]])
     store = Store(index_label=labels.JOB_NAME)
@@ -118,7 +116,7 @@ def test_informer_for_a_missing_resource_counts_as_synced():
 
 def test_store_drops_managed_fields_without_touching_the_original():
     store = Store(index_label=labels.JOB_NAME)
-    original = pod("a", 1)
+    original = make_pod(name="a", resource_version=1)
     original["metadata"]["managedFields"] = [{"manager": "kubectl"}]
     store.upsert(original)
     assert "managedFields" not in store.get("ns", "a")["metadata"]

@@ -1,19 +1,18 @@
 """The env every training container gets: one function for pods and local runs."""
 from __future__ import annotations
 
+import functools
 import json
 
 import pytest
 
 from ddpjob_operator.envvars import env_dict, master_dns, nccl_env, pod_env
-from ddpjob_operator.spec import from_manifest, resolve_nproc
+from ddpjob_operator.spec import resolve_nproc
+from tests.support.builders import make_job
 
 
-def job(**spec):
-    base = {"nodes": 4, "gpusPerNode": 8, "image": "img", "trainer": {"epochs": 2}}
-    return from_manifest({"apiVersion": "ddpjob.dev/v1alpha1", "kind": "DDPJob",
-                          "metadata": {"name": "bert", "namespace": "ml", "uid": "u-1"},
-                          "spec": {**base, **spec}})
+# 4 nodes x 8 GPUs: the assertions spell out its names, sizes and uid (bert-0.bert.ml.svc, 32, u-1).
+job = functools.partial(make_job, "bert", namespace="ml", uid="u-1", nodes=4, gpusPerNode=8, trainer={"epochs": 2})
 
 
 @pytest.mark.parametrize("rank", [0, 1, 3])

@@ -6,6 +6,7 @@ import asyncio
 import pytest
 
 from ddpjob_operator.fairqueue import FairSlots
+from tests.support.builders import make_pod
 
 
 async def _run(slots: FairSlots, requests: list[str], *, hold: float = 0.01) -> list[str]:
@@ -116,12 +117,8 @@ def test_the_k8s_facade_queues_requests_per_job():
 
     k8s._request = request  # the facade's one blocking call; everything above it is what we test
 
-    def pod(i):
-        return {"kind": "Pod", "metadata": {"name": f"big-{i}", "namespace": "ns",
-                                            "labels": {"ddpjob.dev/job-name": "big"}}}
-
     async def main():
-        creates = [asyncio.create_task(k8s.create(pod(i))) for i in range(6)]
+        creates = [asyncio.create_task(k8s.create(make_pod(i, job="big"))) for i in range(6)]
         await asyncio.sleep(0)
         await asyncio.gather(k8s.patch_status("ns", "small", {"phase": "Restarting"}), *creates)
 

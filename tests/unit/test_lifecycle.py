@@ -1,82 +1,40 @@
 """lifecycle.decide: restart, fail, succeed, suspend, deadline and TTL from observed pods."""
 from __future__ import annotations
 
-import datetime as dt
-
 import pytest
 
 from ddpjob_operator.config import OperatorConfig
 from ddpjob_operator.lifecycle import decide
 from ddpjob_operator.phases import Phase
-from ddpjob_operator.spec import from_manifest
-
-NOW = dt.datetime(2026, 11, 22, 12, 0, 0, tzinfo=dt.timezone.utc)
-
-
-def ago(seconds: float) -> str:
-    return (NOW - dt.timedelta(seconds=seconds)).isoformat().replace("+00:00", "Z")
-
-
-def make_job(nodes=2, **spec):
-    return from_manifest({"apiVersion": "ddpjob.dev/v1alpha1", "kind": "DDPJob",
-                          "metadata": {"name": "j", "namespace": "ns", "uid": "u1", "generation": 1},
-                          "spec": {"image": "i", "nodes": nodes, **spec}})
-
-
-def make_pod(rank, *, attempt=0, phase="Running", code=None, deleting=False, evicted=False,
-             unschedulable_for=None, message="", job="j"):
-    status = {"phase": phase, "conditions": []}
-    if code is not None:
-        status["containerStatuses"] = [{"name": "trainer", "state": {"terminated": {
-            "exitCode": code, "message": message}}}]
-    if evicted:
-        status["reason"] = "Evicted"
-        status["message"] = "The node was low on resource: memory."
-        status["conditions"].append({"type": "DisruptionTarget", "status": "True",
-                                     "reason": "TerminationByKubelet"})
-    if unschedulable_for is not None:
-        status["conditions"].append({"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
-                                     "message": "0/4 nodes are available: 4 Insufficient nvidia.com/gpu.",
-                                     "lastTransitionTime": ago(unschedulable_for)})
-    meta = {"name": f"{job}-{rank}", "uid": f"pod-{rank}-{attempt}",
-            "labels": {"ddpjob.dev/job-name": job, "ddpjob.dev/node-rank": str(rank),
-                       "ddpjob.dev/attempt": str(attempt)}}
-    if deleting is not False:  # True: its grace period ended a second ago; a number: that long ago
-        meta["deletionTimestamp"] = ago(1 if deleting is True else deleting)
-    return {"metadata": meta, "status": status}
-
-
-def running_status(**extra):
-    return {"phase": "Running", "attempt": 0, "launchedAttempt": 0, "restarts": 0, "countedRestarts": 0,
-            "startTime": ago(100), **extra}
+from tests.support.builders import NOW, ago, make_job, make_pod, running_status
 
 
 def test_first_pass_creates_every_rank():
-    d = decide(make_job(4), [], now=NOW, prev_status=None)
+    d = decide(make_job(nodes=4), [], now=NOW, prev_status=None)
     assert d.phase is Phase.PENDING and d.create_ranks == [0, 1, 2, 3] and d.attempt == 0
     assert d.start_time == NOW and d.delete_pods == []
 
 
 def test_resume_after_partial_creation_creates_only_the_missing_ranks():
     # The operator died after creating 2 of 4 pods: no restart, just the rest.
-    d = decide(make_job(4), [make_pod(0), make_pod(1)], now=NOW,
+    d = decide(make_job(nodes=4), [make_pod(0), make_pod(1)], now=NOW,
                prev_status={"phase": "Pending", "attempt": 0, "launchedAttempt": -1})
     assert d.create_ranks == [2, 3] and d.restarts == 0 and d.phase is Phase.PENDING
 
 
 def test_all_running():
-    d = decide(make_job(2), [make_pod(0), make_pod(1)], now=NOW, prev_status={"phase": "Pending"})
+    d = decide(make_job(nodes=2), [make_pod(0), make_pod(1)], now=NOW, prev_status={"phase": "Pending"})
     assert d.phase is Phase.RUNNING and d.launched_attempt == 0 and d.create_ranks == []
 
 
 @pytest.mark.parametrize("pods,reason,counted", [
-    ([make_pod(0), make_pod(1, phase="Failed", code=1)], "PodFailed", 1),
+    ([make_pod(0), make_pod(1, phase="Failed", exit_code=1)], "PodFailed", 1),
     ([make_pod(0), make_pod(1, deleting=True)], "PodDeleted", 1),
     ([make_pod(0)], "PodDeleted", 1),                                          # vanished after launch
-    ([make_pod(0), make_pod(1, phase="Failed", code=137, evicted=True)], "PodEvicted", 0),  # free
+    ([make_pod(0), make_pod(1, phase="Failed", exit_code=137, evicted=True)], "PodEvicted", 0),  # free
 ])
 def test_failure_restarts_the_whole_group(pods, reason, counted):
-    d = decide(make_job(2), pods, now=NOW, prev_status=running_status())
+    d = decide(make_job(nodes=2), pods, now=NOW, prev_status=running_status())
     assert d.phase is Phase.RESTARTING and d.reason == reason
     assert d.attempt == 1 and d.restarts == 1 and d.counted_restarts == counted
     live = {p["metadata"]["name"] for p in pods if not p["metadata"].get("deletionTimestamp")}
@@ -97,7 +55,7 @@ def test_failure_restarts_the_whole_group(pods, reason, counted):
 ])
 def test_a_new_attempt_starts_once_every_pod_of_the_old_one_is_gone(old, create):
     prev = running_status(phase="Restarting", attempt=1, restarts=1, countedRestarts=1)
-    d = decide(make_job(2), old, now=NOW, prev_status=prev)
+    d = decide(make_job(nodes=2), old, now=NOW, prev_status=prev)
     assert d.phase is Phase.RESTARTING and d.create_ranks == create and d.restarts == 1
     if not create:
         assert d.requeue_after is not None and 0 < d.requeue_after <= 30  # re-checked, not forgotten
@@ -106,14 +64,14 @@ def test_a_new_attempt_starts_once_every_pod_of_the_old_one_is_gone(old, create)
 def test_an_old_pod_that_was_never_deleted_is_deleted_before_anything_is_created():
     prev = running_status(phase="Restarting", attempt=1, restarts=1, countedRestarts=1)
     # The operator died after writing status, before deleting rank 0's old pod.
-    d = decide(make_job(2), [make_pod(0, attempt=0), make_pod(1, attempt=1)], now=NOW, prev_status=prev)
+    d = decide(make_job(nodes=2), [make_pod(0, attempt=0), make_pod(1, attempt=1)], now=NOW, prev_status=prev)
     assert d.delete_pods == ["j-0"] and d.create_ranks == [] and d.restarts == 1
 
 
 def test_restart_budget_exhausted_fails_and_cleans_running_pods():
     prev = running_status(restarts=3, countedRestarts=3)
-    d = decide(make_job(2, failurePolicy={"maxRestarts": 3}),
-               [make_pod(0), make_pod(1, phase="Failed", code=1)], now=NOW, prev_status=prev)
+    d = decide(make_job(nodes=2, failurePolicy={"maxRestarts": 3}),
+               [make_pod(0), make_pod(1, phase="Failed", exit_code=1)], now=NOW, prev_status=prev)
     assert d.phase is Phase.FAILED and d.reason == "RestartLimitExceeded"
     assert "maxRestarts=3" in d.message and d.completion_time == NOW
     assert d.delete_pods == ["j-0"]  # cleanPodPolicy Running: the failed pod stays for its logs
@@ -121,46 +79,46 @@ def test_restart_budget_exhausted_fails_and_cleans_running_pods():
 
 def test_evictions_do_not_use_the_budget():
     prev = running_status(restarts=5, countedRestarts=3)
-    d = decide(make_job(2, failurePolicy={"maxRestarts": 3}),
-               [make_pod(0), make_pod(1, phase="Failed", code=137, evicted=True)], now=NOW, prev_status=prev)
+    d = decide(make_job(nodes=2, failurePolicy={"maxRestarts": 3}),
+               [make_pod(0), make_pod(1, phase="Failed", exit_code=137, evicted=True)], now=NOW, prev_status=prev)
     assert d.phase is Phase.RESTARTING and d.restarts == 6 and d.counted_restarts == 3
 
 
 def test_bad_configuration_fails_at_once():
-    pods = [make_pod(0, phase="Failed", code=78, message="bad lr"), make_pod(1)]
-    d = decide(make_job(2), pods, now=NOW, prev_status=running_status())
+    pods = [make_pod(0, phase="Failed", exit_code=78, message="bad lr"), make_pod(1)]
+    d = decide(make_job(nodes=2), pods, now=NOW, prev_status=running_status())
     assert d.phase is Phase.FAILED and d.reason == "BadConfiguration" and d.restarts == 0
     # The trainer's words only where the job opted in (spec.failurePolicy.logTailInStatus).
     assert "bad lr" not in d.message and "kubectl logs j-0" in d.message
-    d = decide(make_job(2, failurePolicy={"logTailInStatus": True}), pods, now=NOW, prev_status=running_status())
+    d = decide(make_job(nodes=2, failurePolicy={"logTailInStatus": True}), pods, now=NOW, prev_status=running_status())
     assert "bad lr" in d.message
 
 
 def test_success_when_all_ranks_exit_zero():
-    pods = [make_pod(0, phase="Succeeded", code=0), make_pod(1, phase="Succeeded", code=0)]
-    d = decide(make_job(2), pods, now=NOW, prev_status=running_status())
+    pods = [make_pod(0, phase="Succeeded", exit_code=0), make_pod(1, phase="Succeeded", exit_code=0)]
+    d = decide(make_job(nodes=2), pods, now=NOW, prev_status=running_status())
     assert d.phase is Phase.SUCCEEDED and d.completion_time == NOW and d.delete_pods == []
-    partial = decide(make_job(2), pods[:1] + [make_pod(1)], now=NOW, prev_status=running_status())
+    partial = decide(make_job(nodes=2), pods[:1] + [make_pod(1)], now=NOW, prev_status=running_status())
     assert partial.phase is Phase.RUNNING
 
 
 @pytest.mark.parametrize("policy,deleted", [("None", []), ("Running", ["j-1"]), ("All", ["j-0", "j-1"])])
 def test_clean_pod_policy_on_finish(policy, deleted):
-    pods = [make_pod(0, phase="Failed", code=78), make_pod(1)]
-    d = decide(make_job(2, cleanPodPolicy=policy), pods, now=NOW, prev_status=running_status())
+    pods = [make_pod(0, phase="Failed", exit_code=78), make_pod(1)]
+    d = decide(make_job(nodes=2, cleanPodPolicy=policy), pods, now=NOW, prev_status=running_status())
     assert d.phase is Phase.FAILED and sorted(d.delete_pods) == deleted
 
 
 def test_finished_is_sticky_and_ttl_deletes_the_job():
     prev = {"phase": "Succeeded", "completionTime": ago(30), "startTime": ago(100)}
-    d = decide(make_job(2, ttlSecondsAfterFinished=60), [], now=NOW, prev_status=prev)
+    d = decide(make_job(nodes=2, ttlSecondsAfterFinished=60), [], now=NOW, prev_status=prev)
     assert d.phase is Phase.SUCCEEDED and not d.delete_job and d.requeue_after == pytest.approx(30)
-    assert decide(make_job(2, ttlSecondsAfterFinished=10), [], now=NOW, prev_status=prev).delete_job
-    assert not decide(make_job(2), [], now=NOW, prev_status=prev).delete_job  # no TTL: kept
+    assert decide(make_job(nodes=2, ttlSecondsAfterFinished=10), [], now=NOW, prev_status=prev).delete_job
+    assert not decide(make_job(nodes=2), [], now=NOW, prev_status=prev).delete_job  # no TTL: kept
 
 
 def test_active_deadline():
-    job = make_job(2, activeDeadlineSeconds=60)
+    job = make_job(nodes=2, activeDeadlineSeconds=60)
     d = decide(job, [make_pod(0), make_pod(1)], now=NOW, prev_status=running_status(startTime=ago(30)))
     assert d.phase is Phase.RUNNING and d.requeue_after == pytest.approx(30)
     d = decide(job, [make_pod(0), make_pod(1)], now=NOW, prev_status=running_status(startTime=ago(61)))
@@ -169,11 +127,11 @@ def test_active_deadline():
 
 
 def test_suspend_and_resume():
-    job = make_job(2, suspend=True)
+    job = make_job(nodes=2, suspend=True)
     d = decide(job, [make_pod(0), make_pod(1)], now=NOW, prev_status=running_status())
     assert d.phase is Phase.SUSPENDED and sorted(d.delete_pods) == ["j-0", "j-1"] and d.restarts == 0
     prev = running_status(phase="Suspended", startTime=ago(1000))
-    d = decide(make_job(2, activeDeadlineSeconds=500), [], now=NOW, prev_status=prev)
+    d = decide(make_job(nodes=2, activeDeadlineSeconds=500), [], now=NOW, prev_status=prev)
     assert d.phase is Phase.PENDING and d.reason == "Resumed"
     assert d.attempt == 1 and d.create_ranks == [0, 1] and d.restarts == 0
     assert d.start_time == NOW  # the deadline clock restarts on resume
@@ -181,8 +139,8 @@ def test_suspend_and_resume():
 
 def test_stalled_restarts_only_with_restart_on_hang():
     pods = [make_pod(0), make_pod(1)]
-    assert decide(make_job(2), pods, now=NOW, prev_status=running_status(), stalled=True).phase is Phase.RUNNING
-    d = decide(make_job(2, failurePolicy={"restartOnHang": True}), pods, now=NOW,
+    assert decide(make_job(nodes=2), pods, now=NOW, prev_status=running_status(), stalled=True).phase is Phase.RUNNING
+    d = decide(make_job(nodes=2, failurePolicy={"restartOnHang": True}), pods, now=NOW,
                prev_status=running_status(), stalled=True)
     assert d.phase is Phase.RESTARTING and d.reason == "Stalled" and d.counted_restarts == 1
 
@@ -190,7 +148,7 @@ def test_stalled_restarts_only_with_restart_on_hang():
 @pytest.mark.parametrize("waited,flagged", [(10, False), (400, True)])
 def test_unschedulable_after_timeout(waited, flagged):
     pods = [make_pod(0, phase="Pending", unschedulable_for=waited), make_pod(1)]
-    d = decide(make_job(2), pods, now=NOW, prev_status={"phase": "Pending", "startTime": ago(waited)},
+    d = decide(make_job(nodes=2), pods, now=NOW, prev_status={"phase": "Pending", "startTime": ago(waited)},
                config=OperatorConfig(unschedulable_timeout=300))
     assert (d.unschedulable is not None) == flagged
     if flagged:

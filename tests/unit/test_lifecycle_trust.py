@@ -2,6 +2,8 @@
 nodes), and counters a status edit cannot rewrite; redact: no credentials in status or events."""
 from __future__ import annotations
 
+import functools
+
 import pytest
 
 from ddpjob_operator import labels
@@ -9,43 +11,30 @@ from ddpjob_operator.lifecycle import Verdict, decide, trusted_counters, verdict
 from ddpjob_operator.phases import Phase
 from ddpjob_operator.pods import render_pod
 from ddpjob_operator.redact import redact
-from tests.unit.test_lifecycle import NOW, make_job, make_pod, running_status
+from tests.support.builders import NOW, make_job, make_pod, running_status
 
 
-def ended(rank=0, *, phase="Failed", code=None, condition=None, status_reason=None, deleting=False,
-          attempt=0, counters=None):
-    pod = make_pod(rank, attempt=attempt, phase=phase, code=code, deleting=deleting)
-    if condition:
-        pod["status"]["conditions"].append({"type": "DisruptionTarget", "status": "True", "reason": condition,
-                                            "message": f"{condition} happened"})
-    if status_reason:
-        pod["status"]["reason"] = status_reason
-    if counters:
-        pod["metadata"]["annotations"] = {labels.RESTARTS: str(counters[0]),
-                                          labels.COUNTED_RESTARTS: str(counters[1])}
-    return pod
+# The pods of the rule table ended unless a row says otherwise.
+ended = functools.partial(make_pod, phase="Failed")
 
 
 # The rule table: a pod's last known state -> (reason, verdict).
 @pytest.mark.parametrize("pod,gone,reason,expected", [
-    (ended(code=1), False, "PodFailed", Verdict.RESTART),
-    (ended(code=137), True, "PodFailed", Verdict.RESTART),                  # vanished after failing
-    (ended(code=78), False, "BadConfiguration", Verdict.FAIL),
-    (ended(code=78, condition="DeletionByPodGC"), True, "BadConfiguration", Verdict.FAIL),
-    (ended(condition="DeletionByPodGC"), True, "NodeLost", Verdict.RESTART_FREE),  # node deleted
-    (ended(phase="Running", condition="DeletionByTaintManager", deleting=True), False, "NodeLost",
-     Verdict.RESTART_FREE),
-    (ended(phase="Running", condition="EvictionByEvictionAPI", deleting=True), False, "PodEvicted",
-     Verdict.RESTART_FREE),
-    (ended(phase="Running", condition="PreemptionByScheduler", deleting=True), False, "PodPreempted",
-     Verdict.RESTART_FREE),
-    (ended(condition="TerminationByKubelet", status_reason="Evicted"), False, "PodEvicted", Verdict.RESTART_FREE),
-    (ended(status_reason="Evicted"), False, "PodEvicted", Verdict.RESTART_FREE),    # old kubelets: no condition
-    (ended(status_reason="NodeLost"), False, "NodeLost", Verdict.RESTART_FREE),
-    (ended(phase="Running", condition="SomethingNew", deleting=True), False, "PodEvicted", Verdict.RESTART_FREE),
-    (ended(phase="Running", deleting=True), False, "PodDeleted", Verdict.RESTART),   # kubectl delete pod
-    (ended(phase="Running"), True, "PodDeleted", Verdict.RESTART),                    # force-deleted, no trace
-    ({"metadata": {"name": "j-0"}}, True, "PodDeleted", Verdict.RESTART),            # never seen ending
+    (ended(exit_code=1), False, "PodFailed", Verdict.RESTART),
+    (ended(exit_code=137), True, "PodFailed", Verdict.RESTART),                 # vanished after failing
+    (ended(exit_code=78), False, "BadConfiguration", Verdict.FAIL),
+    (ended(exit_code=78, disruption="DeletionByPodGC"), True, "BadConfiguration", Verdict.FAIL),
+    (ended(disruption="DeletionByPodGC"), True, "NodeLost", Verdict.RESTART_FREE),  # node deleted
+    (make_pod(disruption="DeletionByTaintManager", deleting=True), False, "NodeLost", Verdict.RESTART_FREE),
+    (make_pod(disruption="EvictionByEvictionAPI", deleting=True), False, "PodEvicted", Verdict.RESTART_FREE),
+    (make_pod(disruption="PreemptionByScheduler", deleting=True), False, "PodPreempted", Verdict.RESTART_FREE),
+    (ended(disruption="TerminationByKubelet", reason="Evicted"), False, "PodEvicted", Verdict.RESTART_FREE),
+    (ended(reason="Evicted"), False, "PodEvicted", Verdict.RESTART_FREE),       # old kubelets: no condition
+    (ended(reason="NodeLost"), False, "NodeLost", Verdict.RESTART_FREE),
+    (make_pod(disruption="SomethingNew", deleting=True), False, "PodEvicted", Verdict.RESTART_FREE),
+    (make_pod(deleting=True), False, "PodDeleted", Verdict.RESTART),            # kubectl delete pod
+    (make_pod(), True, "PodDeleted", Verdict.RESTART),                          # force-deleted, no trace
+    ({"metadata": {"name": "j-0"}}, True, "PodDeleted", Verdict.RESTART),      # never seen ending
 ])
 def test_rule_table(pod, gone, reason, expected):
     f = verdict(pod, gone=gone)
@@ -54,7 +43,8 @@ def test_rule_table(pod, gone, reason, expected):
                                     Verdict.RESTART_FREE: (False, False)}[expected]
 
 
-@pytest.mark.parametrize("pod", [make_pod(0), make_pod(0, phase="Pending"), make_pod(0, phase="Succeeded", code=0)])
+@pytest.mark.parametrize("pod", [make_pod(0), make_pod(0, phase="Pending"),
+                                 make_pod(0, phase="Succeeded", exit_code=0)])
 def test_pods_that_did_not_end_have_no_verdict(pod):
     assert verdict(pod) is None
 
@@ -62,33 +52,33 @@ def test_pods_that_did_not_end_have_no_verdict(pod):
 def test_a_lost_node_restarts_the_group_for_free():
     """PodGC marks the pod Failed + DisruptionTarget(DeletionByPodGC), then force-deletes it: the
     pass sees only the survivors, and the departed record says why the other one left."""
-    lost = ended(1, condition="DeletionByPodGC")
+    lost = ended(1, disruption="DeletionByPodGC")
     prev = running_status(countedRestarts=0)
-    d = decide(make_job(2, failurePolicy={"maxRestarts": 0}), [make_pod(0)], now=NOW, prev_status=prev,
+    d = decide(make_job(nodes=2, failurePolicy={"maxRestarts": 0}), [make_pod(0)], now=NOW, prev_status=prev,
                departed=[lost])
     assert d.phase is Phase.RESTARTING and d.reason == "NodeLost"
     assert d.restarts == 1 and d.counted_restarts == 0 and d.delete_pods == ["j-0"]
     # Without the record the same disappearance is a deleted pod: charged, here over budget.
-    d = decide(make_job(2, failurePolicy={"maxRestarts": 0}), [make_pod(0)], now=NOW, prev_status=prev)
+    d = decide(make_job(nodes=2, failurePolicy={"maxRestarts": 0}), [make_pod(0)], now=NOW, prev_status=prev)
     assert d.phase is Phase.FAILED and d.reason == "RestartLimitExceeded"
 
 
 def test_departed_records_of_other_attempts_or_reused_names_are_ignored():
     prev = running_status(attempt=1, launchedAttempt=1)
-    old = ended(1, condition="DeletionByPodGC", attempt=0)
-    d = decide(make_job(2), [make_pod(0, attempt=1)], now=NOW, prev_status=prev, departed=[old])
+    old = ended(1, disruption="DeletionByPodGC", attempt=0)
+    d = decide(make_job(nodes=2), [make_pod(0, attempt=1)], now=NOW, prev_status=prev, departed=[old])
     assert d.reason == "PodDeleted" and d.counted_restarts == 1
     # A pod of the same name exists again: its record is history.
-    d = decide(make_job(2), [make_pod(0), make_pod(1)], now=NOW, prev_status=running_status(),
-               departed=[ended(1, condition="DeletionByPodGC")])
+    d = decide(make_job(nodes=2), [make_pod(0), make_pod(1)], now=NOW, prev_status=running_status(),
+               departed=[ended(1, disruption="DeletionByPodGC")])
     assert d.phase is Phase.RUNNING and d.restarts == 0
 
 
 # Status edits: counters from the pods' annotations and labels win over the status.
 @pytest.mark.parametrize("status,pods,expected", [
-    ({"attempt": 2, "restarts": 2, "countedRestarts": 0}, [ended(0, phase="Running", attempt=2, counters=(2, 2))],
+    ({"attempt": 2, "restarts": 2, "countedRestarts": 0}, [make_pod(0, attempt=2, restarts=2, counted_restarts=2)],
      (2, 2, 2)),                                      # countedRestarts edited down: the pods remember
-    ({"attempt": 0, "restarts": 0, "countedRestarts": 0}, [ended(0, phase="Running", attempt=3, counters=(3, 1))],
+    ({"attempt": 0, "restarts": 0, "countedRestarts": 0}, [make_pod(0, attempt=3, restarts=3, counted_restarts=1)],
      (3, 3, 1)),                                      # attempt edited down: labels win
     ({"attempt": 10 ** 18}, [make_pod(0, attempt=4)], (5, 0, 0)),     # at most one past the pods' attempt
     ({"attempt": 7}, [], (7, 0, 0)),                                  # no pods: nothing better to go on
@@ -101,15 +91,16 @@ def test_trusted_counters(status, pods, expected):
 
 
 def test_an_edited_budget_grants_no_restart():
-    job = make_job(2, failurePolicy={"maxRestarts": 2})
-    pods = [ended(0, code=1, attempt=2, counters=(2, 2)), ended(1, phase="Running", attempt=2, counters=(2, 2))]
+    job = make_job(nodes=2, failurePolicy={"maxRestarts": 2})
+    pods = [ended(0, exit_code=1, attempt=2, restarts=2, counted_restarts=2),
+            make_pod(1, attempt=2, restarts=2, counted_restarts=2)]
     edited = running_status(attempt=2, launchedAttempt=2, restarts=0, countedRestarts=0)
     d = decide(job, pods, now=NOW, prev_status=edited)
     assert d.phase is Phase.FAILED and d.reason == "RestartLimitExceeded"
 
 
 def test_pods_carry_the_counters_they_were_created_under():
-    job = make_job(2)
+    job = make_job(nodes=2)
     job.raw["status"] = {"restarts": 4, "countedRestarts": 1}
     ann = render_pod(job, 0, attempt=4)["metadata"]["annotations"]
     assert ann[labels.RESTARTS] == "4" and ann[labels.COUNTED_RESTARTS] == "1"
@@ -120,17 +111,17 @@ def test_pods_carry_the_counters_they_were_created_under():
 @pytest.mark.parametrize("phase", ["Succeeded", "Failed"])
 def test_a_finished_phase_written_over_a_running_group_kills_nothing(phase):
     pods = [make_pod(0), make_pod(1)]
-    d = decide(make_job(2), pods, now=NOW, prev_status=running_status(phase=phase, reason="Edited"))
+    d = decide(make_job(nodes=2), pods, now=NOW, prev_status=running_status(phase=phase, reason="Edited"))
     assert d.phase is Phase.RUNNING and d.delete_pods == [] and d.completion_time is None
 
 
 def test_a_real_finish_is_still_sticky():
-    pods = [make_pod(0, phase="Succeeded", code=0), make_pod(1, phase="Succeeded", code=0)]
+    pods = [make_pod(0, phase="Succeeded", exit_code=0), make_pod(1, phase="Succeeded", exit_code=0)]
     prev = running_status(phase="Succeeded", completionTime="2026-11-22T11:00:00Z")
-    assert decide(make_job(2), pods, now=NOW, prev_status=prev).phase is Phase.SUCCEEDED
+    assert decide(make_job(nodes=2), pods, now=NOW, prev_status=prev).phase is Phase.SUCCEEDED
     # Failed with the failed rank still there (cleanPodPolicy Running keeps it): stays failed.
-    pods = [ended(0, code=1), make_pod(1)]
-    d = decide(make_job(2), pods, now=NOW, prev_status=running_status(phase="Failed"))
+    pods = [ended(0, exit_code=1), make_pod(1)]
+    d = decide(make_job(nodes=2), pods, now=NOW, prev_status=running_status(phase="Failed"))
     assert d.phase is Phase.FAILED and d.delete_pods == ["j-1"]
 
 

@@ -5,14 +5,11 @@ import pytest
 
 from ddpjob_operator import labels
 from ddpjob_operator.pods import render_pod
-from ddpjob_operator.spec import from_manifest
+from tests.support.builders import make_job
 
 
 def pod_of(**spec):
-    obj = {"apiVersion": "ddpjob.dev/v1alpha1", "kind": "DDPJob",
-           "metadata": {"name": "train", "namespace": "ml", "uid": "uid-1"},
-           "spec": {"image": "reg/trainer:1", "nodes": 2, **spec}}
-    return render_pod(from_manifest(obj), 1)
+    return render_pod(make_job("train", namespace="ml", uid="uid-1", image="reg/trainer:1", **spec), 1)
 
 
 def restricted_violations(pod) -> list[str]:

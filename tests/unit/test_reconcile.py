@@ -23,14 +23,9 @@ from ddpjob_operator.monitor import MonitorReport
 from ddpjob_operator.operator_metrics import OperatorMetrics
 from ddpjob_operator.service import render_service
 from ddpjob_operator.spec import from_manifest
+from tests.support.builders import make_manifest
 
-NS = "ns"
-
-
-def ddpjob(name: str = "j", nodes: int = 2, **spec) -> dict:
-    return {"apiVersion": "ddpjob.dev/v1alpha1", "kind": "DDPJob",
-            "metadata": {"name": name, "namespace": NS, "uid": f"uid-{name}", "generation": 1},
-            "spec": {"image": "img", "nodes": nodes, **spec}}
+NS = "ns"  # make_manifest's namespace
 
 
 class FakeK8s:
@@ -142,7 +137,7 @@ def run(coro):
 
 
 async def start_running(k8s: FakeK8s, rec: Reconciler, nodes: int = 2) -> None:
-    rec.job_event(k8s.add_job(ddpjob(nodes=nodes)))
+    rec.job_event(k8s.add_job(make_manifest(nodes=nodes)))
     await rec.reconcile(NS, "j")              # status, then Service and pods
     set_phase(rec, k8s, "Running")
     rec.coalesce = 0.0
@@ -154,7 +149,7 @@ async def start_running(k8s: FakeK8s, rec: Reconciler, nodes: int = 2) -> None:
 def first_pass(k8s: FakeK8s, rec: Reconciler) -> None:
     """A new two-node job's first pass, then the reconciler's shutdown."""
     async def main():
-        rec.job_event(k8s.add_job(ddpjob(nodes=2)))
+        rec.job_event(k8s.add_job(make_manifest(nodes=2)))
         await rec.reconcile(NS, "j")
         await rec.shutdown()
     run(main())
@@ -263,7 +258,7 @@ def test_stale_write_gets_409_and_is_decided_again_from_the_fresh_object():
     rec = reconciler(k8s)
 
     async def main():
-        rec.job_event(k8s.add_job(ddpjob(nodes=2)))
+        rec.job_event(k8s.add_job(make_manifest(nodes=2)))
         await rec.reconcile(NS, "j")
         set_phase(rec, k8s, "Running")
         # Another writer stored restarts=5 after our cache's copy: our write must not undo it.
@@ -314,7 +309,7 @@ def test_own_status_write_echo_does_not_trigger_a_pass_but_a_foreign_change_does
     rec = reconciler(k8s)
 
     async def main():
-        rec.job_event(k8s.add_job(ddpjob()))
+        rec.job_event(k8s.add_job(make_manifest()))
         await asyncio.sleep(0.3)           # the kicked pass ran and wrote status
         assert "status" in k8s.jobs["j"]
         k8s.calls.clear()
@@ -332,7 +327,7 @@ def test_failed_pass_is_retried_with_backoff():
 
     async def main():
         k8s.fail_status = [500]
-        rec.job_event(k8s.add_job(ddpjob()))
+        rec.job_event(k8s.add_job(make_manifest()))
         await asyncio.sleep(0.5)
         assert rec.metrics.reconcile_errors._value.get() == 1
         assert "status" not in k8s.jobs["j"]    # nothing yet: waiting out the backoff
@@ -347,7 +342,7 @@ def test_pod_count_changes_coalesce_into_one_later_write():
     rec = reconciler(k8s, coalesce=0.5)
 
     async def main():
-        rec.job_event(k8s.add_job(ddpjob(nodes=2)))
+        rec.job_event(k8s.add_job(make_manifest(nodes=2)))
         await rec.reconcile(NS, "j")
         k8s.calls.clear()
         # Pods reach the cache one by one (the pods' own Pending status), a pass after each.
@@ -385,7 +380,7 @@ def test_deleted_job_stops_at_404():
     rec = reconciler(k8s)
 
     async def main():
-        rec.jobs.upsert(ddpjob("gone"), notify=False)   # the cache still has it; the server does not
+        rec.jobs.upsert(make_manifest("gone"), notify=False)   # the cache still has it; the server does not
         await rec.reconcile(NS, "gone")
         await rec.shutdown()
     run(main())
@@ -400,7 +395,7 @@ def test_passes_wait_for_the_pod_cache_to_sync():
     rec = reconciler(k8s, pods=pods)
 
     async def main():
-        rec.job_event(k8s.add_job(ddpjob()))
+        rec.job_event(k8s.add_job(make_manifest()))
         await asyncio.sleep(0.3)
         assert k8s.calls == []          # no pass may decide from an empty, unsynced cache
         pods.mark_synced()
@@ -430,7 +425,7 @@ def test_peer_gate_from_the_cached_peering_object(peer_specs, acts):
     rec = reconciler(k8s, gate=PeerGate(store, identity="me", priority=5))
 
     async def main():
-        rec.job_event(k8s.add_job(ddpjob()))
+        rec.job_event(k8s.add_job(make_manifest()))
         await asyncio.sleep(0.3)
         if not acts:
             assert k8s.calls == []
@@ -514,7 +509,7 @@ def test_service_name_taken_by_another_service_is_named_and_no_pod_is_created(ow
     rec = reconciler(k8s)
 
     async def main():
-        job = k8s.add_job(ddpjob(nodes=2))
+        job = k8s.add_job(make_manifest(nodes=2))
         owners = [{"uid": job["metadata"]["uid"]}] if owned else []
         k8s.objects[("Service", "j")] = {"kind": "Service", "metadata": {"name": "j", "namespace": NS,
                                          "ownerReferences": owners}, "spec": {"clusterIP": cluster_ip}}
@@ -534,7 +529,7 @@ def test_our_own_headless_service_found_by_a_409_is_used():
     rec = reconciler(k8s)
 
     async def main():
-        job = k8s.add_job(ddpjob(nodes=2))
+        job = k8s.add_job(make_manifest(nodes=2))
         svc = render_service(from_manifest(job))
         k8s.objects[("Service", "j")] = svc
         rec.job_event(job)
@@ -557,9 +552,9 @@ def test_a_large_group_is_created_in_batches_with_another_jobs_pass_between():
         return [i for i, c in enumerate(k8s.calls) if c[:2] == ("create", "Pod") and c[2].startswith(f"{job}-")]
 
     async def main():
-        rec.job_event(k8s.add_job(ddpjob("big", nodes=big)))
+        rec.job_event(k8s.add_job(make_manifest("big", nodes=big)))
         await asyncio.sleep(0.05)               # the big job's first pass is under way
-        rec.job_event(k8s.add_job(ddpjob("s", nodes=2)))
+        rec.job_event(k8s.add_job(make_manifest("s", nodes=2)))
         for _ in range(100):
             if len(created("big")) == big and len(created("s")) == 2:
                 break

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import yaml
@@ -13,17 +14,13 @@ from ddpjob_operator.pods import LAUNCHER, render_pod
 from ddpjob_operator.render import render_file
 from ddpjob_operator.service import render_service
 from ddpjob_operator.spec import from_manifest
+from tests.support.builders import make_job, make_manifest
 
 
-def manifest(**spec):
-    base = {"image": "reg/trainer:1", "nodes": 4}
-    base.update(spec)
-    return {"apiVersion": "ddpjob.dev/v1alpha1", "kind": "DDPJob",
-            "metadata": {"name": "train", "namespace": "ml", "uid": "uid-1"}, "spec": base}
-
-
-def job(**spec):
-    return from_manifest(manifest(**spec))
+# The job every test here renders; the assertions spell out its names (train-0.train.ml.svc, uid-1).
+TRAIN = {"name": "train", "namespace": "ml", "uid": "uid-1", "image": "reg/trainer:1", "nodes": 4}
+manifest = functools.partial(make_manifest, **TRAIN)
+job = functools.partial(make_job, **TRAIN)
 
 
 def container(pod):
@@ -188,8 +185,7 @@ def test_render_does_not_mutate_the_manifest():
 
 def test_render_file(tmp_path):
     path = tmp_path / "job.yaml"
-    m = manifest(nodes=3)
-    del m["metadata"]["namespace"], m["metadata"]["uid"]
+    m = manifest(nodes=3, namespace=None, stored=False)
     path.write_text(yaml.safe_dump(m))
     docs = list(yaml.safe_load_all(render_file(str(path), namespace="team-a")))
     assert [d["kind"] for d in docs] == ["Service", "Pod", "Pod", "Pod"]

@@ -1,6 +1,7 @@
 """status.result: the training's final numbers, from node 0's termination message."""
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -8,19 +9,15 @@ import sys
 import pytest
 
 from ddpjob_operator.result import parse_result, run_result
+from tests.support.builders import make_pod
 
 RESULT = {"steps": 276, "total_steps": 276, "epochs_completed": 12, "world_size": 2, "resumed_from_step": 100,
           "train_samples_per_second": 812.5, "eval_accuracy": 0.9666, "eval_loss": 0.11,
           "eval_samples": 359, "eval_dataset_size": 359, "last_checkpoint": "/ckpt/step-276"}
 
 
-def pod(*, rank: int = 0, attempt: int = 0, phase: str = "Succeeded", code: int = 0, message: str | None = None):
-    term = {"exitCode": code}
-    if message is not None:
-        term["message"] = message
-    return {"metadata": {"name": f"j-{rank}", "labels": {"ddpjob.dev/node-rank": str(rank),
-                                                          "ddpjob.dev/attempt": str(attempt)}},
-            "status": {"phase": phase, "containerStatuses": [{"name": "trainer", "state": {"terminated": term}}]}}
+# A node's pod once its launcher has exited (0, unless a case says otherwise).
+finished = functools.partial(make_pod, phase="Succeeded", exit_code=0)
 
 
 def test_every_known_field_is_copied_under_its_status_name():
@@ -44,12 +41,12 @@ def test_non_finite_negative_or_non_numeric_values_are_dropped(bad):
 
 
 @pytest.mark.parametrize("pods, attempt, want", [
-    ([pod(message=json.dumps(RESULT))], 0, 359),
-    ([pod(rank=1, message=json.dumps(RESULT))], 0, None),                 # only node 0 reports
-    ([pod(attempt=0, message=json.dumps(RESULT))], 1, None),              # an earlier attempt's pod
-    ([pod(phase="Failed", code=1, message=json.dumps(RESULT))], 0, None),  # failed: no result
-    ([pod(message="done")], 0, None),
-    ([pod(rank=1), pod(message=json.dumps(RESULT))], 0, 359),
+    ([finished(message=json.dumps(RESULT))], 0, 359),
+    ([finished(rank=1, message=json.dumps(RESULT))], 0, None),                      # only node 0 reports
+    ([finished(attempt=0, message=json.dumps(RESULT))], 1, None),                   # an earlier attempt's pod
+    ([finished(phase="Failed", exit_code=1, message=json.dumps(RESULT))], 0, None),  # failed: no result
+    ([finished(message="done")], 0, None),
+    ([finished(rank=1), finished(message=json.dumps(RESULT))], 0, 359),
 ])
 def test_run_result_reads_node_0_of_the_current_attempt_on_success(pods, attempt, want):
     assert run_result(pods, attempt=attempt).get("evalSamples") == want

@@ -12,6 +12,7 @@ from aiohttp import web
 from ddpjob_operator import monitor as monitor_mod, scrape
 from ddpjob_operator.config import OperatorConfig
 from ddpjob_operator.monitor import Monitor
+from tests.support.builders import make_manifest, make_pod
 
 CAP = 64 * 1024
 
@@ -85,14 +86,13 @@ def server():
 
 
 def _job() -> dict:
-    return {"metadata": {"name": "demo", "namespace": "ns", "uid": "u1"},
-            "spec": {"metricsPort": 9400}}
+    return make_manifest("demo", uid="u1", metricsPort=9400)
 
 
 def _pods(kinds: list[str]) -> list[dict]:
-    return [{"metadata": {"name": f"{kind}-{i}",
-                          "labels": {"ddpjob.dev/node-rank": str(i), "ddpjob.dev/attempt": "0"}},
-             "spec": {"nodeName": "n"}, "status": {"phase": "Running", "podIP": "127.0.0.1"}}
+    """Running pods named after the server's routes (`<kind>/<rank>`), so the URL template
+    `<base>/{pod}` reaches the route."""
+    return [make_pod(i, job="demo", name=f"{kind}/{i}", node_name="n", pod_ip="127.0.0.1")
             for i, kind in enumerate(kinds)]
 
 
@@ -110,7 +110,6 @@ def test_monitor_warns_naming_the_url_and_cap(server, caplog):
     mon = Monitor(OperatorConfig(scrape_url_template=base + "/{pod}"), timeout=20,
                   max_body_bytes=CAP)
     pods = _pods(["huge", "good"])
-    pods[0]["metadata"]["name"], pods[1]["metadata"]["name"] = "huge/0", "good/1"
     with caplog.at_level(logging.WARNING, logger="ddpjob_operator.monitor"):
         report = loop.run_until_complete(mon.observe(_job(), pods))
     assert report.progress is not None  # the good pod still counts
@@ -130,7 +129,6 @@ def test_non_finite_and_absurd_values_never_reach_the_report(server):
 
     mon = Monitor(OperatorConfig(scrape_url_template=base + "/{pod}"), timeout=20)
     pods = _pods(["poison", "good"])
-    pods[0]["metadata"]["name"], pods[1]["metadata"]["name"] = "poison/0", "good/1"
     for _ in range(2):  # the second pass computes rates against the first
         report = loop.run_until_complete(mon.observe(_job(), pods))
         json.dumps({"progress": report.progress, "conditions": report.conditions,

@@ -9,7 +9,7 @@ import pytest
 from ddpjob_operator.lifecycle import decide
 from ddpjob_operator.phases import Phase
 from ddpjob_operator.status import CreateRefusal, create_refused, job_status, refusal
-from tests.unit.test_lifecycle import NOW, ago, make_job, make_pod
+from tests.support.builders import NOW, ago, make_job, make_pod, running_status
 from tests.unit.test_status import cond
 
 PULL_MSG = 'Back-off pulling image "reg/trainer:typo": ErrImagePull: not found'
@@ -35,7 +35,7 @@ def waiting_status(reason, since):
     ("CrashLoopBackOff", True), ("ImagePullBackOff", True),
 ])
 def test_stuck_container_named_in_reason_condition_and_one_event(reason, init):
-    job = make_job(2)
+    job = make_job(nodes=2)
     pods = [make_pod(0, phase="Pending"), stuck(1, reason, init=init)]
     status, events = job_status(job, pods, now=NOW, prev_status={"phase": "Pending", "attempt": 0})
     kind = "init container setup" if init else "container trainer"
@@ -56,12 +56,12 @@ def test_stuck_container_named_in_reason_condition_and_one_event(reason, init):
     stuck(0, "CrashLoopBackOff"),            # the trainer never loops (restartPolicy Never): not a start error
 ])
 def test_normal_start_is_not_a_start_error(pod):
-    status, _ = job_status(make_job(1), [pod], now=NOW, prev_status={"phase": "Pending", "attempt": 0})
+    status, _ = job_status(make_job(nodes=1), [pod], now=NOW, prev_status={"phase": "Pending", "attempt": 0})
     assert status["reason"] == "Created" and cond(status, "ContainersNotStarting") is None
 
 
 def test_default_policy_keeps_waiting_like_kubeflow_and_jobset():
-    d = decide(make_job(1), [stuck(0, "ImagePullBackOff")], now=NOW,
+    d = decide(make_job(nodes=1), [stuck(0, "ImagePullBackOff")], now=NOW,
                prev_status=waiting_status("ImagePullBackOff", since=86400))
     assert d.phase is Phase.PENDING and d.reason == "ImagePullBackOff" and d.requeue_after is None
     assert "set spec.failurePolicy.podStartTimeoutSeconds to fail instead" in d.message
@@ -70,7 +70,7 @@ def test_default_policy_keeps_waiting_like_kubeflow_and_jobset():
 @pytest.mark.parametrize("since,phase", [(0, Phase.PENDING), (299, Phase.PENDING), (300, Phase.FAILED),
                                          (5000, Phase.FAILED)])
 def test_pod_start_timeout_fails_the_job_with_the_container_reason(since, phase):
-    job = make_job(2, failurePolicy={"podStartTimeoutSeconds": 300})
+    job = make_job(nodes=2, failurePolicy={"podStartTimeoutSeconds": 300})
     pods = [make_pod(0), stuck(1, "ErrImagePull")]
     prev = waiting_status("ErrImagePull", since) if since else {"phase": "Pending", "attempt": 0}
     d = decide(job, pods, now=NOW, prev_status=prev)
@@ -84,7 +84,7 @@ def test_pod_start_timeout_fails_the_job_with_the_container_reason(since, phase)
 
 def test_condition_clears_once_the_container_starts():
     prev = waiting_status("ImagePullBackOff", since=60)
-    status, _ = job_status(make_job(1), [make_pod(0)], now=NOW, prev_status=prev)
+    status, _ = job_status(make_job(nodes=1), [make_pod(0)], now=NOW, prev_status=prev)
     c = cond(status, "ContainersNotStarting")
     assert status["phase"] == "Running" and c["status"] == "False" and c["reason"] == "Started"
 
@@ -93,7 +93,7 @@ def test_only_the_current_attempt_counts():
     prev = {"phase": "Restarting", "attempt": 1, "launchedAttempt": 0}
     old = stuck(0, "ImagePullBackOff")
     old["metadata"]["deletionTimestamp"] = ago(1)
-    d = decide(make_job(1), [old], now=NOW, prev_status=prev)
+    d = decide(make_job(nodes=1), [old], now=NOW, prev_status=prev)
     assert d.start_errors == []
 
 
@@ -124,7 +124,7 @@ def test_retryable_errors_are_not_refusals(code):
 
 
 def test_invalid_pod_fails_the_job_with_the_api_message():
-    job = make_job(2)
+    job = make_job(nodes=2)
     status, _ = job_status(job, [], now=NOW, prev_status=None)      # the pass that creates both ranks
     new, events = create_refused(job, status, [refusal("j-0", 422, INVALID)], now=NOW)
     assert new["phase"] == "Failed" and new["reason"] == "FailedCreatePod"
@@ -140,7 +140,7 @@ def test_invalid_pod_fails_the_job_with_the_api_message():
 
 
 def test_quota_refusal_waits_with_the_reason_until_every_pod_exists():
-    job = make_job(2)
+    job = make_job(nodes=2)
     status, _ = job_status(job, [make_pod(0, phase="Pending")], now=NOW, prev_status=None)
     new, events = create_refused(job, status, [refusal("j-1", 403, QUOTA)], now=NOW)
     assert new["phase"] == "Pending" and new["reason"] == "FailedCreatePod" and "exceeded quota" in new["message"]
@@ -159,7 +159,7 @@ def test_quota_refusal_waits_with_the_reason_until_every_pod_exists():
 
 def test_no_refusals_change_nothing():
     status = {"phase": "Pending"}
-    assert create_refused(make_job(1), status, [], now=NOW) == (status, [])
+    assert create_refused(make_job(nodes=1), status, [], now=NOW) == (status, [])
 
 
 def test_refusal_is_a_value():
@@ -168,12 +168,11 @@ def test_refusal_is_a_value():
 
 # -- evidence kept across a group restart ---------------------------------------------------------------
 from ddpjob_operator.status import MAX_FAILURES, failure_evidence  # noqa: E402
-from tests.unit.test_lifecycle import running_status  # noqa: E402
 
 
 def killed(rank, code, *, attempt=0, message="", signal=None):
-    pod = make_pod(rank, attempt=attempt, phase="Failed", code=code, message=message)
-    pod["spec"] = {"nodeName": f"gpu-node-{rank}"}
+    pod = make_pod(rank, attempt=attempt, phase="Failed", exit_code=code, message=message,
+                   node_name=f"gpu-node-{rank}")
     term = pod["status"]["containerStatuses"][0]["state"]["terminated"]
     term.update(reason="Error", finishedAt=ago(3))
     if signal:
@@ -184,7 +183,7 @@ def killed(rank, code, *, attempt=0, message="", signal=None):
 def test_a_group_restart_keeps_each_failed_rank_in_status():
     tail = "Traceback ...\nRuntimeError: NCCL error: unhandled system error"
     pods = [killed(0, 137), make_pod(1), killed(2, 1, message=tail)]
-    status, _ = job_status(make_job(3, failurePolicy={"logTailInStatus": True}), pods, now=NOW,
+    status, _ = job_status(make_job(nodes=3, failurePolicy={"logTailInStatus": True}), pods, now=NOW,
                            prev_status=running_status())
     assert status["phase"] == "Restarting" and status["attempt"] == 1
     assert status["failures"] == [
@@ -194,18 +193,18 @@ def test_a_group_restart_keeps_each_failed_rank_in_status():
          "node": "gpu-node-2", "finishedAt": ago(3), "logTail": tail},
     ]
     # The next passes (old pods terminating, new ones created) keep it and do not repeat it.
-    nxt, _ = job_status(make_job(3), [make_pod(0, attempt=1)], now=NOW, prev_status=status)
+    nxt, _ = job_status(make_job(nodes=3), [make_pod(0, attempt=1)], now=NOW, prev_status=status)
     assert nxt["failures"] == status["failures"]
 
 
 def test_log_tails_stay_out_of_status_unless_the_job_opts_in():
     tail = "connecting to https://alice:hunter2@mlflow.example/api\nRuntimeError: boom"
     pods = [killed(0, 1, message=tail), make_pod(1)]
-    status, events = job_status(make_job(2), pods, now=NOW, prev_status=running_status())
+    status, events = job_status(make_job(nodes=2), pods, now=NOW, prev_status=running_status())
     assert "logTail" not in status["failures"][0] and "boom" not in status["message"]
     assert status["message"] == "pod j-0 failed with exit code 1 (Error)"
     assert not any("boom" in m for _, _, m in events)
-    opted, events = job_status(make_job(2, failurePolicy={"logTailInStatus": True}), pods, now=NOW,
+    opted, events = job_status(make_job(nodes=2, failurePolicy={"logTailInStatus": True}), pods, now=NOW,
                                prev_status=running_status())
     assert opted["failures"][0]["logTail"].endswith("RuntimeError: boom")
     assert "hunter2" not in opted["failures"][0]["logTail"] and "https://***@mlflow.example" in \
@@ -216,14 +215,14 @@ def test_log_tails_stay_out_of_status_unless_the_job_opts_in():
 def test_the_final_failure_is_kept_too_and_the_list_is_bounded():
     prev = running_status(restarts=3, countedRestarts=3, attempt=3, launchedAttempt=3,
                           failures=[{"attempt": a % 3, "pod": f"j-{a}", "exitCode": 1} for a in range(MAX_FAILURES)])
-    status, _ = job_status(make_job(1, failurePolicy={"maxRestarts": 3}), [killed(0, 2, attempt=3)], now=NOW,
+    status, _ = job_status(make_job(nodes=1, failurePolicy={"maxRestarts": 3}), [killed(0, 2, attempt=3)], now=NOW,
                            prev_status=prev)
     assert status["phase"] == "Failed" and len(status["failures"]) == MAX_FAILURES
     assert status["failures"][-1]["attempt"] == 3 and status["failures"][-1]["exitCode"] == 2
 
 
 def test_evidence_ignores_other_attempts_and_clean_exits():
-    pods = [killed(0, 1, attempt=1), make_pod(1, phase="Succeeded", code=0), killed(2, 143, signal=15)]
+    pods = [killed(0, 1, attempt=1), make_pod(1, phase="Succeeded", exit_code=0), killed(2, 143, signal=15)]
     assert [(e["pod"], e.get("signal")) for e in failure_evidence(pods, 0)] == [("j-2", 15)]
     assert len(failure_evidence(pods, 1)) == 1
 
@@ -238,7 +237,7 @@ def test_split_creates_keeps_refusals_and_raises_the_rest():
         exc.body = body
         return exc
 
-    pods = [{"metadata": {"name": f"j-{r}"}} for r in range(3)]
+    pods = [make_pod(r) for r in range(3)]
     created, refused = split_creates(pods, [{"kind": "Pod"}, api_error(422, INVALID), None])
     assert created == [{"kind": "Pod"}, None] and [(r.pod, r.code) for r in refused] == [("j-1", 422)]
     with pytest.raises(ApiException):
@@ -263,12 +262,12 @@ def test_split_creates_keeps_refusals_and_raises_the_rest():
 def test_pod_error_paths_name_the_ddpjob_field(pod_path, job_path):
     from ddpjob_operator.pods import job_field
 
-    job = make_job(2, env=[{"name": "A", "value": "1"}])
+    job = make_job(nodes=2, env=[{"name": "A", "value": "1"}])
     assert job_field(pod_path, job) == job_path
 
 
 def test_refused_create_names_the_ddpjob_field():
-    job = make_job(1, volumeMounts=[{"name": "data", "mountPath": "/data"}])
+    job = make_job(nodes=1, volumeMounts=[{"name": "data", "mountPath": "/data"}])
     body = json.dumps({"reason": "Invalid", "code": 422, "message": 'Pod "j-0" is invalid: '
                        'spec.containers[0].volumeMounts[1].name: Not found: "data"'})
     status, _ = job_status(job, [], now=NOW, prev_status=None)
