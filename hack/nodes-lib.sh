@@ -49,7 +49,8 @@ delete_ipt_rules() {
 sweep_dead_clusters() {
   local path id ids
   ids="$( { for path in /run/ddpjob-* /var/lib/ddpjob-*; do [ -d "$path" ] && echo "${path##*-}"; done
-            iptables-save 2>/dev/null | grep -o 'ddpjob-nodes-[0-9a-f]\{10\}' | sed 's/^ddpjob-nodes-//'
+            # No rule at all is the common case: grep's "no match" must not end the script.
+            iptables-save 2>/dev/null | { grep -o 'ddpjob-nodes-[0-9a-f]\{10\}' || true; } | sed 's/^ddpjob-nodes-//'
           } | sort -u)"
   for id in $ids; do
     [ "$id" = "$STATE_ID" ] && continue

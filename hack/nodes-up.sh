@@ -9,7 +9,7 @@
 # Pod traffic stays between our bridges and the host: ipMasq off and iptables drops any forward
 # from the pod range to another destination (this workplace allows no other traffic).
 # Env: DDPJOB_REAL_NODES (default 2; 0 starts none). Everything is undone by hack/cluster-down.sh.
-set -euo pipefail
+set -Eeuo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 ROOT="$(cd "$HERE/.." && pwd)"
 # shellcheck source=versions.env
@@ -23,6 +23,8 @@ source "$STATE/ports.env"
 T0=$SECONDS
 
 log() { printf '[hack/nodes-up %s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
+# set -e ends the script silently; say where, or cluster-up can only report "did not come up".
+trap 'log "FAILED: line $LINENO: $BASH_COMMAND (exit $?)"' ERR
 fail() {
   log "FAILED: $1: $2"
   if [ -f "$LOGS/$1.log" ]; then

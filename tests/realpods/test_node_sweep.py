@@ -70,10 +70,11 @@ def fake_clusters():
             shutil.rmtree(d, ignore_errors=True)
 
 
-def sweep() -> subprocess.CompletedProcess:
+def sweep(*, wrap: list[str] | None = None) -> subprocess.CompletedProcess:
     script = ('set -euo pipefail; HERE=hack; ROOT="$PWD"; source hack/versions.env; source hack/nodes-lib.sh; '
-              'log() { echo "$*"; }; sweep_dead_clusters')
-    return subprocess.run(["bash", "-c", script], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
+              'log() { echo "$*"; }; sweep_dead_clusters; echo swept')
+    return subprocess.run([*(wrap or []), "bash", "-c", script], cwd=REPO_ROOT, capture_output=True, text=True,
+                          timeout=60)
 
 
 def test_sweep_removes_a_dead_clusters_rules_mounts_and_dirs_and_keeps_a_live_ones(fake_clusters):
@@ -96,3 +97,12 @@ def test_the_running_clusters_own_rules_survive_a_sweep(fake_clusters, real_clus
     assert sweep().returncode == 0
     after = rules("nat")
     assert all(line in after for line in before)
+
+
+@pytest.mark.skipif(not shutil.which("unshare"), reason="needs unshare (util-linux) for a network namespace")
+def test_a_machine_with_no_rule_at_all_is_swept_without_error():
+    """The common case on a fresh machine: no ddpjob rule anywhere. Under `set -euo pipefail`,
+    grep's "no match" once ended nodes-up silently (a rehearsal's cluster-up failed on it); a fresh
+    network namespace has no iptables rules at all."""
+    proc = sweep(wrap=["unshare", "--net"])
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("swept"), proc.stdout + proc.stderr
