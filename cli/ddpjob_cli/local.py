@@ -337,6 +337,7 @@ def run_attempt(job: JobSpec, *, attempt: int, workdir: Path, cwd: Path, metrics
             if time.monotonic() >= next_scrape:
                 display.update(metrics_ports)
                 next_scrape = time.monotonic() + SCRAPE_INTERVAL
+            signals.raise_if_stopped()  # a Stop lost in a __del__ or weakref callback
             time.sleep(0.1)
     except Stop as stop:
         display.say(f"{stop}: stopping every node (SIGKILL after {grace:g}s)")

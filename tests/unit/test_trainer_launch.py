@@ -309,3 +309,64 @@ def test_a_users_script_with_record_leaves_its_traceback_as_the_termination_mess
     text = termination_log.read_text()
     assert text.startswith("training exited with code 1\nTraceback (most recent call last):"), text
     assert text.endswith("FileNotFoundError: no such dataset: /data/imagenet"), text
+
+
+# The lost Stop is reported by pytest as an unraisable exception: that is the point of these tests.
+LOSES_A_STOP = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+
+
+def _lose_a_stop(signals) -> None:
+    """Deliver SIGTERM the way it is lost in real life: the handler runs inside a weakref callback
+    (as during an import's module-lock cleanup), where Python prints its exception and drops it."""
+    import weakref
+
+    class Thing:
+        pass
+
+    thing = Thing()
+    ref = weakref.ref(thing, lambda _r: signals._on_signal(signal.SIGTERM, None))
+    del thing  # the callback runs here; its Stop is "ignored"
+    assert ref() is None
+
+
+@LOSES_A_STOP
+def test_a_stop_lost_in_a_weakref_callback_is_raised_again():
+    from ddpjob_trainer.launch import Stop, StopSignals
+
+    signals = StopSignals()
+    _lose_a_stop(signals)
+    assert signals.signum == signal.SIGTERM  # arrived, yet nothing was raised here
+    with pytest.raises(Stop):
+        signals.raise_if_stopped()
+    signals.armed = False  # during cleanup a signal only hurries it
+    signals.raise_if_stopped()
+
+
+@LOSES_A_STOP
+def test_waiting_for_the_master_sees_a_lost_stop():
+    from ddpjob_trainer.launch import Stop, StopSignals, wait_for_master
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    signals = StopSignals()
+    _lose_a_stop(signals)
+    t0 = time.monotonic()
+    with pytest.raises(Stop):
+        wait_for_master("127.0.0.1", port, timeout=30, interval=0.05, check_stop=signals.raise_if_stopped)
+    assert time.monotonic() - t0 < 10
+
+
+@LOSES_A_STOP
+def test_waiting_for_the_child_sees_a_lost_stop():
+    from ddpjob_trainer.launch import Stop, StopSignals, _wait
+
+    signals = StopSignals()
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        _lose_a_stop(signals)
+        with pytest.raises(Stop):
+            _wait(child, signals, poll=0.05)
+    finally:
+        child.kill()
+        child.wait()

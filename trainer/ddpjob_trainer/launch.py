@@ -51,8 +51,10 @@ def _say(msg: str) -> None:
     print(f"[ddpjob-launch node {os.environ.get('NODE_RANK', '?')}] {msg}", file=sys.stderr, flush=True)
 
 
-def wait_for_master(addr: str, port: int, *, timeout: float, interval: float = 1.0) -> None:
-    """Block until addr resolves and addr:port accepts TCP, or raise TimeoutError saying which failed."""
+def wait_for_master(addr: str, port: int, *, timeout: float, interval: float = 1.0,
+                    check_stop: Callable[[], None] = lambda: None) -> None:
+    """Block until addr resolves and addr:port accepts TCP, or raise TimeoutError saying which failed.
+    `check_stop` runs between tries (StopSignals.raise_if_stopped: a stop that was lost is seen)."""
     deadline = time.monotonic() + timeout
     last = "not tried"
     resolved = False
@@ -70,6 +72,7 @@ def wait_for_master(addr: str, port: int, *, timeout: float, interval: float = 1
             what = "port" if resolved else "DNS name"
             raise TimeoutError(f"master {addr}:{port} not reachable after {timeout:.0f}s "
                                f"(waiting for its {what}): {last}")
+        check_stop()
         time.sleep(interval)
 
 
@@ -137,6 +140,14 @@ class StopSignals:
             self.signum = signum
         if self.armed and self.count == 1:
             raise Stop(signum)
+
+    def raise_if_stopped(self) -> None:
+        """Raise Stop again for a signal that already arrived. The handler's own raise can be
+        lost: when the signal lands while Python runs a weakref callback or __del__ (an import's
+        module-lock cleanup, say), the exception is printed as "Exception ignored" and dropped,
+        and the launcher would wait on until SIGKILL. Blocking waits call this between tries."""
+        if self.signum is not None and self.armed:
+            raise Stop(self.signum)
 
     def hurry(self) -> bool:
         """True once a second signal arrived (Ctrl-C pressed again): skip what is left of the grace."""
@@ -418,7 +429,16 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def _launch(args: argparse.Namespace, node: _Node) -> int:
+def _wait(child: subprocess.Popen, signals: StopSignals, *, poll: float = 1.0) -> int:
+    """child.wait(), seeing a stop signal whose Stop was lost within `poll` seconds."""
+    while True:
+        try:
+            return child.wait(timeout=poll)
+        except subprocess.TimeoutExpired:
+            signals.raise_if_stopped()
+
+
+def _launch(args: argparse.Namespace, node: _Node, signals: StopSignals) -> int:
     cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
     builtin = not cmd
     cmd = cmd or default_command()
@@ -448,7 +468,7 @@ def _launch(args: argparse.Namespace, node: _Node) -> int:
         # Served while waiting, so a worker stuck here is seen (and named) like any other hang.
         _serve(args, node, metrics_dir)
         try:
-            wait_for_master(addr, port, timeout=args.master_timeout)
+            wait_for_master(addr, port, timeout=args.master_timeout, check_stop=signals.raise_if_stopped)
         except TimeoutError as exc:
             _say(str(exc))
             _write_termination(str(exc))
@@ -462,7 +482,7 @@ def _launch(args: argparse.Namespace, node: _Node) -> int:
                              preexec_fn=functools.partial(die_with_parent, os.getpid()))
     node.children.append(child)
     _serve(args, node, metrics_dir)
-    code = child.wait()
+    code = _wait(child, signals)
     bad = _rank_messages(status_dir, "bad-config")
     if bad:
         _write_termination(bad[0])
@@ -498,7 +518,7 @@ def main(argv: list[str] | None = None) -> int:
     node = _Node()
     stop: Stop | None = None
     try:
-        code = _launch(args, node)
+        code = _launch(args, node, signals)
     except Stop as exc:
         stop, code = exc, 128 + exc.signum
     finally:
