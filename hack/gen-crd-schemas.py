@@ -9,8 +9,9 @@ version the project builds (hack/versions.env):
   * by default from the running local API server (`kubectl get --raw /openapi/v3/api/v1`,
     KUBECONFIG=.cache/cluster/kubeconfig, kubectl from .cache/bin), which is the authority;
   * `--openapi FILE` reads a saved copy; `--openapi gomod` reads the one shipped in the
-    k8s.io/kubernetes module of that version (api/openapi-spec/v3/api__v1_openapi.json), which is
-    byte-for-byte what that API server serves for these types.
+    k8s.io/kubernetes module of that version (api/openapi-spec/v3/api__v1_openapi.json), which
+    has the same types but not the enum lists the API server publishes (`--check` against it
+    reports those as differences).
 
 The CRD file is edited in place, one field's block at a time (read fresh from disk at run time):
 comments, hand-written fields and spec.trainer are left exactly as they are. `--check` exits 1
@@ -18,8 +19,9 @@ when the file is not what generation would write (a unit test runs it).
 
 Structural-schema rules applied while inlining $refs: no $ref/allOf/oneOf, Quantity and
 IntOrString become `x-kubernetes-int-or-string` (Quantity with the API's quantity pattern),
-embedded ObjectMeta keeps unknown fields, defaults and list/map merge markers are dropped (the API
-server defaults the pod itself; list-map keys would need defaults the CRD cannot carry).
+an embedded ObjectMeta (a template's) keeps only labels and annotations, defaults and list/map
+merge markers are dropped (the API server defaults the pod itself; list-map keys would need
+defaults the CRD cannot carry).
 """
 from __future__ import annotations
 
@@ -39,6 +41,7 @@ ROOT = Path(__file__).resolve().parent.parent
 CRD = ROOT / "charts/ddpjob-operator/crds/ddpjobs.ddpjob.dev.yaml"
 CORE = "io.k8s.api.core.v1."
 META = "io.k8s.apimachinery.pkg.apis.meta.v1."
+TEMPLATE_META = ("annotations", "labels")
 # What the API server accepts as a resource.Quantity (the pattern controller-gen emits too).
 QUANTITY_PATTERN = (r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|"
                     r"([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$")
@@ -59,13 +62,32 @@ FIELDS: dict[tuple[str, ...], tuple[str, bool]] = {
     ("scheduling", "tolerations"): ("Toleration", True),
     ("scheduling", "affinity"): ("Affinity", False),
     ("scheduling", "topologySpreadConstraints"): ("TopologySpreadConstraint", True),
+    ("template",): ("PodTemplateSpec", False),
 }
+# What the operator sets on every pod itself (template.merge_template): a template that says
+# otherwise is refused with the reason, rather than silently overridden.
+_OWNED_POD_FIELDS = [
+    {"rule": "!has(self.restartPolicy) || self.restartPolicy in ['Never', '']",
+     "message": "spec.template.spec.restartPolicy must be Never: the operator restarts the whole group "
+                "(a pod restarting on its own would rejoin a rendezvous the other ranks have left)",
+     "fieldPath": ".restartPolicy"},
+    *({"rule": f"!has(self.{key})",
+       "message": f"spec.template.spec.{key} must not be set: the operator names every pod <job>-<rank> "
+                  f"in the subdomain <job>, its stable DNS name",
+       "fieldPath": f".{key}"} for key in ("hostname", "subdomain")),
+]
 # Rules the API server applies to these fields in a Pod beyond its OpenAPI (Go validation), kept
 # here so that the DDPJob is refused, not its pods. Same limits as Kubernetes 1.36's validation.
 EXTRA: dict[tuple[str, ...], dict[str, Any]] = {
     # RelaxedEnvironmentVariableValidation (GA, locked on since 1.34): printable ASCII without '='.
     ("env",): {"items": {"properties": {"name": {"minLength": 1, "pattern": "^[ -<>-~]+$"}}}},
     ("volumes",): {"items": {"properties": {"name": {"minLength": 1}}}},
+    ("template",): {"properties": {"spec": {"x-kubernetes-validations": _OWNED_POD_FIELDS}}},
+}
+# Required in Kubernetes' type, optional in a DDPJob: the operator supplies it (its training
+# container comes first in a template that names no `trainer` container, or has no containers).
+OPTIONAL: dict[tuple[str, ...], dict[tuple[str, ...], list[str]]] = {
+    ("template",): {("spec",): ["containers"]},
 }
 
 
@@ -88,10 +110,6 @@ def _special(name: str, description: str | None) -> dict[str, Any] | None:
         out = {"anyOf": [{"type": "integer"}, {"type": "string"}], "x-kubernetes-int-or-string": True}
     elif name in (META + "Time", META + "MicroTime"):
         out = {"type": "string", "format": "date-time"}
-    elif name == META + "ObjectMeta":
-        # Checked by the API server when the embedded object is created; unknown keys kept so
-        # that labels and annotations survive.
-        out = {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
     if out is not None and description:
         out = {"description": description, **out}
     return None if out is None else _canonical(out)
@@ -117,6 +135,10 @@ def structural(node: dict[str, Any], schemas: dict[str, Any], *, stack: tuple[st
         special = _special(name, (desc or target.get("description")) if field else None)
         if special is not None:
             return special
+        if name == META + "ObjectMeta":
+            # A template's metadata: Kubernetes accepts only labels and annotations in one
+            # (ValidateTemplateObjectMeta), and a misspelt key must be refused, not kept.
+            target = {**target, "properties": {k: v for k, v in target["properties"].items() if k in TEMPLATE_META}}
         merged = {**target, **{k: v for k, v in node.items() if k not in ("$ref", "allOf")}}
         if desc:
             merged["description"] = desc
@@ -186,6 +208,13 @@ def field_schema(path: tuple[str, ...], schemas: dict[str, Any], description: st
         out = structural(ref, schemas)
         out.pop("description", None)
     out = _merge(out, EXTRA.get(path, {}))
+    for where, keys in OPTIONAL.get(path, {}).items():
+        node = out
+        for key in where:
+            node = node["properties"][key]
+        node["required"] = [k for k in node.get("required", []) if k not in keys]
+        if not node["required"]:
+            del node["required"]
     tag = f"[core/v1 {type_name}{' list' if is_list else ''}]"
     own = _TAG.sub("", description or "").rstrip()
     return {"description": f"{own} {tag}" if own else f"Kubernetes {tag}", **out}

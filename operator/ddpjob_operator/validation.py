@@ -164,6 +164,15 @@ def _cel(obj: dict[str, Any]) -> list[str]:
     for key, what in (("podLabels", "labels"), ("podAnnotations", "annotations")):
         if isinstance(spec.get(key), dict) and any(labels.reserved(str(k)) for k in spec[key]):
             errs.append(f"spec.{key} must not use ddpjob.dev/ keys (the operator's own {what})")
+    pod = (spec.get("template") or {}).get("spec") if isinstance(spec.get("template"), dict) else None
+    if isinstance(pod, dict):
+        if pod.get("restartPolicy") not in (None, "Never", ""):
+            errs.append("spec.template.spec.restartPolicy must be Never: the operator restarts the whole group "
+                        "(a pod restarting on its own would rejoin a rendezvous the other ranks have left)")
+        for key in ("hostname", "subdomain"):
+            if pod.get(key) is not None:
+                errs.append(f"spec.template.spec.{key} must not be set: the operator names every pod "
+                            f"<job>-<rank> in the subdomain <job>, its stable DNS name")
     return errs
 
 

@@ -122,18 +122,21 @@ def test_namespaced_install_creates_rbac_only_in_watched_namespaces(cluster, api
 # --- plain manifests -----------------------------------------------------------------------------------
 
 def test_kubectl_apply_manifests(cluster, api, crds, kit):
-    """`kubectl apply -f manifests/` installs the same operator; server dry-run then passes too."""
+    """`kubectl apply --server-side -f manifests/` installs the same operator; server dry-run then passes too."""
     ns = "ddpjob-system"
     if cluster.kubectl("get", "namespace", ns, check=False).returncode == 0:
         pytest.skip(f"namespace {ns} already exists on this cluster (another install); not touching it")
     try:
         # A server-side dry run cannot create the namespace it would put objects into, so on a
         # fresh cluster only crd.yaml dry-runs cleanly; after the real apply the whole dir does.
-        cluster.kubectl("apply", "--dry-run=server", "-f", str(REPO / "manifests" / "crd.yaml"))
-        cluster.kubectl("apply", "-f", str(REPO / "manifests"))
+        # Server-side: the CRD is larger than client-side apply's last-applied annotation may be.
+        cluster.kubectl("apply", "--server-side", "--force-conflicts", "--dry-run=server", "-f",
+                        str(REPO / "manifests" / "crd.yaml"))
+        cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(REPO / "manifests"))
         cluster.kubectl("-n", ns, "rollout", "status", "deployment/ddpjob-operator", "--timeout=120s",
                         timeout=150)
-        proc = cluster.kubectl("apply", "--dry-run=server", "-f", str(REPO / "manifests"))
+        proc = cluster.kubectl("apply", "--server-side", "--force-conflicts", "--dry-run=server", "-f",
+                               str(REPO / "manifests"))
         assert "error" not in proc.stderr.lower(), proc.stderr
         user = f"system:serviceaccount:{ns}:ddpjob-operator"
         assert kit.can_i(cluster, user, "create", "pods", namespace="default")

@@ -179,6 +179,13 @@ CEL_VIOLATIONS = {
     "spec.elastic.maxRestarts must be >= 0": {"spec": {"elastic": {"maxRestarts": -1}}},
     "spec.ttlSecondsAfterFinished must be >= 0": {"spec": {"ttlSecondsAfterFinished": -1}},
     "spec.activeDeadlineSeconds must be >= 1": {"spec": {"activeDeadlineSeconds": 0}},
+    "spec.template.spec.restartPolicy must be Never: the operator restarts the whole group (a pod restarting "
+    "on its own would rejoin a rendezvous the other ranks have left)":
+        {"spec": {"template": {"spec": {"restartPolicy": "Always"}}}},
+    "spec.template.spec.hostname must not be set: the operator names every pod <job>-<rank> in the subdomain "
+    "<job>, its stable DNS name": {"spec": {"template": {"spec": {"hostname": "mine"}}}},
+    "spec.template.spec.subdomain must not be set: the operator names every pod <job>-<rank> in the subdomain "
+    "<job>, its stable DNS name": {"spec": {"template": {"spec": {"subdomain": "mine"}}}},
 }
 
 
