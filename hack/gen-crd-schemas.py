@@ -64,26 +64,41 @@ FIELDS: dict[tuple[str, ...], tuple[str, bool]] = {
     ("scheduling", "topologySpreadConstraints"): ("TopologySpreadConstraint", True),
     ("template",): ("PodTemplateSpec", False),
 }
-# What the operator sets on every pod itself (template.merge_template): a template that says
-# otherwise is refused with the reason, rather than silently overridden.
-_OWNED_POD_FIELDS = [
-    {"rule": "!has(self.restartPolicy) || self.restartPolicy in ['Never', '']",
-     "message": "spec.template.spec.restartPolicy must be Never: the operator restarts the whole group "
-                "(a pod restarting on its own would rejoin a rendezvous the other ranks have left)",
-     "fieldPath": ".restartPolicy"},
-    *({"rule": f"!has(self.{key})",
-       "message": f"spec.template.spec.{key} must not be set: the operator names every pod <job>-<rank> "
-                  f"in the subdomain <job>, its stable DNS name",
-       "fieldPath": f".{key}"} for key in ("hostname", "subdomain")),
-]
 # Rules the API server applies to these fields in a Pod beyond its OpenAPI (Go validation), kept
 # here so that the DDPJob is refused, not its pods. Same limits as Kubernetes 1.36's validation.
 EXTRA: dict[tuple[str, ...], dict[str, Any]] = {
     # RelaxedEnvironmentVariableValidation (GA, locked on since 1.34): printable ASCII without '='.
     ("env",): {"items": {"properties": {"name": {"minLength": 1, "pattern": "^[ -<>-~]+$"}}}},
     ("volumes",): {"items": {"properties": {"name": {"minLength": 1}}}},
-    ("template",): {"properties": {"spec": {"x-kubernetes-validations": _OWNED_POD_FIELDS}}},
 }
+# What the operator sets on every pod itself (template.merge_template): a template that says
+# otherwise is refused with the reason rather than silently overridden. (A port of the trainer
+# container named master or metrics is left to the Pod's validation: a rule over each
+# container's ports costs more than a CRD may spend.)
+_RESERVED_KEYS = "self.all(k, !k.matches('^([^/]*[.])?ddpjob[.]dev/'))"
+TEMPLATE_RULES: dict[str, Any] = {"properties": {
+    "metadata": {"properties": {
+        key: {"x-kubernetes-validations": [{
+            "rule": _RESERVED_KEYS,
+            "message": f"spec.template.metadata.{key} must not use ddpjob.dev/ keys (the operator's own {key})"}]}
+        for key in ("labels", "annotations")}},
+    "spec": {"x-kubernetes-validations": [
+        {"rule": "!has(self.restartPolicy) || self.restartPolicy in ['Never', '']",
+         "message": "spec.template.spec.restartPolicy must be Never: the operator restarts the whole group "
+                    "(a pod restarting on its own would rejoin a rendezvous the other ranks have left)",
+         "fieldPath": ".restartPolicy"},
+        *({"rule": f"!has(self.{key})",
+           "message": f"spec.template.spec.{key} must not be set: the operator names every pod <job>-<rank> "
+                      f"in the subdomain <job>, its stable DNS name",
+           "fieldPath": f".{key}"} for key in ("hostname", "subdomain")),
+        {"rule": "!has(self.containers) || self.containers.all(c, c.name != 'trainer' || "
+                 "(!has(c.image) && !has(c.command) && !has(c.args) && !has(c.terminationMessagePolicy)))",
+         "message": "spec.template.spec.containers: the trainer container's image, command, args and "
+                    "terminationMessagePolicy are the operator's (spec.image, spec.command, spec.args; the "
+                    "launcher's termination message)",
+         "fieldPath": ".containers"},
+    ]}}}
+EXTRA[("template",)] = TEMPLATE_RULES
 # Required in Kubernetes' type, optional in a DDPJob: the operator supplies it (its training
 # container comes first in a template that names no `trainer` container, or has no containers).
 OPTIONAL: dict[tuple[str, ...], dict[tuple[str, ...], list[str]]] = {

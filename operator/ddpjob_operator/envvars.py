@@ -11,7 +11,7 @@ from typing import Any
 
 from ddpjob_trainer import contract
 
-from . import labels
+from . import labels, template
 from .spec import JobSpec
 
 # spec.nccl keys -> NCCL_* variables; anything else in spec.nccl is upper-snake-cased.
@@ -65,7 +65,8 @@ def pod_env(
     attempt: int = 0,
     cluster_domain: str | None = None,
 ) -> list[dict[str, str]]:
-    """Env for node `rank` as a k8s env list; user `spec.env` wins over ours by name."""
+    """Env for node `rank` as a k8s env list: ours, then the template container's env, then
+    `spec.env`; a user's variable replaces ours of the same name (spec.env's a template's)."""
     addr = master_addr or master_dns(job, cluster_domain=cluster_domain)
     port = master_port or job.master_port
     env: dict[str, str] = {
@@ -104,13 +105,22 @@ def pod_env(
         env[contract.ENV_TRAINER_CONFIG] = json.dumps(job.trainer, sort_keys=True)
     env.update(nccl_env(job.nccl))
     ours = [{"name": k, "value": v} for k, v in env.items()]
-    if ((job.spec.get("resources") or {}).get("requests") or {}).get("cpu"):
+    if cpu_request(job):
         # The trainer sizes numWorkers: auto from the CPUs the pod asked for, not the node's cores
         # (which os.cpu_count() reports inside a container). Rounded up to whole CPUs.
         ours.append({"name": contract.ENV_CPUS, "valueFrom": {"resourceFieldRef": {
             "containerName": labels.CONTAINER, "resource": "requests.cpu", "divisor": "1"}}})
-    user_names = {e.get("name") for e in job.env}
-    return [e for e in ours if e["name"] not in user_names] + [dict(e) for e in job.env]
+    user = template.user_env(job)
+    user_names = {e.get("name") for e in user}
+    return [e for e in ours if e["name"] not in user_names] + user
+
+
+def cpu_request(job: JobSpec) -> Any:
+    """The training container's CPU request: spec.resources', else its template container's."""
+    def requests(resources: dict[str, Any] | None) -> dict[str, Any]:
+        return (resources or {}).get("requests") or {}
+    tpl = template.trainer_container(template.pod_template(job)).get("resources")
+    return requests(job.spec.get("resources")).get("cpu") or requests(tpl).get("cpu")
 
 
 def env_dict(env: list[dict[str, Any]]) -> dict[str, str]:

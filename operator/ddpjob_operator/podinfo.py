@@ -57,13 +57,24 @@ def _conditions(pod: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def terminated_states(pod: dict[str, Any]) -> list[dict[str, Any]]:
-    """`state.terminated` of every container that has terminated."""
-    out = []
+    """`state.terminated` of every container that has terminated, the trainer's first (the kubelet
+    lists them by name, and a template's sidecars may come before it). When none has, those of
+    the init containers: one that failed ends the pod before any container started."""
+    status = pod.get("status") or {}
+
+    def ended(key: str) -> list[dict[str, Any]]:
+        found = [(cs.get("name") != labels.CONTAINER, (cs.get("state") or {}).get("terminated"))
+                 for cs in status.get(key) or []]
+        return [term for _, term in sorted(found, key=lambda f: f[0]) if term]
+    return ended("containerStatuses") or ended("initContainerStatuses")
+
+
+def trainer_state(pod: dict[str, Any]) -> dict[str, Any] | None:
+    """`state.terminated` of the trainer container (None until it has ended)."""
     for cs in (pod.get("status") or {}).get("containerStatuses") or []:
-        term = (cs.get("state") or {}).get("terminated")
-        if term:
-            out.append(term)
-    return out
+        if cs.get("name") == labels.CONTAINER:
+            return (cs.get("state") or {}).get("terminated")
+    return None
 
 
 def exit_code(pod: dict[str, Any]) -> int | None:
@@ -93,9 +104,8 @@ def disrupted(pod: dict[str, Any]) -> bool:
 
 
 def bad_config(pod: dict[str, Any]) -> bool:
-    """True when the launcher exited with the bad-configuration code."""
-    return phase(pod) == "Failed" and any(int(s.get("exitCode") or 0) == EXIT_BAD_CONFIG
-                                          for s in terminated_states(pod))
+    """True when the launcher exited with the bad-configuration code (a sidecar's 78 is its own)."""
+    return phase(pod) == "Failed" and int((trainer_state(pod) or {}).get("exitCode") or 0) == EXIT_BAD_CONFIG
 
 
 def parse_time(value: str | None) -> dt.datetime | None:

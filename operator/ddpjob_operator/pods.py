@@ -1,20 +1,23 @@
 """One Pod per node of a DDPJob (pure builder)."""
 from __future__ import annotations
 
-import copy
 import re
 from typing import Any
 
-from . import labels
+from . import labels, template
 from .config import OperatorConfig
 from .envvars import pod_env, pod_hostname, service_name
 from .service import child_metadata
 from .spec import JobSpec
+from .template import Layers
 
 GPU_RESOURCE = "nvidia.com/gpu"
 LAUNCHER = ["python", "-m", "ddpjob_trainer.launch", "--"]
 SHM_VOLUME = "dshm"
 DEFAULT_SHM = "2Gi"
+SPREAD = "topologySpreadConstraints"
+# spec.scheduling: the pod fields it sets, in the order pods have always listed them.
+SCHEDULING = ("schedulerName", "priorityClassName", "nodeSelector", "tolerations", "affinity", SPREAD)
 
 # Hardened defaults (Pod Security "restricted"): each key yields to the same key in the job's own
 # podSecurityContext / securityContext, so a job that needs more says so in its spec, where an
@@ -24,30 +27,11 @@ CONTAINER_SECURITY_DEFAULTS: dict[str, Any] = {"allowPrivilegeEscalation": False
                                                "capabilities": {"drop": ["ALL"]}}
 
 
-def pod_security_context(job: JobSpec) -> dict[str, Any]:
-    """The pod's securityContext: the hardened defaults under the job's podSecurityContext."""
-    return {**copy.deepcopy(POD_SECURITY_DEFAULTS), **copy.deepcopy(job.spec.get("podSecurityContext") or {})}
-
-
-def container_security_context(job: JobSpec) -> dict[str, Any]:
-    """The training container's securityContext: hardened defaults under the job's securityContext.
-
-    capabilities merge per list (a job that only adds NET_RAW still drops the rest); a privileged
-    container gets no allowPrivilegeEscalation default (the API refuses privileged + false)."""
-    own = copy.deepcopy(job.spec.get("securityContext") or {})
-    out = copy.deepcopy(CONTAINER_SECURITY_DEFAULTS)
-    if own.get("privileged"):
-        out.pop("allowPrivilegeEscalation")
-    caps = {**out["capabilities"], **(own.pop("capabilities", None) or {})}
-    out.update(own)
-    out["capabilities"] = caps
-    return out
-
-
 def automount_token(job: JobSpec) -> bool:
     """Mount an API token only for a job that names its ServiceAccount (the default one's token
     is an API credential the training code has no use for)."""
-    return bool(job.spec.get("serviceAccountName"))
+    tpl = template.pod_template(job).get("spec") or {}
+    return bool(job.spec.get("serviceAccountName") or tpl.get("serviceAccountName") or tpl.get("serviceAccount"))
 
 
 def container_command(job: JobSpec) -> tuple[list[str], list[str] | None]:
@@ -62,23 +46,16 @@ def container_command(job: JobSpec) -> tuple[list[str], list[str] | None]:
     return ["torchrun", "-m", "ddpjob_trainer"], job.args
 
 
-def runtime_class(job: JobSpec, config: OperatorConfig) -> str | None:
-    """The job's runtimeClassName, else the operator default when GPUs are requested."""
-    if job.spec.get("runtimeClassName"):
-        return str(job.spec["runtimeClassName"])
+def default_runtime_class(job: JobSpec, config: OperatorConfig) -> str | None:
+    """The operator's runtime class for GPU jobs (a job's or its template's runtimeClassName wins)."""
     if job.gpus_per_node > 0 and config.default_runtime_class:
         return config.default_runtime_class
     return None
 
 
-def container_resources(job: JobSpec) -> dict[str, Any]:
-    """The user's resources plus nvidia.com/gpu limits (extended resources: request = limit)."""
-    res = copy.deepcopy(job.spec.get("resources") or {})
-    if job.gpus_per_node > 0:
-        res.setdefault("limits", {})[GPU_RESOURCE] = str(job.gpus_per_node)
-        if GPU_RESOURCE in (res.get("requests") or {}):
-            res["requests"][GPU_RESOURCE] = str(job.gpus_per_node)
-    return res
+def gpu_limits(job: JobSpec) -> dict[str, Any] | None:
+    """nvidia.com/gpu = gpusPerNode (extended resources: the request, if any, equals the limit)."""
+    return {"limits": {GPU_RESOURCE: str(job.gpus_per_node)}} if job.gpus_per_node > 0 else None
 
 
 def restart_counters(job: JobSpec, restarts: int | None, counted_restarts: int | None) -> tuple[int, int]:
@@ -105,98 +82,137 @@ def default_spread(job: JobSpec) -> list[dict[str, Any]]:
 
 def render_pod(job: JobSpec, rank: int, *, attempt: int = 0, config: OperatorConfig | None = None,
                restarts: int | None = None, counted_restarts: int | None = None) -> dict[str, Any]:
-    """Pod `<job>-<rank>` for one attempt of the group."""
+    """Pod `<job>-<rank>` for one attempt of the group: spec.template under the flat fields under
+    what the operator owns (template.merge_template)."""
     config = config or OperatorConfig()
     spec = job.spec
     sched = spec.get("scheduling") or {}
     command, args = container_command(job)
-    container: dict[str, Any] = {
-        "name": labels.CONTAINER,
-        "image": job.image,
-        "command": command,
-        "env": pod_env(job, rank, attempt=attempt, cluster_domain=config.cluster_domain or None),
-        "ports": [
+    container = {
+        "name": Layers(owned=labels.CONTAINER),
+        "image": Layers(owned=job.image),
+        "command": Layers(owned=command),
+        "env": Layers(owned=pod_env(job, rank, attempt=attempt, cluster_domain=config.cluster_domain or None)),
+        "ports": Layers(owned=[
             {"name": "master", "containerPort": job.master_port, "protocol": "TCP"},
             {"name": "metrics", "containerPort": job.metrics_port, "protocol": "TCP"},
-        ],
-        "resources": container_resources(job),
-        "volumeMounts": [{"name": SHM_VOLUME, "mountPath": "/dev/shm"}]
-                        + copy.deepcopy(spec.get("volumeMounts") or []),
+        ]),
+        "resources": Layers(flat=spec.get("resources"), owned=gpu_limits(job)),
+        "volumeMounts": Layers(owned=[{"name": SHM_VOLUME, "mountPath": "/dev/shm"}], flat=spec.get("volumeMounts")),
         # The launcher writes a one-line reason here; fall back to the log tail otherwise.
-        "terminationMessagePolicy": "FallbackToLogsOnError",
+        "terminationMessagePolicy": Layers(owned="FallbackToLogsOnError"),
+        "args": Layers(owned=list(args) if args else None),
+        **{key: Layers(flat=spec.get(key)) for key in ("imagePullPolicy", "workingDir", "envFrom")},
+        "securityContext": Layers(default=CONTAINER_SECURITY_DEFAULTS, flat=spec.get("securityContext")),
     }
-    if args:
-        container["args"] = list(args)
-    for key in ("imagePullPolicy", "workingDir", "envFrom"):
-        if spec.get(key):
-            container[key] = copy.deepcopy(spec[key])
-    container["securityContext"] = container_security_context(job)
-    pod_spec: dict[str, Any] = {
-        "hostname": pod_hostname(job, rank),
-        "subdomain": service_name(job),
-        "restartPolicy": "Never",
+    pod = {
+        "hostname": Layers(owned=pod_hostname(job, rank)),
+        "subdomain": Layers(owned=service_name(job)),
+        "restartPolicy": Layers(owned="Never"),
         # Thousands of service env vars are noise and slow pod start in busy namespaces.
-        "enableServiceLinks": False,
-        "automountServiceAccountToken": automount_token(job),
-        "securityContext": pod_security_context(job),
-        "containers": [container],
-        "volumes": [{"name": SHM_VOLUME, "emptyDir": {"medium": "Memory",
-                                                       "sizeLimit": str(spec.get("shmSize") or DEFAULT_SHM)}}]
-                   + copy.deepcopy(spec.get("volumes") or []),
+        "enableServiceLinks": Layers(default=False),
+        "automountServiceAccountToken": Layers(default=automount_token(job)),
+        "securityContext": Layers(default=POD_SECURITY_DEFAULTS, flat=spec.get("podSecurityContext")),
+        template.CONTAINERS: Layers(),
+        "volumes": Layers(owned=[{"name": SHM_VOLUME, "emptyDir": {
+            "medium": "Memory", "sizeLimit": str(spec.get("shmSize") or DEFAULT_SHM)}}], flat=spec.get("volumes")),
+        "runtimeClassName": Layers(default=default_runtime_class(job, config), flat=spec.get("runtimeClassName")),
+        **{key: Layers(flat=sched.get(key)) for key in SCHEDULING if key != SPREAD},
+        # One pod per node unless the job or its template spreads the pods itself.
+        SPREAD: Layers(default=default_spread(job), flat=sched.get(SPREAD)),
+        "serviceAccountName": Layers(flat=spec.get("serviceAccountName")),
+        "imagePullSecrets": Layers(flat=spec.get("imagePullSecrets")),
     }
-    rc = runtime_class(job, config)
-    if rc:
-        pod_spec["runtimeClassName"] = rc
-    for key in ("schedulerName", "priorityClassName", "nodeSelector", "tolerations", "affinity",
-                "topologySpreadConstraints"):
-        if sched.get(key):
-            pod_spec[key] = copy.deepcopy(sched[key])
-    if not sched.get("topologySpreadConstraints"):
-        pod_spec["topologySpreadConstraints"] = default_spread(job)
-    if spec.get("serviceAccountName"):
-        pod_spec["serviceAccountName"] = spec["serviceAccountName"]
-    if spec.get("imagePullSecrets"):
-        pod_spec["imagePullSecrets"] = copy.deepcopy(spec["imagePullSecrets"])
-    extra = {**labels.user_keys(spec.get("podLabels")),
+    pod_spec = template.merge_template(template.pod_template(job), pod=pod, container=container)
+    extra = {**template.user_metadata(job, "labels", "podLabels"),
              labels.NODE_RANK: str(rank), labels.ATTEMPT: str(attempt)}
     meta = child_metadata(job, pod_hostname(job, rank), extra)
     total, counted = restart_counters(job, restarts, counted_restarts)
-    meta["annotations"] = {**labels.user_keys(spec.get("podAnnotations")),
+    meta["annotations"] = {**template.user_metadata(job, "annotations", "podAnnotations"),
                            labels.RESTARTS: str(total), labels.COUNTED_RESTARTS: str(counted)}
     return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": pod_spec}
 
 
-_C = r"spec\.containers\[0\]\."
-# Pod field -> the DDPJob field it is copied from (render_pod above), for the API's error paths.
-_FIELD_MAP: list[tuple[str, str]] = [
-    (_C + r"(env|envFrom|resources|securityContext|imagePullPolicy|workingDir|image|args)\b", r"spec.\1"),
-    (r"spec\.securityContext\b", "spec.podSecurityContext"),
-    (r"spec\.(nodeSelector|tolerations|affinity|topologySpreadConstraints|schedulerName|priorityClassName)\b",
-     r"spec.scheduling.\1"),
-    (r"spec\.(imagePullSecrets|serviceAccountName|runtimeClassName)\b", r"spec.\1"),
-    (r"metadata\.labels\b", "spec.podLabels"),
-    (r"metadata\.annotations\b", "spec.podAnnotations"),
-]
+# Where each field of a rendered pod comes from (render_pod, template.merge_template), for the
+# API's error paths. Lists the merge concatenates: field -> (entries of the operator's, which come
+# first; the DDPJob shorthand, whose entries come after the template's).
+_POD_LISTS: dict[str, tuple[int, str | None]] = {"volumes": (1, "spec.volumes"),
+                                                 "imagePullSecrets": (0, "spec.imagePullSecrets")}
+_CONTAINER_LISTS: dict[str, tuple[int, str | None]] = {"volumeMounts": (1, "spec.volumeMounts"), "ports": (2, None),
+                                                       "envFrom": (0, "spec.envFrom")}
+# Fields a shorthand sets over the template's: field -> the DDPJob field.
+_POD_SHORTHANDS = {"securityContext": "spec.podSecurityContext", "serviceAccountName": "spec.serviceAccountName",
+                   "runtimeClassName": "spec.runtimeClassName",
+                   **{key: f"spec.scheduling.{key}" for key in SCHEDULING}}
+_CONTAINER_SHORTHANDS = {key: f"spec.{key}" for key in ("resources", "securityContext", "imagePullPolicy",
+                                                        "workingDir", "image", "args")}
+_META_SHORTHANDS = {"labels": "spec.podLabels", "annotations": "spec.podAnnotations"}
+# What the operator alone sets (template.POD_RULES/CONTAINER_RULES: _owned), whatever the template says.
+_OWNED = {"hostname", "subdomain", "restartPolicy", "name", "command", "terminationMessagePolicy"}
 _PATH = re.compile(r"(?:spec|metadata)\.[A-Za-z0-9_.\[\]]+")
-_INDEX = re.compile(r"^(spec\.containers\[0\]\.volumeMounts|spec\.volumes|spec\.containers\[0\]\.env)\[(\d+)\](.*)$")
+_STEP = re.compile(r"^\.?(?P<key>[A-Za-z]+)(?:\[(?P<index>\d+)\])?(?P<rest>.*)$")
+
+
+def _value(obj: Any, path: str) -> Any:
+    for key in path.split("."):
+        obj = obj.get(key) if isinstance(obj, dict) else None
+    return obj
+
+
+def _locate(rest: str, job: JobSpec, *, tpl: dict[str, Any], tpl_path: str | None,
+            lists: dict[str, tuple[int, str | None]], shorthands: dict[str, str]) -> str | None:
+    """The DDPJob field of `rest` (a path below one pod object whose template counterpart is `tpl`,
+    at `tpl_path`): a list entry by its place, a shorthand's field when the job sets it (or the
+    template does not), else the template's (None: the operator's own)."""
+    m = _STEP.match(rest)
+    if not m:
+        return None
+    key, index, below = m.group("key"), m.group("index"), m.group("rest")
+    at = "" if index is None else f"[{index}]"
+    if key in lists and index is not None:
+        ours, flat = lists[key]
+        i, n = int(index), len(tpl.get(key) or [])
+        if i < ours:
+            return None
+        if i < ours + n:
+            return f"{tpl_path}.{key}[{i - ours}]{below}"
+        return f"{flat}[{i - ours - n}]{below}" if flat else None
+    if key in shorthands and (_value(job.raw, shorthands[key]) or key not in tpl):
+        return f"{shorthands[key]}{at}{below}"
+    return f"{tpl_path}.{key}{at}{below}" if tpl_path and key in tpl and key not in _OWNED else None
 
 
 def job_field(pod_path: str, job: JobSpec, *, rank: int = 0) -> str | None:
     """The DDPJob field that a field path of its rendered Pod comes from (None: the operator's own)."""
-    m = _INDEX.match(pod_path)
-    if m:
-        base, i, rest = m.group(1), int(m.group(2)), m.group(3)
-        if base.endswith("env"):
-            # User variables come last (pod_env), after the operator's.
-            first = len(pod_env(job, rank)) - len(job.env)
-            return f"spec.env[{i - first}]{rest}" if i >= first else None
-        # Index 0 is the operator's /dev/shm volume and its mount.
-        name = "volumeMounts" if "volumeMounts" in base else "volumes"
-        return f"spec.{name}[{i - 1}]{rest}" if i >= 1 else None
-    for pattern, repl in _FIELD_MAP:
-        if re.match(pattern, pod_path):
-            return re.sub(pattern, repl, pod_path, count=1)
-    return None
+    tpl = template.pod_template(job)
+    if pod_path.startswith("metadata."):
+        return _locate(pod_path[len("metadata"):], job, tpl=tpl.get("metadata") or {},
+                       tpl_path="spec.template.metadata", lists={}, shorthands=_META_SHORTHANDS)
+    if not pod_path.startswith("spec."):
+        return None
+    t = template.trainer_index(tpl)
+    m = re.match(r"^spec\.containers\[(\d+)\](.*)$", pod_path)
+    if not m:
+        return _locate(pod_path[len("spec"):], job, tpl=tpl.get("spec") or {}, tpl_path="spec.template.spec",
+                       lists=_POD_LISTS, shorthands=_POD_SHORTHANDS)
+    k, rest = int(m.group(1)), m.group(2)
+    if k != (t or 0):
+        # The template's other containers; the operator's own comes first when it has no `trainer`.
+        return f"spec.template.spec.containers[{k if t is not None else k - 1}]{rest}"
+    tpl_path = None if t is None else f"spec.template.spec.containers[{t}]"
+    env = re.match(r"^\.env\[(\d+)\](.*)$", rest)
+    if env:
+        # pod_env: the operator's variables, the template container's that spec.env leaves, spec.env.
+        i, below = int(env.group(1)), env.group(2)
+        kept = template.template_env(job)
+        ours = len(pod_env(job, rank)) - len(kept) - len(job.env)
+        if i < ours:
+            return None
+        if i < ours + len(kept):
+            return f"{tpl_path}.env[{kept[i - ours][0]}]{below}"
+        return f"spec.env[{i - ours - len(kept)}]{below}"
+    return _locate(rest, job, tpl=template.trainer_container(tpl), tpl_path=tpl_path,
+                   lists=_CONTAINER_LISTS, shorthands=_CONTAINER_SHORTHANDS)
 
 
 def explain_pod_error(message: str, job: JobSpec, *, rank: int = 0) -> str:

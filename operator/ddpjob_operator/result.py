@@ -53,9 +53,8 @@ def run_result(pods: list[dict[str, Any]], *, attempt: int) -> dict[str, Any]:
     for pod in pods:
         if podinfo.rank(pod) != 0 or podinfo.attempt(pod) != attempt or podinfo.phase(pod) != "Succeeded":
             continue
-        for state in podinfo.terminated_states(pod):
-            if state.get("exitCode") == 0:
-                result = parse_result(state.get("message"))
-                if result:
-                    return result
+        state = podinfo.trainer_state(pod) or {}
+        result = parse_result(state.get("message")) if state.get("exitCode") == 0 else {}
+        if result:
+            return result
     return {}

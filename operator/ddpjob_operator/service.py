@@ -16,11 +16,11 @@ def owner_reference(job: JobSpec) -> dict[str, Any]:
 
 def child_metadata(job: JobSpec, name: str, extra_labels: dict[str, str] | None = None) -> dict[str, Any]:
     """Name, namespace, labels and owner reference shared by every child."""
-    meta: dict[str, Any] = {
-        "name": name,
-        "namespace": job.namespace,
-        "labels": {labels.JOB_NAME: job.name, labels.MANAGED_BY: labels.MANAGER, **(extra_labels or {})},
-    }
+    ours = {labels.JOB_NAME: job.name, labels.MANAGED_BY: labels.MANAGER}
+    # The operator's labels win over a user's of the same key (the job-name label selects the
+    # Service's pods), in the first places.
+    meta: dict[str, Any] = {"name": name, "namespace": job.namespace,
+                            "labels": {**ours, **(extra_labels or {}), **ours}}
     if job.uid:  # `ddpjob render` has no uid yet: then no owner reference
         meta["ownerReferences"] = [owner_reference(job)]
     return meta

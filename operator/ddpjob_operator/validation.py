@@ -161,18 +161,29 @@ def _cel(obj: dict[str, Any]) -> list[str]:
     for key, low in (("hangTimeoutSeconds", 1), ("ttlSecondsAfterFinished", 0), ("activeDeadlineSeconds", 1)):
         if is_int(spec.get(key)) and spec[key] < low:
             errs.append(f"spec.{key} must be >= {low}")
-    for key, what in (("podLabels", "labels"), ("podAnnotations", "annotations")):
-        if isinstance(spec.get(key), dict) and any(labels.reserved(str(k)) for k in spec[key]):
-            errs.append(f"spec.{key} must not use ddpjob.dev/ keys (the operator's own {what})")
-    pod = (spec.get("template") or {}).get("spec") if isinstance(spec.get("template"), dict) else None
-    if isinstance(pod, dict):
-        if pod.get("restartPolicy") not in (None, "Never", ""):
-            errs.append("spec.template.spec.restartPolicy must be Never: the operator restarts the whole group "
-                        "(a pod restarting on its own would rejoin a rendezvous the other ranks have left)")
-        for key in ("hostname", "subdomain"):
-            if pod.get(key) is not None:
-                errs.append(f"spec.template.spec.{key} must not be set: the operator names every pod "
-                            f"<job>-<rank> in the subdomain <job>, its stable DNS name")
+    tpl = spec.get("template") if isinstance(spec.get("template"), dict) else {}
+    meta = tpl.get("metadata") if isinstance(tpl.get("metadata"), dict) else {}
+    for where, mapping, what in (("spec.podLabels", spec.get("podLabels"), "labels"),
+                                 ("spec.podAnnotations", spec.get("podAnnotations"), "annotations"),
+                                 ("spec.template.metadata.labels", meta.get("labels"), "labels"),
+                                 ("spec.template.metadata.annotations", meta.get("annotations"), "annotations")):
+        if isinstance(mapping, dict) and any(labels.reserved(str(k)) for k in mapping):
+            errs.append(f"{where} must not use ddpjob.dev/ keys (the operator's own {what})")
+    pod = tpl.get("spec") if isinstance(tpl.get("spec"), dict) else {}
+    if pod.get("restartPolicy") not in (None, "Never", ""):
+        errs.append("spec.template.spec.restartPolicy must be Never: the operator restarts the whole group "
+                    "(a pod restarting on its own would rejoin a rendezvous the other ranks have left)")
+    for key in ("hostname", "subdomain"):
+        if pod.get(key) is not None:
+            errs.append(f"spec.template.spec.{key} must not be set: the operator names every pod "
+                        f"<job>-<rank> in the subdomain <job>, its stable DNS name")
+    owned = ("image", "command", "args", "terminationMessagePolicy")
+    containers = pod.get("containers") if isinstance(pod.get("containers"), list) else []
+    if any(isinstance(c, dict) and c.get("name") == labels.CONTAINER and any(c.get(k) is not None for k in owned)
+           for c in containers):
+        errs.append("spec.template.spec.containers: the trainer container's image, command, args and "
+                    "terminationMessagePolicy are the operator's (spec.image, spec.command, spec.args; the "
+                    "launcher's termination message)")
     return errs
 
 

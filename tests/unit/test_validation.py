@@ -186,6 +186,13 @@ CEL_VIOLATIONS = {
     "<job>, its stable DNS name": {"spec": {"template": {"spec": {"hostname": "mine"}}}},
     "spec.template.spec.subdomain must not be set: the operator names every pod <job>-<rank> in the subdomain "
     "<job>, its stable DNS name": {"spec": {"template": {"spec": {"subdomain": "mine"}}}},
+    "spec.template.spec.containers: the trainer container's image, command, args and terminationMessagePolicy "
+    "are the operator's (spec.image, spec.command, spec.args; the launcher's termination message)":
+        {"spec": {"template": {"spec": {"containers": [{"name": "trainer", "image": "other"}]}}}},
+    "spec.template.metadata.labels must not use ddpjob.dev/ keys (the operator's own labels)":
+        {"spec": {"template": {"metadata": {"labels": {"ddpjob.dev/node-rank": "0"}}}}},
+    "spec.template.metadata.annotations must not use ddpjob.dev/ keys (the operator's own annotations)":
+        {"spec": {"template": {"metadata": {"annotations": {"ddpjob.dev/restarts": "0"}}}}},
 }
 
 
