@@ -98,6 +98,23 @@ def test_the_user_may_create_ddpjobs_but_not_pods(cluster, tenant):
     ({"serviceAccountName": "cluster-admin-sa"}, "spec.serviceAccountName: ServiceAccount cluster-admin-sa"),
     ({"scheduling": {"priorityClassName": "system-node-critical"}},
      "spec.scheduling.priorityClassName: PriorityClass system-node-critical"),
+    # spec.template says it all again, for any container, and host namespaces and ports too.
+    ({"template": {"spec": {"hostNetwork": True}}}, "spec.template.spec.hostNetwork"),
+    ({"template": {"spec": {"containers": [{"name": "side", "image": "s", "ports": [{"containerPort": 80,
+                                                                                    "hostPort": 80}]}]}}},
+     "hostPort"),
+    ({"template": {"spec": {"volumes": [{"name": "root", "hostPath": {"path": "/"}}]}}},
+     "spec.template.spec.volumes[].hostPath"),
+    ({"template": {"spec": {"initContainers": [{"name": "i", "image": "s", "securityContext": {"privileged": True}}]}}},
+     "securityContext.privileged"),
+    ({"template": {"spec": {"containers": [{"name": "trainer", "securityContext": {
+        "capabilities": {"add": ["SYS_ADMIN"]}}}]}}}, "capabilities.add"),
+    ({"template": {"spec": {"securityContext": {"sysctls": [{"name": "kernel.msgmax", "value": "1"}]}}}},
+     "spec.template.spec.securityContext.sysctls"),
+    ({"template": {"spec": {"serviceAccountName": "cluster-admin-sa"}}},
+     "spec.template.spec.serviceAccountName: ServiceAccount cluster-admin-sa"),
+    ({"template": {"spec": {"priorityClassName": "system-node-critical"}}},
+     "spec.template.spec.priorityClassName: PriorityClass system-node-critical"),
 ])
 def test_forbidden_field_refused_naming_it(cluster, tenant, spec, field):
     ns, user = tenant
@@ -107,8 +124,8 @@ def test_forbidden_field_refused_naming_it(cluster, tenant, spec, field):
 
 
 def test_host_namespaces_and_ports_cannot_even_be_written(cluster, tenant):
-    """Baseline's host namespaces and host ports have no DDPJob field: strict field validation
-    refuses them, so neither the policy nor the operator ever sees one."""
+    """Baseline's host namespaces and host ports have no flat DDPJob field: strict field validation
+    refuses them there (spec.template can say them, and the policy refuses them there)."""
     ns, user = tenant
     for spec in ({"hostNetwork": True}, {"hostPID": True}, {"hostIPC": True},
                  {"ports": [{"containerPort": 80, "hostPort": 80}]}):
@@ -122,7 +139,10 @@ def test_a_job_within_the_profile_is_accepted(cluster, tenant):
              securityContext={"capabilities": {"add": ["NET_BIND_SERVICE"]}, "readOnlyRootFilesystem": True},
              podSecurityContext={"fsGroup": 10001, "seccompProfile": {"type": "RuntimeDefault"},
                                  "sysctls": [{"name": "net.ipv4.tcp_keepalive_time", "value": "60"}]},
-             volumes=[{"name": "scratch", "emptyDir": {}}], volumeMounts=[{"name": "scratch", "mountPath": "/s"}])
+             volumes=[{"name": "scratch", "emptyDir": {}}], volumeMounts=[{"name": "scratch", "mountPath": "/s"}],
+             template={"spec": {"initContainers": [{"name": "stage", "image": "s", "securityContext": {
+                 "capabilities": {"drop": ["ALL"]}}}], "serviceAccountName": ALLOWED_SA,
+                 "priorityClassName": ALLOWED_PC, "terminationGracePeriodSeconds": 60}})
     proc = create(cluster, ns, user, ok, dry_run=False)
     assert proc.returncode == 0, proc.stderr
     got = json.loads(cluster.kubectl("get", "ddpj", "fine", "-n", ns, "-o", "json").stdout)

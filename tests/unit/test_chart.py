@@ -435,13 +435,20 @@ def test_tenant_policy_default_profile_is_baseline_with_empty_allow_lists():
         "matchExpressions": [{"key": "ddpjob.dev/tenant-profile", "operator": "DoesNotExist"}]}
     assert vap["spec"]["failurePolicy"] == "Fail"
     assert vap["spec"]["matchConstraints"]["resourceRules"][0]["resources"] == ["ddpjobs"]
-    variables = {v["name"]: json.loads(v["expression"]) for v in vap["spec"]["variables"]}
+    lists = ("allowedCapabilities", "serviceAccounts", "priorityClasses")
+    variables = {v["name"]: json.loads(v["expression"]) for v in vap["spec"]["variables"] if v["name"] in lists}
     assert variables["serviceAccounts"] == [] and variables["priorityClasses"] == []
     assert "SYS_ADMIN" not in variables["allowedCapabilities"] and "CHOWN" in variables["allowedCapabilities"]
     text = json.dumps(vap["spec"]["validations"])
     for field in ("privileged", "hostPath", "capabilities.add", "hostProcess", "procMount", "seccompProfile",
                   "appArmorProfile", "seLinuxOptions", "sysctls", "serviceAccountName", "priorityClassName"):
         assert field in text, field
+    # spec.template can say all of it again, for any of its containers, and host namespaces and ports too.
+    template = [v["message"] for v in vap["spec"]["validations"] if v["message"].startswith("spec.template")]
+    for field in ("hostNetwork", "hostPort", "hostPath", "privileged", "capabilities.add", "hostProcess", "procMount",
+                  "seccompProfile", "appArmorProfile", "seLinuxOptions", "sysctls", "serviceAccountName",
+                  "priorityClassName"):
+        assert any(field in m for m in template), field
 
 
 def test_tenant_policy_profiles_per_namespace_label(tmp_path):
@@ -456,6 +463,7 @@ def test_tenant_policy_profiles_per_namespace_label(tmp_path):
     assert set(vaps) == set(binds) == {f"{RELEASE}-ddpjob-operator-strict", f"{RELEASE}-ddpjob-operator-trusted"}
     trusted = json.dumps(vaps[f"{RELEASE}-ddpjob-operator-trusted"]["spec"]["validations"])
     assert "privileged" not in trusted and "serviceAccountName" not in trusted  # "*": any account
+    assert "hostNetwork" not in trusted
     assert "priorityClassName" in trusted
     assert binds[f"{RELEASE}-ddpjob-operator-trusted"]["spec"]["validationActions"] == ["Warn", "Audit"]
 
