@@ -69,6 +69,13 @@ def test_defaults_applied_by_the_api_server(crd, namespace):
     ("job", {"trainer": {"numWorkers": -1}}, "spec.trainer.numWorkers"),   # a CEL rule the local validator once missed
     ("job", {"trainer": {"batch_size": 8}}, "spec.trainer.batch_size"),   # unknown key: strict decoding
     ("j" * 59, {}, "metadata.name"),
+    # spec.template: what the operator owns, refused with the reason (CEL; the local validator's _cel).
+    ("job", {"template": {"spec": {"restartPolicy": "Always"}}}, "spec.template.spec.restartPolicy must be Never"),
+    ("job", {"template": {"spec": {"hostname": "fixed"}}}, "spec.template.spec.hostname must not be set"),
+    ("job", {"template": {"spec": {"containers": [{"name": "trainer", "image": "other"}]}}},
+     "the trainer container's image, command, args"),
+    ("job", {"template": {"metadata": {"labels": {"ddpjob.dev/job-name": "other"}}}},
+     "spec.template.metadata.labels must not use ddpjob.dev/ keys"),
 ])
 def test_invalid_spec_refused_naming_the_field(crd, namespace, name, spec, field):
     proc = apply(crd, namespace, manifest(name, **spec))
@@ -153,6 +160,16 @@ POD_FIELD_MISTAKES = [
     ({"podSecurityContext": {"fsgroup": 1000}}, 'unknown field "spec.podSecurityContext.fsgroup"'),
     ({"scheduling": {"affinity": {"nodeAffinity": {"required": {}}}}},
      'unknown field "spec.scheduling.affinity.nodeAffinity.required"'),
+    # spec.template: a misspelt field would be pruned silently (the pods would run without it) if
+    # anything below the template kept unknown fields; the API server must name it instead.
+    ({"template": {"spec": {"initContainer": [{"name": "stage", "image": "busybox"}]}}},
+     'unknown field "spec.template.spec.initContainer"'),
+    ({"template": {"spec": {"containers": [{"name": "trainer", "livenesProbe": {"exec": {"command": ["true"]}}}]}}},
+     'unknown field "spec.template.spec.containers[0].livenesProbe"'),
+    ({"template": {"metadata": {"lables": {"team": "vision"}}}}, 'unknown field "spec.template.metadata.lables"'),
+    ({"template": {"spec": {"containers": [{"image": "sidecar"}]}}}, "spec.template.spec.containers[0].name"),
+    ({"template": {"spec": {"terminationGracePeriodSeconds": "long"}}},
+     "spec.template.spec.terminationGracePeriodSeconds"),
 ]
 
 
@@ -228,6 +245,65 @@ def test_full_pod_level_spec_accepted_and_its_pods_too(crd, namespace):
         proc = crd.kubectl("create", "--dry-run=server", "--validate=strict", "-n", namespace, "-f", "-",
                            input=yaml.safe_dump(obj), check=False)
         assert proc.returncode == 0, proc.stderr
+
+
+TEMPLATE = {
+    "metadata": {"labels": {"team": "vision"}, "annotations": {"note": "staged"}},
+    "spec": {
+        "initContainers": [
+            {"name": "stage", "image": "busybox", "command": ["sh", "-c", "echo ok > /data/ok"],
+             "volumeMounts": [{"name": "data", "mountPath": "/data"}]},
+            {"name": "shipper", "image": "fluent-bit", "restartPolicy": "Always"},      # a native sidecar
+        ],
+        "containers": [
+            {"name": "exporter", "image": "exporter", "ports": [{"name": "export", "containerPort": 9100}]},
+            {"name": "trainer", "ports": [{"name": "debug", "containerPort": 5678}],
+             "livenessProbe": {"tcpSocket": {"port": "master"}, "periodSeconds": 30},
+             "resources": {"limits": {"memory": "8Gi"}, "requests": {"cpu": "2"}},
+             "env": [{"name": "HF_HOME", "value": "/data/hf"}],
+             "volumeMounts": [{"name": "data", "mountPath": "/data"}]},
+        ],
+        "volumes": [{"name": "data", "emptyDir": {"sizeLimit": "1Gi"}}],
+        "dnsPolicy": "ClusterFirst", "dnsConfig": {"options": [{"name": "ndots", "value": "2"}]},
+        "terminationGracePeriodSeconds": 60, "restartPolicy": "Never",
+    },
+}
+
+
+def test_a_template_is_stored_as_written_and_its_pods_pass_pod_validation(crd, namespace):
+    """spec.template under the real schema: nothing pruned, and the pods merge_template makes from
+    it (with flat fields on top) are Pods this API server accepts."""
+    from ddpjob_operator.pods import render_pod
+    from ddpjob_operator.spec import from_manifest
+
+    obj = manifest("templated", gpusPerNode=0, env=[{"name": "A", "value": "1"}],
+                   volumes=[{"name": "ckpt", "emptyDir": {}}], volumeMounts=[{"name": "ckpt", "mountPath": "/ckpt"}],
+                   template=TEMPLATE)
+    proc = apply(crd, namespace, obj)
+    assert proc.returncode == 0, proc.stderr
+    stored = json.loads(crd.kubectl("get", "ddpj", "templated", "-n", namespace, "-o", "json").stdout)
+    assert stored["spec"]["template"] == TEMPLATE                  # nothing pruned
+    pod = render_pod(from_manifest(stored), 1)
+    pod["metadata"].pop("ownerReferences", None)
+    proc = crd.kubectl("create", "--dry-run=server", "--validate=strict", "-n", namespace, "-f", "-",
+                       input=yaml.safe_dump(pod), check=False)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_a_clash_with_the_operators_port_is_refused_at_pod_creation_naming_the_template_field(crd, namespace):
+    """A port of the trainer named master is the one clash the CRD cannot afford to check (CEL
+    cost): the Pod's validation refuses it, and explain_pod_error names the DDPJob field."""
+    from ddpjob_operator.pods import explain_pod_error, render_pod
+    from ddpjob_operator.spec import from_manifest
+
+    job = from_manifest(manifest("clash", template={"spec": {"containers": [
+        {"name": "trainer", "ports": [{"name": "master", "containerPort": 1234}]}]}}))
+    pod = render_pod(job, 0)
+    pod["metadata"].pop("ownerReferences", None)
+    pod["metadata"]["namespace"] = namespace
+    proc = crd.kubectl("create", "--dry-run=server", "-n", namespace, "-f", "-", input=yaml.safe_dump(pod), check=False)
+    assert proc.returncode != 0
+    assert "spec.template.spec.containers[0].ports[0].name" in explain_pod_error(proc.stderr, job), proc.stderr
 
 
 def test_generated_schemas_match_this_api_server(crd):
