@@ -98,13 +98,9 @@ def test_bad_gpu_and_data_loading_keys_name_the_key(raw, needle):
 # enum value changed on one side only fails here (a key the CRD lacks would be pruned or refused
 # by the API server; one the trainer lacks would make every pod exit 78).
 def _trainer_schema() -> dict:
-    import yaml
+    from ddpjob_operator.crd import version_schema
 
-    from ddpjob_operator.crd import crd_path
-
-    doc = yaml.safe_load(crd_path().read_text())
-    spec = doc["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
-    return spec["properties"]["trainer"]
+    return version_schema()["properties"]["spec"]["properties"]["trainer"]
 
 
 def _sections():

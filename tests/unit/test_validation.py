@@ -126,9 +126,7 @@ def test_check_manifest_raises_with_every_problem():
 
 def _crd_rules() -> list[dict]:
     """Every x-kubernetes-validations rule of the CRD the operator installs."""
-    import yaml
-
-    from ddpjob_operator.crd import crd_path
+    from ddpjob_operator.crd import load_crd
 
     out: list[dict] = []
 
@@ -141,7 +139,7 @@ def _crd_rules() -> list[dict]:
             for value in node:
                 walk(value)
 
-    walk(yaml.safe_load(crd_path().read_text())["spec"]["versions"][0]["schema"])
+    walk(load_crd()["spec"]["versions"][0]["schema"])
     return out
 
 
