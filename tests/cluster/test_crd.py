@@ -8,12 +8,13 @@ import yaml
 
 from ddpjob_operator.crd import crd_path
 from tests.cluster.conftest import wait_for
+from tests.support.cluster import wait_crd_established
 
 
 def install_crd(cluster) -> None:
     """kubectl apply the chart's CRD and wait until it is Established (idempotent)."""
     cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(crd_path()))
-    cluster.kubectl("wait", "--for=condition=Established", "--timeout=30s", "crd/ddpjobs.ddpjob.dev")
+    wait_crd_established(cluster, "ddpjobs.ddpjob.dev")
 
 
 @pytest.fixture(scope="module")

@@ -5,8 +5,6 @@ tests/support/cluster.py. Every wait has a deadline; the operator's log is print
 """
 from __future__ import annotations
 
-import json
-import os
 import signal
 import subprocess
 import sys
@@ -21,7 +19,7 @@ from kubernetes.client.rest import ApiException
 
 from tests.cluster.conftest import wait_for
 from tests.cluster.test_crd import install_crd
-from tests.support.cluster import REPO_ROOT, evict_pod, set_pod_exit
+from tests.support.cluster import REPO_ROOT, evict_pod, set_pod_exit, wait_crd_established
 from ddpjob_cli.local import free_port
 
 DDPJOB = str(Path(sys.executable).parent / "ddpjob")
@@ -390,7 +388,7 @@ def test_peering_only_the_highest_priority_operator_acts(crd, namespace, tmp_pat
     """Two operators with kopf peering: the lower-priority one pauses; only the other creates pods."""
     crd.kubectl("apply", "--server-side", "--force-conflicts", "-f",
                 str(REPO_ROOT / "charts/ddpjob-operator/crds/kopfpeerings.kopf.dev.yaml"))
-    crd.kubectl("wait", "--for=condition=Established", "--timeout=30s", "crd/kopfpeerings.kopf.dev")
+    wait_crd_established(crd, "kopfpeerings.kopf.dev")
     crd.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(
         {"apiVersion": "kopf.dev/v1", "kind": "KopfPeering", "metadata": {"name": "ddpjob-test"}}))
     ops = []

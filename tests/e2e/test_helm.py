@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.cluster import wait_crd_established
+
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "ddpjob-operator"
 KUBE_VERSION = re.search(r"^KUBE_VERSION=v?(\S+)", (REPO / "hack" / "versions.env").read_text(), re.M).group(1)
@@ -34,7 +36,7 @@ def crds(cluster):
     like Helm never deletes CRDs). Server-side apply: idempotent beside other tests' copies."""
     cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CHART / "crds"))
     for crd in ("ddpjobs.ddpjob.dev", "kopfpeerings.kopf.dev", "clusterkopfpeerings.kopf.dev"):
-        cluster.kubectl("wait", "--for=condition=Established", f"crd/{crd}", "--timeout=60s")
+        wait_crd_established(cluster, crd)
 
 
 # --- rendering checked by the API server -----------------------------------------------------

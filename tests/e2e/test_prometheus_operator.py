@@ -6,7 +6,7 @@ import pytest
 from kubernetes import client
 
 from tests.e2e.test_prometheus import Prometheus, dashboard_targets, ensure_prometheus, rules
-from tests.support.cluster import REPO_ROOT, set_pod_exit, wait_for
+from tests.support.cluster import REPO_ROOT, set_pod_exit, wait_crd_established, wait_for
 
 CRD = REPO_ROOT / "charts" / "ddpjob-operator" / "crds" / "ddpjobs.ddpjob.dev.yaml"
 
@@ -19,7 +19,7 @@ def job(name: str, **spec) -> dict:
 @pytest.fixture
 def operator_and_prometheus(cluster, namespace, kit, tmp_path):
     cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CRD))
-    cluster.kubectl("wait", "--for=condition=Established", "--timeout=30s", "crd/ddpjobs.ddpjob.dev")
+    wait_crd_established(cluster, "ddpjobs.ddpjob.dev")
     op = kit.start_operator(cluster.kubeconfig, tmp_path / "operator.log", "-n", namespace, "--peering", "")
     prom = Prometheus(ensure_prometheus()[0], tmp_path / "prom",
                       targets={"ddpjob-operator": [f"127.0.0.1:{op.metrics_port}"]})

@@ -176,6 +176,17 @@ def wait_for(fn: Callable[[], T], *, timeout: float, desc: str, interval: float 
         time.sleep(interval)
 
 
+def wait_crd_established(cluster: "Cluster", name: str, *, timeout: float = 60) -> None:
+    """`kubectl wait --for=condition=Established` fails at once, instead of waiting, while a CRD
+    just applied has no status.conditions yet (".status.conditions accessor error"): every time
+    with the 700 KB DDPJob CRD, and once before as a whole test module erroring in a rehearsal."""
+    def established() -> bool:
+        out = cluster.kubectl("get", "crd", name, "-o",
+                              'jsonpath={.status.conditions[?(@.type=="Established")].status}', check=False)
+        return out.stdout.strip() == "True"
+    wait_for(established, timeout=timeout, desc=f"CRD {name} Established", interval=0.5)
+
+
 def create_namespace(api, name: str | None = None, *, prefix: str = "t-",
                      labels: dict[str, str] | None = None) -> str:
     """Create a namespace (random name `<prefix><8 hex>` unless given) and wait for its default
