@@ -10,15 +10,16 @@ and one timer per job for its next deadline (activeDeadlineSeconds, TTL, unsched
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import datetime as dt
 import logging
 import os
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from kubernetes.client.rest import ApiException
 
-from . import labels, podinfo
+from . import gang, labels, podinfo
 from .cache import PeerGate, Store, key_of
 from .config import OperatorConfig
 from .k8s import K8s
@@ -31,7 +32,7 @@ if TYPE_CHECKING:
     from .monitor import Monitor, MonitorReport
 from .service import render_service
 from .spec import from_manifest
-from .status import NAME_CONFLICT, CreateRefusal, create_refused, job_status, split_creates
+from .status import NAME_CONFLICT, CreateRefusal, create_refused, job_status, refusal, split_creates
 
 log = logging.getLogger("ddpjob.controller")
 Key = tuple[str, str]
@@ -91,6 +92,17 @@ def foreign_service(job, svc: dict[str, Any] | None) -> CreateRefusal | None:
                                  "rename the job or delete that service")
 
 
+def foreign_podgroup(job, pg: dict[str, Any] | None) -> CreateRefusal | None:
+    """A refusal naming the PodGroup that holds this job's PodGroup name when it is not this
+    job's: the gang scheduler would wait for that group's minMember, not ours."""
+    if pg is None or owned_by(pg, job.uid):
+        return None
+    name = (pg.get("metadata") or {}).get("name") or job.name
+    return CreateRefusal(pod=name, code=409, reason=NAME_CONFLICT, kind="podgroup",
+                         message=f"podgroup {name} exists and is not owned by this DDPJob: the gang "
+                                 "scheduler would place the pods by its rules; rename the job or delete it")
+
+
 def urgent(prev: dict[str, Any], status: dict[str, Any], decision: Decision, events: list) -> bool:
     """True when the write must happen in this pass: it precedes actions (the attempt and counters
     are stored before pods are deleted), announces a transition, or changes what users act on."""
@@ -130,6 +142,7 @@ class Reconciler:
         self._workers: dict[Key, asyncio.Task] = {}
         self._timers: dict[Key, tuple[float, asyncio.TimerHandle]] = {}
         self._services: dict[str, int] = {}        # job uid -> attempt its Service was last seen in
+        self._podgroups: dict[str, int] = {}       # job uid -> attempt its PodGroup was last seen in
         self._blocked: set[Key] = set()            # passes held back by a higher-priority peer
         # Last state of each job's pods that vanished (PodGC marks a lost node's pod Failed +
         # DisruptionTarget just before it force-deletes it): lifecycle.decide's evidence.
@@ -198,6 +211,7 @@ class Reconciler:
         self.metrics.set_phase(key, None)
         if uid:
             self._services.pop(uid, None)
+            self._podgroups.pop(uid, None)
             if self.monitor is not None:
                 try:
                     self.monitor.forget(uid)
@@ -299,6 +313,7 @@ class Reconciler:
             every = self._scrape_every.get(key, 1)
             self._scrape_every[key] = min(every * 2, MAX_SCRAPE_BACKOFF) if report is not None and report.unreachable else 1
 
+        podgroup = await self._read_podgroup(from_manifest(obj), namespace, name)
         for _ in range(WRITE_ATTEMPTS):
             job = from_manifest(obj)
             pods = [p for p in self.pods.by_index(namespace, name) if owned_by(p, job.uid)]
@@ -308,7 +323,7 @@ class Reconciler:
                               stalled=report is not None and report.stalled,
                               departed=list(self._departed.get(key, {}).values()))
             status, events = job_status(job, pods, now=now, prev_status=prev, config=self.config,
-                                        decision=decision, report=report)
+                                        decision=decision, report=report, podgroup=podgroup)
             if status == prev:
                 break
             if not urgent(prev, status, decision, events):
@@ -371,6 +386,22 @@ class Reconciler:
             self.kick_later(key, decision.requeue_after)
         self.metrics.reconcile_seconds.observe(time.monotonic() - started)
 
+    async def _read_podgroup(self, job, namespace: str, name: str) -> dict[str, Any] | None:
+        """A gang-scheduled job's PodGroup, read only while some pod of the job waits for a node
+        (the GangScheduled condition shows its status then; a placed gang needs no request)."""
+        api = gang.api_of(job)
+        if api is None or Phase.parse((job.raw.get("status") or {}).get("phase")) in (Phase.SUCCEEDED, Phase.FAILED):
+            return None
+        pods = [p for p in self.pods.by_index(namespace, name) if owned_by(p, job.uid)]
+        if all((p.get("spec") or {}).get("nodeName") for p in pods):  # no pods yet: none waits
+            return None
+        try:
+            return await self.k8s.get_child(gang.KIND, namespace, gang.podgroup_name(job), job=name,
+                                            api_version=api.api_version)
+        except ApiException as exc:
+            log.debug("podgroup of %s/%s unreadable: %s", namespace, name, exc.reason)
+            return None
+
     def _wrote(self, key: Key, written: dict[str, Any] | None) -> None:
         """Our write is the newest state: the next pass must see it before its watch echo."""
         self._written_rv[key] = _rv(written)
@@ -394,27 +425,54 @@ class Reconciler:
             await self.k8s.delete_job(job.namespace, job.name)
         return refused
 
-    async def _create(self, job, decision: Decision) -> list:
-        # The Service outlives group restarts: POST it once per job (a 409 after an operator
-        # restart also means it exists). Nothing watches Services, so a later creation pass
-        # (a restart) reads it back, once per attempt (not per batch): someone may have deleted
-        # it, and the new group's rendezvous would then never resolve.
-        service = render_service(job)
-        seen_in = self._services.get(job.uid)
-        if seen_in is not None and seen_in != decision.attempt:
-            if await self.k8s.get_child("Service", job.namespace, service["metadata"]["name"], job=job.name) is None:
-                del self._services[job.uid]
+    async def _ensure_shared(self, job, obj: dict[str, Any], *, attempt: int, seen: dict[str, int],
+                             conflict: Callable[[Any, dict[str, Any] | None], CreateRefusal | None]
+                             ) -> CreateRefusal | None:
+        """Create a child the whole job shares (its Service, its PodGroup), once per job; a refusal
+        when it cannot be made or is someone else's. Nothing watches these, so a later creation
+        pass (a restart) reads it back, once per attempt (not per batch): someone may have
+        deleted it, and the new group's rendezvous (or gang) would then never form."""
+        kind, name, api_version = obj["kind"], obj["metadata"]["name"], obj["apiVersion"]
+        if seen.get(job.uid) not in (None, attempt):
+            if await self.k8s.get_child(kind, job.namespace, name, job=job.name, api_version=api_version) is None:
+                del seen[job.uid]
             else:
-                self._services[job.uid] = decision.attempt
-        if job.uid not in self._services:
-            if await self.k8s.create(service) is None:
-                # 409: after an operator restart it is ours; anyone else's (or one that is not
-                # headless) would give the pods a MASTER_ADDR that never resolves, so no pods yet.
-                conflict = foreign_service(job, await self.k8s.get_child(
-                    "Service", job.namespace, service["metadata"]["name"], job=job.name))
-                if conflict:
-                    return [conflict]
-            self._services[job.uid] = decision.attempt
+                seen[job.uid] = attempt
+        if job.uid in seen:
+            return None
+        try:
+            created = await self.k8s.create(obj)
+        except ApiException as exc:
+            refused = refusal(name, exc.status, exc.body)
+            if refused is None:
+                raise
+            if exc.status == 404:  # the API group is not served: its CRD is not installed
+                refused = dataclasses.replace(refused, message=(
+                    f"this cluster does not serve {api_version} {kind}s: install the scheduler that "
+                    f"spec.scheduling.gang names (or remove spec.scheduling.gang)"))
+            return dataclasses.replace(refused, kind=kind.lower())
+        if created is None:
+            # 409: after an operator restart it is ours; anyone else's would stand in for ours.
+            found = conflict(job, await self.k8s.get_child(kind, job.namespace, name, job=job.name,
+                                                           api_version=api_version))
+            if found:
+                return found
+        seen[job.uid] = attempt
+        return None
+
+    async def _create(self, job, decision: Decision) -> list:
+        # The Service and PodGroup outlive group restarts: POST them once per job (a 409 after an
+        # operator restart also means they exist). A Service that is not ours (or not headless)
+        # would give the pods a MASTER_ADDR that never resolves, so no pods until it is sorted out.
+        service = render_service(job)
+        shared = [(service, self._services, foreign_service)]
+        if gang.api_of(job) is not None:
+            pod = render_pod(job, 0, attempt=decision.attempt, config=self.config)
+            shared.append((gang.render_podgroup(job, pod), self._podgroups, foreign_podgroup))
+        for obj, seen, conflict in shared:
+            refused = await self._ensure_shared(job, obj, attempt=decision.attempt, seen=seen, conflict=conflict)
+            if refused:
+                return [refused]
         ranks = list(decision.create_ranks)
         if len(ranks) > CREATE_BATCH:
             ranks = ranks[:CREATE_BATCH]

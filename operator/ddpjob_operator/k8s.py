@@ -61,6 +61,17 @@ def request_kind(method: str, path: str, *, watch: bool = False) -> tuple[str, s
     return method, resource
 
 
+# The kinds of the operator's children, and their resource names.
+_PLURALS = {"Pod": "pods", "Service": "services", "PodGroup": "podgroups"}
+
+
+def child_path(api_version: str, kind: str, namespace: str, name: str = "") -> str:
+    """/api/v1/namespaces/ns/pods[/name], /apis/group/version/namespaces/ns/podgroups[/name]."""
+    root = "/api/v1" if api_version == "v1" else f"/apis/{api_version}"
+    path = f"{root}/namespaces/{namespace}/{_PLURALS[kind]}"
+    return f"{path}/{name}" if name else path
+
+
 class K8s:
     """Async facade: raw JSON requests through the client's auth and connection pool,
     each run in a bounded thread pool (no model classes, so pass-through fields survive).
@@ -152,25 +163,23 @@ class K8s:
             raise
 
     async def create(self, obj: dict[str, Any]) -> dict[str, Any] | None:
-        """Create a Pod or Service: the created object, or None when it already exists (409),
-        so retries are harmless."""
+        """Create a child (Pod, Service, PodGroup): the created object, or None when it already
+        exists (409), so retries are harmless."""
         meta = obj["metadata"]
         ns = meta["namespace"]
-        plural = {"Pod": "pods", "Service": "services"}[obj["kind"]]
         job = (ns, (meta.get("labels") or {}).get(labels.JOB_NAME) or meta["name"])
         try:
-            return await self._call("POST", f"/api/v1/namespaces/{ns}/{plural}", body=obj, job=job) or {}
+            return await self._call("POST", child_path(obj["apiVersion"], obj["kind"], ns), body=obj, job=job) or {}
         except ApiException as exc:
             if exc.status == 409:
                 return None
             raise
 
-    async def get_child(self, kind: str, namespace: str, name: str, *, job: str) -> dict[str, Any] | None:
-        """A Pod or Service of `job` (a consistent read), or None when it is gone."""
-        plural = {"Pod": "pods", "Service": "services"}[kind]
+    async def get_child(self, kind: str, namespace: str, name: str, *, job: str,
+                        api_version: str = "v1") -> dict[str, Any] | None:
+        """A child of `job` (a consistent read), or None when it is gone."""
         try:
-            return await self._call("GET", f"/api/v1/namespaces/{namespace}/{plural}/{name}",
-                                    job=(namespace, job))
+            return await self._call("GET", child_path(api_version, kind, namespace, name), job=(namespace, job))
         except ApiException as exc:
             if exc.status == 404:
                 return None

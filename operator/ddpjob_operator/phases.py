@@ -41,3 +41,4 @@ class Cond(str, enum.Enum):
     CONTAINERS_NOT_STARTING = "ContainersNotStarting"
     FAILED_CREATE_POD = "FailedCreatePod"
     NODE_NOT_READY = "NodeNotReady"
+    GANG_SCHEDULED = "GangScheduled"

@@ -4,7 +4,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from . import labels, template
+from . import gang, labels, template
 from .config import OperatorConfig
 from .envvars import pod_env, pod_hostname, service_name
 from .service import child_metadata
@@ -117,18 +117,21 @@ def render_pod(job: JobSpec, rank: int, *, attempt: int = 0, config: OperatorCon
         "volumes": Layers(owned=[{"name": SHM_VOLUME, "emptyDir": {
             "medium": "Memory", "sizeLimit": str(spec.get("shmSize") or DEFAULT_SHM)}}], flat=spec.get("volumes")),
         "runtimeClassName": Layers(default=default_runtime_class(job, config), flat=spec.get("runtimeClassName")),
-        **{key: Layers(flat=sched.get(key)) for key in SCHEDULING if key != SPREAD},
+        # A gang-scheduled job's pods go to its gang scheduler unless the job names one.
+        **{key: Layers(flat=sched.get(key), default=gang.default_scheduler_name(job) if key == "schedulerName" else None)
+           for key in SCHEDULING if key != SPREAD},
         # One pod per node unless the job or its template spreads the pods itself.
         SPREAD: Layers(default=default_spread(job), flat=sched.get(SPREAD)),
         "serviceAccountName": Layers(flat=spec.get("serviceAccountName")),
         "imagePullSecrets": Layers(flat=spec.get("imagePullSecrets")),
     }
     pod_spec = template.merge_template(template.pod_template(job), pod=pod, container=container)
-    extra = {**template.user_metadata(job, "labels", "podLabels"),
+    gang_labels, gang_annotations = gang.pod_metadata(job)
+    extra = {**template.user_metadata(job, "labels", "podLabels"), **gang_labels,
              labels.NODE_RANK: str(rank), labels.ATTEMPT: str(attempt)}
     meta = child_metadata(job, pod_hostname(job, rank), extra)
     total, counted = restart_counters(job, restarts, counted_restarts)
-    meta["annotations"] = {**template.user_metadata(job, "annotations", "podAnnotations"),
+    meta["annotations"] = {**template.user_metadata(job, "annotations", "podAnnotations"), **gang_annotations,
                            labels.RESTARTS: str(total), labels.COUNTED_RESTARTS: str(counted)}
     return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": pod_spec}
 

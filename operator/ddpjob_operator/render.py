@@ -6,6 +6,7 @@ from typing import Any
 import click
 import yaml
 
+from . import gang
 from .config import OperatorConfig
 from .pods import render_pod
 from .service import render_service
@@ -15,13 +16,15 @@ from .validation import InvalidDDPJob, apply_defaults, check_manifest
 
 def render_objects(obj: dict[str, Any], *, namespace: str | None = None,
                    config: OperatorConfig | None = None) -> list[dict[str, Any]]:
-    """Validated DDPJob dict -> [Service, Pod 0, ..., Pod n-1]."""
+    """Validated DDPJob dict -> [Service, PodGroup (gang scheduling only), Pod 0, ..., Pod n-1]."""
     check_manifest(obj)
     obj = apply_defaults(obj)
     if namespace and not (obj.get("metadata") or {}).get("namespace"):
         obj["metadata"]["namespace"] = namespace
     job = from_manifest(obj)
-    return [render_service(job)] + [render_pod(job, r, attempt=0, config=config) for r in range(job.nodes)]
+    pods = [render_pod(job, r, attempt=0, config=config) for r in range(job.nodes)]
+    podgroup = gang.render_podgroup(job, pods[0])
+    return [render_service(job)] + ([podgroup] if podgroup else []) + pods
 
 
 def render_file(path: str, namespace: str | None = None) -> str:

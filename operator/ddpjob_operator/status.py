@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 from . import podinfo
 from .config import OperatorConfig
 from .envvars import master_dns
+from .gang import gang_state
 from .lifecycle import Decision, condition, decide
 from .phases import Cond, Phase
 from .pods import explain_pod_error
@@ -111,8 +112,10 @@ def failure_evidence(pods: list[dict[str, Any]], attempt: int, *, with_log: bool
 
 def job_status(job: JobSpec, pods: list[dict[str, Any]], *, now: dt.datetime,
                prev_status: dict[str, Any] | None, config: OperatorConfig | None = None,
-               decision: Decision | None = None, report: MonitorReport | None = None) -> tuple[dict[str, Any], list[Event]]:
-    """(new status, events for what changed) for one reconcile pass."""
+               decision: Decision | None = None, report: MonitorReport | None = None,
+               podgroup: dict[str, Any] | None = None) -> tuple[dict[str, Any], list[Event]]:
+    """(new status, events for what changed) for one reconcile pass; `podgroup` is a
+    gang-scheduled job's PodGroup as last read (None: not read)."""
     config = config or OperatorConfig()
     prev = dict(prev_status or {})
     d = decision or decide(job, pods, now=now, prev_status=prev, config=config,
@@ -186,6 +189,14 @@ def job_status(job: JobSpec, pods: list[dict[str, Any]], *, now: dt.datetime,
             events.append(("Warning", "Unschedulable", d.unschedulable))
     else:
         _clear(conds, Cond.UNSCHEDULABLE, "Scheduled", "", now, gen)
+
+    placed = gang_state(job, pods, attempt=d.attempt, podgroup=podgroup)
+    if placed is not None and d.phase in (Phase.PENDING, Phase.RUNNING, Phase.RESTARTING):
+        was_placed = condition({"conditions": conds}, Cond.GANG_SCHEDULED)
+        set_condition(conds, type=Cond.GANG_SCHEDULED, status=placed.placed, reason=placed.reason,
+                      message=placed.message, now=now, generation=gen)
+        if placed.placed and was_placed is None:
+            events.append(("Normal", "GangScheduled", placed.message))
 
     progress = dict(prev.get("progress") or {})
     if report is not None:

@@ -153,6 +153,13 @@ def _cel(obj: dict[str, Any]) -> list[str]:
             errs.append("spec.elastic.maxNodes must be >= spec.nodes")
         if is_int(lo) and is_int(hi) and lo > hi:
             errs.append("spec.elastic.minNodes must be <= spec.elastic.maxNodes")
+    sched = spec.get("scheduling") if isinstance(spec.get("scheduling"), dict) else {}
+    gang = sched.get("gang") if isinstance(sched.get("gang"), dict) else {}
+    if "scheduleTimeoutSeconds" in gang and gang.get("scheduler") != "coscheduling":
+        errs.append("spec.scheduling.gang.scheduleTimeoutSeconds applies to scheduler coscheduling only")
+    if "queue" in gang and gang.get("scheduler") != "volcano":
+        errs.append("spec.scheduling.gang.queue applies to scheduler volcano only (Kueue queues are set "
+                    "with the kueue.x-k8s.io/queue-name label)")
     fp = spec.get("failurePolicy")
     if isinstance(fp, dict):
         for key, low in (("maxRestarts", 0), ("podStartTimeoutSeconds", 1)):

@@ -90,6 +90,9 @@ EXPECTED_RULES = {
     ("", "pods"): {"get", "list", "watch", "create", "delete"},
     ("", "services"): {"get", "create"},
     ("", "events"): {"create"},
+    # spec.scheduling.gang: the gang scheduler's PodGroup.
+    ("scheduling.x-k8s.io", "podgroups"): {"get", "create"},
+    ("scheduling.volcano.sh", "podgroups"): {"get", "create"},
 }
 PEERING_VERBS = {"get", "list", "watch", "patch"}
 

@@ -92,7 +92,7 @@ class FakeK8s:
         self.objects[(kind, name)] = obj
         return copy.deepcopy(obj)
 
-    async def get_child(self, kind, namespace, name, *, job):
+    async def get_child(self, kind, namespace, name, *, job, api_version="v1"):
         self.calls.append(("get_child", kind, name))
         obj = self.objects.get((kind, name))
         return copy.deepcopy(obj) if obj else None

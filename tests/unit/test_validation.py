@@ -157,6 +157,10 @@ CEL_VIOLATIONS = {
     "spec.elastic.minNodes must be <= spec.elastic.maxNodes": {"spec": {"nodes": 4, "elastic": {"minNodes": 6,
                                                                                                 "maxNodes": 2}}},
     "spec.masterPort and spec.metricsPort must differ": {"spec": {"masterPort": 9400, "metricsPort": 9400}},
+    "spec.scheduling.gang.scheduleTimeoutSeconds applies to scheduler coscheduling only": {
+        "spec": {"scheduling": {"gang": {"scheduler": "volcano", "scheduleTimeoutSeconds": 5}}}},
+    "spec.scheduling.gang.queue applies to scheduler volcano only (Kueue queues are set with the "
+    "kueue.x-k8s.io/queue-name label)": {"spec": {"scheduling": {"gang": {"scheduler": "coscheduling", "queue": "q"}}}},
     "spec.nodes must be >= 1": {"spec": {"nodes": 0}},
     "spec.nodes must be <= 10000": {"spec": {"nodes": 10001}},
     'spec.nprocPerNode must be "auto" or an integer >= 1': {"spec": {"nprocPerNode": 0}},

@@ -108,6 +108,12 @@ ddpjob_operator (k8s.py: its only I/O module; handlers.py: kopf watches) and of 
 - apiGroups: [""]
   resources: ["services"]
   verbs: ["get", "create"]
+# Gang scheduling (spec.scheduling.gang): the scheduler's PodGroup, created like the Service and
+# read while the gang waits (its status feeds the GangScheduled condition). Rules for an API
+# group that the cluster does not serve are harmless.
+- apiGroups: ["scheduling.x-k8s.io", "scheduling.volcano.sh"]
+  resources: ["podgroups"]
+  verbs: ["get", "create"]
 # core/v1 Events on DDPJobs (the operator's transitions and kopf's warnings).
 - apiGroups: [""]
   resources: ["events"]
