@@ -52,6 +52,9 @@ APIS: dict[GangScheduler, GangApi] = {
                                    pod_annotation="scheduling.k8s.io/group-name"),
 }
 KIND = "PodGroup"
+# Coscheduling's PodGroup controller never looks at a group again once it is Finished or Failed;
+# a restarted gang in the same group (the scheduler reads only its spec) would show a stale phase.
+STALE_PHASES = frozenset({"Finished", "Failed"})
 PLURAL = "podgroups"
 
 
@@ -187,6 +190,8 @@ def gang_state(job: JobSpec, pods: list[dict[str, Any]], *, attempt: int,
         return GangState(True, "Scheduled", f"{bound}/{job.nodes} pods placed together by {scheduler}; {where}")
     pg_status = (podgroup or {}).get("status") or {}
     phase = str(pg_status.get("phase") or "")
+    if phase in STALE_PHASES:
+        phase = ""
     text = f"waiting for {scheduler} to place {need} pods at once ({bound} bound); {where}"
     if phase:
         text += f", phase {phase}"

@@ -42,3 +42,4 @@ class Cond(str, enum.Enum):
     FAILED_CREATE_POD = "FailedCreatePod"
     NODE_NOT_READY = "NodeNotReady"
     GANG_SCHEDULED = "GangScheduled"
+    ADMITTED = "Admitted"

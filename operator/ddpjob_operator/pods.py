@@ -4,7 +4,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from . import gang, labels, template
+from . import gang, kueue, labels, template
 from .config import OperatorConfig
 from .envvars import pod_env, pod_hostname, service_name
 from .service import child_metadata
@@ -127,11 +127,12 @@ def render_pod(job: JobSpec, rank: int, *, attempt: int = 0, config: OperatorCon
     }
     pod_spec = template.merge_template(template.pod_template(job), pod=pod, container=container)
     gang_labels, gang_annotations = gang.pod_metadata(job)
-    extra = {**template.user_metadata(job, "labels", "podLabels"), **gang_labels,
+    queue_labels, queue_annotations = kueue.pod_metadata(job, attempt)
+    extra = {**template.user_metadata(job, "labels", "podLabels"), **gang_labels, **queue_labels,
              labels.NODE_RANK: str(rank), labels.ATTEMPT: str(attempt)}
     meta = child_metadata(job, pod_hostname(job, rank), extra)
     total, counted = restart_counters(job, restarts, counted_restarts)
-    meta["annotations"] = {**template.user_metadata(job, "annotations", "podAnnotations"), **gang_annotations,
+    meta["annotations"] = {**template.user_metadata(job, "annotations", "podAnnotations"), **gang_annotations, **queue_annotations,
                            labels.RESTARTS: str(total), labels.COUNTED_RESTARTS: str(counted)}
     return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": pod_spec}
 

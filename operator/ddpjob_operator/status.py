@@ -10,6 +10,7 @@ from . import podinfo
 from .config import OperatorConfig
 from .envvars import master_dns
 from .gang import gang_state
+from .kueue import admission
 from .lifecycle import Decision, condition, decide
 from .phases import Cond, Phase
 from .pods import explain_pod_error
@@ -197,6 +198,15 @@ def job_status(job: JobSpec, pods: list[dict[str, Any]], *, now: dt.datetime,
                       message=placed.message, now=now, generation=gen)
         if placed.placed and was_placed is None:
             events.append(("Normal", "GangScheduled", placed.message))
+
+    queued = admission(job, pods, attempt=d.attempt)
+    if queued is not None and d.phase in (Phase.PENDING, Phase.RUNNING, Phase.RESTARTING):
+        was = next((c.get("reason") for c in conds if c.get("type") == Cond.ADMITTED), None)
+        set_condition(conds, type=Cond.ADMITTED, status=queued.admitted, reason=queued.reason,
+                      message=queued.message, now=now, generation=gen)
+        if was != queued.reason:
+            events.append(("Normal" if queued.reason != "NotManagedByKueue" else "Warning", queued.reason,
+                           queued.message))
 
     progress = dict(prev.get("progress") or {})
     if report is not None:

@@ -1,0 +1,96 @@
+"""Kueue's plain-pod groups: the labels that queue a DDPJob's pods, and the Admitted condition."""
+from __future__ import annotations
+
+import pytest
+
+from ddpjob_operator import kueue
+from ddpjob_operator.pods import render_pod
+from ddpjob_operator.spec import from_manifest
+from ddpjob_operator.status import job_status
+from tests.support.builders import NOW, make_manifest, make_pod
+
+
+def queued_job(name="j", queue="team-a", uid="0123456789", **spec):
+    m = make_manifest(name, uid=uid, **spec)
+    if queue:
+        m["metadata"]["labels"] = {kueue.QUEUE_LABEL: queue}
+    return from_manifest(m)
+
+
+@pytest.mark.parametrize("attempt", [0, 3])
+def test_every_pod_of_an_attempt_joins_one_group_of_all_nodes(attempt):
+    job = queued_job(nodes=3)
+    groups = set()
+    for rank in range(3):
+        meta = render_pod(job, rank, attempt=attempt)["metadata"]
+        assert meta["labels"][kueue.QUEUE_LABEL] == "team-a"
+        groups.add(meta["labels"][kueue.GROUP_LABEL])
+        assert meta["annotations"][kueue.TOTAL_ANNOTATION] == "3"
+        # A group never waits for replacements: the operator replaces whole groups.
+        assert meta["annotations"][kueue.RETRIABLE_ANNOTATION] == "false"
+    assert groups == {f"j-01234-a{attempt}"}
+
+
+def test_group_names_differ_per_attempt_and_job_incarnation_and_fit_63():
+    a = queued_job(uid="aaaaaaaa")
+    b = queued_job(uid="bbbbbbbb")
+    assert kueue.group_name(a, 0) != kueue.group_name(a, 1) != kueue.group_name(b, 1)
+    long = queued_job(name="x" * 58)
+    name = kueue.group_name(long, 12345)
+    assert len(name) <= 63 and name.endswith("-01234-a12345")
+
+
+def test_no_queue_label_no_kueue_metadata():
+    meta = render_pod(queued_job(queue=None), 0)["metadata"]
+    assert not [k for k in {**meta["labels"], **meta["annotations"]} if k.startswith("kueue.")]
+
+
+def test_the_operators_group_wins_over_podlabels():
+    job = queued_job(podLabels={kueue.GROUP_LABEL: "mine", kueue.QUEUE_LABEL: "other"})
+    labels = render_pod(job, 0)["metadata"]["labels"]
+    assert labels[kueue.GROUP_LABEL] == "j-01234-a0" and labels[kueue.QUEUE_LABEL] == "team-a"
+
+
+def pod(rank, *, gated=False, managed=True, attempt=0):
+    p = make_pod(rank, phase="Pending", attempt=attempt)
+    if managed:
+        p["metadata"]["labels"][kueue.MANAGED_LABEL] = "true"
+    p["spec"] = {"schedulingGates": [{"name": kueue.ADMISSION_GATE}]} if gated else {"nodeName": "n"}
+    return p
+
+
+def admitted(status):
+    return next((c for c in status["conditions"] if c["type"] == "Admitted"), None)
+
+
+def test_admitted_condition_follows_the_gates():
+    job = queued_job(nodes=2)
+    waiting = [pod(0, gated=True), pod(1, gated=True)]
+    status, events = job_status(job, waiting, now=NOW, prev_status={})
+    cond = admitted(status)
+    assert (cond["status"], cond["reason"]) == ("False", "Queued")
+    assert "waiting in Kueue LocalQueue team-a for quota for all 2 pods: 2 gated" in cond["message"]
+    assert "Workload j-01234-a0" in cond["message"]
+    assert status["phase"] == "Pending"
+    assert [e[1] for e in events].count("Queued") == 1
+
+    status2, events2 = job_status(job, [pod(0), pod(1)], now=NOW, prev_status=status)
+    cond = admitted(status2)
+    assert (cond["status"], cond["reason"]) == ("True", "Admitted")
+    assert [e[1] for e in events2].count("Admitted") == 1
+    _, events3 = job_status(job, [pod(0), pod(1)], now=NOW, prev_status=status2)
+    assert not [e for e in events3 if e[1] in ("Admitted", "Queued")]
+
+
+def test_pods_kueue_did_not_take_are_named_as_such():
+    job = queued_job(nodes=1)
+    status, events = job_status(job, [pod(0, managed=False)], now=NOW, prev_status={})
+    cond = admitted(status)
+    assert (cond["status"], cond["reason"]) == ("False", "NotManagedByKueue")
+    assert "Kueue did not take them" in cond["message"]
+    assert ("Warning", "NotManagedByKueue") in [e[:2] for e in events]
+
+
+def test_no_condition_without_a_queue_or_before_the_pods():
+    assert admitted(job_status(queued_job(queue=None), [pod(0, gated=True)], now=NOW, prev_status={})[0]) is None
+    assert admitted(job_status(queued_job(), [], now=NOW, prev_status={})[0]) is None
