@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Start the local control plane on 127.0.0.1 (free ports): etcd, kube-apiserver,
-# kube-controller-manager, kube-scheduler and kwok with fake GPU nodes.
+# kube-controller-manager, kube-scheduler, scheduler-plugins' scheduler (Coscheduling, for pods
+# with schedulerName scheduler-plugins-scheduler; the PodGroup CRD) and kwok with fake GPU nodes.
 # Idempotent: exits at once when the cluster recorded in .cache/cluster/ is running and healthy;
 # stale state (a crashed component) is torn down and started afresh.
 # State: .cache/cluster/{kubeconfig,pki,pids,logs,etcd}; binaries linked into .cache/bin/.
@@ -19,6 +20,7 @@ CACHE="${DDPJOB_CACHE:-$HOME/.cache/ddpjob}"
 KUBE_DIR="$CACHE/bin/kube-$KUBE_VERSION-etcd-$ETCD_VERSION"
 KWOK_DIR="$CACHE/bin/kwok-$KWOK_VERSION"
 HELM_DIR="$CACHE/bin/helm-$HELM_VERSION"
+SP_DIR="$CACHE/bin/scheduler-plugins-$SCHEDULER_PLUGINS_VERSION"
 STATE="$ROOT/.cache/cluster"
 PIDS="$STATE/pids"
 LOGS="$STATE/logs"
@@ -28,7 +30,7 @@ KUBECONFIG_FILE="$STATE/kubeconfig"
 NODES="${DDPJOB_FAKE_NODES:-4}"
 REAL_NODES="${DDPJOB_REAL_NODES:-2}"
 TIMEOUT="${DDPJOB_CLUSTER_TIMEOUT:-90}"
-COMPONENTS=(etcd kube-apiserver kube-controller-manager kube-scheduler kwok)
+COMPONENTS=(etcd kube-apiserver kube-controller-manager kube-scheduler scheduler-plugins kwok)
 T0=$SECONDS
 
 log() { printf '[hack/cluster-up %s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
@@ -93,6 +95,7 @@ link_binaries() {
   for b in "$KUBE_DIR"/{kube-apiserver,kube-controller-manager,kube-scheduler,etcd} "$KWOK_DIR/kwok" "$HELM_DIR/helm"; do
     [ -x "$b" ] && ln -sfn "$b" "$BIN/$(basename "$b")"
   done
+  [ -x "$SP_DIR/kube-scheduler" ] && ln -sfn "$SP_DIR/kube-scheduler" "$BIN/scheduler-plugins-scheduler"
   if [ -x "$KUBE_DIR/kubectl" ]; then kubectl_src="$KUBE_DIR/kubectl"; else kubectl_src="$(command -v kubectl || true)"; fi
   [ -n "$kubectl_src" ] && ln -sfn "$kubectl_src" "$BIN/kubectl"
   KUBECTL="$BIN/kubectl"
@@ -120,9 +123,9 @@ mkdir -p "$PIDS" "$LOGS" "$PKI"
 
 # --- ports ----------------------------------------------------------------------------------
 # Bind all at once so they are distinct; a small race with other programs remains.
-read -r P_ETCD P_PEER P_API P_KCM P_SCHED P_KWOK < <(python3 - <<'PY'
+read -r P_ETCD P_PEER P_API P_KCM P_SCHED P_SP P_KWOK < <(python3 - <<'PY'
 import socket
-socks = [socket.socket() for _ in range(6)]
+socks = [socket.socket() for _ in range(7)]
 for s in socks:
     s.bind(("127.0.0.1", 0))
 print(" ".join(str(s.getsockname()[1]) for s in socks))
@@ -133,6 +136,7 @@ ETCD_PORT=$P_ETCD
 APISERVER_PORT=$P_API
 CONTROLLER_MANAGER_PORT=$P_KCM
 SCHEDULER_PORT=$P_SCHED
+SCHEDULER_PLUGINS_PORT=$P_SP
 KWOK_PORT=$P_KWOK
 APISERVER_URL=https://127.0.0.1:$P_API
 EOF
@@ -224,6 +228,63 @@ api_ok() {
 wait_healthy kube-apiserver "GET /readyz on :$P_API" api_ok
 mv "$KUBECONFIG_FILE.tmp" "$KUBECONFIG_FILE"
 
+# Gang scheduling: the PodGroup CRD, and read access to PodGroups for the second scheduler, which
+# authenticates as kube-scheduler does (system:kube-scheduler: the default RBAC covers the rest).
+# Before the scheduler starts: its Coscheduling plugin looks PodGroups up through a cache that
+# needs the kind to exist.
+sp_rbac() {
+  cat <<'EOF'
+---
+apiVersion: rbac.authorization.k8s.io/v1
+kind: ClusterRole
+metadata: {name: "ddpjob-local:scheduler-plugins"}
+rules:
+- apiGroups: [scheduling.x-k8s.io]
+  resources: [podgroups]
+  verbs: [get, list, watch]
+---
+apiVersion: rbac.authorization.k8s.io/v1
+kind: ClusterRoleBinding
+metadata: {name: "ddpjob-local:scheduler-plugins"}
+roleRef: {apiGroup: rbac.authorization.k8s.io, kind: ClusterRole, name: "ddpjob-local:scheduler-plugins"}
+subjects:
+- {apiGroup: rbac.authorization.k8s.io, kind: User, name: "system:kube-scheduler"}
+EOF
+}
+sp_rbac | kc apply -f "$HERE/crds/scheduling.x-k8s.io_podgroups.yaml" -f - >>"$LOGS/kubectl.log" 2>&1 \
+  || { log "FAILED: creating the PodGroup CRD and its RBAC:"; tail -5 "$LOGS/kubectl.log" >&2; fail kube-apiserver "PodGroup CRD not created"; }
+podgroup_crd_ok() {
+  [ "$(kc get crd podgroups.scheduling.x-k8s.io -o jsonpath='{.status.conditions[?(@.type=="Established")].status}')" = True ]
+}
+wait_healthy kube-apiserver "CRD podgroups.scheduling.x-k8s.io Established" podgroup_crd_ok
+
+# Only pods that name its profile are its: ordinary pods keep default-scheduler (kube-scheduler).
+# permitWaitingTimeSeconds: how long the members of a gang that cannot all fit hold their
+# reserved nodes before all are released (upstream's example value).
+cat >"$STATE/scheduler-plugins.yaml" <<EOF
+apiVersion: kubescheduler.config.k8s.io/v1
+kind: KubeSchedulerConfiguration
+leaderElection:
+  leaderElect: false
+clientConnection:
+  kubeconfig: $STATE/scheduler.kubeconfig
+profiles:
+- schedulerName: scheduler-plugins-scheduler
+  plugins:
+    multiPoint:
+      enabled:
+      - name: Coscheduling
+    queueSort:
+      enabled:
+      - name: Coscheduling
+      disabled:
+      - name: "*"
+  pluginConfig:
+  - name: Coscheduling
+    args:
+      permitWaitingTimeSeconds: 10
+EOF
+
 start kube-controller-manager "$KUBE_DIR/kube-controller-manager" \
   --kubeconfig "$STATE/controller-manager.kubeconfig" \
   --bind-address 127.0.0.1 --secure-port "$P_KCM" \
@@ -234,6 +295,8 @@ start kube-controller-manager "$KUBE_DIR/kube-controller-manager" \
 start kube-scheduler "$KUBE_DIR/kube-scheduler" \
   --kubeconfig "$STATE/scheduler.kubeconfig" \
   --bind-address 127.0.0.1 --secure-port "$P_SCHED" --leader-elect=false
+start scheduler-plugins "$SP_DIR/kube-scheduler" \
+  --config "$STATE/scheduler-plugins.yaml" --bind-address 127.0.0.1 --secure-port "$P_SP"
 start kwok "$KWOK_DIR/kwok" \
   --kubeconfig "$KUBECONFIG_FILE" \
   --manage-all-nodes=false --manage-nodes-with-annotation-selector kwok.x-k8s.io/node=fake \
@@ -242,6 +305,7 @@ start kwok "$KWOK_DIR/kwok" \
   -c "$HERE/kwok-stages.yaml"
 wait_healthy kube-controller-manager "GET /healthz on :$P_KCM" curl_ok -k "https://127.0.0.1:$P_KCM/healthz"
 wait_healthy kube-scheduler "GET /healthz on :$P_SCHED" curl_ok -k "https://127.0.0.1:$P_SCHED/healthz"
+wait_healthy scheduler-plugins "GET /healthz on :$P_SP" curl_ok -k "https://127.0.0.1:$P_SP/healthz"
 wait_healthy kwok "GET /healthz on :$P_KWOK" curl_ok "http://127.0.0.1:$P_KWOK/healthz"
 
 # --- objects: fake GPU nodes, the nvidia RuntimeClass ---------------------------------------
