@@ -98,22 +98,25 @@ build_kube() {
 }
 
 # scheduler-plugins' kube-scheduler (Coscheduling, for gang scheduling), a second scheduler beside
-# the control plane's. Its go.mod replaces every k8s.io staging module (and k8s.io/kubernetes) with
+# the control plane's, and its controller (it keeps PodGroups' status). Its go.mod replaces every k8s.io staging module (and k8s.io/kubernetes) with
 # a published version, which `go install pkg@version` refuses, so it is built in a scratch module
 # given those replace directives, with the Kubernetes patch release moved to
 # SCHEDULER_PLUGINS_KUBE_VERSION (same minor; see versions.env). Its own scratch module: those
 # versions (1.34) are not the control plane's (1.36).
 build_scheduler_plugins() {
-  local json gomod src kube ldflags replaces crd=scheduling.x-k8s.io_podgroups.yaml
+  local json gomod src kube ldflags replaces crd
+  local -A want=([kube-scheduler]=scheduler [controller]=controller)  # binary -> cmd/<package>
   json="$(cd "$CACHE" && go mod download -json "sigs.k8s.io/scheduler-plugins@$SCHEDULER_PLUGINS_VERSION")" \
     || die "scheduler-plugins: could not download sigs.k8s.io/scheduler-plugins@$SCHEDULER_PLUGINS_VERSION"
   gomod="$(sed -n 's/.*"GoMod": "\(.*\)".*/\1/p' <<<"$json")"
   src="$(sed -n 's/.*"Dir": "\(.*\)".*/\1/p' <<<"$json")"
   { [ -f "$gomod" ] && [ -d "$src" ]; } || die "scheduler-plugins: no go.mod or source in: $json"
-  # cluster-up applies the repository's copy of the PodGroup CRD (no download at cluster-up time):
-  # it must be the one this scheduler was released with.
-  diff -q <(grep -v '^#' "$HERE/crds/$crd") <(grep -v '^#' "$src/config/crd/bases/$crd") >/dev/null \
-    || die "hack/crds/$crd differs from scheduler-plugins $SCHEDULER_PLUGINS_VERSION's config/crd/bases/$crd: copy it again (keep the header)"
+  # cluster-up applies the repository's copies of the CRDs (no download at cluster-up time): they
+  # must be the ones this scheduler was released with.
+  for crd in scheduling.x-k8s.io_podgroups.yaml scheduling.x-k8s.io_elasticquotas.yaml; do
+    diff -q <(grep -v '^#' "$HERE/crds/$crd") <(grep -v '^#' "$src/config/crd/bases/$crd") >/dev/null \
+      || die "hack/crds/$crd differs from scheduler-plugins $SCHEDULER_PLUGINS_VERSION's config/crd/bases/$crd: copy it again (keep the header)"
+  done
   kube="$SCHEDULER_PLUGINS_KUBE_VERSION"
   local upstream staging="v0.${kube#v1.}"
   upstream="$(awk '$1 == "k8s.io/kubernetes" && $2 == "=>" {print $4; exit}' "$gomod")"
@@ -122,7 +125,9 @@ build_scheduler_plugins() {
   # Stamped as the Kubernetes release it is built from (what kube-scheduler --version reports, and
   # consistent with the 1.<minor> its feature gates assume), not as v0.34.x.
   ldflags="$(kube_ldflags "$kube")"
-  if recipe_ok "$SP_DIR/kube-scheduler" "$ldflags"; then
+  local b missing=0
+  for b in "${!want[@]}"; do recipe_ok "$SP_DIR/$b" "$ldflags" || missing=1; done
+  if [ "$missing" = 0 ]; then
     log "scheduler-plugins $SCHEDULER_PLUGINS_VERSION (kubernetes $kube): cached in $SP_DIR"; return
   fi
   log "scheduler-plugins $SCHEDULER_PLUGINS_VERSION (kubernetes $kube): building (cold: ~2 min on 2 cores after the control plane, plus downloads)"
@@ -143,14 +148,21 @@ build_scheduler_plugins() {
   [ -n "$replaces" ] || die "scheduler-plugins: no replace directives found in $gomod"
   # shellcheck disable=SC2086  # one -replace=... word per line
   go mod edit $replaces
-  go get "sigs.k8s.io/scheduler-plugins/cmd/scheduler@$SCHEDULER_PLUGINS_VERSION" >>"$LOGS/go-get.log" 2>&1 \
-    || die "scheduler-plugins: go get sigs.k8s.io/scheduler-plugins/cmd/scheduler@$SCHEDULER_PLUGINS_VERSION failed (see $LOGS/go-get.log)"
-  go build -ldflags "$ldflags" -o "$SP_DIR/kube-scheduler.tmp" sigs.k8s.io/scheduler-plugins/cmd/scheduler \
-    >"$LOGS/scheduler-plugins.log" 2>&1 \
-    || die "scheduler-plugins: go build failed (see $LOGS/scheduler-plugins.log): $(tail -3 "$LOGS/scheduler-plugins.log")"
-  mv "$SP_DIR/kube-scheduler.tmp" "$SP_DIR/kube-scheduler"
-  recipe_write "$SP_DIR/kube-scheduler" "$ldflags"
-  log "scheduler-plugins: built in $((SECONDS - t0))s"
+  local pkg
+  for b in "${!want[@]}"; do
+    pkg="sigs.k8s.io/scheduler-plugins/cmd/${want[$b]}"
+    go get "$pkg@$SCHEDULER_PLUGINS_VERSION" >>"$LOGS/go-get.log" 2>&1 \
+      || die "scheduler-plugins: go get $pkg@$SCHEDULER_PLUGINS_VERSION failed (see $LOGS/go-get.log)"
+  done
+  for b in "${!want[@]}"; do
+    recipe_ok "$SP_DIR/$b" "$ldflags" && continue
+    pkg="sigs.k8s.io/scheduler-plugins/cmd/${want[$b]}"
+    go build -ldflags "$ldflags" -o "$SP_DIR/$b.tmp" "$pkg" >"$LOGS/scheduler-plugins-$b.log" 2>&1 \
+      || die "scheduler-plugins: go build $pkg failed (see $LOGS/scheduler-plugins-$b.log): $(tail -3 "$LOGS/scheduler-plugins-$b.log")"
+    mv "$SP_DIR/$b.tmp" "$SP_DIR/$b"
+    recipe_write "$SP_DIR/$b" "$ldflags"
+    log "scheduler-plugins: $b built ($((SECONDS - t0))s so far)"
+  done
 }
 
 # kubelet and the pod sandbox ("pause") binary, for the real nodes (hack/nodes-up.sh). kubelet is

@@ -114,6 +114,18 @@ def test_one_gang_binds_whole_and_the_other_not_at_all_until_it_fits(api, gang_n
                       desc=f"one gang with all {GANG} pods bound by {SCHEDULER}")
     loser = next(g for g in groups if g != winner)
 
+    def status(g: str) -> dict:
+        pg = custom.get_namespaced_custom_object(*PODGROUP_API[:2], ns, PODGROUP_API[2], g)
+        return pg.get("status") or {}
+
+    def phases_are(want: dict[str, tuple[str, int | None]]):
+        """Each group's (phase, running pods) as scheduler-plugins' controller reports them; None:
+        any count."""
+        seen = {g: (status(g).get("phase"), status(g).get("running", 0)) for g in want}
+        return all(seen[g][0] == p and n in (None, seen[g][1]) for g, (p, n) in want.items()) or None
+
+    wait_for(lambda: phases_are({winner: ("Running", GANG), loser: ("Scheduling", 0)}), timeout=30,
+             desc=f"PodGroup status: {winner} Running, {loser} Scheduling")
     # Long enough for the loser's members that wait in Permit on the free node to time out: none
     # may have been bound meanwhile, and none after.
     end = time.monotonic() + WATCH_LOSER
@@ -128,6 +140,10 @@ def test_one_gang_binds_whole_and_the_other_not_at_all_until_it_fits(api, gang_n
              desc=f"all {GANG} pods of {loser} bound once {winner}'s pods are gone")
     nodes = {core.read_namespaced_pod(f"{loser}-{i}", ns).spec.node_name for i in range(GANG)}
     assert len(nodes) == GANG and all(n.startswith(f"kwok-gang-{tag}-") for n in nodes), nodes
+    # A group with fewer pods than minMember goes back to Pending. Its running count is left at the
+    # last non-zero value: the controller's merge patch drops a 0 (omitempty).
+    wait_for(lambda: phases_are({loser: ("Running", GANG), winner: ("Pending", None)}), timeout=30,
+             desc=f"PodGroup status: {loser} Running, {winner} Pending")
 
 
 def test_pod_without_a_group_is_scheduled_alone(api, gang_ns, gang_nodes):

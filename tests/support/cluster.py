@@ -8,7 +8,9 @@ scheduler for gang scheduling: scheduler-plugins' kube-scheduler whose only prof
 `scheduler-plugins-scheduler` (SECOND_SCHEDULER), runs the Coscheduling plugin. It schedules only pods
 with that schedulerName; those labelled `scheduling.x-k8s.io/pod-group: <name>` wait until the
 namespace's PodGroup <name> (scheduling.x-k8s.io/v1alpha1, CRD installed) can place minMember of them.
-Nothing writes PodGroup status (upstream's PodGroup controller is not run).
+scheduler-plugins' controller keeps PodGroup status: phase Pending (fewer pods than minMember),
+Scheduling, Running (minMember Running or Succeeded), Finished, Failed (both final: never
+reconciled again); counts running/succeeded/failed (a count that falls to 0 keeps its last value).
 
 Fake nodes: `kwok-gpu-0` .. `kwok-gpu-3`, each allocatable `nvidia.com/gpu: 8`, `cpu: 64`,
 `memory: 512Gi`, `pods: 110`, labels `nvidia.com/gpu.product=NVIDIA-H100-80GB-HBM3`,
