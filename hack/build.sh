@@ -98,14 +98,21 @@ build_kube() {
 }
 
 # scheduler-plugins' kube-scheduler (Coscheduling, for gang scheduling), a second scheduler beside
-# the control plane's, and its controller (it keeps PodGroups' status). Its go.mod replaces every k8s.io staging module (and k8s.io/kubernetes) with
-# a published version, which `go install pkg@version` refuses, so it is built in a scratch module
-# given those replace directives, with the Kubernetes patch release moved to
-# SCHEDULER_PLUGINS_KUBE_VERSION (same minor; see versions.env). Its own scratch module: those
-# versions (1.34) are not the control plane's (1.36).
+# the control plane's, and its controller (it keeps PodGroups' status). Its go.mod replaces every
+# k8s.io staging module (and k8s.io/kubernetes) with a published version, which
+# `go install pkg@version` refuses, so both are built in a scratch module given those replace
+# directives, with the Kubernetes patch release moved to SCHEDULER_PLUGINS_KUBE_VERSION (same minor;
+# see versions.env). Its own scratch module: those versions (1.34) are not the control plane's (1.36).
 build_scheduler_plugins() {
-  local json gomod src kube ldflags replaces crd
+  local json gomod src kube="$SCHEDULER_PLUGINS_KUBE_VERSION" ldflags replaces crd b missing=0
   local -A want=([kube-scheduler]=scheduler [controller]=controller)  # binary -> cmd/<package>
+  # Stamped as the Kubernetes release it is built from (what kube-scheduler --version reports, and
+  # consistent with the 1.<minor> its feature gates assume), not as v0.34.x.
+  ldflags="$(kube_ldflags "$kube")"
+  for b in "${!want[@]}"; do recipe_ok "$SP_DIR/$b" "$ldflags" || missing=1; done
+  if [ "$missing" = 0 ]; then
+    log "scheduler-plugins $SCHEDULER_PLUGINS_VERSION (kubernetes $kube): cached in $SP_DIR"; return
+  fi
   json="$(cd "$CACHE" && go mod download -json "sigs.k8s.io/scheduler-plugins@$SCHEDULER_PLUGINS_VERSION")" \
     || die "scheduler-plugins: could not download sigs.k8s.io/scheduler-plugins@$SCHEDULER_PLUGINS_VERSION"
   gomod="$(sed -n 's/.*"GoMod": "\(.*\)".*/\1/p' <<<"$json")"
@@ -117,19 +124,10 @@ build_scheduler_plugins() {
     diff -q <(grep -v '^#' "$HERE/crds/$crd") <(grep -v '^#' "$src/config/crd/bases/$crd") >/dev/null \
       || die "hack/crds/$crd differs from scheduler-plugins $SCHEDULER_PLUGINS_VERSION's config/crd/bases/$crd: copy it again (keep the header)"
   done
-  kube="$SCHEDULER_PLUGINS_KUBE_VERSION"
   local upstream staging="v0.${kube#v1.}"
   upstream="$(awk '$1 == "k8s.io/kubernetes" && $2 == "=>" {print $4; exit}' "$gomod")"
   [ "${upstream%.*}" = "${kube%.*}" ] \
     || die "scheduler-plugins $SCHEDULER_PLUGINS_VERSION is built on Kubernetes ${upstream:-?}, not on ${kube%.*}.x: set SCHEDULER_PLUGINS_KUBE_VERSION in hack/versions.env"
-  # Stamped as the Kubernetes release it is built from (what kube-scheduler --version reports, and
-  # consistent with the 1.<minor> its feature gates assume), not as v0.34.x.
-  ldflags="$(kube_ldflags "$kube")"
-  local b missing=0
-  for b in "${!want[@]}"; do recipe_ok "$SP_DIR/$b" "$ldflags" || missing=1; done
-  if [ "$missing" = 0 ]; then
-    log "scheduler-plugins $SCHEDULER_PLUGINS_VERSION (kubernetes $kube): cached in $SP_DIR"; return
-  fi
   log "scheduler-plugins $SCHEDULER_PLUGINS_VERSION (kubernetes $kube): building (cold: ~2 min on 2 cores after the control plane, plus downloads)"
   local t0=$SECONDS
   mkdir -p "$SP_SCRATCH"
