@@ -14,9 +14,11 @@ KUBE_DIR="$CACHE/bin/kube-$KUBE_VERSION-etcd-$ETCD_VERSION"
 KWOK_DIR="$CACHE/bin/kwok-$KWOK_VERSION"
 HELM_DIR="$CACHE/bin/helm-$HELM_VERSION"
 COREDNS_DIR="$CACHE/bin/coredns-$COREDNS_VERSION"
+SP_DIR="$CACHE/bin/scheduler-plugins-$SCHEDULER_PLUGINS_VERSION"
+SP_SCRATCH="$CACHE/src/scheduler-plugins-$SCHEDULER_PLUGINS_VERSION"
 SCRATCH="$CACHE/src/kube-$KUBE_VERSION-etcd-$ETCD_VERSION"
 LOGS="$CACHE/build-logs"
-mkdir -p "$KUBE_DIR" "$KWOK_DIR" "$HELM_DIR" "$COREDNS_DIR" "$LOGS"
+mkdir -p "$KUBE_DIR" "$KWOK_DIR" "$HELM_DIR" "$COREDNS_DIR" "$SP_DIR" "$LOGS"
 exec 8>"$CACHE/build.lock"
 flock 8
 
@@ -29,12 +31,12 @@ export CGO_ENABLED=0
 
 # Version stamps, as Kubernetes' hack/lib/version.sh sets them: without them the API server reports
 # v0.0.0-master+$Format:%H$, which breaks `kubectl version` and Helm charts' kubeVersion checks.
-kube_ldflags() {
-  local major minor pkg out=""
-  major="${KUBE_VERSION#v}"; major="${major%%.*}"
-  minor="${KUBE_VERSION#v*.}"; minor="${minor%%.*}"
+kube_ldflags() {  # [VERSION, default KUBE_VERSION]
+  local v="${1:-$KUBE_VERSION}" major minor pkg out=""
+  major="${v#v}"; major="${major%%.*}"
+  minor="${v#v*.}"; minor="${minor%%.*}"
   for pkg in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
-    out+=" -X $pkg.gitVersion=$KUBE_VERSION -X $pkg.gitMajor=$major -X $pkg.gitMinor=$minor"
+    out+=" -X $pkg.gitVersion=$v -X $pkg.gitMajor=$major -X $pkg.gitMinor=$minor"
     out+=" -X $pkg.gitTreeState=clean -X $pkg.gitCommit="
   done
   echo "-s -w$out"
@@ -95,6 +97,72 @@ build_kube() {
   fi
 }
 
+# scheduler-plugins' kube-scheduler (Coscheduling, for gang scheduling), a second scheduler beside
+# the control plane's, and its controller (it keeps PodGroups' status). Its go.mod replaces every
+# k8s.io staging module (and k8s.io/kubernetes) with a published version, which
+# `go install pkg@version` refuses, so both are built in a scratch module given those replace
+# directives, with the Kubernetes patch release moved to SCHEDULER_PLUGINS_KUBE_VERSION (same minor;
+# see versions.env). Its own scratch module: those versions (1.34) are not the control plane's (1.36).
+build_scheduler_plugins() {
+  local json gomod src kube="$SCHEDULER_PLUGINS_KUBE_VERSION" ldflags replaces crd b missing=0
+  local -A want=([kube-scheduler]=scheduler [controller]=controller)  # binary -> cmd/<package>
+  # Stamped as the Kubernetes release it is built from (what kube-scheduler --version reports, and
+  # consistent with the 1.<minor> its feature gates assume), not as v0.34.x.
+  ldflags="$(kube_ldflags "$kube")"
+  for b in "${!want[@]}"; do recipe_ok "$SP_DIR/$b" "$ldflags" || missing=1; done
+  if [ "$missing" = 0 ]; then
+    log "scheduler-plugins $SCHEDULER_PLUGINS_VERSION (kubernetes $kube): cached in $SP_DIR"; return
+  fi
+  json="$(cd "$CACHE" && go mod download -json "sigs.k8s.io/scheduler-plugins@$SCHEDULER_PLUGINS_VERSION")" \
+    || die "scheduler-plugins: could not download sigs.k8s.io/scheduler-plugins@$SCHEDULER_PLUGINS_VERSION"
+  gomod="$(sed -n 's/.*"GoMod": "\(.*\)".*/\1/p' <<<"$json")"
+  src="$(sed -n 's/.*"Dir": "\(.*\)".*/\1/p' <<<"$json")"
+  { [ -f "$gomod" ] && [ -d "$src" ]; } || die "scheduler-plugins: no go.mod or source in: $json"
+  # cluster-up applies the repository's copies of the CRDs (no download at cluster-up time): they
+  # must be the ones this scheduler was released with.
+  for crd in scheduling.x-k8s.io_podgroups.yaml scheduling.x-k8s.io_elasticquotas.yaml; do
+    diff -q <(grep -v '^#' "$HERE/crds/$crd") <(grep -v '^#' "$src/config/crd/bases/$crd") >/dev/null \
+      || die "hack/crds/$crd differs from scheduler-plugins $SCHEDULER_PLUGINS_VERSION's config/crd/bases/$crd: copy it again (keep the header)"
+  done
+  local upstream staging="v0.${kube#v1.}"
+  upstream="$(awk '$1 == "k8s.io/kubernetes" && $2 == "=>" {print $4; exit}' "$gomod")"
+  [ "${upstream%.*}" = "${kube%.*}" ] \
+    || die "scheduler-plugins $SCHEDULER_PLUGINS_VERSION is built on Kubernetes ${upstream:-?}, not on ${kube%.*}.x: set SCHEDULER_PLUGINS_KUBE_VERSION in hack/versions.env"
+  log "scheduler-plugins $SCHEDULER_PLUGINS_VERSION (kubernetes $kube): building (cold: ~2 min on 2 cores after the control plane, plus downloads)"
+  local t0=$SECONDS
+  mkdir -p "$SP_SCRATCH"
+  cd "$SP_SCRATCH"
+  [ -f go.mod ] || go mod init ddpjob.dev/hack/scheduler-plugins >/dev/null 2>&1
+  # "old => new version" lines, in the replace block or on their own; path replacements (=> ./x)
+  # have no version and would not resolve outside its repository: none in the releases we pin.
+  # k8s.io/kubernetes and the staging modules of its minor move to our patch release; others (an
+  # older k8s.io/legacy-cloud-providers) stay as upstream pins them.
+  replaces="$(awk -v kube="$kube" -v staging="$staging" -v minor="${staging%.*}." '/=>/ {
+      sub(/^[ \t]*replace[ \t]+/, ""); if (NF != 4 || $2 != "=>") next
+      v = $4
+      if ($3 == "k8s.io/kubernetes") v = kube
+      else if ($3 ~ /^k8s\.io\// && index(v, minor) == 1) v = staging
+      print "-replace=" $1 "=" $3 "@" v }' "$gomod")"
+  [ -n "$replaces" ] || die "scheduler-plugins: no replace directives found in $gomod"
+  # shellcheck disable=SC2086  # one -replace=... word per line
+  go mod edit $replaces
+  local pkg
+  for b in "${!want[@]}"; do
+    pkg="sigs.k8s.io/scheduler-plugins/cmd/${want[$b]}"
+    go get "$pkg@$SCHEDULER_PLUGINS_VERSION" >>"$LOGS/go-get.log" 2>&1 \
+      || die "scheduler-plugins: go get $pkg@$SCHEDULER_PLUGINS_VERSION failed (see $LOGS/go-get.log)"
+  done
+  for b in "${!want[@]}"; do
+    recipe_ok "$SP_DIR/$b" "$ldflags" && continue
+    pkg="sigs.k8s.io/scheduler-plugins/cmd/${want[$b]}"
+    go build -ldflags "$ldflags" -o "$SP_DIR/$b.tmp" "$pkg" >"$LOGS/scheduler-plugins-$b.log" 2>&1 \
+      || die "scheduler-plugins: go build $pkg failed (see $LOGS/scheduler-plugins-$b.log): $(tail -3 "$LOGS/scheduler-plugins-$b.log")"
+    mv "$SP_DIR/$b.tmp" "$SP_DIR/$b"
+    recipe_write "$SP_DIR/$b" "$ldflags"
+    log "scheduler-plugins: $b built ($((SECONDS - t0))s so far)"
+  done
+}
+
 # kubelet and the pod sandbox ("pause") binary, for the real nodes (hack/nodes-up.sh). kubelet is
 # built in the control plane's scratch module (same pinned staging modules, same build cache).
 build_node_binaries() {
@@ -151,17 +219,19 @@ helm_ldflags() {
 start=$(date +%s)
 case "${1:-all}" in
   kube) build_kube ;;
+  scheduler-plugins) build_scheduler_plugins ;;
   kwok) build_simple kwok "$KWOK_DIR" sigs.k8s.io/kwok/cmd/kwok "$KWOK_VERSION" ;;
   nodes) build_node_binaries ;;
   helm) HELM_LDFLAGS="$(helm_ldflags)"; build_simple helm "$HELM_DIR" helm.sh/helm/v3/cmd/helm "$HELM_VERSION" "$HELM_LDFLAGS" ;;
   all)
     build_kube
+    build_scheduler_plugins
     build_simple kwok "$KWOK_DIR" sigs.k8s.io/kwok/cmd/kwok "$KWOK_VERSION"
     HELM_LDFLAGS="$(helm_ldflags)"
     build_simple helm "$HELM_DIR" helm.sh/helm/v3/cmd/helm "$HELM_VERSION" "$HELM_LDFLAGS"
     # DDPJOB_REAL_NODES=0: a control plane with kwok nodes only needs no kubelet or CoreDNS.
     [ "${DDPJOB_REAL_NODES:-2}" = 0 ] || build_node_binaries
     ;;
-  *) die "unknown target '$1' (kube | kwok | helm | nodes | all)" ;;
+  *) die "unknown target '$1' (kube | scheduler-plugins | kwok | helm | nodes | all)" ;;
 esac
 log "done in $(( $(date +%s) - start ))s"

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Start the local control plane on 127.0.0.1 (free ports): etcd, kube-apiserver,
-# kube-controller-manager, kube-scheduler and kwok with fake GPU nodes.
+# kube-controller-manager, kube-scheduler, scheduler-plugins' scheduler (Coscheduling, for pods
+# with schedulerName scheduler-plugins-scheduler) and controller (PodGroup status; the CRDs) and kwok
+# with fake GPU nodes.
 # Idempotent: exits at once when the cluster recorded in .cache/cluster/ is running and healthy;
 # stale state (a crashed component) is torn down and started afresh.
 # State: .cache/cluster/{kubeconfig,pki,pids,logs,etcd}; binaries linked into .cache/bin/.
@@ -19,6 +21,7 @@ CACHE="${DDPJOB_CACHE:-$HOME/.cache/ddpjob}"
 KUBE_DIR="$CACHE/bin/kube-$KUBE_VERSION-etcd-$ETCD_VERSION"
 KWOK_DIR="$CACHE/bin/kwok-$KWOK_VERSION"
 HELM_DIR="$CACHE/bin/helm-$HELM_VERSION"
+SP_DIR="$CACHE/bin/scheduler-plugins-$SCHEDULER_PLUGINS_VERSION"
 STATE="$ROOT/.cache/cluster"
 PIDS="$STATE/pids"
 LOGS="$STATE/logs"
@@ -28,7 +31,7 @@ KUBECONFIG_FILE="$STATE/kubeconfig"
 NODES="${DDPJOB_FAKE_NODES:-4}"
 REAL_NODES="${DDPJOB_REAL_NODES:-2}"
 TIMEOUT="${DDPJOB_CLUSTER_TIMEOUT:-90}"
-COMPONENTS=(etcd kube-apiserver kube-controller-manager kube-scheduler kwok)
+COMPONENTS=(etcd kube-apiserver kube-controller-manager kube-scheduler scheduler-plugins scheduler-plugins-controller kwok)
 T0=$SECONDS
 
 log() { printf '[hack/cluster-up %s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
@@ -93,6 +96,8 @@ link_binaries() {
   for b in "$KUBE_DIR"/{kube-apiserver,kube-controller-manager,kube-scheduler,etcd} "$KWOK_DIR/kwok" "$HELM_DIR/helm"; do
     [ -x "$b" ] && ln -sfn "$b" "$BIN/$(basename "$b")"
   done
+  [ -x "$SP_DIR/kube-scheduler" ] && ln -sfn "$SP_DIR/kube-scheduler" "$BIN/scheduler-plugins-scheduler"
+  [ -x "$SP_DIR/controller" ] && ln -sfn "$SP_DIR/controller" "$BIN/scheduler-plugins-controller"
   if [ -x "$KUBE_DIR/kubectl" ]; then kubectl_src="$KUBE_DIR/kubectl"; else kubectl_src="$(command -v kubectl || true)"; fi
   [ -n "$kubectl_src" ] && ln -sfn "$kubectl_src" "$BIN/kubectl"
   KUBECTL="$BIN/kubectl"
@@ -120,9 +125,9 @@ mkdir -p "$PIDS" "$LOGS" "$PKI"
 
 # --- ports ----------------------------------------------------------------------------------
 # Bind all at once so they are distinct; a small race with other programs remains.
-read -r P_ETCD P_PEER P_API P_KCM P_SCHED P_KWOK < <(python3 - <<'PY'
+read -r P_ETCD P_PEER P_API P_KCM P_SCHED P_SP P_SPC P_KWOK < <(python3 - <<'PY'
 import socket
-socks = [socket.socket() for _ in range(6)]
+socks = [socket.socket() for _ in range(8)]
 for s in socks:
     s.bind(("127.0.0.1", 0))
 print(" ".join(str(s.getsockname()[1]) for s in socks))
@@ -133,6 +138,8 @@ ETCD_PORT=$P_ETCD
 APISERVER_PORT=$P_API
 CONTROLLER_MANAGER_PORT=$P_KCM
 SCHEDULER_PORT=$P_SCHED
+SCHEDULER_PLUGINS_PORT=$P_SP
+SCHEDULER_PLUGINS_CONTROLLER_PORT=$P_SPC
 KWOK_PORT=$P_KWOK
 APISERVER_URL=https://127.0.0.1:$P_API
 EOF
@@ -157,6 +164,7 @@ client_ext="$(printf '%s\n' 'basicConstraints=CA:FALSE' 'keyUsage=critical,digit
 sign admin "/O=system:masters/CN=ddpjob-admin" "$client_ext"
 sign controller-manager "/CN=system:kube-controller-manager" "$client_ext"
 sign scheduler "/CN=system:kube-scheduler" "$client_ext"
+sign scheduler-plugins-controller "/CN=ddpjob-local:scheduler-plugins-controller" "$client_ext"
 ossl genpkey -algorithm RSA -pkeyopt rsa_keygen_bits:2048 -out "$PKI/sa.key"
 ossl pkey -in "$PKI/sa.key" -pubout -out "$PKI/sa.pub"
 
@@ -166,6 +174,7 @@ source "$HERE/nodes-lib.sh"   # write_kubeconfig FILE USER
 write_kubeconfig "$KUBECONFIG_FILE.tmp" admin
 write_kubeconfig "$STATE/controller-manager.kubeconfig" controller-manager
 write_kubeconfig "$STATE/scheduler.kubeconfig" scheduler
+write_kubeconfig "$STATE/scheduler-plugins-controller.kubeconfig" scheduler-plugins-controller
 
 # --- processes ------------------------------------------------------------------------------
 # start NAME BINARY ARGS...: own session (Ctrl-C in the calling terminal does not reach it),
@@ -224,6 +233,73 @@ api_ok() {
 wait_healthy kube-apiserver "GET /readyz on :$P_API" api_ok
 mv "$KUBECONFIG_FILE.tmp" "$KUBECONFIG_FILE"
 
+# Gang scheduling: the CRDs; read access to PodGroups for the second scheduler, which
+# authenticates as kube-scheduler does (system:kube-scheduler: the default RBAC covers the rest);
+# upstream's rules for the controller (its own user). Before either starts: the scheduler's
+# Coscheduling plugin looks PodGroups up through a cache that needs the kind to exist.
+
+# grant NAME USER RULES: ClusterRole NAME with RULES (YAML list items), bound to USER.
+grant() {
+  cat <<EOF
+---
+apiVersion: rbac.authorization.k8s.io/v1
+kind: ClusterRole
+metadata: {name: "$1"}
+rules:
+$3
+---
+apiVersion: rbac.authorization.k8s.io/v1
+kind: ClusterRoleBinding
+metadata: {name: "$1"}
+roleRef: {apiGroup: rbac.authorization.k8s.io, kind: ClusterRole, name: "$1"}
+subjects:
+- {apiGroup: rbac.authorization.k8s.io, kind: User, name: "$2"}
+EOF
+}
+sp_rbac() {
+  grant ddpjob-local:scheduler-plugins system:kube-scheduler \
+    '- {apiGroups: [scheduling.x-k8s.io], resources: [podgroups], verbs: [get, list, watch]}'
+  grant ddpjob-local:scheduler-plugins-controller ddpjob-local:scheduler-plugins-controller "$(printf '%s\n' \
+    '- {apiGroups: [""], resources: [pods], verbs: [get, list, watch]}' \
+    '- {apiGroups: ["", events.k8s.io], resources: [events], verbs: [create, patch, update]}' \
+    '- {apiGroups: [scheduling.x-k8s.io], resources: [podgroups, elasticquotas, podgroups/status, elasticquotas/status], verbs: [get, list, watch, update, patch]}')"
+}
+sp_rbac | kc apply -f "$HERE/crds/scheduling.x-k8s.io_podgroups.yaml" -f "$HERE/crds/scheduling.x-k8s.io_elasticquotas.yaml" -f - \
+    >>"$LOGS/kubectl.log" 2>&1 \
+  || { log "FAILED: creating the PodGroup CRDs and their RBAC:"; tail -5 "$LOGS/kubectl.log" >&2; fail kube-apiserver "PodGroup CRDs not created"; }
+sp_crds_ok() {
+  [ "$(kc get crd podgroups.scheduling.x-k8s.io elasticquotas.scheduling.x-k8s.io \
+        -o jsonpath='{.items[*].status.conditions[?(@.type=="Established")].status}')" = "True True" ]
+}
+wait_healthy kube-apiserver "CRDs podgroups, elasticquotas.scheduling.x-k8s.io Established" sp_crds_ok
+
+# Only pods that name its profile are its: ordinary pods keep default-scheduler (kube-scheduler).
+# permitWaitingTimeSeconds: how long the members of a gang that cannot all fit hold their
+# reserved nodes before all are released (upstream's example value).
+cat >"$STATE/scheduler-plugins.yaml" <<EOF
+apiVersion: kubescheduler.config.k8s.io/v1
+kind: KubeSchedulerConfiguration
+leaderElection:
+  leaderElect: false
+clientConnection:
+  kubeconfig: $STATE/scheduler.kubeconfig
+profiles:
+- schedulerName: scheduler-plugins-scheduler
+  plugins:
+    multiPoint:
+      enabled:
+      - name: Coscheduling
+    queueSort:
+      enabled:
+      - name: Coscheduling
+      disabled:
+      - name: "*"
+  pluginConfig:
+  - name: Coscheduling
+    args:
+      permitWaitingTimeSeconds: 10
+EOF
+
 start kube-controller-manager "$KUBE_DIR/kube-controller-manager" \
   --kubeconfig "$STATE/controller-manager.kubeconfig" \
   --bind-address 127.0.0.1 --secure-port "$P_KCM" \
@@ -234,6 +310,14 @@ start kube-controller-manager "$KUBE_DIR/kube-controller-manager" \
 start kube-scheduler "$KUBE_DIR/kube-scheduler" \
   --kubeconfig "$STATE/scheduler.kubeconfig" \
   --bind-address 127.0.0.1 --secure-port "$P_SCHED" --leader-elect=false
+start scheduler-plugins "$SP_DIR/kube-scheduler" \
+  --config "$STATE/scheduler-plugins.yaml" --bind-address 127.0.0.1 --secure-port "$P_SP"
+# It writes PodGroups' status (phase Pending, Scheduling, Running, Finished, Failed; counts of
+# running/succeeded/failed pods), which the scheduler never does. Metrics off; probes on loopback
+# (both listen on every address by default).
+start scheduler-plugins-controller "$SP_DIR/controller" \
+  --kubeconfig "$STATE/scheduler-plugins-controller.kubeconfig" \
+  --metricsAddr 0 --probeAddr "127.0.0.1:$P_SPC"
 start kwok "$KWOK_DIR/kwok" \
   --kubeconfig "$KUBECONFIG_FILE" \
   --manage-all-nodes=false --manage-nodes-with-annotation-selector kwok.x-k8s.io/node=fake \
@@ -242,6 +326,8 @@ start kwok "$KWOK_DIR/kwok" \
   -c "$HERE/kwok-stages.yaml"
 wait_healthy kube-controller-manager "GET /healthz on :$P_KCM" curl_ok -k "https://127.0.0.1:$P_KCM/healthz"
 wait_healthy kube-scheduler "GET /healthz on :$P_SCHED" curl_ok -k "https://127.0.0.1:$P_SCHED/healthz"
+wait_healthy scheduler-plugins "GET /healthz on :$P_SP" curl_ok -k "https://127.0.0.1:$P_SP/healthz"
+wait_healthy scheduler-plugins-controller "GET /readyz on :$P_SPC" curl_ok "http://127.0.0.1:$P_SPC/readyz"
 wait_healthy kwok "GET /healthz on :$P_KWOK" curl_ok "http://127.0.0.1:$P_KWOK/healthz"
 
 # --- objects: fake GPU nodes, the nvidia RuntimeClass ---------------------------------------

@@ -3,7 +3,14 @@
 What runs (hack/cluster-up.sh; all on 127.0.0.1, free ports, state in .cache/cluster/):
 etcd, kube-apiserver (RBAC, default admission plugins incl. RuntimeClass, service-account
 tokens), kube-controller-manager (`--controllers '*'`: garbage collector, namespace,
-service-account, endpoint-slice, job ... controllers), kube-scheduler and kwok.
+service-account, endpoint-slice, job ... controllers), kube-scheduler, kwok, and a second
+scheduler for gang scheduling: scheduler-plugins' kube-scheduler whose only profile,
+`scheduler-plugins-scheduler` (SECOND_SCHEDULER), runs the Coscheduling plugin. It schedules only pods
+with that schedulerName; those labelled `scheduling.x-k8s.io/pod-group: <name>` wait until the
+namespace's PodGroup <name> (scheduling.x-k8s.io/v1alpha1, CRD installed) can place minMember of them.
+scheduler-plugins' controller keeps PodGroup status: phase Pending (fewer pods than minMember),
+Scheduling, Running (minMember Running or Succeeded), Finished, Failed (both final: never
+reconciled again); counts running/succeeded/failed (a count that falls to 0 keeps its last value).
 
 Fake nodes: `kwok-gpu-0` .. `kwok-gpu-3`, each allocatable `nvidia.com/gpu: 8`, `cpu: 64`,
 `memory: 512Gi`, `pods: 110`, labels `nvidia.com/gpu.product=NVIDIA-H100-80GB-HBM3`,
@@ -52,6 +59,8 @@ TEST_EXIT_CODE_ANNOTATION = "ddpjob.dev/test-exit-code"
 TEST_EVICT_ANNOTATION = "ddpjob.dev/test-evict"
 GPU_RESOURCE = "nvidia.com/gpu"
 RUNTIME_CLASS = "nvidia"
+SECOND_SCHEDULER = "scheduler-plugins-scheduler"
+POD_GROUP_LABEL = "scheduling.x-k8s.io/pod-group"
 FAKE_NODE_PREFIX = "kwok-gpu-"
 
 T = TypeVar("T")
