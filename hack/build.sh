@@ -16,9 +16,10 @@ HELM_DIR="$CACHE/bin/helm-$HELM_VERSION"
 COREDNS_DIR="$CACHE/bin/coredns-$COREDNS_VERSION"
 SP_DIR="$CACHE/bin/scheduler-plugins-$SCHEDULER_PLUGINS_VERSION"
 SP_SCRATCH="$CACHE/src/scheduler-plugins-$SCHEDULER_PLUGINS_VERSION"
+KUEUE_DIR="$CACHE/bin/kueue-$KUEUE_VERSION"
 SCRATCH="$CACHE/src/kube-$KUBE_VERSION-etcd-$ETCD_VERSION"
 LOGS="$CACHE/build-logs"
-mkdir -p "$KUBE_DIR" "$KWOK_DIR" "$HELM_DIR" "$COREDNS_DIR" "$SP_DIR" "$LOGS"
+mkdir -p "$KUBE_DIR" "$KWOK_DIR" "$HELM_DIR" "$COREDNS_DIR" "$SP_DIR" "$KUEUE_DIR" "$LOGS"
 exec 8>"$CACHE/build.lock"
 flock 8
 
@@ -216,12 +217,38 @@ helm_ldflags() {
     "-X $h/pkg/chartutil.k8sVersionMajor=1 -X $h/pkg/chartutil.k8sVersionMinor=$minor"
 }
 
+# Kueue (DDPJOB_KUEUE=1 clusters). Not `go install pkg@version`: that also reads the module's
+# version list for deprecation notices, which the module proxy here refuses for sigs.k8s.io/kueue
+# (403). A scratch module built with `go get` + `go build` needs only the pinned version.
+build_kueue() {
+  local src="$CACHE/src/kueue-$KUEUE_VERSION" pkg=sigs.k8s.io/kueue/cmd/kueue
+  local ldflags="-s -w -X sigs.k8s.io/kueue/pkg/version.GitVersion=$KUEUE_VERSION"
+  if recipe_ok "$KUEUE_DIR/kueue" "$ldflags"; then
+    # cluster-up applies Kueue's CRDs, webhooks and RBAC from the module's source.
+    [ -d "$(go env GOMODCACHE)/sigs.k8s.io/kueue@$KUEUE_VERSION/config" ] \
+      || go mod download "sigs.k8s.io/kueue@$KUEUE_VERSION" >"$LOGS/kueue.log" 2>&1 \
+      || die "kueue: go mod download sigs.k8s.io/kueue@$KUEUE_VERSION failed (see $LOGS/kueue.log)"
+    log "kueue $KUEUE_VERSION: cached in $KUEUE_DIR"; return
+  fi
+  log "kueue $KUEUE_VERSION: building (cold: ~3.5 min on 2 cores)"
+  mkdir -p "$src"
+  cd "$src"
+  [ -f go.mod ] || go mod init ddpjob.dev/hack/kueue >/dev/null 2>&1
+  go get "$pkg@$KUEUE_VERSION" >"$LOGS/kueue.log" 2>&1 \
+    || die "kueue: go get $pkg@$KUEUE_VERSION failed (see $LOGS/kueue.log): $(tail -3 "$LOGS/kueue.log")"
+  go build -ldflags "$ldflags" -o "$KUEUE_DIR/kueue.tmp" "$pkg" >>"$LOGS/kueue.log" 2>&1 \
+    || die "kueue: go build failed (see $LOGS/kueue.log): $(tail -3 "$LOGS/kueue.log")"
+  mv "$KUEUE_DIR/kueue.tmp" "$KUEUE_DIR/kueue"
+  recipe_write "$KUEUE_DIR/kueue" "$ldflags"
+}
+
 start=$(date +%s)
 case "${1:-all}" in
   kube) build_kube ;;
   scheduler-plugins) build_scheduler_plugins ;;
   kwok) build_simple kwok "$KWOK_DIR" sigs.k8s.io/kwok/cmd/kwok "$KWOK_VERSION" ;;
   nodes) build_node_binaries ;;
+  kueue) build_kueue ;;
   helm) HELM_LDFLAGS="$(helm_ldflags)"; build_simple helm "$HELM_DIR" helm.sh/helm/v3/cmd/helm "$HELM_VERSION" "$HELM_LDFLAGS" ;;
   all)
     build_kube
@@ -231,7 +258,8 @@ case "${1:-all}" in
     build_simple helm "$HELM_DIR" helm.sh/helm/v3/cmd/helm "$HELM_VERSION" "$HELM_LDFLAGS"
     # DDPJOB_REAL_NODES=0: a control plane with kwok nodes only needs no kubelet or CoreDNS.
     [ "${DDPJOB_REAL_NODES:-2}" = 0 ] || build_node_binaries
+    [ "${DDPJOB_KUEUE:-1}" = 0 ] || build_kueue
     ;;
-  *) die "unknown target '$1' (kube | scheduler-plugins | kwok | helm | nodes | all)" ;;
+  *) die "unknown target '$1' (kube | scheduler-plugins | kwok | helm | nodes | kueue | all)" ;;
 esac
 log "done in $(( $(date +%s) - start ))s"

@@ -34,7 +34,7 @@ fi
 # Stop one at a time in reverse start order, clients first and etcd last (an API server whose
 # etcd is gone hangs in shutdown): SIGTERM, up to 10 s, then SIGKILL.
 stopped=()
-for name in kwok scheduler-plugins-controller scheduler-plugins kube-scheduler kube-controller-manager kube-apiserver etcd; do
+for name in kueue kwok scheduler-plugins-controller scheduler-plugins kube-scheduler kube-controller-manager kube-apiserver etcd; do
   f="$PIDS/$name.pid"
   [ -f "$f" ] || continue
   pid="$(cat "$f")"

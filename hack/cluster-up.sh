@@ -9,8 +9,11 @@
 # With DDPJOB_REAL_NODES > 0 (default 2) it then starts real nodes (hack/nodes-up.sh: containerd +
 # kubelet per node, CoreDNS) whose pods really run; the API server then also listens on the pod
 # bridge's gateway (10.248.0.1) so in-cluster clients reach it.
+# Unless DDPJOB_KUEUE=0 it also runs Kueue (built from sigs.k8s.io/kueue, KUEUE_VERSION) with the pod
+# integration, its webhooks served on 127.0.0.1; only pods in namespaces labelled
+# ddpjob.dev/kueue=true are Kueue's (.cache/cluster/kueue.env says so for tests).
 # Env: DDPJOB_CACHE (binary cache root), DDPJOB_FAKE_NODES (default 4), DDPJOB_REAL_NODES (default 2),
-#      DDPJOB_CLUSTER_TIMEOUT (seconds per component, default 90).
+#      DDPJOB_KUEUE (default 1; 0: no Kueue), DDPJOB_CLUSTER_TIMEOUT (seconds per component, default 90).
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 ROOT="$(cd "$HERE/.." && pwd)"
@@ -22,6 +25,7 @@ KUBE_DIR="$CACHE/bin/kube-$KUBE_VERSION-etcd-$ETCD_VERSION"
 KWOK_DIR="$CACHE/bin/kwok-$KWOK_VERSION"
 HELM_DIR="$CACHE/bin/helm-$HELM_VERSION"
 SP_DIR="$CACHE/bin/scheduler-plugins-$SCHEDULER_PLUGINS_VERSION"
+KUEUE_DIR="$CACHE/bin/kueue-$KUEUE_VERSION"
 STATE="$ROOT/.cache/cluster"
 PIDS="$STATE/pids"
 LOGS="$STATE/logs"
@@ -31,7 +35,10 @@ KUBECONFIG_FILE="$STATE/kubeconfig"
 NODES="${DDPJOB_FAKE_NODES:-4}"
 REAL_NODES="${DDPJOB_REAL_NODES:-2}"
 TIMEOUT="${DDPJOB_CLUSTER_TIMEOUT:-90}"
+KUEUE="${DDPJOB_KUEUE:-1}"
+KUEUE_NS_LABEL=ddpjob.dev/kueue
 COMPONENTS=(etcd kube-apiserver kube-controller-manager kube-scheduler scheduler-plugins scheduler-plugins-controller kwok)
+[ "$KUEUE" = 0 ] || COMPONENTS+=(kueue)
 T0=$SECONDS
 
 log() { printf '[hack/cluster-up %s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
@@ -93,7 +100,7 @@ export DDPJOB_CLUSTER_LOCKED=1
 link_binaries() {
   local b kubectl_src
   mkdir -p "$BIN"
-  for b in "$KUBE_DIR"/{kube-apiserver,kube-controller-manager,kube-scheduler,etcd} "$KWOK_DIR/kwok" "$HELM_DIR/helm"; do
+  for b in "$KUBE_DIR"/{kube-apiserver,kube-controller-manager,kube-scheduler,etcd} "$KWOK_DIR/kwok" "$HELM_DIR/helm" "$KUEUE_DIR/kueue"; do
     [ -x "$b" ] && ln -sfn "$b" "$BIN/$(basename "$b")"
   done
   [ -x "$SP_DIR/kube-scheduler" ] && ln -sfn "$SP_DIR/kube-scheduler" "$BIN/scheduler-plugins-scheduler"
@@ -125,9 +132,9 @@ mkdir -p "$PIDS" "$LOGS" "$PKI"
 
 # --- ports ----------------------------------------------------------------------------------
 # Bind all at once so they are distinct; a small race with other programs remains.
-read -r P_ETCD P_PEER P_API P_KCM P_SCHED P_SP P_SPC P_KWOK < <(python3 - <<'PY'
+read -r P_ETCD P_PEER P_API P_KCM P_SCHED P_SP P_SPC P_KWOK P_KUEUE_WH P_KUEUE_HEALTH P_KUEUE_METRICS < <(python3 - <<'PY'
 import socket
-socks = [socket.socket() for _ in range(8)]
+socks = [socket.socket() for _ in range(11)]
 for s in socks:
     s.bind(("127.0.0.1", 0))
 print(" ".join(str(s.getsockname()[1]) for s in socks))
@@ -398,9 +405,92 @@ nodes_ready() {
 wait_healthy kwok "$NODES fake GPU nodes Ready" nodes_ready
 wait_healthy kube-controller-manager "ServiceAccount default/default created" kc get serviceaccount default -n default
 
+# --- Kueue (DDPJOB_KUEUE=1) -------------------------------------------------------------------
+if [ "$KUEUE" != 0 ]; then
+  t_kueue=$SECONDS
+  KUEUE_SRC="$(go env GOMODCACHE)/sigs.k8s.io/kueue@$KUEUE_VERSION/config/components"
+  [ -d "$KUEUE_SRC" ] || fail kube-apiserver "Kueue's manifests are not in $KUEUE_SRC (hack/build.sh kueue downloads them; DDPJOB_KUEUE=1 for hack/build.sh all)"
+  KDIR="$STATE/kueue"
+  mkdir -p "$KDIR/certs"
+  sign kueue-webhook "/CN=kueue-webhook" "$(printf '%s\n' 'basicConstraints=CA:FALSE' \
+    'keyUsage=critical,digitalSignature,keyEncipherment' 'extendedKeyUsage=serverAuth' 'subjectAltName=IP:127.0.0.1')"
+  cp "$PKI/kueue-webhook.crt" "$KDIR/certs/tls.crt"
+  cp "$PKI/kueue-webhook.key" "$KDIR/certs/tls.key"
+  # Kueue's own ClusterRoles (kueue-objects.py binds them), not system:masters.
+  sign kueue "/CN=ddpjob-kueue" "$client_ext"
+  write_kubeconfig "$KDIR/kubeconfig" kueue
+  # Without internal cert management Kueue reads its metrics serving certificate from this fixed
+  # path, and exits if it is missing. Nothing here scrapes Kueue, so any certificate will do: one
+  # is made once per machine and shared by every clone's cluster.
+  if [ ! -s /etc/kueue/metrics/certs/tls.crt ]; then
+    mkdir -p /etc/kueue/metrics/certs 2>/dev/null \
+      || fail kube-apiserver "Kueue needs /etc/kueue/metrics/certs/tls.{crt,key} and this user cannot create them"
+    ossl req -x509 -newkey rsa:2048 -nodes -keyout /etc/kueue/metrics/certs/tls.key \
+      -out /etc/kueue/metrics/certs/tls.crt -days 3650 -subj "/CN=kueue-metrics" -addext "subjectAltName=IP:127.0.0.1"
+  fi
+  cat >"$KDIR/config.yaml" <<EOF
+apiVersion: config.kueue.x-k8s.io/v1beta2
+kind: Configuration
+namespace: kueue-system
+health:
+  healthProbeBindAddress: 127.0.0.1:$P_KUEUE_HEALTH
+metrics:
+  bindAddress: 127.0.0.1:$P_KUEUE_METRICS
+webhook:
+  host: 127.0.0.1
+  port: $P_KUEUE_WH
+  certDir: $KDIR/certs
+leaderElection:
+  leaderElect: false
+internalCertManagement:
+  enable: false
+# Pods are Kueue's only in labelled namespaces (the pod webhooks' namespaceSelector is the same),
+# and there only those with a kueue.x-k8s.io/queue-name label.
+manageJobsWithoutQueueName: false
+managedJobsNamespaceSelector:
+  matchLabels:
+    $KUEUE_NS_LABEL: "true"
+integrations:
+  frameworks: [pod]
+featureGates:
+  # The pending-workloads API is an aggregated API server of its own (port 8082 on every address).
+  VisibilityOnDemand: false
+EOF
+  kc apply --server-side --force-conflicts -f "$KUEUE_SRC/crd/bases" >>"$LOGS/kubectl.log" 2>&1 \
+    || fail kube-apiserver "applying Kueue's CRDs (see $LOGS/kubectl.log)"
+  # Kueue serves v1beta1 <-> v1beta2 conversion for these (its kustomize patches crd/patches/webhook_in_*).
+  conversion="{\"spec\":{\"conversion\":{\"strategy\":\"Webhook\",\"webhook\":{\"conversionReviewVersions\":[\"v1\"],
+    \"clientConfig\":{\"url\":\"https://127.0.0.1:$P_KUEUE_WH/convert\",\"caBundle\":\"$(base64 -w0 <"$PKI/ca.crt")\"}}}}}"
+  for crd in localqueues clusterqueues cohorts workloads multikueueclusters; do
+    kc patch crd "$crd.kueue.x-k8s.io" --type=merge -p "$conversion" >>"$LOGS/kubectl.log" 2>&1 \
+      || fail kube-apiserver "setting the conversion webhook of $crd.kueue.x-k8s.io (see $LOGS/kubectl.log)"
+  done
+  kc create --dry-run=client -o json -f "$KUEUE_SRC/webhook/manifests.yaml" \
+      -f "$KUEUE_SRC/rbac/role.yaml" -f "$KUEUE_SRC/rbac/metrics_auth_role.yaml" \
+      -f "$KUEUE_SRC/rbac/manager_secrets_role.yaml" 2>>"$LOGS/kubectl.log" \
+    | python3 "$HERE/kueue-objects.py" "https://127.0.0.1:$P_KUEUE_WH" "$PKI/ca.crt" ddpjob-kueue "$KUEUE_NS_LABEL" \
+      >"$KDIR/objects.json" || fail kube-apiserver "rewriting Kueue's webhook and RBAC manifests (hack/kueue-objects.py)"
+  { kc create namespace kueue-system && kc apply -f "$KDIR/objects.json"; } >>"$LOGS/kubectl.log" 2>&1 \
+    || fail kube-apiserver "applying Kueue's webhooks and RBAC (see $LOGS/kubectl.log)"
+  crds_established() {
+    [ "$(kc get crd -o jsonpath='{range .items[*]}{.spec.group} {.status.conditions[?(@.type=="Established")].status}{"\n"}{end}' \
+          | grep -c '^kueue.x-k8s.io True$')" -ge "$(find "$KUEUE_SRC/crd/bases" -name '*.yaml' | wc -l)" ]
+  }
+  wait_healthy kube-apiserver "Kueue's CRDs Established" crds_established
+  start kueue "$KUEUE_DIR/kueue" --config "$KDIR/config.yaml" --kubeconfig "$KDIR/kubeconfig"
+  wait_healthy kueue "GET /readyz on :$P_KUEUE_HEALTH" curl_ok "http://127.0.0.1:$P_KUEUE_HEALTH/readyz"
+  cat >"$STATE/kueue.env" <<EOF
+KUEUE_VERSION=$KUEUE_VERSION
+KUEUE_NAMESPACE_LABEL=$KUEUE_NS_LABEL
+KUEUE_WEBHOOK_PORT=$P_KUEUE_WH
+KUEUE_HEALTH_PORT=$P_KUEUE_HEALTH
+EOF
+  log "kueue: $KUEUE_VERSION up in $((SECONDS - t_kueue))s (pods managed in namespaces labelled $KUEUE_NS_LABEL=true)"
+fi
+
 if [ "$REAL_NODES" -gt 0 ]; then
   "$HERE/nodes-up.sh" || fail kube-apiserver "real nodes did not come up (hack/nodes-up.sh; DDPJOB_REAL_NODES=0 skips them)"
 fi
 
-log "up in $((SECONDS - T0))s: API server https://127.0.0.1:$P_API, $NODES fake nodes x 8 nvidia.com/gpu, $REAL_NODES real nodes"
+log "up in $((SECONDS - T0))s: API server https://127.0.0.1:$P_API, $NODES fake nodes x 8 nvidia.com/gpu, $REAL_NODES real nodes$([ "$KUEUE" = 0 ] || echo ", Kueue $KUEUE_VERSION")"
 log "export KUBECONFIG=$KUBECONFIG_FILE   (binaries: $BIN)"
