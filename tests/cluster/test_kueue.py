@@ -48,15 +48,17 @@ def kueue_env() -> dict[str, str]:
     return dict(line.split("=", 1) for line in path.read_text().split())
 
 
-@pytest.fixture
-def kq(cluster, api):
-    """A Kueue-managed namespace with a LocalQueue on a ClusterQueue of 32 GPUs (4 kwok nodes x 8),
-    and a DDPJob (no operator runs) to own the pods."""
+def kueue_namespace(api) -> str:
+    """A namespace whose pods Kueue manages (the label hack/cluster-up.sh gave Kueue)."""
     env = kueue_env()
-    install_crd(cluster)
-    ns = create_namespace(api, prefix="kueue-", labels={env["KUEUE_NAMESPACE_LABEL"]: "true"})
+    return create_namespace(api, prefix="kueue-", labels={env["KUEUE_NAMESPACE_LABEL"]: "true"})
+
+
+def make_queues(api, ns: str, *, gpus: int = 32) -> str:
+    """A ResourceFlavor and a ClusterQueue of `gpus` GPUs (4 kwok nodes x 8 by default), named
+    like the namespace (one set per test), for that namespace only, and LocalQueue `gpus` in it."""
     custom = client.CustomObjectsApi(api)
-    name = ns  # cluster-scoped objects, one set per test
+    name = ns
     custom.create_cluster_custom_object(*KUEUE, "resourceflavors", {
         "apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "ResourceFlavor", "metadata": {"name": name}})
     custom.create_cluster_custom_object(*KUEUE, "clusterqueues", {
@@ -68,10 +70,31 @@ def kq(cluster, api):
                 "flavors": [{"name": name, "resources": [
                     {"name": "cpu", "nominalQuota": "256"},
                     {"name": "memory", "nominalQuota": "2Ti"},
-                    {"name": GPU_RESOURCE, "nominalQuota": "32"}]}]}]}})
+                    {"name": GPU_RESOURCE, "nominalQuota": str(gpus)}]}]}]}})
     custom.create_namespaced_custom_object(*KUEUE, ns, "localqueues", {
         "apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "LocalQueue", "metadata": {"name": "gpus"},
         "spec": {"clusterQueue": name}})
+    return name
+
+
+def delete_queues(api, name: str) -> None:
+    custom = client.CustomObjectsApi(api)
+    for plural in ("clusterqueues", "resourceflavors"):
+        try:
+            custom.delete_cluster_custom_object(*KUEUE, plural, name)
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
+
+
+@pytest.fixture
+def kq(cluster, api):
+    """A Kueue-managed namespace with a LocalQueue on a ClusterQueue of 32 GPUs (4 kwok nodes x 8),
+    and a DDPJob (no operator runs) to own the pods."""
+    install_crd(cluster)
+    ns = kueue_namespace(api)
+    custom = client.CustomObjectsApi(api)
+    name = make_queues(api, ns)
     job = custom.create_namespaced_custom_object("ddpjob.dev", "v1alpha1", ns, "ddpjobs", manifest("train", nodes=3))
 
     class KQ:
@@ -135,12 +158,7 @@ def kq(cluster, api):
 
     yield KQ()
     delete_namespace(api, ns)
-    for plural in ("clusterqueues", "resourceflavors"):
-        try:
-            custom.delete_cluster_custom_object(*KUEUE, plural, name)
-        except ApiException as exc:
-            if exc.status != 404:
-                raise
+    delete_queues(api, name)
 
 
 def group_name() -> str:
