@@ -33,6 +33,16 @@ def register(registry: kopf.OperatorRegistry, reconciler: Reconciler, *, informe
             informer.start(loop)
         memo.scrape = loop.create_task(reconciler.scrape_loop())
 
+    # /healthz (the chart's readiness and liveness probe) answers 200 only once the pod cache has
+    # listed the operator's pods: before that no pass can run, and an operator that cannot reach
+    # the API server (a wrong address, a dead route) must not look ready to `helm install --wait`.
+    # kopf serves a failed probe as a 500; PermanentError: no retry inside the probe request.
+    @kopf.on.probe(id="podCacheSynced", registry=registry, errors=kopf.ErrorsMode.PERMANENT)
+    def pod_cache_synced(**_: Any) -> bool:
+        if not reconciler.pods.synced:
+            raise kopf.PermanentError("the pod cache has not listed the operator's pods yet")
+        return True
+
     @kopf.on.cleanup(registry=registry)
     async def stop(memo: kopf.Memo, **_: Any) -> None:
         for informer in informers:

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -415,3 +416,41 @@ def test_peering_only_the_highest_priority_operator_acts(crd, namespace, tmp_pat
         for op in ops:
             op.stop()
             print(f"--- {op.log_path.name} ---\n{op.tail(30)}")
+
+
+def health_codes(port: int, proc: subprocess.Popen, seconds: float) -> list[int]:
+    """Every answer of GET /healthz on `port`, once a second for `seconds` (the process must live)."""
+    codes: list[int] = []
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"operator exited {proc.returncode}"
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=2) as r:
+                codes.append(r.status)
+        except urllib.error.HTTPError as exc:
+            codes.append(exc.code)
+        except OSError:
+            pass  # not listening yet
+        time.sleep(1)
+    return codes
+
+
+def test_not_healthy_until_it_has_listed_its_pods(crd, namespace, tmp_path):
+    """An operator that cannot reach the API server (a wrong address, a dead route: stop 21's CI)
+    must not pass the chart's readiness probe, or `helm install --wait` reports success."""
+    cfg = yaml.safe_load(Path(crd.kubeconfig).read_text())
+    for entry in cfg["clusters"]:
+        entry["cluster"]["server"] = f"https://127.0.0.1:{free_port()}"  # nothing listens there
+    bad = tmp_path / "kubeconfig"
+    bad.write_text(yaml.safe_dump(cfg))
+    port = free_port()
+    with open(tmp_path / "operator.log", "w") as log:
+        proc = subprocess.Popen([DDPJOB, "operator", "-n", namespace, "--metrics-port", str(free_port()),
+                                 "--health-port", str(port), "--peering", ""],
+                                stdout=log, stderr=subprocess.STDOUT, env=crd.env(KUBECONFIG=str(bad)))
+        try:
+            codes = health_codes(port, proc, 20)
+        finally:
+            proc.terminate()
+            proc.wait(timeout=15)
+    assert codes and set(codes) == {500}, codes
