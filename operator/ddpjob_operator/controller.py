@@ -393,7 +393,8 @@ class Reconciler:
         if api is None or Phase.parse((job.raw.get("status") or {}).get("phase")) in (Phase.SUCCEEDED, Phase.FAILED):
             return None
         pods = [p for p in self.pods.by_index(namespace, name) if owned_by(p, job.uid)]
-        if all((p.get("spec") or {}).get("nodeName") for p in pods):  # no pods yet: none waits
+        bound = sum(1 for p in pods if (p.get("spec") or {}).get("nodeName"))
+        if bound == len(pods) or bound >= gang.min_member(job):  # no pods yet, or the gang is placed
             return None
         try:
             return await self.k8s.get_child(gang.KIND, namespace, gang.podgroup_name(job), job=name,
@@ -446,7 +447,7 @@ class Reconciler:
             refused = refusal(name, exc.status, exc.body)
             if refused is None:
                 raise
-            if exc.status == 404:  # the API group is not served: its CRD is not installed
+            if exc.status == 404 and kind == gang.KIND:  # the API group is not served: no scheduler CRD
                 refused = dataclasses.replace(refused, message=(
                     f"this cluster does not serve {api_version} {kind}s: install the scheduler that "
                     f"spec.scheduling.gang names (or remove spec.scheduling.gang)"))

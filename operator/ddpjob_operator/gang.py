@@ -55,7 +55,6 @@ KIND = "PodGroup"
 # Coscheduling's PodGroup controller never looks at a group again once it is Finished or Failed;
 # a restarted gang in the same group (the scheduler reads only its spec) would show a stale phase.
 STALE_PHASES = frozenset({"Finished", "Failed"})
-PLURAL = "podgroups"
 
 
 def gang_spec(job: JobSpec) -> dict[str, Any]:
@@ -103,14 +102,16 @@ def default_scheduler_name(job: JobSpec) -> str | None:
     return api.scheduler_name if api else None
 
 
-def _format(value: Decimal) -> str:
-    """A quantity as people write it: 12, 500m, 48Gi."""
+def _format(name: str, value: Decimal) -> str:
+    """A quantity as people write it: 12, 500m, and 48Gi for byte counts (a GPU count is not)."""
     if value != value.to_integral_value():
         return f"{int((value * 1000).to_integral_value(rounding=ROUND_CEILING))}m"
     whole = int(value)
-    for suffix, size in (("Ti", 1 << 40), ("Gi", 1 << 30), ("Mi", 1 << 20), ("Ki", 1 << 10)):
-        if whole >= size and whole % size == 0:
-            return f"{whole // size}{suffix}"
+    if name in ("memory", "ephemeral-storage") or name.startswith("hugepages-"):
+        for suffix, size in (("Ti", 1 << 40), ("Gi", 1 << 30), ("Mi", 1 << 20), ("T", 10**12), ("G", 10**9),
+                             ("M", 10**6)):
+            if whole >= size and whole % size == 0:
+                return f"{whole // size}{suffix}"
     return str(whole)
 
 
@@ -138,7 +139,7 @@ def min_resources(job: JobSpec, pod: dict[str, Any]) -> dict[str, str]:
     """The gang's total requests (min_member pods like `pod`): lets the scheduler turn a gang away
     at once when the cluster could never hold it, and Volcano admit it against its queue."""
     count = min_member(job)
-    return {k: _format(v * count) for k, v in sorted(pod_requests(pod.get("spec") or {}).items()) if v > 0}
+    return {k: _format(k, v * count) for k, v in sorted(pod_requests(pod.get("spec") or {}).items()) if v > 0}
 
 
 def render_podgroup(job: JobSpec, pod: dict[str, Any]) -> dict[str, Any] | None:

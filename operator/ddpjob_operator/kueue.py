@@ -25,13 +25,19 @@ TOTAL_ANNOTATION = "kueue.x-k8s.io/pod-group-total-count"
 RETRIABLE_ANNOTATION = "kueue.x-k8s.io/retriable-in-group"
 ADMISSION_GATE = "kueue.x-k8s.io/admission"
 MANAGED_LABEL = "kueue.x-k8s.io/managed"  # Kueue's mark on the pods its webhook took
+TERMINATION_TARGET = podinfo.TERMINATION_TARGET  # set on the pods of a group Kueue evicts
 MAX_NAME = 63
 
 
 def queue_name(job: JobSpec) -> str | None:
-    """The LocalQueue the job's own label names (None: not queued by Kueue)."""
-    value = ((job.raw.get("metadata") or {}).get("labels") or {}).get(QUEUE_LABEL)
-    return str(value) if value else None
+    """The LocalQueue the job's own label names, else its pods' (podLabels, the template's): a
+    queue label on the pods alone would have Kueue admit them one by one (None: no queue)."""
+    tpl = (job.spec.get("template") or {}).get("metadata") or {}
+    for mapping in ((job.raw.get("metadata") or {}).get("labels"), job.spec.get("podLabels"), tpl.get("labels")):
+        value = (mapping or {}).get(QUEUE_LABEL) if isinstance(mapping, dict) else None
+        if value:
+            return str(value)
+    return None
 
 
 def group_name(job: JobSpec, attempt: int) -> str:

@@ -12,7 +12,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
-from . import labels, podinfo
+from . import kueue, labels, podinfo
 from .config import OperatorConfig
 from .envvars import pod_hostname
 from .phases import Cond, Phase
@@ -60,6 +60,10 @@ def disruption(pod: dict[str, Any]) -> tuple[str, str] | None:
         if c.get("type") == "DisruptionTarget" and c.get("status") == "True":
             why = str(c.get("reason") or "")
             return DISRUPTION_REASONS.get(why, "PodEvicted"), str(c.get("message") or why)
+        if c.get("type") == kueue.TERMINATION_TARGET and c.get("status") == "True":
+            # Kueue evicted the admitted group (preemption, fair-share reclaim, a stopped queue).
+            why = str(c.get("reason") or "")
+            return "PodPreempted", f"Kueue: {c.get('message') or why}"
     if st.get("reason") in STATUS_REASONS:
         return STATUS_REASONS[st["reason"]], str(st.get("reason"))
     return None
@@ -304,7 +308,9 @@ def decide(job: JobSpec, pods: list[dict[str, Any]], *, now: dt.datetime, prev_s
         # Resume: a fresh attempt (the old pods are gone, not failed), deadline clock restarts.
         d.attempt, d.start_time = attempt + 1, now
         d.phase, d.reason, d.message = Phase.PENDING, "Resumed", "spec.suspend is false: pods recreated"
-    if d.start_time is None:
+    if d.start_time is None or any(kueue.gated(p) for p in pods if podinfo.attempt(p) == d.attempt):
+        # Queued by Kueue, the pods hold nothing yet: the deadline counts from admission, as a
+        # Job's startTime does when Kueue unsuspends it.
         d.start_time = now
 
     deadline = job.active_deadline_seconds

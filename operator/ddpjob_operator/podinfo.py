@@ -95,12 +95,18 @@ def failure_message(pod: dict[str, Any]) -> str:
     return str((pod.get("status") or {}).get("message") or "")[:300]
 
 
+# Kueue's condition on the pods of a group it evicts (preemption, fair-share reclaim), set before it
+# deletes them: as free as the scheduler's own preemption.
+TERMINATION_TARGET = "TerminationTarget"
+
+
 def disrupted(pod: dict[str, Any]) -> bool:
     """True when the pod was evicted, preempted or lost with its node (free restart)."""
     st = pod.get("status") or {}
     if st.get("reason") in _DISRUPTION_REASONS:
         return True
-    return any(c.get("type") == "DisruptionTarget" and c.get("status") == "True" for c in _conditions(pod))
+    return any(c.get("type") in ("DisruptionTarget", TERMINATION_TARGET) and c.get("status") == "True"
+               for c in _conditions(pod))
 
 
 def bad_config(pod: dict[str, Any]) -> bool:

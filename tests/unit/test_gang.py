@@ -275,3 +275,32 @@ def test_podgroup_is_read_only_while_a_pod_waits_for_a_node():
     run(main())
     cond = gang_condition(k8s.jobs["j"]["status"])
     assert cond["status"] == "True", k8s.jobs["j"]["status"]["conditions"]
+
+
+@pytest.mark.parametrize("resources, nodes, want", [
+    ({"limits": {"nvidia.com/gpu": "8"}}, 128, {"nvidia.com/gpu": "1024"}),      # a count, not 1Ki
+    ({"requests": {"cpu": "8"}}, 128, {"cpu": "1024"}),
+    ({"requests": {"memory": "1G"}}, 2, {"memory": "2G"}),
+    ({"requests": {"memory": "16Gi"}}, 3, {"memory": "48Gi"}),
+    ({"requests": {"memory": "100Mi", "cpu": "100m"}}, 3, {"cpu": "300m", "memory": "300Mi"}),
+])
+def test_min_resources_are_written_as_people_write_them(resources, nodes, want):
+    pg = podgroup(nodes=nodes, scheduling=COSCHED, resources=resources)
+    assert pg["spec"]["minResources"] == want
+
+
+@pytest.mark.parametrize("podgroup_obj, reason", [
+    ({"status": {"phase": "Scheduling"}}, "Scheduling"),
+    # Coscheduling's controller leaves a group Finished/Failed for good: a restarted gang's wait
+    # must not show the old attempt's end.
+    ({"status": {"phase": "Finished"}}, "WaitingForGang"),
+    ({"status": {"phase": "Failed"}}, "WaitingForGang"),
+    ({"metadata": {"name": "j"}}, "WaitingForGang"),        # no status yet
+    (None, "WaitingForGang"),
+])
+def test_waiting_reason_from_the_podgroup_phase(podgroup_obj, reason):
+    job = make_job(nodes=2, scheduling=COSCHED)
+    state = gang.gang_state(job, [waiting(make_pod(0, phase="Pending")), waiting(make_pod(1, phase="Pending"))],
+                            attempt=0, podgroup=podgroup_obj)
+    assert not state.placed and state.reason == reason
+    assert ("missing or could not be read" in state.message) == (podgroup_obj is None)

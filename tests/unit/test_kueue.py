@@ -4,10 +4,12 @@ from __future__ import annotations
 import pytest
 
 from ddpjob_operator import kueue
+from ddpjob_operator.lifecycle import decide
+from ddpjob_operator.phases import Phase
 from ddpjob_operator.pods import render_pod
 from ddpjob_operator.spec import from_manifest
 from ddpjob_operator.status import job_status
-from tests.support.builders import NOW, make_manifest, make_pod
+from tests.support.builders import NOW, ago, make_manifest, make_pod
 
 
 def queued_job(name="j", queue="team-a", uid="0123456789", **spec):
@@ -94,3 +96,42 @@ def test_pods_kueue_did_not_take_are_named_as_such():
 def test_no_condition_without_a_queue_or_before_the_pods():
     assert admitted(job_status(queued_job(queue=None), [pod(0, gated=True)], now=NOW, prev_status={})[0]) is None
     assert admitted(job_status(queued_job(), [], now=NOW, prev_status={})[0]) is None
+
+
+def test_queue_label_among_the_pod_labels_still_makes_one_group():
+    """Set through podLabels or the template, the queue label alone would have Kueue admit the
+    pods one by one (the deadlock queues are for): the operator makes them one group anyway."""
+    for spec in ({"podLabels": {kueue.QUEUE_LABEL: "gpus"}},
+                 {"template": {"metadata": {"labels": {kueue.QUEUE_LABEL: "gpus"}}}}):
+        job = queued_job(queue=None, nodes=2, **spec)
+        meta = render_pod(job, 1)["metadata"]
+        assert meta["labels"][kueue.QUEUE_LABEL] == "gpus"
+        assert meta["labels"][kueue.GROUP_LABEL] == "j-01234-a0"
+        assert meta["annotations"][kueue.TOTAL_ANNOTATION] == "2"
+
+
+def test_time_in_the_queue_does_not_count_toward_the_deadline():
+    job = queued_job(nodes=2, activeDeadlineSeconds=600)
+    prev = {"phase": "Pending", "attempt": 0, "startTime": ago(3600)}
+    d = decide(job, [pod(0, gated=True), pod(1, gated=True)], now=NOW, prev_status=prev)
+    assert d.phase is Phase.PENDING and d.start_time == NOW
+    # Admitted: the clock runs from then on.
+    d = decide(job, [pod(0), pod(1)], now=NOW, prev_status={**prev, "startTime": ago(599)})
+    assert d.phase is not Phase.FAILED
+    d = decide(job, [pod(0), pod(1)], now=NOW, prev_status={**prev, "startTime": ago(601)})
+    assert d.phase is Phase.FAILED and d.reason == "DeadlineExceeded"
+
+
+def test_a_group_kueue_evicts_restarts_without_using_the_budget():
+    job = queued_job(nodes=2)
+    evicted = pod(1)
+    evicted["status"] = {"phase": "Failed", "conditions": [
+        {"type": "TerminationTarget", "status": "True", "reason": "WorkloadEvictedDueToPreempted",
+         "message": "Preempted to accommodate a workload (UID: x) due to prioritization in the ClusterQueue"}],
+        "containerStatuses": [{"name": "trainer", "state": {"terminated": {"exitCode": 143}}}]}
+    d = decide(job, [pod(0), evicted], now=NOW,
+               prev_status={"phase": "Running", "attempt": 0, "restarts": 0, "countedRestarts": 0,
+                            "startTime": ago(100)})
+    assert d.restarted is not None and d.restarted.reason == "PodPreempted"
+    assert (d.restarts, d.counted_restarts) == (1, 0)
+    assert "Kueue: Preempted to accommodate" in d.message
