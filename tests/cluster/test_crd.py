@@ -77,6 +77,12 @@ def test_defaults_applied_by_the_api_server(crd, namespace):
      "the trainer container's image, command, args"),
     ("job", {"template": {"metadata": {"labels": {"ddpjob.dev/job-name": "other"}}}},
      "spec.template.metadata.labels must not use ddpjob.dev/ keys"),
+    # spec.scheduling.gang: the schedulers the operator knows, and each one's own options.
+    ("job", {"scheduling": {"gang": {"scheduler": "kube-batch"}}}, "spec.scheduling.gang.scheduler"),
+    ("job", {"scheduling": {"gang": {"scheduler": "coscheduling", "queue": "q"}}},
+     "spec.scheduling.gang.queue applies to scheduler volcano only"),
+    ("job", {"scheduling": {"gang": {"scheduler": "volcano", "scheduleTimeoutSeconds": 9}}},
+     "spec.scheduling.gang.scheduleTimeoutSeconds applies to scheduler coscheduling only"),
 ])
 def test_invalid_spec_refused_naming_the_field(crd, namespace, name, spec, field):
     proc = apply(crd, namespace, manifest(name, **spec))
@@ -93,6 +99,7 @@ def test_invalid_spec_refused_naming_the_field(crd, namespace, name, spec, field
     ({"image": "reg/trainer:2"}, "spec.image is immutable"),
     ({"command": ["torchrun", "x.py"]}, "spec.command is immutable"),
     ({"trainer": {"epochs": 5}}, "spec.trainer is immutable"),
+    ({"scheduling": {"gang": {"scheduler": "volcano"}}}, "spec.scheduling.gang is immutable"),
 ])
 def test_immutable_fields_but_suspend_may_change(crd, namespace, change, field):
     assert apply(crd, namespace, manifest("imm", trainer={"epochs": 1})).returncode == 0

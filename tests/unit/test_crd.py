@@ -58,7 +58,7 @@ def test_every_cel_rule_has_a_message_naming_a_field(doc):
 
 
 @pytest.mark.parametrize("field", ["nodes", "nprocPerNode", "gpusPerNode", "image", "command", "trainer",
-                                   "elastic"])
+                                   "elastic", "scheduling.gang"])
 def test_immutable_fields_have_transition_rules(doc, field):
     rules = _rules(doc["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"], [])
     assert any("oldSelf" in r["rule"] and f"spec.{field} is immutable" in r["message"] for r in rules)
