@@ -10,6 +10,10 @@
   job is deleted and a new one applied whenever it is complete). Medians and the ratio B/A of
   "pods exist" (the operator's part; goal <= 2) and of "Running" (which adds the shared
   scheduler's queue of the big job's pending pods).
+- The floor: the same restart of two plain pods done by the bench itself with the fewest requests
+  (see the failure, one write, delete both, create both), idle and right after each busy sample.
+  Its busy/idle ratio is what the loaded API server and machine impose on any controller; the
+  operator's ratio over the floor's is the operator's own share.
 - Memory: a fresh operator in its own namespace creates one --huge node job; its RSS
   (/proc/<pid>/status VmRSS, and the peak VmHWM) once all pods exist, against the chart's memory
   limit (charts/ddpjob-operator/values.yaml).
@@ -99,6 +103,40 @@ def restart_once(core, api, ns: str) -> dict:
     return {"exist_s": None if exist_at is None else round(exist_at, 3), "running_s": None}
 
 
+FLOOR = "floor"
+
+
+def floor_pods(core, ns: str, attempt: int) -> None:
+    """The floor's two pods of one attempt (plain pods, placed like the jobs' pods)."""
+    for rank in range(2):
+        core.create_namespaced_pod(ns, {
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": f"{FLOOR}-{rank}", "labels": {labels.JOB_NAME: FLOOR, labels.ATTEMPT: str(attempt)}},
+            "spec": {**osc.PLACEMENT, "restartPolicy": "Never",
+                     "containers": [{"name": "trainer", "image": "bench/trainer:1"}]}})
+
+
+def floor_once(core, api, ns: str, attempt: int) -> dict:
+    """The same restart done by the least any controller must do, with no operator: see the failure
+    (polling, as the measurement does), write one object (the status write), delete both pods,
+    create the next pair once the names are free. Its busy/idle ratio is what the machine and the
+    shared API server impose on every controller; the operator's ratio is judged against it."""
+    wait_for(lambda: group_running(core, ns, FLOOR, 2, above=attempt - 1), timeout=120, desc="floor pods Running")
+    t0 = time.monotonic()
+    set_pod_exit(api, ns, f"{FLOOR}-0", 3)
+    wait_for(lambda: core.read_namespaced_pod(f"{FLOOR}-0", ns).status.phase == "Failed", timeout=osc.TIMEOUT,
+             desc="floor pod Failed", interval=POLL)
+    core.patch_namespace(ns, {"metadata": {"annotations": {"bench.ddpjob.dev/floor-attempt": str(attempt + 1)}}})
+    for rank in range(2):
+        core.delete_namespaced_pod(f"{FLOOR}-{rank}", ns, grace_period_seconds=0)
+    wait_for(lambda: not job_pods(core, ns, FLOOR), timeout=osc.TIMEOUT, desc="floor pods gone", interval=POLL)
+    floor_pods(core, ns, attempt + 1)
+    exist_at = time.monotonic() - t0
+    wait_for(lambda: group_running(core, ns, FLOOR, 2, above=attempt), timeout=osc.TIMEOUT,
+             desc="floor pods Running again", interval=POLL)
+    return {"exist_s": round(exist_at, 3), "running_s": round(time.monotonic() - t0, 3)}
+
+
 def count_pods(core, ns: str, job: str) -> int:
     return len(job_pods(core, ns, job))
 
@@ -111,10 +149,14 @@ def small_job() -> dict:
 
 def restart_latencies(custom, core, api, ns: str, *, repeat: int, big: int, head: int) -> dict:
     custom.create_namespaced_custom_object("ddpjob.dev", "v1alpha1", ns, "ddpjobs", small_job())
-    idle = []
+    floor_pods(core, ns, 0)
+    attempt = 0
+    idle, floor_idle, floor_busy = [], [], []
     for i in range(repeat):
         idle.append(restart_once(core, api, ns))
-        print(f"A idle   #{i}: {idle[-1]}", flush=True)
+        floor_idle.append(floor_once(core, api, ns, attempt))
+        attempt += 1
+        print(f"A idle   #{i}: {idle[-1]} floor {floor_idle[-1]}", flush=True)
     busy, skipped, bigs = [], [], 0
     big_name = None
     while len(busy) < repeat and len(skipped) < 3 * repeat:
@@ -135,9 +177,13 @@ def restart_latencies(custom, core, api, ns: str, *, repeat: int, big: int, head
         # Counted when the failure came while the big job was being created (a restart held back
         # until the big job is complete is exactly the unfairness measured).
         (busy if at_fail < big else skipped).append(res)
+        if at_end < big:  # the floor under the same load, right after
+            floor_busy.append(floor_once(core, api, ns, attempt))
+            attempt += 1
         print(f"B busy   #{len(busy) + len(skipped) - 1}: {res}{'' if at_fail < big else ' (big job done: not counted)'}",
               flush=True)
-    return {"idle": idle, "busy": busy, "busy_not_counted": skipped, "big_jobs_applied": bigs}
+    return {"idle": idle, "busy": busy, "busy_not_counted": skipped, "big_jobs_applied": bigs,
+            "floor_idle": floor_idle, "floor_busy": floor_busy}
 
 
 def huge_rss(cluster, api, k8s: K8s, *, huge: int, logs: Path) -> dict:
@@ -215,13 +261,20 @@ def main() -> int:
             stop_and_clean(ctrl, api, ns)
         a, b = med(lat["idle"], "running_s"), med(lat["busy"], "running_s")
         ea, eb = med(lat["idle"], "exist_s"), med(lat["busy"], "exist_s")
+        fa, fb = med(lat["floor_idle"], "exist_s"), med(lat["floor_busy"], "exist_s")
         out["restart"] = {"idle_median_exist_s": ea, "busy_median_exist_s": eb,
                           "ratio_busy_idle_exist": round(eb / ea, 2) if ea and eb else None,
+                          "floor_idle_median_exist_s": fa, "floor_busy_median_exist_s": fb,
+                          "floor_ratio_busy_idle_exist": round(fb / fa, 2) if fa and fb else None,
+                          # The operator's own share of the slowdown: its ratio over the floor's.
+                          "ratio_over_floor_ratio_exist": round((eb / ea) / (fb / fa), 2) if ea and eb and fa and fb else None,
                           "idle_median_running_s": a, "busy_median_running_s": b,
                           "ratio_busy_idle_running": round(b / a, 2) if a and b else None, "goal_ratio": 2.0, **lat}
         print(f"failure -> restarted pods exist: idle {ea}s, while a {args.big}-node job is created {eb}s, "
               f"ratio {out['restart']['ratio_busy_idle_exist']}; -> Running: idle {a}s, busy {b}s, "
-              f"ratio {out['restart']['ratio_busy_idle_running']} (goal <= 2)", flush=True)
+              f"ratio {out['restart']['ratio_busy_idle_running']} (goal <= 2); the floor (no operator, the "
+              f"fewest requests): idle {fa}s, busy {fb}s, ratio {out['restart']['floor_ratio_busy_idle_exist']}; "
+              f"ours over the floor's {out['restart']['ratio_over_floor_ratio_exist']}", flush=True)
         write(out, args.out, logs)  # the huge run takes minutes: keep this part if it is cut short
         if args.huge > 0:
             mem = huge_rss(cluster, api, k8s, huge=args.huge, logs=logs)
