@@ -45,7 +45,7 @@ from kubernetes import client  # noqa: E402
 from ddpjob_operator import labels  # noqa: E402
 from ddpjob_operator.k8s import K8s  # noqa: E402
 from tests.support.cluster import (create_namespace, delete_namespace, ensure_cluster,  # noqa: E402
-                                   set_pod_exit, wait_for)
+                                   set_pod_exit, wait_crd_established, wait_for)
 
 SMALL = "small"
 POLL = 0.05
@@ -243,7 +243,7 @@ def main() -> int:
     k8s = K8s(api=cluster.api())
     cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f",
                     str(osc.REPO / "charts/ddpjob-operator/crds/ddpjobs.ddpjob.dev.yaml"))
-    cluster.kubectl("wait", "--for=condition=Established", "--timeout=30s", "crd/ddpjobs.ddpjob.dev")
+    wait_crd_established(cluster, "ddpjobs.ddpjob.dev")
     # operator_scale's bench nodes, sized so every pod of this run fits (kwok runs any number).
     osc.PODS_PER_NODE = -(-(max(args.huge, 2 * args.big) + 100) // osc.BENCH_NODES) + 50
     osc.bench_nodes(core, create=True)

@@ -48,7 +48,8 @@ from kubernetes.client.rest import ApiException  # noqa: E402
 
 import kubeflow_peer  # noqa: E402
 from ddpjob_operator.k8s import K8s  # noqa: E402
-from tests.support.cluster import create_namespace, delete_namespace, ensure_cluster, wait_for  # noqa: E402
+from tests.support.cluster import (create_namespace, delete_namespace, ensure_cluster,  # noqa: E402
+                                   wait_crd_established, wait_for)
 
 BENCH_LABEL = "kwok-bench"
 BENCH_NODES = 4
@@ -354,7 +355,7 @@ def main() -> int:
     k8s = K8s(api=cluster.api())
     cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f",
                     str(REPO / "charts/ddpjob-operator/crds/ddpjobs.ddpjob.dev.yaml"))
-    cluster.kubectl("wait", "--for=condition=Established", "--timeout=30s", "crd/ddpjobs.ddpjob.dev")
+    wait_crd_established(cluster, "ddpjobs.ddpjob.dev")
     webhook_port = free_port()
     if any(v.startswith("pytorchjob") for v in variants):
         kubeflow_peer.ensure_binary()

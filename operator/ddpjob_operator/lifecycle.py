@@ -308,7 +308,9 @@ def decide(job: JobSpec, pods: list[dict[str, Any]], *, now: dt.datetime, prev_s
         # Resume: a fresh attempt (the old pods are gone, not failed), deadline clock restarts.
         d.attempt, d.start_time = attempt + 1, now
         d.phase, d.reason, d.message = Phase.PENDING, "Resumed", "spec.suspend is false: pods recreated"
-    if d.start_time is None or any(kueue.gated(p) for p in pods if podinfo.attempt(p) == d.attempt):
+    queued = kueue.queue_name(job) is not None and any(
+        kueue.gated(p) for p in pods if podinfo.attempt(p) == d.attempt)
+    if d.start_time is None or queued:
         # Queued by Kueue, the pods hold nothing yet: the deadline counts from admission, as a
         # Job's startTime does when Kueue unsuspends it.
         d.start_time = now
