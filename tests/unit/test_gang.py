@@ -13,7 +13,8 @@ from ddpjob_operator.render import render_objects
 from ddpjob_operator.status import job_status
 from ddpjob_operator.validation import validate_manifest
 from tests.support.builders import NOW, make_job, make_manifest, make_pod
-from tests.unit.test_reconcile import NS, FakeK8s, name_conflict, next_group_pass, reconciler, run, set_phase
+from tests.unit.test_reconcile import (NS, FakeK8s, name_conflict, next_group_pass, reconciler, run, set_phase,
+                                      start_running)
 
 COSCHED = {"gang": {"scheduler": "coscheduling"}}
 VOLCANO = {"gang": {"scheduler": "volcano"}}
@@ -239,11 +240,7 @@ def test_deleted_podgroup_is_created_again_for_the_next_attempt():
     rec = reconciler(k8s)
 
     async def main():
-        rec.job_event(k8s.add_job(make_manifest(nodes=2, scheduling=COSCHED)))
-        await rec.reconcile(NS, "j")
-        set_phase(rec, k8s, "Running")
-        rec.coalesce = 0.0
-        await rec.reconcile(NS, "j")
+        await start_running(k8s, rec, scheduling=COSCHED)
         del k8s.objects[("PodGroup", "j")]       # someone deleted it
         set_phase(rec, k8s, "Failed", name="j-1", code=1)
         await rec.reconcile(NS, "j")

@@ -136,8 +136,8 @@ def run(coro):
     return asyncio.run(coro)
 
 
-async def start_running(k8s: FakeK8s, rec: Reconciler, nodes: int = 2) -> None:
-    rec.job_event(k8s.add_job(make_manifest(nodes=nodes)))
+async def start_running(k8s: FakeK8s, rec: Reconciler, nodes: int = 2, **spec) -> None:
+    rec.job_event(k8s.add_job(make_manifest(nodes=nodes, **spec)))
     await rec.reconcile(NS, "j")              # status, then Service and pods
     set_phase(rec, k8s, "Running")
     rec.coalesce = 0.0
