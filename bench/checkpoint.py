@@ -2,14 +2,15 @@
 
 For a resnet18-sized state (weights + SGD momentum, as loop.save() builds it), in the same run,
 rotating the arms' order every round so drift hits all alike:
-- `sync`: Checkpointer.save with async_save off: serialize, hash while writing, fsync, publish;
-  training stands still for all of it;
+- `sync`: Checkpointer.save with async_save off: DCP shards written by IO_THREADS threads, each
+  file checksummed (xxh3-128) while written, fsync, manifest, publish; training stands still for all of it;
 - `stall`: Checkpointer.save with async_save on (the trainer's default), time until it returns:
-  training stands still only this long (host copy + per-rank files); `async_total` adds the
-  wait for the background write to be published. Ratio stall / sync (goal <= 0.2);
+  training stands still only this long (host copy + the rank file); `async_total` adds the wait
+  for the background write to be published. Ratio stall / sync (goal <= 0.2);
 - `dd`: `dd bs=4M conv=fsync` of the same number of bytes into the same directory: the write
   ceiling; ratio sync-save throughput / dd throughput (goal >= 0.8);
-- `reread_sha256`: what the old manifest cost on top (reading every byte back to hash it).
+- `torch_save`: the plain peer, one `torch.save` of the state into one file + fsync, no checksum (what
+  pytorch/examples' checkpoints cost), for scale.
 Prints medians and ratios with 95 % intervals; writes bench/results/checkpoint.json.
 Usage: .venv/bin/python bench/checkpoint.py [--rounds 7] [--dir DIR]
 """
@@ -33,7 +34,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from stats import git_head, ratio_interval  # noqa: E402
 
-from ddpjob_trainer.checkpoint import COMMON, Checkpointer, _sha256  # noqa: E402
+from ddpjob_trainer.checkpoint import IO_THREADS, MANIFEST, Checkpointer  # noqa: E402
 from ddpjob_trainer.models import build_model  # noqa: E402
 from ddpjob_trainer.reporting import NullReporter  # noqa: E402
 
@@ -47,12 +48,32 @@ def _state() -> dict:
             "epoch": 0, "micro_done": 1, "world_size": 1, "config": {}}
 
 
-def _dd(src: Path, dst: Path) -> float:
+def _timed(fn) -> float:
     t0 = time.perf_counter()
-    subprocess.run(["dd", f"if={src}", f"of={dst}", "bs=4M", "conv=fsync", "status=none"], check=True)
-    seconds = time.perf_counter() - t0
+    fn()
+    return time.perf_counter() - t0
+
+
+def _dd(src: Path, dst: Path) -> float:
+    seconds = _timed(lambda: subprocess.run(["dd", f"if={src}", f"of={dst}", "bs=4M", "conv=fsync", "status=none"],
+                                            check=True))
     dst.unlink()
     return seconds
+
+
+def _torch_save(state: dict, dst: Path) -> float:
+    def write():
+        with open(dst, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+    seconds = _timed(write)
+    dst.unlink()
+    return seconds
+
+
+def _checkpoint_bytes(step_dir: Path) -> int:
+    return sum(m["size"] for m in json.loads((step_dir / MANIFEST).read_text())["files"].values())
 
 
 def main() -> int:
@@ -65,20 +86,24 @@ def main() -> int:
     state = _state()
     root = Path(tempfile.mkdtemp(prefix="ckpt-bench-", dir=args.dir))
     rng = {"rng": torch.get_rng_state()}
-    times: dict[str, list[float]] = {"sync": [], "stall": [], "async_total": [], "dd": [], "reread_sha256": []}
-    nbytes = 0
+    times: dict[str, list[float]] = {"sync": [], "stall": [], "async_total": [], "dd": [], "torch_save": []}
     try:
-        cks = {mode: Checkpointer(str(root / mode), keep=1, rank=0, barrier=lambda: None,
+        cks = {mode: Checkpointer(str(root / mode), keep=1, rank=0, group=None, barrier=lambda: None,
                                   broadcast=lambda v: v, log=NullReporter(), async_save=mode == "async")
                for mode in ("sync", "async")}
-        for ck in cks.values():  # warm-up: allocator, page cache, directories
+        for ck in cks.values():  # warm-up: allocator, staging buffers, page cache, directories
             ck.save(step=0, common=state, rank_state=rng)
             ck.wait()
+        nbytes = _checkpoint_bytes(root / "sync" / "step-00000000")
+        src = root / "dd-source.bin"
+        with open(src, "wb") as f:  # on disk before the rounds: its write-back must not land in one
+            f.write(os.urandom(nbytes))
+            os.fsync(f.fileno())
+        _dd(src, root / "dd.bin")  # warm-up, as the other arms had
+        _torch_save(state, root / "plain.pt")
 
         def sync(i):
-            t0 = time.perf_counter()
-            cks["sync"].save(step=i, common=state, rank_state=rng)
-            times["sync"].append(time.perf_counter() - t0)
+            times["sync"].append(_timed(lambda: cks["sync"].save(step=i, common=state, rank_state=rng)))
 
         def asynchronous(i):
             t0 = time.perf_counter()
@@ -88,36 +113,37 @@ def main() -> int:
             times["async_total"].append(time.perf_counter() - t0)
 
         def dd(i):
-            times["dd"].append(_dd(root / "sync" / f"step-{0:08d}" / COMMON if i == 0 else
-                                   next((root / "sync").glob("step-*")) / COMMON, root / "dd.bin"))
+            times["dd"].append(_dd(src, root / "dd.bin"))
 
-        arms = [sync, asynchronous, dd]
+        def plain(i):
+            times["torch_save"].append(_torch_save(state, root / "plain.pt"))
+
+        arms = [sync, asynchronous, dd, plain]
         for i in range(1, args.rounds + 1):
-            for arm in arms[i % 3:] + arms[:i % 3]:  # rotated order
+            for arm in arms[i % len(arms):] + arms[:i % len(arms)]:  # rotated order
                 arm(i)
-            newest = next((root / "sync").glob("step-*")) / COMMON
-            nbytes = newest.stat().st_size
-            t0 = time.perf_counter()
-            _sha256(newest)
-            times["reread_sha256"].append(time.perf_counter() - t0)
             print(f"round {i}/{args.rounds}: sync save {times['sync'][-1]:.3f}s  async stall "
                   f"{times['stall'][-1]:.3f}s (total {times['async_total'][-1]:.3f}s)  dd {times['dd'][-1]:.3f}s  "
-                  f"re-read sha256 {times['reread_sha256'][-1]:.3f}s  ({nbytes / 1e6:.1f} MB)", flush=True)
+                  f"torch.save {times['torch_save'][-1]:.3f}s  ({nbytes / 1e6:.1f} MB)", flush=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     med = {k: statistics.median(v) for k, v in times.items()}
     tput = ratio_interval([d / s for s, d in zip(times["sync"], times["dd"])])  # save MB/s / dd MB/s
     stall = ratio_interval([a / s for a, s in zip(times["stall"], times["sync"])])
+    peer = ratio_interval([p / s for s, p in zip(times["sync"], times["torch_save"])])
     result = {
         "benchmark": "checkpoint", "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "git_head": git_head(), "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
-        "state": "resnet18 (1000 classes) weights + SGD momentum", "bytes": nbytes, "rounds": args.rounds,
+        "state": "resnet18 (1000 classes) weights + SGD momentum", "format": "DCP, one process",
+        "io_threads": IO_THREADS, "bytes": nbytes, "rounds": args.rounds,
         "seconds": times, "median_seconds": med,
         "sync_save_mb_per_s": nbytes / 1e6 / med["sync"], "dd_mb_per_s": nbytes / 1e6 / med["dd"],
         "throughput_ratio_sync_save_over_dd": tput["ratio"], "throughput_ratio_95ci": [tput["low"], tput["high"]],
         "goal_throughput_ratio": 0.8,
         "stall_over_sync_save": stall["ratio"], "stall_over_sync_save_95ci": [stall["low"], stall["high"]],
         "goal_stall_over_sync_save": 0.2,
+        "throughput_ratio_sync_save_over_torch_save": peer["ratio"],
+        "throughput_ratio_sync_save_over_torch_save_95ci": [peer["low"], peer["high"]],
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
@@ -126,7 +152,9 @@ def main() -> int:
           f"{tput['ratio']:.2f} (95 % interval {tput['low']:.2f}-{tput['high']:.2f}; goal >= 0.8)")
     print(f"async save: training stalls {med['stall']:.3f}s, {stall['ratio']:.2f} x a synchronous save "
           f"(95 % interval {stall['low']:.2f}-{stall['high']:.2f}; goal <= 0.2); write done after "
-          f"{med['async_total']:.3f}s; the old manifest re-read cost {med['reread_sha256']:.3f}s more")
+          f"{med['async_total']:.3f}s")
+    print(f"plain torch.save (one file, no checksum) {med['torch_save']:.3f}s: our save's throughput over it = "
+          f"{peer['ratio']:.2f} (95 % interval {peer['low']:.2f}-{peer['high']:.2f})")
     return 0
 
 

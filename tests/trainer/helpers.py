@@ -53,13 +53,14 @@ def single_process_eval(ckpt_dir: Path, trainer: dict) -> tuple[float, float, in
     import torch
     import torch.nn.functional as F
 
+    from ddpjob_trainer.checkpoint import load_shared_state
     from ddpjob_trainer.config import parse_config
     from ddpjob_trainer.data import build_data
     from ddpjob_trainer.models import build_model
 
     data = build_data(parse_config(trainer))
     model = build_model(trainer.get("model", "convnet"), data.input_shape, data.num_classes)
-    model.load_state_dict(torch.load(ckpt_dir / "common.pt", map_location="cpu", weights_only=True)["model"])
+    model.load_state_dict(load_shared_state(ckpt_dir)["model"])
     model.eval()
     x = torch.stack([data.val[i][0] for i in range(len(data.val))])
     y = torch.stack([data.val[i][1] for i in range(len(data.val))])

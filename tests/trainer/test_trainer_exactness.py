@@ -6,6 +6,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from ddpjob_trainer.checkpoint import load_shared_state
+
 from .helpers import run_local, run_trainer, single_process_eval, write_job
 
 pytestmark = pytest.mark.timeout(600)
@@ -54,16 +56,23 @@ def test_resume_at_world_size_2_with_workers_and_augmentation_is_bit_exact(tmp_p
                          trainer={**trainer, "checkpoint": {"dir": "ck-a", "everySteps": 2}})
     pa, a = run_local(straight, tmp_path)
     assert pa.returncode == 0, pa.stderr[-3000:]
+    # Saved synchronously: every rank writes a shard, so a rank that dies one step after an async
+    # save would take that checkpoint with it (the one before is then resumed). The straight run
+    # saves asynchronously: both ways must give the same weights.
     crashy = write_job(tmp_path / "b.yaml", name="crashy", nodes=1, nproc=2, max_restarts=1,
-                       trainer={**trainer, "checkpoint": {"dir": "ck-b", "everySteps": 2}})
+                       trainer={**trainer, "checkpoint": {"dir": "ck-b", "everySteps": 2, "asyncSave": False}})
     pb, b = run_local(crashy, tmp_path, env={"DDPJOB_DEBUG_CRASH_RANK": "1:5"})
     assert pb.returncode == 0, pb.stderr[-3000:]
     assert b["restarts"] == 1 and b["resumed_from_step"] == 4  # mid-epoch 1, workers restarted
     assert a["steps"] == b["steps"] == 9
     assert b["eval_loss"] == a["eval_loss"] and b["eval_accuracy"] == a["eval_accuracy"]
-    wa = torch.load(tmp_path / "work" / "ck-a" / "step-00000009" / "common.pt", weights_only=True)["model"]
-    wb = torch.load(tmp_path / "work" / "ck-b" / "step-00000009" / "common.pt", weights_only=True)["model"]
+    wa = load_shared_state(tmp_path / "work" / "ck-a" / "step-00000009")["model"]
+    wb = load_shared_state(tmp_path / "work" / "ck-b" / "step-00000009")["model"]
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    # Sharded: the state is replicated, and DCP gave each rank its share of it to write.
+    writers = {p.name.split("_")[2] for p in (tmp_path / "work" / "ck-a" / "step-00000009").glob("__*.distcp")
+               if p.stat().st_size}
+    assert writers == {"0", "1"}
 
 
 def test_resume_at_another_world_size_or_batch_size_is_refused_with_exit_78(tmp_path):

@@ -1,11 +1,16 @@
-"""Atomic checkpoint files and the newest-complete choice (one rank; collectives are no-ops)."""
+"""Atomic DCP checkpoints, their manifest and the newest-complete choice (one process: no group)."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
+import pytest
 import torch
+import xxhash
 
-from ddpjob_trainer.checkpoint import Checkpointer, verify
+from ddpjob_trainer.checkpoint import (Checkpointer, check_resumable, load_shared_state, optimizer_state,
+                                       verify)
+from ddpjob_trainer.errors import ConfigError
 from ddpjob_trainer.reporting import NullReporter
 
 
@@ -17,9 +22,9 @@ class Warnings(NullReporter):
         self.lines.append(msg)
 
 
-def make(tmp_path, keep=3, log=None):
-    return Checkpointer(str(tmp_path), keep=keep, rank=0, barrier=lambda: None,
-                        broadcast=lambda v: v, log=log or NullReporter())
+def make(tmp_path, keep=3, log=None, async_save=False):
+    return Checkpointer(str(tmp_path), keep=keep, rank=0, group=None, barrier=lambda: None,
+                        broadcast=lambda v: v, log=log or NullReporter(), async_save=async_save)
 
 
 def save(ck, step):
@@ -31,27 +36,43 @@ def test_save_publishes_a_verified_directory_with_a_manifest(tmp_path):
     path = save(make(tmp_path), 7)
     assert path.name == "step-00000007" and verify(path) is None
     files = json.loads((path / "MANIFEST.json").read_text())["files"]
-    assert set(files) == {"common.pt", "rank-00000.pt"}
-    assert not list(tmp_path.glob(".tmp-*")) and not list(path.glob("*.part"))
+    assert {".metadata", "rank-00000.pt"} <= set(files)
+    assert any(name.endswith(".distcp") for name in files)
+    assert set(files) == {p.name for p in path.iterdir()} - {"MANIFEST.json"}  # nothing unlisted
+    assert not list(tmp_path.glob(".tmp-*")) and not list(path.glob("*.part")) and not list(path.glob("*.tmp"))
 
 
-def test_manifest_hash_computed_while_writing_matches_the_bytes_on_disk(tmp_path):
-    import hashlib
-
+def test_manifest_checksums_computed_while_writing_match_the_bytes_on_disk(tmp_path):
     path = save(make(tmp_path), 3)
-    meta = json.loads((path / "MANIFEST.json").read_text())["files"]["common.pt"]
-    data = (path / "common.pt").read_bytes()
-    assert meta == {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    files = json.loads((path / "MANIFEST.json").read_text())["files"]
+    for name, meta in files.items():
+        data = (path / name).read_bytes()
+        assert meta == {"size": len(data), "xxh3_128": xxhash.xxh3_128(data).hexdigest()}, name
+
+
+def test_the_shared_state_comes_back_as_saved(tmp_path):
+    common = {"step": 9, "epoch": 1, "config": {"lr": 0.1, "sizes": [3, 4], "name": "x"},
+              "model": {"fc.weight": torch.randn(3, 4), "bn.num_batches_tracked": torch.tensor(7)}}
+    path = make(tmp_path).save(step=9, common=common, rank_state={})
+    back = load_shared_state(path)
+    assert back["step"] == 9 and back["epoch"] == 1 and back["config"] == common["config"]
+    assert all(torch.equal(back["model"][k], v) for k, v in common["model"].items())
+
+
+def test_optimizer_momentum_survives_the_round_trip(tmp_path):
+    """DCP brings dict keys back as strings; under them the optimizer would drop its momentum."""
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    path = make(tmp_path).save(step=1, common={"optimizer": opt.state_dict()}, rank_state={})
+    fresh = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    fresh.load_state_dict(optimizer_state(load_shared_state(path)["optimizer"]))
+    for p in model.parameters():
+        assert torch.equal(fresh.state[p]["momentum_buffer"], opt.state[p]["momentum_buffer"])
 
 
 def test_a_checkpoint_from_another_world_or_batch_size_is_refused():
-    from pathlib import Path
-
-    import pytest
-
-    from ddpjob_trainer.checkpoint import check_resumable
-    from ddpjob_trainer.errors import ConfigError
-
     common = {"world_size": 2, "epoch": 1, "micro_done": 5,
               "config": {"batch_size": 64, "grad_accum_steps": 1}}
     check_resumable(common, path=Path("/c/step-1"), world_size=2, batch_size=64, grad_accum_steps=1)
@@ -65,59 +86,61 @@ def test_a_checkpoint_from_another_world_or_batch_size_is_refused():
         assert needle in str(info.value)
 
 
-def test_keep_prunes_the_oldest(tmp_path):
-    ck = make(tmp_path, keep=2)
+@pytest.mark.parametrize("async_save", [False, True])
+def test_keep_prunes_the_oldest(tmp_path, async_save):
+    ck = make(tmp_path, keep=2, async_save=async_save)
     for s in (1, 2, 3, 4):
         save(ck, s)
-    ck.wait()  # pruning runs on a background thread
+    ck.wait()  # with async saving, pruning runs on the background thread
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000003", "step-00000004"]
 
 
-def test_truncated_file_is_skipped_with_a_warning_naming_it(tmp_path):
+@pytest.mark.parametrize("victim", ["rank-00000.pt", ".metadata", "shard"])
+def test_a_damaged_file_is_skipped_with_a_warning_naming_it(tmp_path, victim):
     log = Warnings()
     ck = make(tmp_path, log=log)
     save(ck, 1)
     newest = save(ck, 2)
-    (newest / "rank-00000.pt").write_bytes(b"x")
-    loaded = ck.load_latest(map_location="cpu")
-    assert loaded.common["step"] == 1
-    assert any(str(newest) in w and "rank-00000.pt" in w for w in log.lines)
+    if victim == "shard":
+        victim = max(newest.glob("*.distcp"), key=lambda p: p.stat().st_size).name
+    data = bytearray((newest / victim).read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (newest / victim).write_bytes(bytes(data))
+    loaded = ck.load_latest()
+    assert loaded.common["step"] == 1 and loaded.path.name == "step-00000001"
+    assert any(str(newest) in w and victim in w and "corrupt" in w for w in log.lines)
+
+
+def test_a_checkpoint_of_the_older_single_file_layout_is_skipped_by_name(tmp_path):
+    log = Warnings()
+    old = tmp_path / "step-00000005"
+    old.mkdir()
+    (old / "common.pt").write_bytes(b"weights")
+    (old / "MANIFEST.json").write_text(json.dumps(
+        {"step": 5, "files": {"common.pt": {"size": 7, "sha256": "0" * 64}}}))
+    assert make(tmp_path, log=log).load_latest() is None
+    assert any("step-00000005" in w and "no DCP .metadata" in w for w in log.lines)
 
 
 def test_nothing_to_resume_from(tmp_path):
-    assert make(tmp_path / "empty").load_latest(map_location="cpu") is None
-
-
-def make_async(tmp_path, keep=3):
-    return Checkpointer(str(tmp_path), keep=keep, rank=0, barrier=lambda: None,
-                        broadcast=lambda v: v, log=NullReporter(), async_save=True)
+    assert make(tmp_path / "empty").load_latest() is None
 
 
 def test_async_save_writes_the_state_as_it_was_when_save_returned(tmp_path):
-    ck = make_async(tmp_path)
+    ck = make(tmp_path, async_save=True)
     w = torch.zeros(1000)
     path = ck.save(step=5, common={"step": 5, "w": w}, rank_state={"rng": torch.get_rng_state()})
     w.add_(1.0)  # training goes on while the write runs
     ck.wait()
     assert verify(path) is None
-    assert torch.equal(torch.load(path / "common.pt", weights_only=True)["w"], torch.zeros(1000))
+    assert torch.equal(load_shared_state(path)["w"], torch.zeros(1000))
     assert not list(tmp_path.glob(".tmp-*"))
 
 
 def test_async_save_failure_is_raised_by_the_next_wait(tmp_path):
-    import pytest
-
-    ck = make_async(tmp_path)
+    ck = make(tmp_path, async_save=True)
     ck.save(step=1, common={"step": 1, "bad": lambda: None}, rank_state={})  # unpicklable
     with pytest.raises(RuntimeError, match="writing a checkpoint under .* failed"):
         ck.wait()
     assert not (tmp_path / "step-00000001").exists()  # never published: never loaded
-    assert ck.load_latest(map_location="cpu") is None
-
-
-def test_async_keep_prunes_after_publishing(tmp_path):
-    ck = make_async(tmp_path, keep=2)
-    for s in (1, 2, 3):
-        ck.save(step=s, common={"step": s}, rank_state={})
-    ck.wait()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000002", "step-00000003"]
+    assert ck.load_latest() is None

@@ -1,35 +1,62 @@
-"""Atomic, per-rank checkpoints: written to a temp dir, published by one rename, newest complete one loaded.
+"""Sharded, atomic checkpoints: torch.distributed.checkpoint (DCP) shards, a manifest, one rename.
 
-Layout under `dir`: `step-00000120/{common.pt, rank-00000.pt, ..., MANIFEST.json}`. `common.pt`
-(rank 0) holds model, optimizer, scheduler, step, epoch, sampler position and config; each
-`rank-N.pt` holds what differs per rank (RNG states). MANIFEST.json, written last, lists every
-file's size and sha256: a directory without a valid manifest is incomplete and never loaded.
-The directory must be shared by all nodes (an RWX volume on Kubernetes).
-
-common.pt (the big file) is hashed while it is written, never read back; the rank files are a few
-KiB of RNG state that rank 0 hashes from disk. With async saving (the trainer's default) common.pt
-is written, published and old checkpoints pruned on a background thread, off the training path.
+Layout under `dir`: `step-00000120/{.metadata, __0_0.distcp, __1_0.distcp, ..., rank-00000.pt, ...,
+MANIFEST.json}`.
+- The state every rank shares (model, optimizer, scheduler, step, epoch, sampler position,
+  config) is saved with DCP. Under DDP it is replicated; DCP's planner gives each tensor to one
+  rank, so N ranks write about 1/N of the bytes each, in parallel, into the shared directory, and
+  rank 0 writes `.metadata` (where each item lives). Loading needs no collectives: every rank
+  reads the whole state (DDP needs all of it), whatever the world size that wrote it.
+- `rank-N.pt` holds what differs per rank (RNG states).
+- MANIFEST.json, written last by rank 0 once every rank has reported its files, lists every
+  file's size and xxh3-128 checksum, computed from the bytes as they were written (never read back). A
+  directory without a valid manifest is incomplete and never loaded.
+Everything is written under `.tmp-step-N` and published by one rename; the directory must be
+shared by all nodes (an RWX volume on Kubernetes). With async saving (the trainer's default) the
+shared state is first copied to reused (pinned, for CUDA) host buffers; the DCP write, manifest,
+publish and pruning then run on a background thread over a gloo group of their own, off the
+training path.
 """
 from __future__ import annotations
 
-import hashlib
+import contextlib
 import json
 import os
 import re
 import shutil
 import threading
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
+import xxhash
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+from torch.distributed.checkpoint.filesystem import FileSystem
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 from .errors import ConfigError
 from .reporting import NullReporter
 
+# A single process saves without a group on purpose; DCP would warn about it at every save.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized",
+                        category=UserWarning)
+
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
 MANIFEST = "MANIFEST.json"
-COMMON = "common.pt"
+DCP_METADATA = ".metadata"
+# The manifest's checksum. It guards against torn and corrupted writes, not against someone who
+# can write the directory (who could as well change the manifest); xxh3-128 does that at memory
+# speed (7 ms for resnet18's 94 MB here, sha256 64 ms: a third of the whole save).
+HASH = "xxh3_128"
+# Files per rank that DCP writes in parallel threads: serializing, checksumming and writing overlap
+# across threads (file writes release the GIL). Measured on 2 cores, resnet18's state, one rank,
+# medians of 7: 0.120 s with 1 thread, 0.107 s with 2, 0.116 s with 4 (dd of the bytes: 0.066 s).
+# More threads only add files: a GPU node runs several ranks, each writing its share.
+IO_THREADS = 2
 
 
 def rank_file(rank: int) -> str:
@@ -42,8 +69,8 @@ def step_dir_name(step: int) -> str:
     return f"step-{step:08d}"
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
+def _digest(path: Path) -> str:
+    h = xxhash.xxh3_128()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
@@ -63,22 +90,55 @@ class _HashingWriter:
 
     def __init__(self, f) -> None:
         self._f = f
-        self.sha256 = hashlib.sha256()
+        self.hash = xxhash.xxh3_128()
         self.size = 0
 
     def write(self, data) -> int:
-        self.sha256.update(data)
-        self.size += len(data)
+        self.hash.update(data)
+        self.size += memoryview(data).nbytes
         return self._f.write(data)
 
     def flush(self) -> None:
         self._f.flush()
 
+    # DCP records offsets, fsyncs and closes the streams it writes.
+    def tell(self) -> int:
+        return self._f.tell()
+
+    def fileno(self) -> int:
+        return self._f.fileno()
+
+    def close(self) -> None:
+        self._f.close()
+
+    def entry(self) -> dict[str, Any]:
+        return {"size": self.size, HASH: self.hash.hexdigest()}
+
+
+class _HashingFileSystem(FileSystem):
+    """DCP's local file system, with every file it writes hashed on the way: the manifest's entries."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.files: dict[str, dict[str, Any]] = {}
+
+    @contextlib.contextmanager
+    def create_stream(self, path, mode):
+        if "w" not in mode:
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        with open(path, mode) as f:
+            w = _HashingWriter(f)
+            yield w
+        # `.metadata` is written as `.metadata.tmp` and renamed; name the entry after the result.
+        self.files[Path(path).name.removesuffix(".tmp")] = w.entry()
+
 
 def atomic_torch_save(obj: Any, path: Path) -> dict[str, Any]:
     """torch.save to a temp name, fsync, rename: readers see the old file or the whole new one.
 
-    Returns the manifest entry ({size, sha256}) computed from the bytes as they were written.
+    Returns the manifest entry ({size, xxh3_128}) computed from the bytes as they were written.
     """
     tmp = path.with_name(path.name + ".part")
     with open(tmp, "wb") as f:
@@ -87,7 +147,7 @@ def atomic_torch_save(obj: Any, path: Path) -> dict[str, Any]:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    return {"size": w.size, "sha256": w.sha256.hexdigest()}
+    return w.entry()
 
 
 def verify(step_dir: Path) -> str | None:
@@ -99,14 +159,16 @@ def verify(step_dir: Path) -> str | None:
         files = json.loads(manifest.read_text())["files"]
     except (ValueError, KeyError) as exc:
         return f"unreadable MANIFEST.json ({exc})"
+    if DCP_METADATA not in files:
+        return "no DCP .metadata in the manifest (written by a DDPJob before 2026-11-24, not loadable)"
     for name, meta in files.items():
         p = step_dir / name
         if not p.is_file():
             return f"{name} is missing"
         if p.stat().st_size != meta["size"]:
             return f"{name} has {p.stat().st_size} bytes, manifest says {meta['size']}"
-        if _sha256(p) != meta["sha256"]:
-            return f"{name} does not match its sha256 (corrupt)"
+        if _digest(p) != meta[HASH]:
+            return f"{name} does not match its {HASH} checksum (corrupt)"
     return None
 
 
@@ -128,6 +190,16 @@ def check_resumable(common: dict[str, Any], *, path: Path, world_size: int, batc
             f"batchSize {now[1]}, gradAccumSteps {now[2]}. Its data position (epoch "
             f"{common.get('epoch')}, batch {common.get('micro_done')}) would point at other samples. "
             "Resume with the same nodes x nprocPerNode and batch sizes, or use a new checkpoint.dir")
+
+
+def optimizer_state(saved: dict[str, Any]) -> dict[str, Any]:
+    """An optimizer's state_dict as loaded from a checkpoint, ready for `load_state_dict`.
+
+    DCP stores dict keys as strings; the optimizer's per-parameter state is keyed by the
+    parameter's index, and under a string key `load_state_dict` would keep it without ever
+    using it (training would go on with fresh momentum, silently).
+    """
+    return {**saved, "state": {int(k): v for k, v in saved.get("state", {}).items()}}
 
 
 @dataclass
@@ -178,8 +250,12 @@ class _Stager:
         return obj  # numbers, strings: immutable
 
     def _copy(self, t: torch.Tensor) -> torch.Tensor:
+        if t.device.type == "meta":
+            # The device-only test's stand-in for CUDA holds no data; zeros of its shape take the
+            # writer down the same path as a real device's tensors.
+            return torch.zeros(t.shape, dtype=t.dtype)
         if t.device.type not in ("cpu", "cuda"):
-            return t.clone()  # e.g. meta in tests: nothing to stage
+            return t.detach().cpu()
         cuda = t.device.type == "cuda"
         self._cuda |= cuda
         i, self._next = self._next, self._next + 1
@@ -189,34 +265,53 @@ class _Stager:
         return self._bufs[i].copy_(t, non_blocking=cuda)
 
 
-class Checkpointer:
-    """Saves and finds checkpoints for one rank; collective calls are made by every rank.
+def _check_every_item_written(metadata: Any) -> None:
+    """Raise unless DCP stored data for every item of the state.
 
-    With `async_save`, rank 0 stages the common state (a host copy) and writes, hashes,
-    publishes and prunes it on a background thread while training goes on; training stands
-    still only for the staging copy and the small per-rank files. At most one write is in
-    flight: the next save, and the end of the run (`wait`), first wait for it and raise its
-    error, if any. A write cut short by a crash leaves only a `.tmp-*` directory, which is never
-    loaded: the previous complete checkpoint is.
+    DCP's extra writer threads (thread_count > 1) only print their exceptions: a value that cannot
+    be serialized vanishes from the checkpoint while save() returns normally. The metadata it
+    returns (the same on every rank) still lists the item, with no storage behind it.
+    """
+    stored = {index.fqn for index in metadata.storage_data}
+    missing = sorted(set(metadata.state_dict_metadata) - stored)
+    if missing:
+        raise RuntimeError(f"no data was written for {', '.join(missing[:5])}"
+                           f"{' and more' if len(missing) > 5 else ''} (a writer thread failed; its "
+                           "traceback is above)")
+
+
+class Checkpointer:
+    """Saves and finds checkpoints for one rank; `save` and `load_latest` are called by every rank.
+
+    `group` is a gloo group of all ranks used only by checkpoint writes (DCP's planning and the
+    manifest), so that a write on the background thread never interleaves with the training
+    thread's collectives on the default group; None in a single process. With `async_save`,
+    training stands still only for its rank file and the host copy of the shared state; the
+    rest runs on a background thread. At most one write is in flight: the next save, and the end
+    of the run (`wait`), first wait for it and raise its error, if any. A write cut short by a
+    crash leaves only a `.tmp-*` directory, which is never loaded: the previous complete
+    checkpoint is.
     """
 
-    def __init__(self, directory: str, *, keep: int, rank: int,
+    def __init__(self, directory: str, *, keep: int, rank: int, group: dist.ProcessGroup | None,
                  barrier: Callable[[], None], broadcast: Callable[[Any], Any],
-                 log: NullReporter, async_save: bool = False) -> None:
+                 log: NullReporter, async_save: bool = False, io_threads: int = IO_THREADS) -> None:
         self.dir = Path(directory)
         self.keep = keep
         self.rank = rank
-        self._barrier = barrier
+        self.group = group
+        self._barrier = barrier  # on the default group: the training thread's
         self._broadcast = broadcast  # rank 0's value -> every rank
         self.log = log
         self.async_save = async_save
+        self.io_threads = io_threads
         self.last_saved_step: int | None = None
         self._writer: threading.Thread | None = None
         self._error: BaseException | None = None
         self._stager = _Stager()
 
     def save(self, *, step: int, common: dict[str, Any], rank_state: dict[str, Any]) -> Path:
-        """Collective: every rank writes its part; rank 0 publishes the directory atomically."""
+        """Collective: every rank writes its share; rank 0 publishes the directory atomically."""
         final = self.dir / step_dir_name(step)
         tmp = self.dir / f".tmp-{step_dir_name(step)}"
         self.wait()
@@ -224,32 +319,42 @@ class Checkpointer:
             shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a crashed earlier attempt
             tmp.mkdir(parents=True)
         self._barrier()
-        atomic_torch_save(rank_state, tmp / rank_file(self.rank))
-        self._barrier()  # every rank's file is complete: rank 0 may publish whenever common.pt is
-        if self.rank == 0:
-            # The rank files are a few KiB of RNG state; hashing them here is cheap.
-            files = {p.name: {"size": p.stat().st_size, "sha256": _sha256(p)}
-                     for p in sorted(tmp.iterdir()) if p.suffix == ".pt"}
-            if self.async_save:
-                staged = self._stager.stage(common)
-                self._writer = threading.Thread(target=self._publish_in_background, name="ckpt-writer",
-                                                args=(staged, files, tmp, final, step), daemon=True)
-                self._writer.start()
-            else:
-                self._publish(common, files, tmp, final, step)
+        own = {rank_file(self.rank): atomic_torch_save(rank_state, tmp / rank_file(self.rank))}
+        if self.async_save:
+            staged = self._stager.stage(common)
+            self._writer = threading.Thread(target=self._write_in_background, name="ckpt-writer",
+                                            args=(staged, own, tmp, final, step), daemon=True)
+            self._writer.start()
+        else:
+            self._write(common, own, tmp, final, step)
         self.last_saved_step = step
         return final
 
-    def _publish_in_background(self, *args) -> None:
+    def _write_in_background(self, *args) -> None:
         try:
-            self._publish(*args)
+            self._write(*args)
         except BaseException as exc:  # noqa: BLE001 - handed to the training thread by wait()
             self._error = exc
 
-    def _publish(self, common: dict[str, Any], files: dict[str, Any], tmp: Path, final: Path,
-                 step: int) -> None:
-        files = {**files, COMMON: atomic_torch_save(common, tmp / COMMON)}
-        (tmp / (MANIFEST + ".part")).write_text(json.dumps({"step": step, "files": files}, indent=1))
+    def _write(self, common: dict[str, Any], own: dict[str, Any], tmp: Path, final: Path, step: int) -> None:
+        """Every rank: its DCP share; then rank 0, holding every rank's file list, publishes."""
+        fs = _HashingFileSystem()
+        writer = dcp.FileSystemWriter(tmp, sync_files=True, thread_count=self.io_threads)
+        writer.fs = fs
+        metadata = dcp.save(common, storage_writer=writer, process_group=self.group, no_dist=self.group is None)
+        _check_every_item_written(metadata)
+        files = {**own, **fs.files}
+        if self.group is not None:
+            # Also the barrier that makes publishing safe: every rank has written all its files.
+            gathered: list[Any] | None = [None] * dist.get_world_size(self.group) if self.rank == 0 else None
+            dist.gather_object(files, gathered, dst=0, group=self.group)
+            files = {k: v for part in (gathered or []) for k, v in part.items()}
+        if self.rank == 0:
+            self._publish(files, tmp, final, step)
+
+    def _publish(self, files: dict[str, Any], tmp: Path, final: Path, step: int) -> None:
+        (tmp / (MANIFEST + ".part")).write_text(json.dumps({"step": step, "files": dict(sorted(files.items()))},
+                                                           indent=1))
         os.replace(tmp / (MANIFEST + ".part"), tmp / MANIFEST)
         _fsync_dir(tmp)
         if final.exists():
@@ -288,23 +393,37 @@ class Checkpointer:
             problem = verify(path)
             if problem is None:
                 try:
-                    torch.load(path / COMMON, map_location="cpu", weights_only=True)
+                    dcp.FileSystemReader(path).read_metadata()
                 except Exception as exc:  # noqa: BLE001 - any unreadable file means "skip it"
-                    problem = f"{COMMON} cannot be loaded ({exc})"
+                    problem = f"{DCP_METADATA} cannot be read ({exc})"
             if problem is None:
                 return path
             self.log.warning(f"skipping checkpoint {path}: {problem}")
         return None
 
-    def load_latest(self, *, map_location: Any) -> Loaded | None:
-        """Collective: every rank loads the checkpoint rank 0 chose (or None)."""
+    def load_latest(self) -> Loaded | None:
+        """Collective: every rank loads the checkpoint rank 0 chose (or None), onto the CPU."""
         chosen = self.newest_complete() if self.rank == 0 else None
         chosen = self._broadcast(str(chosen) if chosen else None)
         if not chosen:
             return None
         path = Path(chosen)
-        common = torch.load(path / COMMON, map_location=map_location, weights_only=True)
         rf = path / rank_file(self.rank)
         # A rank beyond the old world size (elastic growth) has no state of its own to restore.
         rank_state = torch.load(rf, map_location="cpu", weights_only=True) if rf.is_file() else None
-        return Loaded(path=path, common=common, rank_state=rank_state)
+        return Loaded(path=path, common=load_shared_state(path), rank_state=rank_state)
+
+
+def load_shared_state(path: Path) -> dict[str, Any]:
+    """The whole shared state of a checkpoint directory, read by this process alone (no collectives).
+
+    DDP needs every tensor on every rank, so there is nothing to split; reading without a
+    process group also makes the state loadable at any world size, and by tools (an eval script).
+    Non-tensor values (step, config) come back as saved; dict keys come back as strings.
+    """
+    state: dict[str, Any] = {}
+    # The planner that builds the state from the checkpoint's own metadata; the same private
+    # entry point torch's dcp_to_torch_save uses.
+    _load_state_dict(state, storage_reader=dcp.FileSystemReader(path), planner=_EmptyStateDictLoadPlanner(),
+                     no_dist=True)
+    return state

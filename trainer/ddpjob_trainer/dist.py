@@ -5,7 +5,7 @@ import contextlib
 import datetime as dt
 import os
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -23,6 +23,9 @@ class DistContext:
     node_rank: int
     device: torch.device
     backend: str
+    # A second group of all ranks, gloo, for checkpoint writes on a background thread (collectives
+    # of two threads must not share a group); None in a single process.
+    io_group: Any = None
 
     @property
     def is_main(self) -> bool:
@@ -64,8 +67,9 @@ def process_group(*, timeout_seconds: int) -> Iterator[DistContext]:
         # A single process still gets a real group, so the training code has one path.
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     try:
+        io_group = dist.new_group(backend="gloo", timeout=timeout) if world > 1 else None
         yield DistContext(rank=rank, local_rank=local_rank, world_size=world,
-                          node_rank=node_rank, device=device, backend=backend)
+                          node_rank=node_rank, device=device, backend=backend, io_group=io_group)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -19,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 
 from . import contract, debug, rng, tuning
-from .checkpoint import Checkpointer, check_resumable, step_dir_name
+from .checkpoint import Checkpointer, check_resumable, optimizer_state, step_dir_name
 from .collectives import Collectives
 from .config import TrainerConfig
 from .data import PerSampleSeeded, ResumableSampler, build_data, eval_loader, loader_kwargs
@@ -224,7 +224,7 @@ class Trainer:
         self.checkpoints = None
         if cfg.checkpoint.dir:
             self.checkpoints = CheckpointManager(
-                Checkpointer(cfg.checkpoint.dir, keep=cfg.checkpoint.keep, rank=ctx.rank,
+                Checkpointer(cfg.checkpoint.dir, keep=cfg.checkpoint.keep, rank=ctx.rank, group=ctx.io_group,
                              barrier=self.comm.barrier, broadcast=self.comm.broadcast_object, log=log,
                              async_save=cfg.checkpoint.async_save),
                 every_steps=cfg.checkpoint.every_steps)
@@ -248,14 +248,14 @@ class Trainer:
         """Resume from the newest complete checkpoint; the step resumed from (0: none)."""
         if not self.checkpoints:
             return 0
-        loaded = self.checkpoints.checkpointer.load_latest(map_location=self.ctx.device)
+        loaded = self.checkpoints.checkpointer.load_latest()
         if not loaded:
             return 0
         c = loaded.common
         check_resumable(c, path=loaded.path, world_size=self.ctx.world_size, batch_size=self.cfg.batch_size,
                         grad_accum_steps=self.cfg.grad_accum_steps)
         self.model.load_state_dict(c["model"])
-        self.opt.load_state_dict(c["optimizer"])
+        self.opt.load_state_dict(optimizer_state(c["optimizer"]))
         self.sched.load_state_dict(c["scheduler"])
         self.state = TrainState(step=c["step"], epoch=c["epoch"], micro_done=c["micro_done"])
         if loaded.rank_state:
