@@ -11,8 +11,10 @@ rotating the arms' order every round so drift hits all alike:
   ceiling; ratio sync-save throughput / dd throughput (goal >= 0.8);
 - `torch_save`: the plain peer, one `torch.save` of the state into one file + fsync, no checksum (what
   pytorch/examples' checkpoints cost), for scale.
+Then `sharded`: the same sync save by 2 ranks (gloo, 2 processes), each writing its DCP share, timed
+on rank 0 from a barrier to its return, against the dd median above (not paired: other processes).
 Prints medians and ratios with 95 % intervals; writes bench/results/checkpoint.json.
-Usage: .venv/bin/python bench/checkpoint.py [--rounds 7] [--dir DIR]
+Usage: .venv/bin/python bench/checkpoint.py [--rounds 11] [--dir DIR]
 """
 from __future__ import annotations
 
@@ -72,6 +74,44 @@ def _torch_save(state: dict, dst: Path) -> float:
     return seconds
 
 
+def _sharded_rank(rank: int, world: int, port: int, root: str, rounds: int, out) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        group = dist.new_group(backend="gloo")
+        ck = Checkpointer(root, keep=1, rank=rank, group=group, barrier=dist.barrier, broadcast=lambda v: v,
+                          log=NullReporter())
+        state, seconds = _state(), []
+        for i in range(rounds + 1):  # round 0 warms up
+            dist.barrier()
+            seconds.append(_timed(lambda: ck.save(step=i, common=state, rank_state={})))
+        if rank == 0:
+            out.put(seconds[1:])
+    finally:
+        dist.destroy_process_group()
+
+
+def _sharded(root: Path, rounds: int, world: int = 2) -> list[float]:
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_sharded_rank, args=(r, world, port, str(root), rounds, out)) for r in range(world)]
+    for p in procs:
+        p.start()
+    seconds = out.get(timeout=600)
+    for p in procs:
+        p.join()
+    return seconds
+
+
 def _checkpoint_bytes(step_dir: Path) -> int:
     return sum(m["size"] for m in json.loads((step_dir / MANIFEST).read_text())["files"].values())
 
@@ -79,7 +119,7 @@ def _checkpoint_bytes(step_dir: Path) -> int:
 def main() -> int:
     """Run the rounds, print, write the JSON."""
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--rounds", type=int, default=11)
     ap.add_argument("--dir", default=None, help="where to write (default: a temp dir under /tmp)")
     ap.add_argument("--out", default=str(HERE / "results" / "checkpoint.json"))
     args = ap.parse_args()
@@ -125,6 +165,8 @@ def main() -> int:
             print(f"round {i}/{args.rounds}: sync save {times['sync'][-1]:.3f}s  async stall "
                   f"{times['stall'][-1]:.3f}s (total {times['async_total'][-1]:.3f}s)  dd {times['dd'][-1]:.3f}s  "
                   f"torch.save {times['torch_save'][-1]:.3f}s  ({nbytes / 1e6:.1f} MB)", flush=True)
+        times["sharded_2_ranks"] = _sharded(root / "sharded", args.rounds)
+        print(f"sharded, 2 ranks: {' '.join(f'{t:.3f}s' for t in times['sharded_2_ranks'])}", flush=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     med = {k: statistics.median(v) for k, v in times.items()}
@@ -142,6 +184,8 @@ def main() -> int:
         "goal_throughput_ratio": 0.8,
         "stall_over_sync_save": stall["ratio"], "stall_over_sync_save_95ci": [stall["low"], stall["high"]],
         "goal_stall_over_sync_save": 0.2,
+        "sharded_2_ranks_mb_per_s": nbytes / 1e6 / med["sharded_2_ranks"],
+        "throughput_ratio_sharded_2_ranks_over_dd_medians": med["dd"] / med["sharded_2_ranks"],
         "throughput_ratio_sync_save_over_torch_save": peer["ratio"],
         "throughput_ratio_sync_save_over_torch_save_95ci": [peer["low"], peer["high"]],
     }
@@ -155,6 +199,8 @@ def main() -> int:
           f"{med['async_total']:.3f}s")
     print(f"plain torch.save (one file, no checksum) {med['torch_save']:.3f}s: our save's throughput over it = "
           f"{peer['ratio']:.2f} (95 % interval {peer['low']:.2f}-{peer['high']:.2f})")
+    print(f"sharded over 2 ranks: {med['sharded_2_ranks']:.3f}s ({result['sharded_2_ranks_mb_per_s']:.0f} MB/s), "
+          f"{result['throughput_ratio_sharded_2_ranks_over_dd_medians']:.2f} x dd (medians)")
     return 0
 
 
