@@ -313,9 +313,9 @@ class Reconciler:
             every = self._scrape_every.get(key, 1)
             self._scrape_every[key] = min(every * 2, MAX_SCRAPE_BACKOFF) if report is not None and report.unreachable else 1
 
-        podgroup = await self._read_podgroup(from_manifest(obj), namespace, name)
+        job = from_manifest(obj)  # built again only when a conflict brings a newer object
+        podgroup = await self._read_podgroup(job, namespace, name)
         for _ in range(WRITE_ATTEMPTS):
-            job = from_manifest(obj)
             pods = [p for p in self.pods.by_index(namespace, name) if owned_by(p, job.uid)]
             prev = dict(obj.get("status") or {})
             now = dt.datetime.now(dt.timezone.utc)
@@ -345,7 +345,7 @@ class Reconciler:
                         self.forget(namespace, name)
                         return
                     self.jobs.upsert(fresh, notify=False)
-                    obj = fresh
+                    obj, job = fresh, from_manifest(fresh)
                     continue
                 if not 400 <= exc.status < 500 or report is None:
                     raise

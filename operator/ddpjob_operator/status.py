@@ -111,6 +111,30 @@ def failure_evidence(pods: list[dict[str, Any]], attempt: int, *, with_log: bool
     return out
 
 
+def _gang_condition(conds: list[dict[str, Any]], placed, now: dt.datetime, gen: int) -> list[Event]:
+    """GangScheduled from the gang's placement (None: not gang-scheduled); an event when first placed."""
+    if placed is None:
+        return []
+    was = condition({"conditions": conds}, Cond.GANG_SCHEDULED)
+    set_condition(conds, type=Cond.GANG_SCHEDULED, status=placed.placed, reason=placed.reason,
+                  message=placed.message, now=now, generation=gen)
+    return [("Normal", "GangScheduled", placed.message)] if placed.placed and was is None else []
+
+
+def _admission_condition(conds: list[dict[str, Any]], queued, now: dt.datetime, gen: int) -> list[Event]:
+    """Admitted from Kueue's gate (None: no queue named); an event at each change of reason."""
+    if queued is None:
+        return []
+    # Any status: Queued (False) and Admitted (True) are both states to announce once.
+    was = next((c.get("reason") for c in conds if c.get("type") == Cond.ADMITTED), None)
+    set_condition(conds, type=Cond.ADMITTED, status=queued.admitted, reason=queued.reason,
+                  message=queued.message, now=now, generation=gen)
+    if was == queued.reason:
+        return []
+    # Kueue ignoring a job that names a queue is a misconfiguration, not progress.
+    return [("Warning" if queued.reason == "NotManagedByKueue" else "Normal", queued.reason, queued.message)]
+
+
 def job_status(job: JobSpec, pods: list[dict[str, Any]], *, now: dt.datetime,
                prev_status: dict[str, Any] | None, config: OperatorConfig | None = None,
                decision: Decision | None = None, report: MonitorReport | None = None,
@@ -191,22 +215,9 @@ def job_status(job: JobSpec, pods: list[dict[str, Any]], *, now: dt.datetime,
     else:
         _clear(conds, Cond.UNSCHEDULABLE, "Scheduled", "", now, gen)
 
-    placed = gang_state(job, pods, attempt=d.attempt, podgroup=podgroup)
-    if placed is not None and d.phase in (Phase.PENDING, Phase.RUNNING, Phase.RESTARTING):
-        was_placed = condition({"conditions": conds}, Cond.GANG_SCHEDULED)
-        set_condition(conds, type=Cond.GANG_SCHEDULED, status=placed.placed, reason=placed.reason,
-                      message=placed.message, now=now, generation=gen)
-        if placed.placed and was_placed is None:
-            events.append(("Normal", "GangScheduled", placed.message))
-
-    queued = admission(job, pods, attempt=d.attempt)
-    if queued is not None and d.phase in (Phase.PENDING, Phase.RUNNING, Phase.RESTARTING):
-        was = next((c.get("reason") for c in conds if c.get("type") == Cond.ADMITTED), None)
-        set_condition(conds, type=Cond.ADMITTED, status=queued.admitted, reason=queued.reason,
-                      message=queued.message, now=now, generation=gen)
-        if was != queued.reason:
-            events.append(("Normal" if queued.reason != "NotManagedByKueue" else "Warning", queued.reason,
-                           queued.message))
+    if d.phase in (Phase.PENDING, Phase.RUNNING, Phase.RESTARTING):
+        events += _gang_condition(conds, gang_state(job, pods, attempt=d.attempt, podgroup=podgroup), now, gen)
+        events += _admission_condition(conds, admission(job, pods, attempt=d.attempt), now, gen)
 
     progress = dict(prev.get("progress") or {})
     if report is not None:

@@ -75,6 +75,8 @@ def test_admitted_condition_follows_the_gates():
     assert "Workload j-01234-a0" in cond["message"]
     assert status["phase"] == "Pending"
     assert [e[1] for e in events].count("Queued") == 1
+    _, again = job_status(job, waiting, now=NOW, prev_status=status)
+    assert not [e for e in again if e[1] == "Queued"]  # still queued: announced once
 
     status2, events2 = job_status(job, [pod(0), pod(1)], now=NOW, prev_status=status)
     cond = admitted(status2)
