@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from stats import ratio_interval, verdict  # noqa: E402
+from stats import git_head, ratio_interval, verdict  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "metrics_overhead.json"
 
@@ -174,7 +174,7 @@ def main() -> int:
           f" collect {expo['collect_seconds'] * 1e3:.2f} ms, {expo['series']} series, {expo['bytes']} bytes")
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps({
-        "benchmark": "metrics_overhead", "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "benchmark": "metrics_overhead", "git_head": git_head(), "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
         "steps": steps, "exposition": expo}, indent=2) + "\n")
     print(f"wrote {RESULTS}")
