@@ -3,7 +3,9 @@
 For a resnet18-sized state (weights + SGD momentum, as loop.save() builds it), in the same run,
 rotating the arms' order every round so drift hits all alike:
 - `sync`: Checkpointer.save with async_save off: DCP shards written by IO_THREADS threads, each
-  file checksummed (xxh3-128) while written, fsync, manifest, publish; training stands still for all of it;
+  file checksummed (xxh3-128) while written, fsync, manifest, publish; training stands still for all
+  of it (not for deleting the checkpoint `keep` retires: a background thread does that, waited for
+  outside the timed window);
 - `stall`: Checkpointer.save with async_save on (the trainer's default), time until it returns:
   training stands still only this long (host copy + the rank file); `async_total` adds the wait
   for the background write to be published. Ratio stall / sync (goal <= 0.2);
@@ -87,6 +89,7 @@ def _sharded_rank(rank: int, world: int, port: int, root: str, rounds: int, out)
         for i in range(rounds + 1):  # round 0 warms up
             dist.barrier()
             seconds.append(_timed(lambda: ck.save(step=i, common=state, rank_state={})))
+            ck.wait()  # pruning, as in the single-process arm
         if rank == 0:
             out.put(seconds[1:])
     finally:
@@ -144,6 +147,7 @@ def main() -> int:
 
         def sync(i):
             times["sync"].append(_timed(lambda: cks["sync"].save(step=i, common=state, rank_state=rng)))
+            cks["sync"].wait()  # old checkpoints are deleted in the background: not in the next arm's time
 
         def asynchronous(i):
             t0 = time.perf_counter()
