@@ -35,7 +35,7 @@ def main() -> int:
         telemetry = Telemetry.from_env()
         telemetry.set_stage("process_group_init")
         Knobs.from_env(rank=int(rank)).at_stage("process_group_init")
-        with process_group(timeout_seconds=cfg.timeout_seconds) as ctx:
+        with process_group(timeout_seconds=cfg.timeout_seconds, io_group=bool(cfg.checkpoint.dir)) as ctx:
             log = make_reporter(rank=ctx.rank, mlflow=cfg.mlflow)
             status = "FAILED"
             try:

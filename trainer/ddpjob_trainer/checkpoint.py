@@ -31,9 +31,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
-import xxhash
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+import xxhash
 from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict

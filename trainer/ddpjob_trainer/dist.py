@@ -24,7 +24,7 @@ class DistContext:
     device: torch.device
     backend: str
     # A second group of all ranks, gloo, for checkpoint writes on a background thread (collectives
-    # of two threads must not share a group); None in a single process.
+    # of two threads must not share a group); None in a single process or a run without checkpoints.
     io_group: Any = None
 
     @property
@@ -39,8 +39,9 @@ def launched_by_torchrun(env=os.environ) -> bool:
 
 
 @contextlib.contextmanager
-def process_group(*, timeout_seconds: int) -> Iterator[DistContext]:
-    """Init the default group (NCCL with CUDA, gloo otherwise); always destroyed on exit."""
+def process_group(*, timeout_seconds: int, io_group: bool = False) -> Iterator[DistContext]:
+    """Init the default group (NCCL with CUDA, gloo otherwise), and with `io_group` the checkpoint
+    writer's gloo group; always destroyed on exit."""
     env = os.environ
     if launched_by_torchrun(env):
         rank, local_rank = int(env["RANK"]), int(env["LOCAL_RANK"])
@@ -67,9 +68,10 @@ def process_group(*, timeout_seconds: int) -> Iterator[DistContext]:
         # A single process still gets a real group, so the training code has one path.
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     try:
-        io_group = dist.new_group(backend="gloo", timeout=timeout) if world > 1 else None
+        # Only for a run that checkpoints: a gloo group connects every rank to every other.
+        io = dist.new_group(backend="gloo", timeout=timeout) if io_group and world > 1 else None
         yield DistContext(rank=rank, local_rank=local_rank, world_size=world,
-                          node_rank=node_rank, device=device, backend=backend, io_group=io_group)
+                          node_rank=node_rank, device=device, backend=backend, io_group=io)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
