@@ -2,15 +2,18 @@
 
 For a resnet18-sized state (weights + SGD momentum, as loop.save() builds it), in the same run,
 rotating the arms' order every round so drift hits all alike:
-- `sync`: Checkpointer.save with async_save off: DCP shards written by IO_THREADS threads, each
-  file checksummed (xxh3-128) while written, fsync, manifest, publish; training stands still for all
+- `sync`: Checkpointer.save with async_save off: DCP shards of raw tensor bytes (storage.py)
+  written by IO_THREADS threads, each file checksummed (xxh3-128) while written, fsync, manifest,
+  rank file, publish; training stands still for all
   of it (not for deleting the checkpoint `keep` retires: a background thread does that, waited for
   outside the timed window);
 - `stall`: Checkpointer.save with async_save on (the trainer's default), time until it returns:
-  training stands still only this long (host copy + the rank file); `async_total` adds the wait
+  training stands still only this long (the host copy); `async_total` adds the wait
   for the background write to be published. Ratio stall / sync (goal <= 0.2);
 - `dd`: `dd bs=4M conv=fsync` of the same number of bytes into the same directory: the write
   ceiling; ratio sync-save throughput / dd throughput (goal >= 0.8);
+- `dcp_default`: plain `dcp.save` with DCP's own FileSystemWriter (a torch.save archive per
+  tensor), same threads, fsync, no checksum or manifest: what our storage layer replaces;
 - `torch_save`: the plain peer, one `torch.save` of the state into one file + fsync, no checksum (what
   pytorch/examples' checkpoints cost), for scale.
 Then `sharded`: the same sync save by 2 ranks (gloo, 2 processes), each writing its DCP share, timed
@@ -76,6 +79,15 @@ def _torch_save(state: dict, dst: Path) -> float:
     return seconds
 
 
+def _dcp_default(state: dict, dst: Path) -> float:
+    import torch.distributed.checkpoint as dcp
+
+    seconds = _timed(lambda: dcp.save(state, storage_writer=dcp.FileSystemWriter(
+        dst, thread_count=IO_THREADS, sync_files=True), no_dist=True))
+    shutil.rmtree(dst)
+    return seconds
+
+
 def _sharded_rank(rank: int, world: int, port: int, root: str, rounds: int, out) -> None:
     import torch.distributed as dist
 
@@ -129,7 +141,8 @@ def main() -> int:
     state = _state()
     root = Path(tempfile.mkdtemp(prefix="ckpt-bench-", dir=args.dir))
     rng = {"rng": torch.get_rng_state()}
-    times: dict[str, list[float]] = {"sync": [], "stall": [], "async_total": [], "dd": [], "torch_save": []}
+    times: dict[str, list[float]] = {"sync": [], "stall": [], "async_total": [], "dd": [], "torch_save": [],
+                                 "dcp_default": []}
     try:
         cks = {mode: Checkpointer(str(root / mode), keep=1, rank=0, group=None, barrier=lambda: None,
                                   broadcast=lambda v: v, log=NullReporter(), async_save=mode == "async")
@@ -144,6 +157,7 @@ def main() -> int:
             os.fsync(f.fileno())
         _dd(src, root / "dd.bin")  # warm-up, as the other arms had
         _torch_save(state, root / "plain.pt")
+        _dcp_default(state, root / "dcp-default")
 
         def sync(i):
             times["sync"].append(_timed(lambda: cks["sync"].save(step=i, common=state, rank_state=rng)))
@@ -162,13 +176,17 @@ def main() -> int:
         def plain(i):
             times["torch_save"].append(_torch_save(state, root / "plain.pt"))
 
-        arms = [sync, asynchronous, dd, plain]
+        def dcp_default(i):
+            times["dcp_default"].append(_dcp_default(state, root / "dcp-default"))
+
+        arms = [sync, asynchronous, dd, plain, dcp_default]
         for i in range(1, args.rounds + 1):
             for arm in arms[i % len(arms):] + arms[:i % len(arms)]:  # rotated order
                 arm(i)
             print(f"round {i}/{args.rounds}: sync save {times['sync'][-1]:.3f}s  async stall "
                   f"{times['stall'][-1]:.3f}s (total {times['async_total'][-1]:.3f}s)  dd {times['dd'][-1]:.3f}s  "
-                  f"torch.save {times['torch_save'][-1]:.3f}s  ({nbytes / 1e6:.1f} MB)", flush=True)
+                  f"torch.save {times['torch_save'][-1]:.3f}s  DCP default {times['dcp_default'][-1]:.3f}s  "
+                  f"({nbytes / 1e6:.1f} MB)", flush=True)
         times["sharded_2_ranks"] = _sharded(root / "sharded", args.rounds)
         print(f"sharded, 2 ranks: {' '.join(f'{t:.3f}s' for t in times['sharded_2_ranks'])}", flush=True)
     finally:
@@ -177,10 +195,11 @@ def main() -> int:
     tput = ratio_interval([d / s for s, d in zip(times["sync"], times["dd"])])  # save MB/s / dd MB/s
     stall = ratio_interval([a / s for a, s in zip(times["stall"], times["sync"])])
     peer = ratio_interval([p / s for s, p in zip(times["sync"], times["torch_save"])])
+    stock = ratio_interval([p / s for s, p in zip(times["sync"], times["dcp_default"])])
     result = {
         "benchmark": "checkpoint", "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "git_head": git_head(), "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
-        "state": "resnet18 (1000 classes) weights + SGD momentum", "format": "DCP, one process",
+        "state": "resnet18 (1000 classes) weights + SGD momentum", "format": "DCP with raw-bytes storage, one process",
         "io_threads": IO_THREADS, "bytes": nbytes, "rounds": args.rounds,
         "seconds": times, "median_seconds": med,
         "sync_save_mb_per_s": nbytes / 1e6 / med["sync"], "dd_mb_per_s": nbytes / 1e6 / med["dd"],
@@ -192,6 +211,8 @@ def main() -> int:
         "throughput_ratio_sharded_2_ranks_over_dd_medians": med["dd"] / med["sharded_2_ranks"],
         "throughput_ratio_sync_save_over_torch_save": peer["ratio"],
         "throughput_ratio_sync_save_over_torch_save_95ci": [peer["low"], peer["high"]],
+        "throughput_ratio_sync_save_over_dcp_default": stock["ratio"],
+        "throughput_ratio_sync_save_over_dcp_default_95ci": [stock["low"], stock["high"]],
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
@@ -203,6 +224,8 @@ def main() -> int:
           f"{med['async_total']:.3f}s")
     print(f"plain torch.save (one file, no checksum) {med['torch_save']:.3f}s: our save's throughput over it = "
           f"{peer['ratio']:.2f} (95 % interval {peer['low']:.2f}-{peer['high']:.2f})")
+    print(f"DCP's default storage {med['dcp_default']:.3f}s: our save's throughput over it = "
+          f"{stock['ratio']:.2f} (95 % interval {stock['low']:.2f}-{stock['high']:.2f})")
     print(f"sharded over 2 ranks: {med['sharded_2_ranks']:.3f}s ({result['sharded_2_ranks_mb_per_s']:.0f} MB/s), "
           f"{result['throughput_ratio_sharded_2_ranks_over_dd_medians']:.2f} x dd (medians)")
     return 0

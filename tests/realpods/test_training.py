@@ -10,6 +10,7 @@ from tests.realpods.conftest import (
     exec_kill_trainer,
     pod_nodes,
     shared_checkpoint_pv,
+    stalled,
     wait_job,
     wait_phase,
 )
@@ -29,7 +30,14 @@ def test_digits_example_trains_across_two_real_nodes(real_cluster, namespaces, t
     ckpt = shared_checkpoint_pv(real_cluster, claim=_digits_claim(), namespace=ns, tmp=tmp_path)
     apply_docs(real_cluster, example_docs("digits.yaml"), ns)
 
-    st = wait_phase(real_cluster, ns, "digits", {"Succeeded", "Failed"}, timeout=900)
+    # The most ranks the operator's scrapes saw at once while the job ran: the last snapshot alone
+    # may count one, when rank 1's pod exited before the operator's final scrape of the attempt.
+    reporting = []
+
+    def ended(st):
+        reporting.append((st.get("progress") or {}).get("ranksReporting") or 0)
+        return st.get("phase") in {"Succeeded", "Failed"}
+    st = wait_job(real_cluster, ns, "digits", ended, give_up=stalled, desc="the job's end", timeout=900)
     assert st["phase"] == "Succeeded", st
 
     # One pod per node: the two ranks really talked across the nodes' bridges.
@@ -50,7 +58,7 @@ def test_digits_example_trains_across_two_real_nodes(real_cluster, namespaces, t
     assert cols["PHASE"] == "Succeeded" and float(cols["ACCURACY"]) >= 0.95, (head, row)
 
     # The operator scraped the real pods while they trained (no URL template in this tier).
-    assert (st.get("progress") or {}).get("ranksReporting") == 2, st
+    assert max(reporting) == 2, (reporting, st)
 
     # `kubectl logs` works (API server -> kubelet), and rank 1 found the master by its DNS name.
     log1 = real_cluster.kubectl("logs", "-n", ns, "digits-1").stdout

@@ -144,3 +144,35 @@ def test_async_save_failure_is_raised_by_the_next_wait(tmp_path):
         ck.wait()
     assert not (tmp_path / "step-00000001").exists()  # never published: never loaded
     assert ck.load_latest() is None
+
+
+def test_sync_save_failure_is_an_ordinary_error_naming_the_checkpoint_and_cause(tmp_path):
+    """DCP raises a BaseException; the trainer's `except Exception` must see it to report why."""
+    ck = make(tmp_path)
+    with pytest.raises(RuntimeError, match=r"writing checkpoint .*\.tmp-step-00000002 failed: .*pickle"):
+        ck.save(step=2, common={"step": 2, "w": torch.ones(3), "bad": lambda: None}, rank_state={})
+    assert not (tmp_path / "step-00000002").exists() and ck.load_latest() is None
+
+
+def test_async_save_stages_every_dtype_and_layout_before_returning(tmp_path):
+    """The host copy takes dense CPU tensors as bytes, on two threads, and the rest through torch."""
+    wide = torch.randn(6, 8)
+    common = {"f32": torch.randn(300, 7), "bf16": torch.randn(50).to(torch.bfloat16), "zero_d": torch.tensor(3),
+              "empty": torch.empty(0, 2), "strided": wide.t(), "flags": torch.tensor([True, False]),
+              "rank_like": [torch.arange(5), torch.randn(2, 2).double()]}
+    expected = {k: ([t.clone() for t in v] if isinstance(v, list) else v.clone()) for k, v in common.items()}
+    ck = make(tmp_path, async_save=True)
+    rng = torch.get_rng_state()
+    rng_saved = rng.clone()
+    ck.save(step=4, common=common, rank_state={"rng": rng})
+    for v in common.values():  # training changes everything in place once save returns
+        for t in v if isinstance(v, list) else [v]:
+            if t.numel():
+                t.copy_(torch.zeros_like(t) if t.dtype != torch.bool else ~t)
+    rng.zero_()  # the rank state too: its file is written in the background
+    ck.wait()
+    back = ck.load_latest()
+    for k, v in expected.items():
+        got = back.common[k]
+        assert all(torch.equal(a, b) for a, b in zip(got, v)) if isinstance(v, list) else torch.equal(got, v), k
+    assert torch.equal(back.rank_state["rng"], rng_saved)

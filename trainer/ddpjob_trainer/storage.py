@@ -1,0 +1,158 @@
+"""DCP storage that writes tensors as their raw bytes: one file per writer thread, no archive per tensor.
+
+DCP's own FileSystemWriter wraps every tensor in a `torch.save` zip archive (a pickle, a record
+per storage, CRC32). For resnet18 with momentum (184 tensors, 94 MB) that made a save as slow as one
+plain torch.save, 0.12 s, where writing the same bytes takes 0.06 s here: the archive, not the
+disk, was the cost. DCP's metadata already holds each tensor's dtype and shape, so the bytes are
+all a shard needs to hold.
+
+The planning, metadata, resharding and coordination stay DCP's; only the storage layer (DCP's
+StorageWriter/StorageReader extension point) changes. Every raw item is marked in `.metadata` with
+the transform descriptor RAW: stock `dcp.load` on such a checkpoint fails with "Unknown extension
+name='raw-tensor-bytes@ddpjob.dev'" instead of misreading bytes, and RawReader still reads shards
+written in DCP's default format (checkpoints from before this storage layer).
+"""
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed._shard._utils import narrow_tensor_by_index
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import (LoadItemType, LoadPlan, LoadPlanner, ReadItem, SavePlan,
+                                                  SavePlanner, WriteItem, WriteItemType)
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
+
+RAW = "raw-tensor-bytes@ddpjob.dev/1"
+
+
+def _nbytes(item: WriteItem) -> int:
+    if item.tensor_data is None:
+        return 0
+    return item.tensor_data.size.numel() * item.tensor_data.properties.dtype.itemsize
+
+
+def _buckets(items: list[WriteItem], n: int) -> list[list[WriteItem]]:
+    """Items split across n files of about equal bytes (largest first, each to the lightest file)."""
+    out: list[list[WriteItem]] = [[] for _ in range(n)]
+    load = [0] * n
+    for item in sorted(items, key=_nbytes, reverse=True):
+        i = load.index(min(load))
+        out[i].append(item)
+        load[i] += _nbytes(item) or 1  # byte items spread too
+    return [b for b in out if b]
+
+
+def _as_bytes(tensor: torch.Tensor) -> memoryview:
+    """A tensor's element bytes, without a copy when it is a dense CPU tensor."""
+    t = tensor.detach().cpu().contiguous().reshape(-1)
+    return memoryview(t.view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
+
+
+class RawWriter(dcp.FileSystemWriter):
+    """FileSystemWriter whose files hold the tensors' bytes back to back (`thread_count` files per rank).
+
+    An exception in any writer thread is raised by write_data: DCP's own extra threads only print
+    theirs, and the checkpoint then silently lacks the items they held.
+    """
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        prefix = plan.storage_data.prefix  # "__<rank>_", set by DCP's global plan
+        buckets = _buckets(plan.items, max(1, self.thread_count))
+        results: list[list[WriteResult]] = [[] for _ in buckets]
+        errors: list[BaseException] = []
+
+        def write(i: int) -> None:
+            try:
+                results[i] = self._write_file(f"{prefix}{i}.distcp", buckets[i], planner)
+            except BaseException as exc:  # noqa: BLE001 - re-raised on the calling thread below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=write, args=(i,), name=f"ckpt-write-{i}") for i in range(1, len(buckets))]
+        for t in threads:
+            t.start()
+        if buckets:
+            write(0)
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
+        fut: Future[list[WriteResult]] = Future()
+        fut.set_result([r for rs in results for r in rs])
+        return fut
+
+    def _write_file(self, name: str, items: list[WriteItem], planner: SavePlanner) -> list[WriteResult]:
+        out = []
+        with self.fs.create_stream(self.fs.concat_path(self.path, name), "wb") as stream:
+            offset = 0
+            for item in items:
+                data = planner.resolve_data(item)
+                if item.type == WriteItemType.BYTE_IO:
+                    buf, descriptors = data.getbuffer(), None
+                else:
+                    buf, descriptors = _as_bytes(data), [RAW]
+                stream.write(buf)
+                out.append(WriteResult(index=item.index, size_in_bytes=buf.nbytes,
+                                       storage_data=_StorageInfo(name, offset, buf.nbytes,
+                                                                 transform_descriptors=descriptors)))
+                offset += buf.nbytes
+            if self.sync_files:
+                stream.flush()
+                os.fsync(stream.fileno())
+        return out
+
+
+def _chunk(md: TensorStorageMetadata, index: MetadataIndex):
+    """The stored chunk a read item refers to: by DCP's index hint, else by its offsets."""
+    if index.index is not None and index.index < len(md.chunks) and md.chunks[index.index].offsets == index.offset:
+        return md.chunks[index.index]
+    return next(c for c in md.chunks if c.offsets == index.offset)
+
+
+class RawReader(dcp.FileSystemReader):
+    """FileSystemReader for RawWriter's shards; items in DCP's default format go to the stock reader."""
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool) -> None:
+        super().set_up_storage_reader(metadata, is_coordinator)
+        self._tensors = metadata.state_dict_metadata
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        raw = [r for r in plan.items if RAW in (self.storage_data[r.storage_index].transform_descriptors or ())]
+        rest = [r for r in plan.items if RAW not in (self.storage_data[r.storage_index].transform_descriptors or ())]
+        by_file: dict[str, list[ReadItem]] = {}
+        for req in raw:
+            by_file.setdefault(self.storage_data[req.storage_index].relative_path, []).append(req)
+        for name, reqs in by_file.items():
+            with self.fs.create_stream(self.fs.concat_path(self.path, name), "rb") as stream:
+                for req in sorted(reqs, key=lambda r: self.storage_data[r.storage_index].offset):
+                    self._read_tensor(stream, req, planner)
+        if rest:
+            return super().read_data(LoadPlan(rest, plan.storage_data), planner)
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+    def _read_tensor(self, stream: Any, req: ReadItem, planner: LoadPlanner) -> None:
+        if req.type != LoadItemType.TENSOR:
+            raise ValueError(f"{req.storage_index.fqn}: raw storage holds tensors only, not {req.type}")
+        info = self.storage_data[req.storage_index]
+        md = self._tensors[req.storage_index.fqn]
+        chunk = _chunk(md, req.storage_index)
+        stream.seek(info.offset)
+        data = bytearray(info.length)
+        if stream.readinto(data) != info.length:
+            raise ValueError(f"{info.relative_path} ends before {req.storage_index.fqn}'s {info.length} bytes "
+                             f"at offset {info.offset} (truncated shard)")
+        dtype = md.properties.dtype
+        stored = (torch.frombuffer(data, dtype=dtype) if info.length else torch.empty(0, dtype=dtype)).view(chunk.sizes)
+        tensor = narrow_tensor_by_index(stored, req.storage_offsets, req.lengths)
+        target = planner.resolve_tensor(req).detach()
+        if target.size() != tensor.size():
+            raise ValueError(f"{req.storage_index.fqn}: stored {tuple(tensor.size())}, wanted {tuple(target.size())}")
+        target.copy_(tensor)
+        planner.commit_tensor(req, target)
