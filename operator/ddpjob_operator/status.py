@@ -10,7 +10,7 @@ from . import podinfo
 from .config import OperatorConfig
 from .envvars import master_dns
 from .gang import gang_state
-from .kueue import admission
+from .kueue import admission, queue_name
 from .lifecycle import Decision, condition, decide
 from .phases import Cond, Phase
 from .pods import explain_pod_error
@@ -121,8 +121,14 @@ def _gang_condition(conds: list[dict[str, Any]], placed, now: dt.datetime, gen: 
     return [("Normal", "GangScheduled", placed.message)] if placed.placed and was is None else []
 
 
-def _admission_condition(conds: list[dict[str, Any]], queued, now: dt.datetime, gen: int) -> list[Event]:
-    """Admitted from Kueue's gate (None: no queue named); an event at each change of reason."""
+def _admission_condition(conds: list[dict[str, Any]], queued, now: dt.datetime, gen: int, *,
+                         queue_named: bool) -> list[Event]:
+    """Admitted from Kueue's gate (None: no queue named, or no current pod yet); an event at each
+    change of reason."""
+    if not queue_named:
+        # The queue label was taken off: an earlier attempt's admission says nothing of the next.
+        conds[:] = [c for c in conds if c.get("type") != Cond.ADMITTED]
+        return []
     if queued is None:
         return []
     # Any status: Queued (False) and Admitted (True) are both states to announce once.
@@ -217,7 +223,8 @@ def job_status(job: JobSpec, pods: list[dict[str, Any]], *, now: dt.datetime,
 
     if d.phase in (Phase.PENDING, Phase.RUNNING, Phase.RESTARTING):
         events += _gang_condition(conds, gang_state(job, pods, attempt=d.attempt, podgroup=podgroup), now, gen)
-        events += _admission_condition(conds, admission(job, pods, attempt=d.attempt), now, gen)
+        events += _admission_condition(conds, admission(job, pods, attempt=d.attempt), now, gen,
+                                       queue_named=queue_name(job) is not None)
 
     progress = dict(prev.get("progress") or {})
     if report is not None:

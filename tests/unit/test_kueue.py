@@ -137,3 +137,15 @@ def test_a_group_kueue_evicts_restarts_without_using_the_budget():
     assert d.restarted is not None and d.restarted.reason == "PodPreempted"
     assert (d.restarts, d.counted_restarts) == (1, 0)
     assert "Kueue: Preempted to accommodate" in d.message
+
+
+def test_taking_the_queue_label_off_drops_the_admitted_condition():
+    """The next attempt's pods are not queued: an earlier group's admission would be stale."""
+    status, _ = job_status(queued_job(nodes=1), [pod(0)], now=NOW, prev_status={})
+    assert admitted(status)["reason"] == "Admitted"
+    unqueued = queued_job(nodes=1, queue=None)
+    after, events = job_status(unqueued, [pod(0, managed=False)], now=NOW, prev_status=status)
+    assert admitted(after) is None and not [e for e in events if e[1] in ("Admitted", "Queued")]
+    # Between attempts (no current pod) a queued job keeps what it had.
+    kept, _ = job_status(queued_job(nodes=1), [], now=NOW, prev_status=status)
+    assert admitted(kept)["reason"] == "Admitted"
