@@ -9,7 +9,8 @@ rotating the arms' order every round so drift hits all alike:
   outside the timed window);
 - `stall`: Checkpointer.save with async_save on (the trainer's default), time until it returns:
   training stands still only this long (the host copy); `async_total` adds the wait
-  for the background write to be published. Ratio stall / sync (goal <= 0.2);
+  for the background write to be published and the retired checkpoint deleted (the sync arm
+  leaves that deletion out). Ratio stall / sync (goal <= 0.2);
 - `dd`: `dd bs=4M conv=fsync` of the same number of bytes into the same directory: the write
   ceiling; ratio sync-save throughput / dd throughput (goal >= 0.8);
 - `dcp_default`: plain `dcp.save` with DCP's own FileSystemWriter (a torch.save archive per
