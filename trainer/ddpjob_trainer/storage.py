@@ -16,7 +16,6 @@ written in DCP's default format (checkpoints from before this storage layer).
 from __future__ import annotations
 
 import os
-import threading
 from typing import Any
 
 import torch
@@ -29,6 +28,8 @@ from torch.distributed.checkpoint.planner import (LoadItemType, LoadPlan, LoadPl
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
+from .parallel import run_each, split_by_size
+
 RAW = "raw-tensor-bytes@ddpjob.dev/1"
 
 
@@ -36,17 +37,6 @@ def _nbytes(item: WriteItem) -> int:
     if item.tensor_data is None:
         return 0
     return item.tensor_data.size.numel() * item.tensor_data.properties.dtype.itemsize
-
-
-def _buckets(items: list[WriteItem], n: int) -> list[list[WriteItem]]:
-    """Items split across n files of about equal bytes (largest first, each to the lightest file)."""
-    out: list[list[WriteItem]] = [[] for _ in range(n)]
-    load = [0] * n
-    for item in sorted(items, key=_nbytes, reverse=True):
-        i = load.index(min(load))
-        out[i].append(item)
-        load[i] += _nbytes(item) or 1  # byte items spread too
-    return [b for b in out if b]
 
 
 def _as_bytes(tensor: torch.Tensor) -> memoryview:
@@ -64,25 +54,9 @@ class RawWriter(dcp.FileSystemWriter):
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         prefix = plan.storage_data.prefix  # "__<rank>_", set by DCP's global plan
-        buckets = _buckets(plan.items, max(1, self.thread_count))
-        results: list[list[WriteResult]] = [[] for _ in buckets]
-        errors: list[BaseException] = []
-
-        def write(i: int) -> None:
-            try:
-                results[i] = self._write_file(f"{prefix}{i}.distcp", buckets[i], planner)
-            except BaseException as exc:  # noqa: BLE001 - re-raised on the calling thread below
-                errors.append(exc)
-
-        threads = [threading.Thread(target=write, args=(i,), name=f"ckpt-write-{i}") for i in range(1, len(buckets))]
-        for t in threads:
-            t.start()
-        if buckets:
-            write(0)
-        for t in threads:
-            t.join()
-        if errors:
-            raise errors[0]
+        buckets = split_by_size(plan.items, self.thread_count, lambda item: _nbytes(item) or 1)
+        results = run_each(lambda job: self._write_file(f"{prefix}{job[0]}.distcp", job[1], planner),
+                           list(enumerate(buckets)))
         fut: Future[list[WriteResult]] = Future()
         fut.set_result([r for rs in results for r in rs])
         return fut
@@ -123,11 +97,14 @@ class RawReader(dcp.FileSystemReader):
         self._tensors = metadata.state_dict_metadata
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        raw = [r for r in plan.items if RAW in (self.storage_data[r.storage_index].transform_descriptors or ())]
-        rest = [r for r in plan.items if RAW not in (self.storage_data[r.storage_index].transform_descriptors or ())]
         by_file: dict[str, list[ReadItem]] = {}
-        for req in raw:
-            by_file.setdefault(self.storage_data[req.storage_index].relative_path, []).append(req)
+        rest = []
+        for req in plan.items:
+            info = self.storage_data[req.storage_index]
+            if RAW in (info.transform_descriptors or ()):
+                by_file.setdefault(info.relative_path, []).append(req)
+            else:
+                rest.append(req)
         for name, reqs in by_file.items():
             with self.fs.create_stream(self.fs.concat_path(self.path, name), "rb") as stream:
                 for req in sorted(reqs, key=lambda r: self.storage_data[r.storage_index].offset):
