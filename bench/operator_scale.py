@@ -99,8 +99,9 @@ def bench_nodes(core, *, create: bool) -> None:
 
 
 def ddpjob(name: str, nodes: int) -> dict:
+    # Up to PODS_PER_NODE pods of one job share a bench node, as the PyTorchJob peer's do.
     return {"apiVersion": "ddpjob.dev/v1alpha1", "kind": "DDPJob", "metadata": {"name": name},
-            "spec": {"image": "bench/trainer:1", "nodes": nodes, "scheduling": PLACEMENT}}
+            "spec": {"image": "bench/trainer:1", "nodes": nodes, "scheduling": {**PLACEMENT, "onePodPerNode": False}}}
 
 
 class PodTracker:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from . import gang, kueue, labels, template
+from . import gang, kueue, labels, shm, template
 from .config import OperatorConfig
 from .envvars import pod_env, pod_hostname, service_name
 from .service import child_metadata
@@ -14,8 +14,8 @@ from .template import Layers
 GPU_RESOURCE = "nvidia.com/gpu"
 LAUNCHER = ["python", "-m", "ddpjob_trainer.launch", "--"]
 SHM_VOLUME = "dshm"
-DEFAULT_SHM = "2Gi"
 SPREAD = "topologySpreadConstraints"
+HOSTNAME_KEY = "kubernetes.io/hostname"
 # spec.scheduling: the pod fields it sets, in the order pods have always listed them.
 SCHEDULING = ("schedulerName", "priorityClassName", "nodeSelector", "tolerations", "affinity", SPREAD)
 
@@ -71,13 +71,34 @@ def restart_counters(job: JobSpec, restarts: int | None, counted_restarts: int |
     return count(restarts, "restarts"), count(counted_restarts, "countedRestarts")
 
 
-def default_spread(job: JobSpec) -> list[dict[str, Any]]:
-    """One pod per node where the cluster allows it: the product's model, which GPU requests
-    enforce by themselves but CPU jobs would otherwise leave to the scheduler's scoring. A score
-    (ScheduleAnyway), never a refusal, and spreading rather than pod anti-affinity, whose cost
-    grows with the cluster; a job's own topologySpreadConstraints replace it."""
-    return [{"maxSkew": 1, "topologyKey": "kubernetes.io/hostname", "whenUnsatisfiable": "ScheduleAnyway",
-             "labelSelector": {"matchLabels": {labels.JOB_NAME: job.name}}}]
+def one_pod_per_node(job: JobSpec) -> bool:
+    """spec.scheduling.onePodPerNode, true unless the job says false."""
+    return (job.spec.get("scheduling") or {}).get("onePodPerNode") is not False
+
+
+def pod_spread(job: JobSpec) -> list[dict[str, Any]]:
+    """The pods' topologySpreadConstraints: the job's own (spec.scheduling's, else its template's)
+    and, unless onePodPerNode is false, one pod per node as a hard rule.
+
+    Two ranks on one node share its GPUs, NICs and memory bandwidth, and a partial GPU request lets
+    the scheduler do that, so the rule is a refusal (DoNotSchedule): a pod that finds no node of
+    its own stays Pending and the job says Unschedulable. maxSkew 1 alone would still allow a
+    second pod on a node once every node has one; minDomains = the job's pods counts every missing
+    node as holding none, so a node already holding a pod never passes while another pod is
+    unplaced. A spread rather than pod anti-affinity: the scheduler's cost of anti-affinity grows
+    with every pod that carries it. A job's own DoNotSchedule constraint on kubernetes.io/hostname
+    replaces ours (the API allows one per key and mode). Relaxed (false), the spread is a
+    preference (ScheduleAnyway) that the job's own constraints replace."""
+    sched = job.spec.get("scheduling") or {}
+    own = sched.get(SPREAD) or (template.pod_template(job).get("spec") or {}).get(SPREAD) or []
+    selector = {"labelSelector": {"matchLabels": {labels.JOB_NAME: job.name}}}
+    if not one_pod_per_node(job):
+        return own or [{"maxSkew": 1, "topologyKey": HOSTNAME_KEY, "whenUnsatisfiable": "ScheduleAnyway", **selector}]
+    if any(c.get("topologyKey") == HOSTNAME_KEY and c.get("whenUnsatisfiable", "DoNotSchedule") == "DoNotSchedule"
+           for c in own):
+        return own
+    return [*own, {"maxSkew": 1, "topologyKey": HOSTNAME_KEY, "whenUnsatisfiable": "DoNotSchedule",
+                   "minDomains": job.nodes, **selector}]
 
 
 def render_pod(job: JobSpec, rank: int, *, attempt: int = 0, config: OperatorConfig | None = None,
@@ -115,13 +136,13 @@ def render_pod(job: JobSpec, rank: int, *, attempt: int = 0, config: OperatorCon
         "securityContext": Layers(default=POD_SECURITY_DEFAULTS, flat=spec.get("podSecurityContext")),
         template.CONTAINERS: Layers(),
         "volumes": Layers(owned=[{"name": SHM_VOLUME, "emptyDir": {
-            "medium": "Memory", "sizeLimit": str(spec.get("shmSize") or DEFAULT_SHM)}}], flat=spec.get("volumes")),
+            "medium": "Memory", "sizeLimit": shm.shm_size(job)}}], flat=spec.get("volumes")),
         "runtimeClassName": Layers(default=default_runtime_class(job, config), flat=spec.get("runtimeClassName")),
         # A gang-scheduled job's pods go to its gang scheduler unless the job names one.
         **{key: Layers(flat=sched.get(key), default=gang.default_scheduler_name(job) if key == "schedulerName" else None)
            for key in SCHEDULING if key != SPREAD},
-        # One pod per node unless the job or its template spreads the pods itself.
-        SPREAD: Layers(default=default_spread(job), flat=sched.get(SPREAD)),
+        # The job's own spread (from the flat field or the template) with one pod per node.
+        SPREAD: Layers(owned=pod_spread(job)),
         "serviceAccountName": Layers(flat=spec.get("serviceAccountName")),
         "imagePullSecrets": Layers(flat=spec.get("imagePullSecrets")),
     }

@@ -127,6 +127,10 @@ def _cel(obj: dict[str, Any]) -> list[str]:
     gpus = spec.get("gpusPerNode")
     if is_int(gpus) and gpus < 0:
         errs.append("spec.gpusPerNode must be >= 0")
+    nproc = spec.get("nprocPerNode")
+    if is_int(nproc) and is_int(gpus) and 0 < gpus < nproc:
+        errs.append('spec.nprocPerNode must be <= spec.gpusPerNode: each process of a GPU job drives one GPU '
+                    'of its pod ("auto" = one per GPU)')
     trainer = spec.get("trainer")
     if isinstance(trainer, dict) and bad_int_or_auto(trainer.get("numWorkers"), 0):
         errs.append('spec.trainer.numWorkers must be "auto" or an integer >= 0')

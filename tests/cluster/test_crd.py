@@ -54,6 +54,8 @@ def test_defaults_applied_by_the_api_server(crd, namespace):
     ("job", {"nprocPerNode": "many"}, "spec.nprocPerNode"),
     ("job", {"nprocPerNode": 0}, "spec.nprocPerNode"),
     ("job", {"gpusPerNode": -1}, "spec.gpusPerNode"),
+    ("job", {"gpusPerNode": 2, "nprocPerNode": 4}, "spec.nprocPerNode must be <= spec.gpusPerNode"),
+    ("job", {"scheduling": {"onePodPerNode": "no"}}, "spec.scheduling.onePodPerNode"),
     ("job", {"nodes": 4, "elastic": {"minNodes": 6, "maxNodes": 2}}, "spec.elastic.minNodes"),
     ("job", {"masterPort": 70000}, "spec.masterPort"),
     ("job", {"metricsPort": 0}, "spec.metricsPort"),

@@ -57,7 +57,8 @@ def test_deleted_node_restarts_the_group_without_charging_the_budget(cluster, ow
     start_operator()
     sched = {"nodeSelector": {"ddpjob.dev/test-node": tag},
              "tolerations": [{"key": "ddpjob.dev/test-node", "operator": "Exists", "effect": "NoSchedule"}]}
-    k8s.apply("lost", nodes=2, scheduling=sched, failurePolicy={"maxRestarts": 0})
+    # Both pods on the one node the test owns.
+    k8s.apply("lost", nodes=2, scheduling={**sched, "onePodPerNode": False}, failurePolicy={"maxRestarts": 0})
     k8s.wait_status("lost", lambda s: s.get("phase") == "Running", "Running on the node", timeout=60)
     assert {p.spec.node_name for p in k8s.pods("lost")} == {first}
 

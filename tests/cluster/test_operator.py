@@ -372,7 +372,7 @@ def test_unschedulable_condition_has_the_scheduler_message(start_operator, k8s):
 
 def test_operator_killed_mid_creation_leaves_no_duplicates(start_operator, k8s):
     slow = start_operator(DDPJOB_DEBUG_CREATE_DELAY="0.3")
-    k8s.apply("big", nodes=16)
+    k8s.apply("big", nodes=16, scheduling={"onePodPerNode": False})  # 16 pods on the 4 fake nodes
     wait_for(lambda: len(k8s.pods("big")) >= 3, timeout=30, desc="some pods created")
     slow.kill()
     created = len(k8s.pods("big"))

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from tests.cluster.conftest import wait_for
 from tests.cluster.test_operator import crd, k8s, running, start_operator  # noqa: F401  (fixtures)
-from tests.support.localrun import local_run, write_digits_job, write_slow_input_job
+from tests.support.localrun import in_stage, local_run, wait_ranks, write_digits_job, write_slow_input_job
 from tests.support.status import condition
 
 URL_TEMPLATE = "http://127.0.0.1:{rank_port}/metrics"
@@ -89,8 +89,21 @@ def test_slowed_rank_is_reported_as_straggler(start_operator, k8s, crd, tmp_path
         assert "rank 1 (pod slow-1 on node " + node in msg and "rank 0" not in msg, msg
 
 
+FREEZE_AT = 30
+
+
+def frozen_after_a_step(samples: dict) -> bool:
+    """Rank 1 froze after step FREEZE_AT, and rank 0 has its batch for the next step (it waits for
+    rank 1 in that step's all-reduce): nothing of the job will move again."""
+    r0, r1 = samples.get(0), samples.get(1)
+    return bool(r0 and r1 and r1.step == FREEZE_AT and (r0.step_started or 0) > FREEZE_AT)
+
+
 def test_frozen_rank_turns_job_stalled_naming_that_rank(start_operator, k8s, crd, tmp_path):
-    with local_training(tmp_path, DDPJOB_DEBUG_FREEZE_RANK="1:30") as run:
+    with local_training(tmp_path, DDPJOB_DEBUG_FREEZE_RANK=f"1:{FREEZE_AT}") as run:
+        # The job and its 10 s hang timeout come once the freeze has happened: a start-up slower
+        # than 10 s (a cold machine's rendezvous) would otherwise be the stall this test sees.
+        wait_ranks(run, frozen_after_a_step, f"rank 1 frozen at step {FREEZE_AT}, rank 0 in the next step")
         start_operator(DDPJOB_SCRAPE_URL_TEMPLATE=URL_TEMPLATE)
         apply_job(k8s, "frozen", run.base, hangTimeoutSeconds=10)
         k8s.wait_status("frozen", running(2), "both pods Running", timeout=60)
@@ -109,6 +122,9 @@ def test_job_frozen_before_its_first_step_is_stalled_naming_the_stage(start_oper
     first step's all-reduce: no step is ever taken. Until hangTimeoutSeconds has passed, Stalled is
     False and claims no advancing steps; then it is True and names the stage."""
     with local_training(tmp_path, DDPJOB_DEBUG_FREEZE_STAGE="1:first_step") as run:
+        # Both ranks in first_step before the job (and its timeout) exists: a cold rendezvous
+        # longer than 20 s would otherwise be reported, rightly, as stuck in rendezvous.
+        wait_ranks(run, in_stage("first_step"), "both ranks in first_step")
         start_operator(DDPJOB_SCRAPE_URL_TEMPLATE=URL_TEMPLATE)
         apply_job(k8s, "early", run.base, hangTimeoutSeconds=20)
         k8s.wait_status("early", running(2), "both pods Running", timeout=60)

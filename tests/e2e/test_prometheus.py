@@ -23,7 +23,7 @@ import pytest
 import yaml
 
 from tests.support.cluster import REPO_ROOT, wait_for
-from tests.support.localrun import free_ports, local_run, write_digits_job
+from tests.support.localrun import free_ports, in_stage, local_run, wait_ranks, write_digits_job
 
 CHART = REPO_ROOT / "charts" / "ddpjob-operator"
 RULES = CHART / "rules" / "ddpjob-alerts.yaml"
@@ -278,6 +278,9 @@ def frozen_before_first_step(tmp_path_factory):
     server, _thread = start_http_server(operator_port, addr="127.0.0.1", registry=registry)
     try:
         with local_run(write_digits_job(work, epochs=40), work, DDPJOB_DEBUG_FREEZE_STAGE="1:first_step") as run:
+            # Prometheus starts once both ranks are in first_step: a cold rendezvous longer than the
+            # 20 s timeout would otherwise be the (rightly) pending alert, for stage rendezvous.
+            wait_ranks(run, in_stage("first_step"), "both ranks in first_step")
             yield {"ports": run.ports, "operator_port": operator_port, "proc": run.proc, "log": run.log}
     finally:
         server.shutdown()

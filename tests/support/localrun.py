@@ -6,9 +6,10 @@ import signal
 import subprocess
 import sys
 import types
+import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import yaml
 
@@ -142,3 +143,39 @@ def local_run(spec: Path, root: Path, **env_extra: str) -> Iterator[types.Simple
             for node_log in sorted((workdir / "logs").glob("attempt-*/*")):
                 if node_log.is_file():
                     print(f"--- {node_log.relative_to(workdir)} ---\n{node_log.read_text(errors='replace')[-1500:]}")
+
+
+def rank_samples(ports: list[int]) -> dict:
+    """What the ranks of a local run report now on their loopback metrics ports ({rank:
+    scrape.RankSample}, parsed as the operator parses them; a port that does not answer adds none)."""
+    from ddpjob_operator.scrape import merge, parse_metrics
+
+    parts = []
+    for port in ports:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as r:
+                parts.append(parse_metrics(r.read().decode()))
+        except OSError:
+            continue
+    return merge(parts)
+
+
+def wait_ranks(run: types.SimpleNamespace, pred: Callable[[dict], bool], desc: str, *, timeout: float = 240) -> dict:
+    """Wait until the run's ranks report what `pred` asks of rank_samples: a test that sets a short
+    timeout on a moment (a freeze) waits for the moment itself, however long a cold start takes
+    to reach it. Gives up at once when the run ended."""
+    from tests.support.cluster import wait_for
+
+    def check():
+        if run.proc.poll() is not None:
+            return {"training exited": run.proc.returncode}
+        samples = rank_samples(run.ports)
+        return samples if pred(samples) else None
+    got = wait_for(check, timeout=timeout, interval=0.5, desc=f"local run: {desc}")
+    assert "training exited" not in got, f"training ended before {desc}: {got}\n{run.log.read_text()[-3000:]}"
+    return got
+
+
+def in_stage(stage: str, ranks: tuple[int, ...] = (0, 1)) -> Callable[[dict], bool]:
+    """A wait_ranks predicate: every one of `ranks` reports `stage`."""
+    return lambda samples: all(r in samples and samples[r].stage == stage for r in ranks)

@@ -136,29 +136,47 @@ def test_scheduling_and_pod_level_pass_throughs():
 
 OWN_SPREAD = [{"maxSkew": 2, "topologyKey": "topology.kubernetes.io/zone", "whenUnsatisfiable": "DoNotSchedule",
                "labelSelector": {"matchLabels": {"team": "vision"}}}]
+JOB_PODS = {"labelSelector": {"matchLabels": {labels.JOB_NAME: "train"}}}
+# One pod per node, refused otherwise: minDomains = the job's 4 pods.
+HARD = {"maxSkew": 1, "topologyKey": "kubernetes.io/hostname", "whenUnsatisfiable": "DoNotSchedule",
+        "minDomains": 4, **JOB_PODS}
+SOFT = {"maxSkew": 1, "topologyKey": "kubernetes.io/hostname", "whenUnsatisfiable": "ScheduleAnyway", **JOB_PODS}
+OWN_HOST_HARD = [{"maxSkew": 2, "topologyKey": "kubernetes.io/hostname", "whenUnsatisfiable": "DoNotSchedule",
+                  "labelSelector": {"matchLabels": {"team": "vision"}}}]
+OWN_HOST_SOFT = [{**OWN_HOST_HARD[0], "whenUnsatisfiable": "ScheduleAnyway"}]
 
 
-@pytest.mark.parametrize("sched, expected", [
-    # No constraints of the job's own: its pods spread one per node where the cluster allows it.
-    ({}, [{"maxSkew": 1, "topologyKey": "kubernetes.io/hostname", "whenUnsatisfiable": "ScheduleAnyway",
-           "labelSelector": {"matchLabels": {labels.JOB_NAME: "train"}}}]),
-    ({"nodeSelector": {"gpu": "h100"}}, "default"),
-    # The job's own constraints replace the default, not add to it.
-    ({"topologySpreadConstraints": OWN_SPREAD}, OWN_SPREAD),
+@pytest.mark.parametrize("spec, expected", [
+    ({}, [HARD]),
+    ({"gpusPerNode": 8}, [HARD]),
+    ({"scheduling": {"nodeSelector": {"gpu": "h100"}}}, [HARD]),
+    ({"scheduling": {"onePodPerNode": True}}, [HARD]),
+    # The job's own constraints keep one pod per node, added after theirs.
+    ({"scheduling": {"topologySpreadConstraints": OWN_SPREAD}}, OWN_SPREAD + [HARD]),
+    ({"template": {"spec": {"topologySpreadConstraints": OWN_SPREAD}}}, OWN_SPREAD + [HARD]),
+    ({"scheduling": {"topologySpreadConstraints": OWN_HOST_SOFT}}, OWN_HOST_SOFT + [HARD]),
+    # The job's own hard rule per node is the one (the API allows one per key and mode).
+    ({"scheduling": {"topologySpreadConstraints": OWN_HOST_HARD}}, OWN_HOST_HARD),
+    # Relaxed: a preference, which the job's own constraints replace.
+    ({"scheduling": {"onePodPerNode": False}}, [SOFT]),
+    ({"scheduling": {"onePodPerNode": False, "topologySpreadConstraints": OWN_SPREAD}}, OWN_SPREAD),
+    ({"scheduling": {"onePodPerNode": False}, "template": {"spec": {"topologySpreadConstraints": OWN_SPREAD}}},
+     OWN_SPREAD),
+    # spec.scheduling's constraints replace the template's.
+    ({"scheduling": {"topologySpreadConstraints": OWN_HOST_SOFT},
+      "template": {"spec": {"topologySpreadConstraints": OWN_SPREAD}}}, OWN_HOST_SOFT + [HARD]),
 ])
-def test_pods_spread_over_nodes_unless_the_job_says_how(sched, expected):
-    pods = [render_pod(job(scheduling=sched), r) for r in range(4)]
-    got = [p["spec"]["topologySpreadConstraints"] for p in pods]
-    assert all(g == got[0] for g in got)
-    if expected == "default":
-        assert got[0][0]["topologyKey"] == "kubernetes.io/hostname"
-        assert got[0][0]["whenUnsatisfiable"] == "ScheduleAnyway"  # a preference, never Pending
-    else:
-        assert got[0] == expected
-    # The selector matches the job's own pods (their labels), whatever their rank or attempt.
-    sel = got[0][0]["labelSelector"]["matchLabels"]
-    if sched.get("topologySpreadConstraints") is None:
-        assert all(pods[r]["metadata"]["labels"][k] == v for r in range(4) for k, v in sel.items())
+def test_one_pod_per_node_is_a_hard_rule_unless_relaxed(spec, expected):
+    pods = [render_pod(job(**spec), r, attempt=a) for r in range(4) for a in (0, 1)]
+    assert all(p["spec"]["topologySpreadConstraints"] == expected for p in pods)
+    # The selector matches every pod of the job, whatever its rank or attempt.
+    assert all(p["metadata"]["labels"][labels.JOB_NAME] == "train" for p in pods)
+
+
+@pytest.mark.parametrize("nodes", [1, 3, 64])
+def test_one_pod_per_node_counts_the_jobs_own_pods(nodes):
+    (rule,) = render_pod(job(nodes=nodes), 0)["spec"]["topologySpreadConstraints"]
+    assert rule["minDomains"] == nodes and rule["whenUnsatisfiable"] == "DoNotSchedule"
 
 
 def test_user_env_overrides_ours_by_name():

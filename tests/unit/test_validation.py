@@ -23,6 +23,8 @@ def test_good_manifest_has_no_problems():
 
 @pytest.mark.parametrize("extra", [
     {"nprocPerNode": 4}, {"nprocPerNode": "auto"}, {"gpusPerNode": 8}, {"elastic": {"minNodes": 1, "maxNodes": 4}},
+    {"gpusPerNode": 8, "nprocPerNode": 8}, {"gpusPerNode": 8, "nprocPerNode": 2}, {"gpusPerNode": 0, "nprocPerNode": 16},
+    {"gpusPerNode": 4, "nprocPerNode": "auto"}, {"scheduling": {"onePodPerNode": False}},
     {"shmSize": "16Gi"}, {"shmSize": 1073741824}, {"cleanPodPolicy": "All"}, {"suspend": True},
     {"volumes": [{"name": "d", "persistentVolumeClaim": {"claimName": "x"}}]},
     {"scheduling": {"nodeSelector": {"a": "b"}, "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists"}],
@@ -47,6 +49,8 @@ def test_valid_variants(extra):
     ({"nprocPerNode": "many"}, "spec.nprocPerNode"),
     ({"nprocPerNode": 0}, "spec.nprocPerNode"),
     ({"gpusPerNode": -1}, "spec.gpusPerNode"),
+    ({"gpusPerNode": 2, "nprocPerNode": 3}, "spec.nprocPerNode must be <= spec.gpusPerNode"),
+    ({"scheduling": {"onePodPerNode": "no"}}, "spec.scheduling.onePodPerNode"),
     ({"masterPort": 70000}, "spec.masterPort"),
     ({"metricsPort": 0}, "spec.metricsPort"),
     ({"masterPort": 9400}, "spec.masterPort and spec.metricsPort must differ"),
@@ -165,6 +169,8 @@ CEL_VIOLATIONS = {
     "spec.nodes must be <= 10000": {"spec": {"nodes": 10001}},
     'spec.nprocPerNode must be "auto" or an integer >= 1': {"spec": {"nprocPerNode": 0}},
     "spec.gpusPerNode must be >= 0": {"spec": {"gpusPerNode": -1}},
+    'spec.nprocPerNode must be <= spec.gpusPerNode: each process of a GPU job drives one GPU of its pod ("auto" = '
+    'one per GPU)': {"spec": {"gpusPerNode": 2, "nprocPerNode": 4}},
     'spec.trainer.numWorkers must be "auto" or an integer >= 0': {"spec": {"trainer": {"numWorkers": -1}}},
     "spec.masterPort must be between 1 and 65535": {"spec": {"masterPort": 70000}},
     "spec.metricsPort must be between 1 and 65535": {"spec": {"metricsPort": 0}},

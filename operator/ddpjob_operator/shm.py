@@ -1,0 +1,95 @@
+"""The size of a pod's /dev/shm (pure).
+
+DataLoader workers hand every batch to their rank through shared memory: each worker keeps
+`prefetchFactor` batches there, so a pod needs room for processes x workers x prefetch batches, or
+its workers die with "Bus error" mid-epoch. A fixed size is either too small for image batches
+(8 ranks of 224x224 float32 batches overflow 2Gi) or wasteful; the built-in trainer's config says
+how much it will hold, so the default is computed from it. `spec.shmSize` still wins.
+
+The trainer's defaults and its `numWorkers: auto` rule are the trainer's (ddpjob_trainer.config,
+ddpjob_trainer.tuning), which the operator does not import; the copies below are held equal to
+them by tests/unit/test_shm.py.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from .envvars import cpu_request
+from .spec import JobSpec
+
+GIB = 1024 ** 3
+# Below the batches: NCCL's shared-memory transport between local ranks and torch's own IPC, which
+# need room without any loader worker (the size every pod had before it was computed).
+FLOOR_BYTES = 2 * GIB
+FLOAT32_BYTES = 4
+LABEL_BYTES = 8          # one int64 class index per sample
+
+# ddpjob_trainer.config.TrainerConfig's defaults, and tuning.resolve_num_workers' `auto` rule.
+DEFAULT_DATASET = "digits"
+DEFAULT_BATCH_SIZE = 64
+DEFAULT_PREFETCH_FACTOR = 2
+DEFAULT_IMAGE_SIZE = 224
+DEFAULT_SYNTHETIC_SHAPE = (3, 32, 32)
+IN_MEMORY_DATASETS = ("digits", "synthetic")
+MAX_AUTO_WORKERS = 8
+DIGITS_SHAPE = (1, 8, 8)
+
+
+def sample_shape(trainer: dict[str, Any]) -> tuple[int, ...]:
+    """One sample's tensor shape as the built-in trainer's data set yields it (float32)."""
+    dataset = trainer.get("dataset") or DEFAULT_DATASET
+    if dataset == "imagefolder":
+        size = int(trainer.get("imageSize") or DEFAULT_IMAGE_SIZE)
+        return (3, size, size)
+    if dataset == "synthetic":
+        return tuple((trainer.get("synthetic") or {}).get("shape") or DEFAULT_SYNTHETIC_SHAPE)
+    return DIGITS_SHAPE
+
+
+def _cpus(quantity: Any) -> int | None:
+    """Whole CPUs of a CPU quantity, rounded up as the downward API's divisor 1 does (None: unknown)."""
+    if quantity is None:
+        return None
+    text = str(quantity)
+    try:
+        value = float(text[:-1]) / 1000 if text.endswith("m") else float(text)
+    except ValueError:
+        return None
+    return max(1, math.ceil(value))
+
+
+def loader_workers(trainer: dict[str, Any], *, ranks: int, cpus: int | None) -> int:
+    """DataLoader workers per rank: numWorkers, or what `auto` resolves to in the pod; with no CPU
+    request the trainer counts the node's CPUs, unknown here, so the most `auto` can pick."""
+    workers = trainer.get("numWorkers", "auto")
+    if workers != "auto":
+        return int(workers)
+    if (trainer.get("dataset") or DEFAULT_DATASET) in IN_MEMORY_DATASETS:
+        return 0
+    if cpus is None:
+        return MAX_AUTO_WORKERS
+    return max(1, min(MAX_AUTO_WORKERS, cpus // max(1, ranks) - 1))
+
+
+def loader_bytes(trainer: dict[str, Any], *, ranks: int, cpus: int | None) -> int:
+    """Bytes the loaders of one pod hold in shared memory at most: ranks x workers x prefetch x batch."""
+    workers = loader_workers(trainer, ranks=ranks, cpus=cpus)
+    if workers == 0:
+        return 0
+    batch = int(trainer.get("batchSize") or DEFAULT_BATCH_SIZE)
+    prefetch = int(trainer.get("prefetchFactor") or DEFAULT_PREFETCH_FACTOR)
+    batch_bytes = batch * (math.prod(sample_shape(trainer)) * FLOAT32_BYTES + LABEL_BYTES)
+    return ranks * workers * prefetch * batch_bytes
+
+
+def shm_size(job: JobSpec) -> str:
+    """sizeLimit of the pod's /dev/shm: spec.shmSize, else the floor plus what the built-in trainer's
+    loaders hold, in whole GiB (a `command:` job's loader is unknown: the floor)."""
+    given = job.spec.get("shmSize")
+    if given:
+        return str(given)
+    held = 0
+    if job.uses_builtin_trainer:
+        held = loader_bytes(job.trainer, ranks=job.nproc_per_node, cpus=_cpus(cpu_request(job)))
+    return f"{math.ceil((FLOOR_BYTES + held) / GIB)}Gi"

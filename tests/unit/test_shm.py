@@ -1,0 +1,86 @@
+"""shm.shm_size: /dev/shm sized from what the built-in trainer's loaders hold, unless spec.shmSize says."""
+from __future__ import annotations
+
+import pytest
+
+from ddpjob_operator import shm
+from ddpjob_operator.pods import render_pod
+from ddpjob_operator.shm import GIB, loader_bytes, loader_workers, shm_size
+from tests.support.builders import make_job
+
+# One 224x224 RGB float32 sample and its int64 label.
+IMAGE_224 = 3 * 224 * 224 * 4 + 8
+IMAGENET = {"dataset": "imagefolder", "dataPath": "/data"}
+
+
+@pytest.mark.parametrize("spec, expected", [
+    # In-memory data sets load in the training process (no workers): the floor.
+    ({}, "2Gi"),
+    ({"trainer": {"dataset": "digits"}}, "2Gi"),
+    ({"gpusPerNode": 8, "trainer": {"dataset": "synthetic", "batchSize": 4096}}, "2Gi"),
+    # A command: job's loader is unknown: the floor.
+    ({"command": ["torchrun", "train.py"], "gpusPerNode": 8}, "2Gi"),
+    # The issue's case: 8 ranks of 224x224 float32 batches (64 per batch, prefetch 2); no CPU
+    # request, so `auto` may pick 8 workers: 8 x 8 x 2 x 64 x 602,120 B = 4.6 GiB over the floor.
+    ({"gpusPerNode": 8, "trainer": IMAGENET}, "7Gi"),
+    # 48 CPUs for 8 ranks: 48 // 8 - 1 = 5 workers, prefetch 4: 8 x 5 x 4 x 64 x 602,120 B = 5.7 GiB.
+    ({"gpusPerNode": 8, "resources": {"requests": {"cpu": "48"}},
+      "trainer": {**IMAGENET, "prefetchFactor": 4}}, "8Gi"),
+    # The CPU request of the template's trainer container counts as well (2 CPUs, 1 rank: 1 worker).
+    ({"template": {"spec": {"containers": [{"name": "trainer", "resources": {"requests": {"cpu": "1500m"}}}]}},
+      "trainer": {**IMAGENET, "batchSize": 32}}, "3Gi"),
+    # Explicit workers on in-memory data hold batches too: 1 x 4 x 2 x 1024 x (3x32x32x4 + 8) B.
+    ({"trainer": {"dataset": "synthetic", "numWorkers": 4, "batchSize": 1024}}, "3Gi"),
+    ({"trainer": {**IMAGENET, "numWorkers": 0}, "gpusPerNode": 8}, "2Gi"),
+    ({"trainer": {**IMAGENET, "imageSize": 64}, "gpusPerNode": 8}, "3Gi"),
+    # spec.shmSize wins, whatever the trainer would need.
+    ({"shmSize": "1Gi", "gpusPerNode": 8, "trainer": IMAGENET}, "1Gi"),
+    ({"shmSize": "64Gi"}, "64Gi"),
+    ({"shmSize": 1073741824}, "1073741824"),
+])
+def test_shm_size(spec, expected):
+    job = make_job(**spec)
+    assert shm_size(job) == expected
+    (vol,) = [v for v in render_pod(job, 0)["spec"]["volumes"] if v["name"] == "dshm"]
+    assert vol["emptyDir"] == {"medium": "Memory", "sizeLimit": expected}
+
+
+def test_the_issues_case_no_longer_fits_the_old_fixed_size():
+    held = loader_bytes(IMAGENET, ranks=8, cpus=None)
+    assert held == 8 * 8 * 2 * 64 * IMAGE_224 and held > 2 * GIB
+
+
+@pytest.mark.parametrize("trainer, ranks, cpus, expected", [
+    (IMAGENET, 8, 48, 5),
+    (IMAGENET, 8, 8, 1),       # at least one
+    (IMAGENET, 1, 64, 8),      # at most eight
+    (IMAGENET, 2, None, 8),    # the node's CPUs, unknown: the most auto picks
+    ({"dataset": "digits"}, 1, 64, 0),
+    ({"dataset": "synthetic"}, 1, 64, 0),
+    ({}, 1, 64, 0),
+    ({"dataset": "digits", "numWorkers": 3}, 1, 64, 3),
+])
+def test_loader_workers_follow_the_trainers_auto_rule(trainer, ranks, cpus, expected):
+    assert loader_workers(trainer, ranks=ranks, cpus=cpus) == expected
+    # The trainer's own rule, with the same CPUs, agrees (where the CPUs are known).
+    from ddpjob_trainer.config import parse_config
+    from ddpjob_trainer.tuning import resolve_num_workers
+
+    if cpus is not None:
+        got = resolve_num_workers(parse_config(trainer), local_world_size=ranks, cpus=cpus)
+        assert got == expected
+
+
+def test_the_trainers_defaults_and_shapes_are_the_ones_mirrored_here():
+    """shm.py copies what it needs of the trainer (which the operator does not import): the copies
+    must stay equal to the trainer's own, or pods get a /dev/shm sized for another loader."""
+    from ddpjob_trainer import tuning
+    from ddpjob_trainer.config import SyntheticConfig, TrainerConfig
+    from ddpjob_trainer.data import digits
+
+    cfg = TrainerConfig()
+    assert (cfg.dataset, cfg.batch_size, cfg.prefetch_factor, cfg.image_size) == (
+        shm.DEFAULT_DATASET, shm.DEFAULT_BATCH_SIZE, shm.DEFAULT_PREFETCH_FACTOR, shm.DEFAULT_IMAGE_SIZE)
+    assert tuple(SyntheticConfig().shape) == shm.DEFAULT_SYNTHETIC_SHAPE
+    assert tuning.IN_MEMORY_DATASETS == shm.IN_MEMORY_DATASETS and tuning.MAX_AUTO_WORKERS == shm.MAX_AUTO_WORKERS
+    assert digits().input_shape == shm.DIGITS_SHAPE
