@@ -44,17 +44,34 @@ def test_channels_last_and_static_graph_auto_and_overrides():
     assert not tuning.static_graph(parse_config({"ddp": {"staticGraph": False}}))
 
 
-def test_bf16_required_on_a_gpu_without_it_is_a_config_error():
-    with pytest.raises(ConfigError, match="spec.trainer.precision: bf16 requested but"):
-        tuning.autocast_dtype(parse_config({"precision": "bf16"}), GPU, log=Lines(), bf16_supported=False)
+def _gpu(*, native: bool, emulated: bool):
+    """torch.cuda.is_bf16_supported of a GPU that runs bf16 natively (Ampere on) or only emulates it."""
+    return lambda including_emulation=True: native or (emulated and including_emulation)
 
 
-def test_bf16_auto_on_a_gpu_without_it_warns_and_trains_in_fp32():
+AMPERE, TURING, NO_BF16 = _gpu(native=True, emulated=True), _gpu(native=False, emulated=True), \
+    _gpu(native=False, emulated=False)
+
+
+@pytest.mark.parametrize("precision, gpu, expected", [
+    ("auto", AMPERE, torch.bfloat16),
+    ("bf16", AMPERE, torch.bfloat16),
+    ("fp32", AMPERE, None),
+    ("auto", TURING, None),          # emulated bf16 (torch's default counts it) is slower than fp32
+    ("bf16", TURING, ConfigError),
+    ("auto", NO_BF16, None),
+    ("bf16", NO_BF16, ConfigError),
+])
+def test_bf16_only_where_the_gpu_runs_it_natively(precision, gpu, expected):
     log = Lines()
-    assert tuning.autocast_dtype(parse_config({}), GPU, log=log, bf16_supported=False) is None
-    assert any("no bf16 support; training in fp32" in w for w in log.warnings)
-    assert tuning.autocast_dtype(parse_config({}), GPU, log=log, bf16_supported=True) == torch.bfloat16
-    assert tuning.autocast_dtype(parse_config({"precision": "fp32"}), GPU, log=log, bf16_supported=True) is None
+    cfg = parse_config({"precision": precision})
+    if expected is ConfigError:
+        with pytest.raises(ConfigError, match="spec.trainer.precision: bf16 requested but .* no native bf16"):
+            tuning.autocast_dtype(cfg, GPU, log=log, bf16_supported=gpu)
+        return
+    assert tuning.autocast_dtype(cfg, GPU, log=log, bf16_supported=gpu) == expected
+    fell_back = precision == "auto" and expected is None
+    assert any("no native bf16 support; training in fp32" in w for w in log.warnings) == fell_back
 
 
 def test_bf16_on_cpu_is_said_not_silent():

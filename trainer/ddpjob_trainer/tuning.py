@@ -9,6 +9,7 @@ import contextlib
 import math
 import os
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -118,8 +119,9 @@ def apply_backend_switches(cfg: TrainerConfig, device: torch.device) -> None:
 
 
 def autocast_dtype(cfg: TrainerConfig, device: torch.device, *, log: NullReporter,
-                   bf16_supported=None) -> torch.dtype | None:
-    """bf16 autocast where asked for and possible; bf16 required but impossible is a config error.
+                   bf16_supported: Callable[..., bool] | None = None) -> torch.dtype | None:
+    """bf16 autocast where asked for and the GPU runs it natively; bf16 required but impossible is
+    a config error. `bf16_supported` stands in for torch.cuda.is_bf16_supported (same signature).
 
     `auto` on a GPU without bf16 trains in fp32 and says so (a warning line, every start).
     """
@@ -127,14 +129,15 @@ def autocast_dtype(cfg: TrainerConfig, device: torch.device, *, log: NullReporte
         if cfg.precision == "bf16" and device.type != "cuda":
             log.warning("precision bf16 applies to GPUs; this rank runs on the CPU in fp32")
         return None
-    ok = torch.cuda.is_bf16_supported() if bf16_supported is None else bf16_supported
-    if ok:
+    # Natively only: torch's default also counts GPUs that merely emulate bf16 (before Ampere),
+    # where autocast runs slower than fp32.
+    if (bf16_supported or torch.cuda.is_bf16_supported)(including_emulation=False):
         return torch.bfloat16
-    name = torch.cuda.get_device_name(device) if bf16_supported is None else str(device)
+    name = str(device) if bf16_supported else torch.cuda.get_device_name(device)
     if cfg.precision == "bf16":
-        raise ConfigError(f"spec.trainer.precision: bf16 requested but {name} has no bf16 support "
+        raise ConfigError(f"spec.trainer.precision: bf16 requested but {name} has no native bf16 support "
                           "(use precision fp32, or auto to fall back with a warning)")
-    log.warning(f"precision auto: {name} has no bf16 support; training in fp32")
+    log.warning(f"precision auto: {name} has no native bf16 support; training in fp32")
     return None
 
 
