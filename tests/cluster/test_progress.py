@@ -93,10 +93,11 @@ FREEZE_AT = 30
 
 
 def frozen_after_a_step(samples: dict) -> bool:
-    """Rank 1 froze after step FREEZE_AT, and rank 0 has its batch for the next step (it waits for
-    rank 1 in that step's all-reduce): nothing of the job will move again."""
+    """Rank 1 took its last batch, for step FREEZE_AT, and rank 0 has its batch for the next step:
+    rank 1 has done its part of step FREEZE_AT's all-reduce (rank 0 could not have gone on) and
+    froze after it; rank 0 waits for it in the next one. Nothing of the job moves again."""
     r0, r1 = samples.get(0), samples.get(1)
-    return bool(r0 and r1 and r1.step == FREEZE_AT and (r0.step_started or 0) > FREEZE_AT)
+    return bool(r0 and r1 and r1.step_started == FREEZE_AT and r0.step_started == FREEZE_AT + 1)
 
 
 def test_frozen_rank_turns_job_stalled_naming_that_rank(start_operator, k8s, crd, tmp_path):
