@@ -91,3 +91,8 @@ def test_the_pods_cpu_request_reaches_the_trainer_through_the_downward_api(resou
         ref = env["DDPJOB_CPUS"]["valueFrom"]["resourceFieldRef"]
         assert ref == {"containerName": "trainer", "resource": "requests.cpu", "divisor": "1"}
         assert "DDPJOB_CPUS" not in env_dict(list(env.values()))  # local runs: not a plain value
+
+
+@pytest.mark.parametrize("gpus, expected", [(8, "8"), (0, "0")])
+def test_the_trainer_is_told_whether_its_ranks_need_gpus(gpus, expected):
+    assert env_dict(pod_env(job(gpusPerNode=gpus, nprocPerNode=1), 0))["DDPJOB_GPUS_PER_NODE"] == expected

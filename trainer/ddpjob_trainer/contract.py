@@ -19,6 +19,7 @@ ENV_POD_METRICS_PORT = "DDPJOB_METRICS_PORT"  # the pod's metrics endpoint (not 
 ENV_TRAINER_CONFIG = "DDPJOB_TRAINER_CONFIG"  # spec.trainer as JSON (built-in trainer only)
 ENV_CPUS = "DDPJOB_CPUS"                  # the pod's CPU request, via the downward API
 ENV_LOCAL = "DDPJOB_LOCAL"                # "1" under `ddpjob run --local`
+ENV_GPUS_PER_NODE = "DDPJOB_GPUS_PER_NODE"  # spec.gpusPerNode: > 0, every local rank needs a GPU
 
 # Set by the launcher (or the local runner) for the ranks below it.
 ENV_METRICS_DIR = "DDPJOB_METRICS_DIR"    # prometheus-client's multiprocess dir, one per node

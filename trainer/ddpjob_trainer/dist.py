@@ -10,6 +10,8 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
+from . import contract
+from .errors import ConfigError
 from .tuning import set_nccl_env_defaults
 
 
@@ -38,10 +40,33 @@ def launched_by_torchrun(env=os.environ) -> bool:
     return "RANK" in env and "LOCAL_RANK" in env
 
 
+def rank_device(local_rank: int, local_world_size: int, env=os.environ) -> torch.device:
+    """This rank's device: one CUDA device per local rank, or the CPU for all of them.
+
+    Never a mix: a rank on the CPU would join with gloo while its peers use NCCL, and the group
+    would hang at its first collective. A GPU job (the operator's DDPJOB_GPUS_PER_NODE > 0) whose
+    pod lacks a device for some rank is a config error, raised before any rendezvous; a CPU job
+    stays on the CPU whatever it can see. Outside the operator (no variable), CUDA when every
+    local rank has a device.
+    """
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    gpus = env.get(contract.ENV_GPUS_PER_NODE)
+    if gpus is None:
+        return torch.device("cuda", local_rank) if count >= local_world_size else torch.device("cpu")
+    if int(gpus) == 0:
+        return torch.device("cpu")
+    if count < local_world_size:
+        seen = f"{count} CUDA device(s)" if count else "no CUDA (no NVIDIA runtime or driver in the pod, or a CPU-only torch)"
+        raise ConfigError(f"spec.gpusPerNode is {gpus}, so each of this pod's {local_world_size} local ranks needs "
+                          f"a GPU, but it sees {seen}; check the node's GPUs, its device plugin and the "
+                          "pod's runtime class, or set gpusPerNode: 0 for a CPU job")
+    return torch.device("cuda", local_rank)
+
+
 @contextlib.contextmanager
 def process_group(*, timeout_seconds: int, io_group: bool = False) -> Iterator[DistContext]:
-    """Init the default group (NCCL with CUDA, gloo otherwise), and with `io_group` the checkpoint
-    writer's gloo group; always destroyed on exit."""
+    """Init the default group (NCCL on GPUs, gloo on the CPU: see rank_device), and with
+    `io_group` the checkpoint writer's gloo group; always destroyed on exit."""
     env = os.environ
     if launched_by_torchrun(env):
         rank, local_rank = int(env["RANK"]), int(env["LOCAL_RANK"])
@@ -49,12 +74,10 @@ def process_group(*, timeout_seconds: int, io_group: bool = False) -> Iterator[D
         node_rank = int(env.get("GROUP_RANK", env.get("NODE_RANK", "0")))
     else:
         rank, local_rank, world, node_rank = 0, 0, 1, 0
-    use_cuda = torch.cuda.is_available() and torch.cuda.device_count() > local_rank
+    device = rank_device(local_rank, int(env.get("LOCAL_WORLD_SIZE", "1")) if launched_by_torchrun(env) else 1)
+    use_cuda = device.type == "cuda"
     if use_cuda:
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
-    else:
-        device = torch.device("cpu")
+        torch.cuda.set_device(device)
     backend = "nccl" if use_cuda else "gloo"
     if use_cuda:
         # NCCL reads these when the communicator is created; a value the user (or the operator's
