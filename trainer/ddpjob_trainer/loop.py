@@ -26,6 +26,7 @@ from .data import PerSampleSeeded, ResumableSampler, build_data, eval_loader, lo
 from .dist import DistContext
 from .models import build_model
 from .reporting import NullReporter
+from .shared_dir import check_shared_dir
 from .telemetry import Telemetry
 
 
@@ -223,6 +224,7 @@ class Trainer:
         self.state = TrainState()
         self.checkpoints = None
         if cfg.checkpoint.dir:
+            check_shared_dir(Path(cfg.checkpoint.dir), rank=ctx.rank, group=ctx.io_group)
             self.checkpoints = CheckpointManager(
                 Checkpointer(cfg.checkpoint.dir, keep=cfg.checkpoint.keep, rank=ctx.rank, group=ctx.io_group,
                              barrier=self.comm.barrier, broadcast=self.comm.broadcast_object, log=log,
