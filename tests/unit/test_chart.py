@@ -471,6 +471,41 @@ def test_tenant_policy_profiles_per_namespace_label(tmp_path):
     assert binds[f"{RELEASE}-ddpjob-operator-trusted"]["spec"]["validationActions"] == ["Warn", "Audit"]
 
 
+def test_tenant_policy_allow_lists_for_every_profile(tmp_path):
+    """tenantPolicy.serviceAccounts / priorityClasses (an IRSA or Workload Identity account, say)
+    join each profile's own lists; a profile that allows any ("*") still does."""
+    profiles = [{"name": "team", "serviceAccounts": ["trainer"],
+                 "namespaceSelector": {"matchLabels": {"ddpjob.dev/tenant-profile": "team"}}},
+                {"name": "trusted", "serviceAccounts": ["*"],
+                 "namespaceSelector": {"matchLabels": {"ddpjob.dev/tenant-profile": "trusted"}}}]
+    docs = render(values={"tenantPolicy": {"serviceAccounts": ["s3-reader", "trainer"],
+                                           "priorityClasses": ["research-high"], "profiles": profiles}},
+                  tmp_path=tmp_path)
+    vaps = {d["metadata"]["name"]: d["spec"] for d in docs if d["kind"] == "ValidatingAdmissionPolicy"}
+    lists = {name: {v["name"]: json.loads(v["expression"]) for v in spec["variables"]
+                    if v["name"] in ("serviceAccounts", "priorityClasses")} for name, spec in vaps.items()}
+    assert lists[f"{RELEASE}-ddpjob-operator-team"] == {"serviceAccounts": ["s3-reader", "trainer"],
+                                                        "priorityClasses": ["research-high"]}
+    trusted = vaps[f"{RELEASE}-ddpjob-operator-trusted"]
+    assert "serviceAccountName" not in json.dumps(trusted["validations"])
+    assert "priorityClassName" in json.dumps(trusted["validations"])
+
+
+def test_tenant_policy_checks_secrets_in_every_profile(tmp_path):
+    """The Secret check is about the user, not the namespace: a profile without baseline has it too.
+    An authorization check costs 350000 of the API server's 1000000 per expression, so none of
+    the policy's expressions may make more than one. (Where a pod names a Secret, and whether the
+    API server agrees: tests/cluster/test_tenant_policy.py.)"""
+    profiles = [{"name": "open", "baseline": False, "serviceAccounts": ["*"], "priorityClasses": ["*"],
+                 "namespaceSelector": {}}]
+    spec = one(render(values={"tenantPolicy": {"profiles": profiles}}, tmp_path=tmp_path),
+               "ValidatingAdmissionPolicy")["spec"]
+    checks = [v for v in spec["validations"] if "resource('secrets')" in v["expression"]]
+    assert checks and all("secretsToCheck" in v["messageExpression"] for v in checks)
+    exprs = [v["expression"] for v in spec["variables"] + spec["validations"]]
+    assert all(e.count(".check(") <= 1 for e in exprs)
+
+
 def test_tenant_policy_can_be_switched_off():
     assert "ValidatingAdmissionPolicy" not in kinds(render("tenantPolicy.enabled=false"))
 
