@@ -478,9 +478,9 @@ def test_tenant_policy_allow_lists_for_every_profile(tmp_path):
                  "namespaceSelector": {"matchLabels": {"ddpjob.dev/tenant-profile": "team"}}},
                 {"name": "trusted", "serviceAccounts": ["*"],
                  "namespaceSelector": {"matchLabels": {"ddpjob.dev/tenant-profile": "trusted"}}}]
-    docs = render(values={"tenantPolicy": {"serviceAccounts": ["s3-reader", "trainer"],
-                                           "priorityClasses": ["research-high"], "profiles": profiles}},
-                  tmp_path=tmp_path)
+    # --set as docs/install.md and docs/shared-cluster.md write it
+    docs = render("tenantPolicy.serviceAccounts={s3-reader,trainer}", "tenantPolicy.priorityClasses={research-high}",
+                  values={"tenantPolicy": {"profiles": profiles}}, tmp_path=tmp_path)
     vaps = {d["metadata"]["name"]: d["spec"] for d in docs if d["kind"] == "ValidatingAdmissionPolicy"}
     lists = {name: {v["name"]: json.loads(v["expression"]) for v in spec["variables"]
                     if v["name"] in ("serviceAccounts", "priorityClasses")} for name, spec in vaps.items()}
