@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -63,3 +64,23 @@ def test_a_shared_checkpoint_dir_passes_the_check_and_is_checkpointed_into(tmp_p
     (code0, log0), (code1, log1) = _two_nodes(tmp_path, checkpoint_dirs=[shared, shared])
     assert (code0, code1) == (0, 0), log0[-3000:] + log1[-3000:]
     assert [p.name for p in shared.iterdir()] == ["step-00000002"]
+
+
+@pytest.mark.timeout(300)  # blocked, the teardown would wait for timeoutSeconds: 3600
+def test_a_failed_ranks_reason_is_recorded_and_it_exits_though_its_peer_is_mid_collective(
+        termination_log, monkeypatch):
+    from ddpjob_trainer import launch
+
+    from .failing_rank import REASON
+
+    monkeypatch.setenv("DDPJOB_TRAINER_CONFIG", json.dumps({"dataset": "digits", "timeoutSeconds": 3600}))
+    monkeypatch.setenv("DDPJOB_TELEMETRY", "0")
+    monkeypatch.setenv("NODE_RANK", "0")
+    harness = Path(__file__).with_name("failing_rank.py")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(harness)]
+    # Returns once every process has exited: the test's timeout is the bound on "promptly".
+    assert launch.main(["--", *cmd]) == 1
+    text = termination_log.read_text()
+    # Rank 1's own error, not its peer's ("connection closed"), which came after it.
+    assert text.startswith("training exited with code 1\nrank 1 failed:\nTraceback"), text
+    assert text.endswith(f"FileNotFoundError: {REASON}"), text

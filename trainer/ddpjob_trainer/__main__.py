@@ -20,11 +20,29 @@ def _record(kind: str, msg: str) -> None:
             f.write(msg + "\n")
 
 
+def _failed(exc: BaseException, rank: str) -> int:
+    """Say and record why this rank failed; the exit code it owes."""
+    if isinstance(exc, KeyboardInterrupt):
+        return 130
+    if isinstance(exc, ConfigError):
+        msg = f"bad configuration: {exc}"
+        print(f"[rank {rank}] {msg}", file=sys.stderr, flush=True)
+        _record("bad-config", msg)
+        return EXIT_BAD_CONFIG
+    # Any other failure may succeed on retry.
+    tb = "".join(traceback.format_exception(exc))
+    print(f"[rank {rank}] training failed:\n{tb}", file=sys.stderr, flush=True)
+    _record("failed", f"rank {rank} failed:\n{tb}")
+    return EXIT_TRAINING_FAILED
+
+
 def main() -> int:
-    """Parse config, set up the process group, train; map failures to exit codes."""
+    """Parse config, set up the process group, train; map failures to exit codes. A rank that
+    fails once its group is up does not return: it exits with its code, the group's teardown
+    bounded (see below)."""
     from .config import config_from_env
     from .debug import Knobs
-    from .dist import process_group
+    from .dist import FAILED_TEARDOWN_SECONDS, process_group, teardown_within
     from .loop import train
     from .reporting import make_reporter
     from .telemetry import Telemetry
@@ -36,27 +54,26 @@ def main() -> int:
         telemetry.set_stage("process_group_init")
         Knobs.from_env(rank=int(rank)).at_stage("process_group_init")
         with process_group(timeout_seconds=cfg.timeout_seconds, io_group=bool(cfg.checkpoint.dir)) as ctx:
-            log = make_reporter(rank=ctx.rank, mlflow=cfg.mlflow)
-            status = "FAILED"
+            log = None
             try:
+                log = make_reporter(rank=ctx.rank, mlflow=cfg.mlflow)
                 train(cfg, ctx, log=log, telemetry=telemetry,
                       result_path=os.environ.get(contract.ENV_RESULT_FILE))
-                status = "FINISHED"
-            finally:
-                log.close(status=status)
+            except (Exception, KeyboardInterrupt) as exc:
+                # Recorded before anything that can block: with a peer mid-collective the group's
+                # teardown can hang until the watchdog fires, and the peers failing meanwhile (its
+                # casualties) would be recorded first, taken for the cause.
+                code = _failed(exc, rank)
+                if log is not None:
+                    log.close(status="FAILED")
+                if not teardown_within(FAILED_TEARDOWN_SECONDS):
+                    print(f"[rank {rank}] process group teardown still blocked after {FAILED_TEARDOWN_SECONDS:.0f}s "
+                          "(a peer mid-collective); exiting without it", file=sys.stderr, flush=True)
+                exit_now(code)
+            log.close(status="FINISHED")
         return 0
-    except ConfigError as exc:
-        msg = f"bad configuration: {exc}"
-        print(f"[rank {rank}] {msg}", file=sys.stderr, flush=True)
-        _record("bad-config", msg)
-        return EXIT_BAD_CONFIG
-    except KeyboardInterrupt:
-        return 130
-    except Exception:  # noqa: BLE001 - any other failure may succeed on retry
-        tb = traceback.format_exc()
-        print(f"[rank {rank}] training failed:\n{tb}", file=sys.stderr, flush=True)
-        _record("failed", f"rank {rank} failed:\n{tb}")
-        return EXIT_TRAINING_FAILED
+    except (Exception, KeyboardInterrupt) as exc:
+        return _failed(exc, rank)
 
 
 def exit_now(code: int) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import os
+import threading
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -13,6 +14,12 @@ import torch.distributed as dist
 from . import contract
 from .errors import ConfigError
 from .tuning import set_nccl_env_defaults
+
+
+# How long a failed rank gives its process group's teardown. With a peer mid-collective it can
+# block until that collective times out (NCCL's communicators; a gloo group's, with a collective
+# in flight): minutes in which the pod stays up and the failure's cause waits to be told.
+FAILED_TEARDOWN_SECONDS = 10.0
 
 
 @dataclass(frozen=True)
@@ -98,3 +105,14 @@ def process_group(*, timeout_seconds: int, io_group: bool = False) -> Iterator[D
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def teardown_within(seconds: float) -> bool:
+    """Destroy the process group on a thread of its own, waiting at most `seconds`; False if it is
+    still blocked then (the caller ends the process, which closes whatever is left)."""
+    if not dist.is_initialized():
+        return True
+    teardown = threading.Thread(target=dist.destroy_process_group, name="pg-teardown", daemon=True)
+    teardown.start()
+    teardown.join(seconds)
+    return not teardown.is_alive()
