@@ -220,6 +220,15 @@ def test_render_file_rejects_invalid_spec_naming_the_field(tmp_path):
         render_file(str(path))
 
 
+def test_render_file_refuses_more_processes_than_gpus(tmp_path):
+    import click
+
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(manifest(gpusPerNode=2, nprocPerNode=4)))
+    with pytest.raises(click.ClickException, match=r"spec\.nprocPerNode must be <= spec\.gpusPerNode"):
+        render_file(str(path))
+
+
 def test_example_resnet_gpu_renders_4_pods_with_8_gpus():
     from tests.support.cluster import REPO_ROOT
 
