@@ -26,7 +26,12 @@ import sys
 import torch
 import torch.distributed as dist
 import torch.nn.parallel.distributed as ddp_mod
-from torch._C._distributed_c10d import FakeStore, _create_work_from_future
+from torch._C._distributed_c10d import _create_work_from_future
+
+try:  # torch >= 2.9; before, the same store is a test utility of torch's
+    from torch._C._distributed_c10d import FakeStore
+except ImportError:
+    from torch.testing._internal.distributed.fake_pg import FakeStore
 
 STANDIN = "meta"
 BACKEND = "devonly"

@@ -41,24 +41,30 @@ def test_crash_and_resume_continues_the_same_sample_order(tmp_path):
     assert b["eval_accuracy"] == a["eval_accuracy"]
 
 
-def test_corrupt_newest_checkpoint_falls_back_to_the_previous_one(tmp_path):
-    ck = {"dir": str(tmp_path / "ck"), "everySteps": 10, "keep": 5}
+def test_a_corrupt_complete_checkpoint_stops_the_job_and_an_incomplete_one_is_skipped(tmp_path):
+    ck = {"dir": str(tmp_path / "ck"), "everySteps": 10, "keep": 2}
     r = run_trainer({**BASE, "epochs": 1, "checkpoint": ck})
     assert r.returncode == 0, r.stderr[-2000:]
-    assert _steps(tmp_path / "ck") == [10, 20, 23]
+    assert _steps(tmp_path / "ck") == [20, 23]
+    # A half-written checkpoint from a crash: a temp dir and a dir without a manifest. Skipped.
+    (tmp_path / "ck" / ".tmp-step-00000024").mkdir()
+    (tmp_path / "ck" / "step-00000030").mkdir()
+    result = tmp_path / "r.json"
+    r2 = run_trainer({**BASE, "epochs": 1, "checkpoint": ck}, result=result)
+    assert r2.returncode == 0, r2.stderr[-2000:]
+    assert json.loads(result.read_text())["resumed_from_step"] == 23
+    assert "step-00000030: no MANIFEST.json" in r2.stderr
+    # A complete checkpoint whose shard no longer matches its checksum: the job stops (exit 78,
+    # not retried) naming it, and neither it nor the older one is pruned by a fresh start.
     newest = max((tmp_path / "ck" / "step-00000023").glob("*.distcp"), key=lambda p: p.stat().st_size)
     data = bytearray(newest.read_bytes())
     data[len(data) // 2] ^= 0xFF
     newest.write_bytes(bytes(data))
-    # A half-written checkpoint from a crash: a temp dir and a dir without a manifest.
-    (tmp_path / "ck" / ".tmp-step-00000024").mkdir()
-    (tmp_path / "ck" / "step-00000030").mkdir()
-    result = tmp_path / "r.json"
-    r2 = run_trainer({**BASE, "checkpoint": ck}, result=result)
-    assert r2.returncode == 0, r2.stderr[-2000:]
-    assert json.loads(result.read_text())["resumed_from_step"] == 20
-    assert "skipping checkpoint" in r2.stderr and "step-00000023" in r2.stderr and "corrupt" in r2.stderr
-    assert "step-00000030: no MANIFEST.json" in r2.stderr
+    r3 = run_trainer({**BASE, "checkpoint": ck})
+    assert r3.returncode == 78, r3.stderr[-2000:]
+    assert "step-00000023 is complete but cannot be read" in r3.stderr and newest.name in r3.stderr
+    assert "corrupt" in r3.stderr
+    assert _steps(tmp_path / "ck") == [20, 23, 30]  # 30: no manifest, left alone
 
 
 @pytest.mark.parametrize("async_save", [True, False])

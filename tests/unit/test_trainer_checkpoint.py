@@ -8,8 +8,8 @@ import pytest
 import torch
 import xxhash
 
-from ddpjob_trainer.checkpoint import (Checkpointer, check_resumable, load_shared_state, optimizer_state,
-                                       verify)
+from ddpjob_trainer.checkpoint import (Checkpointer, CheckpointUnreadable, check_resumable, load_shared_state,
+                                       optimizer_state, verify)
 from ddpjob_trainer.errors import ConfigError
 from ddpjob_trainer.reporting import NullReporter
 
@@ -95,10 +95,9 @@ def test_keep_prunes_the_oldest(tmp_path, async_save):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000003", "step-00000004"]
 
 
-@pytest.mark.parametrize("victim", ["rank-00000.pt", ".metadata", "shard"])
-def test_a_damaged_file_is_skipped_with_a_warning_naming_it(tmp_path, victim):
-    log = Warnings()
-    ck = make(tmp_path, log=log)
+@pytest.mark.parametrize("victim", ["rank-00000.pt", ".metadata", "INDEX.json", "shard"])
+def test_a_damaged_complete_checkpoint_stops_the_run_naming_it_and_nothing_is_pruned(tmp_path, victim):
+    ck = make(tmp_path, keep=2)
     save(ck, 1)
     newest = save(ck, 2)
     if victim == "shard":
@@ -106,20 +105,71 @@ def test_a_damaged_file_is_skipped_with_a_warning_naming_it(tmp_path, victim):
     data = bytearray((newest / victim).read_bytes())
     data[len(data) // 2] ^= 0xFF
     (newest / victim).write_bytes(bytes(data))
+    before = sorted(p.name for p in tmp_path.rglob("*"))
+    with pytest.raises(CheckpointUnreadable) as info:
+        ck.load_latest()
+    assert isinstance(info.value, ConfigError)  # exit 78: a retry would meet the same files
+    msg = str(info.value)
+    assert "checkpoint.dir" in msg and str(newest) in msg and victim in msg and "corrupt" in msg
+    assert sorted(p.name for p in tmp_path.rglob("*")) == before
+
+
+def test_a_directory_without_a_manifest_neither_counts_towards_keep_nor_is_pruned(tmp_path):
+    ck = make(tmp_path, keep=2)
+    (tmp_path / "step-00000009").mkdir(parents=True)  # newer than every save below, no manifest
+    for s in (1, 2, 3):
+        save(ck, s)
+    ck.wait()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000002", "step-00000003", "step-00000009"]
+
+
+def test_an_incomplete_write_is_skipped_with_a_warning_naming_it(tmp_path):
+    log = Warnings()
+    ck = make(tmp_path, log=log)
+    save(ck, 1)
+    torn = save(ck, 2)
+    (torn / "MANIFEST.json").unlink()  # what a crash before publishing leaves (under its final name)
     loaded = ck.load_latest()
     assert loaded.common["step"] == 1 and loaded.path.name == "step-00000001"
-    assert any(str(newest) in w and victim in w and "corrupt" in w for w in log.lines)
+    assert any(str(torn) in w and "incomplete" in w for w in log.lines)
 
 
-def test_a_checkpoint_of_the_older_single_file_layout_is_skipped_by_name(tmp_path):
-    log = Warnings()
+def test_a_complete_checkpoint_whose_index_this_version_cannot_read_is_refused(tmp_path):
+    ck = make(tmp_path)
+    newest = save(ck, 1)
+    index = json.loads((newest / "INDEX.json").read_text())
+    index["format"] = "ddpjob.dev/checkpoint-index/99"
+    _rewrite_with_manifest(newest, "INDEX.json", json.dumps(index).encode())
+    with pytest.raises(CheckpointUnreadable, match="checkpoint-index/99"):
+        ck.load_latest()
+
+
+def test_the_index_alone_reads_a_checkpoint_whose_pickled_metadata_cannot_be_unpickled(tmp_path):
+    # What a torch upgrade that moves one of DCP's pickled classes does to `.metadata`.
+    ck = make(tmp_path)
+    newest = save(ck, 3)
+    _rewrite_with_manifest(newest, ".metadata", b"\x80\x04cno_such_module\nGone\n.")
+    loaded = ck.load_latest()
+    assert loaded.common["step"] == 3 and torch.equal(loaded.common["w"], torch.full((4,), 3.0))
+
+
+def _rewrite_with_manifest(step_dir, name, data):
+    """Replace a file and record it in the manifest: the checkpoint stays complete and verified."""
+    (step_dir / name).write_bytes(data)
+    manifest = json.loads((step_dir / "MANIFEST.json").read_text())
+    manifest["files"][name] = {"size": len(data), "xxh3_128": xxhash.xxh3_128(data).hexdigest()}
+    (step_dir / "MANIFEST.json").write_text(json.dumps(manifest))
+    assert verify(step_dir) is None
+
+
+def test_a_checkpoint_of_the_older_single_file_layout_is_refused_by_name(tmp_path):
     old = tmp_path / "step-00000005"
     old.mkdir()
     (old / "common.pt").write_bytes(b"weights")
     (old / "MANIFEST.json").write_text(json.dumps(
         {"step": 5, "files": {"common.pt": {"size": 7, "sha256": "0" * 64}}}))
-    assert make(tmp_path, log=log).load_latest() is None
-    assert any("step-00000005" in w and "no DCP .metadata" in w for w in log.lines)
+    with pytest.raises(CheckpointUnreadable, match="step-00000005.*no DCP .metadata"):
+        make(tmp_path).load_latest()
 
 
 def test_nothing_to_resume_from(tmp_path):

@@ -6,10 +6,9 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
-from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-from ddpjob_trainer.storage import RAW, RawReader, RawWriter
+from ddpjob_trainer.storage import INDEX, RAW, RawReader, RawWriter, load_indexed, read_index
+from ddpjob_trainer.torchapi import load_dcp_state
 
 
 def _save(state, path, writer_cls=RawWriter, threads=2):
@@ -17,9 +16,7 @@ def _save(state, path, writer_cls=RawWriter, threads=2):
 
 
 def _load_all(path):
-    state = {}
-    _load_state_dict(state, storage_reader=RawReader(path), planner=_EmptyStateDictLoadPlanner(), no_dist=True)
-    return state
+    return load_dcp_state(path, RawReader(path))
 
 
 def _state():
@@ -48,6 +45,46 @@ def test_every_dtype_and_layout_reads_back_exactly(tmp_path, threads):
         assert back[key].dtype == state[key].dtype and torch.equal(back[key], state[key]), key
     assert torch.equal(back["nested"]["list"][0], torch.ones(2, 2))
     assert back["nested"]["list"][1:] == [7, "text"] and back["nested"]["step"] == 11
+
+
+def _assert_same_tree(a, b, where="state"):
+    assert type(a) is type(b), where
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for k in a:
+            _assert_same_tree(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, list):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            _assert_same_tree(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, where
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_our_index_reads_back_the_same_tree_as_dcp_without_dcp(tmp_path, threads):
+    _save(_state(), tmp_path, threads=threads)
+    assert (tmp_path / INDEX).is_file()
+    _assert_same_tree(load_indexed(tmp_path, read_index(tmp_path)), _load_all(tmp_path))
+
+
+def test_an_optimizer_state_reads_back_through_the_index_with_integer_keys_as_dcp_gives_them(tmp_path):
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    _save({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": 1}, tmp_path)
+    _assert_same_tree(load_indexed(tmp_path, read_index(tmp_path)), _load_all(tmp_path))
+
+
+def test_a_truncated_shard_is_named_by_the_index_reader(tmp_path):
+    _save(_state(), tmp_path, threads=1)
+    shard = next(tmp_path.glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:10])
+    with pytest.raises(ValueError, match=f"{shard.name} ends before"):
+        load_indexed(tmp_path, read_index(tmp_path))
 
 
 def test_loading_into_given_tensors_fills_them_in_place(tmp_path):

@@ -1,17 +1,20 @@
 """Sharded, atomic checkpoints: torch.distributed.checkpoint (DCP) shards, a manifest, one rename.
 
-Layout under `dir`: `step-00000120/{.metadata, __0_0.distcp, __1_0.distcp, ..., rank-00000.pt, ...,
-MANIFEST.json}`.
+Layout under `dir`: `step-00000120/{.metadata, INDEX.json, __0_0.distcp, __1_0.distcp, ...,
+rank-00000.pt, ..., MANIFEST.json}`.
 - The state every rank shares (model, optimizer, scheduler, step, epoch, sampler position,
   config) is saved with DCP, through our raw-bytes storage layer (storage.py). Under DDP it is
   replicated; DCP's planner gives each tensor to one rank, so N ranks write about 1/N of the
-  bytes each, in parallel, into the shared directory, and rank 0 writes `.metadata` (where each
-  item lives). Loading needs no collectives: every rank reads the whole state (DDP needs all of
-  it), whatever the world size that wrote it.
+  bytes each, in parallel, into the shared directory, and rank 0 writes `.metadata` and INDEX.json
+  (where each item lives; storage.py). Loading needs no collectives and no DCP: every rank reads
+  the whole state through INDEX.json (DDP needs all of it), whatever the world size that wrote it.
 - `rank-N.pt` holds what differs per rank (RNG states).
 - MANIFEST.json, written last by rank 0 once every rank has reported its files, lists every
   file's size and xxh3-128 checksum, computed from the bytes as they were written (never read
-  back). A directory without a valid manifest is incomplete and never loaded.
+  back). A directory without a manifest is incomplete (a write cut short) and is skipped. One with
+  a manifest is complete: if it then cannot be read (a corrupt file, an index this version cannot
+  read), loading fails with a ConfigError naming it and why, never falling back to an older
+  checkpoint or step 0 (training from there would prune the newer ones).
 Everything is written under `.tmp-step-N` and published by one rename; the directory must be
 shared by all nodes (an RWX volume on Kubernetes). With async saving (the trainer's default) the
 shared state and the rank state are first copied to reused (pinned, for CUDA) host buffers; the
@@ -23,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import pickle
 import re
 import shutil
 import threading
@@ -37,14 +41,13 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import xxhash
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystem
-from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 from .errors import ConfigError
 from .reporting import NullReporter
 from .parallel import run_each, split_by_size
-from .storage import RawReader, RawWriter
+from .storage import INDEX, RawReader, RawWriter, load_indexed, read_index
+from .torchapi import load_dcp_state
 
 # A single process saves without a group on purpose; DCP would warn about it at every save.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized",
@@ -64,6 +67,21 @@ HASH = "xxh3_128"
 IO_THREADS = 2
 # Threads that copy the state to host buffers for an async save (see _Stager).
 COPY_THREADS = 2
+
+
+class CheckpointUnreadable(ConfigError):
+    """A complete checkpoint (it has a manifest) that cannot be read: the job stops (exit 78).
+
+    Skipping it would resume from an older checkpoint or from step 0, and the next saves would
+    prune the checkpoints that could not be read; a person has to look at it first.
+    """
+
+    def __init__(self, path: Path, reason: str) -> None:
+        super().__init__(
+            f"spec.trainer.checkpoint.dir: checkpoint {path} is complete but cannot be read: {reason}. "
+            f"Nothing was loaded or pruned. Move {path.name} out of {path.parent} to resume from the "
+            "checkpoint before it, or restore it")
+        self.path, self.reason = path, reason
 
 
 def rank_file(rank: int) -> str:
@@ -411,8 +429,10 @@ class Checkpointer:
             raise RuntimeError(f"writing a checkpoint under {self.dir} failed: {exc}") from exc
 
     def _prune(self) -> None:
-        steps = sorted(self._step_dirs(), reverse=True)
-        for _, path in steps[self.keep:]:
+        # Only complete checkpoints count towards `keep` and only they are deleted: a directory
+        # without a manifest is nobody's to delete, and counting it would delete a good one.
+        complete = [path for _, path in sorted(self._step_dirs(), reverse=True) if (path / MANIFEST).is_file()]
+        for path in complete[self.keep:]:
             shutil.rmtree(path, ignore_errors=True)
 
     def _step_dirs(self) -> list[tuple[int, Path]]:
@@ -426,30 +446,53 @@ class Checkpointer:
         return out
 
     def newest_complete(self) -> Path | None:
-        """Rank 0's choice: the newest verified checkpoint, warning about every one skipped."""
+        """Rank 0's choice: the newest checkpoint with a manifest, verified and readable.
+
+        A directory without a manifest (a write cut short) is skipped with a warning; one with a
+        manifest that fails verification or whose index cannot be read raises CheckpointUnreadable.
+        """
         for _, path in sorted(self._step_dirs(), reverse=True):
+            if not (path / MANIFEST).is_file():
+                self.log.warning(f"skipping checkpoint {path}: no {MANIFEST} (incomplete write)")
+                continue
             problem = verify(path)
             if problem is None:
                 try:
-                    RawReader(path).read_metadata()
-                except Exception as exc:  # noqa: BLE001 - any unreadable file means "skip it"
-                    problem = f"{DCP_METADATA} cannot be read ({exc})"
-            if problem is None:
-                return path
-            self.log.warning(f"skipping checkpoint {path}: {problem}")
+                    read_index(path) if (path / INDEX).is_file() else RawReader(path).read_metadata()
+                except Exception as exc:  # noqa: BLE001 - whatever it is, this checkpoint cannot be read
+                    problem = f"{INDEX if (path / INDEX).is_file() else DCP_METADATA}: {exc}"
+            if problem is not None:
+                raise CheckpointUnreadable(path, problem)
+            return path
         return None
 
     def load_latest(self) -> Loaded | None:
-        """Collective: every rank loads the checkpoint rank 0 chose (or None), onto the CPU."""
-        chosen = self.newest_complete() if self.rank == 0 else None
-        chosen = self._broadcast(str(chosen) if chosen else None)
+        """Collective: every rank loads the checkpoint rank 0 chose (or None), onto the CPU.
+
+        Rank 0's refusal (CheckpointUnreadable) reaches every rank, so the whole group stops with
+        the same reason instead of the others waiting for a broadcast that never comes.
+        """
+        choice: tuple[str | None, str | None] = (None, None)
+        if self.rank == 0:
+            try:
+                chosen = self.newest_complete()
+                choice = (str(chosen) if chosen else None, None)
+            except CheckpointUnreadable as exc:
+                choice = (str(exc.path), exc.reason)
+        chosen, problem = self._broadcast(choice)
+        if problem is not None:
+            raise CheckpointUnreadable(Path(chosen), problem)
         if not chosen:
             return None
         path = Path(chosen)
         rf = path / rank_file(self.rank)
-        # A rank beyond the old world size (elastic growth) has no state of its own to restore.
-        rank_state = torch.load(rf, map_location="cpu", weights_only=True) if rf.is_file() else None
-        return Loaded(path=path, common=load_shared_state(path), rank_state=rank_state)
+        try:
+            # A rank beyond the old world size (elastic growth) has no state of its own to restore.
+            rank_state = torch.load(rf, map_location="cpu", weights_only=True) if rf.is_file() else None
+            common = load_shared_state(path)
+        except (OSError, ValueError, RuntimeError, pickle.UnpicklingError) as exc:
+            raise CheckpointUnreadable(path, f"{type(exc).__name__}: {exc}") from exc
+        return Loaded(path=path, common=common, rank_state=rank_state)
 
 
 def load_shared_state(path: Path) -> dict[str, Any]:
@@ -458,11 +501,10 @@ def load_shared_state(path: Path) -> dict[str, Any]:
     DDP needs every tensor on every rank, so there is nothing to split; reading without a
     process group also makes the state loadable at any world size, and by tools (an eval script).
     Non-tensor values (step, config) come back as saved; dict keys come back as strings.
+    Read through the checkpoint's own INDEX.json; one written before the index existed goes
+    through DCP's pickled `.metadata` instead.
     """
-    state: dict[str, Any] = {}
-    # The planner that builds the state from the checkpoint's own metadata; the same private
-    # entry point torch's dcp_to_torch_save uses.
+    if (path / INDEX).is_file():
+        return load_indexed(path, read_index(path))
     with _dcp_errors(f"reading checkpoint {path}"):
-        _load_state_dict(state, storage_reader=RawReader(path), planner=_EmptyStateDictLoadPlanner(),
-                         no_dist=True)
-    return state
+        return load_dcp_state(path, RawReader(path))

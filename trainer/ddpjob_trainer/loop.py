@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 
-from . import contract, debug, rng, tuning
+from . import contract, debug, rng, torchapi, tuning
 from .checkpoint import Checkpointer, check_resumable, optimizer_state, step_dir_name
 from .collectives import Collectives
 from .config import TrainerConfig
@@ -383,7 +383,10 @@ class Trainer:
                 if not timeout_shortened:
                     # Start-up (rendezvous, first NCCL communicator, compile) is over: from here a
                     # collective that hangs this long means a dead or stuck peer.
-                    dist.set_timeout(dt.timedelta(seconds=cfg.step_timeout_seconds))
+                    if not torchapi.set_timeout(dt.timedelta(seconds=cfg.step_timeout_seconds)):
+                        log.warning(f"torch {torch.__version__} cannot shorten a gloo group's timeout: a dead "
+                                    f"peer is noticed after timeoutSeconds ({cfg.timeout_seconds} s), not "
+                                    f"stepTimeoutSeconds ({cfg.step_timeout_seconds} s)")
                     timeout_shortened = True
                 if log_step:
                     telemetry.gpu_memory(torch, ctx.device)

@@ -12,16 +12,24 @@ StorageWriter/StorageReader extension point) changes. Every raw item is marked i
 the transform descriptor RAW: stock `dcp.load` on such a checkpoint fails with "Unknown extension
 name='raw-tensor-bytes@ddpjob.dev'" instead of misreading bytes, and RawReader still reads shards
 written in DCP's default format (checkpoints from before this storage layer).
+
+Beside DCP's `.metadata` (a pickle of torch's private classes, which a torch upgrade may move),
+the coordinator writes INDEX, a JSON index of its own: where every item of the state lives (its
+path in the state tree, dtype, shape and each chunk's file, offset and length). `load_indexed`
+reads a checkpoint from it and the shards alone, with no DCP and no unpickling of torch classes,
+so a checkpoint stays readable across torch versions; RawReader (DCP's read path) remains for
+checkpoints written before the index.
 """
 from __future__ import annotations
 
+import io
+import json
 import os
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed._shard._utils import narrow_tensor_by_index
-from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import (LoadItemType, LoadPlan, LoadPlanner, ReadItem, SavePlan,
                                                   SavePlanner, WriteItem, WriteItemType)
@@ -29,8 +37,11 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from .parallel import run_each, split_by_size
+from .torchapi import StorageInfo
 
 RAW = "raw-tensor-bytes@ddpjob.dev/1"
+INDEX = "INDEX.json"
+INDEX_FORMAT = "ddpjob.dev/checkpoint-index/1"
 
 
 def _nbytes(item: WriteItem) -> int:
@@ -61,6 +72,16 @@ class RawWriter(dcp.FileSystemWriter):
         fut.set_result([r for rs in results for r in rs])
         return fut
 
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        """Coordinator only: DCP's `.metadata`, then our own INDEX of the same items."""
+        super().finish(metadata, results)
+        index = build_index(metadata, [r for rs in results for r in rs])
+        with self.fs.create_stream(self.fs.concat_path(self.path, INDEX), "wb") as stream:
+            stream.write(json.dumps(index, indent=0).encode())
+            if self.sync_files:
+                stream.flush()
+                os.fsync(stream.fileno())
+
     def _write_file(self, name: str, items: list[WriteItem], planner: SavePlanner) -> list[WriteResult]:
         out = []
         with self.fs.create_stream(self.fs.concat_path(self.path, name), "wb") as stream:
@@ -73,8 +94,8 @@ class RawWriter(dcp.FileSystemWriter):
                     buf, descriptors = _as_bytes(data), [RAW]
                 stream.write(buf)
                 out.append(WriteResult(index=item.index, size_in_bytes=buf.nbytes,
-                                       storage_data=_StorageInfo(name, offset, buf.nbytes,
-                                                                 transform_descriptors=descriptors)))
+                                       storage_data=StorageInfo(name, offset, buf.nbytes,
+                                                                transform_descriptors=descriptors)))
                 offset += buf.nbytes
             if self.sync_files:
                 stream.flush()
@@ -128,9 +149,113 @@ class RawReader(dcp.FileSystemReader):
                              f"at offset {info.offset} (truncated shard)")
         dtype = md.properties.dtype
         stored = (torch.frombuffer(data, dtype=dtype) if info.length else torch.empty(0, dtype=dtype)).view(chunk.sizes)
-        tensor = narrow_tensor_by_index(stored, req.storage_offsets, req.lengths)
+        tensor = stored
+        for dim, (off, size) in enumerate(zip(req.storage_offsets, req.lengths)):
+            tensor = tensor.narrow(dim, off, size)
         target = planner.resolve_tensor(req).detach()
         if target.size() != tensor.size():
             raise ValueError(f"{req.storage_index.fqn}: stored {tuple(tensor.size())}, wanted {tuple(target.size())}")
         target.copy_(tensor)
         planner.commit_tensor(req, target)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def build_index(metadata: Metadata, results: list[WriteResult]) -> dict[str, Any]:
+    """INDEX's content: every item by its path in the state tree, from DCP's plan and our writes.
+
+    Tensors may be stored in several chunks (a sharded state); each chunk names its place in the
+    whole tensor (offsets, sizes) and its bytes (file, offset, length).
+    """
+    where = {(r.index.fqn, tuple(r.index.offset or ())): r.storage_data for r in results}
+    paths = metadata.planner_data or {}
+    items = []
+    for fqn, md in sorted(metadata.state_dict_metadata.items()):
+        path = list(paths.get(fqn, (fqn,)))
+        if isinstance(md, TensorStorageMetadata):
+            chunks = []
+            for c in md.chunks:
+                info = where[(fqn, tuple(c.offsets))]
+                if RAW not in (info.transform_descriptors or ()):
+                    raise ValueError(f"{fqn}: not written as raw bytes, cannot be indexed")
+                chunks.append({"offsets": list(c.offsets), "sizes": list(c.sizes), "file": info.relative_path,
+                               "offset": info.offset, "length": info.length})
+            items.append({"path": path, "dtype": _dtype_name(md.properties.dtype), "shape": list(md.size),
+                          "chunks": chunks})
+        else:  # bytes: a torch.save of a plain value (step, config)
+            info = where[(fqn, ())]
+            items.append({"path": path, "bytes": {"file": info.relative_path, "offset": info.offset,
+                                                  "length": info.length}})
+    return {"format": INDEX_FORMAT, "items": items}
+
+
+def read_index(step_dir: Path) -> dict[str, Any]:
+    """A checkpoint's INDEX, checked for the fields `load_indexed` reads; ValueError names what is wrong."""
+    try:
+        index = json.loads((step_dir / INDEX).read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{INDEX} cannot be read ({exc})") from exc
+    if not isinstance(index, dict) or index.get("format") != INDEX_FORMAT:
+        raise ValueError(f"{INDEX} is not in format {INDEX_FORMAT} (found {index.get('format') if isinstance(index, dict) else index!r})")
+    for item in index.get("items", ()):
+        if not isinstance(item.get("path"), list) or not item["path"]:
+            raise ValueError(f"{INDEX}: an item without a path: {item!r:.200}")
+        if "bytes" not in item and not hasattr(torch, str(item.get("dtype"))):
+            raise ValueError(f"{INDEX}: {item['path']}: unknown dtype {item.get('dtype')!r}")
+    return index
+
+
+def _set(root: dict[str, Any], path: list[Any], value: Any) -> None:
+    """Put value at path, making dicts for string keys and lists for integer ones (as DCP does)."""
+    cur: Any = root
+    for key, nxt in zip(path, path[1:]):
+        empty: Any = {} if isinstance(nxt, str) else []
+        if isinstance(cur, dict):
+            cur = cur.setdefault(key, empty)
+        else:
+            cur.extend([None] * (key + 1 - len(cur)))
+            if cur[key] is None:
+                cur[key] = empty
+            cur = cur[key]
+    key = path[-1]
+    if isinstance(cur, list):
+        cur.extend([None] * (key + 1 - len(cur)))
+    cur[key] = value
+
+
+def load_indexed(step_dir: Path, index: dict[str, Any]) -> dict[str, Any]:
+    """The whole state of a checkpoint, read through its INDEX: no DCP, no unpickled torch classes."""
+    files: dict[str, Any] = {}
+
+    def read(spec: dict[str, Any]) -> bytearray:
+        f = files.get(spec["file"])
+        if f is None:
+            f = files[spec["file"]] = open(step_dir / spec["file"], "rb")  # noqa: SIM115 - closed below
+        f.seek(spec["offset"])
+        data = bytearray(spec["length"])
+        if f.readinto(data) != spec["length"]:
+            raise ValueError(f"{spec['file']} ends before {spec['length']} bytes at offset {spec['offset']} (truncated)")
+        return data
+
+    state: dict[str, Any] = {}
+    try:
+        for item in index["items"]:
+            if "bytes" in item:
+                value = torch.load(io.BytesIO(read(item["bytes"])), weights_only=True)
+            else:
+                dtype = getattr(torch, item["dtype"])
+                value = torch.empty(item["shape"], dtype=dtype)
+                for c in item["chunks"]:
+                    data = read(c)
+                    src = (torch.frombuffer(data, dtype=dtype) if c["length"] else torch.empty(0, dtype=dtype))
+                    dst = value
+                    for dim, (off, size) in enumerate(zip(c["offsets"], c["sizes"])):
+                        dst = dst.narrow(dim, off, size)
+                    dst.copy_(src.view(c["sizes"]))
+            _set(state, item["path"], value)
+    finally:
+        for f in files.values():
+            f.close()
+    return state

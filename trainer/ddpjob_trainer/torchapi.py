@@ -1,0 +1,54 @@
+"""The torch APIs that differ across the versions we support, and the private ones we still use.
+
+pyproject allows torch from the trainer image's version (hack/versions.env, the floor) to the
+newest; CI runs the trainer tiers on both ends (make test, make test-floor). Anything here that
+a newer torch added or renamed gets the old spelling as a fallback, and a test of this module runs
+on each end, so an upgrade that moves one of these names fails one test, not a user's job.
+Nothing else in the trainer imports a private torch name (tests/unit/test_torchapi.py holds that).
+"""
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+
+import torch.distributed as dist
+# Where a shard's item lives (file, offset, length, transform descriptors): DCP's FileSystemReader
+# requires this class in a checkpoint's `.metadata`, and has no public name for it.
+from torch.distributed.checkpoint.filesystem import _StorageInfo as StorageInfo
+
+__all__ = ["StorageInfo", "TIMEOUT_SETTABLE_FOR_GLOO", "load_dcp_state", "set_timeout"]
+
+
+# Whether this torch can change a live group's timeout for every backend, gloo included.
+TIMEOUT_SETTABLE_FOR_GLOO = hasattr(dist, "set_timeout")
+
+
+def set_timeout(timeout: dt.timedelta, group: dist.ProcessGroup | None = None) -> bool:
+    """Change a live group's collective timeout (the default group without `group`); False where
+    this torch cannot, and the group keeps the timeout it was created with.
+
+    Public as `dist.set_timeout` in newer torch. Older versions (2.8, the floor) have only the
+    private `_set_pg_timeout`, which NCCL honours but gloo does not: measured on 2.8, a gloo
+    all-reduce after it still waits the creation timeout (tests/unit/test_trainer_torchapi.py).
+    """
+    public = getattr(dist, "set_timeout", None)
+    if public is not None:
+        public(timeout, group)
+        return True
+    from torch.distributed.distributed_c10d import _set_pg_timeout
+    _set_pg_timeout(timeout, group)
+    return dist.get_backend(group) != "gloo"
+
+
+def load_dcp_state(path: Any, storage_reader: Any) -> dict[str, Any]:
+    """A DCP checkpoint's whole state rebuilt from its pickled `.metadata`, without a process group.
+
+    Only for checkpoints written before DDPJob kept an index of its own (INDEX.json): reading
+    `.metadata` unpickles torch's private classes, which a torch upgrade may move. The same
+    private entry point torch's own dcp_to_torch_save uses.
+    """
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+    state: dict[str, Any] = {}
+    _load_state_dict(state, storage_reader=storage_reader, planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    return state
