@@ -10,9 +10,15 @@ export DDPJOB_CACHE ?= $(HOME)/.cache/ddpjob
 export UV_CACHE_DIR ?= $(HOME)/.cache/uv
 export UV_LINK_MODE ?= hardlink
 STAMP  := $(VENV)/.installed
+# The trainer image's torch (hack/versions.env, the one home of that pin), which is also pyproject's
+# floor: a second venv runs the trainer tiers on it, so what users run is what we test.
+FLOOR_VENV ?= .venv-floor
+FLOOR_PY   := $(FLOOR_VENV)/bin/python
+FLOOR_STAMP := $(FLOOR_VENV)/.installed
+TORCH_PIN  := $(shell . hack/versions.env && echo "torch==$$TORCH_VERSION torchvision==$$TORCHVISION_VERSION")
 PYTEST_ARGS ?=
 
-.PHONY: help install demo test test-unit test-trainer test-cluster test-e2e test-realpods cluster-up \
+.PHONY: help install install-floor demo test test-floor test-unit test-trainer test-cluster test-e2e test-realpods cluster-up \
         cluster-down build-cluster images manifests bench lint clean
 
 help: ## list targets
@@ -26,11 +32,25 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP) ## create .venv with the project and its test deps (idempotent)
 
+$(FLOOR_STAMP): pyproject.toml hack/versions.env $(STAMP)
+	@test -x $(FLOOR_PY) || python3 -m venv $(FLOOR_VENV)
+	$(VENV)/bin/uv pip install --python $(FLOOR_PY) -e '.[test]' $(TORCH_PIN)
+	@touch $@
+
+install-floor: $(FLOOR_STAMP) ## create .venv-floor: the project on the trainer image's torch (pyproject's floor)
+
 demo: install ## train examples/digits.yaml on 2 simulated nodes with a progress bar
 	$(DDPJOB) run examples/digits.yaml --local
 
-test: install cluster-up images ## the whole test suite (unit, trainer, cluster, e2e, realpods); CI runs exactly this
+test: install install-floor cluster-up images ## every tier, then the trainer tiers again on the image's torch; CI runs exactly this
 	$(PY) -m pytest -ra $(PYTEST_ARGS) tests
+	$(MAKE) --no-print-directory test-floor
+
+# The tiers whose code imports torch: the trainer in real processes, and the trainer's pure
+# pieces (checkpoint format, storage, config), which touch torch's private APIs.
+FLOOR_TESTS := tests/trainer $(wildcard tests/unit/test_trainer_*.py)
+test-floor: install-floor ## the trainer tiers on the trainer image's torch (hack/versions.env)
+	$(FLOOR_PY) -m pytest -ra $(PYTEST_ARGS) $(FLOOR_TESTS)
 
 test-unit: install ## pure functions only
 	$(PY) -m pytest -ra $(PYTEST_ARGS) tests/unit

@@ -2,7 +2,7 @@
 # `make images`: build the Dockerfile's `operator` and `trainer` targets, unchanged, with buildah
 # (no Docker engine, no registry here), on bases made locally, and import them into every real node.
 #   localhost/ddpjob/python:3.11-bookworm   debootstrap'd Debian bookworm + python3 (the PYTHON_IMAGE)
-#   localhost/ddpjob/torch:<ver>            that + torch/torchvision from PyPI (the TORCH_IMAGE)
+#   localhost/ddpjob/torch:<ver>            that + versions.env's torch/torchvision from PyPI (the TORCH_IMAGE)
 #   localhost/ddpjob/pause:<kube ver>       the pod sandbox: Kubernetes' pause.c, static, FROM scratch
 #   localhost/ddpjob/operator:dev, localhost/ddpjob/trainer:dev   the product images
 # Cached machine-wide: buildah's storage keeps the images, each tagged with a hash of its inputs
@@ -67,23 +67,18 @@ build_python_base() {
   rm -rf "$rootfs"
 }
 
-torch_versions() {  # the versions in this project's venv: the image runs what the tests ran
-  "$ROOT/.venv/bin/python" - <<'PY'
-import importlib.metadata as m
-print(m.version("torch"), m.version("torchvision"))
-PY
-}
-
+# The trainer image's torch is the one users run (versions.env), not the venv's: the real-pod tier
+# tests what ships, and the venv's newer torch is covered by the other tiers.
 build_torch_base() {
-  local tv vv uv
-  read -r tv vv < <(torch_versions) || die "no torch in $ROOT/.venv (run make install)"
-  TORCH_BASE="localhost/ddpjob/torch:${tv//+/-}"
+  local uv
+  TORCH_BASE="localhost/ddpjob/torch:${TORCH_VERSION//+/-}"
   has_image "$TORCH_BASE" && { log "$TORCH_BASE: cached"; return; }
   uv="$ROOT/.venv/bin/uv"
   [ -x "$uv" ] || die "no uv in $ROOT/.venv (run make install)"
-  log "$TORCH_BASE: torch $tv + torchvision $vv from the uv cache (~3 min)"
+  log "$TORCH_BASE: torch $TORCH_VERSION + torchvision $TORCHVISION_VERSION from the uv cache (~3 min)"
   buildah bud --isolation chroot --layers -f "$HERE/images/torch-base.Containerfile" \
-    --build-arg PYTHON_IMAGE="$PYTHON_BASE" --build-arg TORCH_VERSION="$tv" --build-arg TORCHVISION_VERSION="$vv" \
+    --build-arg PYTHON_IMAGE="$PYTHON_BASE" --build-arg TORCH_VERSION="$TORCH_VERSION" \
+    --build-arg TORCHVISION_VERSION="$TORCHVISION_VERSION" \
     "${build_volumes[@]}" -v "$uv:/usr/local/bin/uv:ro" -v "${UV_CACHE_DIR:-$HOME/.cache/uv}:/uv-cache" \
     ${CA:+--env SSL_CERT_FILE=/etc/ssl/certs/ddpjob-build-ca.crt} \
     -t "$TORCH_BASE" "$HERE/images" >"$LOGS/torch-base.log" 2>&1 \
