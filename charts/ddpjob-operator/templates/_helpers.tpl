@@ -69,9 +69,6 @@ Fail early on value combinations that would install a broken or unsafe operator.
 {{- if and .Values.ha.enabled (lt (int .Values.replicaCount) 2) }}
 {{- fail "ha.enabled=true needs replicaCount >= 2" }}
 {{- end }}
-{{- if and .Values.ha.enabled (semverCompare "<1.28.0-0" .Capabilities.KubeVersion.Version) }}
-{{- fail "ha.enabled needs Kubernetes >= 1.28 (each replica's peering priority is its apps.kubernetes.io/pod-index label)" }}
-{{- end }}
 {{- if eq (int .Values.operator.metricsPort) (int .Values.operator.healthPort) }}
 {{- fail "operator.metricsPort and operator.healthPort must differ" }}
 {{- end }}

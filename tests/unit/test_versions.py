@@ -1,0 +1,58 @@
+"""Supported versions are tested versions: every floor or default names what CI runs.
+
+hack/versions.env is the one home of the trainer image's torch and of the control plane's
+Kubernetes; the Dockerfile's default base, pyproject's floors, the chart's kubeVersion and the
+README derive from it, and this file fails when one of them drifts.
+"""
+from __future__ import annotations
+
+import re
+import tomllib
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def pins() -> dict[str, str]:
+    text = (REPO / "hack" / "versions.env").read_text()
+    return dict(re.findall(r"^([A-Z_]+)=(\S+)$", text, re.M))
+
+
+def floors() -> dict[str, str]:
+    deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    return {m.group(1): m.group(2) for d in deps if (m := re.match(r"([A-Za-z0-9_.-]+)>=([\w.]+)", d))}
+
+
+def minor(version: str) -> str:
+    return ".".join(version.lstrip("v").split(".")[:2])
+
+
+def test_the_dockerfiles_default_base_is_the_pinned_torch_image():
+    default = re.search(r"^ARG TORCH_IMAGE=(\S+)$", (REPO / "Dockerfile").read_text(), re.M).group(1)
+    assert default == pins()["TORCH_IMAGE"]
+    assert default.split(":")[1].startswith(pins()["TORCH_VERSION"] + "-")
+
+
+def test_pyprojects_torch_floors_are_the_images_versions_which_make_test_floor_runs():
+    assert minor(floors()["torch"]) == minor(pins()["TORCH_VERSION"])
+    assert minor(floors()["torchvision"]) == minor(pins()["TORCHVISION_VERSION"])
+    makefile = (REPO / "Makefile").read_text()
+    assert "test-floor" in re.search(r"^test:.*$\n(\t.*\n)+", makefile, re.M).group(0)
+
+
+def test_the_operators_floors_are_the_versions_its_image_pins():
+    pinned = dict(re.findall(r"^([a-z-]+)==(\S+)$", (REPO / "requirements" / "operator.txt").read_text(), re.M))
+    for name in ("kopf", "kubernetes"):
+        assert floors()[name] == pinned[name], name
+
+
+def test_the_charts_kubernetes_floor_is_the_minor_ci_runs():
+    chart = (REPO / "charts" / "ddpjob-operator" / "Chart.yaml").read_text()
+    floor = re.search(r'^kubeVersion: ">=(\S+?)(-0)?"$', chart, re.M).group(1)
+    assert minor(floor) == minor(pins()["KUBE_VERSION"])
+
+
+def test_the_readme_states_the_supported_torch_range_from_the_pin():
+    readme = (REPO / "README.md").read_text()
+    assert f"torch {minor(pins()['TORCH_VERSION'])} (the trainer image, `{pins()['TORCH_IMAGE']}`)" in readme
+    assert "make test-floor" in readme
