@@ -249,7 +249,7 @@ def test_split_creates_keeps_refusals_and_raises_the_rest():
 @pytest.mark.parametrize("pod_path,job_path", [
     ("spec.containers[0].volumeMounts[1].name", "spec.volumeMounts[0].name"),
     ("spec.volumes[2].persistentVolumeClaim", "spec.volumes[1].persistentVolumeClaim"),
-    ("spec.containers[0].env[17].name", "spec.env[0].name"),             # the user's come after ours
+    ("spec.containers[0].env[{user}].name", "spec.env[0].name"),         # the user's come after ours
     ("spec.containers[0].resources.limits", "spec.resources.limits"),
     ("spec.securityContext.fsGroup", "spec.podSecurityContext.fsGroup"),
     ("spec.containers[0].securityContext.runAsUser", "spec.securityContext.runAsUser"),
@@ -260,10 +260,12 @@ def test_split_creates_keeps_refusals_and_raises_the_rest():
     ("spec.hostname", None),
 ])
 def test_pod_error_paths_name_the_ddpjob_field(pod_path, job_path):
+    from ddpjob_operator.envvars import pod_env
     from ddpjob_operator.pods import job_field
 
     job = make_job(nodes=2, env=[{"name": "A", "value": "1"}])
-    assert job_field(pod_path, job) == job_path
+    user = len(pod_env(job, 0)) - 1  # the one spec.env variable is the last
+    assert job_field(pod_path.format(user=user), job) == job_path
 
 
 def test_refused_create_names_the_ddpjob_field():
