@@ -6,6 +6,8 @@ import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from ddpjob_trainer import contract
+
 from . import podinfo
 from .config import OperatorConfig
 from .envvars import master_dns
@@ -82,11 +84,22 @@ MAX_FAILURES = 10          # status.failures entries kept (newest last)
 MAX_LOG_TAIL = 1500        # characters of each failed container's termination message / log tail
 
 
-def failure_evidence(pods: list[dict[str, Any]], attempt: int, *, with_log: bool = False) -> list[dict[str, Any]]:
+def debug_dir_of(job: JobSpec, attempt: int) -> str | None:
+    """Where the built-in trainer of a GPU job puts an attempt's NCCL flight-recorder dumps (on its
+    checkpoint volume); None when it has no such place (a CPU job, a user's command, no checkpoints)."""
+    ckpt = (job.trainer.get("checkpoint") or {}).get("dir")
+    if not (job.uses_builtin_trainer and job.gpus_per_node > 0 and ckpt):
+        return None
+    return contract.debug_dir(ckpt, attempt)
+
+
+def failure_evidence(pods: list[dict[str, Any]], attempt: int, *, with_log: bool = False,
+                     debug_dir: str | None = None) -> list[dict[str, Any]]:
     """What a group restart deletes, kept in status.failures: each failed (or killed) container
     of `attempt` with its exit code, signal, node and finish time, and with `with_log`
     (spec.failurePolicy.logTailInStatus) its log tail, redacted (the kubelet writes the launcher's
-    message, else the log's end, as terminationMessagePolicy FallbackToLogsOnError)."""
+    message, else the log's end, as terminationMessagePolicy FallbackToLogsOnError). With
+    `debug_dir`, where that attempt's NCCL flight-recorder dumps are (debug_dir_of)."""
     out: list[dict[str, Any]] = []
     for pod in sorted(pods, key=podinfo.rank):
         if podinfo.attempt(pod) != attempt:
@@ -104,6 +117,8 @@ def failure_evidence(pods: list[dict[str, Any]], attempt: int, *, with_log: bool
                                ("finishedAt", term.get("finishedAt"))):
                 if value:
                     entry[key] = value
+            if debug_dir:
+                entry["debugDir"] = debug_dir
             tail = redact(str(term.get("message") or "").strip()) if with_log else ""
             if tail:
                 entry["logTail"] = tail[-MAX_LOG_TAIL:]
@@ -265,7 +280,8 @@ def job_status(job: JobSpec, pods: list[dict[str, Any]], *, now: dt.datetime,
     failures = list(prev.get("failures") or [])
     ended = d.attempt - 1 if d.restarted is not None else (d.attempt if d.phase is Phase.FAILED else None)
     if ended is not None and not any(f.get("attempt") == ended for f in failures):
-        failures = (failures + failure_evidence(pods, ended, with_log=job.log_tail_in_status))[-MAX_FAILURES:]
+        failures = (failures + failure_evidence(pods, ended, with_log=job.log_tail_in_status,
+                                                debug_dir=debug_dir_of(job, ended)))[-MAX_FAILURES:]
     if failures:
         status["failures"] = failures
     result = prev.get("result") or run_result(pods, attempt=d.attempt)

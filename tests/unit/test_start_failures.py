@@ -221,6 +221,18 @@ def test_the_final_failure_is_kept_too_and_the_list_is_bounded():
     assert status["failures"][-1]["attempt"] == 3 and status["failures"][-1]["exitCode"] == 2
 
 
+@pytest.mark.parametrize("spec, where", [
+    ({"gpusPerNode": 8, "trainer": {"checkpoint": {"dir": "/ckpt/"}}}, "/ckpt/debug/attempt-0"),
+    ({"gpusPerNode": 0, "trainer": {"checkpoint": {"dir": "/ckpt"}}}, None),   # gloo: no flight recorder
+    ({"gpusPerNode": 8, "trainer": {}}, None),                                 # no volume that outlives the pod
+    ({"gpusPerNode": 8, "command": ["torchrun", "train.py"]}, None),           # a user's script: its own
+])
+def test_a_failed_gpu_attempt_names_where_its_flight_recorder_dumps_are(spec, where):
+    status, _ = job_status(make_job(nodes=2, **spec), [killed(0, 1), make_pod(1)], now=NOW,
+                           prev_status=running_status())
+    assert status["failures"][0].get("debugDir") == where
+
+
 def test_evidence_ignores_other_attempts_and_clean_exits():
     pods = [killed(0, 1, attempt=1), make_pod(1, phase="Succeeded", exit_code=0), killed(2, 143, signal=15)]
     assert [(e["pod"], e.get("signal")) for e in failure_evidence(pods, 0)] == [("j-2", 15)]

@@ -87,6 +87,19 @@ def test_nccl_env_defaults_never_override_a_set_value():
     assert env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1" and env["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "2000"
 
 
+def test_flight_recorder_dumps_go_to_the_debug_dir_which_outlives_the_pod(tmp_path):
+    from ddpjob_trainer import contract
+    where = contract.debug_dir(str(tmp_path), 2)
+    env: dict[str, str] = {}
+    tuning.set_nccl_env_defaults(env, debug_dir=where)
+    assert env["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == f"{tmp_path}/debug/attempt-2/nccl_trace_rank_"
+    assert (tmp_path / "debug" / "attempt-2").is_dir()  # NCCL writes into it, never creates it
+    assert tuning.set_nccl_env_defaults({})  # without one: the pod's /tmp, as before
+    mine = {"TORCH_NCCL_DEBUG_INFO_TEMP_FILE": "/data/trace_"}
+    tuning.set_nccl_env_defaults(mine, debug_dir=where)
+    assert mine["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == "/data/trace_"
+
+
 def test_available_cpus_prefers_the_pods_request_when_given():
     assert tuning.available_cpus({"DDPJOB_CPUS": "48"}) == 48
     assert tuning.available_cpus({"DDPJOB_CPUS": "2.5"}) == 2

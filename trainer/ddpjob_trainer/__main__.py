@@ -53,7 +53,9 @@ def main() -> int:
         telemetry = Telemetry.from_env()
         telemetry.set_stage("process_group_init")
         Knobs.from_env(rank=int(rank)).at_stage("process_group_init")
-        with process_group(timeout_seconds=cfg.timeout_seconds, io_group=bool(cfg.checkpoint.dir)) as ctx:
+        debug = contract.debug_dir(cfg.checkpoint.dir, os.environ.get(contract.ENV_ATTEMPT, "0")) if cfg.checkpoint.dir else None
+        with process_group(timeout_seconds=cfg.timeout_seconds, io_group=bool(cfg.checkpoint.dir),
+                           debug_dir=debug) as ctx:
             log = None
             try:
                 log = make_reporter(rank=ctx.rank, mlflow=cfg.mlflow)

@@ -44,3 +44,10 @@ PET_MAX_RESTARTS = "PET_MAX_RESTARTS"
 
 # Every metric a rank exports starts with this; the operator's scraper keeps only these.
 METRIC_PREFIX = "ddpjob_trainer_"
+
+
+def debug_dir(checkpoint_dir: str, attempt: int | str) -> str:
+    """Where an attempt's crash evidence (NCCL flight-recorder dumps) goes: beside the checkpoints,
+    on the volume every node shares and that outlives the pods; the trainer writes there, the
+    operator names it in status.failures."""
+    return f"{checkpoint_dir.rstrip('/')}/debug/attempt-{attempt}"

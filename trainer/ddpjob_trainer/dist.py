@@ -71,7 +71,8 @@ def rank_device(local_rank: int, local_world_size: int, env=os.environ) -> torch
 
 
 @contextlib.contextmanager
-def process_group(*, timeout_seconds: int, io_group: bool = False) -> Iterator[DistContext]:
+def process_group(*, timeout_seconds: int, io_group: bool = False,
+                  debug_dir: str | None = None) -> Iterator[DistContext]:
     """Init the default group (NCCL on GPUs, gloo on the CPU: see rank_device), and with
     `io_group` the checkpoint writer's gloo group; always destroyed on exit."""
     env = os.environ
@@ -89,7 +90,7 @@ def process_group(*, timeout_seconds: int, io_group: bool = False) -> Iterator[D
     if use_cuda:
         # NCCL reads these when the communicator is created; a value the user (or the operator's
         # env builder) set wins.
-        set_nccl_env_defaults()
+        set_nccl_env_defaults(debug_dir=debug_dir)
     timeout = dt.timedelta(seconds=timeout_seconds)
     if launched_by_torchrun(env):
         dist.init_process_group(backend, timeout=timeout,

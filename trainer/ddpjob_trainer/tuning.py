@@ -35,10 +35,18 @@ NCCL_ENV_DEFAULTS = {
 }
 
 
-def set_nccl_env_defaults(environ=os.environ) -> dict[str, str]:
-    """Fill in NCCL fault-handling defaults that are not already set; returns what was set."""
+def set_nccl_env_defaults(environ=os.environ, *, debug_dir: str | None = None) -> dict[str, str]:
+    """Fill in NCCL fault-handling defaults that are not already set; returns what was set.
+
+    With `debug_dir` (contract.debug_dir: on the checkpoint volume) the flight recorder dumps
+    there instead of the pod's /tmp, which a group restart deletes with the pod.
+    """
+    defaults = dict(NCCL_ENV_DEFAULTS)
+    if debug_dir:
+        Path(debug_dir).mkdir(parents=True, exist_ok=True)
+        defaults["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] = f"{debug_dir}/nccl_trace_rank_"
     added = {}
-    for key, value in NCCL_ENV_DEFAULTS.items():
+    for key, value in defaults.items():
         if key not in environ:
             environ[key] = value
             added[key] = value
