@@ -188,7 +188,7 @@ def node_env(job: JobSpec, rank: int, *, master_port: int, metrics_port: int, at
     env = dict(os.environ)
     env.update(envvars.env_dict(envvars.pod_env(
         job, rank, master_addr="127.0.0.1", master_port=master_port,
-        metrics_port=metrics_port, attempt=attempt)))
+        metrics_port=metrics_port, attempt=attempt, rdma_devices=False)))
     if job.uses_builtin_trainer:
         env[contract.ENV_TRAINER_CONFIG] = json.dumps(local_trainer_config(job.trainer, workdir))
     env[contract.ENV_RESULT_FILE] = str(result_file)

@@ -11,7 +11,7 @@ from typing import Any
 
 from ddpjob_trainer import contract
 
-from . import labels, template
+from . import labels, rdma, template
 from .spec import JobSpec
 
 # spec.nccl keys -> NCCL_* variables; anything else in spec.nccl is upper-snake-cased.
@@ -64,9 +64,12 @@ def pod_env(
     metrics_port: int | None = None,
     attempt: int = 0,
     cluster_domain: str | None = None,
+    rdma_devices: bool = True,
 ) -> list[dict[str, str]]:
     """Env for node `rank` as a k8s env list: ours, then the template container's env, then
-    `spec.env`; a user's variable replaces ours of the same name (spec.env's a template's)."""
+    `spec.env`; a user's variable replaces ours of the same name (spec.env's a template's).
+    `rdma_devices=False` (a local run, which has none of the pods' RDMA devices) leaves out the
+    fabric's settings, which would make NCCL refuse to start there."""
     addr = master_addr or master_dns(job, cluster_domain=cluster_domain)
     port = master_port or job.master_port
     env: dict[str, str] = {
@@ -104,6 +107,8 @@ def pod_env(
         })
     if job.uses_builtin_trainer:
         env[contract.ENV_TRAINER_CONFIG] = json.dumps(job.trainer, sort_keys=True)
+    if rdma_devices:
+        env.update(rdma.env(job))
     env.update(nccl_env(job.nccl))
     ours = [{"name": k, "value": v} for k, v in env.items()]
     if cpu_request(job):

@@ -4,7 +4,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from . import gang, kueue, labels, shm, template
+from . import gang, kueue, labels, rdma, shm, template
 from .config import OperatorConfig
 from .envvars import pod_env, pod_hostname, service_name
 from .service import child_metadata
@@ -53,9 +53,19 @@ def default_runtime_class(job: JobSpec, config: OperatorConfig) -> str | None:
     return None
 
 
-def gpu_limits(job: JobSpec) -> dict[str, Any] | None:
-    """nvidia.com/gpu = gpusPerNode (extended resources: the request, if any, equals the limit)."""
-    return {"limits": {GPU_RESOURCE: str(job.gpus_per_node)}} if job.gpus_per_node > 0 else None
+def device_limits(job: JobSpec) -> dict[str, Any] | None:
+    """nvidia.com/gpu = gpusPerNode and spec.rdma's devices (extended resources: the request, if
+    any, equals the limit)."""
+    owned = {GPU_RESOURCE: str(job.gpus_per_node)} if job.gpus_per_node > 0 else {}
+    owned.update(rdma.limits(job))
+    return {"limits": owned} if owned else None
+
+
+def owned_security(job: JobSpec) -> dict[str, Any] | None:
+    """Capabilities the operator adds whatever the job's securityContext says (spec.rdma's IPC_LOCK):
+    a job that adds or drops its own keeps them."""
+    caps = rdma.capabilities(job)
+    return {"capabilities": {"add": caps}} if caps else None
 
 
 def restart_counters(job: JobSpec, restarts: int | None, counted_restarts: int | None) -> tuple[int, int]:
@@ -118,13 +128,14 @@ def render_pod(job: JobSpec, rank: int, *, attempt: int = 0, config: OperatorCon
             {"name": "master", "containerPort": job.master_port, "protocol": "TCP"},
             {"name": "metrics", "containerPort": job.metrics_port, "protocol": "TCP"},
         ]),
-        "resources": Layers(flat=spec.get("resources"), owned=gpu_limits(job)),
+        "resources": Layers(flat=spec.get("resources"), owned=device_limits(job)),
         "volumeMounts": Layers(owned=[{"name": SHM_VOLUME, "mountPath": "/dev/shm"}], flat=spec.get("volumeMounts")),
         # The launcher writes a one-line reason here; fall back to the log tail otherwise.
         "terminationMessagePolicy": Layers(owned="FallbackToLogsOnError"),
         "args": Layers(owned=list(args) if args else None),
         **{key: Layers(flat=spec.get(key)) for key in ("imagePullPolicy", "workingDir", "envFrom")},
-        "securityContext": Layers(default=CONTAINER_SECURITY_DEFAULTS, flat=spec.get("securityContext")),
+        "securityContext": Layers(default=CONTAINER_SECURITY_DEFAULTS, flat=spec.get("securityContext"),
+                                  owned=owned_security(job)),
     }
     pod = {
         "hostname": Layers(owned=pod_hostname(job, rank)),

@@ -57,7 +57,8 @@ def _concat(v: Layers, tpl: Any) -> list[Any] | None:
 
 def _keys(v: Layers, tpl: Any) -> dict[str, Any]:
     """A securityContext: key by key, the operator's defaults under the template's under the flat
-    field's; capabilities merge per list, so a job that only adds NET_RAW still drops the rest."""
+    field's; capabilities merge per list, so a job that only adds NET_RAW still drops the rest;
+    capabilities the operator adds (owned) are added to whatever list that gives."""
     out = copy.deepcopy(v.default or {})
     user = {**copy.deepcopy(tpl or {}), **copy.deepcopy(v.flat or {})}
     caps = [layer["capabilities"] for layer in (v.default, tpl, v.flat) if (layer or {}).get("capabilities")]
@@ -68,6 +69,11 @@ def _keys(v: Layers, tpl: Any) -> dict[str, Any]:
     out.update(user)
     if caps:
         out["capabilities"] = copy.deepcopy({k: c for layer in caps for k, c in layer.items()})
+    # The operator's own additions (spec.rdma's IPC_LOCK) join the list whoever else sets it.
+    for cap in ((v.owned or {}).get("capabilities") or {}).get("add") or []:
+        added = out.setdefault("capabilities", {}).setdefault("add", [])
+        if cap not in added:
+            added.append(cap)
     return out
 
 

@@ -131,6 +131,9 @@ def _cel(obj: dict[str, Any]) -> list[str]:
     if is_int(nproc) and is_int(gpus) and 0 < gpus < nproc:
         errs.append('spec.nprocPerNode must be <= spec.gpusPerNode: each process of a GPU job drives one GPU '
                     'of its pod ("auto" = one per GPU)')
+    if spec.get("rdma") is not None and not (is_int(gpus) and gpus > 0):
+        errs.append("spec.rdma needs spec.gpusPerNode > 0: RDMA carries NCCL's traffic between GPUs (a CPU job's "
+                    "gloo uses TCP)")
     trainer = spec.get("trainer")
     if isinstance(trainer, dict) and bad_int_or_auto(trainer.get("numWorkers"), 0):
         errs.append('spec.trainer.numWorkers must be "auto" or an integer >= 0')

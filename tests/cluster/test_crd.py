@@ -79,6 +79,10 @@ def test_defaults_applied_by_the_api_server(crd, namespace):
      "the trainer container's image, command, args"),
     ("job", {"template": {"metadata": {"labels": {"ddpjob.dev/job-name": "other"}}}},
      "spec.template.metadata.labels must not use ddpjob.dev/ keys"),
+    # spec.rdma: an extended resource's name, and only for GPU jobs (NCCL's traffic).
+    ("job", {"gpusPerNode": 8, "rdma": {"resource": "infiniband"}}, "spec.rdma.resource"),
+    ("job", {"gpusPerNode": 8, "rdma": {"resource": "rdma/ib", "devicesPerNode": 0}}, "spec.rdma.devicesPerNode"),
+    ("job", {"rdma": {"resource": "rdma/ib"}}, "spec.rdma needs spec.gpusPerNode > 0"),
     # spec.scheduling.gang: the schedulers the operator knows, and each one's own options.
     ("job", {"scheduling": {"gang": {"scheduler": "kube-batch"}}}, "spec.scheduling.gang.scheduler"),
     ("job", {"scheduling": {"gang": {"scheduler": "coscheduling", "queue": "q"}}},
@@ -255,6 +259,27 @@ def test_full_pod_level_spec_accepted_and_its_pods_too(crd, namespace):
         proc = crd.kubectl("create", "--dry-run=server", "--validate=strict", "-n", namespace, "-f", "-",
                            input=yaml.safe_dump(obj), check=False)
         assert proc.returncode == 0, proc.stderr
+
+
+def test_an_rdma_job_is_stored_defaulted_and_its_pods_pass_pod_validation(crd, namespace):
+    """spec.rdma under the real schema (devicesPerNode defaults to 1), and the pods it renders (the
+    device as request = limit, IPC_LOCK added to the dropped ALL) are Pods this API server accepts."""
+    from ddpjob_operator.pods import render_pod
+    from ddpjob_operator.spec import from_manifest
+
+    proc = apply(crd, namespace, manifest("rdma", gpusPerNode=8, rdma={"resource": "rdma/ib"},
+                                          resources={"requests": {"rdma/ib": "1", "cpu": "4"}}))
+    assert proc.returncode == 0, proc.stderr
+    stored = json.loads(crd.kubectl("get", "ddpj", "rdma", "-n", namespace, "-o", "json").stdout)
+    assert stored["spec"]["rdma"] == {"resource": "rdma/ib", "devicesPerNode": 1}
+    pod = render_pod(from_manifest(stored), 0)
+    pod["metadata"].pop("ownerReferences", None)
+    proc = crd.kubectl("create", "--dry-run=server", "--validate=strict", "-n", namespace, "-o", "json", "-f", "-",
+                       input=yaml.safe_dump(pod), check=False)
+    assert proc.returncode == 0, proc.stderr
+    (c,) = json.loads(proc.stdout)["spec"]["containers"]
+    assert c["resources"]["limits"]["rdma/ib"] == c["resources"]["requests"]["rdma/ib"] == "1"
+    assert c["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["IPC_LOCK"]}
 
 
 TEMPLATE = {

@@ -8,6 +8,7 @@ selector is narrowed to this test's namespace (the control plane is shared with 
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import uuid
@@ -32,19 +33,26 @@ def tenant(cluster, tmp_path_factory):
     only right there is on DDPJobs."""
     install_crd(cluster)
     tag = uuid.uuid4().hex[:8]
+    with bound_profile(cluster, tmp_path_factory, f"tenant-{tag}", {"serviceAccounts": [CLOUD_SA]},
+                       serviceAccounts=[ALLOWED_SA], priorityClasses=[ALLOWED_PC]) as ns:
+        yield ns, f"tenant-{tag}"
+
+
+@contextlib.contextmanager
+def bound_profile(cluster, tmp_path_factory, user, global_values, **profile_values):
+    """A fresh namespace under the chart's default profile (its values.yaml, with these global
+    tenantPolicy values and profile keys on top), where `user` may only use DDPJobs."""
+    tag = uuid.uuid4().hex[:8]
     api = cluster.api()
     # A profile label of its own: the chart's default profile (a release that e2e tests may have
     # installed meanwhile) skips labelled namespaces, as docs/install.md tells admins to do.
     ns = create_namespace(api, prefix="tenant-", labels={"ddpjob.dev/tenant-profile": f"test-{tag}"})
-    user = f"tenant-{tag}"
     values = yaml.safe_load((CHART / "values.yaml").read_text())["tenantPolicy"]
     profile = copy.deepcopy(values["profiles"][0])
     profile["namespaceSelector"] = {"matchLabels": {"ddpjob.dev/tenant-profile": f"test-{tag}"}}
-    profile["serviceAccounts"] = [ALLOWED_SA]
-    profile["priorityClasses"] = [ALLOWED_PC]
+    profile.update(profile_values)
     vfile = tmp_path_factory.mktemp("tenant") / "values.yaml"
-    vfile.write_text(yaml.safe_dump({"tenantPolicy": {**values, "serviceAccounts": [CLOUD_SA],
-                                                      "profiles": [profile]}}))
+    vfile.write_text(yaml.safe_dump({"tenantPolicy": {**values, **global_values, "profiles": [profile]}}))
     policy = cluster.helm("template", f"tp-{tag}", str(CHART), "--kube-version", "v1.36.3", "-f", str(vfile),
                           "--show-only", "templates/tenant-policy.yaml").stdout
     rbac = [role(ns, "ddpjobs-only", {"apiGroups": ["ddpjob.dev"], "resources": ["ddpjobs"],
@@ -56,7 +64,7 @@ def tenant(cluster, tmp_path_factory):
         # The policy reaches the API server's admission through an informer: wait until it bites.
         wait_for(lambda: create(cluster, ns, user, job("probe", securityContext={"privileged": True})).returncode != 0,
                  timeout=30, desc="tenant policy in force")
-        yield ns, user
+        yield ns
     finally:
         cluster.kubectl("delete", "-f", "-", "--ignore-not-found", input=policy, check=False)
         delete_namespace(api, ns)
@@ -329,3 +337,46 @@ def test_other_namespaces_are_not_bound(cluster, tenant, api):
         assert proc.returncode == 0, proc.stderr
     finally:
         delete_namespace(api, other)
+
+
+# --- RDMA: spec.rdma adds devices and IPC_LOCK, so only where the platform team allows it -------
+
+RDMA_RESOURCE = "rdma/ib"
+
+
+@pytest.fixture(scope="module")
+def rdma_tenant(cluster, tenant, tmp_path_factory):
+    """(namespace, user): the default profile with tenantPolicy.rdmaResources=[rdma/ib]."""
+    user = f"{tenant[1]}-rdma"
+    with bound_profile(cluster, tmp_path_factory, user, {"rdmaResources": [RDMA_RESOURCE]}) as ns:
+        yield ns, user
+
+
+def rdma_job(resource=RDMA_RESOURCE, **spec):
+    return job("rdma", gpusPerNode=8, rdma={"resource": resource, "devicesPerNode": 4}, **spec)
+
+
+def test_an_rdma_job_is_refused_by_a_default_install_naming_the_value(cluster, tenant):
+    ns, user = tenant
+    proc = create(cluster, ns, user, rdma_job())
+    assert proc.returncode != 0, "accepted"
+    assert ("spec.rdma.resource: rdma/ib is not allowed" in proc.stderr and "allowed: none" in proc.stderr
+            and "tenantPolicy.rdmaResources" in proc.stderr), proc.stderr
+
+
+def test_an_rdma_job_is_admitted_where_the_platform_allows_its_resource(cluster, rdma_tenant):
+    ns, user = rdma_tenant
+    proc = create(cluster, ns, user, rdma_job(), dry_run=False)
+    assert proc.returncode == 0, proc.stderr
+    stored = json.loads(cluster.kubectl("get", "ddpj", "rdma", "-n", ns, "-o", "json").stdout)
+    assert stored["spec"]["rdma"] == {"resource": RDMA_RESOURCE, "devicesPerNode": 4}
+
+
+def test_rdma_allows_only_its_resources_and_ipc_lock_only_through_spec_rdma(cluster, rdma_tenant):
+    """The value allows the listed resources, not any device, and IPC_LOCK only as spec.rdma's:
+    a container that adds it itself is refused as before."""
+    ns, user = rdma_tenant
+    proc = create(cluster, ns, user, rdma_job("vpc.amazonaws.com/efa"))
+    assert proc.returncode != 0 and f"(allowed: {RDMA_RESOURCE};" in proc.stderr, proc.stderr
+    proc = create(cluster, ns, user, job(gpusPerNode=8, securityContext={"capabilities": {"add": ["IPC_LOCK"]}}))
+    assert proc.returncode != 0 and "spec.securityContext.capabilities.add: IPC_LOCK" in proc.stderr, proc.stderr

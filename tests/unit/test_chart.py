@@ -147,6 +147,7 @@ def test_default_values_match_schema():
     ("operater.logLevel=INFO", "operater"),            # a typo'd key is rejected, not ignored
     ("operator.watchNamespaces={Bad_NS}", "watchNamespaces"),
     ("monitoring.podMonitor.interval=often", "interval"),
+    ("tenantPolicy.rdmaResources={ib}", "rdmaResources"),      # not an extended resource name
 ])
 def test_schema_rejects_bad_values(bad, needle):
     err = render_error(bad)
@@ -484,6 +485,31 @@ def test_tenant_policy_allow_lists_for_every_profile(tmp_path):
     trusted = vaps[f"{RELEASE}-ddpjob-operator-trusted"]
     assert "serviceAccountName" not in json.dumps(trusted["validations"])
     assert "priorityClassName" in json.dumps(trusted["validations"])
+
+
+def test_tenant_policy_rdma_resources_per_profile_and_for_all(tmp_path):
+    """spec.rdma (devices + IPC_LOCK) is refused by baseline profiles unless its resource is in
+    tenantPolicy.rdmaResources or the profile's own; "*" or baseline: false allow any. (On the API
+    server: tests/cluster/test_tenant_policy.py.)"""
+    def rdma_check(spec):
+        return [v for v in spec["validations"] if "object.spec.rdma" in v["expression"]]
+
+    default = one(render(), "ValidatingAdmissionPolicy")["spec"]
+    (check,) = rdma_check(default)
+    assert "tenantPolicy.rdmaResources" in check["message"] and "tenantPolicy.rdmaResources" in check["messageExpression"]
+    assert {v["name"]: v["expression"] for v in default["variables"]}["rdmaResources"] == "[]"
+    profiles = [{"name": "team", "baseline": True, "rdmaResources": ["rdma/hca_shared_devices_a"],
+                 "namespaceSelector": {"matchLabels": {"ddpjob.dev/tenant-profile": "team"}}},
+                {"name": "any", "baseline": True, "rdmaResources": ["*"],
+                 "namespaceSelector": {"matchLabels": {"ddpjob.dev/tenant-profile": "any"}}},
+                {"name": "trusted", "baseline": False,
+                 "namespaceSelector": {"matchLabels": {"ddpjob.dev/tenant-profile": "trusted"}}}]
+    docs = render("tenantPolicy.rdmaResources={rdma/ib}", values={"tenantPolicy": {"profiles": profiles}},
+                  tmp_path=tmp_path)
+    vaps = {d["metadata"]["name"].rsplit("-", 1)[-1]: d["spec"] for d in docs if d["kind"] == "ValidatingAdmissionPolicy"}
+    team = {v["name"]: v["expression"] for v in vaps["team"]["variables"]}
+    assert json.loads(team["rdmaResources"]) == ["rdma/ib", "rdma/hca_shared_devices_a"]
+    assert rdma_check(vaps["team"]) and not rdma_check(vaps["any"]) and not rdma_check(vaps["trusted"])
 
 
 def test_tenant_policy_checks_secrets_in_every_profile(tmp_path):

@@ -171,6 +171,8 @@ CEL_VIOLATIONS = {
     "spec.gpusPerNode must be >= 0": {"spec": {"gpusPerNode": -1}},
     'spec.nprocPerNode must be <= spec.gpusPerNode: each process of a GPU job drives one GPU of its pod ("auto" = '
     'one per GPU)': {"spec": {"gpusPerNode": 2, "nprocPerNode": 4}},
+    "spec.rdma needs spec.gpusPerNode > 0: RDMA carries NCCL's traffic between GPUs (a CPU job's gloo uses TCP)":
+        {"spec": {"gpusPerNode": 0, "rdma": {"resource": "rdma/ib"}}},
     'spec.trainer.numWorkers must be "auto" or an integer >= 0': {"spec": {"trainer": {"numWorkers": -1}}},
     "spec.masterPort must be between 1 and 65535": {"spec": {"masterPort": 70000}},
     "spec.metricsPort must be between 1 and 65535": {"spec": {"metricsPort": 0}},

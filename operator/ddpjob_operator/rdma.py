@@ -1,0 +1,48 @@
+"""spec.rdma: RDMA devices (InfiniBand, RoCE, EFA) for NCCL, and what goes with them (pure).
+
+The one home of what an RDMA job's training container gets on top of its own: the device
+plugin's resource, the IPC_LOCK capability and the fabric's NCCL/libfabric settings. Whether a
+tenant may ask for it is the chart's tenant policy (tenantPolicy.rdmaResources).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from .spec import JobSpec
+
+EFA_RESOURCE = "vpc.amazonaws.com/efa"
+# RDMA registers (pins) the buffers NCCL sends from; without IPC_LOCK a container's locked-memory
+# limit makes memory registration fail, and NCCL falls back to sockets or fails at init.
+CAPABILITY = "IPC_LOCK"
+# InfiniBand and RoCE are NCCL's own IB transport. NCCL_NET=IB makes a pod whose device does not
+# work fail at NCCL init with "network IB not found" instead of silently training over TCP sockets,
+# several times slower; NCCL_IB_DISABLE=0 undoes an image that turned IB off.
+IB_ENV = {"NCCL_IB_DISABLE": "0", "NCCL_NET": "IB"}
+# EFA is reached through libfabric (the aws-ofi-nccl plugin the EFA images ship): the efa provider
+# only, with GPUDirect RDMA (p4d and later). The plugin's NCCL_NET name differs between its
+# versions, so it is not pinned here.
+EFA_ENV = {"FI_PROVIDER": "efa", "FI_EFA_USE_DEVICE_RDMA": "1"}
+
+
+def rdma(job: JobSpec) -> dict[str, Any]:
+    """spec.rdma ({} without one)."""
+    return job.spec.get("rdma") or {}
+
+
+def limits(job: JobSpec) -> dict[str, str]:
+    """The device plugin's resource, devicesPerNode per pod (an extended resource: request = limit)."""
+    spec = rdma(job)
+    return {spec["resource"]: str(spec.get("devicesPerNode", 1))} if spec.get("resource") else {}
+
+
+def capabilities(job: JobSpec) -> list[str]:
+    """Capabilities the training container needs for its RDMA devices."""
+    return [CAPABILITY] if rdma(job) else []
+
+
+def env(job: JobSpec) -> dict[str, str]:
+    """The fabric's NCCL/libfabric defaults; spec.nccl and the job's own env win over them."""
+    resource = rdma(job).get("resource")
+    if not resource:
+        return {}
+    return dict(EFA_ENV if resource == EFA_RESOURCE else IB_ENV)
