@@ -5,7 +5,7 @@ import sys
 
 import click
 
-from ddpjob_operator.config import OperatorConfig
+from ddpjob_operator.config import LOG_FORMATS, LOG_LEVELS, OperatorConfig
 
 # The flags' defaults are OperatorConfig's: one place (the chart's values.yaml is checked against it).
 _OP = OperatorConfig()
@@ -62,11 +62,22 @@ def render(file, namespace) -> None:
 @click.option("--peering", default=_OP.peering, envvar="DDPJOB_PEERING", show_default=True,
               help="kopf peering name; empty for standalone.")
 @click.option("--priority", type=int, default=_OP.priority, envvar="DDPJOB_PRIORITY", show_default=True)
-@click.option("--log-level", default=_OP.log_level, envvar="DDPJOB_LOG_LEVEL", show_default=True)
+@click.option("--log-level", type=click.Choice(LOG_LEVELS, case_sensitive=False), default=_OP.log_level,
+              envvar="DDPJOB_LOG_LEVEL", show_default=True)
+@click.option("--log-format", type=click.Choice(LOG_FORMATS), default=_OP.log_format, envvar="DDPJOB_LOG_FORMAT",
+              show_default=True, help="json: one object per line (time, level, logger, message).")
 def operator(namespaces, all_namespaces, **opts) -> None:
     """Run the operator against the current kubeconfig (or in-cluster config)."""
     from ddpjob_operator.operator_main import run_operator
 
     namespaces = tuple(n for ns in namespaces for n in ns.split(",") if n)
+    if not namespaces and not all_namespaces:
+        # Watching one namespace nobody named (kubectl's "default") would leave every job in the
+        # others silently unreconciled.
+        raise click.UsageError("name what to watch: --namespace/-n NS (repeatable, or comma-separated) "
+                               "or --all-namespaces/-A")
+    if namespaces and all_namespaces:
+        raise click.UsageError("--namespace and --all-namespaces exclude each other")
+    opts["log_level"] = opts["log_level"].upper()
     cfg = OperatorConfig(namespaces=namespaces, all_namespaces=all_namespaces, **opts)
     sys.exit(run_operator(cfg))

@@ -3,12 +3,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# The choices of --log-level and --log-format (the chart's values.schema.json enums are held to these).
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+LOG_FORMATS = ("text", "json")
+
 
 @dataclass(frozen=True)
 class OperatorConfig:
     """What one operator process is told at start; immutable for its lifetime."""
 
-    namespaces: tuple[str, ...] = ()          # empty + all_namespaces=False -> "default"
+    namespaces: tuple[str, ...] = ()          # empty needs all_namespaces (the CLI refuses neither)
     all_namespaces: bool = False
     metrics_port: int = 8080                  # ddpjob_operator_* exposition
     health_port: int = 8081                   # liveness endpoint (/healthz)
@@ -22,3 +26,4 @@ class OperatorConfig:
     peering: str = "ddpjob"                   # kopf peering name; "" -> standalone
     priority: int = 0                         # kopf peering priority (HA replicas differ)
     log_level: str = "INFO"
+    log_format: str = "text"                  # json: one object per line, for log pipelines

@@ -56,14 +56,29 @@ def own_identity() -> str:
     return f"{getpass.getuser()}@{os.uname().nodename}/{os.getpid()}-{secrets.token_hex(3)}"
 
 
+TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def log_handler(fmt: str) -> logging.Handler:
+    """stderr, as text or as one JSON object per line (time, level, logger, message, and the
+    object a kopf line is about): the format log pipelines (Loki, Cloud Logging) parse."""
+    handler = logging.StreamHandler()
+    if fmt == "json":
+        from pythonjsonlogger.json import JsonFormatter  # kopf's own dependency
+        handler.setFormatter(JsonFormatter("%(asctime)s %(levelname)s %(name)s %(message)s",
+                                           rename_fields={"asctime": "time", "levelname": "level", "name": "logger"}))
+    else:
+        handler.setFormatter(logging.Formatter(TEXT_FORMAT))
+    return handler
+
+
 def run_operator(cfg: OperatorConfig) -> int:
     """Run until stopped; returns the process exit code."""
-    logging.basicConfig(level=getattr(logging, cfg.log_level.upper(), logging.INFO),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=getattr(logging, cfg.log_level.upper()), handlers=[log_handler(cfg.log_format)])
     if logging.getLogger().level > logging.DEBUG:
         # kopf logs every handler call at INFO ("Handler ... succeeded"): thousands of lines per job.
         logging.getLogger("kopf.objects").setLevel(logging.WARNING)
-    namespaces = () if cfg.all_namespaces else (cfg.namespaces or ("default",))
+    namespaces = () if cfg.all_namespaces else cfg.namespaces
     # Series of the watched namespaces exist at 0 from the start (a replica that never acts shows 0).
     metrics = OperatorMetrics(namespaces=namespaces)
     try:

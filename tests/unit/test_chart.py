@@ -265,14 +265,20 @@ def test_operator_args_are_accepted_by_the_real_cli():
     params = parse_operator_args(container(render(
         "operator.defaultRuntimeClass=nvidia-cdi", "operator.clusterDomain=cluster.local",
         "operator.scrapeInterval=30", "operator.unschedulableTimeout=120",
-        "operator.logLevel=DEBUG")))
+        "operator.logLevel=DEBUG", "operator.logFormat=json")))
     assert params["all_namespaces"] is True and params["namespaces"] == ()
     assert params["default_runtime_class"] == "nvidia-cdi"
     assert params["cluster_domain"] == "cluster.local"
     assert params["scrape_interval"] == 30 and params["unschedulable_timeout"] == 120
-    assert params["log_level"] == "DEBUG"
+    assert params["log_level"] == "DEBUG" and params["log_format"] == "json"
     assert params["metrics_port"] == 8080 and params["health_port"] == 8081
     assert params["peering"] == "", "a single replica runs standalone (no peering object needed)"
+
+
+def test_the_schemas_log_choices_are_the_clis():
+    from ddpjob_operator.config import LOG_FORMATS, LOG_LEVELS
+    props = json.loads((CHART / "values.schema.json").read_text())["properties"]["operator"]["properties"]
+    assert tuple(props["logLevel"]["enum"]) == LOG_LEVELS and tuple(props["logFormat"]["enum"]) == LOG_FORMATS
 
 
 def test_default_rbac_is_exactly_the_contract():
