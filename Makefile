@@ -93,5 +93,11 @@ bench: install ## benchmarks (ratios, JSON under bench/results/)
 	$(PY) bench/operator_scale.py
 	$(PY) bench/fairness.py
 
+# Needs NVIDIA GPUs, no cluster (docs/development.md); exits 2 where torch sees none. On the image's
+# torch: make gpu-check PY=.venv-floor/bin/python. GPU_CHECK_ARGS=--cpu: the same plumbing on gloo.
+.PHONY: gpu-check
+gpu-check: install ## GPU acceptance run: NCCL, bf16, channels_last, compile, async checkpoint + resume; one table
+	$(PY) bench/gpu_check.py $(GPU_CHECK_ARGS)
+
 clean: cluster-down ## remove the venv and local caches of this clone
 	rm -rf $(VENV) .cache .pytest_cache

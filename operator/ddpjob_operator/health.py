@@ -13,6 +13,12 @@ for its peers hides in all-reduce inside the step). A rank whose own time stays 
 more) for `straggler_windows` consecutive observations is a straggler. When ranks do
 not run in lock-step (iteration times differ), own time is simply the iteration time.
 
+On GPUs the host's times say little: under NCCL the host runs ahead of the device and waits for
+it at log steps, so a throttled GPU slows every rank's host alike. When every rank compared
+reports device compute time (the trainer's `compute_seconds`: CUDA-event time of its forward
+passes, which contain no collective), own time is that per step plus the rank's own data wait
+per step: a slow GPU and a starved loader are both a rank's own, the wait for a peer is neither.
+
 A job is stalled when it made no progress for the hang timeout. Progress is a step (the
 highest step of any rank went up) or a stage change (a rank began a stage: the launcher's
 waiting_for_master and rendezvous, the trainer's process_group_init, first_step, training,
@@ -67,6 +73,8 @@ class _RankState:
     sum: float
     count: float
     wait: float
+    csum: float = 0.0
+    ccount: float = 0.0
 
 
 @dataclass
@@ -147,7 +155,8 @@ class HealthTracker:
         for r, s in ranks.items():
             self._prev[r] = _RankState(step=s.step, ts=s.last_step_timestamp,
                                        sum=s.step_seconds_sum, count=s.step_seconds_count,
-                                       wait=s.data_wait_seconds_total)
+                                       wait=s.data_wait_seconds_total,
+                                       csum=s.compute_seconds_sum, ccount=s.compute_seconds_count)
         return changes
 
     # ---- hang ---------------------------------------------------------------------------
@@ -225,6 +234,8 @@ class HealthTracker:
     def _check_stragglers(self, ranks: Mapping[int, RankSample]) -> list[Finding]:
         iters: dict[int, float] = {}
         steps: dict[int, float] = {}
+        device: dict[int, float] = {}
+        waits: dict[int, float] = {}
         for r, s in ranks.items():
             p = self._prev.get(r)
             if p is None or s.step <= p.step or s.step_seconds_count <= p.count:
@@ -234,13 +245,22 @@ class HealthTracker:
                 iters[r] = (s.last_step_timestamp - p.ts) / d
             dwait = max(0.0, s.data_wait_seconds_total - p.wait)
             steps[r] = max(0.0, s.step_seconds_sum - p.sum - dwait) / (s.step_seconds_count - p.count)
+            waits[r] = dwait / (s.step_seconds_count - p.count)
+            # Device time is read at log steps, so it is averaged over the steps it covers.
+            if s.compute_seconds_count > p.ccount and s.compute_seconds_sum >= p.csum:
+                device[r] = (s.compute_seconds_sum - p.csum) / (s.compute_seconds_count - p.ccount)
         common = [r for r in iters if r in steps]
         if common:
             self._iterations.append(statistics.median(iters[r] for r in common))
             del self._iterations[:-200]
         if len(common) < 2:
             return []
-        own = _own_times({r: iters[r] for r in common}, {r: steps[r] for r in common})
+        if all(r in device for r in common):
+            own = {r: device[r] + waits[r] for r in common}
+        elif any(ranks[r].compute_seconds_count > 0 for r in common):
+            return []  # a GPU job between log steps: no fresh device time, and host time misleads
+        else:
+            own = _own_times({r: iters[r] for r in common}, {r: steps[r] for r in common})
         flagged = set()
         for r in common:
             others = [own[k] for k in common if k != r]

@@ -33,6 +33,8 @@ _GAUGES = {
     "restart_count": "restart_count",
     "step_seconds_sum": "step_seconds_sum",
     "step_seconds_count": "step_seconds_count",
+    "compute_seconds_sum": "compute_seconds_sum",
+    "compute_seconds_count": "compute_seconds_count",
     "gpu_memory_allocated_bytes": "gpu_memory_allocated_bytes",
     "gpu_memory_max_allocated_bytes": "gpu_memory_max_allocated_bytes",
     "stage_start_timestamp_seconds": "stage_started_at",
@@ -79,6 +81,8 @@ class RankSample:
     samples_total: float = 0.0
     step_seconds_sum: float = 0.0
     step_seconds_count: float = 0.0
+    compute_seconds_sum: float = 0.0     # device (GPU) forward time per step; 0 on CPU
+    compute_seconds_count: float = 0.0
     data_wait_seconds_total: float = 0.0
     last_step_timestamp: float | None = None
     step_started: int | None = None
@@ -150,7 +154,7 @@ def _sane(attr: str, raw: object) -> float | None:
     lo, hi = _BOUNDS.get(attr, _DEFAULT_BOUNDS)
     if not math.isfinite(value) or not lo <= value <= hi:
         return None
-    if attr == "step_seconds_count" and 0 < value < 1:
+    if attr in ("step_seconds_count", "compute_seconds_count") and 0 < value < 1:
         return None  # a count is whole; a tiny one would make the mean step time overflow
     return value
 

@@ -32,6 +32,9 @@ EXPORTER = textwrap.dedent("""
     cuda = types.SimpleNamespace(memory_allocated=lambda d: 1, max_memory_allocated=lambda d: 1,
                                  memory_reserved=lambda d: 1)     # no GPU here: torch.cuda stand-in
     t.gpu_memory(types.SimpleNamespace(cuda=cuda), types.SimpleNamespace(type="cuda"))
+    cuda.get_device_properties = lambda d: types.SimpleNamespace(uuid="0-1", name="fake")
+    t.gpu_info(types.SimpleNamespace(cuda=cuda), types.SimpleNamespace(type="cuda"))
+    t.compute([0.05])                                             # DeviceTimer.read() at a log step
     reg = CollectorRegistry(); MultiProcessCollector(reg, path=sys.argv[1])
     print(generate_latest(reg).decode())
 """)

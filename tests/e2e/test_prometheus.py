@@ -2,8 +2,9 @@
 
 Asserts: every rank's endpoint exports the contract metrics with the contract labels; every query
 of the job dashboard (variables substituted) and every recording rule returns data; every alert
-expression is accepted by Prometheus. The GPU-memory panel is checked against a process whose
-telemetry was fed by a fake CUDA module (no GPU here) under its own ddpjob label.
+expression is accepted by Prometheus. The GPU panels (memory, compute time, GPU per rank) are
+checked against a process whose telemetry was fed by a fake CUDA module and device timer (no GPU
+here) under its own ddpjob label.
 """
 from __future__ import annotations
 
@@ -39,7 +40,8 @@ TRAINER_METRICS = [
     "ddpjob_trainer_stage", "ddpjob_trainer_stage_start_timestamp_seconds",
 ]
 GPU_METRICS = ["ddpjob_trainer_gpu_memory_allocated_bytes", "ddpjob_trainer_gpu_memory_max_allocated_bytes",
-               "ddpjob_trainer_gpu_memory_reserved_bytes"]
+               "ddpjob_trainer_gpu_memory_reserved_bytes", "ddpjob_trainer_compute_seconds",
+               "ddpjob_trainer_gpu_info"]
 JOB = "digits"
 GPU_JOB = "gpu-fake"
 NAMESPACE = "default"   # from_manifest's default namespace; the local runner labels with it
@@ -116,17 +118,21 @@ class Prometheus:
 FAKE_GPU = textwrap.dedent("""
     import os, sys, time, types
     from ddpjob_trainer.telemetry import Telemetry, serve_node_endpoint
-    # No GPU on this machine: a stand-in for torch.cuda's memory counters.
+    # No GPU on this machine: a stand-in for torch.cuda's memory counters and device properties.
     cuda = types.SimpleNamespace(memory_allocated=lambda d: 3 << 30, max_memory_allocated=lambda d: 5 << 30,
-                                 memory_reserved=lambda d: 6 << 30)
+                                 memory_reserved=lambda d: 6 << 30, get_device_properties=lambda d:
+                                 types.SimpleNamespace(uuid="0a1b2c3d-0000-1111-2222-333344445555", name="fake"))
     fake_torch, device = types.SimpleNamespace(cuda=cuda), types.SimpleNamespace(type="cuda")
     t = Telemetry(labels={"ddpjob": "gpu-fake", "namespace": "default", "rank": "0", "local_rank": "0",
                           "node_rank": "0"})
     t.set_total_steps(10)
     t.gpu_memory(fake_torch, device)
+    t.gpu_info(fake_torch, device)
     serve_node_endpoint(int(sys.argv[1]), os.environ["DDPJOB_METRICS_DIR"], addr="127.0.0.1")
     print("ready", flush=True)
-    time.sleep(900)
+    for _ in range(1800):   # device time keeps coming, as at a training job's log steps (rate() has data)
+        t.compute([0.02])
+        time.sleep(0.5)
 """)
 
 
@@ -217,7 +223,7 @@ def test_every_rank_exports_the_contract_metrics_with_labels(prom):
 
 @pytest.mark.parametrize("title,expr", list(dashboard_targets("ddpjob-job.json")))
 def test_job_dashboard_query_returns_data(prom, title, expr):
-    job = GPU_JOB if "gpu_memory" in expr else JOB
+    job = GPU_JOB if any(m in expr for m in GPU_METRICS) else JOB
     got = prom.series(substitute(expr, job=job))
     assert got, f"panel {title!r}: no data for {substitute(expr, job=job)}"
     assert all(s["value"][1] not in ("NaN", "+Inf", "-Inf") for s in got), f"panel {title!r}: {got}"

@@ -83,6 +83,52 @@ def test_small_jitter_is_not_a_straggler():
     assert [f for i in range(8) for f in h.update(job.advance(), now=10 * i)] == []
 
 
+class GpuJob(Job):
+    """NCCL on GPUs: the host runs ahead and syncs at log steps, so every host reports the same
+    step times whichever GPU is slow; only the device's forward time (read at log steps) differs."""
+
+    def __init__(self, world=4, forward=0.03, slow=None, factor=1.0, log_every=10):
+        super().__init__(world=world, compute=0.1)
+        self.forward, self.gpu_slow, self.factor, self.log_every = forward, slow, factor, log_every
+        self.csum, self.ccount = [0.0] * world, 0
+        self.unread = [0.0] * world
+
+    def advance(self, n=10, frozen=None):
+        out = super().advance(n)
+        for _ in range(n):
+            for r in range(self.world):
+                self.unread[r] += self.forward * (self.factor if r == self.gpu_slow else 1.0)
+        if self.step % self.log_every == 0:   # a log step: the trainer reads its events
+            self.csum = [c + u for c, u in zip(self.csum, self.unread)]
+            self.ccount, self.unread = self.step, [0.0] * self.world
+        for r, s in out.items():
+            s.compute_seconds_sum, s.compute_seconds_count = self.csum[r], self.ccount
+        return out
+
+
+def test_throttled_gpu_is_a_straggler_from_device_time_alone():
+    job, h = GpuJob(world=4, slow=3, factor=2.0), HealthTracker(hang_timeout=600)
+    job.advance()
+    assert len({round(s, 9) for s in job.sums}) == 1      # the hosts cannot tell
+    found = [f for i in range(6) for f in h.update(job.advance(), now=10 * i)]
+    assert [(f.kind, f.active, f.ranks) for f in found] == [(STRAGGLER, True, (3,))]
+    assert "rank 3 (pod j-1 on node n1) (2.0x the median 30ms per step)" in found[0].message
+
+
+def test_device_time_is_judged_only_on_scrapes_that_cover_a_log_step():
+    # scraped every 5 steps, read every 10: every other scrape has no fresh device time and
+    # must neither flag nor count as calm (the streak spans it)
+    job, h = GpuJob(world=2, slow=0, factor=3.0, log_every=10), HealthTracker(hang_timeout=600,
+                                                                             straggler_windows=2)
+    found = [f for i in range(8) for f in h.update(job.advance(n=5), now=10 * i)]
+    assert [(f.kind, f.ranks) for f in found] == [(STRAGGLER, (0,))]
+
+
+def test_healthy_gpu_job_has_no_findings():
+    job, h = GpuJob(world=4), HealthTracker(hang_timeout=600)
+    assert [f for i in range(8) for f in h.update(job.advance(), now=10 * i)] == []
+
+
 def test_stall_names_the_rank_behind_and_clears_when_training_resumes():
     job, h = Job(world=4), HealthTracker(hang_timeout=30)
     h.update(job.advance(), now=0)

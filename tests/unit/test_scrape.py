@@ -35,6 +35,7 @@ _PRODUCER = textwrap.dedent("""
             cuda = types.SimpleNamespace(memory_allocated=lambda d: 1e9, max_memory_allocated=lambda d: 2e9,
                                          memory_reserved=lambda d: 3e9)
             t.gpu_memory(types.SimpleNamespace(cuda=cuda), types.SimpleNamespace(type="cuda"))
+            t.compute([0.2] * r["steps"])   # DeviceTimer.read() at a log step
         t.set_stage("training")
     reg = CollectorRegistry()
     MultiProcessCollector(reg, path=os.environ["DDPJOB_METRICS_DIR"])

@@ -10,9 +10,13 @@ import subprocess
 import sys
 import textwrap
 import time
+import types
 import urllib.request
 
+import pytest
+
 from ddpjob_operator.scrape import parse_metrics
+from ddpjob_trainer.telemetry import DeviceTimer, gpu_uuid
 
 
 def run_py(code: str, *, metrics_dir=None, extra_env=None, timeout=120) -> str:
@@ -228,3 +232,117 @@ def test_launcher_serves_waiting_for_master_while_it_waits(tmp_path):
     assert {(s.stage, s.node_rank, s.local_rank) for s in got.values()} == {
         ("waiting_for_master", 1, 0), ("waiting_for_master", 1, 1)}
     assert all(s.step is None and s.stage_started_at > 1.7e9 for s in got.values())
+
+
+# ---- device (GPU) time and identity: the device faked, the code path real -------------------------
+class FakeClock:
+    """The device's timeline: kernels advance it; an event records where the stream is."""
+
+    def __init__(self):
+        self.ms = 0.0
+        self.made = 0
+        self.synced = []
+
+
+class FakeEvent:
+    """torch.cuda.Event's timing API over FakeClock (elapsed_time in ms, like CUDA's)."""
+
+    def __init__(self, clock):
+        self.clock, self.at = clock, None
+        clock.made += 1
+
+    def record(self):
+        self.at = self.clock.ms
+
+    def synchronize(self):
+        self.clock.synced.append(self.at)
+
+    def elapsed_time(self, end):
+        assert self.at is not None and end.at is not None, "event read before it was recorded"
+        return end.at - self.at
+
+
+@pytest.mark.parametrize("steps, expected", [
+    ([], []),                                           # nothing timed: nothing to report
+    ([[5.0]], [0.005]),                                 # one step, one forward of 5 ms
+    ([[5.0], [7.0], [9.0]], [0.005, 0.007, 0.009]),     # one value per step of the log interval
+    ([[2.0, 3.0, 4.0]], [0.009]),                       # grad accumulation: a step's micro-batches summed
+])
+def test_device_timer_reports_each_steps_forward_time(steps, expected):
+    clock = FakeClock()
+    timer = DeviceTimer(lambda: FakeEvent(clock))
+    for micro in steps:
+        for ms in micro:
+            timer.start()
+            clock.ms += ms            # the forward's kernels
+            timer.stop()
+            clock.ms += 100.0         # backward and optimizer: not forward time
+        timer.end_step()
+    assert timer.read() == pytest.approx(expected)
+    assert timer.read() == []         # read once
+    assert clock.synced == ([clock.ms - 100.0] if steps else [])   # one wait, on the last event
+
+
+def test_device_timer_reuses_its_events_across_log_intervals():
+    clock = FakeClock()
+    timer = DeviceTimer(lambda: FakeEvent(clock))
+    for _ in range(50):               # 50 log intervals of 4 steps
+        for _ in range(4):
+            timer.start(); clock.ms += 1.0; timer.stop(); timer.end_step()
+        assert timer.read() == pytest.approx([0.001] * 4)
+    assert clock.made == 8            # two per step of one interval, not two per step of the run
+
+
+def test_cpu_gets_a_timer_that_records_nothing():
+    timer = DeviceTimer.for_device(types.SimpleNamespace(type="cpu"))
+    timer.start(); timer.stop(); timer.end_step()
+    assert timer.read() == []
+
+
+def test_gpu_uuid_spelled_as_dcgm_labels_it():
+    assert gpu_uuid(types.SimpleNamespace(uuid="6ab5c5d2-0f4c-1b2e-9c3d-112233445566")) == \
+        "GPU-6ab5c5d2-0f4c-1b2e-9c3d-112233445566"
+    assert gpu_uuid(types.SimpleNamespace(uuid="MIG-1f2e")) == "MIG-1f2e"
+
+
+GPU_SCRIPT = """
+    import types
+    from ddpjob_trainer.telemetry import Telemetry
+    t = Telemetry.from_env()
+    props = types.SimpleNamespace(uuid="0a1b2c3d-0000-1111-2222-333344445555", name="NVIDIA H100 80GB HBM3")
+    cuda = types.SimpleNamespace(get_device_properties=lambda d: props)   # torch.cuda stand-in
+    t.gpu_info(types.SimpleNamespace(cuda=cuda), types.SimpleNamespace(type="cuda"))
+    t.gpu_info(types.SimpleNamespace(cuda=cuda), types.SimpleNamespace(type="cpu"))  # CPU: nothing
+    for i in range(1, 5):
+        t.step(step=i, epoch=0, loss=None, samples=8, step_seconds=0.01, data_wait_seconds=0.0,
+               timestamp=1e9 + i)
+    t.compute([0.02, 0.03, 0.04, 0.03])     # a log step reads four steps' device time
+"""
+
+
+def test_gpu_identity_and_device_time_reach_the_operator(tmp_path):
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.multiprocess import MultiProcessCollector
+
+    mp = tmp_path / "mp"
+    run_py(GPU_SCRIPT, metrics_dir=mp, extra_env={"RANK": "1", "LOCAL_RANK": "1"})
+    reg = CollectorRegistry()
+    MultiProcessCollector(reg, path=str(mp))
+    text = generate_latest(reg).decode()
+    assert ('ddpjob_trainer_gpu_info{ddpjob="local",local_rank="1",name="NVIDIA H100 80GB HBM3",'
+            'namespace="",node_rank="0",rank="1",uuid="GPU-0a1b2c3d-0000-1111-2222-333344445555"} 1.0') in text
+    s = parse_metrics(text)[1]
+    assert (s.compute_seconds_count, s.step_seconds_count) == (4, 4)
+    assert s.compute_seconds_sum == pytest.approx(0.12)
+
+
+def test_cpu_run_exports_no_device_series(tmp_path):
+    mp = tmp_path / "mp"
+    run_py(RANK_SCRIPT, metrics_dir=mp)
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.multiprocess import MultiProcessCollector
+
+    reg = CollectorRegistry()
+    MultiProcessCollector(reg, path=str(mp))
+    text = generate_latest(reg).decode()
+    assert "gpu_info{" not in text and "compute_seconds_count{" not in text

@@ -27,7 +27,7 @@ from .dist import DistContext
 from .models import build_model
 from .reporting import NullReporter
 from .shared_dir import check_shared_dir
-from .telemetry import Telemetry
+from .telemetry import DeviceTimer, Telemetry
 
 
 @dataclass
@@ -199,6 +199,7 @@ class Trainer:
         self.ddp = wrap_ddp(self.model, cfg, ctx.device)
         self.forward = torch.compile(self.ddp) if cfg.compile else self.ddp
         self.has_buffers = any(b.numel() for b in self.model.buffers())
+        self.device_timer = DeviceTimer.for_device(ctx.device)
 
         self.workers = tuning.resolve_num_workers(
             cfg, local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
@@ -314,14 +315,17 @@ class Trainer:
             # Only the last micro-batch all-reduces gradients (no_sync skips the others).
             sync = contextlib.nullcontext() if i == n_micro - 1 else ddp.no_sync()
             with sync:
+                self.device_timer.start()
                 with self.place.autocast():
                     loss = self.loss(self.forward(x), y)
+                self.device_timer.stop()
                 (loss / n_micro).backward()
             loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
             n_samples += y.numel()
         self.opt.step()
         self.sched.step()
         self.opt.zero_grad(set_to_none=True)
+        self.device_timer.end_step()
         self.knobs.after_step(self.state.step + 1)
         self.state.step += 1
         self.state.micro_done += n_micro
@@ -341,6 +345,7 @@ class Trainer:
         st = self.state
         telemetry.set_total_steps(self.total_steps)
         telemetry.set_restart_count(int(os.environ.get(contract.ENV_ATTEMPT, "0")))
+        telemetry.gpu_info(torch, ctx.device)
         log.params({"world_size": ctx.world_size, "backend": ctx.backend, "resolved_num_workers": self.workers,
                     "amp_dtype": str(self.place.amp_dtype), "channels_last": self.place.channels_last,
                     "static_graph": tuning.static_graph(cfg),
@@ -390,6 +395,7 @@ class Trainer:
                     timeout_shortened = True
                 if log_step:
                     telemetry.gpu_memory(torch, ctx.device)
+                    telemetry.compute(self.device_timer.read())
                     lr = self.sched.get_last_lr()[0]
                     log.info(f"epoch {st.epoch} step {st.step}/{self.total_steps} loss {mean_loss:.4f} lr {lr:.4g}")
                     log.metrics({"train_loss": mean_loss, "lr": lr}, step=st.step)

@@ -33,12 +33,20 @@ sum over a log interval is the device's time. `loss` is sampled: the built-in tr
 loss to the host only at log steps (logEverySteps), so the gauge shows the loss of the last log
 step, never a value it did not read. A gauge never set
 (e.g. eval_accuracy before the first evaluation, GPU memory on CPU) is not exported at all.
+
+On a GPU, `compute_seconds` is each step's device time of its forward passes (loss included),
+timed by CUDA events (DeviceTimer) and read at log steps, after the loss read has synchronized:
+no per-step sync. Forward only, because it is the part of a step with no collective in it (DDP
+all-reduces in backward and the trainer turns the forward buffer broadcast off): a rank waiting
+for its peers never shows it, a throttled or slower GPU does, where the host's step time, which
+runs ahead of the device under NCCL, cannot. `gpu_info{uuid, name}` is 1 for the rank's GPU; its
+`uuid` is spelled as DCGM's `UUID` label ("GPU-..."), so DCGM's utilisation joins per rank.
 """
 from __future__ import annotations
 
 import os
 import time
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 from . import contract
 
@@ -48,6 +56,7 @@ LABELS = ("ddpjob", "namespace", "rank", "local_rank", "node_rank")
 # In the order a job passes through them (the operator names the earliest one a stuck rank is in).
 STAGES = ("waiting_for_master", "rendezvous", "process_group_init", "first_step", "training", "eval",
           "checkpoint")
+GPU_INFO = PREFIX + "gpu_info"   # an info metric (labels uuid, name); bench/gpu_check.py reads it
 STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
@@ -114,6 +123,14 @@ class Telemetry:
         self._gpu_alloc = gauge("gpu_memory_allocated_bytes", "torch.cuda.memory_allocated().")
         self._gpu_max = gauge("gpu_memory_max_allocated_bytes", "torch.cuda.max_memory_allocated().")
         self._gpu_reserved = gauge("gpu_memory_reserved_bytes", "torch.cuda.memory_reserved().")
+        # Its child is bound at the first value: a CPU rank exports no device series at all.
+        self._compute_family = Histogram(
+            PREFIX + "compute_seconds", "Device (GPU) time of one optimizer step's forward passes on this "
+            "rank, from CUDA events; no collective runs in it, so waiting for peers never counts.",
+            names, registry=reg, buckets=STEP_BUCKETS)
+        self._compute_s: Any = None
+        self._gpu_info = Gauge(GPU_INFO, "1 for this rank's GPU; uuid as DCGM's UUID label.",
+                               names + ["uuid", "name"], registry=reg, multiprocess_mode="mostrecent")
         stage = Gauge(PREFIX + "stage", "1 for the stage this rank is in (" + ", ".join(STAGES) + "), "
                       "0 for the others.", names + ["stage"], registry=reg, multiprocess_mode="mostrecent")
         self._stages = {s: stage.labels(**labels, stage=s) for s in STAGES}
@@ -203,6 +220,21 @@ class Telemetry:
             self._gpu_max.set(torch_mod.cuda.max_memory_allocated(device))
             self._gpu_reserved.set(torch_mod.cuda.memory_reserved(device))
 
+    def gpu_info(self, torch_mod: Any, device: Any) -> None:
+        """Record which GPU `device` is (once per process); nothing on CPU."""
+        if self.enabled and getattr(device, "type", "cpu") == "cuda":
+            props = torch_mod.cuda.get_device_properties(device)
+            self._gpu_info.labels(**self.labels, uuid=gpu_uuid(props), name=props.name).set(1)
+
+    def compute(self, step_seconds: Iterable[float]) -> None:
+        """Record device compute time, one value per optimizer step (DeviceTimer.read())."""
+        if not self.enabled:
+            return
+        for s in step_seconds:
+            if self._compute_s is None:
+                self._compute_s = self._compute_family.labels(**self.labels)
+            self._compute_s.observe(s)
+
     # ---- the few-lines API for users' own scripts ----------------------------------------
     def record_loss(self, loss: Any) -> None:
         """Remember the loss of the current step (a float or a 0-d tensor); `track` records it."""
@@ -259,6 +291,87 @@ class _StepTimer:
             self.tm.step(step=self.tm._global_step + 1, epoch=self.epoch, loss=loss,
                          samples=self.samples, step_seconds=time.perf_counter() - self._t0,
                          data_wait_seconds=self.data_wait, timestamp=time.time())
+
+
+def gpu_uuid(props: Any) -> str:
+    """torch's device-properties uuid as nvidia-smi and DCGM spell it ("GPU-<hex uuid>")."""
+    u = str(props.uuid)
+    return u if u.startswith(("GPU-", "MIG-")) else "GPU-" + u
+
+
+class DeviceTimer:
+    """Device time between start() and stop(), summed per optimizer step, read without a sync per
+    step: events are recorded on the device's stream and read only at log steps, after the loss
+    read has waited for the stream anyway.
+
+    `new_event` makes a timing event (record/synchronize/elapsed_time in ms, torch.cuda.Event's
+    API); events are reused, so a run allocates about two per micro-batch of one log interval.
+    """
+
+    def __init__(self, new_event: Callable[[], Any]) -> None:
+        self._new_event = new_event
+        self._free: list[Any] = []
+        self._open: list[tuple[Any, Any]] = []       # (start, stop) pairs of the step in progress
+        self._steps: list[list[tuple[Any, Any]]] = []  # finished steps not read yet
+        self._started: Any = None
+
+    @classmethod
+    def for_device(cls, device: Any) -> "DeviceTimer":
+        """CUDA events on a CUDA device; elsewhere a timer that records and returns nothing."""
+        if getattr(device, "type", "cpu") != "cuda":
+            return _NoDeviceTimer()
+        import torch
+
+        return cls(lambda: torch.cuda.Event(enable_timing=True))
+
+    def _event(self) -> Any:
+        return self._free.pop() if self._free else self._new_event()
+
+    def start(self) -> None:
+        self._started = self._event()
+        self._started.record()
+
+    def stop(self) -> None:
+        end = self._event()
+        end.record()
+        self._open.append((self._started, end))
+        self._started = None
+
+    def end_step(self) -> None:
+        """Close the optimizer step: what was timed since the last end_step is one value."""
+        if self._open:
+            self._steps.append(self._open)
+            self._open = []
+
+    def read(self) -> list[float]:
+        """Seconds per step closed since the last read. Waits for the last event (a no-op once the
+        caller synchronized), so it is correct anywhere and costs nothing at log steps."""
+        if not self._steps:
+            return []
+        self._steps[-1][-1][1].synchronize()
+        out = [sum(a.elapsed_time(b) for a, b in pairs) / 1000.0 for pairs in self._steps]
+        self._free += [e for pairs in self._steps for pair in pairs for e in pair]
+        self._steps = []
+        return out
+
+
+class _NoDeviceTimer(DeviceTimer):
+    """CPU: host step times already are the compute's times; nothing to record."""
+
+    def __init__(self) -> None:
+        super().__init__(lambda: None)
+
+    def start(self) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass
+
+    def end_step(self) -> None:
+        pass
+
+    def read(self) -> list[float]:
+        return []
 
 
 def _batch_len(batch: Any) -> int:

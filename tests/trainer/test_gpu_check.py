@@ -1,0 +1,41 @@
+"""bench/gpu_check.py, the GPU acceptance run: its plumbing for real on CPU (--cpu: gloo, the
+launcher, torchrun, async checkpoints and resume, the loopback scrape, the table), and the clear
+refusal on a machine without a GPU. The GPU run itself needs a GPU (docs/development.md)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from .helpers import REPO
+
+pytestmark = pytest.mark.timeout(400)
+SCRIPT = REPO / "bench" / "gpu_check.py"
+
+
+def _run(*args: str, env: dict | None = None, timeout: float = 360) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(SCRIPT), *args], env={**os.environ, **(env or {})},
+                          capture_output=True, text=True, timeout=timeout, cwd=REPO)
+
+
+def test_without_a_gpu_it_exits_2_saying_so(tmp_path):
+    proc = _run("--out", str(tmp_path / "r.json"), env={"CUDA_VISIBLE_DEVICES": ""}, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert "no NVIDIA GPU visible" in proc.stderr and "--cpu" in proc.stderr
+    assert not (tmp_path / "r.json").exists()
+
+
+def test_cpu_mode_trains_checkpoints_resumes_and_tabulates_every_rank(tmp_path):
+    out = tmp_path / "gpu_check.json"
+    proc = _run("--cpu", "--steps", "4", "--out", str(out), "--workdir", str(tmp_path / "work"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert data["passed"] and data["env"]["mode"] == "cpu"
+    assert [c["what"] for c in data["checks"] if not c["passed"]] == []
+    assert data["runs"]["resume"]["result"]["resumed_from_step"] == 4
+    assert {r: v["step"] for r, v in data["runs"]["resume"]["ranks"].items()} == {"0": 8, "1": 8}
+    header = proc.stdout.splitlines()[0].split()
+    assert header[:4] == ["run", "rank", "gpu", "steps"] and "PASS  resume: from the first run's" in proc.stdout
