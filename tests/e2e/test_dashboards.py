@@ -147,7 +147,7 @@ def test_shipped_objects_carry_the_files():
     assert shipped == {p.name: json.loads(p.read_text()) for p in DASHBOARDS}
     pm = next(d for d in docs if d["kind"] == "PodMonitor")
     ep = pm["spec"]["podMetricsEndpoints"][0]
-    assert ep["port"] == "metrics" and ep["honorLabels"] is True
+    assert ep["port"] == "metrics" and ep["honorLabels"] is False    # metadata labels win (test_monitor_labels.py)
     assert pm["spec"]["selector"]["matchExpressions"][0]["key"] == "ddpjob.dev/job-name"
     assert pm["spec"]["namespaceSelector"] == {"any": True}
     sm = next(d for d in docs if d["kind"] == "ServiceMonitor")

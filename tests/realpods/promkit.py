@@ -6,10 +6,11 @@ prometheus-operator, so this module does that translation from `helm template` o
 the chart's monitors changes what the test scrapes, and the two cannot drift apart.
 
 What the translation keeps of prometheus-operator's semantics: the label selector, the named
-container port, path, interval, honorLabels and the endpoint's relabelings (camelCase keys in the
-CRD, snake_case in Prometheus), and dropping pods that have finished. Two narrowings a cluster run
-would not have: discovery is limited to the test's namespaces, and only addresses on the real nodes'
-pod bridges (10.248.0.0/16, created by this run) are kept (the workplace's network rule).
+container port, path, interval, honorLabels, the endpoint's relabelings and metricRelabelings
+(camelCase keys in the CRD, snake_case in Prometheus), and dropping pods that have finished. Two
+narrowings a cluster run would not have: discovery is limited to the test's namespaces, and only
+addresses on the real nodes' pod bridges (10.248.0.0/16, created by this run) are kept (the
+workplace's network rule), or loopback where a test's PodDiscovery maps a kwok pod to a local process.
 
 Debian's prometheus (bookworm, 2.42.0+ds) is built without the Kubernetes service discovery
 (`kubernetes_sd_configs` is "field not found"): the package drops discovery plugins whose Go
@@ -36,6 +37,8 @@ from tests.e2e.test_dashboards import helm_template
 # hack/nodes-up.sh: node i's pods get 10.248.<i>.0/24 on bridge ddpbr<i>.
 REAL_POD_CIDR = ipaddress.ip_network("10.248.0.0/16")
 _REAL_POD_ADDRESS = r"10\.248\.\d{1,3}\.\d{1,3}:\d+"
+# A process on this machine standing in for a kwok pod's container (PodDiscovery's `address`).
+LOOPBACK_ADDRESS = r"127\.0\.0\.1:\d+"
 
 # PodMonitor/ServiceMonitor relabeling fields (monitoring.coreos.com/v1 RelabelConfig) -> Prometheus.
 _RELABEL_KEYS = {"sourceLabels": "source_labels", "targetLabel": "target_label", "separator": "separator",
@@ -86,9 +89,10 @@ def has_kubernetes_sd(promtool: str, workdir: Path) -> bool:
     return out.returncode == 0
 
 
-def pod_targets(pod) -> list[dict]:
+def pod_targets(pod, address=None) -> list[dict]:
     """What kubernetes_sd role pod discovers for one pod (a V1Pod): one target per declared container
-    port, labelled with the pod's and the container's `__meta_kubernetes_pod_*` labels."""
+    port, labelled with the pod's and the container's `__meta_kubernetes_pod_*` labels. `address`
+    (pod, container port) -> "host:port" replaces the pod's IP (a kwok pod's is fictitious)."""
     meta, spec, status = pod.metadata, pod.spec, pod.status
     if not status.pod_ip:
         return []  # role pod skips pods without an address
@@ -104,7 +108,8 @@ def pod_targets(pod) -> list[dict]:
     out = []
     for c in spec.containers:
         for p in c.ports or []:
-            out.append({"targets": [f"{status.pod_ip}:{p.container_port}"], "labels": {
+            target = address(pod, p.container_port) if address else f"{status.pod_ip}:{p.container_port}"
+            out.append({"targets": [target], "labels": {
                 **base, "__meta_kubernetes_pod_container_name": c.name,
                 "__meta_kubernetes_pod_container_image": c.image or "",
                 "__meta_kubernetes_pod_container_port_name": p.name or "",
@@ -115,9 +120,10 @@ def pod_targets(pod) -> list[dict]:
 
 
 class PodDiscovery:
-    """Loopback http_sd endpoint: GET /<namespace> lists that namespace's pods as role pod would."""
+    """Loopback http_sd endpoint: GET /<namespace> lists that namespace's pods as role pod would
+    (`address` as in pod_targets)."""
 
-    def __init__(self, api):
+    def __init__(self, api, address=None):
         from kubernetes import client
 
         core = client.CoreV1Api(api)
@@ -125,7 +131,7 @@ class PodDiscovery:
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self):  # noqa: N802  (http.server's name)
                 ns = self.path.strip("/")
-                groups = [g for pod in core.list_namespaced_pod(ns).items for g in pod_targets(pod)]
+                groups = [g for pod in core.list_namespaced_pod(ns).items for g in pod_targets(pod, address)]
                 body = json.dumps(groups).encode()
                 self.send_response(200)
                 self.send_header("Content-Type", "application/json")
@@ -154,7 +160,7 @@ def _sd_configs(*, namespaces: list[str], kubeconfig: Path, discovery: PodDiscov
 
 
 def _endpoint_job(*, job_name: str, selector: dict, endpoint: dict, namespaces: list[str],
-                  kubeconfig: Path, discovery: PodDiscovery | None, where: str) -> dict:
+                  kubeconfig: Path, discovery: PodDiscovery | None, address_regex: str, where: str) -> dict:
     interval = endpoint.get("interval") or "15s"
     relabel = [
         # Pods that finished keep their IP for a while; prometheus-operator never scrapes them.
@@ -162,8 +168,8 @@ def _endpoint_job(*, job_name: str, selector: dict, endpoint: dict, namespaces: 
         *_selector_rules(selector, where=where),
         {"action": "keep", "source_labels": ["__meta_kubernetes_pod_container_port_name"],
          "regex": re.escape(endpoint["port"])},
-        # The network rule: nothing but this run's pod bridges, whatever the cluster holds.
-        {"action": "keep", "source_labels": ["__address__"], "regex": _REAL_POD_ADDRESS},
+        # The network rule: nothing but this run's pod bridges (or loopback stand-ins), whatever the cluster holds.
+        {"action": "keep", "source_labels": ["__address__"], "regex": address_regex},
         *[relabel_config(r, where=where) for r in endpoint.get("relabelings") or []],
     ]
     return {
@@ -174,15 +180,18 @@ def _endpoint_job(*, job_name: str, selector: dict, endpoint: dict, namespaces: 
         "scrape_timeout": interval,
         **_sd_configs(namespaces=namespaces, kubeconfig=kubeconfig, discovery=discovery, interval=interval),
         "relabel_configs": relabel,
+        "metric_relabel_configs": [relabel_config(r, where=where) for r in endpoint.get("metricRelabelings") or []],
     }
 
 
 def chart_scrape_configs(*, release: str, operator_namespace: str, job_namespaces: list[str],
-                         kubeconfig: Path, interval: str, discovery: PodDiscovery | None = None) -> list[dict]:
+                         kubeconfig: Path, interval: str, discovery: PodDiscovery | None = None,
+                         address_regex: str = _REAL_POD_ADDRESS) -> list[dict]:
     """Scrape jobs for the chart's PodMonitor (training pods in `job_namespaces`) and ServiceMonitor
     (the operator of release `release`, whose selector is the Service's, i.e. the operator pods'
     labels), rendered with `helm template` and the monitors switched on at `interval`. Discovery is
-`kubernetes_sd_configs` unless `discovery` (a PodDiscovery) stands in for it."""
+`kubernetes_sd_configs` unless `discovery` (a PodDiscovery) stands in for it; only addresses matching
+    `address_regex` are scraped (this run's pod bridges unless a test's discovery maps to loopback)."""
     docs = helm_template("monitoring.podMonitor.enabled=true", "monitoring.serviceMonitor.enabled=true",
                          f"monitoring.podMonitor.interval={interval}",
                          f"monitoring.serviceMonitor.interval={interval}")
@@ -192,11 +201,11 @@ def chart_scrape_configs(*, release: str, operator_namespace: str, job_namespace
     sm_selector = {"matchLabels": {**sm["spec"]["selector"]["matchLabels"], "app.kubernetes.io/instance": release}}
     jobs = [_endpoint_job(job_name=f"podMonitor/{pm['metadata']['name']}/{i}", selector=pm["spec"]["selector"],
                           endpoint=ep, namespaces=job_namespaces, kubeconfig=kubeconfig, discovery=discovery,
-                          where=f"PodMonitor {pm['metadata']['name']}")
+                          address_regex=address_regex, where=f"PodMonitor {pm['metadata']['name']}")
             for i, ep in enumerate(pm["spec"]["podMetricsEndpoints"])]
     jobs += [_endpoint_job(job_name=f"serviceMonitor/{sm['metadata']['name']}/{i}", selector=sm_selector,
                            endpoint=ep, namespaces=[operator_namespace], kubeconfig=kubeconfig, discovery=discovery,
-                           where=f"ServiceMonitor {sm['metadata']['name']}")
+                           address_regex=address_regex, where=f"ServiceMonitor {sm['metadata']['name']}")
              for i, ep in enumerate(sm["spec"]["endpoints"])]
     return jobs
 

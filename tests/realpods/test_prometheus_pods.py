@@ -159,7 +159,7 @@ def test_prometheus_discovers_the_training_pods_with_the_podmonitor_relabeling(r
     prom, ns = stack["prom"], stack["ns"]
     assert_only_real_pod_targets(prom)
     got = query_at(prom, f'ddpjob_trainer_step{{ddpjob="{JOB}", namespace="{ns}"}}', running_moment)
-    # The PodMonitor's relabelings (pod, node) on the trainer's own labels (honorLabels).
+    # The PodMonitor's relabelings: namespace, ddpjob, node_rank, pod and node from the pod's metadata.
     seen = {(s["metric"]["pod"], s["metric"]["node"], s["metric"]["rank"]) for s in got}
     where = pod_nodes(real_cluster, ns, JOB)
     assert seen == {(f"{JOB}-0", where[f"{JOB}-0"], "0"), (f"{JOB}-1", where[f"{JOB}-1"], "1")}, seen
