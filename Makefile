@@ -27,14 +27,14 @@ help: ## list targets
 $(STAMP): pyproject.toml
 	@test -x $(PY) || python3 -m venv $(VENV)
 	@$(VENV)/bin/python -m pip install -q --disable-pip-version-check 'uv>=0.4'
-	$(VENV)/bin/uv pip install --python $(PY) -e '.[test]'
+	$(VENV)/bin/uv pip install --python $(PY) -e '.[test,trainer]'
 	@touch $@
 
 install: $(STAMP) ## create .venv with the project and its test deps (idempotent)
 
 $(FLOOR_STAMP): pyproject.toml hack/versions.env $(STAMP)
 	@test -x $(FLOOR_PY) || python3 -m venv $(FLOOR_VENV)
-	$(VENV)/bin/uv pip install --python $(FLOOR_PY) -e '.[test]' $(TORCH_PIN)
+	$(VENV)/bin/uv pip install --python $(FLOOR_PY) -e '.[test,trainer]' $(TORCH_PIN)
 	@touch $@
 
 install-floor: $(FLOOR_STAMP) ## create .venv-floor: the project on the trainer image's torch (pyproject's floor)

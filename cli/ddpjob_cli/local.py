@@ -22,6 +22,7 @@ import functools
 import json
 import os
 import random
+import re
 import socket
 import subprocess
 import sys
@@ -29,6 +30,7 @@ import tempfile
 import time
 import urllib.request
 from dataclasses import dataclass, field
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -89,6 +91,32 @@ def validate(obj: dict[str, Any]) -> JobSpec:
         except ConfigError as exc:
             raise LocalRunError(f"invalid DDPJob: {exc}") from None
     return job
+
+
+def missing_trainer_packages() -> list[str]:
+    """The distributions of the `trainer` extra (pyproject, their one list) not installed here."""
+    try:
+        requires = metadata.requires("ddpjob") or []
+    except metadata.PackageNotFoundError:  # imported from a source tree, not installed
+        requires = ['torch; extra == "trainer"']
+    wanted = [re.match(r"[A-Za-z0-9._-]+", r).group(0) for r in requires
+              if re.search(r"""extra\s*==\s*["']trainer["']""", r)]
+    missing = []
+    for name in wanted:
+        try:
+            metadata.distribution(name)
+        except metadata.PackageNotFoundError:
+            missing.append(name)
+    return missing
+
+
+def require_trainer(job: JobSpec) -> None:
+    """The built-in trainer's packages are an extra (`pip install ddpjob` is the CLI and operator):
+    say which to install before any node starts, not in a node's traceback."""
+    missing = missing_trainer_packages() if job.uses_builtin_trainer else []
+    if missing:
+        raise LocalRunError(f"the built-in trainer needs {', '.join(missing)}, not installed here: "
+                            "pip install 'ddpjob[trainer]'")
 
 
 _EPHEMERAL_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
@@ -378,6 +406,7 @@ def _run_local(path: str, *, signals: StopSignals, summary_json: str | None, met
     try:
         obj = load_job_file(path)
         job = validate(obj)
+        require_trainer(job)
     except LocalRunError as exc:
         click.echo(f"error: {exc}", err=True)
         return 2

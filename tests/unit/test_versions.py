@@ -19,7 +19,9 @@ def pins() -> dict[str, str]:
 
 
 def floors() -> dict[str, str]:
-    deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    """pyproject's floors: the core's (the operator's) and the `trainer` extra's (torch's)."""
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    deps = project["dependencies"] + project["optional-dependencies"]["trainer"]
     return {m.group(1): m.group(2) for d in deps if (m := re.match(r"([A-Za-z0-9_.-]+)>=([\w.]+)", d))}
 
 
