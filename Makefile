@@ -67,6 +67,10 @@ test-e2e: install cluster-up ## Helm + Prometheus end to end
 test-realpods: install cluster-up images ## DDPJobs that really train in pods on the real nodes
 	$(PY) -m pytest -ra $(PYTEST_ARGS) tests/realpods
 
+lint: install ## ruff and mypy ([tool.ruff], [tool.mypy] in pyproject.toml); CI runs it before make test
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
+
 images: install cluster-up ## build localhost/ddpjob/{operator,trainer}:dev with buildah; import into the real nodes
 	hack/images.sh all
 

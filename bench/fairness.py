@@ -39,12 +39,12 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import operator_scale as osc  # noqa: E402  (also puts the repo root on sys.path)
-from kubernetes import client  # noqa: E402
+import operator_scale as osc  # also puts the repo root on sys.path
+from kubernetes import client
 
-from ddpjob_operator import labels  # noqa: E402
-from ddpjob_operator.k8s import K8s  # noqa: E402
-from tests.support.cluster import (create_namespace, delete_namespace, ensure_cluster,  # noqa: E402
+from ddpjob_operator import labels
+from ddpjob_operator.k8s import K8s
+from tests.support.cluster import (create_namespace, delete_namespace, ensure_cluster,
                                    set_pod_exit, wait_crd_established, wait_for)
 
 SMALL = "small"

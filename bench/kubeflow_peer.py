@@ -117,7 +117,7 @@ class Peer:
                f"--metrics-bind-address=127.0.0.1:{metrics_port}",
                f"--health-probe-bind-address=127.0.0.1:{probe_port}",
                f"--webhook-server-port={webhook_port}", *(TUNED_FLAGS if tuned else DEFAULT_FLAGS)]
-        self.log = open(log_path, "w")
+        self.log = open(log_path, "w")  # noqa: SIM115  (the child's for its lifetime)
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=cluster.env())
         self.pid = self.proc.pid
 

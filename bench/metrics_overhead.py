@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from stats import git_head, ratio_interval, verdict  # noqa: E402
+from stats import git_head, ratio_interval, verdict
 
 RESULTS = Path(__file__).resolve().parent / "results" / "metrics_overhead.json"
 

@@ -177,7 +177,7 @@ class Ours:
                "--scrape-interval", "15", "--log-level", "WARNING",
                # kwok pod IPs are fictitious: scrape a closed loopback port instead (fails at once).
                "--scrape-url-template", f"http://127.0.0.1:{free_port()}/metrics"]
-        self.log = open(log_path, "w")
+        self.log = open(log_path, "w")  # noqa: SIM115  (the child's for its lifetime)
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd="/")
         self.pid = self.proc.pid
 

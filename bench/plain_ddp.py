@@ -17,10 +17,10 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, DistributedSampler
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "trainer"))
-from ddpjob_trainer.config import parse_config  # noqa: E402
-from ddpjob_trainer.data import synthetic  # noqa: E402  (the same tensors)
-from ddpjob_trainer.loop import wrap_ddp  # noqa: E402  (the same DDP options)
-from ddpjob_trainer.models import build_model  # noqa: E402  (the same network)
+from ddpjob_trainer.config import parse_config
+from ddpjob_trainer.data import synthetic  # the same tensors
+from ddpjob_trainer.loop import wrap_ddp  # the same DDP options
+from ddpjob_trainer.models import build_model  # the same network
 
 
 def main():

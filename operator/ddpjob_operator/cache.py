@@ -171,7 +171,7 @@ class Store:
         for listener in self.listeners:
             try:
                 listener(etype, obj)
-            except Exception:  # noqa: BLE001  (one broken listener must not stop the cache)
+            except Exception:  # one broken listener must not stop the cache
                 log.exception("cache listener failed")
 
 

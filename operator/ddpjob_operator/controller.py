@@ -52,11 +52,11 @@ _QUIET_FIELDS = frozenset({"nodes", "launchedAttempt"})
 
 def _load_monitor(config: OperatorConfig) -> Monitor | None:
     """The progress/health monitor; the operator works without it."""
-    from .monitor import Monitor  # noqa: PLC0415  (imports aiohttp; unit tests pass monitor=None)
+    from .monitor import Monitor  # here, not at the top: imports aiohttp; unit tests pass monitor=None
 
     try:
         return Monitor(config)
-    except Exception:  # noqa: BLE001  (a broken monitor must not stop the operator)
+    except Exception:  # a broken monitor must not stop the operator
         log.exception("progress monitor disabled: could not start it")
         return None
 
@@ -215,7 +215,7 @@ class Reconciler:
             if self.monitor is not None:
                 try:
                     self.monitor.forget(uid)
-                except Exception:  # noqa: BLE001
+                except Exception:
                     log.exception("monitor.forget failed")
 
     async def shutdown(self) -> None:
@@ -466,7 +466,7 @@ class Reconciler:
         # operator restart also means they exist). A Service that is not ours (or not headless)
         # would give the pods a MASTER_ADDR that never resolves, so no pods until it is sorted out.
         service = render_service(job)
-        shared = [(service, self._services, foreign_service)]
+        shared: list[tuple[Any, Any, Any]] = [(service, self._services, foreign_service)]
         if gang.api_of(job) is not None:
             pod = render_pod(job, 0, attempt=decision.attempt, config=self.config)
             shared.append((gang.render_podgroup(job, pod), self._podgroups, foreign_podgroup))
@@ -481,11 +481,11 @@ class Reconciler:
         pods = [render_pod(job, r, attempt=decision.attempt, config=self.config, restarts=decision.restarts,
                            counted_restarts=decision.counted_restarts) for r in ranks]
         if self.create_delay > 0:
-            refused = []
+            refusals: list = []
             for pod in pods:
-                refused += await self._create_pods(job, [pod])
+                refusals += await self._create_pods(job, [pod])
                 await asyncio.sleep(self.create_delay)
-            return refused
+            return refusals
         return await self._create_pods(job, pods)
 
     async def _create_pods(self, job, pods: list[dict[str, Any]]) -> list[CreateRefusal]:

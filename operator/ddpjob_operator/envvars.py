@@ -110,7 +110,7 @@ def pod_env(
     if rdma_devices:
         env.update(rdma.env(job))
     env.update(nccl_env(job.nccl))
-    ours = [{"name": k, "value": v} for k, v in env.items()]
+    ours: list[dict[str, Any]] = [{"name": k, "value": v} for k, v in env.items()]
     if cpu_request(job):
         # The trainer sizes numWorkers: auto from the CPUs the pod asked for, not the node's cores
         # (which os.cpu_count() reports inside a container). Rounded up to whole CPUs.

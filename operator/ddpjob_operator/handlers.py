@@ -7,6 +7,7 @@ only, and keeps the cache that passes read.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from typing import Any
 
 import kopf
@@ -15,7 +16,7 @@ from .controller import Reconciler
 from .spec import GROUP, PLURAL, VERSION
 
 
-def register(registry: kopf.OperatorRegistry, reconciler: Reconciler, *, informers: list = ()) -> None:
+def register(registry: kopf.OperatorRegistry, reconciler: Reconciler, *, informers: Sequence[Any] = ()) -> None:
     """Attach the handlers to `registry` (watch-only handlers: no finalizers, no annotations)."""
 
     # A plain OperatorRegistry has no fallback login: use the kubernetes client's config
@@ -55,7 +56,7 @@ def register(registry: kopf.OperatorRegistry, reconciler: Reconciler, *, informe
     # Every DDPJob event, including the initial listing after a restart (= resume).
     @kopf.on.event(GROUP, VERSION, PLURAL, registry=registry)
     async def job_event(event: kopf.RawEvent, **_: Any) -> None:
-        obj = event.get("object") or {}
+        obj: dict[str, Any] = event.get("object") or {}  # type: ignore[assignment]  # kopf's RawBody: a dict
         if event.get("type") == "DELETED":
             reconciler.job_deleted(obj)
         else:

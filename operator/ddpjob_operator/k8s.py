@@ -187,7 +187,7 @@ class K8s:
 
     async def delete_pod(self, namespace: str, name: str, *, job: str, uid: str | None = None) -> bool:
         """Delete a pod of `job` (by uid precondition when given); False when already gone."""
-        body = {"apiVersion": "v1", "kind": "DeleteOptions"}
+        body: dict[str, Any] = {"apiVersion": "v1", "kind": "DeleteOptions"}
         if uid:
             body["preconditions"] = {"uid": uid}
         try:

@@ -93,8 +93,8 @@ RULES: list[_Rule] = [
                        + (f": {redact(podinfo.failure_message(p))}" if log and podinfo.failure_message(p)
                           else f"; see `kubectl logs {n}`")),
     (lambda p, gone: disruption(p) is not None, Verdict.RESTART_FREE,
-     lambda p, gone: disruption(p)[0],
-     lambda p, n, log: f"pod {n} was taken away by the cluster: {redact(disruption(p)[1])}"),
+     lambda p, gone: disruption(p)[0],  # type: ignore[index]  # not None: the test above
+     lambda p, n, log: f"pod {n} was taken away by the cluster: {redact(disruption(p)[1])}"),  # type: ignore[index]
     (lambda p, gone: podinfo.phase(p) == "Failed", Verdict.RESTART, lambda p, gone: "PodFailed",
      lambda p, n, log: f"pod {n} failed with {_exit_text(p, with_log=log)}"),
     (lambda p, gone: gone or podinfo.terminating(p), Verdict.RESTART, lambda p, gone: "PodDeleted",
@@ -206,7 +206,7 @@ def _finished_deletes(job: JobSpec, pods: list[dict]) -> list[str]:
 def _failures(job: JobSpec, current: dict[int, dict], launched: bool,
               departed: dict[str, dict[str, Any]]) -> list[Failure]:
     out: list[Failure] = []
-    for r, pod in sorted(current.items()):
+    for _r, pod in sorted(current.items()):
         f = verdict(pod, with_log=job.log_tail_in_status)
         if f is not None:
             out.append(f)
@@ -215,7 +215,8 @@ def _failures(job: JobSpec, current: dict[int, dict], launched: bool,
             if r not in current:
                 name = pod_hostname(job, r)
                 last = departed.get(name) or {"metadata": {"name": name}}
-                out.append(verdict(last, gone=True, with_log=job.log_tail_in_status))
+                # never None with gone=True: the table's last rule matches every departed pod
+                out.append(verdict(last, gone=True, with_log=job.log_tail_in_status))  # type: ignore[arg-type]
     return out
 
 

@@ -117,7 +117,7 @@ def run_operator(cfg: OperatorConfig) -> int:
             priority=cfg.priority,
             clusterwide=cfg.all_namespaces,
             namespaces=namespaces,
-            identity=identity,
+            identity=identity,  # type: ignore[arg-type]  # kopf's Identity: a NewType of str
             liveness_endpoint=f"http://0.0.0.0:{cfg.health_port}/healthz" if cfg.health_port else None,
         )
 

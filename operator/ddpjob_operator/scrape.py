@@ -231,7 +231,7 @@ async def fetch_all(urls: list[str], *, concurrency: int = 16, timeout: float = 
                                                                   errors="replace"))
             except BodyTooLarge as exc:
                 return ScrapeResult(url=url, error=f"BodyTooLarge: {exc}", oversized=True)
-            except Exception as exc:  # any failure is one pod's problem, not the job's
+            except Exception as exc:  # noqa: BLE001  (any failure is one pod's problem, not the job's)
                 return ScrapeResult(url=url, error=f"{type(exc).__name__}: {exc}".rstrip(": "))
 
     if not urls:

@@ -57,7 +57,7 @@ def _clear(conditions: list[dict[str, Any]], type: str, reason: str, message: st
 
 def node_counts(job: JobSpec, pods: list[dict[str, Any]], attempt: int) -> dict[str, Any]:
     """Per-phase counts of the current attempt's pods (terminating pods count as nothing)."""
-    counts = {"total": job.nodes, "pending": 0, "running": 0, "succeeded": 0, "failed": 0}
+    counts: dict[str, Any] = {"total": job.nodes, "pending": 0, "running": 0, "succeeded": 0, "failed": 0}
     for p in pods:
         if podinfo.attempt(p) != attempt or podinfo.terminating(p):
             continue

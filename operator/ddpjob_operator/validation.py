@@ -9,7 +9,7 @@ from __future__ import annotations
 import copy
 import functools
 import re
-from typing import Any
+from typing import Any, TypeGuard
 
 import jsonschema
 
@@ -73,7 +73,7 @@ def apply_defaults(obj: dict[str, Any]) -> dict[str, Any]:
 
 
 def _path(error: jsonschema.ValidationError) -> str:
-    parts = []
+    parts: list[str] = []
     for p in error.absolute_path:
         parts.append(f"[{p}]" if isinstance(p, int) else ("." if parts else "") + str(p))
     return "".join(parts) or "<root>"
@@ -110,7 +110,7 @@ def _cel(obj: dict[str, Any]) -> list[str]:
     if not isinstance(spec, dict):
         return errs
 
-    def is_int(v: Any) -> bool:
+    def is_int(v: Any) -> TypeGuard[int]:
         return isinstance(v, int) and not isinstance(v, bool)
 
     nodes = spec.get("nodes")

@@ -71,7 +71,6 @@ def test_quota_refusal_keeps_the_job_pending_with_the_reason(crd, namespace, api
         except ApiException as exc:
             return exc
         raise AssertionError("the quota admitted a pod")
-    from tests.cluster.conftest import wait_for
     # Until the quota controller has filled in status, the refusal says "status unknown for quota".
     exc = wait_for(lambda: (lambda e: e if "exceeded quota" in str(e.body) else None)(refused()), timeout=30,
                    desc="the quota refusing pods")

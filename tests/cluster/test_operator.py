@@ -39,7 +39,7 @@ class Operator:
         # kwok pod IPs are fictitious: unless a test points the scraper at its own endpoints,
         # scrape a closed loopback port (fails at once) rather than those addresses.
         env = {"DDPJOB_SCRAPE_URL_TEMPLATE": f"http://127.0.0.1:{free_port()}/metrics", **(env or {})}
-        self.log = open(log_path, "a")
+        self.log = open(log_path, "a")  # noqa: SIM115  (the child's for its lifetime)
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, cwd=REPO_ROOT,
                                      env=cluster.env(**env))
         wait_for(self.healthy, timeout=30, desc=f"operator /healthz on :{self.health_port}")
@@ -403,7 +403,7 @@ def test_peering_only_the_highest_priority_operator_acts(crd, namespace, tmp_pat
         def peers():
             obj = k8s.custom.get_namespaced_custom_object("kopf.dev", "v1", namespace, "kopfpeerings",
                                                           "ddpjob-test")
-            return set((obj.get("status") or {}))
+            return set(obj.get("status") or {})
         wait_for(lambda: peers() >= {"low", "high"}, timeout=30, desc="both operators in the peering object")
         time.sleep(2)  # the low-priority operator sees the higher peer and pauses
         k8s.apply("peer", nodes=3)

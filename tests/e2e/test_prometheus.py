@@ -74,7 +74,7 @@ class Prometheus:
         }
         cfg = workdir / "prometheus.yml"
         cfg.write_text(yaml.safe_dump(config))
-        self.log = open(workdir / "prometheus.log", "w")
+        self.log = open(workdir / "prometheus.log", "w")  # noqa: SIM115  (the child's for its lifetime)
         self.proc = subprocess.Popen(
             [binary, f"--config.file={cfg}", f"--storage.tsdb.path={workdir / 'data'}",
              f"--web.listen-address=127.0.0.1:{self.port}", "--storage.tsdb.retention.time=1h"],

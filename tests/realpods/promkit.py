@@ -129,7 +129,7 @@ class PodDiscovery:
         core = client.CoreV1Api(api)
 
         class Handler(BaseHTTPRequestHandler):
-            def do_GET(self):  # noqa: N802  (http.server's name)
+            def do_GET(self):  # http.server's name
                 ns = self.path.strip("/")
                 groups = [g for pod in core.list_namespaced_pod(ns).items for g in pod_targets(pod, address)]
                 body = json.dumps(groups).encode()

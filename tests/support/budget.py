@@ -30,7 +30,7 @@ def _deadline(config) -> float | None:
     try:
         return float(raw)
     except ValueError:
-        raise pytest.UsageError(f"{DEADLINE_ENV}={raw!r} is not a time in seconds since the epoch")
+        raise pytest.UsageError(f"{DEADLINE_ENV}={raw!r} is not a time in seconds since the epoch") from None
 
 
 def _item_timeout(item) -> float | None:

@@ -69,7 +69,7 @@ def test_one_endpoint_serves_every_local_rank(tmp_path):
         server.wait(timeout=10)
     got = parse_metrics(text)
     assert sorted(got) == [2, 3]
-    for rank, s in got.items():
+    for s in got.values():
         assert (s.step, s.total_steps, s.node_rank, s.ddpjob, s.namespace) == (5, 100, 1, "demo", "team")
         assert s.loss == 0.2 and s.samples_total == 40 and s.step_seconds_count == 5
     # labels the dashboards select on, and never a label called "job"
@@ -222,7 +222,7 @@ def test_launcher_serves_waiting_for_master_while_it_waits(tmp_path):
                 break
             except OSError:
                 if launcher.poll() is not None:
-                    raise AssertionError(launcher.stderr.read())
+                    raise AssertionError(launcher.stderr.read()) from None
                 time.sleep(0.1)
     finally:
         launcher.terminate()

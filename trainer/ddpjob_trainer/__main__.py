@@ -61,7 +61,7 @@ def main() -> int:
                 log = make_reporter(rank=ctx.rank, mlflow=cfg.mlflow)
                 train(cfg, ctx, log=log, telemetry=telemetry,
                       result_path=os.environ.get(contract.ENV_RESULT_FILE))
-            except (Exception, KeyboardInterrupt) as exc:
+            except (Exception, KeyboardInterrupt) as exc:  # noqa: BLE001 - recorded as the rank's failure
                 # Recorded before anything that can block: with a peer mid-collective the group's
                 # teardown can hang until the watchdog fires, and the peers failing meanwhile (its
                 # casualties) would be recorded first, taken for the cause.
@@ -74,7 +74,7 @@ def main() -> int:
                 exit_now(code)
             log.close(status="FINISHED")
         return 0
-    except (Exception, KeyboardInterrupt) as exc:
+    except (Exception, KeyboardInterrupt) as exc:  # noqa: BLE001 - recorded as the rank's failure
         return _failed(exc, rank)
 
 

@@ -184,7 +184,7 @@ def atomic_torch_save(obj: Any, path: Path) -> dict[str, Any]:
     tmp = path.with_name(path.name + ".part")
     with open(tmp, "wb") as f:
         w = _HashingWriter(f)
-        torch.save(obj, w)
+        torch.save(obj, w)  # type: ignore[arg-type]  # torch.save needs only write()
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)

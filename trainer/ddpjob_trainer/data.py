@@ -88,7 +88,7 @@ def imagefolder(cfg: TrainerConfig) -> DataBundle:
 
 
 def _classes(ds) -> list[str]:
-    return ds.dataset.classes if isinstance(ds, Subset) else ds.classes
+    return ds.dataset.classes if isinstance(ds, Subset) else ds.classes  # type: ignore[attr-defined]
 
 
 def build_data(cfg: TrainerConfig) -> DataBundle:
@@ -112,7 +112,7 @@ class ResumableSampler(DistributedSampler):
         self.start = 0
         self.tag_epoch = tag_epoch  # yield (epoch, index) keys for PerSampleSeeded
 
-    def set_epoch(self, epoch: int, start: int = 0) -> None:  # noqa: D401 - torch API
+    def set_epoch(self, epoch: int, start: int = 0) -> None:  # torch's sampler API
         """Select the epoch's order and where in it to begin."""
         super().set_epoch(epoch)
         self.start = start
@@ -146,7 +146,7 @@ class PerSampleSeeded(Dataset):
         self.seed = seed
 
     def __len__(self) -> int:
-        return len(self.dataset)
+        return len(self.dataset)  # type: ignore[arg-type]  # torch's Dataset is not Sized; ours are
 
     def sample_seed(self, epoch: int, index: int) -> int:
         """The seed of one sample's augmentation."""
@@ -178,7 +178,7 @@ def loader_kwargs(*, workers: int, prefetch_factor: int, pin_memory: bool) -> di
 
 def eval_loader(val: Dataset, *, rank: int, world_size: int, batch_size: int, **kwargs) -> DataLoader:
     """This rank's exact evaluation shard; built once, its workers (if any) kept between epochs."""
-    shard = Subset(val, eval_shard(len(val), rank=rank, world_size=world_size))
+    shard = Subset(val, eval_shard(len(val), rank=rank, world_size=world_size))  # type: ignore[arg-type]  # Dataset is not Sized
     # Its own generator: without one, each new iterator draws its workers' base seed from the
     # global RNG, shifting the dropout stream by one draw per evaluation whenever the workers
     # are (re)started, and a resumed run restarts them: resume would not be bit-exact.

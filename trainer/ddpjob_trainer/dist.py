@@ -93,8 +93,8 @@ def process_group(*, timeout_seconds: int, io_group: bool = False,
         set_nccl_env_defaults(debug_dir=debug_dir)
     timeout = dt.timedelta(seconds=timeout_seconds)
     if launched_by_torchrun(env):
-        dist.init_process_group(backend, timeout=timeout,
-                                **({"device_id": device} if use_cuda else {}))
+        device_kw: dict[str, Any] = {"device_id": device} if use_cuda else {}
+        dist.init_process_group(backend, timeout=timeout, **device_kw)
     else:
         # A single process still gets a real group, so the training code has one path.
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)

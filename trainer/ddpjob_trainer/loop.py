@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
@@ -77,7 +76,7 @@ def _build_scheduler(cfg: TrainerConfig, opt, total_steps: int):
     return torch.optim.lr_scheduler.LambdaLR(opt, factor)
 
 
-def _no_forward_buffer_broadcast() -> dict[str, bool]:
+def _no_forward_buffer_broadcast() -> dict[str, Any]:
     """DDP option that stops the per-forward buffer broadcast (renamed in newer torch)."""
     if "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters:
         return {"forward_sync_buffers": False}
@@ -203,7 +202,7 @@ class Trainer:
 
         self.workers = tuning.resolve_num_workers(
             cfg, local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-        io = {"workers": self.workers, "prefetch_factor": cfg.prefetch_factor,
+        io: dict[str, Any] = {"workers": self.workers, "prefetch_factor": cfg.prefetch_factor,
               "pin_memory": ctx.device.type == "cuda"}
         self.sampler = ResumableSampler(data.train, num_replicas=ctx.world_size, rank=ctx.rank, shuffle=True,
                                         seed=cfg.seed, tag_epoch=data.random_train_transform)
@@ -294,7 +293,7 @@ class Trainer:
     def evaluate(self) -> EvalResult:
         self.enter("eval")
         self.sync_buffers()
-        result = evaluate(self.model, self.val_loader, dataset_size=len(self.data.val), place=self.place,
+        result = evaluate(self.model, self.val_loader, dataset_size=len(self.data.val), place=self.place,  # type: ignore[arg-type]
                           comm=self.comm)
         self.telemetry.eval(accuracy=result.accuracy, loss=result.loss)
         self.enter("training")
@@ -351,7 +350,7 @@ class Trainer:
                     "static_graph": tuning.static_graph(cfg),
                     **{k: v for k, v in asdict(cfg).items() if not isinstance(v, dict)}})
         log.info(f"training {cfg.model} on {cfg.dataset}: world size {ctx.world_size} ({ctx.backend}), "
-                 f"{len(self.data.train)} train / {len(self.data.val)} val samples, {self.total_steps} steps, "
+                 f"{len(self.data.train)} train / {len(self.data.val)} val samples, {self.total_steps} steps, "  # type: ignore[arg-type]
                  f"{self.workers} data workers per rank")
 
         cuda = ctx.device.type == "cuda"

@@ -20,8 +20,9 @@ def get_state() -> dict[str, Any]:
     kind, keys, pos, has_gauss, cached = np.random.get_state()
     state = {
         "python": random.getstate(),
-        "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
-                  "has_gauss": int(has_gauss), "cached": float(cached)},
+        "numpy": {"kind": kind,
+                  "keys": torch.from_numpy(keys.astype(np.int64)),  # type: ignore[attr-defined,unused-ignore]  # numpy's stub
+                  "pos": int(pos), "has_gauss": int(has_gauss), "cached": float(cached)},
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available():

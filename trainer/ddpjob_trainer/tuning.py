@@ -78,8 +78,8 @@ def _cgroup_cpu_quota() -> float | None:
         q = Path("/sys/fs/cgroup/cpu/cpu.cfs_quota_us")
         p = Path("/sys/fs/cgroup/cpu/cpu.cfs_period_us")
         if q.is_file() and p.is_file():
-            quota = int(q.read_text())
-            return None if quota <= 0 else quota / int(p.read_text())
+            quota_us = int(q.read_text())
+            return None if quota_us <= 0 else quota_us / int(p.read_text())
     except (OSError, ValueError):
         return None
     return None
@@ -120,7 +120,8 @@ def apply_backend_switches(cfg: TrainerConfig, device: torch.device) -> None:
     matmul = torch.backends.cuda.matmul
     if hasattr(matmul, "fp32_precision"):
         matmul.fp32_precision = precision
-        torch.backends.cudnn.conv.fp32_precision = precision
+        # (torch.backends.cudnn.conv is in torch's typing only from some version on)
+        torch.backends.cudnn.conv.fp32_precision = precision  # type: ignore[attr-defined,unused-ignore]
     else:  # older torch
         matmul.allow_tf32 = cfg.tf32
         torch.backends.cudnn.allow_tf32 = cfg.tf32
