@@ -12,7 +12,7 @@ ARG TORCH_IMAGE=pytorch/pytorch:2.8.0-cuda12.8-cudnn9-runtime
 # --- wheel: build the ddpjob wheel once (pure Python), for both images ----------------------
 FROM ${PYTHON_IMAGE} AS wheel
 WORKDIR /src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md LICENSE ./
 COPY operator/ operator/
 COPY trainer/ trainer/
 COPY cli/ cli/
@@ -46,12 +46,28 @@ SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 ENV PYTHONUNBUFFERED=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     HOME=/home/ddpjob
+# spec.trainer.compile: torch.compile builds kernels when the job runs, inductor's CPU code with g++
+# against Python.h, triton's GPU launchers with gcc; runtime bases ship neither compiler. Headers
+# come from the distro's python3-dev only when the interpreter is the distro's (pytorch/pytorch's
+# conda Python has its own). Not pinned (DL3008): the versions are those of whichever distro
+# TORCH_IMAGE is built on (Ubuntu upstream, Debian for the real nodes of `make images`).
+# hadolint ignore=DL3008
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends gcc g++ \
+ && if [ ! -e "$(python -c 'import sysconfig; print(sysconfig.get_path("include"))')/Python.h" ]; then \
+      apt-get install -y --no-install-recommends python3-dev; fi \
+ && rm -rf /var/lib/apt/lists/*
 # Keep the base image's CUDA builds of torch/torchvision: pip may add, never replace them.
+# mlflow-skinny: the MLflow client alone, for spec.trainer.mlflow (the server is not needed in a pod).
 RUN --mount=type=bind,from=wheel,source=/wheels,target=/wheels \
     pip freeze | grep -iE '^(torch|torchvision|torchaudio)==' > /tmp/keep-torch.txt \
- && pip install --no-cache-dir -c /tmp/keep-torch.txt /wheels/*.whl \
+ && whl="$(echo /wheels/ddpjob-*.whl)" \
+ && pip install --no-cache-dir -c /tmp/keep-torch.txt "${whl}[trainer]" mlflow-skinny==3.17.2 \
  && rm /tmp/keep-torch.txt \
- && python -c "import ddpjob_trainer.launch, torch; print('torch', torch.__version__)"
+ && python -c "import ddpjob_trainer.launch, mlflow, torch; print('torch', torch.__version__)" \
+ && TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-check python -c \
+      "import torch; assert torch.compile(lambda x: x.sin() + 1)(torch.ones(4)).shape == (4,)" \
+ && rm -rf /tmp/inductor-check
 COPY charts/ddpjob-operator/crds/ddpjobs.ddpjob.dev.yaml /usr/local/share/ddpjob/ddpjobs.ddpjob.dev.yaml
 ENV DDPJOB_CRD_PATH=/usr/local/share/ddpjob/ddpjobs.ddpjob.dev.yaml
 RUN groupadd --gid 10001 ddpjob \

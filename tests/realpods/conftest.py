@@ -81,7 +81,7 @@ def helm_install_operator(cluster: Cluster, *, namespace: str, watch: list[str],
 
 
 # One namespace per test that runs a job; one in-cluster operator (session-wide) watches them all.
-JOB_NAMESPACES = ("digits", "restart", "custom", "nodeloss", "template")
+JOB_NAMESPACES = ("digits", "restart", "custom", "nodeloss", "template", "features")
 
 
 @pytest.fixture(scope="session")

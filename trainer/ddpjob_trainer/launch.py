@@ -443,10 +443,13 @@ def _launch(args: argparse.Namespace, node: _Node, signals: StopSignals) -> int:
     builtin = not cmd
     cmd = cmd or default_command()
 
-    if builtin:  # fail in a second, before any rendezvous, when the config is wrong
+    # Fail in seconds, before any rendezvous, when the config is wrong or the image lacks what
+    # it turns on.
+    if builtin:
+        from . import preflight
         from .config import config_from_env
         try:
-            config_from_env()
+            preflight.check(config_from_env())
         except ConfigError as exc:
             msg = f"bad configuration: {exc}"
             _say(msg)
