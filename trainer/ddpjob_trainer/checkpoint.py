@@ -4,10 +4,12 @@ Layout under `dir`: `step-00000120/{.metadata, INDEX.json, __0_0.distcp, __1_0.d
 rank-00000.pt, ..., MANIFEST.json}`.
 - The state every rank shares (model, optimizer, scheduler, step, epoch, sampler position,
   config) is saved with DCP, through our raw-bytes storage layer (storage.py). Under DDP it is
-  replicated; DCP's planner gives each tensor to one rank, so N ranks write about 1/N of the
-  bytes each, in parallel, into the shared directory, and rank 0 writes `.metadata` and INDEX.json
-  (where each item lives; storage.py). Loading needs no collectives and no DCP: every rank reads
-  the whole state through INDEX.json (DDP needs all of it), whatever the world size that wrote it.
+  replicated; share_of gives each tensor to one rank (split by bytes, the same split on every
+  rank), so N ranks stage and write about 1/N of the bytes each, in parallel, into the shared
+  directory, and rank 0 writes `.metadata` and INDEX.json (where each item lives; storage.py).
+  Loading uses no DCP: each rank reads about 1/N of the tensors through INDEX.json and broadcasts
+  them (one buffer per rank over the checkpoint group), so every rank has the whole state (DDP
+  needs all of it), whatever the world size that wrote it; a single process reads it all.
 - `rank-N.pt` holds what differs per rank (RNG states).
 - MANIFEST.json, written last by rank 0 once every rank has reported its files, lists every
   file's size and xxh3-128 checksum, computed from the bytes as they were written (never read
@@ -46,7 +48,8 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 from .errors import ConfigError
 from .reporting import NullReporter
 from .parallel import run_each, split_by_size
-from .storage import INDEX, RawReader, RawWriter, load_indexed, read_index
+from .storage import (INDEX, RawReader, RawWriter, build_state, item_nbytes, load_indexed, path_key, read_index,
+                      read_items)
 from .torchapi import load_dcp_state
 
 # A single process saves without a group on purpose; DCP would warn about it at every save.
@@ -327,6 +330,47 @@ def _byte_view(t: torch.Tensor) -> np.ndarray:
     return t.reshape(-1).view(torch.uint8).numpy()
 
 
+def _holds_tensor(obj: Any) -> bool:
+    if isinstance(obj, torch.Tensor):
+        return True
+    if isinstance(obj, dict):
+        return any(_holds_tensor(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return any(_holds_tensor(v) for v in obj)
+    return False
+
+
+def flatten(state: dict[str, Any]) -> dict[str, Any]:
+    """The state as {path_key: leaf}: tensors, and whole containers without a tensor (a config, a
+    scheduler's state, AdamW's betas stay what they are). Dict keys become strings, as under DCP."""
+    out: dict[str, Any] = {}
+
+    def walk(obj: Any, path: list[Any]) -> None:
+        if path and (isinstance(obj, torch.Tensor) or not _holds_tensor(obj)):
+            out[path_key(path)] = obj
+        elif isinstance(obj, dict):
+            for k, v in obj.items():
+                walk(v, [*path, str(k)])
+        else:
+            for i, v in enumerate(obj):
+                walk(v, [*path, i])
+
+    walk(state, [])
+    return out
+
+
+def share_of(state: dict[str, Any], *, rank: int, world_size: int) -> dict[str, Any]:
+    """The leaves of the (replicated) state this rank writes: tensors split by bytes over the ranks,
+    the small non-tensor leaves on rank 0. Every rank computes the same split from the same state."""
+    flat = flatten(state)
+    tensors = [k for k, v in flat.items() if isinstance(v, torch.Tensor)]
+    parts = split_by_size(tensors, world_size, lambda k: flat[k].numel() * flat[k].element_size() or 1)
+    mine = parts[rank] if rank < len(parts) else []
+    if rank == 0:
+        mine = mine + [k for k, v in flat.items() if not isinstance(v, torch.Tensor)]
+    return {k: flat[k] for k in mine}
+
+
 class Checkpointer:
     """Saves and finds checkpoints for one rank; `save` and `load_latest` are called by every rank.
 
@@ -358,8 +402,12 @@ class Checkpointer:
         self._error: BaseException | None = None
         self._stager = _Stager()
 
+    @property
+    def world_size(self) -> int:
+        return dist.get_world_size(self.group) if self.group is not None else 1
+
     def save(self, *, step: int, common: dict[str, Any], rank_state: dict[str, Any]) -> Path:
-        """Collective: every rank writes its share; rank 0 publishes the directory atomically."""
+        """Collective: every rank stages and writes its share only; rank 0 publishes the directory atomically."""
         final = self.dir / step_dir_name(step)
         tmp = self.dir / f".tmp-{step_dir_name(step)}"
         self.wait()
@@ -367,6 +415,7 @@ class Checkpointer:
             shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a crashed earlier attempt
             tmp.mkdir(parents=True)
         self._barrier()
+        common = share_of(common, rank=self.rank, world_size=self.world_size)
         if self.async_save:
             staged = self._stager.stage({"common": common, "rank": rank_state})
             self._writer = threading.Thread(target=self._write_in_background, name="ckpt-writer",
@@ -389,8 +438,11 @@ class Checkpointer:
         fs = _HashingFileSystem()
         writer = RawWriter(tmp, sync_files=True, thread_count=self.io_threads)
         writer.fs = fs
+        writer.json_paths = True
         with _dcp_errors(f"writing checkpoint {tmp}"):
-            dcp.save(common, storage_writer=writer, process_group=self.group, no_dist=self.group is None)
+            # Flat (share_of): DCP must not flatten again, and holds no key twice, so it dedups nothing.
+            dcp.save(common, storage_writer=writer, process_group=self.group, no_dist=self.group is None,
+                     planner=dcp.DefaultSavePlanner(flatten_state_dict=False))
         files = {**own, **fs.files}
         if self.group is not None:
             # Also the barrier that makes publishing safe: every rank has written all its files.
@@ -489,10 +541,38 @@ class Checkpointer:
         try:
             # A rank beyond the old world size (elastic growth) has no state of its own to restore.
             rank_state = torch.load(rf, map_location="cpu", weights_only=True) if rf.is_file() else None
-            common = load_shared_state(path)
+            if (path / INDEX).is_file() and self.group is not None:
+                common = self._read_and_share(path, self.group)
+            else:
+                common = load_shared_state(path)
         except (OSError, ValueError, RuntimeError, pickle.UnpicklingError) as exc:
             raise CheckpointUnreadable(path, f"{type(exc).__name__}: {exc}") from exc
         return Loaded(path=path, common=common, rank_state=rank_state)
+
+    def _read_and_share(self, path: Path, group: dist.ProcessGroup) -> dict[str, Any]:
+        """Collective: each rank reads about 1/N of the tensors' bytes and broadcasts them, one
+        buffer per rank, over the checkpoint group; every rank ends with the whole state (DDP
+        needs it). The split depends only on INDEX, so any world size reads any checkpoint."""
+        items = read_index(path)["items"]
+        tensors = [i for i, item in enumerate(items) if "bytes" not in item]
+        parts = split_by_size(tensors, self.world_size, lambda i: item_nbytes(items[i]) or 1)
+        parts += [[] for _ in range(self.world_size - len(parts))]
+        own = parts[self.rank] + [i for i, item in enumerate(items) if "bytes" in item]  # values are tiny
+        values: dict[int, Any] = dict(zip(own, read_items(path, [items[i] for i in own])))
+        for src, ids in enumerate(parts):
+            sizes = [item_nbytes(items[i]) for i in ids]
+            if not sum(sizes):
+                continue
+            if src == self.rank:
+                buf = torch.cat([values[i].reshape(-1).view(torch.uint8) for i in ids])
+            else:
+                buf = torch.empty(sum(sizes), dtype=torch.uint8)
+            dist.broadcast(buf, src=dist.get_global_rank(group, src), group=group)
+            if src != self.rank:
+                for i, chunk in zip(ids, torch.split(buf, sizes)):
+                    dtype = getattr(torch, items[i]["dtype"])
+                    values[i] = chunk.clone().view(dtype).reshape(items[i]["shape"])  # clone: aligned
+        return build_state(items, [values[i] for i in range(len(items))])
 
 
 def load_shared_state(path: Path) -> dict[str, Any]:

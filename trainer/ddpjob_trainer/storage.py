@@ -60,8 +60,12 @@ class RawWriter(dcp.FileSystemWriter):
     """FileSystemWriter whose files hold the tensors' bytes back to back (`thread_count` files per rank).
 
     An exception in any writer thread is raised by write_data: DCP's own extra threads only print
-    theirs, and the checkpoint then silently lacks the items they held.
+    theirs, and the checkpoint then silently lacks the items they held. With `json_paths`, the
+    state is flat and each key is its item's path in the state tree as JSON (path_key), which
+    INDEX records as the path.
     """
+
+    json_paths = False
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         prefix = plan.storage_data.prefix  # "__<rank>_", set by DCP's global plan
@@ -75,7 +79,7 @@ class RawWriter(dcp.FileSystemWriter):
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """Coordinator only: DCP's `.metadata`, then our own INDEX of the same items."""
         super().finish(metadata, results)
-        index = build_index(metadata, [r for rs in results for r in rs])
+        index = build_index(metadata, [r for rs in results for r in rs], json_paths=self.json_paths)
         with self.fs.create_stream(self.fs.concat_path(self.path, INDEX), "wb") as stream:
             stream.write(json.dumps(index, indent=0).encode())
             if self.sync_files:
@@ -163,7 +167,12 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def build_index(metadata: Metadata, results: list[WriteResult]) -> dict[str, Any]:
+def path_key(path: list[Any]) -> str:
+    """A state-tree path as one flat key (and back with json.loads): str dict keys, int list indices."""
+    return json.dumps(path)
+
+
+def build_index(metadata: Metadata, results: list[WriteResult], *, json_paths: bool = False) -> dict[str, Any]:
     """INDEX's content: every item by its path in the state tree, from DCP's plan and our writes.
 
     Tensors may be stored in several chunks (a sharded state); each chunk names its place in the
@@ -173,7 +182,7 @@ def build_index(metadata: Metadata, results: list[WriteResult]) -> dict[str, Any
     paths = metadata.planner_data or {}
     items = []
     for fqn, md in sorted(metadata.state_dict_metadata.items()):
-        path = list(paths.get(fqn, (fqn,)))
+        path = json.loads(fqn) if json_paths else list(paths.get(fqn, (fqn,)))
         if isinstance(md, TensorStorageMetadata):
             chunks = []
             for c in md.chunks:
@@ -225,8 +234,18 @@ def _set(root: dict[str, Any], path: list[Any], value: Any) -> None:
     cur[key] = value
 
 
-def load_indexed(step_dir: Path, index: dict[str, Any]) -> dict[str, Any]:
-    """The whole state of a checkpoint, read through its INDEX: no DCP, no unpickled torch classes."""
+def item_nbytes(item: dict[str, Any]) -> int:
+    """Bytes of a tensor item of INDEX (0 for a pickled value)."""
+    if "bytes" in item:
+        return 0
+    numel = 1
+    for n in item["shape"]:
+        numel *= n
+    return numel * getattr(torch, item["dtype"]).itemsize
+
+
+def read_items(step_dir: Path, items: list[dict[str, Any]]) -> list[Any]:
+    """The values of the given INDEX items, read from the shards: no DCP, no unpickled torch classes."""
     files: dict[str, Any] = {}
 
     def read(spec: dict[str, Any]) -> bytearray:
@@ -239,23 +258,36 @@ def load_indexed(step_dir: Path, index: dict[str, Any]) -> dict[str, Any]:
             raise ValueError(f"{spec['file']} ends before {spec['length']} bytes at offset {spec['offset']} (truncated)")
         return data
 
-    state: dict[str, Any] = {}
+    values: list[Any] = []
     try:
-        for item in index["items"]:
+        for item in items:
             if "bytes" in item:
-                value = torch.load(io.BytesIO(read(item["bytes"])), weights_only=True)
-            else:
-                dtype = getattr(torch, item["dtype"])
-                value = torch.empty(item["shape"], dtype=dtype)
-                for c in item["chunks"]:
-                    data = read(c)
-                    src = (torch.frombuffer(data, dtype=dtype) if c["length"] else torch.empty(0, dtype=dtype))
-                    dst = value
-                    for dim, (off, size) in enumerate(zip(c["offsets"], c["sizes"])):
-                        dst = dst.narrow(dim, off, size)
-                    dst.copy_(src.view(c["sizes"]))
-            _set(state, item["path"], value)
+                values.append(torch.load(io.BytesIO(read(item["bytes"])), weights_only=True))
+                continue
+            dtype = getattr(torch, item["dtype"])
+            value = torch.empty(item["shape"], dtype=dtype)
+            for c in item["chunks"]:
+                data = read(c)
+                src = (torch.frombuffer(data, dtype=dtype) if c["length"] else torch.empty(0, dtype=dtype))
+                dst = value
+                for dim, (off, size) in enumerate(zip(c["offsets"], c["sizes"])):
+                    dst = dst.narrow(dim, off, size)
+                dst.copy_(src.view(c["sizes"]))
+            values.append(value)
     finally:
         for f in files.values():
             f.close()
+    return values
+
+
+def build_state(items: list[dict[str, Any]], values: list[Any]) -> dict[str, Any]:
+    """The state tree from INDEX items and their values."""
+    state: dict[str, Any] = {}
+    for item, value in zip(items, values):
+        _set(state, item["path"], value)
     return state
+
+
+def load_indexed(step_dir: Path, index: dict[str, Any]) -> dict[str, Any]:
+    """The whole state of a checkpoint, read through its INDEX by this process alone."""
+    return build_state(index["items"], read_items(step_dir, index["items"]))
