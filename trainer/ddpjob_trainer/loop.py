@@ -10,7 +10,7 @@ import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -199,7 +199,8 @@ class Trainer:
         # the graph in DDP's own forward (its C++ logger; `_inside_ddp_forward` is skipped) and, on
         # torch 2.8 and 2.15 alike, nothing gets compiled at all (tests/trainer: test_compile).
         # self.model stays the plain module, so checkpoints carry no `_orig_mod.` prefix.
-        self.ddp = wrap_ddp(torch.compile(self.model) if cfg.compile else self.model, cfg, ctx.device)
+        inner = cast(torch.nn.Module, torch.compile(self.model)) if cfg.compile else self.model
+        self.ddp = wrap_ddp(inner, cfg, ctx.device)
         self.forward = self.ddp
         self.has_buffers = any(b.numel() for b in self.model.buffers())
         self.device_timer = DeviceTimer.for_device(ctx.device)
