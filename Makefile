@@ -46,9 +46,14 @@ test: install install-floor cluster-up images ## every tier, then the trainer ti
 	$(PY) -m pytest -ra $(PYTEST_ARGS) tests
 	$(MAKE) --no-print-directory test-floor
 
-# The tiers whose code imports torch: the trainer in real processes, and the trainer's pure
-# pieces (checkpoint format, storage, config), which touch torch's private APIs.
-FLOOR_TESTS := tests/trainer $(wildcard tests/unit/test_trainer_*.py)
+# What depends on torch's version: local multi-process runs (convergence, a killed rank, the
+# seed-style custom script, signals), checkpoint save/resume (bit-exact at world size 2), compile,
+# the CUDA-only group, failure records, and the trainer's pure pieces (checkpoint format, storage,
+# torchapi). Left to the main venv: the launcher's pre-flight, gpu_check's plumbing, the GPU-path
+# env checks and the Trainer class's shape, which ask nothing version-specific of torch.
+FLOOR_TESTS := $(addprefix tests/trainer/,test_local_runs.py test_checkpoint_resume.py test_trainer_exactness.py \
+               test_compile.py test_device_only_group.py test_failure_messages.py test_launcher_signals.py) \
+               $(wildcard tests/unit/test_trainer_*.py)
 test-floor: install-floor ## the trainer tiers on the trainer image's torch (hack/versions.env)
 	$(FLOOR_PY) -m pytest -ra $(PYTEST_ARGS) $(FLOOR_TESTS)
 
