@@ -509,10 +509,11 @@ class Checkpointer:
                 continue
             problem = verify(path)
             if problem is None:
+                indexed = (path / INDEX).is_file()
                 try:
-                    read_index(path) if (path / INDEX).is_file() else RawReader(path).read_metadata()
+                    read_index(path) if indexed else RawReader(path).read_metadata()
                 except Exception as exc:  # noqa: BLE001 - whatever it is, this checkpoint cannot be read
-                    problem = f"{INDEX if (path / INDEX).is_file() else DCP_METADATA}: {exc}"
+                    problem = f"{INDEX if indexed else DCP_METADATA}: {exc}"
             if problem is not None:
                 raise CheckpointUnreadable(path, problem)
             return path
