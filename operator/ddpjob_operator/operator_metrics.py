@@ -7,6 +7,7 @@ Every series carries `namespace` (as Kubeflow's `job_namespace`); per-job gauges
 from __future__ import annotations
 
 import datetime as dt
+import time
 from typing import Any, Iterable
 
 from prometheus_client import REGISTRY, disable_created_metrics, CollectorRegistry, Counter, Gauge, Histogram, start_http_server
@@ -53,6 +54,10 @@ class OperatorMetrics:
             "ddpjob_operator_job_failed_timestamp_seconds",
             "Unix time each existing failed DDPJob failed (status.completionTime), by reason",
             ["namespace", "ddpjob", "reason"], registry=registry)
+        self.pending_since = Gauge(
+            "ddpjob_operator_job_pending_since_timestamp_seconds",
+            "Unix time each Pending DDPJob entered Pending, as this operator process saw it (an operator "
+            "restart starts it again); the DDPJobPendingTooLong alert", ["namespace", "ddpjob"], registry=registry)
         self.reconcile_seconds = Histogram(
             "ddpjob_operator_reconcile_seconds", "Duration of one reconcile pass",
             buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10), registry=registry)
@@ -60,6 +65,7 @@ class OperatorMetrics:
                                         registry=registry)
         self._phases: dict[Key, str] = {}
         self._failed: dict[Key, str] = {}
+        self._pending: set[Key] = set()
         self._namespaces: set[str] = set()
         for ns in namespaces:
             self.namespace_seen(ns)
@@ -86,6 +92,12 @@ class OperatorMetrics:
         else:
             self.namespace_seen(key[0])
             self._phases[key] = phase
+            if phase == Phase.PENDING.value and key not in self._pending:
+                self._pending.add(key)
+                self.pending_since.labels(*key).set(time.time())
+            elif phase != Phase.PENDING.value and key in self._pending:
+                self._pending.discard(key)
+                self._remove(self.pending_since, key)
         counts = {(ns, p.value): 0 for ns in self._namespaces for p in Phase}
         for (ns, _), value in self._phases.items():
             counts[(ns, value)] = counts.get((ns, value), 0) + 1
@@ -93,6 +105,8 @@ class OperatorMetrics:
             self.jobs.labels(ns, value).set(count)
 
     def _forget_job(self, key: Key) -> None:
+        self._pending.discard(key)
+        self._remove(self.pending_since, key)
         self._remove(self.hang_timeout, key)
         self._remove(self.failed_at, key + (self._failed.pop(key, ""),))
 

@@ -70,6 +70,7 @@ def test_every_operator_metric_queried_is_exported():
 
     m = OperatorMetrics(CollectorRegistry(), namespaces=["ns"])
     m.record_pass(("ns", "j"), prev_status={}, status={"phase": "Failed", "reason": "PodFailed"}, hang_timeout=60)
+    m.record_pass(("ns", "waiting"), prev_status={}, status={"phase": "Pending"})
     m.reconcile_seconds.observe(0.1)
     m.reconcile_errors.inc()
     text = generate_latest(m.registry).decode()

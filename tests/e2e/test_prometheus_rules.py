@@ -2,14 +2,19 @@
 exactly in its scenario (and staying silent in the healthy twin)."""
 from __future__ import annotations
 
+import copy
 import json
 import re
 import subprocess
+from pathlib import Path
 
 import pytest
 import yaml
 
+from tests.e2e.test_dashboards import helm_template
 from tests.e2e.test_prometheus import RULES, ensure_prometheus, rules
+
+RUNBOOK = "https://github.com/ddpjob/ddpjob/blob/main/docs/runbook.md"
 
 
 @pytest.fixture(scope="module")
@@ -129,7 +134,72 @@ SCENARIOS = {
                 "description": "Rank 0 waits for input 80% of each step. Raise DataLoader workers, use faster "
                                "storage, or prefetch."}}]},
     ]},
+    # The operator was scraped for 10 minutes, then its target went (staleness: its series count as
+    # present for 5 more): absent from 15m, firing after `for: 5m`.
+    "operator-down": {"interval": "1m", "input_series": [
+        series("ddpjob_operator_reconcile_seconds_count", "0+1x10", instance="op:8080"),
+    ], "alert_rule_test": [
+        {"eval_time": "12m", "alertname": "DDPJobOperatorDown", "exp_alerts": []},
+        {"eval_time": "18m", "alertname": "DDPJobOperatorDown", "exp_alerts": []},    # `for` not over
+        {"eval_time": "25m", "alertname": "DDPJobOperatorDown", "exp_alerts": [{
+            "exp_labels": {"severity": "critical"},
+            "exp_annotations": {
+                "summary": "No DDPJob operator is up (or none is scraped)",
+                "description": "Prometheus has no ddpjob_operator_* series from any operator replica. While no "
+                               "operator runs, no DDPJob is reconciled: new jobs get no pods, failed pods are not "
+                               "restarted, finished jobs keep their phase."}}]},
+    ]},
+    "operator-up": {"interval": "1m", "input_series": [
+        series("ddpjob_operator_reconcile_seconds_count", "0+1x40", instance="op:8080"),
+    ], "alert_rule_test": [
+        {"eval_time": "30m", "alertname": "DDPJobOperatorDown", "exp_alerts": []},
+    ]},
+    # Two failed passes a minute for 40 minutes (a job that cannot be reconciled, retried with backoff):
+    # rate > 0 from 1m, firing after `for: 15m`.
+    "reconcile-errors": {"interval": "1m", "input_series": [
+        series("ddpjob_operator_reconcile_errors_total", "0+2x40", instance="op:8080"),
+    ], "alert_rule_test": [
+        {"eval_time": "10m", "alertname": "DDPJobReconcileErrors", "exp_alerts": []},
+        {"eval_time": "20m", "alertname": "DDPJobReconcileErrors", "exp_alerts": [{
+            "exp_labels": {"severity": "warning", "instance": "op:8080"},
+            "exp_annotations": {
+                "summary": "DDPJob operator op:8080: reconcile passes keep failing",
+                "description": "33.33m failed reconcile passes per second over the last 5 minutes. The "
+                               "operator's log names each job and its error, on lines `reconcile "
+                               "<namespace>/<job> failed (retry in ...)`."}}]},
+    ]},
+    # Three errors at 5m (an API server restart), none after: never 15 minutes of them.
+    "reconcile-errors-transient": {"interval": "1m", "input_series": [
+        series("ddpjob_operator_reconcile_errors_total", "0x4 3x36", instance="op:8080"),
+    ], "alert_rule_test": [
+        {"eval_time": "8m", "alertname": "DDPJobReconcileErrors", "exp_alerts": []},
+        {"eval_time": "25m", "alertname": "DDPJobReconcileErrors", "exp_alerts": []},
+    ]},
+    # j Pending since t=60 s and still is; k was Pending for 5 minutes, then ran (its series went).
+    "pending": {"interval": "1m", "input_series": [
+        series("ddpjob_operator_job_pending_since_timestamp_seconds", "60x30", namespace="ns", ddpjob="j"),
+        series("ddpjob_operator_job_pending_since_timestamp_seconds", "60x5", namespace="ns", ddpjob="k"),
+    ], "alert_rule_test": [
+        {"eval_time": "10m", "alertname": "DDPJobPendingTooLong", "exp_alerts": []},
+        {"eval_time": "20m", "alertname": "DDPJobPendingTooLong", "exp_alerts": [{
+            "exp_labels": {"severity": "warning", "namespace": "ns", "ddpjob": "j"},
+            "exp_annotations": {
+                "summary": "DDPJob ns/j has been Pending for 19m 0s",
+                "description": "DDPJob j in namespace ns has not started all its nodes. `kubectl describe ddpj j "
+                               "-n ns` (conditions Unschedulable, ContainersNotStarting, GangScheduled, Admitted) "
+                               "and its pods' events say why."}}]},
+    ]},
 }
+NEW_ALERTS = {"DDPJobOperatorDown", "DDPJobReconcileErrors", "DDPJobPendingTooLong"}
+
+
+def with_runbooks(test: dict, base: str = RUNBOOK) -> dict:
+    """A scenario whose expected alerts also carry their runbook_url (every alert has one)."""
+    test = copy.deepcopy(test)
+    for t in test["alert_rule_test"]:
+        for a in t["exp_alerts"]:
+            a["exp_annotations"]["runbook_url"] = f"{base}#{t['alertname'].lower()}"
+    return test
 
 
 def test_promtool_check_rules(promtool):
@@ -141,7 +211,8 @@ def test_promtool_check_rules(promtool):
 def test_every_alert_has_a_firing_scenario():
     alerts = {r["alert"] for r in rules() if "alert" in r}
     fired = {t["alertname"] for s in SCENARIOS.values() for t in s["alert_rule_test"] if t["exp_alerts"]}
-    assert alerts == fired == {"DDPJobStalled", "DDPJobStraggler", "DDPJobFailed", "DDPJobDataLoaderStarving"}
+    assert alerts == fired == {"DDPJobStalled", "DDPJobStraggler", "DDPJobFailed", "DDPJobDataLoaderStarving",
+                               *NEW_ALERTS}
 
 
 @pytest.mark.parametrize("name", sorted(SCENARIOS))
@@ -150,7 +221,7 @@ def test_alert_scenario(promtool, tmp_path, name):
     # sees the previous evaluation's recorded value, and the duration in its description is 15 s
     # off the expected one (harmless on a server, whose groups run on their own timers anyway).
     spec = {"rule_files": [str(RULES)], "evaluation_interval": "15s",
-            "group_eval_order": ["ddpjob.rules", "ddpjob.alerts"], "tests": [SCENARIOS[name]]}
+            "group_eval_order": ["ddpjob.rules", "ddpjob.alerts"], "tests": [with_runbooks(SCENARIOS[name])]}
     f = tmp_path / f"{name}.test.yaml"
     f.write_text(yaml.safe_dump(spec, sort_keys=False))
     out = subprocess.run([promtool, "test", "rules", str(f)], capture_output=True, text=True, timeout=60)
@@ -198,3 +269,49 @@ def test_training_state_panel_uses_the_jobs_hang_timeout(promtool, tmp_path, han
     f.write_text(yaml.safe_dump({"rule_files": [], "evaluation_interval": "1m", "tests": [test]}, sort_keys=False))
     out = subprocess.run([promtool, "test", "rules", str(f)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def chart_rules(tmp_path, *sets: str) -> tuple[Path, dict]:
+    """The chart's PrometheusRule (helm template with `sets`), as a plain rule file for promtool."""
+    docs = helm_template("monitoring.prometheusRule.enabled=true", *sets)
+    spec = next(d for d in docs if d["kind"] == "PrometheusRule")["spec"]
+    f = tmp_path / "chart-rules.yaml"
+    f.write_text(yaml.safe_dump(spec, sort_keys=False))
+    return f, spec
+
+
+def test_alert_settings_come_from_values(promtool, tmp_path):
+    """Severity, `for`, runbook base and enabled, set in values, are what Prometheus evaluates."""
+    f, spec = chart_rules(tmp_path, "monitoring.prometheusRule.alerts.DDPJobPendingTooLong.for=30m",
+                          "monitoring.prometheusRule.alerts.DDPJobPendingTooLong.severity=page",
+                          "monitoring.prometheusRule.alerts.DDPJobStraggler.enabled=false",
+                          "monitoring.prometheusRule.runbookBaseURL=https://wiki.example/ddpjob")
+    alerts = {r["alert"] for g in spec["groups"] for r in g["rules"] if "alert" in r}
+    assert "DDPJobStraggler" not in alerts and "DDPJobPendingTooLong" in alerts
+    pending = copy.deepcopy(SCENARIOS["pending"])
+    pending["alert_rule_test"] = [
+        {"eval_time": "20m", "alertname": "DDPJobPendingTooLong", "exp_alerts": []},     # 15m no longer
+        {"eval_time": "30m", "alertname": "DDPJobPendingTooLong", "exp_alerts": [{
+            "exp_labels": {"severity": "page", "namespace": "ns", "ddpjob": "j"},
+            "exp_annotations": {**pending["alert_rule_test"][1]["exp_alerts"][0]["exp_annotations"],
+                                "summary": "DDPJob ns/j has been Pending for 29m 0s"}}]}]
+    pending["input_series"] = [series("ddpjob_operator_job_pending_since_timestamp_seconds", "60x40",
+                                      namespace="ns", ddpjob="j")]
+    test = {"rule_files": [str(f)], "evaluation_interval": "15s", "group_eval_order": ["ddpjob.rules", "ddpjob.alerts"],
+            "tests": [with_runbooks(pending, "https://wiki.example/ddpjob")]}
+    t = tmp_path / "values.test.yaml"
+    t.write_text(yaml.safe_dump(test, sort_keys=False))
+    out = subprocess.run([promtool, "test", "rules", str(t)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_every_alert_has_its_settings_in_values():
+    """values.yaml names every alert of the rule file (the chart fails on one it lacks) and its defaults
+    are the rule file's: the promtool scenarios above test what a default install runs."""
+    values = yaml.safe_load((RULES.parent.parent / "values.yaml").read_text())["monitoring"]["prometheusRule"]
+    assert values["runbookBaseURL"] == RUNBOOK
+    in_file = {r["alert"]: r for r in rules() if "alert" in r}
+    assert set(values["alerts"]) == set(in_file)
+    for name, r in in_file.items():
+        assert values["alerts"][name] == {"enabled": True, "severity": r["labels"]["severity"],
+                                          "for": r.get("for", "")}, name

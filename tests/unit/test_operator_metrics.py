@@ -65,6 +65,26 @@ def test_per_job_series_follow_the_spec_and_go_with_the_job():
     assert value(m, "ddpjob_operator_jobs", namespace="team-a", phase="Failed") == 0
 
 
+def test_pending_since_is_when_the_job_entered_pending_and_goes_when_it_leaves(monkeypatch):
+    """The DDPJobPendingTooLong alert's series: set once on entering Pending (later Pending passes
+    keep it), gone when the job runs or is deleted, set anew when it is Pending again (resumed)."""
+    import ddpjob_operator.operator_metrics as om
+
+    m = OperatorMetrics(CollectorRegistry())
+    labels = {"namespace": "team-a", "ddpjob": "mnist"}
+    monkeypatch.setattr(om.time, "time", lambda: 1000.0)
+    m.record_pass(KEY, prev_status={}, status={"phase": "Pending"})
+    monkeypatch.setattr(om.time, "time", lambda: 1300.0)
+    m.record_pass(KEY, prev_status={"phase": "Pending"}, status={"phase": "Pending"})
+    assert value(m, "ddpjob_operator_job_pending_since_timestamp_seconds", **labels) == 1000
+    m.record_pass(KEY, prev_status={"phase": "Pending"}, status={"phase": "Running"})
+    assert value(m, "ddpjob_operator_job_pending_since_timestamp_seconds", **labels) is None
+    m.record_pass(KEY, prev_status={"phase": "Suspended"}, status={"phase": "Pending", "reason": "Resumed"})
+    assert value(m, "ddpjob_operator_job_pending_since_timestamp_seconds", **labels) == 1300
+    m.set_phase(KEY, None)
+    assert value(m, "ddpjob_operator_job_pending_since_timestamp_seconds", **labels) is None
+
+
 def test_pods_counted_per_namespace():
     m = OperatorMetrics(CollectorRegistry())
     m.count_pods("team-a", created=4)
