@@ -1,4 +1,4 @@
-"""`ddpjob` command line: run (local), render, operator."""
+"""`ddpjob` command line: run (local), render, operator, and the cluster commands (jobs.py)."""
 from __future__ import annotations
 
 import sys
@@ -11,7 +11,17 @@ from ddpjob_operator.config import LOG_FORMATS, LOG_LEVELS, OperatorConfig
 _OP = OperatorConfig()
 
 
+def _version() -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version("ddpjob")
+    except metadata.PackageNotFoundError:  # imported from a source tree, not installed
+        return "unknown (not installed)"
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(version=_version(), prog_name="ddpjob", message="%(prog)s %(version)s")
 def main() -> None:
     """DDPJob: multi-node PyTorch DDP on Kubernetes, and the same job on this machine."""
 
@@ -81,3 +91,13 @@ def operator(namespaces, all_namespaces, **opts) -> None:
     opts["log_level"] = opts["log_level"].upper()
     cfg = OperatorConfig(namespaces=namespaces, all_namespaces=all_namespaces, **opts)
     sys.exit(run_operator(cfg))
+
+
+def _add_cluster_commands() -> None:
+    from .jobs import COMMANDS
+
+    for command in COMMANDS:
+        main.add_command(command)
+
+
+_add_cluster_commands()

@@ -1,0 +1,238 @@
+"""The cluster commands (`ddpjob list/get/describe/wait/top/submit/delete/suspend/resume/logs`)
+against the real API server, one operator for the module, pods on kwok's fake nodes.
+
+Each command runs as a subprocess, as a user types it; the tests check its output and exit code.
+Nothing here reads a pod's log: a kwok pod's log would send the API server to a fictitious node
+address (the network rule), so `logs` is checked up to its pod choice (tests/unit/test_cli_views.py)
+and its one-line error.
+"""
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import pty
+import select
+import struct
+import termios
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import yaml
+from click.testing import CliRunner
+from kubernetes import client
+
+from tests.cluster.conftest import wait_for
+from tests.cluster.test_crd import install_crd
+from tests.cluster.test_operator import Operator
+from tests.support.cluster import create_namespace, delete_namespace, set_pod_exit
+from ddpjob_cli.main import main
+
+DDPJOB = str(Path(sys.executable).parent / "ddpjob")
+
+
+@pytest.fixture(scope="module")
+def env(cluster, tmp_path_factory):
+    """(namespace, operator, api) for the module: the CRD, a namespace, an operator watching it."""
+    install_crd(cluster)
+    api = cluster.api()
+    ns = create_namespace(api, prefix="t-cli-")
+    op = Operator(cluster, ns, tmp_path_factory.mktemp("cli") / "operator.log")
+    yield ns, op, api
+    op.stop()
+    delete_namespace(api, ns)
+    api.close()
+
+
+@dataclass
+class Ran:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def ddpjob(cluster, *args: str, env: dict[str, str] | None = None) -> Ran:
+    """`ddpjob ARGS` with the cluster's KUBECONFIG (and `env` on top), run in this process (an
+    interpreter start per command would cost a second each); `wait` reads every 0.2 s."""
+    if args[0] == "wait":
+        args = (*args, "--interval", "0.2")
+    res = CliRunner().invoke(main, list(args), env={"KUBECONFIG": str(cluster.kubeconfig), **(env or {})})
+    if res.exception is not None and not isinstance(res.exception, SystemExit):
+        raise res.exception
+    return Ran(res.exit_code, res.stdout, res.stderr)
+
+
+def ok(proc: Ran) -> str:
+    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout: {proc.stdout}\nstderr: {proc.stderr}"
+    return proc.stdout
+
+
+def one_line_error(proc: Ran, code: int = 1) -> str:
+    """The stderr of a command that failed as the CLI promises: `code`, one line, no traceback."""
+    assert proc.returncode == code, f"exit {proc.returncode}\nstdout: {proc.stdout}\nstderr: {proc.stderr}"
+    assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    return proc.stderr
+
+
+def job_file(tmp_path: Path, name: str, **spec) -> str:
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump({"apiVersion": "ddpjob.dev/v1alpha1", "kind": "DDPJob", "metadata": {"name": name},
+                                    "spec": {"image": "reg/trainer:1", "nodes": 2, "gpusPerNode": 1,
+                                             "trainer": {"dataset": "digits", "model": "mlp", "epochs": 1}, **spec}}))
+    return str(path)
+
+
+def pods_of(api, ns: str, name: str) -> list[str]:
+    pods = client.CoreV1Api(api).list_namespaced_pod(ns, label_selector=f"ddpjob.dev/job-name={name}").items
+    return sorted(p.metadata.name for p in pods if p.status.phase == "Running" and not p.metadata.deletion_timestamp)
+
+
+def finish(api, ns: str, name: str, code: int, nodes: int = 2) -> None:
+    """Every running pod of the job exits with `code` (kwok)."""
+    pods = wait_for(lambda: (lambda p: p if len(p) == nodes else None)(pods_of(api, ns, name)),
+                    timeout=30, desc=f"{nodes} running pods of {name}")
+    for pod in pods if code == 0 else pods[:1]:
+        set_pod_exit(api, ns, pod, code)
+
+
+def test_submit_list_get_describe_top_wait_delete(cluster, env, tmp_path):
+    ns, _, api = env
+    name = ok(ddpjob(cluster, "submit", job_file(tmp_path, "train"), "-n", ns)).strip()
+    assert name == "train"
+    assert "already exists" in one_line_error(ddpjob(cluster, "submit", job_file(tmp_path, "train"), "-n", ns))
+    assert ok(ddpjob(cluster, "wait", name, "--for", "Running", "--timeout", "60", "-n", ns)).strip() == "train Running"
+
+    table = ok(ddpjob(cluster, "list", "-n", ns)).splitlines()
+    assert table[0].split() == ["NAME", "PHASE", "READY", "PROGRESS", "LOSS", "SAMPLES/S", "RESTARTS", "AGE"]
+    assert table[1].split()[:3] == ["train", "Running", "2/2"]
+    everywhere = ok(ddpjob(cluster, "list", "-A")).splitlines()
+    assert everywhere[0].startswith("NAMESPACE") and any(ln.split()[:2] == [ns, "train"] for ln in everywhere)
+    assert json.loads(ok(ddpjob(cluster, "list", "-n", ns, "-o", "json")))["items"][0]["metadata"]["name"] == "train"
+    assert json.loads(ok(ddpjob(cluster, "get", name, "-n", ns, "-o", "json")))["status"]["phase"] == "Running"
+    assert yaml.safe_load(ok(ddpjob(cluster, "get", name, "-n", ns, "-o", "yaml")))["spec"]["nodes"] == 2
+    assert ok(ddpjob(cluster, "get", name, "-n", ns, "-o", "wide")).splitlines()[0].split()[-4:] == \
+        ["ETA", "ATTEMPT", "ACCURACY", "REASON"]
+
+    text = ok(ddpjob(cluster, "describe", name, "-n", ns))
+    assert "Phase:                Running" in text and "World size:         2" in text
+    ranks = [ln.split() for ln in text.split("Ranks (attempt 0):")[1].split("Failures")[0].splitlines()[2:] if ln.strip()]
+    assert [r[:2] for r in ranks] == [["0", "train-0"], ["1", "train-1"]]
+    assert all(r[2].startswith("kwok-gpu-") and r[3] == "Running" for r in ranks)
+    assert "Created" in text.split("Events:")[1]           # the operator's event about the job
+    assert json.loads(ok(ddpjob(cluster, "describe", name, "-n", ns, "-o", "json")))["ranks"][1]["pod"] == "train-1"
+    top = ok(ddpjob(cluster, "top", name, "--once", "-n", ns))
+    assert top.startswith(f"{ns}/train  Running") and "train-0" in top and "train-1" in top and "\x1b[" not in top
+
+    # A terminal phase that is not the wanted one ends the wait at once.
+    finish(api, ns, name, 0)
+    assert ok(ddpjob(cluster, "wait", name, "--for", "Succeeded", "--timeout", "60", "-n", ns)).strip() == "train Succeeded"
+    assert "train is Succeeded, not Running" in one_line_error(
+        ddpjob(cluster, "wait", name, "--for", "Running", "--timeout", "60", "-n", ns))
+    assert ok(ddpjob(cluster, "delete", name, "-n", ns)).strip() == "ddpjob train deleted"
+    assert 'DDPJob "train" not found' in one_line_error(ddpjob(cluster, "get", name, "-n", ns))
+
+
+def test_wait_on_failure_and_timeout_suspend_resume(cluster, env, tmp_path):
+    ns, _, api = env
+    ok(ddpjob(cluster, "submit", job_file(tmp_path, "fails", failurePolicy={"maxRestarts": 0}), "-n", ns))
+    ok(ddpjob(cluster, "submit", job_file(tmp_path, "later", suspend=True), "-n", ns))
+    ok(ddpjob(cluster, "wait", "fails", "--for", "Running", "--timeout", "60", "-n", ns))
+    finish(api, ns, "fails", 3)
+    failed = ddpjob(cluster, "wait", "fails", "--timeout", "60", "-n", ns)
+    assert "fails is Failed, not Succeeded" in one_line_error(failed, 1)
+    text = ok(ddpjob(cluster, "describe", "fails", "-n", ns))
+    failure = text.split("Failures (earlier attempts):")[1].splitlines()[2].split()
+    assert failure[:3] == ["0", "0", "fails-0"] and failure[4] == "3"   # attempt, rank, pod, node, exit code
+
+    # A suspended job never succeeds: the wait times out (2); resumed, it runs; suspended again, it says so.
+    assert ok(ddpjob(cluster, "wait", "later", "--for", "Suspended", "--timeout", "60", "-n", ns)).strip() == \
+        "later Suspended"
+    timed_out = ddpjob(cluster, "wait", "later", "--timeout", "1", "-n", ns)
+    assert "timed out after 1s waiting for later to be Succeeded (it is Suspended)" in one_line_error(timed_out, 2)
+    assert ok(ddpjob(cluster, "resume", "later", "-n", ns)).strip() == "ddpjob later resumed"
+    ok(ddpjob(cluster, "wait", "later", "--for", "Running", "--timeout", "60", "-n", ns))
+    assert ok(ddpjob(cluster, "suspend", "later", "-n", ns)).strip() == "ddpjob later suspended"
+    ok(ddpjob(cluster, "wait", "later", "--for", "Suspended", "--timeout", "60", "-n", ns))
+    # Its pods are gone: logs says so instead of failing somewhere else.
+    assert "no pod of rank 0 of later" in one_line_error(ddpjob(cluster, "logs", "later", "-n", ns))
+
+
+def test_the_progress_bar_of_wait_on_a_terminal(cluster, env, tmp_path):
+    ns, _, api = env
+    ok(ddpjob(cluster, "submit", job_file(tmp_path, "bar"), "-n", ns))
+    ok(ddpjob(cluster, "wait", "bar", "--for", "Running", "--timeout", "60", "-n", ns))
+    custom = client.CustomObjectsApi(api)
+
+    def show_progress() -> bool:  # the operator keeps what it did not scrape itself
+        custom.patch_namespaced_custom_object_status("ddpjob.dev", "v1alpha1", ns, "ddpjobs", "bar", {
+            "status": {"progress": {"step": 7, "totalSteps": 20, "percent": 35.0, "loss": 0.5}}})
+        return (custom.get_namespaced_custom_object("ddpjob.dev", "v1alpha1", ns, "ddpjobs", "bar")
+                .get("status", {}).get("progress", {}).get("step") == 7)
+    wait_for(show_progress, timeout=20, desc="progress in the status")
+
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: `ddpjob wait` (the installed command) with the pty as its terminal
+        os.execve(DDPJOB, [DDPJOB, "wait", "bar", "--timeout", "60", "--interval", "0.2", "-n", ns], cluster.env())
+    fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))   # a terminal's size
+    out = b""
+
+    def read_until(text: bytes, timeout: float) -> bool:
+        nonlocal out
+        deadline = time.monotonic() + timeout
+        while text not in out and time.monotonic() < deadline:
+            if select.select([fd], [], [], 0.5)[0]:
+                try:
+                    out += os.read(fd, 4096)
+                except OSError:   # the child closed the terminal
+                    break
+        return text in out
+
+    try:
+        assert read_until(b"7/20", 30), out
+        finish(api, ns, "bar", 0)
+        assert read_until(b"bar Succeeded", 60), out
+    finally:
+        _, status = os.waitpid(pid, 0)
+        os.close(fd)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert b"phase=Running" in out and b"loss=0.5" in out
+
+
+def test_errors_are_one_line(cluster, env, tmp_path):
+    ns, _, api = env
+    assert 'DDPJob "nosuch" not found in namespace ' + ns in one_line_error(ddpjob(cluster, "describe", "nosuch", "-n", ns))
+    missing = tmp_path / "none" / "kubeconfig"
+    assert "no kubeconfig" in one_line_error(ddpjob(cluster, "list", env={"KUBECONFIG": str(missing)}))
+    assert "no kubeconfig" in one_line_error(ddpjob(cluster, "list", "--kubeconfig", str(missing)))
+    assert "--context" in one_line_error(ddpjob(cluster, "list", "--context", "nosuch"))
+    bad = job_file(tmp_path, "bad", nodes=0)
+    assert "invalid DDPJob" in ddpjob(cluster, "submit", bad, "-n", ns).stderr
+
+    # The API server's own 404 for a resource it does not serve (a CRD not installed) reads as such.
+    resp = api.call_api(*api.param_serialize("GET", "/apis/nosuch.ddpjob.dev/v1alpha1/namespaces/x/ddpjobs/y",
+                                              header_params={"Accept": "application/json"},
+                                              auth_settings=["BearerToken"]))
+    resp.read()
+    from ddpjob_cli.views import api_error, missing_object
+    assert resp.status == 404 and not missing_object(resp.status, resp.data)
+    assert "not installed on this cluster" in api_error(resp.status, resp.data, name="y", namespace="x", verb="get")
+
+    # No permission: a service account without RBAC.
+    token = client.CoreV1Api(api).create_namespaced_service_account_token(
+        "default", ns, {"spec": {"expirationSeconds": 600}}).status.token
+    admin = yaml.safe_load(Path(cluster.kubeconfig).read_text())
+    admin["users"] = [{"name": "nobody", "user": {"token": token}}]
+    admin["contexts"] = [{"name": "nobody", "context": {"cluster": admin["clusters"][0]["name"], "user": "nobody",
+                                                         "namespace": ns}}]
+    admin["current-context"] = "nobody"
+    (tmp_path / "nobody").write_text(yaml.safe_dump(admin))
+    denied = one_line_error(ddpjob(cluster, "list", "--kubeconfig", str(tmp_path / "nobody")))
+    assert "forbidden" in denied and f"kubectl auth can-i list ddpjobs -n {ns}" in denied   # the context's namespace
+    # An API server that is not there.
+    admin["clusters"][0]["cluster"]["server"] = "https://127.0.0.1:1"
+    (tmp_path / "down").write_text(yaml.safe_dump(admin))
+    assert "cannot reach the API server at https://127.0.0.1:1" in one_line_error(
+        ddpjob(cluster, "list", "--kubeconfig", str(tmp_path / "down")))

@@ -1,0 +1,204 @@
+"""The cluster commands' builders (cli/ddpjob_cli/views.py): plain data in, rows and text out."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ddpjob_cli import views
+from ddpjob_operator.phases import Phase
+from tests.support.builders import NOW, ago, make_manifest, make_pod, running_status
+
+
+def job_with(status=None, name="j", namespace="ns", **spec):
+    job = make_manifest(name, namespace=namespace, **spec)
+    job["metadata"]["creationTimestamp"] = ago(250)
+    if status is not None:
+        job["status"] = status
+    return job
+
+
+def placed(pod, node):
+    pod["spec"] = {"nodeName": node, "containers": [{"name": "trainer"}]}
+    return pod
+
+
+# --- list / get -------------------------------------------------------------------------------------
+
+def test_list_rows_show_phase_progress_loss_rate_restarts_age():
+    running = job_with(running_status(restarts=2, nodes={"ready": "2/2"},
+                                      progress={"display": "42% (420/1000)", "loss": 0.41234567,
+                                                "samplesPerSecond": 812.46, "eta": "4m10s"}), name="b")
+    pending = job_with(None, name="a")
+    headers, rows = views.list_rows([running, pending], NOW)
+    assert headers == ["NAME", "PHASE", "READY", "PROGRESS", "LOSS", "SAMPLES/S", "RESTARTS", "AGE"]
+    assert rows == [["a", "Pending", "-", "-", "-", "-", "0", "4m10s"],
+                    ["b", "Running", "2/2", "42% (420/1000)", "0.4123", "812.5", "2", "4m10s"]]
+
+
+@pytest.mark.parametrize("wide, all_ns, first, extra", [
+    (False, True, "NAMESPACE", []),
+    (True, False, "NAME", ["ETA", "ATTEMPT", "ACCURACY", "REASON"]),
+])
+def test_list_rows_wide_and_all_namespaces(wide, all_ns, first, extra):
+    job = job_with(running_status(progress={"eta": "1m"}, reason="Running"))
+    headers, rows = views.list_rows([job], NOW, wide=wide, all_namespaces=all_ns)
+    assert headers[0] == first
+    if extra:
+        assert headers[-len(extra):] == extra
+    assert len(rows[0]) == len(headers)
+    if all_ns:
+        assert rows[0][0] == "ns"
+    if wide:
+        assert rows[0][-4:] == ["1m", "0", "-", "Running"]
+
+
+def test_table_pads_columns_like_kubectl():
+    assert views.table(["A", "LONGER"], [["xyz", "1"]]) == "A     LONGER\nxyz   1\n"
+
+
+def test_dump_json_and_yaml_round_trip():
+    obj = views.as_list([job_with()])
+    assert json.loads(views.dump(obj, "json")) == obj
+    import yaml
+    assert yaml.safe_load(views.dump(obj, "yaml")) == obj
+
+
+# --- per-rank rows ------------------------------------------------------------------------------------
+
+def test_rank_rows_take_the_current_attempt_and_show_missing_ranks():
+    job = job_with(running_status(attempt=1), nodes=3)
+    pods = [placed(make_pod(0, attempt=1), "n0"), placed(make_pod(1, attempt=0, phase="Failed", exit_code=1), "n1"),
+            placed(make_pod(2, attempt=1, phase="Failed", exit_code=137), "n2")]
+    rows = views.rank_rows(job, pods)
+    assert [(r.rank, r.pod, r.node, r.phase, r.exit_code) for r in rows] == [
+        (0, "j-0", "n0", "Running", None), (1, "", "", "-", None), (2, "j-2", "n2", "Failed", 137)]
+
+
+def test_rank_rows_flag_the_pods_a_straggler_condition_names():
+    cond = {"type": "Straggler", "status": "True", "reason": "SlowRank",
+            "message": "straggling: rank 1 (pod j-1 on node n1) (2.0x the median 100ms per step)"}
+    job = job_with(running_status(conditions=[cond]))
+    rows = views.rank_rows(job, [placed(make_pod(0), "n0"), placed(make_pod(1), "n1")])
+    assert [r.flags for r in rows] == [(), ("straggler",)]
+    recovered = job_with(running_status(conditions=[dict(cond, status="False")]))
+    assert all(not r.flags for r in views.rank_rows(recovered, [make_pod(0), make_pod(1)]))
+
+
+def test_top_text_marks_and_colours_the_straggler():
+    cond = {"type": "Straggler", "status": "True", "message": "straggling: rank 1 (pod j-1 on node n1)"}
+    job = job_with(running_status(conditions=[cond], progress={"step": 5, "totalSteps": 10, "percent": 50}))
+    pods = [placed(make_pod(0), "n0"), placed(make_pod(1), "n1")]
+    plain = views.top_text(job, pods, NOW)
+    assert "step 5/10 (50%)" in plain and "Straggler: straggling: rank 1" in plain
+    line = next(ln for ln in plain.splitlines() if ln.startswith("1 "))
+    assert line.endswith("straggler") and "\x1b[" not in plain
+    coloured = views.top_text(job, pods, NOW, color=True)
+    assert any(ln.startswith("\x1b[") and "j-1" in ln for ln in coloured.splitlines())
+
+
+# --- describe -----------------------------------------------------------------------------------------
+
+def test_describe_shows_spec_conditions_ranks_failures_and_only_this_jobs_events():
+    status = running_status(attempt=1, restarts=1, countedRestarts=1, reason="Running", masterAddr="j-0.j.ns.svc",
+                            conditions=[{"type": "Running", "status": "True", "reason": "Running",
+                                         "message": "all 2 pods running", "lastTransitionTime": ago(60)}],
+                            failures=[{"attempt": 0, "rank": 1, "pod": "j-1", "node": "n1", "exitCode": 137,
+                                       "signal": 9, "reason": "OOMKilled", "logTail": "step 3\nKilled\n"}])
+    job = job_with(status, trainer={"dataset": "digits", "model": "convnet", "mlflow": {"trackingUri": "http://mlf"}},
+                   failurePolicy={"maxRestarts": 2})
+    job["metadata"]["uid"] = "uid-j"
+    pods = [placed(make_pod(0, attempt=1), "n0"), placed(make_pod(1, attempt=1), "n3")]
+    events = [{"type": "Warning", "reason": "Restarting", "message": "restarting all 2 node(s)",
+               "involvedObject": {"kind": "DDPJob", "name": "j", "uid": "uid-j"}, "lastTimestamp": ago(90)},
+              {"type": "Normal", "reason": "Scheduled", "message": "assigned",
+               "involvedObject": {"kind": "Pod", "name": "j-0"}, "lastTimestamp": ago(80)},
+              {"type": "Normal", "reason": "Created", "message": "someone else's",
+               "involvedObject": {"kind": "DDPJob", "name": "other"}, "lastTimestamp": ago(10)}]
+    data = views.describe_data(job, events, pods, NOW)
+    assert data["spec"]["Trainer"].startswith("built-in (dataset digits, model convnet")
+    assert data["spec"]["MLflow"] == "http://mlf" and data["maxRestarts"] == 2
+    assert [e["reason"] for e in data["events"]] == ["Restarting", "Scheduled"]
+    text = views.describe_text(data, NOW)
+    assert "Restarts:             1 (1/2 of the budget)" in text
+    assert "Running   True     Running   1m00s   all 2 pods running" in text
+    assert "j-1   n3" in text                                       # the current attempt's rank 1
+    failure = next(ln for ln in text.splitlines() if "OOMKilled" in ln)
+    assert "137 (signal 9)" in failure and failure.rstrip().endswith("Killed")
+    assert "someone else's" not in text
+    assert json.loads(views.dump(data, "json"))["ranks"][1]["node"] == "n3"
+
+
+def test_describe_of_a_new_job_says_none_where_nothing_is_known():
+    text = views.describe_text(views.describe_data(job_with(None, nodes=1, command=["python", "t.py"]), [], [], NOW), NOW)
+    assert "Phase:                Pending" in text and "Command:            python t.py" in text
+    assert text.count("<none>") == 3   # conditions, failures, events; the rank row shows '-'
+
+
+# --- wait ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("phase, want, code", [
+    ("Succeeded", {Phase.SUCCEEDED}, 0),
+    ("Running", {Phase.RUNNING}, 0),
+    ("Running", {Phase.SUCCEEDED}, None),
+    ("Restarting", {Phase.SUCCEEDED}, None),
+    ("Suspended", {Phase.SUCCEEDED}, None),
+    (None, {Phase.SUCCEEDED}, None),
+    (None, {Phase.PENDING}, 0),
+    ("Failed", {Phase.SUCCEEDED}, 1),
+    ("Succeeded", {Phase.RUNNING}, 1),
+    ("Failed", {Phase.FAILED, Phase.SUCCEEDED}, 0),
+])
+def test_wait_outcome(phase, want, code):
+    status = {"phase": phase, "reason": "RestartLimit", "message": "rank 1 exited 1"} if phase else None
+    outcome = views.wait_outcome(job_with(status), want)
+    assert (outcome.code if outcome else None) == code
+    if code == 1:
+        assert f"j is {phase}" in outcome.message
+        if phase == "Failed":
+            assert "RestartLimit: rank 1 exited 1" in outcome.message
+
+
+def test_wait_outcome_of_a_deleted_job_is_an_end():
+    assert views.wait_outcome(None, {Phase.SUCCEEDED}, name="gone") == views.Outcome(1, "DDPJob gone was deleted")
+
+
+# --- logs -----------------------------------------------------------------------------------------------
+
+def test_log_pods_default_to_rank_0_of_the_current_attempt():
+    job = job_with(running_status(attempt=2))
+    pods = [make_pod(1, attempt=2), make_pod(0, attempt=2), make_pod(0, attempt=1, name="old-0")]
+    assert views.log_pods(job, pods, rank=None, all_ranks=False, attempt=None) == [(0, "j-0")]
+    assert views.log_pods(job, pods, rank=1, all_ranks=False, attempt=None) == [(1, "j-1")]
+    assert views.log_pods(job, pods, rank=None, all_ranks=True, attempt=None) == [(0, "j-0"), (1, "j-1")]
+    assert views.log_pods(job, pods, rank=None, all_ranks=True, attempt=1) == [(0, "old-0")]
+    assert views.log_pods(job, pods, rank=5, all_ranks=False, attempt=None) == []
+    assert views.prefixed(3, "loss 0.1") == "[rank 3] loss 0.1"
+
+
+# --- errors -----------------------------------------------------------------------------------------------
+
+def status_body(code, reason, message, details=None):
+    return json.dumps({"kind": "Status", "apiVersion": "v1", "status": "Failure", "message": message,
+                       "reason": reason, "code": code, "details": details or {}})
+
+
+@pytest.mark.parametrize("code, body, expect, missing", [
+    (404, status_body(404, "NotFound", 'ddpjobs.ddpjob.dev "x" not found', {"name": "x", "group": "ddpjob.dev",
+                                                                             "kind": "ddpjobs"}),
+     'DDPJob "x" not found in namespace ns: `ddpjob list -n ns`', True),
+    (404, "404 page not found\n", "is not installed on this cluster: install the operator", False),
+    (404, status_body(404, "NotFound", "the server could not find the requested resource"),
+     "is not installed on this cluster", False),
+    (403, status_body(403, "Forbidden", 'ddpjobs.ddpjob.dev is forbidden: User "u" cannot list resource "ddpjobs"'),
+     'forbidden: ddpjobs.ddpjob.dev is forbidden: User "u" cannot list', False),
+    (401, status_body(401, "Unauthorized", "Unauthorized"), "unauthorized", False),
+    (409, status_body(409, "AlreadyExists", 'ddpjobs.ddpjob.dev "x" already exists'),
+     'already exists: delete it first (ddpjob delete x)', False),
+    (422, status_body(422, "Invalid", "spec.nodes: Invalid value: 0"), "refused the DDPJob: spec.nodes", False),
+    (500, "boom", "answered 500", False),
+])
+def test_api_errors_are_one_line_saying_what_to_do(code, body, expect, missing):
+    text = views.api_error(code, body, name="x", namespace="ns", verb="list")
+    assert expect in text and "\n" not in text
+    assert views.missing_object(code, body) is missing
