@@ -92,6 +92,10 @@ manifests: install ## regenerate manifests/ from the Helm chart (a test fails wh
 	hack/build.sh helm
 	hack/gen-manifests.sh
 
+.PHONY: docs
+docs: install ## regenerate the chart README (values.yaml's comments) and docs/crd-reference.md (a test fails when stale)
+	$(PY) hack/gen-docs.py
+
 # The trainer's benches first: the checkpoint arms wait on fsync, and a running control plane's etcd
 # (an fsync per write) makes those times swing by 4x. They need no cluster.
 bench: install ## benchmarks (ratios, JSON under bench/results/)
