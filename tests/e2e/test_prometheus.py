@@ -8,6 +8,7 @@ here) under its own ddpjob label.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -169,27 +170,50 @@ def training(tmp_path_factory):
             _stop(gpu)
 
 
+@contextlib.contextmanager
+def operator_exporter(hang_timeout: float | None = None):
+    """The operator's metrics (the real OperatorMetrics) on a loopback port, the run's job Running in
+    them, as an in-cluster operator would export it; yields the port."""
+    from prometheus_client import CollectorRegistry, start_http_server
+
+    from ddpjob_operator.operator_metrics import OperatorMetrics
+
+    registry = CollectorRegistry()
+    OperatorMetrics(registry).record_pass((NAMESPACE, JOB), prev_status={}, status={"phase": "Running"},
+                                          hang_timeout=hang_timeout)
+    port = free_ports(1)[0]
+    server, _thread = start_http_server(port, addr="127.0.0.1", registry=registry)
+    try:
+        yield port
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 @pytest.fixture(scope="module")
 def prom(prometheus_bin, training, tmp_path_factory):
-    """Prometheus scraping both simulated nodes (+ the fake-GPU endpoint), with our rule file loaded."""
-    targets = {"ddpjob-trainers": [f"127.0.0.1:{p}" for p in training["ports"]],
-               "ddpjob-gpu-fake": [f"127.0.0.1:{training['gpu_port']}"]}
-    p = Prometheus(prometheus_bin[0], tmp_path_factory.mktemp("prom"), targets=targets, rule_files=[RULES])
-    try:
-        def enough():
-            if training["proc"].poll() is not None:
-                raise AssertionError(f"training ended early ({training['proc'].returncode}); "
-                                     f"log: {training['log'].read_text()[-3000:]}")
-            ranks = p.series(f'ddpjob_trainer_step{{ddpjob="{JOB}"}} >= 30')
-            evals = p.series(f'ddpjob_trainer_eval_accuracy{{ddpjob="{JOB}"}} > 0')
-            ckpt = p.series(f'ddpjob_trainer_checkpoint_seconds{{ddpjob="{JOB}"}} > 0')
-            rules = p.series("ddpjob:own_step_seconds:2m")
-            return len(ranks) == 2 and len(evals) == 2 and ckpt and len(rules) == 2
-        wait_for(enough, timeout=240, interval=1,
-                 desc="both ranks past step 30 with an evaluation and a checkpoint, scraped by Prometheus")
-        yield p
-    finally:
-        p.stop()
+    """Prometheus scraping both simulated nodes (+ the fake-GPU endpoint and the operator's metrics),
+    with our rule file loaded."""
+    with operator_exporter() as operator_port:
+        targets = {"ddpjob-trainers": [f"127.0.0.1:{p}" for p in training["ports"]],
+                   "ddpjob-gpu-fake": [f"127.0.0.1:{training['gpu_port']}"],
+                   "ddpjob-operator": [f"127.0.0.1:{operator_port}"]}
+        p = Prometheus(prometheus_bin[0], tmp_path_factory.mktemp("prom"), targets=targets, rule_files=[RULES])
+        try:
+            def enough():
+                if training["proc"].poll() is not None:
+                    raise AssertionError(f"training ended early ({training['proc'].returncode}); "
+                                         f"log: {training['log'].read_text()[-3000:]}")
+                ranks = p.series(f'ddpjob_trainer_step{{ddpjob="{JOB}"}} >= 30')
+                evals = p.series(f'ddpjob_trainer_eval_accuracy{{ddpjob="{JOB}"}} > 0')
+                ckpt = p.series(f'ddpjob_trainer_checkpoint_seconds{{ddpjob="{JOB}"}} > 0')
+                rules = p.series("ddpjob:own_step_seconds:2m")
+                return len(ranks) == 2 and len(evals) == 2 and ckpt and len(rules) == 2
+            wait_for(enough, timeout=240, interval=1,
+                     desc="both ranks past step 30 with an evaluation and a checkpoint, scraped by Prometheus")
+            yield p
+        finally:
+            p.stop()
 
 
 def substitute(expr: str, *, job: str = JOB, namespace: str = NAMESPACE) -> str:
@@ -269,28 +293,13 @@ def frozen_before_first_step(tmp_path_factory):
     """A real 2-node run whose rank 1 freezes on entering first_step (rank 0 then waits in the first
     all-reduce): no step is ever taken. Beside it, the operator's own metrics exporter (the real
     OperatorMetrics) exporting the job's hangTimeoutSeconds, as an in-cluster operator would."""
-    from prometheus_client import CollectorRegistry
-
-    from ddpjob_operator.operator_metrics import OperatorMetrics
-
     work = tmp_path_factory.mktemp("early")
-    registry = CollectorRegistry()
-    metrics = OperatorMetrics(registry)
-    metrics.record_pass((NAMESPACE, JOB), prev_status={}, status={"phase": "Running"},
-                        hang_timeout=EARLY_HANG_TIMEOUT)
-    operator_port = free_ports(1)[0]
-    from prometheus_client import start_http_server
-
-    server, _thread = start_http_server(operator_port, addr="127.0.0.1", registry=registry)
-    try:
-        with local_run(write_digits_job(work, epochs=40), work, DDPJOB_DEBUG_FREEZE_STAGE="1:first_step") as run:
-            # Prometheus starts once both ranks are in first_step: a cold rendezvous longer than the
-            # 20 s timeout would otherwise be the (rightly) pending alert, for stage rendezvous.
-            wait_ranks(run, in_stage("first_step"), "both ranks in first_step")
-            yield {"ports": run.ports, "operator_port": operator_port, "proc": run.proc, "log": run.log}
-    finally:
-        server.shutdown()
-        server.server_close()
+    with operator_exporter(hang_timeout=EARLY_HANG_TIMEOUT) as operator_port, \
+            local_run(write_digits_job(work, epochs=40), work, DDPJOB_DEBUG_FREEZE_STAGE="1:first_step") as run:
+        # Prometheus starts once both ranks are in first_step: a cold rendezvous longer than the
+        # 20 s timeout would otherwise be the (rightly) pending alert, for stage rendezvous.
+        wait_ranks(run, in_stage("first_step"), "both ranks in first_step")
+        yield {"ports": run.ports, "operator_port": operator_port, "proc": run.proc, "log": run.log}
 
 
 def test_stalled_fires_for_a_job_frozen_before_its_first_step(prometheus_bin, frozen_before_first_step,
