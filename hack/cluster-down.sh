@@ -51,6 +51,9 @@ for name in kueue kwok scheduler-plugins-controller scheduler-plugins kube-sched
 done
 [ "${#stopped[@]}" -gt 0 ] && log "stopped ${stopped[*]}"
 
+# kwok's addresses are unreachable only while its cluster is up (hack/kwok-guard.sh).
+"$HERE/kwok-guard.sh" down || log "removing the kwok address guard reported an error"
+
 if [ "$KEEP_LOGS" = 1 ]; then
   find "$STATE" -mindepth 1 -maxdepth 1 ! -name logs ! -name "logs.try*" -exec rm -rf {} +
   log "removed $STATE (kept logs/)"

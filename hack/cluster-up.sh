@@ -40,6 +40,8 @@ KUEUE_NS_LABEL=ddpjob.dev/kueue
 COMPONENTS=(etcd kube-apiserver kube-controller-manager kube-scheduler scheduler-plugins scheduler-plugins-controller kwok)
 [ "$KUEUE" = 0 ] || COMPONENTS+=(kueue)
 T0=$SECONDS
+# kwok's fictitious address ranges have one home: the guard that makes them unreachable.
+{ read -r KWOK_POD_CIDR; read -r KWOK_NODE_CIDR; } < <("$HERE/kwok-guard.sh" ranges)
 
 log() { printf '[hack/cluster-up %s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
 
@@ -113,6 +115,7 @@ link_binaries() {
 # --- already running? -----------------------------------------------------------------------
 link_binaries
 if [ -x "$KUBECTL" ] && healthy; then
+  "$HERE/kwok-guard.sh" up || { log "FAILED: could not make kwok's address ranges unreachable (hack/kwok-guard.sh)"; exit 1; }
   log "already running and healthy ($(kc config view --minify -o jsonpath='{.clusters[0].cluster.server}')); export KUBECONFIG=$KUBECONFIG_FILE"
   exit 0
 fi
@@ -325,10 +328,12 @@ start scheduler-plugins "$SP_DIR/kube-scheduler" \
 start scheduler-plugins-controller "$SP_DIR/controller" \
   --kubeconfig "$STATE/scheduler-plugins-controller.kubeconfig" \
   --metricsAddr 0 --probeAddr "127.0.0.1:$P_SPC"
+# Before kwok hands out its first fictitious address, nothing here may reach those addresses.
+"$HERE/kwok-guard.sh" up || fail kwok "could not make kwok's address ranges unreachable (hack/kwok-guard.sh)"
 start kwok "$KWOK_DIR/kwok" \
   --kubeconfig "$KUBECONFIG_FILE" \
   --manage-all-nodes=false --manage-nodes-with-annotation-selector kwok.x-k8s.io/node=fake \
-  --node-lease-duration-seconds 40 --cidr 10.244.0.0/16 \
+  --node-lease-duration-seconds 40 --cidr "$KWOK_POD_CIDR" \
   --server-address "127.0.0.1:$P_KWOK" \
   -c "$HERE/kwok-stages.yaml"
 wait_healthy kube-controller-manager "GET /healthz on :$P_KCM" curl_ok -k "https://127.0.0.1:$P_KCM/healthz"
@@ -364,7 +369,7 @@ metadata:
 spec: {}
 status:
   addresses:
-  - {type: InternalIP, address: 10.240.0.$((i + 1))}
+  - {type: InternalIP, address: ${KWOK_NODE_CIDR%.*/*}.$((i + 1))}
   - {type: Hostname, address: kwok-gpu-$i}
   capacity: {cpu: "64", memory: 512Gi, pods: "110", ephemeral-storage: 1Ti, nvidia.com/gpu: "8"}
   allocatable: {cpu: "64", memory: 512Gi, pods: "110", ephemeral-storage: 1Ti, nvidia.com/gpu: "8"}

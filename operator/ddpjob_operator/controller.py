@@ -50,12 +50,12 @@ REFUSED_RETRY_SECONDS = 10.0  # a refusal that may pass later (403 from a quota)
 _QUIET_FIELDS = frozenset({"nodes", "launchedAttempt"})
 
 
-def _load_monitor(config: OperatorConfig) -> Monitor | None:
+def _load_monitor(config: OperatorConfig, k8s: K8s) -> Monitor | None:
     """The progress/health monitor; the operator works without it."""
-    from .monitor import Monitor  # here, not at the top: imports aiohttp; unit tests pass monitor=None
+    from .monitor import Monitor, SimulatedNodes  # here, not at the top: imports aiohttp; unit tests pass monitor=None
 
     try:
-        return Monitor(config)
+        return Monitor(config, simulated=SimulatedNodes(k8s.get_node))
     except Exception:  # a broken monitor must not stop the operator
         log.exception("progress monitor disabled: could not start it")
         return None
@@ -124,7 +124,7 @@ class Reconciler:
         self.config = config
         self.k8s = k8s
         self.metrics = metrics
-        self.monitor = _load_monitor(config) if monitor == "auto" else monitor
+        self.monitor = _load_monitor(config, k8s) if monitor == "auto" else monitor
         self.jobs = jobs if jobs is not None else Store()
         self.pods = pods if pods is not None else Store(index_label=labels.JOB_NAME)
         self.pods.listeners.append(self._pod_changed)

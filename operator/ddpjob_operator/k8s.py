@@ -185,6 +185,15 @@ class K8s:
                 return None
             raise
 
+    async def get_node(self, name: str) -> dict[str, Any] | None:
+        """A Node (the monitor reads its annotations), or None when it is gone."""
+        try:
+            return await self._call("GET", f"/api/v1/nodes/{name}", job=("", "nodes"))
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+
     async def delete_pod(self, namespace: str, name: str, *, job: str, uid: str | None = None) -> bool:
         """Delete a pod of `job` (by uid precondition when given); False when already gone."""
         body: dict[str, Any] = {"apiVersion": "v1", "kind": "DeleteOptions"}

@@ -11,7 +11,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Awaitable, Callable
 
 from . import health, podinfo, progress, scrape
 from .config import OperatorConfig
@@ -20,6 +20,13 @@ log = logging.getLogger(__name__)
 
 DEFAULT_URL_TEMPLATE = "http://{ip}:{port}/metrics"
 CONDITION_TYPES = (health.STRAGGLER, health.STALLED)
+
+# kwok manages the nodes that carry this annotation: their pods' addresses are fictitious (they belong
+# to no host), so scraping one by its address can only fail, or leave the machine.
+SIMULATED_NODE_ANNOTATION = "kwok.x-k8s.io/node"
+# status.progress.unavailable while every running pod is on a simulated node.
+SIMULATED_UNAVAILABLE = ("{n} pod(s) on simulated (kwok) nodes: their addresses answer nobody, so "
+                         "they are not scraped and progress is unavailable")
 
 # Straggler's wording when nothing is wrong (Stalled's depends on the stage: HealthTracker.calm_condition).
 _NO_STRAGGLER = ("NoStraggler", "every rank keeps pace with the median")
@@ -72,13 +79,48 @@ def _running(pods: list[dict]) -> list[dict]:
     return [p for p in live if podinfo.attempt(p) == top]
 
 
+class SimulatedNodes:
+    """Which nodes kwok simulates, asked of the API server once per node name (the annotation
+    never changes while a node exists). Without permission to read nodes every node counts as real,
+    said once in the log."""
+
+    def __init__(self, get_node: Callable[[str], Awaitable[dict | None]], *, max_nodes: int = 20000) -> None:
+        self._get = get_node
+        self._known: dict[str, bool] = {}
+        self._max = max_nodes
+        self._blind = False
+
+    async def __call__(self, node: str) -> bool:
+        if not node or self._blind:
+            return False
+        if node in self._known:
+            return self._known[node]
+        try:
+            obj = await self._get(node)
+        except Exception as exc:  # noqa: BLE001  (progress is optional: scrape as before)
+            if getattr(exc, "status", None) == 403:
+                self._blind = True
+                log.warning("may not read nodes (%s): pods on simulated (kwok) nodes are scraped "
+                            "like any other", getattr(exc, "reason", exc))
+            return False  # anything else: asked again next time
+        simulated = SIMULATED_NODE_ANNOTATION in (((obj or {}).get("metadata") or {}).get("annotations") or {})
+        if obj is not None:
+            if len(self._known) >= self._max:
+                self._known.clear()
+            self._known[node] = simulated
+        return simulated
+
+
 class Monitor:
     """Per-operator scraper of training pods (bounded concurrency, per-request timeouts)."""
 
     def __init__(self, config: OperatorConfig, *, concurrency: int = 32, timeout: float | None = None,
                  clock: Callable[[], float] = time.time,
-                 max_body_bytes: int = scrape.MAX_BODY_BYTES) -> None:
+                 max_body_bytes: int = scrape.MAX_BODY_BYTES,
+                 simulated: Callable[[str], Awaitable[bool]] | None = None) -> None:
         self.config = config
+        # Pods on simulated nodes are not scraped by their address (the default template).
+        self.simulated = simulated
         self.max_body_bytes = max_body_bytes
         self.concurrency = concurrency
         # A scrape must finish well inside one interval, whatever a pod does.
@@ -125,7 +167,13 @@ class Monitor:
                 st.prev = None
             st.attempt = attempt
         targets: list[tuple[str, dict]] = []
+        by_address = "{ip}" in (self.config.scrape_url_template or DEFAULT_URL_TEMPLATE)
+        skipped = 0
         for pod in running:
+            if (by_address and self.simulated is not None
+                    and await self.simulated((pod.get("spec") or {}).get("nodeName") or "")):
+                skipped += 1
+                continue
             url = scrape_url(self.config.scrape_url_template, pod=pod, port=port,
                              job_name=name, namespace=namespace)
             if url:
@@ -178,6 +226,8 @@ class Monitor:
                 events.append(_event(f))
             if prog:
                 st.last_progress = prog
+        elif skipped:
+            prog = {"unavailable": SIMULATED_UNAVAILABLE.format(n=skipped)}
         # Nothing scraped yet (e.g. endpoints unreachable): claim no health either way, so jobs whose
         # metrics cannot be read cost no status write per scrape and show no false "Progressing".
         conditions = self._conditions(job, st, now) if st.prev is not None or st.tracker.active else []

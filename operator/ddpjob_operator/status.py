@@ -68,6 +68,10 @@ def node_counts(job: JobSpec, pods: list[dict[str, Any]], attempt: int) -> dict[
     return counts
 
 
+# status.progress.unavailable: why no progress can be read (e.g. every pod is on a simulated node).
+UNAVAILABLE = "unavailable"
+
+
 def progress_display(progress: dict[str, Any] | None) -> str | None:
     """A short text for `kubectl get ddpj`: 42% (step 420/1000)."""
     if not progress:
@@ -77,6 +81,8 @@ def progress_display(progress: dict[str, Any] | None) -> str | None:
         return f"{float(pct):.0f}%" + (f" ({step}/{total})" if step is not None and total else "")
     if step is not None:
         return f"step {step}" + (f"/{total}" if total else "")
+    if progress.get(UNAVAILABLE):
+        return "n/a (not scraped)"
     return None
 
 
@@ -245,6 +251,8 @@ def job_status(job: JobSpec, pods: list[dict[str, Any]], *, now: dt.datetime,
     if report is not None:
         if report.progress:
             progress.update(report.progress)
+            if UNAVAILABLE not in report.progress:
+                progress.pop(UNAVAILABLE, None)
         by_type = {c.get("type"): c for c in conds}
         for cond in report.conditions:
             if cond.get("type") in by_type:

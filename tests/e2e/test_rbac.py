@@ -57,9 +57,12 @@ DENIED = [
     ("update", "ddpjobs.ddpjob.dev", None),     # it never edits a user's spec
     ("patch", "pods", None),
 ]
+# Cluster mode reads single nodes (is it simulated by kwok?) and nothing else about them.
+NODE_READ = ("get", "nodes", None)
 DENIED_CLUSTER = [
     ("delete", "nodes", None),
-    ("get", "nodes", None),
+    ("list", "nodes", None),
+    ("patch", "nodes", None),
     ("create", "clusterrolebindings.rbac.authorization.k8s.io", None),
     ("create", "rolebindings.rbac.authorization.k8s.io", None),
     ("escalate", "clusterroles.rbac.authorization.k8s.io", None),
@@ -101,7 +104,12 @@ def test_namespaced_mode_may_only_in_its_namespace(cluster, kit, namespaced_mode
     assert not kit.can_i(cluster, rel.user, verb, resource, subresource=sub), "cluster-wide"
 
 
-@pytest.mark.parametrize("verb, resource, sub", DENIED + DENIED_CLUSTER)
+def test_cluster_mode_may_read_a_node(cluster, kit, cluster_mode):
+    verb, resource, sub = NODE_READ
+    assert kit.can_i(cluster, cluster_mode.user, verb, resource, subresource=sub)
+
+
+@pytest.mark.parametrize("verb, resource, sub", DENIED + DENIED_CLUSTER + [NODE_READ])
 def test_namespaced_mode_may_not(cluster, kit, namespaced_mode, verb, resource, sub):
     rel, watched, _ = namespaced_mode
     assert not kit.can_i(cluster, rel.user, verb, resource, namespace=watched, subresource=sub)

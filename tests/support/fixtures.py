@@ -7,12 +7,47 @@ from pathlib import Path
 import pytest
 
 from tests.support.cluster import Cluster, create_namespace, delete_namespace, ensure_cluster
-from tests.support.network import ConnectionWatch, block_in_process_connects
+from tests.support.network import (
+    ConnectionWatch,
+    block_in_process_connects,
+    guard_probes,
+    guard_rejections,
+)
+
+# What hack/kwok-guard.sh had rejected when the session started, and what the session adds.
+_guard: dict[str, object] = {"start": None, "verdict": ""}
 
 
 def pytest_configure(config):
     """No test process may connect to a fictitious kwok address (docs/development.md, Network rule)."""
     block_in_process_connects()
+
+
+def pytest_sessionstart(session):
+    _guard["start"] = guard_rejections()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """The whole run made no connection attempt to a kwok range other than the guard test's own
+    probes: the guard's counters see every attempt (refused on the spot), sampled or not."""
+    end = guard_rejections()
+    if end is None:
+        return
+    start = _guard["start"] if isinstance(_guard["start"], int) else 0  # chain made during the run: 0
+    stray = end - start - guard_probes()
+    if stray > 0:
+        _guard["verdict"] = (f"FAILED: {stray} packet(s) of this run went to kwok's fictitious addresses "
+                             "(refused by hack/kwok-guard.sh; `iptables -L DDPJOB-KWOK-GUARD -v` counts them)")
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+    else:
+        _guard["verdict"] = (f"no connection attempt to kwok's addresses ({guard_probes()} "
+                             "deliberate probe(s) by the guard test, refused)")
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _guard["verdict"]:
+        terminalreporter.section("network rule")
+        terminalreporter.write_line(str(_guard["verdict"]))
 
 
 @pytest.fixture(scope="session")

@@ -20,11 +20,24 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
-# kube-controller-manager's --cidr in hack/cluster-up.sh: kwok pods' status.podIP.
-KWOK_POD_CIDR = ipaddress.ip_network("10.244.0.0/16")
-# The InternalIP that hack/cluster-up.sh gives each kwok node (the API server would dial it for
-# `kubectl logs`/`exec` on a kwok pod).
-KWOK_NODE_CIDR = ipaddress.ip_network("10.240.0.0/24")
+# hack/kwok-guard.sh is the one home of kwok's fictitious ranges (cluster-up gives them to kwok and
+# rejects any connection to them while the cluster is up).
+KWOK_GUARD = Path(__file__).resolve().parents[2] / "hack" / "kwok-guard.sh"
+
+
+def _guard_range(var: str) -> ipaddress.IPv4Network:
+    m = re.search(rf"^{var}=(\S+)", KWOK_GUARD.read_text(), re.M)
+    if m is None:
+        raise RuntimeError(f"{KWOK_GUARD} sets no {var}")
+    return ipaddress.IPv4Network(m.group(1))
+
+
+GUARD_CHAIN = re.search(r"^CHAIN=(\S+)", KWOK_GUARD.read_text(), re.M).group(1)  # type: ignore[union-attr]
+# kwok pods' status.podIP (kwok's --cidr).
+KWOK_POD_CIDR = _guard_range("KWOK_POD_CIDR")
+# The InternalIP each kwok node gets (the API server would dial it for `kubectl logs`/`exec` on a
+# kwok pod).
+KWOK_NODE_CIDR = _guard_range("KWOK_NODE_CIDR")
 FICTITIOUS_NETWORKS = (KWOK_POD_CIDR, KWOK_NODE_CIDR)
 
 SCRAPE_ENV = "DDPJOB_SCRAPE_URL_TEMPLATE"
@@ -276,3 +289,25 @@ def block_in_process_connects(networks=FICTITIOUS_NETWORKS) -> None:
                                    "fictitious kwok address (docs/development.md, Network rule)")
 
     sys.addaudithook(hook)
+
+
+# Connections to kwok's ranges this test run made on purpose: the guard's own test proves that they
+# are refused. Every other rejected packet is an attempt that must not have happened.
+_guard_probes = [0]
+
+
+def record_guard_probe() -> None:
+    _guard_probes[0] += 1
+
+
+def guard_probes() -> int:
+    return _guard_probes[0]
+
+
+def guard_rejections() -> int | None:
+    """Packets the guard rejected since it was set up (`hack/kwok-guard.sh count`); None when it is
+    not set up (no cluster, or not root)."""
+    import subprocess
+
+    proc = subprocess.run([str(KWOK_GUARD), "count"], capture_output=True, text=True, timeout=60)
+    return int(proc.stdout) if proc.returncode == 0 and proc.stdout.strip().isdigit() else None

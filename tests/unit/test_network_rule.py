@@ -106,9 +106,11 @@ def test_the_chart_installed_with_the_loopback_values_passes_the_workload_check(
 
 def test_kwok_addresses_and_real_node_subnets_cannot_overlap():
     up = (REPO_ROOT / "hack" / "cluster-up.sh").read_text()
-    assert ipaddress.ip_network(re.search(r"--cidr (\S+)", up).group(1)) == KWOK_POD_CIDR
-    node_ips = re.findall(r"type: InternalIP, address: (\d+\.\d+\.\d+)\.", up)
-    assert node_ips and all(ipaddress.ip_address(f"{n}.1") in KWOK_NODE_CIDR for n in node_ips)
+    # cluster-up takes both ranges from the guard (one home), for kwok and for the nodes it makes.
+    assert '--cidr "$KWOK_POD_CIDR"' in up and "address: ${KWOK_NODE_CIDR%.*/*}." in up
+    ranges = subprocess.run([str(REPO_ROOT / "hack" / "kwok-guard.sh"), "ranges"], capture_output=True,
+                            text=True, check=True).stdout.split()
+    assert [ipaddress.ip_network(r) for r in ranges] == [KWOK_POD_CIDR, KWOK_NODE_CIDR]
     real = ipaddress.ip_network(re.search(r"^POD_RANGE=(\S+)", (REPO_ROOT / "hack" / "nodes-lib.sh")
                                           .read_text(), re.M).group(1))
     assert not real.overlaps(KWOK_POD_CIDR) and not real.overlaps(KWOK_NODE_CIDR)
