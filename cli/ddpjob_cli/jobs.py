@@ -297,23 +297,54 @@ def logs(kube: Kube, name: str, rank: int | None, all_ranks: bool, attempt: int 
 @click.argument("name")
 @click.option("--once", is_flag=True, help="Print the table once and exit (for scripts).")
 @click.option("--interval", type=float, default=2.0, show_default=True, help="Seconds between refreshes.")
+@click.option("--live", is_flag=True,
+              help="Also each process's own numbers (stage, step, samples/s, step and data-wait time, GPU memory), "
+                   "read from its pod's metrics through the API server's pod proxy (needs get on pods/proxy).")
 @output_option()
-def top(kube: Kube, name: str, once: bool, interval: float, output: str | None) -> None:
+def top(kube: Kube, name: str, once: bool, interval: float, live: bool, output: str | None) -> None:
     """A refreshing per-rank table of a DDPJob (pods, phases, exit codes; the straggler in red)."""
     tty = sys.stdout.isatty()
     while True:
         job = kube.get_job(name)
         pods = kube.pods(name)
+        samples, notes = _live_samples(kube, job, pods) if live else (None, [])
         if output:
-            click.echo(views.dump({"job": name, "phase": views.phase_of(job),
-                                   "progress": views.status_of(job).get("progress") or {},
-                                   "ranks": [r.as_dict() for r in views.rank_rows(job, pods)]}, output), nl=False)
+            data = {"job": name, "phase": views.phase_of(job), "progress": views.status_of(job).get("progress") or {},
+                    "ranks": [r.as_dict() for r in views.rank_rows(job, pods)]}
+            if samples is not None:
+                data["processes"] = [dict(zip(views.PROCESS_HEADERS, cells)) for cells, _ in
+                                     views.process_rows(job, samples)]
+            click.echo(views.dump(data, output), nl=False)
         else:
-            screen = views.top_text(job, pods, now(), color=tty)
+            screen = views.top_text(job, pods, now(), color=tty, samples=samples, notes=notes)
             click.echo(("\x1b[H\x1b[2J" if tty and not once else "") + screen, nl=False)
         if once or output or Phase.parse(views.status_of(job).get("phase")) in (Phase.SUCCEEDED, Phase.FAILED):
             return
         time.sleep(interval)
+
+
+def _live_samples(kube: Kube, job: dict[str, Any], pods: list[dict[str, Any]]) -> tuple[dict[int, Any], list[str]]:
+    """({global rank: RankSample}, notes on pods not read) from the running pods of the current attempt."""
+    from ddpjob_operator.scrape import merge, parse_metrics
+    from ddpjob_operator.spec import from_manifest
+
+    port = from_manifest(job).metrics_port
+    parts, notes = [], []
+    for row in views.rank_rows(job, pods):
+        if row.phase != "Running":
+            continue
+        try:
+            part = parse_metrics(kube.pod_metrics(row.pod, port))
+        except CliError as exc:
+            notes.append(f"rank {row.rank}: no metrics ({exc})")
+            continue
+        except ValueError as exc:
+            notes.append(f"rank {row.rank}: unreadable metrics ({exc})")
+            continue
+        for sample in part.values():
+            sample.pod = row.pod
+        parts.append(part)
+    return merge(parts), notes
 
 
 COMMANDS = (list_cmd, get, describe, wait, submit, delete, suspend, resume, logs, top)

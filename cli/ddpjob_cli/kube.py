@@ -17,6 +17,7 @@ from urllib3.exceptions import HTTPError
 
 from ddpjob_operator import labels
 from ddpjob_operator.k8s import child_path
+from ddpjob_operator.scrape import MAX_BODY_BYTES
 from ddpjob_operator.spec import API_VERSION, PLURAL
 
 from .views import api_error, missing_object
@@ -181,6 +182,23 @@ class Kube:
             raise CliError(f"the log stream of pod {pod} broke: {exc}") from None
         finally:
             raw.release_conn()
+
+    def pod_metrics(self, pod: str, port: int, *, max_bytes: int = MAX_BODY_BYTES) -> str:
+        """A pod's metrics text through the API server's pod proxy (pods/proxy; the CLI itself
+        never connects to a pod)."""
+        raw = self._call("GET", f"{child_path('v1', 'Pod', self.namespace, pod)}:{port}/proxy/metrics", stream=True,
+                         name=pod, namespace=self.namespace)
+        buf = bytearray()
+        try:
+            for chunk in raw.stream(65536, decode_content=True):
+                buf += chunk
+                if len(buf) > max_bytes:
+                    raise CliError(f"pod {pod}'s metrics are over {max_bytes} bytes")
+        except (HTTPError, OSError) as exc:
+            raise CliError(f"reading pod {pod}'s metrics: {exc}") from None
+        finally:
+            raw.release_conn()
+        return buf.decode(errors="replace")
 
     def close(self) -> None:
         self.api.close()

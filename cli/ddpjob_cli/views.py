@@ -11,12 +11,13 @@ import datetime as dt
 import json
 import re
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Iterable, Mapping
 
 from ddpjob_operator import podinfo
 from ddpjob_operator.health import STALLED, STRAGGLER
 from ddpjob_operator.phases import Phase
 from ddpjob_operator.progress import human_duration
+from ddpjob_operator.scrape import RankSample
 from ddpjob_operator.spec import KIND, PLURAL, from_manifest
 
 Row = list[str]
@@ -119,13 +120,19 @@ def current_attempt(job: dict[str, Any], pods: list[dict[str, Any]]) -> int:
     return max((podinfo.attempt(p) for p in pods), default=0)
 
 
-def _flagged_pods(job: dict[str, Any], kind: str) -> set[str]:
-    """Pods named by a True Straggler/Stalled condition (the monitor's message names each rank's
-    pod: 'rank 3 (pod job-1 on node n7)')."""
+def _named(job: dict[str, Any], kind: str, what: str) -> set[str]:
+    """The pods (what="pod") or global ranks (what="rank") a True Straggler/Stalled condition
+    names (the monitor's message names each rank and its pod: 'rank 3 (pod job-1 on node n7)')."""
+    pattern = {"pod": r"\bpod ([a-z0-9][-a-z0-9.]*[a-z0-9])", "rank": r"\brank (\d+)"}[what]
     for cond in status_of(job).get("conditions") or []:
         if cond.get("type") == kind and cond.get("status") == "True":
-            return set(re.findall(r"\bpod ([a-z0-9][-a-z0-9.]*[a-z0-9])", str(cond.get("message") or "")))
+            return set(re.findall(pattern, str(cond.get("message") or "")))
     return set()
+
+
+def _flags(job: dict[str, Any], key: str, what: str) -> tuple[str, ...]:
+    return tuple(flag for flag, kind in (("straggler", STRAGGLER), ("stalled", STALLED))
+                 if key in _named(job, kind, what))
 
 
 @dataclass(frozen=True)
@@ -163,7 +170,6 @@ def rank_rows(job: dict[str, Any], pods: list[dict[str, Any]]) -> list[RankRow]:
     mine = {podinfo.rank(p): p for p in sorted(pods, key=podinfo.name)
             if podinfo.attempt(p) == attempt and not podinfo.terminating(p)}
     nodes = int((job.get("spec") or {}).get("nodes") or 0)
-    straggling, stalled = _flagged_pods(job, STRAGGLER), _flagged_pods(job, STALLED)
     rows = []
     for rank in sorted(set(range(nodes)) | set(mine)):
         pod = mine.get(rank)
@@ -173,7 +179,7 @@ def rank_rows(job: dict[str, Any], pods: list[dict[str, Any]]) -> list[RankRow]:
         name = podinfo.name(pod)
         statuses = (pod.get("status") or {}).get("containerStatuses") or []
         ready = f"{sum(1 for c in statuses if c.get('ready'))}/{len((pod.get('spec') or {}).get('containers') or [])}"
-        flags = tuple(f for f, names in (("straggler", straggling), ("stalled", stalled)) if name in names)
+        flags = _flags(job, name, "pod")
         rows.append(RankRow(rank=rank, pod=name, node=(pod.get("spec") or {}).get("nodeName") or "",
                             phase=podinfo.phase(pod), ready=ready,
                             restarts=sum(int(c.get("restartCount") or 0) for c in statuses),
@@ -379,9 +385,48 @@ def wait_outcome(job: dict[str, Any] | None, want: Iterable[Phase], *, name: str
 
 # --- top --------------------------------------------------------------------------------------------
 
-def top_text(job: dict[str, Any], pods: list[dict[str, Any]], now: dt.datetime, *, color: bool = False) -> str:
-    """The `top` screen: the job's line, its progress, then the per-rank table with the ranks a
-    Straggler or Stalled condition names marked (and in colour on a terminal)."""
+PROCESS_HEADERS = ["RANK", "NODE RANK", "POD", "STAGE", "STEP", "LOSS", "SAMPLES/S", "STEP MS", "DATA WAIT MS",
+                   "GPU MEM GiB", "FLAGS"]
+
+
+def _per_step(total: float, count: float) -> str:
+    return _num(1000 * total / count, "{:.1f}") if count > 0 else NONE
+
+
+def process_rows(job: dict[str, Any], samples: Mapping[int, RankSample]) -> list[tuple[Row, bool]]:
+    """(cells, flagged) per training process from its pod's metrics (`top --live`): its stage,
+    step, loss, own samples/s over its stepping time, mean step and data-wait time per step, GPU
+    memory; flagged when the Straggler/Stalled condition names its rank."""
+    out = []
+    for rank in sorted(samples):
+        s = samples[rank]
+        flags = _flags(job, str(rank), "rank")
+        rate = s.samples_total / s.step_seconds_sum if s.step_seconds_sum > 0 else None
+        gpu = None if s.gpu_memory_allocated_bytes is None else s.gpu_memory_allocated_bytes / 2**30
+        out.append(([str(rank), NONE if s.node_rank is None else str(s.node_rank), s.pod or NONE, s.stage or NONE,
+                     NONE if s.step is None else str(s.step), _num(s.loss), _num(rate, "{:.1f}"),
+                     _per_step(s.step_seconds_sum, s.step_seconds_count),
+                     _per_step(s.data_wait_seconds_total, s.step_seconds_count), _num(gpu, "{:.2f}"),
+                     ",".join(flags) or NONE], bool(flags)))
+    return out
+
+
+def _styled(text: str, rows_flagged: list[bool], color: bool) -> list[str]:
+    """A table's lines, the flagged rows in bold red when `color`."""
+    lines = text.rstrip("\n").splitlines()
+    if not color:
+        return lines
+    import click
+
+    return [lines[0]] + [click.style(line, fg="red", bold=True) if flagged else line
+                         for line, flagged in zip(lines[1:], rows_flagged)]
+
+
+def top_text(job: dict[str, Any], pods: list[dict[str, Any]], now: dt.datetime, *, color: bool = False,
+             samples: Mapping[int, RankSample] | None = None, notes: Iterable[str] = ()) -> str:
+    """The `top` screen: the job's line, its progress, the per-rank table of pods with the ones a
+    Straggler or Stalled condition names marked (and in colour on a terminal); with `samples`
+    (`--live`), a table of every process's own numbers below, and `notes` (pods not read)."""
     st = status_of(job)
     head = f"{meta(job).get('namespace')}/{meta(job).get('name')}  {phase_of(job)}"
     if st.get("attempt") is not None:
@@ -396,13 +441,16 @@ def top_text(job: dict[str, Any], pods: list[dict[str, Any]], now: dt.datetime, 
             lines.append(f"{cond['type']}: {one_line(cond.get('message'), 300)}")
     lines.append("")
     rows = rank_rows(job, pods)
-    body = table(RANK_HEADERS, [r.cells(now) for r in rows]).rstrip("\n").splitlines()
-    if color:
-        import click
-
-        body = [body[0]] + [click.style(line, fg="red", bold=True) if r.flags else line
-                            for line, r in zip(body[1:], rows)]
-    return "\n".join(lines + body) + "\n"
+    lines += _styled(table(RANK_HEADERS, [r.cells(now) for r in rows]), [bool(r.flags) for r in rows], color)
+    if samples is not None:
+        procs = process_rows(job, samples)
+        lines.append("")
+        if procs:
+            lines += _styled(table(PROCESS_HEADERS, [cells for cells, _ in procs]), [f for _, f in procs], color)
+        else:
+            lines.append("no process reported metrics yet")
+    lines += list(notes)
+    return "\n".join(lines) + "\n"
 
 
 # --- logs -------------------------------------------------------------------------------------------

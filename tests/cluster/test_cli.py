@@ -78,10 +78,12 @@ def one_line_error(proc: Ran, code: int = 1) -> str:
 
 
 def job_file(tmp_path: Path, name: str, **spec) -> str:
+    """A DDPJob file; `spec` fields over a 2-node GPU job of the built-in trainer (None: left out)."""
+    spec = {"image": "reg/trainer:1", "nodes": 2, "gpusPerNode": 1,
+            "trainer": {"dataset": "digits", "model": "mlp", "epochs": 1}, **spec}
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump({"apiVersion": "ddpjob.dev/v1alpha1", "kind": "DDPJob", "metadata": {"name": name},
-                                    "spec": {"image": "reg/trainer:1", "nodes": 2, "gpusPerNode": 1,
-                                             "trainer": {"dataset": "digits", "model": "mlp", "epochs": 1}, **spec}}))
+                                    "spec": {k: v for k, v in spec.items() if v is not None}}))
     return str(path)
 
 
@@ -236,3 +238,55 @@ def test_errors_are_one_line(cluster, env, tmp_path):
     (tmp_path / "down").write_text(yaml.safe_dump(admin))
     assert "cannot reach the API server at https://127.0.0.1:1" in one_line_error(
         ddpjob(cluster, "list", "--kubeconfig", str(tmp_path / "down")))
+
+
+# Each real pod prints a line, serves a fixed exposition on its metrics port until 2 s after its
+# first scrape (60 s at most), prints another line and exits 0.
+REAL_POD_SCRIPT = r'''
+import http.server, os, time
+r, port = int(os.environ["NODE_RANK"]), int(os.environ["DDPJOB_METRICS_PORT"])
+print(f"hello from rank {r}", flush=True)
+lab = f'rank="{r}",local_rank="0",node_rank="{r}"'
+body = "".join(f"ddpjob_trainer_{m}{{{lab}}} {v}\n" for m, v in (
+    ("step", 10 + r), ("samples_total", 640), ("step_seconds_sum", 2.0 * (1 + r)), ("step_seconds_count", 10)))
+body += f'ddpjob_trainer_stage{{{lab},stage="training"}} 1\n'
+end = time.time() + 60
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        global end
+        end = min(end, time.time() + 2)
+        self.send_response(200); self.end_headers(); self.wfile.write(body.encode())
+    def log_message(self, *a): pass
+srv = http.server.HTTPServer(("", port), H)
+srv.timeout = 0.2
+while time.time() < end:
+    srv.handle_request()
+print(f"bye from rank {r}", flush=True)
+'''
+
+
+def test_logs_and_top_live_on_real_pods(cluster, env, tmp_path):
+    """On the local cluster's two real nodes: `top --live` reads each pod's metrics through the API
+    server, `logs -f --all-ranks` follows both pods to their end, `logs --rank 1` reads one."""
+    from tests.realpods.conftest import REAL_NODE_SCHEDULING, TRAINER_IMAGE, real_nodes
+
+    if os.environ.get("DDPJOB_REAL_NODES") == "0" or len(real_nodes(cluster)) < 2:
+        pytest.skip("the cluster has no two real nodes (DDPJOB_REAL_NODES=0)")
+    ns, _, api = env
+    ok(ddpjob(cluster, "submit", job_file(tmp_path, "real", gpusPerNode=0, image=TRAINER_IMAGE, imagePullPolicy="Never",
+                                          launcher=False, command=["python", "-c", REAL_POD_SCRIPT], trainer=None,
+                                          scheduling=REAL_NODE_SCHEDULING), "-n", ns))
+    ok(ddpjob(cluster, "wait", "real", "--for", "Running", "--timeout", "120", "-n", ns))
+    wait_for(lambda: "hello from rank 1" in ddpjob(cluster, "logs", "real", "--rank", "1", "-n", ns).stdout,
+             timeout=60, desc="rank 1's first line")
+
+    top = ok(ddpjob(cluster, "top", "real", "--once", "--live", "-n", ns))
+    procs = {ln.split()[0]: ln.split() for ln in top.split("DATA WAIT MS")[1].splitlines()[1:] if ln.strip()}
+    assert procs["0"][:7] == ["0", "0", "real-0", "training", "10", "-", "320.0"], top
+    assert procs["1"][:8] == ["1", "1", "real-1", "training", "11", "-", "160.0", "400.0"], top
+
+    followed = ok(ddpjob(cluster, "logs", "real", "--all-ranks", "-f", "-n", ns)).splitlines()
+    assert {"[rank 0] bye from rank 0", "[rank 1] bye from rank 1", "[rank 1] hello from rank 1"} <= set(followed)
+    ok(ddpjob(cluster, "wait", "real", "--timeout", "60", "-n", ns))
+    assert ok(ddpjob(cluster, "logs", "real", "--rank", "1", "-n", ns)).splitlines() == \
+        ["hello from rank 1", "bye from rank 1"]

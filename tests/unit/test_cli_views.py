@@ -202,3 +202,27 @@ def test_api_errors_are_one_line_saying_what_to_do(code, body, expect, missing):
     text = views.api_error(code, body, name="x", namespace="ns", verb="list")
     assert expect in text and "\n" not in text
     assert views.missing_object(code, body) is missing
+
+
+def test_top_live_adds_each_process_own_numbers_and_flags_the_named_rank():
+    from ddpjob_operator.scrape import parse_metrics
+
+    text = "".join(
+        f'ddpjob_trainer_{m}{{rank="{r}",local_rank="{r % 2}",node_rank="{r // 2}"{extra}}} {v}\n'
+        for r in range(4)
+        for m, v, extra in (("step", 10 + r, ""), ("samples_total", 640, ""), ("step_seconds_sum", 2.0 * (1 + (r == 3)), ""),
+                            ("step_seconds_count", 10, ""), ("data_wait_seconds_total", 0.5, ""), ("loss", 0.25, ""),
+                            ("gpu_memory_allocated_bytes", 2**31, ""), ("stage", 1, ',stage="training"')))
+    samples = parse_metrics(text)
+    for s in samples.values():
+        s.pod = f"j-{s.node_rank}"
+    cond = {"type": "Straggler", "status": "True", "message": "straggling: rank 3 (pod j-1 on node n1) (2.0x)"}
+    job = job_with(running_status(conditions=[cond]))
+    rows = views.process_rows(job, samples)
+    assert [cells for cells, _ in rows][3] == ["3", "1", "j-1", "training", "13", "0.25", "160.0", "400.0", "50.0",
+                                               "2.00", "straggler"]
+    assert [flagged for _, flagged in rows] == [False, False, False, True]
+    screen = views.top_text(job, [placed(make_pod(0), "n0"), placed(make_pod(1), "n1")], NOW, samples=samples,
+                            notes=["rank 1: no metrics (boom)"])
+    assert "DATA WAIT MS" in screen and screen.rstrip().endswith("rank 1: no metrics (boom)")
+    assert "no process reported metrics yet" in views.top_text(job, [], NOW, samples={})
