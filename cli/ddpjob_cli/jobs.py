@@ -333,6 +333,9 @@ def _live_samples(kube: Kube, job: dict[str, Any], pods: list[dict[str, Any]]) -
     for row in views.rank_rows(job, pods):
         if row.phase != "Running":
             continue
+        if kube.simulated_node(row.node):
+            notes.append(f"rank {row.rank}: on simulated (kwok) node {row.node}, whose pods serve nothing")
+            continue
         try:
             part = parse_metrics(kube.pod_metrics(row.pod, port))
         except CliError as exc:

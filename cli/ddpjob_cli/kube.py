@@ -17,6 +17,7 @@ from urllib3.exceptions import HTTPError
 
 from ddpjob_operator import labels
 from ddpjob_operator.k8s import child_path
+from ddpjob_operator.monitor import SIMULATED_NODE_ANNOTATION
 from ddpjob_operator.scrape import MAX_BODY_BYTES
 from ddpjob_operator.spec import API_VERSION, PLURAL
 
@@ -78,6 +79,7 @@ class Kube:
         self.api = client.ApiClient(cfg)
         self.api.user_agent = USER_AGENT
         self.timeout = request_timeout
+        self._simulated: dict[str, bool] = {}
 
     # --- raw requests -----------------------------------------------------------------------------
 
@@ -182,6 +184,17 @@ class Kube:
             raise CliError(f"the log stream of pod {pod} broke: {exc}") from None
         finally:
             raw.release_conn()
+
+    def simulated_node(self, node: str) -> bool:
+        """True for a node kwok simulates (its pods' addresses are fictitious: nothing to proxy to);
+        False when it is not, or the node may not be read (most users may not)."""
+        if node not in self._simulated:
+            try:
+                obj = self._call("GET", f"/api/v1/nodes/{node}", name=node) or {}
+            except CliError:
+                obj = {}
+            self._simulated[node] = SIMULATED_NODE_ANNOTATION in ((obj.get("metadata") or {}).get("annotations") or {})
+        return self._simulated[node]
 
     def pod_metrics(self, pod: str, port: int, *, max_bytes: int = MAX_BODY_BYTES) -> str:
         """A pod's metrics text through the API server's pod proxy (pods/proxy; the CLI itself

@@ -19,6 +19,7 @@ from ddpjob_operator.phases import Phase
 from ddpjob_operator.progress import human_duration
 from ddpjob_operator.scrape import RankSample
 from ddpjob_operator.spec import KIND, PLURAL, from_manifest
+from ddpjob_operator.status import UNAVAILABLE
 
 Row = list[str]
 NONE = "-"
@@ -269,6 +270,8 @@ def progress_line(progress: dict[str, Any]) -> str:
                        ("eta", "ETA {}"), ("evalAccuracy", "eval accuracy {:.4g}")):
         if progress.get(key) is not None:
             parts.append(label.format(progress[key]))
+    if progress.get(UNAVAILABLE):
+        parts.append(f"unavailable: {one_line(progress[UNAVAILABLE], 200)}")
     return ", ".join(parts)
 
 

@@ -1,10 +1,10 @@
 """The cluster commands (`ddpjob list/get/describe/wait/top/submit/delete/suspend/resume/logs`)
 against the real API server, one operator for the module, pods on kwok's fake nodes.
 
-Each command runs as a subprocess, as a user types it; the tests check its output and exit code.
-Nothing here reads a pod's log: a kwok pod's log would send the API server to a fictitious node
-address (the network rule), so `logs` is checked up to its pod choice (tests/unit/test_cli_views.py)
-and its one-line error.
+Each command runs in this process through click's runner (a subprocess for the terminal test);
+the tests check its output and exit code. A kwok pod has no log and no metrics to read (its node
+and address are fictitious, and the network rule keeps every process away from them), so `logs`
+and `top --live` are tested on the cluster's two real nodes (test_logs_and_top_live_on_real_pods).
 """
 from __future__ import annotations
 
@@ -127,6 +127,8 @@ def test_submit_list_get_describe_top_wait_delete(cluster, env, tmp_path):
     assert json.loads(ok(ddpjob(cluster, "describe", name, "-n", ns, "-o", "json")))["ranks"][1]["pod"] == "train-1"
     top = ok(ddpjob(cluster, "top", name, "--once", "-n", ns))
     assert top.startswith(f"{ns}/train  Running") and "train-0" in top and "train-1" in top and "\x1b[" not in top
+    live = ok(ddpjob(cluster, "top", name, "--once", "--live", "-n", ns))   # kwok pods are not asked
+    assert "no process reported metrics yet" in live and "rank 1: on simulated (kwok) node kwok-gpu-" in live
 
     # A terminal phase that is not the wanted one ends the wait at once.
     finish(api, ns, name, 0)

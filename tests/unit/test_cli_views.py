@@ -226,3 +226,10 @@ def test_top_live_adds_each_process_own_numbers_and_flags_the_named_rank():
                             notes=["rank 1: no metrics (boom)"])
     assert "DATA WAIT MS" in screen and screen.rstrip().endswith("rank 1: no metrics (boom)")
     assert "no process reported metrics yet" in views.top_text(job, [], NOW, samples={})
+
+
+def test_progress_line_says_why_progress_is_unavailable():
+    assert views.progress_line({"step": 4, "totalSteps": 8, "percent": 50.0, "loss": 0.5}) == \
+        "step 4/8 (50%), loss 0.5"
+    assert views.progress_line({"unavailable": "2 pod(s) on simulated (kwok) nodes"}) == \
+        "unavailable: 2 pod(s) on simulated (kwok) nodes"
