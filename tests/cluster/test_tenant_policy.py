@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from tests.cluster.test_crd import install_crd
-from tests.support.cluster import REPO_ROOT, create_namespace, delete_namespace, wait_for
+from tests.support.cluster import OPERATOR_IMAGE_VALUES, REPO_ROOT, create_namespace, delete_namespace, wait_for
 
 CHART = REPO_ROOT / "charts" / "ddpjob-operator"
 ALLOWED_SA = "trainer"
@@ -54,6 +54,7 @@ def bound_profile(cluster, tmp_path_factory, user, global_values, **profile_valu
     vfile = tmp_path_factory.mktemp("tenant") / "values.yaml"
     vfile.write_text(yaml.safe_dump({"tenantPolicy": {**values, **global_values, "profiles": [profile]}}))
     policy = cluster.helm("template", f"tp-{tag}", str(CHART), "--kube-version", "v1.36.3", "-f", str(vfile),
+                          *[a for s in OPERATOR_IMAGE_VALUES for a in ("--set", s)],
                           "--show-only", "templates/tenant-policy.yaml").stdout
     rbac = [role(ns, "ddpjobs-only", {"apiGroups": ["ddpjob.dev"], "resources": ["ddpjobs"],
                                       "verbs": ["create", "get", "list", "patch", "delete"]}),

@@ -18,6 +18,7 @@ import yaml
 
 from ddpjob_cli.local import free_port
 from tests.support.cluster import (  # noqa: F401  (re-exported for test modules)
+    OPERATOR_IMAGE_VALUES,
     REPO_ROOT,
     Cluster,
     create_namespace,
@@ -91,7 +92,7 @@ def install_release(cluster: Cluster, *sets: str, name: str | None = None, names
     args = ["install", name, str(CHART), "-n", namespace, "--create-namespace"]
     if wait:
         args += ["--wait", "--timeout", "120s"]
-    for s in sets:
+    for s in (*OPERATOR_IMAGE_VALUES, *sets):       # the image first: a test's own sets may replace it
         args += ["--set", s]
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", prefix="loopback-scrape-") as values:
         if not allow_pod_scrape:

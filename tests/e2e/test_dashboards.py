@@ -12,7 +12,7 @@ import textwrap
 import pytest
 import yaml
 
-from tests.support.cluster import REPO_ROOT
+from tests.support.cluster import OPERATOR_IMAGE_VALUES, REPO_ROOT
 
 CHART = REPO_ROOT / "charts" / "ddpjob-operator"
 DASHBOARDS = sorted((CHART / "dashboards").glob("*.json"))
@@ -113,7 +113,7 @@ def helm_template(*sets: str) -> list[dict]:
     if not HELM.exists():
         pytest.fail(f"{HELM} missing: run `make cluster-up` (it builds and links helm)")
     args = [str(HELM), "template", "t", str(CHART)]
-    for s in sets:
+    for s in (*OPERATOR_IMAGE_VALUES, *sets):
         args += ["--set", s]
     out = subprocess.run(args, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr

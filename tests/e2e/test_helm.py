@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.cluster import wait_crd_established
+from tests.support.cluster import OPERATOR_IMAGE_VALUES, wait_crd_established
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "ddpjob-operator"
@@ -21,7 +21,7 @@ GROUP, VERSION, PLURAL = "ddpjob.dev", "v1alpha1", "ddpjobs"
 def template(cluster, namespace: str, *sets: str, include_crds: bool = False) -> str:
     args = ["template", "t", str(CHART), "-n", namespace, "--kube-version", KUBE_VERSION]
     args += ["--include-crds"] if include_crds else []
-    for s in sets:
+    for s in (*OPERATOR_IMAGE_VALUES, *sets):
         args += ["--set", s]
     return cluster.helm(*args).stdout
 
@@ -117,6 +117,7 @@ def test_namespaced_install_creates_rbac_only_in_watched_namespaces(cluster, api
         assert crs["items"] == []
         notes = cluster.helm("get", "notes", rel.name, "-n", rel.namespace).stdout
         assert f"It watches DDPJobs in: {watched} (namespaced RBAC" in notes, notes
+        assert "image localhost/ddpjob/operator:dev (pullPolicy IfNotPresent)" in notes, notes   # the image it means
     finally:
         kit.delete_namespace(api, watched)
 

@@ -54,6 +54,9 @@ CLUSTER_DIR = REPO_ROOT / ".cache" / "cluster"
 KUBECONFIG = CLUSTER_DIR / "kubeconfig"
 BIN_DIR = REPO_ROOT / ".cache" / "bin"
 CLUSTER_UP = REPO_ROOT / "hack" / "cluster-up.sh"
+# The operator image every chart render and install of the tests names (the chart has no default:
+# no release publishes one yet). `make images` builds it; kwok's pods never pull it.
+OPERATOR_IMAGE_VALUES = ("image.repository=localhost/ddpjob/operator", "image.tag=dev")
 
 TEST_EXIT_CODE_ANNOTATION = "ddpjob.dev/test-exit-code"
 TEST_EVICT_ANNOTATION = "ddpjob.dev/test-evict"

@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.support.cluster import OPERATOR_IMAGE_VALUES
+
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "ddpjob-operator"
 RELEASE, NS = "ddpjob", "ddpjob-system"
@@ -45,9 +47,15 @@ def helm(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     return proc
 
 
+# Every render names the image it means (the chart has no default); `sets` and values files come after.
+IMAGE = tuple(a for s in OPERATOR_IMAGE_VALUES for a in ("--set", s))
+
+
 def render(*sets: str, values: dict | None = None, tmp_path: Path | None = None) -> list[dict]:
     """`helm template` with --set pairs (and an optional values file); parsed documents."""
     args = ["template", RELEASE, str(CHART), "--namespace", NS, "--kube-version", KUBE_VERSION]
+    if "image" not in (values or {}):        # --set would win over the file's own image
+        args += IMAGE
     for s in sets:
         args += ["--set", s]
     if values is not None:
@@ -59,7 +67,7 @@ def render(*sets: str, values: dict | None = None, tmp_path: Path | None = None)
 
 
 def render_error(*sets: str) -> str:
-    proc = helm("template", RELEASE, str(CHART), "--namespace", NS, "--kube-version", KUBE_VERSION,
+    proc = helm("template", RELEASE, str(CHART), "--namespace", NS, "--kube-version", KUBE_VERSION, *IMAGE,
                 *[a for s in sets for a in ("--set", s)], check=False)
     assert proc.returncode != 0, f"helm template {sets} should fail but rendered:\n{proc.stdout[:500]}"
     return proc.stderr
@@ -128,7 +136,7 @@ def assert_least_privilege(table: dict[tuple[str, str], set[str]]) -> None:
      "monitoring.prometheusRule.enabled=true", "monitoring.dashboards.enabled=true"),
 ], ids=["defaults", "ha", "namespaced", "monitoring"])
 def test_helm_lint_strict_is_clean(sets):
-    args = ["lint", "--strict", "--kube-version", KUBE_VERSION, str(CHART)] + [a for s in sets for a in ("--set", s)]
+    args = ["lint", "--strict", "--kube-version", KUBE_VERSION, str(CHART), *IMAGE] + [a for s in sets for a in ("--set", s)]
     proc = helm(*args, check=False)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "[WARNING]" not in proc.stdout and "[ERROR]" not in proc.stdout, proc.stdout
@@ -160,9 +168,9 @@ def test_schema_rejects_bad_values(bad, needle):
 def test_the_chart_refuses_a_control_plane_older_than_the_one_ci_runs():
     minor = ".".join(KUBE_VERSION.split(".")[:2])
     older = f"1.{int(minor.split('.')[1]) - 1}.9"
-    proc = helm("template", RELEASE, str(CHART), "--kube-version", older, check=False)
+    proc = helm("template", RELEASE, str(CHART), "--kube-version", older, *IMAGE, check=False)
     assert proc.returncode != 0 and "kubeVersion" in proc.stderr and older in proc.stderr, proc.stderr
-    assert helm("template", RELEASE, str(CHART), "--kube-version", f"{minor}.0").returncode == 0
+    assert helm("template", RELEASE, str(CHART), "--kube-version", f"{minor}.0", *IMAGE).returncode == 0
 
 
 @pytest.mark.parametrize("sets, needle", [
@@ -394,7 +402,19 @@ def test_scheduling_and_pod_metadata_values_reach_the_pod(tmp_path):
 
 def test_image_tag_defaults_to_app_version():
     app_version = yaml.safe_load((CHART / "Chart.yaml").read_text())["appVersion"]
-    assert container(render())["image"].endswith(f":{app_version}")
+    assert container(render("image.tag="))["image"] == f"localhost/ddpjob/operator:{app_version}"
+
+
+def test_no_image_fails_at_once_naming_the_value_and_how_to_build_one():
+    """No release publishes the operator image: a default would install an operator stuck in
+    ImagePullBackOff, so the chart has none and refuses to render without one."""
+    proc = helm("template", RELEASE, str(CHART), "--namespace", NS, "--kube-version", KUBE_VERSION, check=False)
+    assert proc.returncode != 0
+    for needle in ("image.repository is not set", "docker build --target operator", "kind load docker-image",
+                   "--set image.repository=<registry>/operator", "docs/install.md"):
+        assert needle in proc.stderr, (needle, proc.stderr)
+    err = render_error("image.repository=")                      # set, but to nothing: the same
+    assert "image.repository is not set" in err
 
 
 MONITORING = {
