@@ -13,7 +13,9 @@ import json
 import os
 import pty
 import select
+import signal
 import struct
+import subprocess
 import termios
 import sys
 import time
@@ -177,32 +179,65 @@ def test_the_progress_bar_of_wait_on_a_terminal(cluster, env, tmp_path):
                 .get("status", {}).get("progress", {}).get("step") == 7)
     wait_for(show_progress, timeout=20, desc="progress in the status")
 
-    pid, fd = pty.fork()
-    if pid == 0:  # the child: `ddpjob wait` (the installed command) with the pty as its terminal
-        os.execve(DDPJOB, [DDPJOB, "wait", "bar", "--timeout", "60", "--interval", "0.2", "-n", ns], cluster.env())
-    fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))   # a terminal's size
-    out = b""
+    top = Terminal(cluster, "top", "bar", "--interval", "0.2", "-n", ns)   # refreshes until stopped
+    try:
+        assert top.read_until(lambda out: out.count(CLEAR) >= 2 and out.rstrip().endswith(b"-"), 30), top.out
+    finally:
+        top.stop(interrupt=True)
+    screen = top.out.split(CLEAR)[-2]
+    assert b"step 7/20 (35%)" in screen and b"bar-0" in screen and b"bar-1" in screen
+    assert top.code == 130   # Ctrl-C
 
-    def read_until(text: bytes, timeout: float) -> bool:
-        nonlocal out
+    wait = Terminal(cluster, "wait", "bar", "--timeout", "60", "--interval", "0.2", "-n", ns)
+    try:
+        assert wait.read_until(lambda out: b"7/20" in out, 30), wait.out
+        finish(api, ns, "bar", 0)
+        assert wait.read_until(lambda out: b"bar Succeeded" in out, 60), wait.out
+    finally:
+        wait.stop(interrupt=wait.code is None and b"bar Succeeded" not in wait.out)
+    assert wait.code == 0
+    assert b"phase=Running" in wait.out and b"loss=0.5" in wait.out
+
+    # kubectl finds the kubectl-ddpjob command on PATH as its plugin.
+    path = f"{Path(DDPJOB).parent}{os.pathsep}{cluster.env()['PATH']}"
+    plugin = subprocess.run([str(cluster.bin_dir / "kubectl"), "ddpjob", "get", "bar", "-n", ns], capture_output=True,
+                            text=True, timeout=60, env={**cluster.env(), "PATH": path})
+    assert plugin.returncode == 0 and plugin.stdout.splitlines()[1].split()[:2] == ["bar", "Succeeded"], plugin
+
+
+CLEAR = b"\x1b[H\x1b[2J"
+
+
+class Terminal:
+    """`ddpjob ARGS` (the installed command) in a pseudo-terminal of 100x24, its output read as it comes."""
+
+    def __init__(self, cluster, *args: str):
+        self.pid, self.fd = pty.fork()
+        if self.pid == 0:  # the child
+            os.execve(DDPJOB, [DDPJOB, *args], cluster.env())
+        fcntl.ioctl(self.fd, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))
+        self.out = b""
+        self.code: int | None = None
+
+    def read_until(self, done, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
-        while text not in out and time.monotonic() < deadline:
-            if select.select([fd], [], [], 0.5)[0]:
+        while not done(self.out) and time.monotonic() < deadline:
+            if select.select([self.fd], [], [], 0.5)[0]:
                 try:
-                    out += os.read(fd, 4096)
+                    self.out += os.read(self.fd, 4096)
                 except OSError:   # the child closed the terminal
                     break
-        return text in out
+        return done(self.out)
 
-    try:
-        assert read_until(b"7/20", 30), out
-        finish(api, ns, "bar", 0)
-        assert read_until(b"bar Succeeded", 60), out
-    finally:
-        _, status = os.waitpid(pid, 0)
-        os.close(fd)
-    assert os.waitstatus_to_exitcode(status) == 0
-    assert b"phase=Running" in out and b"loss=0.5" in out
+    def stop(self, *, interrupt: bool = False) -> None:
+        """Its exit code in `code` once it has ended (read to the end of its output), or with
+        `interrupt` after Ctrl-C."""
+        if interrupt:
+            os.kill(self.pid, signal.SIGINT)
+        self.read_until(lambda out: False, 30)
+        _, status = os.waitpid(self.pid, 0)
+        os.close(self.fd)
+        self.code = os.waitstatus_to_exitcode(status)
 
 
 def test_errors_are_one_line(cluster, env, tmp_path):
