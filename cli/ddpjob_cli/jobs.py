@@ -65,6 +65,8 @@ def _echo_table(headers: list[str], rows: list[list[str]]) -> None:
 @output_option(("wide", *OUTPUTS))
 def list_cmd(kube: Kube, all_namespaces: bool, output: str | None) -> None:
     """List DDPJobs: phase, progress, loss, samples/s, restarts, age."""
+    if all_namespaces and kube.namespace_given:
+        raise click.UsageError("--namespace and --all-namespaces exclude each other")
     jobs = kube.list_jobs(all_namespaces=all_namespaces)
     if output in OUTPUTS:
         click.echo(views.dump(views.as_list(jobs), output), nl=False)

@@ -67,7 +67,11 @@ class Kube:
             ctx_ns = ((chosen or {}).get("context") or {}).get("namespace")
             self.where = f"context {(chosen or {}).get('name')}"
         elif os.environ.get("KUBERNETES_SERVICE_HOST") and not kubeconfig:
-            kconfig.load_incluster_config(client_configuration=cfg)
+            try:
+                kconfig.load_incluster_config(client_configuration=cfg)
+            except kconfig.ConfigException as exc:
+                raise CliError(f"no kubeconfig, and this pod's service account is unusable ({exc}): "
+                               "pass --kubeconfig FILE") from None
             ctx_ns = _SA_NAMESPACE.read_text().strip() if _SA_NAMESPACE.exists() else None
             self.where = "in-cluster service account"
         else:

@@ -247,6 +247,7 @@ def test_errors_are_one_line(cluster, env, tmp_path):
     assert "no kubeconfig" in one_line_error(ddpjob(cluster, "list", env={"KUBECONFIG": str(missing)}))
     assert "no kubeconfig" in one_line_error(ddpjob(cluster, "list", "--kubeconfig", str(missing)))
     assert "--context" in one_line_error(ddpjob(cluster, "list", "--context", "nosuch"))
+    assert "exclude each other" in ddpjob(cluster, "list", "-A", "-n", ns).stderr
     bad = job_file(tmp_path, "bad", nodes=0)
     assert "invalid DDPJob" in ddpjob(cluster, "submit", bad, "-n", ns).stderr
 
