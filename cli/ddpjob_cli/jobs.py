@@ -133,7 +133,9 @@ class _Bar:
                             dynamic_ncols=width > 0, ncols=None if width > 0 else 80)
         if total and self.bar.total != total:
             self.bar.total = total
-        if step is not None and step >= self.bar.n:
+        if step is not None and step < self.bar.n:   # a restart resumed from an earlier checkpoint
+            self.bar.reset(total=self.bar.total)
+        if step is not None:
             self.bar.update(step - self.bar.n)
         post = {"phase": views.phase_of(job)}
         if prog.get("loss") is not None:

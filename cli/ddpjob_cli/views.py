@@ -516,4 +516,6 @@ def api_error(code: int | None, body: Any, *, name: str | None, namespace: str |
         return f"{msg or 'conflict'}: delete it first (ddpjob delete {name}) or choose another name"
     if code == 422:
         return f"the API server refused the DDPJob: {msg}"
+    if code == 400 and msg:   # e.g. a log asked of a container that has not started: the API says which
+        return msg
     return f"the API server answered {code}{': ' + msg if msg else ''}"

@@ -196,6 +196,8 @@ def status_body(code, reason, message, details=None):
     (409, status_body(409, "AlreadyExists", 'ddpjobs.ddpjob.dev "x" already exists'),
      'already exists: delete it first (ddpjob delete x)', False),
     (422, status_body(422, "Invalid", "spec.nodes: Invalid value: 0"), "refused the DDPJob: spec.nodes", False),
+    (400, status_body(400, "BadRequest", 'container "trainer" in pod "j-0" is waiting to start: ContainerCreating'),
+     'container "trainer" in pod "j-0" is waiting to start', False),
     (500, "boom", "answered 500", False),
 ])
 def test_api_errors_are_one_line_saying_what_to_do(code, body, expect, missing):
@@ -233,3 +235,14 @@ def test_progress_line_says_why_progress_is_unavailable():
         "step 4/8 (50%), loss 0.5"
     assert views.progress_line({"unavailable": "2 pod(s) on simulated (kwok) nodes"}) == \
         "unavailable: 2 pod(s) on simulated (kwok) nodes"
+
+
+def test_the_wait_bar_follows_the_step_back_after_a_restart(capsys):
+    from ddpjob_cli.jobs import _Bar
+
+    bar = _Bar(True, "j")
+    for step in (7, 12, 4):
+        bar.update(job_with(running_status(progress={"step": step, "totalSteps": 20, "loss": 0.5})))
+    assert (bar.bar.n, bar.bar.total) == (4, 20)
+    bar.close()
+    assert "4/20" in capsys.readouterr().out
