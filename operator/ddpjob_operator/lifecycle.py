@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterable
 from . import kueue, labels, podinfo
 from .config import OperatorConfig
 from .envvars import pod_hostname
-from .phases import Cond, Phase
+from .phases import Cond, Phase, RestartReason
 from .redact import redact
 from .spec import JobSpec
 
@@ -24,7 +24,7 @@ from .spec import JobSpec
 class Failure:
     """One reason to restart (or fail) the group."""
 
-    reason: str          # PodFailed | PodEvicted | PodPreempted | NodeLost | PodDeleted | Stalled | BadConfiguration
+    reason: str          # a RestartReason, or BadConfiguration (fatal)
     message: str
     counted: bool        # counts against failurePolicy.maxRestarts
     fatal: bool = False  # fails the job at once (no restart helps)
@@ -39,18 +39,19 @@ class Verdict(str, enum.Enum):
 
 
 # DisruptionTarget condition reasons (Kubernetes sets them before it takes a pod away) -> our reason.
+R = RestartReason
 DISRUPTION_REASONS = {
-    "DeletionByPodGC": "NodeLost",             # the pod's node object is gone
-    "DeletionByTaintManager": "NodeLost",      # NoExecute taint: node unreachable / not ready
-    "PreemptionByScheduler": "PodPreempted",
-    "EvictionByEvictionAPI": "PodEvicted",     # drain, descheduler, autoscaler scale-down
-    "TerminationByKubelet": "PodEvicted",      # node pressure, graceful node shutdown
+    "DeletionByPodGC": R.NODE_LOST,             # the pod's node object is gone
+    "DeletionByTaintManager": R.NODE_LOST,      # NoExecute taint: node unreachable / not ready
+    "PreemptionByScheduler": R.POD_PREEMPTED,
+    "EvictionByEvictionAPI": R.POD_EVICTED,     # drain, descheduler, autoscaler scale-down
+    "TerminationByKubelet": R.POD_EVICTED,      # node pressure, graceful node shutdown
 }
 # pod status.reason values the kubelet and node lifecycle write for the same cases.
-STATUS_REASONS = {"Evicted": "PodEvicted", "Preempting": "PodPreempted", "Preempted": "PodPreempted",
-                  "NodeLost": "NodeLost", "Shutdown": "PodEvicted", "NodeShutdown": "PodEvicted",
-                  "Terminated": "PodEvicted", "OutOfcpu": "PodEvicted", "OutOfmemory": "PodEvicted",
-                  "UnexpectedAdmissionError": "PodEvicted"}
+STATUS_REASONS = {"Evicted": R.POD_EVICTED, "Preempting": R.POD_PREEMPTED, "Preempted": R.POD_PREEMPTED,
+                  "NodeLost": R.NODE_LOST, "Shutdown": R.POD_EVICTED, "NodeShutdown": R.POD_EVICTED,
+                  "Terminated": R.POD_EVICTED, "OutOfcpu": R.POD_EVICTED, "OutOfmemory": R.POD_EVICTED,
+                  "UnexpectedAdmissionError": R.POD_EVICTED}
 
 
 def disruption(pod: dict[str, Any]) -> tuple[str, str] | None:
@@ -59,13 +60,13 @@ def disruption(pod: dict[str, Any]) -> tuple[str, str] | None:
     for c in st.get("conditions") or []:
         if c.get("type") == "DisruptionTarget" and c.get("status") == "True":
             why = str(c.get("reason") or "")
-            return DISRUPTION_REASONS.get(why, "PodEvicted"), str(c.get("message") or why)
+            return DISRUPTION_REASONS.get(why, R.POD_EVICTED).value, str(c.get("message") or why)
         if c.get("type") == kueue.TERMINATION_TARGET and c.get("status") == "True":
             # Kueue evicted the admitted group (preemption, fair-share reclaim, a stopped queue).
             why = str(c.get("reason") or "")
-            return "PodPreempted", f"Kueue: {c.get('message') or why}"
+            return R.POD_PREEMPTED.value, f"Kueue: {c.get('message') or why}"
     if st.get("reason") in STATUS_REASONS:
-        return STATUS_REASONS[st["reason"]], str(st.get("reason"))
+        return STATUS_REASONS[st["reason"]].value, str(st.get("reason"))
     return None
 
 
@@ -95,9 +96,9 @@ RULES: list[_Rule] = [
     (lambda p, gone: disruption(p) is not None, Verdict.RESTART_FREE,
      lambda p, gone: disruption(p)[0],  # type: ignore[index]  # not None: the test above
      lambda p, n, log: f"pod {n} was taken away by the cluster: {redact(disruption(p)[1])}"),  # type: ignore[index]
-    (lambda p, gone: podinfo.phase(p) == "Failed", Verdict.RESTART, lambda p, gone: "PodFailed",
+    (lambda p, gone: podinfo.phase(p) == "Failed", Verdict.RESTART, lambda p, gone: R.POD_FAILED.value,
      lambda p, n, log: f"pod {n} failed with {_exit_text(p, with_log=log)}"),
-    (lambda p, gone: gone or podinfo.terminating(p), Verdict.RESTART, lambda p, gone: "PodDeleted",
+    (lambda p, gone: gone or podinfo.terminating(p), Verdict.RESTART, lambda p, gone: R.POD_DELETED.value,
      lambda p, n, log: f"pod {n} is being deleted" if podinfo.terminating(p) else f"pod {n} disappeared"),
 ]
 
@@ -337,7 +338,7 @@ def decide(job: JobSpec, pods: list[dict[str, Any]], *, now: dt.datetime, prev_s
             if podinfo.attempt(p) == d.attempt and podinfo.name(p) not in present}
     failures = _failures(job, current, launched=d.launched_attempt == d.attempt, departed=gone)
     if stalled and job.restart_on_hang and prev_phase is Phase.RUNNING:
-        failures.append(Failure("Stalled", "training stalled (no step progress); failurePolicy.restartOnHang",
+        failures.append(Failure(R.STALLED.value, "training stalled (no step progress); failurePolicy.restartOnHang",
                                 counted=True))
 
     fatal = next((f for f in failures if f.fatal), None)

@@ -13,7 +13,7 @@ from typing import Any, Iterable
 from prometheus_client import REGISTRY, disable_created_metrics, CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from .lifecycle import INIT_START_ERRORS
-from .phases import Cond, Phase
+from .phases import Cond, Phase, RestartReason
 from .podinfo import parse_time
 
 # The *_created series only double the output; nothing here reads them.
@@ -23,7 +23,7 @@ disable_created_metrics()
 # group restart: every one is a 0-valued series from the start.
 FAILURE_REASONS = tuple(sorted({"BadConfiguration", "RestartLimitExceeded", "DeadlineExceeded",
                                 Cond.FAILED_CREATE_POD.value} | INIT_START_ERRORS))
-RESTART_REASONS = ("PodDeleted", "PodEvicted", "PodFailed", "Stalled")
+RESTART_REASONS = tuple(r.value for r in RestartReason)
 Key = tuple[str, str]   # (namespace, name)
 
 

@@ -28,6 +28,18 @@ class Phase(str, enum.Enum):
             return None
 
 
+class RestartReason(str, enum.Enum):
+    """Why the group restarted (status.failures[].reason, the restart event, and the label of
+    ddpjob_operator_jobs_restarted_total, whose series all start at zero from this list)."""
+
+    POD_FAILED = "PodFailed"          # a container exited non-zero
+    POD_DELETED = "PodDeleted"        # someone deleted a pod
+    POD_EVICTED = "PodEvicted"        # eviction, drain, node pressure or shutdown
+    POD_PREEMPTED = "PodPreempted"    # the scheduler or Kueue took the pod's place
+    NODE_LOST = "NodeLost"            # the node is gone or stopped reporting
+    STALLED = "Stalled"               # no step progress; failurePolicy.restartOnHang
+
+
 class Cond(str, enum.Enum):
     """metav1-style condition types the operator owns."""
 

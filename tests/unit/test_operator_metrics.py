@@ -1,9 +1,13 @@
 """ddpjob_operator_* metrics: namespace (and ddpjob) labels, counters born at 0, per-job gauges."""
 from __future__ import annotations
 
+import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
+from ddpjob_operator.lifecycle import decide
 from ddpjob_operator.operator_metrics import FAILURE_REASONS, RESTART_REASONS, OperatorMetrics
+from ddpjob_operator.phases import Phase
+from tests.support.builders import NOW, make_job, make_pod, running_status
 
 KEY = ("team-a", "mnist")
 
@@ -102,3 +106,20 @@ def test_every_series_has_a_namespace_label_and_none_is_named_job():
             assert "job" not in sample.labels, sample
             if not sample.name.startswith(("ddpjob_operator_reconcile", "python_", "process_")):
                 assert sample.labels.get("namespace") == "n", sample
+
+
+@pytest.mark.parametrize("pod", [
+    make_pod(1, phase="Failed", exit_code=1),
+    make_pod(1, phase="Failed", exit_code=137, evicted=True),
+    make_pod(1, phase="Failed", exit_code=137, disruption="PreemptionByScheduler"),
+    make_pod(1, phase="Failed", exit_code=137, disruption="DeletionByPodGC"),
+    make_pod(1, phase="Failed", exit_code=137, reason="NodeLost"),
+    make_pod(1, deleting=True),
+], ids=["failed", "evicted", "preempted", "node-gone", "node-lost", "deleted"])
+def test_every_restart_the_decisions_make_has_a_series_born_at_zero(pod):
+    """The restart counter's series start at zero from the one list of reasons (RestartReason):
+    `increase()` in the dashboards and alerts sees even the first restart of each kind."""
+    d = decide(make_job(nodes=2), [make_pod(0), pod], now=NOW, prev_status=running_status())
+    assert d.phase is Phase.RESTARTING, d
+    m = OperatorMetrics(CollectorRegistry(), namespaces=["ns"])
+    assert value(m, "ddpjob_operator_jobs_restarted_total", namespace="ns", reason=d.reason) == 0, d.reason
