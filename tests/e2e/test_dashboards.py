@@ -40,8 +40,13 @@ EXPORTER = textwrap.dedent("""
 """)
 
 
+def annotations(path) -> list[dict]:
+    return json.loads(path.read_text())["annotations"]["list"]
+
+
 def exprs() -> list[str]:
     out = [t["expr"] for d in DASHBOARDS for p in json.loads(d.read_text())["panels"] for t in p.get("targets", [])]
+    out += [a["expr"] for d in DASHBOARDS for a in annotations(d)]
     out += [r["expr"] for g in yaml.safe_load(RULES.read_text())["groups"] for r in g["rules"]]
     return out
 
@@ -107,6 +112,37 @@ def test_job_dashboard_has_the_required_views_and_variables():
     for view in ("state", "progress", "eta", "loss", "throughput per rank", "step time per rank",
                  "data-wait", "gpu memory", "restarts", "checkpoint"):
         assert view in titles, view
+
+
+def test_overview_dashboard_shows_every_job_and_opens_each_one():
+    d = json.loads((CHART / "dashboards" / "ddpjob-overview.json").read_text())
+    ns = next(v for v in d["templating"]["list"] if v["name"] == "namespace")
+    assert ns["multi"] and ns["includeAll"] and ns["allValue"] == ".*"     # all namespaces at once
+    for p in d["panels"]:
+        for t in p["targets"]:
+            assert 'namespace=~"$namespace"' in t["expr"], (p["title"], t["expr"])
+    titles = " | ".join(p["title"].lower() for p in d["panels"])
+    for view in ("jobs training", "jobs by phase", "group restarts", "jobs failed", "throughput per job",
+                 "progress per job", "time since last step per job", "step time per job", "data-wait share per job"):
+        assert view in titles, view
+    table = next(p for p in d["panels"] if p["title"] == "Jobs")
+    assert all(t.get("instant") and t.get("format") == "table" for t in table["targets"])
+    renamed = next(t for t in table["transformations"] if t["id"] == "organize")["options"]["renameByName"]
+    assert set(renamed) == {f"Value #{t['refId']}" for t in table["targets"]}      # every column named
+    link = next(o for o in table["fieldConfig"]["overrides"] if o["matcher"]["options"] == "ddpjob")
+    job = json.loads((CHART / "dashboards" / "ddpjob-job.json").read_text())
+    url = link["properties"][0]["value"][0]["url"]
+    assert url.startswith(f"/d/{job['uid']}/") and "var-namespace=" in url and "var-ddpjob=${__value.raw}" in url
+
+
+@pytest.mark.parametrize("name", ["ddpjob-overview.json", "ddpjob-job.json"])
+def test_job_dashboards_mark_each_new_attempt(name):
+    """A group restart shows on the time axis: the ranks' restart count went up (promtool checks the
+    expression in tests/e2e/test_prometheus_rules.py)."""
+    marks = [a for a in annotations(CHART / "dashboards" / name) if "ddpjob_trainer_restart_count" in a["expr"]]
+    assert len(marks) == 1, marks
+    a = marks[0]
+    assert a["enable"] and a["datasource"]["uid"] == "${datasource}" and "{{ddpjob}}" in a["textFormat"]
 
 
 def helm_template(*sets: str) -> list[dict]:

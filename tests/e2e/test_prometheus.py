@@ -253,6 +253,16 @@ def test_job_dashboard_query_returns_data(prom, title, expr):
     assert all(s["value"][1] not in ("NaN", "+Inf", "-Inf") for s in got), f"panel {title!r}: {got}"
 
 
+@pytest.mark.parametrize("title,expr", list(dashboard_targets("ddpjob-overview.json")))
+def test_overview_dashboard_query_returns_data(prom, title, expr):
+    """Every query of the all-jobs dashboard (namespace "All" is ".*"; here the run's own namespace)."""
+    got = prom.series(substitute(expr))
+    assert got, f"panel {title!r}: no data for {substitute(expr)}"
+    assert all(s["value"][1] not in ("NaN", "+Inf", "-Inf") for s in got), f"panel {title!r}: {got}"
+    if "ddpjob_trainer_" in expr and "count(count" not in expr:
+        assert JOB in {s["metric"].get("ddpjob") for s in got}, f"panel {title!r}: {got}"
+
+
 def test_dashboard_variables_list_the_job_and_ranks(prom):
     dash = json.loads((DASHBOARDS / "ddpjob-job.json").read_text())
     values = {}

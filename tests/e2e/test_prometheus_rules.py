@@ -229,9 +229,13 @@ def test_alert_scenario(promtool, tmp_path, name):
 
 
 def counter_panels() -> list[tuple[str, str]]:
-    d = json.loads((RULES.parent.parent / "dashboards" / "ddpjob-operator.json").read_text())
-    return [(p["title"], t["expr"]) for p in d["panels"] for t in p["targets"]
-            if re.search(r"ddpjob_operator_\w+_total", t["expr"]) and "increase(" in t["expr"]]
+    out = []
+    for name in ("ddpjob-operator.json", "ddpjob-overview.json"):
+        d = json.loads((RULES.parent.parent / "dashboards" / name).read_text())
+        out += [(f"{d['title']}: {p['title']}", t["expr"].replace("$namespace", ".*"))
+                for p in d["panels"] for t in p["targets"]
+                if re.search(r"ddpjob_operator_\w+_total", t["expr"]) and "increase(" in t["expr"]]
+    return out
 
 
 @pytest.mark.parametrize("title,expr", counter_panels(), ids=lambda v: v if len(v) < 40 else None)
@@ -315,3 +319,43 @@ def test_every_alert_has_its_settings_in_values():
     for name, r in in_file.items():
         assert values["alerts"][name] == {"enabled": True, "severity": r["labels"]["severity"],
                                           "for": r.get("for", "")}, name
+
+
+def dashboard_annotation(name: str, needle: str) -> str:
+    d = json.loads((RULES.parent.parent / "dashboards" / name).read_text())
+    expr = next(a["expr"] for a in d["annotations"]["list"] if needle in a["expr"])
+    return expr.replace("$namespace", "ns").replace("$ddpjob", "j")
+
+
+def expect(expr: str, at: str, samples: list[dict]) -> dict:
+    return {"expr": expr, "eval_time": at, "exp_samples": samples}
+
+
+@pytest.mark.parametrize("name", ["ddpjob-overview.json", "ddpjob-job.json"])
+def test_attempt_annotation_marks_the_group_restart_once(promtool, tmp_path, name):
+    """Attempt 0's two ranks until 10m (then their pods go: stale), attempt 1's from 12m: one mark, at
+    12m; none before it, none for the first attempt, none once attempt 1 is the steady state."""
+    expr = dashboard_annotation(name, "ddpjob_trainer_restart_count")
+    old = [series("ddpjob_trainer_restart_count", "0x10 stale", **rank(r), pod=f"j-{r}-a0") for r in (0, 1)]
+    new = [series("ddpjob_trainer_restart_count", "_x12 1x10", **rank(r), pod=f"j-{r}-a1") for r in (0, 1)]
+    mark = [{"labels": '{ddpjob="j", namespace="ns"}', "value": 1}]
+    test = {"interval": "1m", "input_series": old + new, "promql_expr_test": [
+        expect(expr, "5m", []), expect(expr, "11m", []), expect(expr, "12m", mark), expect(expr, "15m", [])]}
+    f = tmp_path / "attempt.test.yaml"
+    f.write_text(yaml.safe_dump({"rule_files": [], "evaluation_interval": "1m", "tests": [test]}, sort_keys=False))
+    out = subprocess.run([promtool, "test", "rules", str(f)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_group_restart_annotation_names_the_reason(promtool, tmp_path):
+    """The operator's counter (born at 0) goes to 1 at 6m with reason PodFailed: a mark around 6m only."""
+    expr = dashboard_annotation("ddpjob-overview.json", "ddpjob_operator_jobs_restarted_total")
+    inputs = [series("ddpjob_operator_jobs_restarted_total", "0x5 1x10", namespace="ns", reason="PodFailed"),
+              series("ddpjob_operator_jobs_restarted_total", "0x15", namespace="ns", reason="Stalled")]
+    mark = [{"labels": '{namespace="ns", reason="PodFailed"}', "value": 1}]
+    test = {"interval": "1m", "input_series": inputs, "promql_expr_test": [
+        expect(expr, "4m", []), expect(expr, "6m", mark), expect(expr, "10m", [])]}
+    f = tmp_path / "restart.test.yaml"
+    f.write_text(yaml.safe_dump({"rule_files": [], "evaluation_interval": "1m", "tests": [test]}, sort_keys=False))
+    out = subprocess.run([promtool, "test", "rules", str(f)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
