@@ -58,7 +58,8 @@ RUN apt-get update \
       apt-get install -y --no-install-recommends python3-dev; fi \
  && rm -rf /var/lib/apt/lists/*
 # Keep the base image's CUDA builds of torch/torchvision: pip may add, never replace them.
-# mlflow-skinny: the MLflow client alone, for spec.trainer.mlflow (the server is not needed in a pod).
+# mlflow-skinny: the MLflow client alone, for spec.trainer.mlflow (the server is not needed in a pod);
+# its version is hack/versions.env's MLFLOW_VERSION, pyproject's floor (tests/unit/test_versions.py).
 RUN --mount=type=bind,from=wheel,source=/wheels,target=/wheels \
     pip freeze | grep -iE '^(torch|torchvision|torchaudio)==' > /tmp/keep-torch.txt \
  && whl="$(echo /wheels/ddpjob-*.whl)" \

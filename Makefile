@@ -10,12 +10,12 @@ export DDPJOB_CACHE ?= $(HOME)/.cache/ddpjob
 export UV_CACHE_DIR ?= $(HOME)/.cache/uv
 export UV_LINK_MODE ?= hardlink
 STAMP  := $(VENV)/.installed
-# The trainer image's torch (hack/versions.env, the one home of that pin), which is also pyproject's
-# floor: a second venv runs the trainer tiers on it, so what users run is what we test.
+# The trainer image's torch and MLflow client (hack/versions.env, the one home of those pins), which
+# are also pyproject's floors: a second venv runs the trainer tiers on them, so what users run is what we test.
 FLOOR_VENV ?= .venv-floor
 FLOOR_PY   := $(FLOOR_VENV)/bin/python
 FLOOR_STAMP := $(FLOOR_VENV)/.installed
-TORCH_PIN  := $(shell . hack/versions.env && echo "torch==$$TORCH_VERSION torchvision==$$TORCHVISION_VERSION")
+FLOOR_PINS := $(shell . hack/versions.env && echo "torch==$$TORCH_VERSION torchvision==$$TORCHVISION_VERSION mlflow==$$MLFLOW_VERSION")
 PYTEST_ARGS ?=
 
 .PHONY: help install install-floor demo test test-floor test-unit test-trainer test-cluster test-e2e test-realpods cluster-up \
@@ -34,7 +34,7 @@ install: $(STAMP) ## create .venv with the project and its test deps (idempotent
 
 $(FLOOR_STAMP): pyproject.toml hack/versions.env $(STAMP)
 	@test -x $(FLOOR_PY) || python3 -m venv $(FLOOR_VENV)
-	$(VENV)/bin/uv pip install --python $(FLOOR_PY) -e '.[test,trainer]' $(TORCH_PIN)
+	$(VENV)/bin/uv pip install --python $(FLOOR_PY) -e '.[test,trainer]' $(FLOOR_PINS)
 	@touch $@
 
 install-floor: $(FLOOR_STAMP) ## create .venv-floor: the project on the trainer image's torch (pyproject's floor)

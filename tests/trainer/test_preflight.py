@@ -3,7 +3,6 @@ the environment cannot run ends it with exit 78 naming the field, in seconds, be
 rendezvous (which would wait for the missing node far longer than the deadline here)."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import socket
@@ -32,9 +31,13 @@ def launch_node0(trainer: dict, tmp_path: Path, **env: str) -> tuple[subprocess.
 
 
 def test_mlflow_without_the_client_exits_78_naming_the_field_before_rendezvous(tmp_path):
-    assert importlib.util.find_spec("mlflow") is None, "this test needs a venv without mlflow (the test extra has none)"
+    # The venv has the client (the trainer extra): an image without it is a PYTHONPATH whose `mlflow`
+    # is not there, as Python says when it is missing.
+    hidden = tmp_path / "no-mlflow" / "mlflow"
+    hidden.mkdir(parents=True)
+    (hidden / "__init__.py").write_text('raise ModuleNotFoundError("No module named \'mlflow\'", name="mlflow")\n')
     proc, took = launch_node0({"dataset": "digits", "maxSteps": 2, "mlflow": {"trackingUri": "file:///tmp/x"}},
-                              tmp_path)
+                              tmp_path, PYTHONPATH=str(hidden.parent))
     assert proc.returncode == 78, proc.stderr[-3000:]
     assert "bad configuration: spec.trainer.mlflow: this image cannot run MLflow tracking" in proc.stderr, proc.stderr
     assert "No module named 'mlflow'" in proc.stderr and "torch.distributed.run" not in proc.stderr

@@ -42,6 +42,14 @@ def test_pyprojects_torch_floors_are_the_images_versions_which_make_test_floor_r
     assert "test-floor" in re.search(r"^test:.*$\n(\t.*\n)+", makefile, re.M).group(0)
 
 
+def test_the_trainer_images_mlflow_client_is_the_pin_and_pyprojects_floor_which_make_test_floor_runs():
+    pin = pins()["MLFLOW_VERSION"]
+    assert floors()["mlflow-skinny"] == pin
+    assert re.findall(r"mlflow-skinny==(\S+)", (REPO / "Dockerfile").read_text()) == [pin]
+    # make install-floor installs the pinned server too (mlflow requires its own mlflow-skinny).
+    assert "mlflow==$$MLFLOW_VERSION" in (REPO / "Makefile").read_text()
+
+
 def test_the_operators_floors_are_the_versions_its_image_pins():
     pinned = dict(re.findall(r"^([a-z-]+)==(\S+)$", (REPO / "requirements" / "operator.txt").read_text(), re.M))
     for name in ("kopf", "kubernetes"):
