@@ -247,7 +247,8 @@ resume = _suspend_command("resume", "resumed", False,
 @click.option("--rank", type=int, default=None, help="Node rank whose pod to show (default 0).")
 @click.option("--all-ranks", is_flag=True, help="Every rank's pod, each line prefixed [rank N].")
 @click.option("--attempt", type=int, default=None,
-              help="An attempt's pods (default: the current one), while they still exist.")
+              help="An attempt's pods (default: the current one); once they are gone, the failed ranks' log "
+                   "tails kept in the status (spec.failurePolicy.logTailInStatus).")
 @click.option("--follow", "-f", is_flag=True, help="Stream until the containers end.")
 @click.option("--tail", type=int, default=None, help="Lines from the end of each log.")
 def logs(kube: Kube, name: str, rank: int | None, all_ranks: bool, attempt: int | None, follow: bool,
@@ -258,11 +259,20 @@ def logs(kube: Kube, name: str, rank: int | None, all_ranks: bool, attempt: int 
     job = kube.get_job(name)
     pods = kube.pods(name)
     chosen = views.log_pods(job, pods, rank=rank, all_ranks=all_ranks, attempt=attempt)
+    if not chosen and attempt is not None:
+        kept = views.kept_tails(job, attempt=attempt, rank=rank, all_ranks=all_ranks)
+        if kept:
+            click.echo(f"attempt {attempt}'s pods are gone: the log tails kept in status.failures", err=True)
+            for r, kept_tail in kept:
+                for line in kept_tail.splitlines():
+                    click.echo(views.prefixed(r, line))
+            return
     if not chosen:
         att = views.current_attempt(job, pods) if attempt is None else attempt
         which = "any rank" if all_ranks else f"rank {0 if rank is None else rank}"
         raise CliError(f"no pod of {which} of {name} in attempt {att} (phase {views.phase_of(job)}): its pods are "
-                       f"gone or not created yet; `ddpjob describe {name}` shows what failed attempts left")
+                       f"gone or not created yet; `ddpjob describe {name}` shows what failed attempts left "
+                       "(their log tails with spec.failurePolicy.logTailInStatus: true)")
     if len(chosen) == 1 and not all_ranks:
         for line in kube.log_lines(chosen[0][1], follow=follow, tail=tail):
             click.echo(line)

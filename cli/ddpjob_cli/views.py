@@ -470,6 +470,19 @@ def log_pods(job: dict[str, Any], pods: list[dict[str, Any]], *, rank: int | Non
     return [(r, n) for r, n in mine if r == want]
 
 
+def kept_tails(job: dict[str, Any], *, attempt: int, rank: int | None, all_ranks: bool) -> list[tuple[int, str]]:
+    """(rank, log tail) that status.failures kept of an attempt whose pods are gone (the tails are
+    there with spec.failurePolicy.logTailInStatus): the given rank's, else every failed rank's."""
+    out = []
+    for f in status_of(job).get("failures") or []:
+        if f.get("attempt") != attempt or not f.get("logTail"):
+            continue
+        if rank is not None and not all_ranks and f.get("rank") != rank:
+            continue
+        out.append((int(f.get("rank", -1)), str(f["logTail"])))
+    return out
+
+
 def prefixed(rank: int, line: str) -> str:
     """A log line with its rank in front, for --all-ranks."""
     return f"[rank {rank}] {line}"

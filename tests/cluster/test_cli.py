@@ -278,11 +278,17 @@ def test_errors_are_one_line(cluster, env, tmp_path):
         ddpjob(cluster, "list", "--kubeconfig", str(tmp_path / "down")))
 
 
-# Each real pod prints a line, serves a fixed exposition on its metrics port until 2 s after its
-# first scrape (60 s at most), prints another line and exits 0.
+# Rank 1 of attempt 0 fails at once (exit 3, two lines); then each pod prints a line, serves a fixed
+# exposition on its metrics port until 2 s after its first scrape (60 s at most), prints another
+# line and exits 0.
 REAL_POD_SCRIPT = r'''
-import http.server, os, time
+import http.server, os, signal, time
+signal.signal(signal.SIGTERM, lambda *_: os._exit(143))   # as PID 1, no default action would end it
 r, port = int(os.environ["NODE_RANK"]), int(os.environ["DDPJOB_METRICS_PORT"])
+if r == 1 and os.environ["DDPJOB_ATTEMPT"] == "0":
+    print("rank 1 starts attempt 0", flush=True)
+    print("RuntimeError: rank 1 fails attempt 0", flush=True)
+    raise SystemExit(3)
 print(f"hello from rank {r}", flush=True)
 lab = f'rank="{r}",local_rank="0",node_rank="{r}"'
 body = "".join(f"ddpjob_trainer_{m}{{{lab}}} {v}\n" for m, v in (
@@ -304,8 +310,9 @@ print(f"bye from rank {r}", flush=True)
 
 
 def test_logs_and_top_live_on_real_pods(cluster, env, tmp_path):
-    """On the local cluster's two real nodes: `top --live` reads each pod's metrics through the API
-    server, `logs -f --all-ranks` follows both pods to their end, `logs --rank 1` reads one."""
+    """On the local cluster's two real nodes: after a group restart, `logs --attempt 0` shows the
+    failed rank's last lines, `top --live` reads each pod's metrics through the API server,
+    `logs -f --all-ranks` follows both pods to their end, `logs --rank 1` reads one."""
     from tests.realpods.conftest import REAL_NODE_SCHEDULING, TRAINER_IMAGE, real_nodes
 
     if os.environ.get("DDPJOB_REAL_NODES") == "0" or len(real_nodes(cluster)) < 2:
@@ -313,10 +320,16 @@ def test_logs_and_top_live_on_real_pods(cluster, env, tmp_path):
     ns, _, api = env
     ok(ddpjob(cluster, "submit", job_file(tmp_path, "real", gpusPerNode=0, image=TRAINER_IMAGE, imagePullPolicy="Never",
                                           launcher=False, command=["python", "-c", REAL_POD_SCRIPT], trainer=None,
-                                          scheduling=REAL_NODE_SCHEDULING), "-n", ns))
-    ok(ddpjob(cluster, "wait", "real", "--for", "Running", "--timeout", "120", "-n", ns))
+                                          scheduling=REAL_NODE_SCHEDULING,
+                                          failurePolicy={"maxRestarts": 1, "logTailInStatus": True}), "-n", ns))
     wait_for(lambda: "hello from rank 1" in ddpjob(cluster, "logs", "real", "--rank", "1", "-n", ns).stdout,
-             timeout=60, desc="rank 1's first line")
+             timeout=120, desc="rank 1's first line in attempt 1")
+    kept = ddpjob(cluster, "logs", "real", "--attempt", "0", "-n", ns)
+    assert ok(kept).splitlines()[-2:] == ["[rank 1] rank 1 starts attempt 0", "[rank 1] RuntimeError: rank 1 fails attempt 0"]
+    assert "attempt 0's pods are gone" in kept.stderr
+    failure = ok(ddpjob(cluster, "describe", "real", "-n", ns)).split("Failures (earlier attempts):")[1].splitlines()[2]
+    assert failure.split()[:5] == ["0", "1", "real-1"] + failure.split()[3:4] + ["3"] and \
+        failure.rstrip().endswith("RuntimeError: rank 1 fails attempt 0"), failure
 
     top = ok(ddpjob(cluster, "top", "real", "--once", "--live", "-n", ns))
     procs = {ln.split()[0]: ln.split() for ln in top.split("DATA WAIT MS")[1].splitlines()[1:] if ln.strip()}

@@ -246,3 +246,12 @@ def test_the_wait_bar_follows_the_step_back_after_a_restart(capsys):
     assert (bar.bar.n, bar.bar.total) == (4, 20)
     bar.close()
     assert "4/20" in capsys.readouterr().out
+
+
+def test_kept_tails_of_an_attempt_whose_pods_are_gone():
+    failures = [{"attempt": 0, "rank": 1, "logTail": "step 3\nRuntimeError: boom"}, {"attempt": 0, "rank": 0},
+                {"attempt": 1, "rank": 0, "logTail": "later"}]
+    job = job_with(running_status(attempt=2, failures=failures))
+    assert views.kept_tails(job, attempt=0, rank=None, all_ranks=False) == [(1, "step 3\nRuntimeError: boom")]
+    assert views.kept_tails(job, attempt=0, rank=0, all_ranks=False) == []
+    assert views.kept_tails(job, attempt=1, rank=None, all_ranks=True) == [(0, "later")]
