@@ -56,8 +56,9 @@ class OperatorMetrics:
             ["namespace", "ddpjob", "reason"], registry=registry)
         self.pending_since = Gauge(
             "ddpjob_operator_job_pending_since_timestamp_seconds",
-            "Unix time each Pending DDPJob entered Pending, as this operator process saw it (an operator "
-            "restart starts it again); the DDPJobPendingTooLong alert", ["namespace", "ddpjob"], registry=registry)
+            "Unix time each Pending DDPJob began waiting for its pods (status.startTime: its start, resume or "
+            "Kueue admission); none while Kueue holds it in a queue. The DDPJobPendingTooLong alert",
+            ["namespace", "ddpjob"], registry=registry)
         self.reconcile_seconds = Histogram(
             "ddpjob_operator_reconcile_seconds", "Duration of one reconcile pass",
             buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10), registry=registry)
@@ -65,7 +66,7 @@ class OperatorMetrics:
                                         registry=registry)
         self._phases: dict[Key, str] = {}
         self._failed: dict[Key, str] = {}
-        self._pending: set[Key] = set()
+        self._pending: dict[Key, float] = {}
         self._namespaces: set[str] = set()
         for ns in namespaces:
             self.namespace_seen(ns)
@@ -92,12 +93,6 @@ class OperatorMetrics:
         else:
             self.namespace_seen(key[0])
             self._phases[key] = phase
-            if phase == Phase.PENDING.value and key not in self._pending:
-                self._pending.add(key)
-                self.pending_since.labels(*key).set(time.time())
-            elif phase != Phase.PENDING.value and key in self._pending:
-                self._pending.discard(key)
-                self._remove(self.pending_since, key)
         counts = {(ns, p.value): 0 for ns in self._namespaces for p in Phase}
         for (ns, _), value in self._phases.items():
             counts[(ns, value)] = counts.get((ns, value), 0) + 1
@@ -105,8 +100,7 @@ class OperatorMetrics:
             self.jobs.labels(ns, value).set(count)
 
     def _forget_job(self, key: Key) -> None:
-        self._pending.discard(key)
-        self._remove(self.pending_since, key)
+        self._forget_pending(key)
         self._remove(self.hang_timeout, key)
         self._remove(self.failed_at, key + (self._failed.pop(key, ""),))
 
@@ -130,11 +124,31 @@ class OperatorMetrics:
             self.hang_timeout.labels(*key).set(float(hang_timeout))
         else:
             self._remove(self.hang_timeout, key)
+        self._track_pending(key, status)
         if phase == Phase.FAILED.value and self._failed.get(key) != reason:
             self._remove(self.failed_at, key + (self._failed.pop(key, ""),))
             when = parse_time(status.get("completionTime")) or dt.datetime.now(dt.timezone.utc)
             self.failed_at.labels(*key, reason).set(when.timestamp())
             self._failed[key] = reason
+
+    def _track_pending(self, key: Key, status: dict[str, Any]) -> None:
+        """pending_since while the job is Pending and not queued: from status.startTime (so an operator
+        restart keeps it), else from when this process first saw it waiting."""
+        # Kueue's gate holds the pods on purpose (kueue.admission's reason Queued): waiting in a queue
+        # is no stuck job; the clock starts at admission, which is where startTime moves to.
+        queued = any(c.get("type") == Cond.ADMITTED and c.get("reason") == "Queued"
+                     for c in status.get("conditions") or [])
+        if status.get("phase") != Phase.PENDING.value or queued:
+            self._forget_pending(key)
+            return
+        started = parse_time(status.get("startTime"))
+        since = started.timestamp() if started else self._pending.get(key, time.time())
+        self._pending[key] = since
+        self.pending_since.labels(*key).set(since)
+
+    def _forget_pending(self, key: Key) -> None:
+        if self._pending.pop(key, None) is not None:
+            self._remove(self.pending_since, key)
 
     @staticmethod
     def _remove(gauge: Gauge, labels: tuple[str, ...]) -> None:

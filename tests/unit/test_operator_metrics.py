@@ -69,24 +69,50 @@ def test_per_job_series_follow_the_spec_and_go_with_the_job():
     assert value(m, "ddpjob_operator_jobs", namespace="team-a", phase="Failed") == 0
 
 
-def test_pending_since_is_when_the_job_entered_pending_and_goes_when_it_leaves(monkeypatch):
-    """The DDPJobPendingTooLong alert's series: set once on entering Pending (later Pending passes
-    keep it), gone when the job runs or is deleted, set anew when it is Pending again (resumed)."""
+def test_pending_since_is_the_jobs_start_and_goes_when_it_runs(monkeypatch):
+    """The DDPJobPendingTooLong alert's series: status.startTime while Pending (so an operator restart
+    keeps it), gone when the job runs or is deleted, the resume time when resumed."""
+    m = OperatorMetrics(CollectorRegistry())
+    labels = {"namespace": "team-a", "ddpjob": "mnist"}
+    name = "ddpjob_operator_job_pending_since_timestamp_seconds"
+    m.record_pass(KEY, prev_status={}, status={"phase": "Pending", "startTime": "2026-01-01T00:00:00Z"})
+    assert value(m, name, **labels) == 1767225600
+    restarted = OperatorMetrics(CollectorRegistry())          # a new operator process: the same value
+    restarted.record_pass(KEY, prev_status={"phase": "Pending"},
+                          status={"phase": "Pending", "startTime": "2026-01-01T00:00:00Z"})
+    assert value(restarted, name, **labels) == 1767225600
+    m.record_pass(KEY, prev_status={"phase": "Pending"}, status={"phase": "Running", "startTime": "2026-01-01T00:00:00Z"})
+    assert value(m, name, **labels) is None
+    m.record_pass(KEY, prev_status={"phase": "Suspended"},
+                  status={"phase": "Pending", "reason": "Resumed", "startTime": "2026-01-01T01:00:00Z"})
+    assert value(m, name, **labels) == 1767229200
+    m.set_phase(KEY, None)
+    assert value(m, name, **labels) is None
+
+
+def test_pending_since_without_a_start_time_is_when_first_seen(monkeypatch):
     import ddpjob_operator.operator_metrics as om
 
     m = OperatorMetrics(CollectorRegistry())
-    labels = {"namespace": "team-a", "ddpjob": "mnist"}
     monkeypatch.setattr(om.time, "time", lambda: 1000.0)
     m.record_pass(KEY, prev_status={}, status={"phase": "Pending"})
     monkeypatch.setattr(om.time, "time", lambda: 1300.0)
     m.record_pass(KEY, prev_status={"phase": "Pending"}, status={"phase": "Pending"})
-    assert value(m, "ddpjob_operator_job_pending_since_timestamp_seconds", **labels) == 1000
-    m.record_pass(KEY, prev_status={"phase": "Pending"}, status={"phase": "Running"})
-    assert value(m, "ddpjob_operator_job_pending_since_timestamp_seconds", **labels) is None
-    m.record_pass(KEY, prev_status={"phase": "Suspended"}, status={"phase": "Pending", "reason": "Resumed"})
-    assert value(m, "ddpjob_operator_job_pending_since_timestamp_seconds", **labels) == 1300
-    m.set_phase(KEY, None)
-    assert value(m, "ddpjob_operator_job_pending_since_timestamp_seconds", **labels) is None
+    assert value(m, "ddpjob_operator_job_pending_since_timestamp_seconds", namespace="team-a", ddpjob="mnist") == 1000
+
+
+def test_a_job_waiting_in_a_kueue_queue_is_not_pending_too_long():
+    """Kueue gates the pods on purpose (Admitted False, reason Queued): no series until admitted."""
+    m = OperatorMetrics(CollectorRegistry())
+    queued = {"type": "Admitted", "status": "False", "reason": "Queued"}
+    m.record_pass(KEY, prev_status={}, status={"phase": "Pending", "startTime": "2026-01-01T00:00:00Z",
+                                               "conditions": [queued]})
+    name = "ddpjob_operator_job_pending_since_timestamp_seconds"
+    assert value(m, name, namespace="team-a", ddpjob="mnist") is None
+    admitted = {"type": "Admitted", "status": "True", "reason": "Admitted"}
+    m.record_pass(KEY, prev_status={"phase": "Pending"}, status={
+        "phase": "Pending", "startTime": "2026-01-01T00:30:00Z", "conditions": [admitted]})
+    assert value(m, name, namespace="team-a", ddpjob="mnist") == 1767227400
 
 
 def test_pods_counted_per_namespace():
