@@ -317,8 +317,27 @@ def test_every_alert_has_its_settings_in_values():
     in_file = {r["alert"]: r for r in rules() if "alert" in r}
     assert set(values["alerts"]) == set(in_file)
     for name, r in in_file.items():
-        assert values["alerts"][name] == {"enabled": True, "severity": r["labels"]["severity"],
-                                          "for": r.get("for", "")}, name
+        expected = {"enabled": True, "severity": r["labels"]["severity"], "for": r.get("for", "")}
+        if "threshold" in values["alerts"][name]:
+            expected["threshold"] = float(re.search(r" > ([0-9.]+)$", r["expr"].strip()).group(1))
+        assert values["alerts"][name] == expected, name
+    assert "threshold" in values["alerts"]["DDPJobDataLoaderStarving"]
+
+
+@pytest.mark.parametrize("threshold,fires", [("0.7", True), ("0.9", False)])
+def test_data_wait_threshold_comes_from_values(promtool, tmp_path, threshold, fires):
+    """The starving scenario's rank waits 80 % of each step: above a 0.7 threshold, below 0.9."""
+    f, _ = chart_rules(tmp_path, f"monitoring.prometheusRule.alerts.DDPJobDataLoaderStarving.threshold={threshold}")
+    scenario = copy.deepcopy(SCENARIOS["starving"])
+    if not fires:
+        for t in scenario["alert_rule_test"]:
+            t["exp_alerts"] = []
+    test = {"rule_files": [str(f)], "evaluation_interval": "15s", "group_eval_order": ["ddpjob.rules", "ddpjob.alerts"],
+            "tests": [with_runbooks(scenario)]}
+    t = tmp_path / "threshold.test.yaml"
+    t.write_text(yaml.safe_dump(test, sort_keys=False))
+    out = subprocess.run([promtool, "test", "rules", str(t)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
 
 
 def dashboard_annotation(name: str, needle: str) -> str:
