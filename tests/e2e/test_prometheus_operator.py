@@ -1,6 +1,9 @@
 """A real Prometheus scraping the real operator while it runs jobs on the control plane:
-every query of the operator dashboard returns data, and DDPJobFailed fires for a real failure."""
+every query of the operator dashboard returns data, DDPJobFailed fires for a real failure, and
+DDPJobPendingTooLong's series is there for an unschedulable job only, with the operator up."""
 from __future__ import annotations
+
+import datetime as dt
 
 import pytest
 from kubernetes import client
@@ -48,6 +51,7 @@ def test_operator_dashboard_queries_return_data(operator_and_prometheus, api, na
         return live[0].metadata.name if live else None
 
     create(job("keep"))                                   # stays Running: reconciles keep coming
+    create(job("stuck", scheduling={"nodeSelector": {"ddpjob.dev/test-no-such-node": "true"}}))   # stays Pending
     create(job("ok"))
     create(job("bad", failurePolicy={"maxRestarts": 1}))
     for name in ("keep", "ok", "bad"):
@@ -78,3 +82,17 @@ def test_operator_dashboard_queries_return_data(operator_and_prometheus, api, na
     failed = next(r for r in rules() if r.get("alert") == "DDPJobFailed")
     fired = prom.series(failed["expr"])
     assert fired and fired[0]["metric"].get("reason"), fired
+
+    # DDPJobPendingTooLong's series: the Pending job only, from its status.startTime; the operator is up.
+    def alert_expr(name: str) -> str:
+        return next(r["expr"] for r in rules() if r.get("alert") == name)
+    since = wait_for(lambda: prom.series('ddpjob_operator_job_pending_since_timestamp_seconds'), timeout=30,
+                     interval=1, desc="the pending-since gauge in Prometheus")
+    assert {s["metric"]["ddpjob"] for s in since} == {"stuck"}, since
+    status = custom.get_namespaced_custom_object("ddpjob.dev", "v1alpha1", namespace, "ddpjobs", "stuck")["status"]
+    started = dt.datetime.fromisoformat(status["startTime"].replace("Z", "+00:00")).timestamp()
+    assert status["phase"] == "Pending" and float(since[0]["value"][1]) == started, (status, since)
+    pending = prom.series(alert_expr("DDPJobPendingTooLong"))
+    assert [s["metric"]["ddpjob"] for s in pending] == ["stuck"] and float(pending[0]["value"][1]) > 0, pending
+    assert prom.series(alert_expr("DDPJobOperatorDown")) == []
+    assert prom.series(alert_expr("DDPJobReconcileErrors")) == []
