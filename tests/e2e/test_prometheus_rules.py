@@ -202,6 +202,21 @@ def with_runbooks(test: dict, base: str = RUNBOOK) -> dict:
     return test
 
 
+def promtool_test(promtool: str, tmp_path: Path, tests: list[dict], *, rule_file: Path | None = None,
+                  interval: str = "1m", what: str = "") -> None:
+    """`promtool test rules` on `tests` (with `rule_file`'s rules, our two groups in order, else none)."""
+    spec: dict = {"rule_files": [str(rule_file)] if rule_file else [], "evaluation_interval": interval}
+    if rule_file:
+        # promtool evaluates the two groups in a random order unless told: an alert evaluated first
+        # sees the previous evaluation's recorded value, and the duration in its description is 15 s
+        # off the expected one (harmless on a server, whose groups run on their own timers anyway).
+        spec["group_eval_order"] = ["ddpjob.rules", "ddpjob.alerts"]
+    f = tmp_path / "promtool.test.yaml"
+    f.write_text(yaml.safe_dump({**spec, "tests": tests}, sort_keys=False))
+    out = subprocess.run([promtool, "test", "rules", str(f)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, f"{what}{out.stdout}{out.stderr}"
+
+
 def test_promtool_check_rules(promtool):
     out = subprocess.run([promtool, "check", "rules", str(RULES)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr
@@ -217,15 +232,7 @@ def test_every_alert_has_a_firing_scenario():
 
 @pytest.mark.parametrize("name", sorted(SCENARIOS))
 def test_alert_scenario(promtool, tmp_path, name):
-    # promtool evaluates the two groups in a random order unless told: an alert evaluated first
-    # sees the previous evaluation's recorded value, and the duration in its description is 15 s
-    # off the expected one (harmless on a server, whose groups run on their own timers anyway).
-    spec = {"rule_files": [str(RULES)], "evaluation_interval": "15s",
-            "group_eval_order": ["ddpjob.rules", "ddpjob.alerts"], "tests": [with_runbooks(SCENARIOS[name])]}
-    f = tmp_path / f"{name}.test.yaml"
-    f.write_text(yaml.safe_dump(spec, sort_keys=False))
-    out = subprocess.run([promtool, "test", "rules", str(f)], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stdout + out.stderr
+    promtool_test(promtool, tmp_path, [with_runbooks(SCENARIOS[name])], rule_file=RULES, interval="15s")
 
 
 def counter_panels() -> list[tuple[str, str]]:
@@ -251,10 +258,7 @@ def test_counter_panels_count_the_first_event_of_every_series(promtool, tmp_path
         series(metric, "2x15", namespace="c", **labels),
     ], "promql_expr_test": [{"expr": q, "eval_time": "15m", "exp_samples": [
         {"labels": "{" + ",".join(f'{k}="{v}"' for k, v in labels.items()) + "}", "value": 2}]}]}
-    f = tmp_path / "panel.test.yaml"
-    f.write_text(yaml.safe_dump({"rule_files": [], "evaluation_interval": "1m", "tests": [test]}, sort_keys=False))
-    out = subprocess.run([promtool, "test", "rules", str(f)], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, f"{title}: {out.stdout}{out.stderr}"
+    promtool_test(promtool, tmp_path, [test], what=f"{title}: ")
 
 
 @pytest.mark.parametrize("hang,state", [(None, 0), (120, 1), (1800, 0)])
@@ -269,10 +273,7 @@ def test_training_state_panel_uses_the_jobs_hang_timeout(promtool, tmp_path, han
         inputs.append(series("ddpjob_operator_job_hang_timeout_seconds", f"{hang}x10", namespace="ns", ddpjob="j"))
     test = {"interval": "1m", "input_series": inputs, "promql_expr_test": [
         {"expr": q, "eval_time": "5m", "exp_samples": [{"labels": '{ddpjob="j", namespace="ns"}', "value": state}]}]}
-    f = tmp_path / "state.test.yaml"
-    f.write_text(yaml.safe_dump({"rule_files": [], "evaluation_interval": "1m", "tests": [test]}, sort_keys=False))
-    out = subprocess.run([promtool, "test", "rules", str(f)], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stdout + out.stderr
+    promtool_test(promtool, tmp_path, [test])
 
 
 def chart_rules(tmp_path, *sets: str) -> tuple[Path, dict]:
@@ -301,12 +302,7 @@ def test_alert_settings_come_from_values(promtool, tmp_path):
                                 "summary": "DDPJob ns/j has been Pending for 29m 0s"}}]}]
     pending["input_series"] = [series("ddpjob_operator_job_pending_since_timestamp_seconds", "60x40",
                                       namespace="ns", ddpjob="j")]
-    test = {"rule_files": [str(f)], "evaluation_interval": "15s", "group_eval_order": ["ddpjob.rules", "ddpjob.alerts"],
-            "tests": [with_runbooks(pending, "https://wiki.example/ddpjob")]}
-    t = tmp_path / "values.test.yaml"
-    t.write_text(yaml.safe_dump(test, sort_keys=False))
-    out = subprocess.run([promtool, "test", "rules", str(t)], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stdout + out.stderr
+    promtool_test(promtool, tmp_path, [with_runbooks(pending, "https://wiki.example/ddpjob")], rule_file=f, interval="15s")
 
 
 def test_every_alert_has_its_settings_in_values():
@@ -332,12 +328,7 @@ def test_data_wait_threshold_comes_from_values(promtool, tmp_path, threshold, fi
     if not fires:
         for t in scenario["alert_rule_test"]:
             t["exp_alerts"] = []
-    test = {"rule_files": [str(f)], "evaluation_interval": "15s", "group_eval_order": ["ddpjob.rules", "ddpjob.alerts"],
-            "tests": [with_runbooks(scenario)]}
-    t = tmp_path / "threshold.test.yaml"
-    t.write_text(yaml.safe_dump(test, sort_keys=False))
-    out = subprocess.run([promtool, "test", "rules", str(t)], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stdout + out.stderr
+    promtool_test(promtool, tmp_path, [with_runbooks(scenario)], rule_file=f, interval="15s")
 
 
 def dashboard_annotation(name: str, needle: str) -> str:
@@ -360,10 +351,7 @@ def test_attempt_annotation_marks_the_group_restart_once(promtool, tmp_path, nam
     mark = [{"labels": '{ddpjob="j", namespace="ns"}', "value": 1}]
     test = {"interval": "1m", "input_series": old + new, "promql_expr_test": [
         expect(expr, "5m", []), expect(expr, "11m", []), expect(expr, "12m", mark), expect(expr, "15m", [])]}
-    f = tmp_path / "attempt.test.yaml"
-    f.write_text(yaml.safe_dump({"rule_files": [], "evaluation_interval": "1m", "tests": [test]}, sort_keys=False))
-    out = subprocess.run([promtool, "test", "rules", str(f)], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stdout + out.stderr
+    promtool_test(promtool, tmp_path, [test])
 
 
 def test_group_restart_annotation_names_the_reason(promtool, tmp_path):
@@ -374,7 +362,4 @@ def test_group_restart_annotation_names_the_reason(promtool, tmp_path):
     mark = [{"labels": '{namespace="ns", reason="PodFailed"}', "value": 1}]
     test = {"interval": "1m", "input_series": inputs, "promql_expr_test": [
         expect(expr, "4m", []), expect(expr, "6m", mark), expect(expr, "10m", [])]}
-    f = tmp_path / "restart.test.yaml"
-    f.write_text(yaml.safe_dump({"rule_files": [], "evaluation_interval": "1m", "tests": [test]}, sort_keys=False))
-    out = subprocess.run([promtool, "test", "rules", str(f)], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stdout + out.stderr
+    promtool_test(promtool, tmp_path, [test])

@@ -3,10 +3,8 @@ the stage a job is stuck in, timed against the job's own hangTimeoutSeconds."""
 from __future__ import annotations
 
 import json
-import subprocess
 
 import pytest
-import yaml
 
 from tests.e2e import test_prometheus_rules as rules_tests
 from tests.e2e.test_prometheus_rules import promtool, rank, series  # noqa: F401  (fixture)
@@ -86,7 +84,4 @@ def test_training_state_panel_before_the_first_step(promtool, tmp_path, eval_tim
     test = {"interval": "1m", "input_series": [*in_stage(0, "rendezvous", "100x10"), hang_timeout(120)],
             "promql_expr_test": [{"expr": q, "eval_time": eval_time,
                                   "exp_samples": [{"labels": '{ddpjob="j", namespace="ns"}', "value": state}]}]}
-    f = tmp_path / "state.test.yaml"
-    f.write_text(yaml.safe_dump({"rule_files": [], "evaluation_interval": "1m", "tests": [test]}, sort_keys=False))
-    out = subprocess.run([promtool, "test", "rules", str(f)], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stdout + out.stderr
+    rules_tests.promtool_test(promtool, tmp_path, [test])
