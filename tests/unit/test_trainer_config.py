@@ -44,24 +44,18 @@ def test_env_config_must_be_json():
         config_from_env({"DDPJOB_TRAINER_CONFIG": "{epochs: 3"})
 
 
-def test_mlflow_without_the_package_is_a_config_error(monkeypatch):
-    import builtins
-
+def test_only_rank_0_tracks_and_mlflow_required_parses():
     from ddpjob_trainer.config import MlflowConfig
     from ddpjob_trainer.reporting import make_reporter
 
-    real_import = builtins.__import__
-
-    def no_mlflow(name, *a, **k):
-        if name == "mlflow":
-            raise ImportError("no mlflow")
-        return real_import(name, *a, **k)
-
-    monkeypatch.setattr(builtins, "__import__", no_mlflow)
-    with pytest.raises(ConfigError, match="spec.trainer.mlflow: mlflow is not installed"):
-        make_reporter(rank=0, mlflow=MlflowConfig(tracking_uri="http://x"))
-    # Other ranks never touch MLflow at all (seed 000: log from rank 0 only).
+    # Other ranks never touch MLflow at all (seed 000: log from rank 0 only). A missing client is the
+    # launcher's pre-flight's to report (exit 78, tests/trainer/test_preflight.py).
     assert type(make_reporter(rank=1, mlflow=MlflowConfig(tracking_uri="http://x"))).__name__ == "NullReporter"
+    cfg = parse_config({"mlflow": {"trackingUri": "http://x", "required": True}})
+    assert cfg.mlflow == MlflowConfig(tracking_uri="http://x", experiment="ddpjob", required=True)
+    assert parse_config({"mlflow": {"trackingUri": "http://x"}}).mlflow.required is False
+    with pytest.raises(ConfigError, match="spec.trainer.mlflow.required: expected true or false"):
+        parse_config({"mlflow": {"trackingUri": "http://x", "required": "yes"}})
 
 
 def test_gpu_and_data_loading_keys_and_their_defaults():

@@ -58,7 +58,10 @@ def main() -> int:
                            debug_dir=debug) as ctx:
             log = None
             try:
-                log = make_reporter(rank=ctx.rank, mlflow=cfg.mlflow)
+                import torch
+
+                log = make_reporter(rank=ctx.rank, mlflow=cfg.mlflow, telemetry=telemetry,
+                                    checkpoint_dir=cfg.checkpoint.dir, torch_mod=torch, device=ctx.device)
                 train(cfg, ctx, log=log, telemetry=telemetry,
                       result_path=os.environ.get(contract.ENV_RESULT_FILE))
             except (Exception, KeyboardInterrupt) as exc:  # noqa: BLE001 - recorded as the rank's failure
@@ -67,7 +70,7 @@ def main() -> int:
                 # casualties) would be recorded first, taken for the cause.
                 code = _failed(exc, rank)
                 if log is not None:
-                    log.close(status="FAILED")
+                    log.close(status="KILLED" if isinstance(exc, KeyboardInterrupt) else "FAILED")
                 if not teardown_within(FAILED_TEARDOWN_SECONDS):
                     print(f"[rank {rank}] process group teardown still blocked after {FAILED_TEARDOWN_SECONDS:.0f}s "
                           "(a peer mid-collective); exiting without it", file=sys.stderr, flush=True)

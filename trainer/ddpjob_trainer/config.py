@@ -62,11 +62,16 @@ class DdpConfig:
 
 @dataclass(frozen=True)
 class MlflowConfig:
-    """Optional MLflow tracking, used by rank 0 only."""
+    """Optional MLflow tracking, used by rank 0 only, from a background thread (tracking.py).
+
+    required: a tracking server unreachable at start fails the attempt (retried like any training
+    failure); by default it is a warning and training goes on untracked.
+    """
 
     tracking_uri: str
-    experiment: str = "ddpjob"
+    experiment: str = contract.MLFLOW_DEFAULT_EXPERIMENT
     run_name: str | None = None
+    required: bool = False
 
 
 @dataclass(frozen=True)
@@ -154,7 +159,7 @@ _DDP = {"bufferSync": ("buffer_sync", "enum", BUFFER_SYNCS),
         "staticGraph": ("static_graph", "bool", None),
         "bucketCapMb": ("bucket_cap_mb", "int", 1)}
 _MLFLOW = {"trackingUri": ("tracking_uri", "str", None), "experiment": ("experiment", "str", None),
-           "runName": ("run_name", "str", None)}
+           "runName": ("run_name", "str", None), "required": ("required", "bool", None)}
 
 
 def _check(path: str, value: Any, kind: str, arg: Any) -> Any:

@@ -14,6 +14,7 @@ EXIT_BAD_CONFIG = 78       # EX_CONFIG: retrying cannot help; fail the job at on
 # Set by the operator in every pod (operator/envvars.py) and by the local runner.
 ENV_JOB_NAME = "DDPJOB_NAME"
 ENV_JOB_NAMESPACE = "DDPJOB_NAMESPACE"
+ENV_JOB_UID = "DDPJOB_UID"                # the DDPJob's metadata.uid; locally, one per name + work dir
 ENV_ATTEMPT = "DDPJOB_ATTEMPT"            # the group attempt: 0, then +1 per restart
 ENV_POD_METRICS_PORT = "DDPJOB_METRICS_PORT"  # the pod's metrics endpoint (not the operator's own)
 ENV_TRAINER_CONFIG = "DDPJOB_TRAINER_CONFIG"  # spec.trainer as JSON (built-in trainer only)
@@ -41,6 +42,10 @@ PET_RDZV_BACKEND = "PET_RDZV_BACKEND"
 PET_RDZV_ENDPOINT = "PET_RDZV_ENDPOINT"
 PET_RDZV_ID = "PET_RDZV_ID"
 PET_MAX_RESTARTS = "PET_MAX_RESTARTS"
+
+# spec.trainer.mlflow.experiment when unset: the trainer logs there, the operator's pods get it as
+# MLFLOW_EXPERIMENT_NAME.
+MLFLOW_DEFAULT_EXPERIMENT = "ddpjob"
 
 # Every metric a rank exports starts with this; the operator's scraper keeps only these.
 METRIC_PREFIX = "ddpjob_trainer_"

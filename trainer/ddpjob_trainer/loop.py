@@ -293,6 +293,7 @@ class Trainer:
         self.telemetry.checkpoint(seconds)
         how = "being written in the background" if self.cfg.checkpoint.async_save else "written"
         self.log.info(f"checkpoint {path}: training paused {seconds:.2f}s ({how})")
+        self.log.metrics({"checkpoint_seconds": seconds}, step=st.step)
         self.enter("training")
 
     def evaluate(self) -> EvalResult:
@@ -348,18 +349,21 @@ class Trainer:
         resumed_from = self.restore()
         st = self.state
         telemetry.set_total_steps(self.total_steps)
-        telemetry.set_restart_count(int(os.environ.get(contract.ENV_ATTEMPT, "0")))
+        attempt = int(os.environ.get(contract.ENV_ATTEMPT, "0"))
+        telemetry.set_restart_count(attempt)
         telemetry.gpu_info(torch, ctx.device)
+        # The whole resolved config (nested sections flattened by the reporter), logged once per run.
         log.params({"world_size": ctx.world_size, "backend": ctx.backend, "resolved_num_workers": self.workers,
                     "amp_dtype": str(self.place.amp_dtype), "channels_last": self.place.channels_last,
-                    "static_graph": tuning.static_graph(cfg),
-                    **{k: v for k, v in asdict(cfg).items() if not isinstance(v, dict)}})
+                    "static_graph": tuning.static_graph(cfg), "total_steps": self.total_steps, **asdict(cfg)})
+        log.metrics({"restarts": attempt}, step=st.step)
         log.info(f"training {cfg.model} on {cfg.dataset}: world size {ctx.world_size} ({ctx.backend}), "
                  f"{len(self.data.train)} train / {len(self.data.val)} val samples, {self.total_steps} steps, "  # type: ignore[arg-type]
                  f"{self.workers} data workers per rank")
 
         cuda = ctx.device.type == "cuda"
         train_seconds, samples_seen, last_eval, eval_step = 0.0, 0, None, -1
+        interval = [0, 0.0, 0.0, 0]  # since the last log step: steps, seconds, data wait, samples
         timeout_shortened = not cfg.step_timeout_seconds
         self.ddp.train()
         while st.epoch < cfg.epochs and st.step < self.total_steps:
@@ -386,6 +390,10 @@ class Trainer:
                 dt_step, boundary = now - boundary, now
                 train_seconds += dt_step
                 samples_seen += out.samples
+                interval[0] += 1
+                interval[1] += dt_step
+                interval[2] += out.data_wait_seconds
+                interval[3] += out.samples
                 telemetry.step(step=st.step, epoch=st.epoch, loss=mean_loss, samples=out.samples,
                                step_seconds=dt_step, data_wait_seconds=out.data_wait_seconds,
                                timestamp=time.time())
@@ -402,7 +410,15 @@ class Trainer:
                     telemetry.compute(self.device_timer.read())
                     lr = self.sched.get_last_lr()[0]
                     log.info(f"epoch {st.epoch} step {st.step}/{self.total_steps} loss {mean_loss:.4f} lr {lr:.4g}")
-                    log.metrics({"train_loss": mean_loss, "lr": lr}, step=st.step)
+                    n, secs, wait, samples = interval
+                    interval = [0, 0.0, 0.0, 0]
+                    # Global samples/s: every rank takes the same number of samples per step.
+                    tracked = {"train_loss": mean_loss, "lr": lr, "step_seconds": secs / n,
+                               "data_wait_seconds": wait / n,
+                               "samples_per_second": samples * ctx.world_size / secs if secs > 0 else 0.0}
+                    if cuda:
+                        tracked["gpu_memory_max_allocated_bytes"] = torch.cuda.max_memory_allocated(ctx.device)
+                    log.metrics(tracked, step=st.step)
                 if save_step:
                     self.save()
                     boundary = time.perf_counter()
@@ -412,6 +428,7 @@ class Trainer:
                 self.save()
         if last_eval is None or eval_step != st.step:  # stopped by maxSteps mid-epoch, or resumed at the end
             last_eval, eval_step = self.evaluate(), st.step
+            log.metrics({"eval_accuracy": last_eval.accuracy, "eval_loss": last_eval.loss}, step=st.step)
             self.save()
         if self.checkpoints:
             self.checkpoints.checkpointer.wait()
@@ -431,7 +448,7 @@ def train(cfg: TrainerConfig, ctx: DistContext, *, log: NullReporter, telemetry:
     """Run (or resume) training to completion; every rank calls this."""
     result = Trainer(cfg, ctx, log=log, telemetry=telemetry).fit()
     if ctx.is_main and result_path:
-        _write_json_atomic(result_path, asdict(result))
+        _write_json_atomic(result_path, {**asdict(result), "mlflow_run_id": log.run_id})
     log.info(f"done: {result.steps} steps, eval accuracy {result.eval_accuracy:.4f}, "
              f"{result.train_samples_per_second:.0f} samples/s")
     return result

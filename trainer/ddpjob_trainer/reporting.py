@@ -1,16 +1,20 @@
 """Rank-0-only logging and experiment tracking: other ranks get do-nothing reporters."""
 from __future__ import annotations
 
+import os
+import signal
 import sys
+import threading
 import time
 from typing import Any
 
 from .config import MlflowConfig
-from .errors import ConfigError
 
 
 class NullReporter:
     """What every rank but 0 uses: all methods do nothing."""
+
+    run_id: str | None = None  # the MLflow run, where there is one
 
     def info(self, msg: str) -> None:
         """Do nothing."""
@@ -41,34 +45,63 @@ class ConsoleReporter(NullReporter):
 
 
 class MlflowReporter(ConsoleReporter):
-    """Rank 0 with MLflow: params once, metrics per log interval (seed 000's setup)."""
+    """Rank 0 with MLflow: one run per job, every call on a background thread (tracking.py).
 
-    def __init__(self, cfg: MlflowConfig) -> None:
-        try:
-            import mlflow
-        except ImportError:
-            raise ConfigError("spec.trainer.mlflow: mlflow is not installed in this image "
-                              "(pip install 'ddpjob[mlflow]')") from None
-        self._mlflow = mlflow
-        mlflow.set_tracking_uri(cfg.tracking_uri)
-        mlflow.set_experiment(cfg.experiment)
-        mlflow.start_run(run_name=cfg.run_name)
+    SIGTERM (a pod deleted, the group stopped) ends the run KILLED within tracking.KILLED_SECONDS,
+    then the process dies of the signal as it would have without MLflow.
+    """
+
+    def __init__(self, cfg: MlflowConfig, *, telemetry: Any = None, checkpoint_dir: str | None = None,
+                 torch_mod: Any = None, device: Any = None, environ: Any = None) -> None:
+        from . import tracking
+
+        env = os.environ if environ is None else environ
+        count = telemetry.mlflow_dropped if telemetry is not None else (lambda reason: None)
+        self.tracker = tracking.Tracker(
+            tracking_uri=cfg.tracking_uri, experiment=cfg.experiment, run_name=cfg.run_name,
+            key=tracking.run_key(env, checkpoint_dir=checkpoint_dir),
+            tags=tracking.run_tags(env, torch_mod=torch_mod, device=device), warn=self.warning, count_drop=count)
+        self._closed = self._terminating = False
+        if cfg.required and (not self.tracker.ready.wait(tracking.START_SECONDS) or self.tracker.run_id is None):
+            why = self.tracker.error or f"no answer within {tracking.START_SECONDS:.0f}s"
+            self.close(status="FAILED")
+            raise RuntimeError(f"spec.trainer.mlflow.required: no MLflow run at {cfg.tracking_uri}: {why}")
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    @property
+    def run_id(self) -> str | None:  # type: ignore[override]
+        """The run's id once it is open (None until then, or without a server)."""
+        return self.tracker.run_id
 
     def params(self, params: dict[str, Any]) -> None:
-        """Log flattened run parameters."""
-        self._mlflow.log_params(params)
+        """Log run parameters (nested sections flattened), once per run."""
+        self.tracker.params(params)
 
     def metrics(self, metrics: dict[str, float], *, step: int) -> None:
-        """Log metrics at a step."""
-        self._mlflow.log_metrics(metrics, step=step)
+        """Log metrics at a global step (queued; never waits for the server)."""
+        self.tracker.metrics(metrics, step=step)
 
     def close(self, *, status: str = "FINISHED") -> None:
-        """End the MLflow run."""
-        self._mlflow.end_run(status=status)
+        """Flush (within a deadline) and end the run with `status`."""
+        if not self._closed:
+            self._closed = True
+            self.tracker.close(status)
+
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        # torchrun may send SIGTERM twice: a second one lands inside this handler, and must not
+        # cut its close short.
+        if self._terminating:
+            return
+        self._terminating = True
+        self.close(status="KILLED")
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
-def make_reporter(*, rank: int, mlflow: MlflowConfig | None) -> NullReporter:
-    """Rank 0 gets a real reporter; every other rank a do-nothing one."""
+def make_reporter(*, rank: int, mlflow: MlflowConfig | None, **tracking: Any) -> NullReporter:
+    """Rank 0 gets a real reporter; every other rank a do-nothing one. `tracking`: MlflowReporter's
+    keyword arguments (telemetry, checkpoint_dir, torch_mod, device)."""
     if rank != 0:
         return NullReporter()
-    return MlflowReporter(mlflow) if mlflow else ConsoleReporter()
+    return MlflowReporter(mlflow, **tracking) if mlflow else ConsoleReporter()

@@ -131,6 +131,12 @@ class Telemetry:
         self._compute_s: Any = None
         self._gpu_info = Gauge(GPU_INFO, "1 for this rank's GPU; uuid as DCGM's UUID label.",
                                names + ["uuid", "name"], registry=reg, multiprocess_mode="mostrecent")
+        # Bound per reason at the first drop (tracking.py): a run without MLflow exports none.
+        self._mlflow_family = Counter(
+            PREFIX + "mlflow_dropped", "MLflow calls not made, by reason: queue_full (the bounded queue "
+            "was full), failed (the tracking server refused, timed out or erred), skipped (closing past "
+            "its deadline).", names + ["reason"], registry=reg)
+        self._mlflow_dropped: dict[str, Any] = {}
         stage = Gauge(PREFIX + "stage", "1 for the stage this rank is in (" + ", ".join(STAGES) + "), "
                       "0 for the others.", names + ["stage"], registry=reg, multiprocess_mode="mostrecent")
         self._stages = {s: stage.labels(**labels, stage=s) for s in STAGES}
@@ -212,6 +218,15 @@ class Telemetry:
         """Record how long the last checkpoint took."""
         if self.enabled:
             self._ckpt.set(seconds)
+
+    def mlflow_dropped(self, reason: str, n: int = 1) -> None:
+        """Count MLflow calls that were not made (tracking.py), by reason."""
+        if not self.enabled:
+            return
+        child = self._mlflow_dropped.get(reason)
+        if child is None:
+            child = self._mlflow_dropped[reason] = self._mlflow_family.labels(**self.labels, reason=reason)
+        child.inc(n)
 
     def gpu_memory(self, torch_mod: Any, device: Any) -> None:
         """Record GPU memory of `device` (call every few steps, not every step)."""

@@ -1,0 +1,228 @@
+"""The MLflow tracker's pure pieces (trainer/ddpjob_trainer/tracking.py): flattened params, tags, the
+run key, the bounded call queue (drops counted, never blocks, close within its deadline), and one
+run per job against a fake client. The real server: tests/trainer/test_mlflow.py."""
+from __future__ import annotations
+
+import threading
+import time
+import types
+
+import pytest
+
+from ddpjob_trainer import tracking
+from ddpjob_trainer.tracking import CallQueue, Tracker, flatten_params, run_key, run_tags
+
+
+def test_params_flatten_nested_sections_to_dotted_keys():
+    flat = flatten_params({"lr": 0.05, "compile": False, "data_path": None,
+                           "checkpoint": {"dir": "/ckpt", "every_steps": 50},
+                           "synthetic": {"shape": (3, 32, 32), "deep": {"x": 1}}, "mlflow": None})
+    assert flat == {"lr": "0.05", "compile": "False", "data_path": "None", "checkpoint.dir": "/ckpt",
+                    "checkpoint.every_steps": "50", "synthetic.shape": "3,32,32", "synthetic.deep.x": "1",
+                    "mlflow": "None"}
+    assert len(flatten_params({"long": "x" * 10_000})["long"]) == tracking.PARAM_VALUE_MAX
+
+
+def test_the_run_key_is_the_jobs_uid_else_its_checkpoint_dir_else_none():
+    uid = run_key({"DDPJOB_UID": "6b1f-uid"})
+    assert uid == run_key({"DDPJOB_UID": "6b1f-uid"}, checkpoint_dir="/elsewhere") and len(uid) == 32
+    assert uid != run_key({"DDPJOB_UID": "another"})
+    assert run_key({}, checkpoint_dir="/ckpt") == run_key({}, checkpoint_dir="/ckpt/") != uid
+    assert run_key({}) is None
+
+
+def test_tags_name_the_job_the_attempt_the_shape_and_the_software():
+    env = {"DDPJOB_NAME": "digits", "DDPJOB_NAMESPACE": "team-a", "DDPJOB_UID": "u-1", "DDPJOB_ATTEMPT": "2",
+           "NNODES": "4", "NPROC_PER_NODE": "8", "WORLD_SIZE": "32"}
+    cuda = types.SimpleNamespace(nccl=types.SimpleNamespace(version=lambda: (2, 27, 3)),
+                                 get_device_name=lambda d: "NVIDIA H100 80GB HBM3")
+    torch = types.SimpleNamespace(__version__="2.8.0+cu128", version=types.SimpleNamespace(cuda="12.8"), cuda=cuda)
+    tags = run_tags(env, torch_mod=torch, device=types.SimpleNamespace(type="cuda", index=0))
+    assert tags == {"ddpjob.name": "digits", "ddpjob.namespace": "team-a", "ddpjob.uid": "u-1",
+                    "ddpjob.attempt": "2", "ddpjob.nodes_x_procs": "4x8", "ddpjob.world_size": "32",
+                    "torch.version": "2.8.0+cu128", "torch.cuda": "12.8", "torch.nccl": "2.27.3",
+                    "gpu.model": "NVIDIA H100 80GB HBM3"}
+    cpu = run_tags({}, torch_mod=torch, device=types.SimpleNamespace(type="cpu"))
+    assert cpu["ddpjob.name"] == "local" and cpu["ddpjob.nodes_x_procs"] == "1x1" and "gpu.model" not in cpu
+
+
+def test_a_full_queue_drops_and_counts_and_never_blocks():
+    drops: list[str] = []
+    release, started = threading.Event(), threading.Event()
+    done: list[int] = []
+    q = CallQueue(maxsize=2, on_drop=drops.append, on_error=lambda e: None)
+    q.submit(lambda: (started.set(), release.wait()))  # the worker holds this one (a hung server)
+    assert started.wait(10)
+    t0 = time.monotonic()
+    accepted = [q.submit(lambda i=i: done.append(i)) for i in range(5)]
+    assert time.monotonic() - t0 < 0.5  # put_nowait: no waiting at all
+    assert accepted == [True, True, False, False, False] and drops == ["queue_full"] * 3
+    release.set()
+    assert q.close(lambda: done.append(99), seconds=10)
+    assert done == [0, 1, 99]  # in order, then the final call
+    assert not q.submit(lambda: None)  # closed
+
+
+def test_close_skips_the_backlog_to_make_the_final_call_within_its_deadline():
+    drops: list[str] = []
+    release, started = threading.Event(), threading.Event()
+    final = threading.Event()
+    q = CallQueue(maxsize=10, on_drop=drops.append, on_error=lambda e: None)
+    q.submit(lambda: (started.set(), release.wait(0.5)))  # a request that times out after 0.5 s
+    assert started.wait(10)
+    for _ in range(5):
+        q.submit(lambda: release.wait(0.5))                # more of them queued behind it
+    assert q.close(final.set, seconds=2.0)                 # 0.6 x 2 s, then what is queued is skipped
+    assert final.is_set() and drops.count("skipped") >= 3, drops
+
+
+def test_close_gives_up_at_its_deadline_when_the_call_in_flight_never_returns():
+    never, started = threading.Event(), threading.Event()
+    q = CallQueue(maxsize=1, on_drop=lambda r: None, on_error=lambda e: None)
+    q.submit(lambda: (started.set(), never.wait()))
+    assert started.wait(10)
+    q.submit(lambda: None)                                 # the queue is full as well
+    t0 = time.monotonic()
+    assert q.close(lambda: None, seconds=0.3) is False
+    assert time.monotonic() - t0 < 2.0
+    never.set()
+
+
+def test_errors_of_calls_are_reported_and_the_worker_goes_on():
+    errors: list[BaseException] = []
+    done = threading.Event()
+    q = CallQueue(on_drop=lambda r: None, on_error=errors.append)
+    q.submit(lambda: 1 / 0)
+    assert q.close(done.set, seconds=5) and done.is_set()
+    assert [type(e) for e in errors] == [ZeroDivisionError]
+
+
+class FakeClient:
+    """MLflow's client API as the tracker uses it, in memory (a server shared by its instances)."""
+
+    def __init__(self, server: dict) -> None:
+        self.s = server
+
+    def get_experiment_by_name(self, name):
+        eid = self.s["experiments"].get(name)
+        return None if eid is None else types.SimpleNamespace(experiment_id=eid)
+
+    def create_experiment(self, name):
+        self.s["experiments"][name] = str(len(self.s["experiments"]))
+        return self.s["experiments"][name]
+
+    def search_runs(self, exp_ids, filter_string, max_results, order_by):
+        key = filter_string.split("= '")[1].rstrip("'")
+        return [r for r in self.s["runs"].values() if r.data.tags.get(tracking.KEY_TAG) == key][:max_results]
+
+    def create_run(self, exp_id, run_name=None, tags=None):
+        rid = f"run{len(self.s['runs'])}"
+        run = types.SimpleNamespace(info=types.SimpleNamespace(run_id=rid, status="RUNNING"),
+                                    data=types.SimpleNamespace(tags=dict(tags or {}), params={}, metrics=[]))
+        self.s["runs"][rid] = run
+        return run
+
+    def update_run(self, run_id, status=None):
+        self.s["runs"][run_id].info.status = status
+
+    def log_batch(self, run_id, metrics=(), params=(), tags=()):
+        data = self.s["runs"][run_id].data
+        for p in params:
+            assert data.params.get(p.key, p.value) == p.value, "changing a param is not allowed"
+            data.params[p.key] = p.value
+        data.tags.update({t.key: t.value for t in tags})
+        data.metrics += [(m.key, m.value, m.step) for m in metrics]
+
+    def set_terminated(self, run_id, status):
+        self.s["runs"][run_id].info.status = status
+
+
+def attempt(server: dict, n: int, warnings: list[str]) -> Tracker:
+    return Tracker(tracking_uri="http://fake", experiment="exp", run_name=None, key="k1",
+                   tags={"ddpjob.attempt": str(n)}, warn=warnings.append, count_drop=lambda r: None,
+                   client_factory=lambda uri: FakeClient(server))
+
+
+def test_every_attempt_resumes_the_one_run_params_once_metrics_on_the_global_step():
+    pytest.importorskip("mlflow")  # mlflow.entities: the trainer extra's client
+    server: dict = {"experiments": {}, "runs": {}}
+    warnings: list[str] = []
+    first = attempt(server, 0, warnings)
+    first.params({"lr": 0.1, "checkpoint": {"dir": "/c"}})
+    first.metrics({"train_loss": 2.0}, step=10)
+    assert first.close("FAILED")
+    second = attempt(server, 1, warnings)
+    assert second.ready.wait(10) and second.run_id == first.run_id == "run0"
+    assert server["runs"]["run0"].info.status == "RUNNING"   # resumed
+    second.params({"lr": 0.1, "checkpoint": {"dir": "/c"}, "world_size": 4})  # not logged again
+    second.metrics({"train_loss": 1.0, "lr": None}, step=20)
+    assert second.close("FINISHED")
+    run = server["runs"]["run0"]
+    assert len(server["runs"]) == 1 and run.info.status == "FINISHED"
+    assert run.data.params == {"lr": "0.1", "checkpoint.dir": "/c"}
+    assert run.data.tags == {tracking.KEY_TAG: "k1", "ddpjob.attempt": "1"}
+    assert run.data.metrics == [("train_loss", 2.0, 10), ("train_loss", 1.0, 20)]
+    assert warnings == []
+
+
+def test_an_unreachable_server_is_a_warning_and_every_call_a_no_op():
+    warnings: list[str] = []
+
+    def refused(uri):
+        raise ConnectionRefusedError("[Errno 111] Connection refused")
+    t = Tracker(tracking_uri="http://127.0.0.1:9", experiment="e", run_name=None, key=None, tags={},
+                warn=warnings.append, count_drop=lambda r: None, client_factory=refused)
+    t.metrics({"loss": 1.0}, step=1)
+    assert t.close("FINISHED") and t.run_id is None
+    assert "Connection refused" in t.error and warnings[0].startswith("MLflow: no run at http://127.0.0.1:9")
+
+
+def test_a_server_that_comes_back_gets_the_calls_queued_meanwhile(monkeypatch):
+    pytest.importorskip("mlflow")
+    monkeypatch.setattr(tracking, "REOPEN_SECONDS", (0.01, 0.02))
+    server: dict = {"experiments": {}, "runs": {}}
+    tries: list[int] = []
+    back = threading.Event()
+
+    def comes_back(uri):
+        tries.append(1)
+        if len(tries) < 3:
+            raise ConnectionRefusedError("[Errno 111] Connection refused")
+        back.set()
+        return FakeClient(server)
+    warnings: list[str] = []
+    t = Tracker(tracking_uri="http://fake", experiment="e", run_name=None, key="k", tags={},
+                warn=warnings.append, count_drop=lambda r: None, client_factory=comes_back)
+    assert t.ready.wait(10) and t.run_id is None  # the first try failed: training goes on
+    t.metrics({"train_loss": 2.0}, step=1)
+    assert back.wait(10)
+    assert t.close("FINISHED") and t.run_id == "run0" and len(tries) == 3
+    assert server["runs"]["run0"].data.metrics == [("train_loss", 2.0, 1)]
+    assert server["runs"]["run0"].info.status == "FINISHED"
+    assert [w.split(" (")[0].split(":")[0] for w in warnings] == ["MLflow", "MLflow"], warnings
+
+
+def test_required_without_a_server_fails_the_attempt(monkeypatch):
+    pytest.importorskip("mlflow")
+    from ddpjob_trainer.config import MlflowConfig
+    from ddpjob_trainer.reporting import MlflowReporter
+    from tests.support.localrun import free_ports
+
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    nobody = free_ports(1)[0]  # loopback, nothing listening: refused at once
+    with pytest.raises(RuntimeError, match=rf"spec.trainer.mlflow.required: no MLflow run at http://127.0.0.1:{nobody}"):
+        MlflowReporter(MlflowConfig(tracking_uri=f"http://127.0.0.1:{nobody}", required=True), environ={})
+
+
+def test_drops_are_a_prometheus_counter_by_reason():
+    from ddpjob_trainer.telemetry import Telemetry
+
+    labels = {"ddpjob": "j", "namespace": "n", "rank": "0", "local_rank": "0", "node_rank": "0"}
+    t = Telemetry(labels=labels)
+    name = "ddpjob_trainer_mlflow_dropped_total"
+    assert t.registry.get_sample_value(name, {**labels, "reason": "queue_full"}) is None  # none until one
+    t.mlflow_dropped("queue_full")
+    t.mlflow_dropped("queue_full")
+    t.mlflow_dropped("failed")
+    assert t.registry.get_sample_value(name, {**labels, "reason": "queue_full"}) == 2
+    assert t.registry.get_sample_value(name, {**labels, "reason": "failed"}) == 1

@@ -1,0 +1,315 @@
+"""MLflow tracking for the built-in trainer: one run per job, never in training's way.
+
+Every MLflow call runs on one background thread, fed by a bounded queue (`CallQueue`): a step only
+puts a small closure there, never waits for the server. A full queue drops the call and counts it
+(`ddpjob_trainer_mlflow_dropped_total{reason="queue_full"}`, plus a warning at most once a minute);
+a call that fails (server down, frozen, refusing) is counted as `reason="failed"`. Requests time
+out after MLFLOW_HTTP_REQUEST_TIMEOUT seconds (default here 5, MLflow's own is 120) without
+retries (MLFLOW_HTTP_REQUEST_MAX_RETRIES 0, MLflow's own is 7 with backoff: minutes), so a hung
+server holds the worker, never a step. A variable set in the pod's env wins over these defaults.
+
+One run per job: the run carries the tag `ddpjob.key` (a hash of the job's UID; locally the runner
+derives one from the job name and its work directory). Each attempt finds the run by that tag and
+resumes it (status back to RUNNING), so after a group restart metrics go on at the global step in
+the same run; params are logged once, by the attempt that finds the run without them (a resume
+never changes a param), and what changes between attempts (`ddpjob.attempt`) is a tag.
+
+Start: opening the run is the queue's first call. An unreachable server is a warning and training
+goes on; the worker tries again (after 1 s, doubling up to 30 s) while the calls queue up behind
+it (dropped and counted once the queue is full), so a server that comes back later gets them.
+`spec.trainer.mlflow.required: true` instead waits for the first try (at most START_SECONDS) and
+fails the attempt without a run. End: `close(status)` flushes what is queued within a deadline
+(then skips the rest), and ends the run FINISHED, FAILED or KILLED (SIGTERM: a shorter deadline).
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from . import contract
+
+HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_TIMEOUT": "5", "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0",
+                 "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "0"}
+QUEUE_SIZE = 1000          # calls; a log step puts one, so this is many minutes of a stalled server
+START_SECONDS = 30.0       # `required: true`: how long the first rank waits for its run
+CLOSE_SECONDS = 15.0       # close(): flush, then end the run, within this
+KILLED_SECONDS = 3.0       # close("KILLED"): the launcher's SIGKILL follows SIGTERM after 5 s
+REOPEN_SECONDS = (1.0, 30.0)  # no run yet: try again after 1 s, doubling up to 30 s
+WARN_EVERY_SECONDS = 60.0
+KEY_TAG = "ddpjob.key"
+PARAM_BATCH = 100          # MLflow's log_batch limit on params and tags
+PARAM_VALUE_MAX = 6000
+
+
+def flatten_params(config: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
+    """Nested config sections as dotted keys (`checkpoint.dir`), values as MLflow stores them:
+    strings; sequences comma-joined (`synthetic.shape: 3,32,32`)."""
+    out: dict[str, str] = {}
+    for key, value in config.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            out.update(flatten_params(value, prefix=name + "."))
+        elif isinstance(value, (list, tuple)):
+            out[name] = ",".join(str(v) for v in value)[:PARAM_VALUE_MAX]
+        else:
+            out[name] = str(value)[:PARAM_VALUE_MAX]
+    return out
+
+
+def run_key(env: Mapping[str, str], *, checkpoint_dir: str | None = None) -> str | None:
+    """What identifies the job across its attempts: its UID (the operator's, or the local runner's
+    name + work directory one); without one, its checkpoint directory (what a resume reads). None:
+    nothing ties two attempts together, so every start is a run of its own."""
+    ident = env.get(contract.ENV_JOB_UID) or (f"dir:{os.path.abspath(checkpoint_dir)}" if checkpoint_dir else "")
+    return hashlib.sha256(ident.encode()).hexdigest()[:32] if ident else None
+
+
+def run_tags(env: Mapping[str, str], *, torch_mod: Any = None, device: Any = None) -> dict[str, str]:
+    """Which DDPJob, attempt and software this is (set by every attempt: `ddpjob.attempt` changes)."""
+    nodes = env.get("NNODES") or env.get(contract.PET_NNODES) or "1"
+    nproc = env.get("NPROC_PER_NODE") or env.get("LOCAL_WORLD_SIZE") or "1"
+    tags = {"ddpjob.name": env.get(contract.ENV_JOB_NAME, "local"),
+            "ddpjob.namespace": env.get(contract.ENV_JOB_NAMESPACE, ""),
+            "ddpjob.uid": env.get(contract.ENV_JOB_UID, ""),
+            "ddpjob.attempt": env.get(contract.ENV_ATTEMPT, "0"),
+            "ddpjob.nodes_x_procs": f"{nodes}x{nproc}",
+            "ddpjob.world_size": env.get("WORLD_SIZE", "1")}
+    if torch_mod is not None:
+        tags["torch.version"] = str(torch_mod.__version__)
+        tags["torch.cuda"] = str(torch_mod.version.cuda or "none")
+        if getattr(device, "type", "cpu") == "cuda":
+            nccl = torch_mod.cuda.nccl.version()
+            tags["torch.nccl"] = ".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl)
+            tags["gpu.model"] = torch_mod.cuda.get_device_name(device)
+    return tags
+
+
+class _Final:
+    """The last call: it runs even when the backlog is being skipped."""
+
+    def __init__(self, fn: Callable[[], None]) -> None:
+        self.fn = fn
+
+
+class CallQueue:
+    """A bounded queue of calls and the one thread that makes them. `submit` never blocks: a full
+    queue drops the call and reports it to `on_drop`; a call that raises goes to `on_error`."""
+
+    def __init__(self, *, maxsize: int = QUEUE_SIZE, on_drop: Callable[[str], None],
+                 on_error: Callable[[BaseException], None], name: str = "ddpjob-mlflow") -> None:
+        self._q: queue.Queue[Callable[[], None] | _Final] = queue.Queue(maxsize)
+        self._on_drop, self._on_error = on_drop, on_error
+        self._skip = threading.Event()
+        self._done = threading.Event()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, call: Callable[[], None]) -> bool:
+        """Queue `call`; False (dropped, counted) when the queue is full or closed."""
+        if self._closed:
+            return False
+        try:
+            self._q.put_nowait(call)
+        except queue.Full:
+            self._on_drop("queue_full")
+            return False
+        return True
+
+    def _run(self) -> None:
+        while True:
+            call = self._q.get()
+            final = isinstance(call, _Final)
+            if self._skip.is_set() and not final:
+                self._on_drop("skipped")
+                continue
+            try:
+                call.fn() if isinstance(call, _Final) else call()
+            except Exception as exc:  # noqa: BLE001 - tracking never fails training
+                self._on_error(exc)
+            if final:
+                self._done.set()
+                return
+
+    def close(self, final: Callable[[], None], *, seconds: float) -> bool:
+        """Make the queued calls, then `final`, within `seconds`: after 60% of them what is still
+        queued is skipped so that `final` gets its turn. True when `final` ran."""
+        if self._closed:
+            return self._done.is_set()
+        self._closed = True
+        end = time.monotonic() + seconds
+        soft = time.monotonic() + 0.6 * seconds
+        while True:
+            try:
+                self._q.put(_Final(final), timeout=max(0.0, soft - time.monotonic()))
+                break
+            except queue.Full:
+                self._skip.set()
+                if time.monotonic() >= end:
+                    return False
+                soft = end
+        if not self._done.wait(timeout=max(0.0, soft - time.monotonic())):
+            self._skip.set()
+            self._done.wait(timeout=max(0.0, end - time.monotonic()))
+        return self._done.is_set()
+
+
+class Tracker:
+    """Rank 0's MLflow run, every call made on the CallQueue's thread."""
+
+    def __init__(self, *, tracking_uri: str, experiment: str, run_name: str | None, key: str | None,
+                 tags: dict[str, str], warn: Callable[[str], None], count_drop: Callable[[str], None],
+                 client_factory: Callable[[str], Any] | None = None, queue_size: int = QUEUE_SIZE) -> None:
+        self.tracking_uri, self.experiment, self.run_name, self.key = tracking_uri, experiment, run_name, key
+        self.run_id: str | None = None
+        self.error: str | None = None    # why there is no run (after `ready`)
+        self.ready = threading.Event()   # the first try to open the run is over (run_id: its outcome)
+        self._closing = threading.Event()  # close() was called: stop trying to open the run
+        self._warn, self._count_drop = warn, count_drop
+        self._client: Any = None
+        self._has_params = False
+        self._client_factory = client_factory or _mlflow_client
+        self._last_warning = {"queue_full": 0.0, "failed": 0.0}
+        self._counts = {"queue_full": 0, "failed": 0, "skipped": 0}
+        self._calls = CallQueue(maxsize=queue_size, on_drop=self._dropped, on_error=self._failed)
+        self._calls.submit(lambda: self._open(tags))
+
+    # --- on the caller's thread: never waits for the server --------------------------------------
+    def params(self, params: Mapping[str, Any]) -> None:
+        """Log params once per run (the first attempt that finds the run without them)."""
+        flat = flatten_params(params)
+        self._calls.submit(lambda: self._log_params(flat))
+
+    def metrics(self, metrics: Mapping[str, float], *, step: int) -> None:
+        """Log metrics at the global step."""
+        stamp = int(time.time() * 1000)
+        values = {k: float(v) for k, v in metrics.items() if v is not None}
+        self._calls.submit(lambda: self._log_metrics(values, step, stamp))
+
+    def close(self, status: str, *, seconds: float | None = None) -> bool:
+        """Flush within the deadline and end the run with `status` (FINISHED, FAILED, KILLED)."""
+        if seconds is None:
+            seconds = KILLED_SECONDS if status == "KILLED" else CLOSE_SECONDS
+        self._closing.set()
+        ok = self._calls.close(lambda: self._end(status), seconds=seconds)
+        lost = self._counts["queue_full"] + self._counts["failed"] + self._counts["skipped"]
+        if not ok:
+            self._warn(f"MLflow: the run was not ended {status} within {seconds:.0f}s "
+                       f"(tracking server {self.tracking_uri} slow or unreachable); it may stay RUNNING")
+        elif lost:
+            self._warn(f"MLflow: {lost} call(s) were not logged ({self._counts})")
+        return ok
+
+    def counts(self) -> dict[str, int]:
+        """Calls lost so far, by reason (queue_full, failed, skipped)."""
+        return dict(self._counts)
+
+    def _dropped(self, reason: str) -> None:
+        self._counts[reason] = self._counts.get(reason, 0) + 1
+        self._count_drop(reason)
+        now = time.monotonic()
+        if reason == "queue_full" and now - self._last_warning["queue_full"] >= WARN_EVERY_SECONDS:
+            self._last_warning["queue_full"] = now
+            self._warn(f"MLflow: the tracking queue is full ({self._counts['queue_full']} call(s) dropped so "
+                       f"far; tracking server {self.tracking_uri} slow or unreachable); training goes on")
+
+    def _failed(self, exc: BaseException) -> None:
+        self._dropped("failed")
+        now = time.monotonic()
+        if now - self._last_warning["failed"] >= WARN_EVERY_SECONDS:
+            self._last_warning["failed"] = now
+            self._warn(f"MLflow: a call to {self.tracking_uri} failed ({self._counts['failed']} so far): "
+                       f"{type(exc).__name__}: {str(exc)[:300]}")
+
+    # --- on the worker thread --------------------------------------------------------------------
+    def _open(self, tags: dict[str, str]) -> None:
+        """Open the run; while the server cannot be reached, try again until close()."""
+        wait = REOPEN_SECONDS[0]
+        while not self._try_open(tags):
+            if self._closing.wait(wait):  # one last try: the queued calls are worth it
+                self._try_open(tags)
+                return
+            wait = min(2 * wait, REOPEN_SECONDS[1])
+
+    def _try_open(self, tags: dict[str, str]) -> bool:
+        first = not self.ready.is_set()
+        try:
+            client = self._client_factory(self.tracking_uri)
+            exp = client.get_experiment_by_name(self.experiment)
+            if exp is None:
+                try:
+                    exp_id = client.create_experiment(self.experiment)
+                except Exception:  # another job created it meanwhile
+                    exp = client.get_experiment_by_name(self.experiment)
+                    if exp is None:
+                        raise
+                    exp_id = exp.experiment_id
+            else:
+                exp_id = exp.experiment_id
+            found = []
+            if self.key:
+                found = client.search_runs([exp_id], filter_string=f"tags.`{KEY_TAG}` = '{self.key}'",
+                                           max_results=1, order_by=["attributes.start_time ASC"])
+            if found:
+                run = found[0]
+                self._has_params = bool(run.data.params)
+                if run.info.status != "RUNNING":
+                    client.update_run(run.info.run_id, status="RUNNING")
+            else:
+                run = client.create_run(exp_id, run_name=self.run_name,
+                                        tags={KEY_TAG: self.key} if self.key else None)
+            _log_batched(client, run.info.run_id, tags=tags)
+            self._client, self.run_id, self.error = client, run.info.run_id, None
+            if not first:
+                self._warn(f"MLflow: run {self.run_id} open at {self.tracking_uri} after all")
+            return True
+        except Exception as exc:  # noqa: BLE001 - reported, and training goes on (unless required)
+            self.error = f"{type(exc).__name__}: {str(exc)[:500]}"
+            if first:
+                self._warn(f"MLflow: no run at {self.tracking_uri} (experiment {self.experiment!r}): "
+                           f"{self.error}; training goes on, the calls queue up while it tries again")
+            return False
+        finally:
+            self.ready.set()
+
+    def _log_params(self, params: dict[str, str]) -> None:
+        if self.run_id and not self._has_params:
+            _log_batched(self._client, self.run_id, params=params)
+            self._has_params = True
+
+    def _log_metrics(self, values: dict[str, float], step: int, stamp: int) -> None:
+        if self.run_id and values:
+            from mlflow.entities import Metric
+
+            self._client.log_batch(self.run_id, metrics=[Metric(k, v, stamp, step) for k, v in values.items()])
+
+    def _end(self, status: str) -> None:
+        if self.run_id:
+            self._client.set_terminated(self.run_id, status=status)
+
+
+def _log_batched(client: Any, run_id: str, *, params: Mapping[str, str] | None = None,
+                 tags: Mapping[str, str] | None = None) -> None:
+    """log_batch within MLflow's limits (100 params or tags a request)."""
+    from mlflow.entities import Param, RunTag
+
+    items = [Param(k, v) for k, v in (params or {}).items()]
+    for i in range(0, len(items), PARAM_BATCH):
+        client.log_batch(run_id, params=items[i:i + PARAM_BATCH])
+    tag_items = [RunTag(k, v) for k, v in (tags or {}).items()]
+    for i in range(0, len(tag_items), PARAM_BATCH):
+        client.log_batch(run_id, tags=tag_items[i:i + PARAM_BATCH])
+
+
+def _mlflow_client(tracking_uri: str) -> Any:
+    """MLflow's client with short HTTP timeouts and no retries (unless the env sets them)."""
+    for name, value in HTTP_DEFAULTS.items():
+        os.environ.setdefault(name, value)
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(tracking_uri=tracking_uri)
