@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 import datetime as dt
 import functools
+import hashlib
 import json
 import os
 import random
@@ -210,6 +211,13 @@ def node_command(job: JobSpec, *, metrics_port: int) -> list[str]:
     return command + list(args or [])
 
 
+def local_uid(job: JobSpec, workdir: Path) -> str:
+    """DDPJOB_UID of a local run: the same for every attempt, and for a later run with the same
+    --workdir (which resumes its checkpoints, and so its MLflow run)."""
+    digest = hashlib.sha256(f"{job.namespace}/{job.name}\0{workdir.resolve()}".encode()).hexdigest()
+    return f"local-{digest[:24]}"
+
+
 def node_env(job: JobSpec, rank: int, *, master_port: int, metrics_port: int, attempt: int,
              workdir: Path, result_file: Path) -> dict[str, str]:
     """os.environ + exactly the operator's pod env, pointed at loopback."""
@@ -221,6 +229,9 @@ def node_env(job: JobSpec, rank: int, *, master_port: int, metrics_port: int, at
         env[contract.ENV_TRAINER_CONFIG] = json.dumps(local_trainer_config(job.trainer, workdir))
     env[contract.ENV_RESULT_FILE] = str(result_file)
     env[contract.ENV_LOCAL] = "1"
+    # A local job has no API server's uid: its name and work dir are what a resume shares.
+    if not job.uid:
+        env[contract.ENV_JOB_UID] = local_uid(job, workdir)
     # `torchrun` in a user's command must be this environment's.
     env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
     # N processes sharing this machine's cores: one thread pool each would oversubscribe.
@@ -457,12 +468,14 @@ def _run_local(path: str, *, signals: StopSignals, summary_json: str | None, met
         "wall_seconds": round(time.monotonic() - t0, 3),
         "exit_code": 0 if outcome.ok else outcome.exit_code, "failed_rank": outcome.failed_rank,
         "workdir": str(wd), "last_checkpoint": r.get("last_checkpoint"),
+        "mlflow_run_id": r.get("mlflow_run_id"),
     }
     if outcome.ok and r:
         click.echo(f"{job.name}: Succeeded in {summary['wall_seconds']:.1f}s — {r.get('steps')} steps, "
                    f"eval accuracy {r.get('eval_accuracy', 0):.4f} on {r.get('eval_samples')}/"
                    f"{r.get('eval_dataset_size')} samples, {r.get('train_samples_per_second', 0):.0f} "
-                   f"samples/s, restarts {tally.restarts}", err=True)
+                   f"samples/s, restarts {tally.restarts}"
+                   + (f", MLflow run {r['mlflow_run_id']}" if r.get("mlflow_run_id") else ""), err=True)
     elif outcome.ok:
         click.echo(f"{job.name}: Succeeded in {summary['wall_seconds']:.1f}s, restarts {tally.restarts}", err=True)
     else:

@@ -55,6 +55,16 @@ def nccl_env(nccl: dict[str, Any]) -> dict[str, str]:
     return out
 
 
+def mlflow_env(job: JobSpec) -> dict[str, str]:
+    """spec.trainer.mlflow as MLflow's own variables, so that a script of the user's (or a subclass of
+    the trainer) logs with plain `mlflow` calls to the same server and experiment; the built-in
+    trainer's run is found by its tag `ddpjob.uid` (DDPJOB_UID)."""
+    ml = job.trainer.get("mlflow") or {}
+    if not ml.get("trackingUri"):
+        return {}
+    return {"MLFLOW_TRACKING_URI": ml["trackingUri"], "MLFLOW_EXPERIMENT_NAME": ml.get("experiment") or contract.MLFLOW_DEFAULT_EXPERIMENT}
+
+
 def pod_env(
     job: JobSpec,
     rank: int,
@@ -105,8 +115,11 @@ def pod_env(
             contract.PET_MASTER_ADDR: addr,
             contract.PET_MASTER_PORT: str(port),
         })
+    if job.uid:
+        env[contract.ENV_JOB_UID] = job.uid
     if job.uses_builtin_trainer:
         env[contract.ENV_TRAINER_CONFIG] = json.dumps(job.trainer, sort_keys=True)
+    env.update(mlflow_env(job))
     if rdma_devices:
         env.update(rdma.env(job))
     env.update(nccl_env(job.nccl))

@@ -96,3 +96,18 @@ def test_the_pods_cpu_request_reaches_the_trainer_through_the_downward_api(resou
 @pytest.mark.parametrize("gpus, expected", [(8, "8"), (0, "0")])
 def test_the_trainer_is_told_whether_its_ranks_need_gpus(gpus, expected):
     assert env_dict(pod_env(job(gpusPerNode=gpus, nprocPerNode=1), 0))["DDPJOB_GPUS_PER_NODE"] == expected
+
+
+def test_every_pod_gets_the_jobs_uid_and_mlflows_own_variables_from_trainer_mlflow():
+    plain = env_dict(pod_env(job(), 0))
+    assert plain["DDPJOB_UID"] == "u-1" and not {"MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME"} & set(plain)
+    tracked = job(trainer={"mlflow": {"trackingUri": "http://mlflow.mlops:5000", "experiment": "vision"}})
+    for rank in (0, 3):
+        env = env_dict(pod_env(tracked, rank))
+        assert (env["MLFLOW_TRACKING_URI"], env["MLFLOW_EXPERIMENT_NAME"]) == ("http://mlflow.mlops:5000", "vision")
+    default = env_dict(pod_env(job(trainer={"mlflow": {"trackingUri": "http://m"}}), 0))
+    assert default["MLFLOW_EXPERIMENT_NAME"] == "ddpjob"  # the trainer's default experiment
+    # spec.env wins by name, as for every variable of ours.
+    mine = env_dict(pod_env(job(trainer={"mlflow": {"trackingUri": "http://m"}},
+                                env=[{"name": "MLFLOW_EXPERIMENT_NAME", "value": "mine"}]), 0))
+    assert mine["MLFLOW_EXPERIMENT_NAME"] == "mine"
