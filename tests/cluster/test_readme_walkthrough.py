@@ -17,20 +17,15 @@ import yaml
 
 from tests.support.cluster import REPO_ROOT, Cluster
 from tests.support.network import SCRAPE_ENV, guard_rejections
+from tests.support.readme import readme_block
 
 NAMESPACE = "default"      # the README's own
 # Lines the suite must not run: it owns the cluster's life (up before, down after the whole run).
 SUITE_OWNED = ("make cluster-down",)
 
 
-def readme_block() -> list[str]:
-    """The local-cluster block's commands, comments stripped, in order."""
-    text = (REPO_ROOT / "README.md").read_text()
-    for block in re.findall(r"```sh\n(.*?)```", text, re.S):
-        if "make cluster-up" in block and "examples/resnet-gpu.yaml" in block:
-            return [re.sub(r"\s+#.*$", "", line).strip() for line in block.splitlines()
-                    if line.strip() and not line.lstrip().startswith("#")]
-    raise AssertionError("README.md has no ```sh block with `make cluster-up` and examples/resnet-gpu.yaml")
+def readme_lines() -> list[str]:
+    return readme_block("make cluster-up", "examples/resnet-gpu.yaml")
 
 
 def _free_port() -> int:
@@ -52,7 +47,7 @@ def _cleanup(cluster: Cluster, lines: list[str]) -> None:
 
 
 def test_the_local_cluster_walkthrough_runs_as_written(cluster):
-    lines = readme_block()
+    lines = readme_lines()
     (job,) = _job_names(lines)
     # A user's shell: no scrape template from the test environment; free ports for the operator's
     # own endpoints only (the defaults may be taken by another operator on this machine).
@@ -130,6 +125,6 @@ def _watch_until_running(argv: list[str], env: dict[str, str], job: str) -> str:
 
 
 def test_the_block_is_found_and_names_one_job():
-    lines = readme_block()
+    lines = readme_lines()
     assert "make cluster-up" in lines and _job_names(lines) == ["resnet50"]
 

@@ -7,6 +7,7 @@ pods' own addresses, which live on the nodes' bridges (10.248.<node>.0/24) that 
 from __future__ import annotations
 
 import os
+import shlex
 import subprocess
 import time
 import uuid
@@ -16,6 +17,7 @@ import pytest
 import yaml
 
 from tests.support.cluster import REPO_ROOT, Cluster, create_namespace, delete_namespace, wait_for
+from tests.support.readme import readme_block, readme_line
 from tests.support.status import condition
 
 CHART = REPO_ROOT / "charts" / "ddpjob-operator"
@@ -65,19 +67,40 @@ def real_cluster(cluster) -> Cluster:
     return cluster
 
 
+# The README's real-pod walkthrough: the tier installs the operator and applies digits with its lines.
+README_BLOCK = ("make images", "examples/local-cluster")
+
+
 def helm_install_operator(cluster: Cluster, *, namespace: str, watch: list[str], name: str) -> None:
-    """The chart, as a user installs it, with the locally built image, on the real nodes."""
-    repo, tag = OPERATOR_IMAGE.rsplit(":", 1)
-    sets = [f"image.repository={repo}", f"image.tag={tag}", "image.pullPolicy=Never",
-            f"nodeSelector.{REAL_NODE_LABEL.replace('.', chr(92) + '.')}=real",
-            f"tolerations[0].key={REAL_NODE_TAINT}", "tolerations[0].operator=Exists",
-            "tolerations[0].effect=NoSchedule", "operator.scrapeInterval=3"]
-    for i, ns in enumerate(watch):
-        sets.append(f"operator.watchNamespaces[{i}]={ns}")
-    args = ["install", name, str(CHART), "-n", namespace, "--create-namespace", "--wait", "--timeout", "180s"]
+    """The chart installed by the README's own `helm install` line (the local image, on the real
+    nodes: examples/local-cluster/operator-values.yaml); only the release's name and namespace
+    differ, and it watches this tier's namespaces, scraping every 3 s."""
+    argv = shlex.split(readme_line(readme_block(*README_BLOCK), "helm install"))
+    assert argv[:4] == ["helm", "install", "ddpjob", "charts/ddpjob-operator"] and "-n" in argv, argv
+    argv[2] = name
+    argv[argv.index("-n") + 1] = namespace
+    sets = ["operator.scrapeInterval=3"] + [f"operator.watchNamespaces[{i}]={ns}" for i, ns in enumerate(watch)]
+    args = argv[1:] + ["--wait", "--timeout", "180s"]
     for s in sets:
         args += ["--set", s]
     cluster.helm(*args, timeout=240)
+
+
+def apply_digits_as_the_readme_does(cluster: Cluster, namespace: str) -> Path:
+    """The README's two lines that put examples/digits.yaml on the real nodes, in `namespace`
+    instead of `default`; returns the directory of its checkpoint volume."""
+    block = readme_block(*README_BLOCK)
+    volumes = shlex.split(readme_line(block, "hack/local-volumes.sh"))
+    assert volumes[1] == "default", volumes
+    volumes[1] = namespace
+    subprocess.run(volumes, cwd=REPO_ROOT, env=cluster.env(), check=True, capture_output=True, timeout=120)
+    apply = readme_line(block, "kubectl kustomize")
+    tail = "| kubectl apply -f -"
+    assert apply.endswith(tail), apply
+    proc = subprocess.run(["bash", "-o", "pipefail", "-c", f"{apply[:-len(tail)]}| kubectl apply -n {shlex.quote(namespace)} -f -"],
+                          cwd=REPO_ROOT, env=cluster.env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, f"{apply}:\n{proc.stdout}\n{proc.stderr}"
+    return REPO_ROOT / ".cache" / "cluster" / "volumes" / namespace
 
 
 # One namespace per test that runs a job; one in-cluster operator (session-wide) watches them all.
@@ -101,7 +124,10 @@ def namespaces(real_cluster) -> dict[str, str]:
         delete_namespace(api, ns)
     # The checkpoint PVs (cluster-scoped, Released once their claims went with the namespaces).
     pvs = real_cluster.kubectl("get", "pv", "-l", "ddpjob.dev/test=true", "-o", "name", check=False).stdout.split()
-    mine = [pv for pv in pvs if any(pv.split("/", 1)[1].startswith(f"{ns}-") for ns in made.values())]
+    pvs += real_cluster.kubectl("get", "pv", "-l", "ddpjob.dev/local-volume=true", "-o", "name",
+                                check=False).stdout.split()
+    mine = [pv for pv in pvs if any(pv.split("/", 1)[1].startswith((f"{ns}-", f"local-{ns}-"))
+                                    for ns in made.values())]
     if mine:
         real_cluster.kubectl("delete", *mine, "--wait=false", check=False)
     api.close()

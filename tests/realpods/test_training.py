@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from tests.realpods.conftest import (
     EXAMPLES,
+    apply_digits_as_the_readme_does,
     apply_docs,
     example_docs,
     exec_kill_trainer,
@@ -25,10 +26,11 @@ def _digits_claim() -> str:
     return claims[0]
 
 
-def test_digits_example_trains_across_two_real_nodes(real_cluster, namespaces, tmp_path):
+def test_digits_example_trains_across_two_real_nodes(real_cluster, namespaces):
+    """The README's walkthrough: its helm install (the namespaces fixture) and its two lines that
+    apply examples/digits.yaml to the real nodes, in this test's namespace."""
     ns = namespaces["digits"]
-    ckpt = shared_checkpoint_pv(real_cluster, claim=_digits_claim(), namespace=ns, tmp=tmp_path)
-    apply_docs(real_cluster, example_docs("digits.yaml"), ns)
+    ckpt = apply_digits_as_the_readme_does(real_cluster, ns) / _digits_claim()
 
     # The most ranks the operator's scrapes saw at once while the job ran: the last snapshot alone
     # may count one, when rank 1's pod exited before the operator's final scrape of the attempt.
