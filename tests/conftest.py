@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-pytest_plugins = ["tests.support.fixtures", "tests.support.budget"]
+pytest_plugins = ["tests.support.fixtures", "tests.support.budget", "tests.support.mlflow_server"]
 
 # Wall time per tier (tests/<tier>/), setup and teardown included: session fixtures (cluster,
 # images, the Helm-installed operator) are charged to the tier whose first test pays for them.

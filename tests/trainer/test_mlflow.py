@@ -1,0 +1,121 @@
+"""MLflow for real (issue 29): the built-in trainer under `ddpjob run --local` (real torchrun, gloo on
+CPU) against a real `mlflow server` (tests/support/mlflow_server.py, one per session).
+
+One run per job across a group restart; training keeps stepping while the server is frozen and
+when it refuses connections; the run ends FINISHED, FAILED or KILLED as the job does.
+"""
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import uuid
+
+import pytest
+
+from tests.support.localrun import free_ports, in_stage, local_run, wait_ranks
+
+from .helpers import DDPJOB, REPO, run_local, run_trainer, write_job
+
+pytestmark = pytest.mark.timeout(300)
+
+# The smallest job that still steps, checkpoints and logs often.
+TRAINER = {"dataset": "digits", "model": "mlp", "epochs": 1, "batchSize": 32, "lr": 0.05, "logEverySteps": 2}
+
+
+def experiment(name: str) -> str:
+    return f"{name}-{uuid.uuid4().hex[:8]}"
+
+
+def mlflow(server_uri: str, exp: str, **more) -> dict:
+    return {"mlflow": {"trackingUri": server_uri, "experiment": exp, **more}}
+
+
+def test_one_run_across_a_killed_ranks_restart_with_the_loss_to_the_last_step(tmp_path, mlflow_server):
+    exp = experiment("restart")
+    job = write_job(tmp_path / "mlf-restart.yaml", name="mlf-restart", max_restarts=1, trainer={
+        **TRAINER, "maxSteps": 16, "checkpoint": {"dir": "ckpt", "everySteps": 4, "keep": 1, "asyncSave": False},
+        **mlflow(mlflow_server.uri, exp, runName="restart")})
+    # Rank 1 dies at step 10 of attempt 0; attempt 1 resumes from step 8.
+    proc, s = run_local(job, tmp_path, env={"DDPJOB_DEBUG_CRASH_RANK": "1:10"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (s["restarts"], s["resumed_from_step"], s["steps"]) == (1, 8, 16), s
+
+    (run,) = mlflow_server.runs(exp)
+    assert s["mlflow_run_id"] == run.info.run_id and f"MLflow run {run.info.run_id}" in proc.stderr
+    assert run.info.status == "FINISHED" and run.info.run_name == "restart"
+    tags = run.data.tags
+    assert (tags["ddpjob.name"], tags["ddpjob.attempt"], tags["ddpjob.nodes_x_procs"]) == ("mlf-restart", "1", "2x1")
+    assert tags["ddpjob.uid"].startswith("local-") and tags["torch.version"]
+    # The whole resolved config, nested sections flattened, logged once (a resume changes no param).
+    params = run.data.params
+    assert (params["world_size"], params["checkpoint.every_steps"], params["mlflow.experiment"]) == ("2", "4", exp)
+    assert params["synthetic.shape"] == "3,32,32" and params["max_steps"] == "16"
+
+    loss = mlflow_server.metric_history(run.info.run_id, "train_loss")
+    steps = {m.step for m in loss}
+    assert set(range(2, 17, 2)) <= steps and max(steps) == 16, sorted(steps)
+    restarts = [(m.step, m.value) for m in mlflow_server.metric_history(run.info.run_id, "restarts")]
+    assert restarts == [(0, 0.0), (8, 1.0)], restarts
+    for key in ("lr", "samples_per_second", "step_seconds", "data_wait_seconds", "eval_loss", "eval_accuracy",
+                "checkpoint_seconds"):
+        assert key in run.data.metrics, (key, sorted(run.data.metrics))
+    assert 16 in {m.step for m in mlflow_server.metric_history(run.info.run_id, "eval_accuracy")}
+
+
+def test_training_keeps_stepping_while_the_server_is_frozen_and_the_run_finishes(tmp_path, mlflow_server):
+    exp = experiment("frozen")
+    spec = write_job(tmp_path / "mlf-frozen.yaml", name="mlf-frozen", trainer={
+        **TRAINER, "epochs": 2, **mlflow(mlflow_server.uri, exp)})  # 46 steps
+    with local_run(spec, tmp_path, DDPJOB_DEBUG_STEP_SLEEP="0.2") as run:
+        mlflow_server.wait_run(exp, lambda r: "train_loss" in r.data.metrics, "the first loss in MLflow",
+                               proc=run.proc)
+        with mlflow_server.freeze():
+            at = wait_ranks(run, in_stage("training"), "training")[0].step
+            # Each log step's call now waits for a server that never answers (until it times out on
+            # the tracking thread); the steps must not.
+            wait_ranks(run, lambda s: 0 in s and s[0].step >= min(at + 16, 46), "16 steps with the server frozen")
+        assert run.proc.wait(timeout=240) == 0, run.log.read_text()[-3000:]
+    done = mlflow_server.wait_run(exp, lambda r: r.info.status == "FINISHED", "the run FINISHED", timeout=60)
+    assert max(m.step for m in mlflow_server.metric_history(done.info.run_id, "train_loss")) == 46
+
+
+def test_a_server_refusing_connections_is_a_warning_and_training_succeeds(tmp_path):
+    # One trainer process (no torchrun): what is tested is rank 0's tracker, and it costs less.
+    nobody = free_ports(1)[0]  # nothing listens there: every connection is refused
+    result = tmp_path / "result.json"
+    proc = run_trainer({**TRAINER, "maxSteps": 6, **mlflow(f"http://127.0.0.1:{nobody}", "refused")}, result=result)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(result.read_text())
+    assert r["steps"] == 6 and r["mlflow_run_id"] is None
+    assert f"WARNING MLflow: no run at http://127.0.0.1:{nobody}" in proc.stderr, proc.stderr[-3000:]
+    assert "Connection refused" in proc.stderr
+
+
+def test_a_failed_job_ends_its_run_failed(tmp_path, mlflow_server):
+    exp = experiment("failed")
+    proc = run_trainer({**TRAINER, "dataset": "imagefolder", "dataPath": str(tmp_path / "no-such-data"),
+                        **mlflow(mlflow_server.uri, exp)}, env={"DDPJOB_NAME": "mlf-failed"})
+    assert proc.returncode == 78 and "no-such-data" in proc.stderr, proc.stderr[-3000:]
+    (run,) = mlflow_server.runs(exp)
+    assert run.info.status == "FAILED" and run.data.tags["ddpjob.name"] == "mlf-failed"
+
+
+def test_sigterm_ends_the_run_killed(tmp_path, mlflow_server):
+    exp = experiment("killed")
+    job = write_job(tmp_path / "mlf-killed.yaml", name="mlf-killed", nodes=1, trainer={
+        **TRAINER, "epochs": 50, **mlflow(mlflow_server.uri, exp)})
+    out = ""
+    proc = subprocess.Popen([*DDPJOB, "run", str(job), "--local", "--no-progress", "--workdir", str(tmp_path / "w")],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        mlflow_server.wait_run(exp, lambda r: "train_loss" in r.data.metrics, "the first loss in MLflow", proc=proc)
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 143, out[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    run = mlflow_server.wait_run(exp, lambda r: r.info.status != "RUNNING", "the run's end", timeout=30)
+    assert run.info.status == "KILLED", out[-3000:]
