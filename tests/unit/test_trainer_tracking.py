@@ -226,3 +226,22 @@ def test_drops_are_a_prometheus_counter_by_reason():
     t.mlflow_dropped("failed")
     assert t.registry.get_sample_value(name, {**labels, "reason": "queue_full"}) == 2
     assert t.registry.get_sample_value(name, {**labels, "reason": "failed"}) == 1
+
+
+def test_metrics_go_out_in_batches_at_most_every_flush_interval_and_at_close():
+    pytest.importorskip("mlflow")
+    server: dict = {"experiments": {}, "runs": {}}
+    sent: list[int] = []
+
+    class Counting(FakeClient):
+        def log_batch(self, run_id, metrics=(), params=(), tags=()):
+            if metrics:
+                sent.append(len(metrics))
+            super().log_batch(run_id, metrics=metrics, params=params, tags=tags)
+    t = Tracker(tracking_uri="http://fake", experiment="e", run_name=None, key="k", tags={}, warn=print,
+                count_drop=lambda r: None, client_factory=lambda uri: Counting(server))
+    for step in range(1, 6):  # well within FLUSH_SECONDS: the first goes at once, the rest wait
+        t.metrics({"train_loss": 1.0 / step, "lr": 0.1}, step=step)
+    assert t.close("FINISHED")
+    assert sent == [2, 8] and server["runs"]["run0"].info.status == "FINISHED"
+    assert [m[2] for m in server["runs"]["run0"].data.metrics] == [1, 1, 2, 2, 3, 3, 4, 4, 5, 5]

@@ -22,8 +22,8 @@ def _record(kind: str, msg: str) -> None:
 
 def _failed(exc: BaseException, rank: str) -> int:
     """Say and record why this rank failed; the exit code it owes."""
-    if isinstance(exc, KeyboardInterrupt):
-        return 130
+    if isinstance(exc, KeyboardInterrupt):  # Ctrl-C, or SIGTERM on a tracking rank (reporting.Terminated)
+        return 128 + getattr(exc, "signum", 2)
     if isinstance(exc, ConfigError):
         msg = f"bad configuration: {exc}"
         print(f"[rank {rank}] {msg}", file=sys.stderr, flush=True)

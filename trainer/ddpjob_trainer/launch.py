@@ -211,14 +211,19 @@ def descendants(root: int, table: dict[int, tuple[int, str]] | None = None) -> d
 
 
 def _signal_all(pids, groups, sig: int) -> None:
-    for pid in pids:
-        try:
-            os.kill(pid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
+    """`sig` once to each process: the groups, then the pids outside them. Twice would be a second
+    Ctrl-C to a launcher (StopSignals.hurry: SIGKILL at once, no grace for a rank to end its run)."""
+    done: set[int] = set()
     for pgid in groups:
         try:
             os.killpg(pgid, sig)
+            done.add(pgid)
+        except (ProcessLookupError, PermissionError):
+            pass
+    for pid in pids:
+        try:
+            if os.getpgid(pid) not in done:
+                os.kill(pid, sig)
         except (ProcessLookupError, PermissionError):
             pass
 

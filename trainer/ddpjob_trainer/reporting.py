@@ -47,8 +47,8 @@ class ConsoleReporter(NullReporter):
 class MlflowReporter(ConsoleReporter):
     """Rank 0 with MLflow: one run per job, every call on a background thread (tracking.py).
 
-    SIGTERM (a pod deleted, the group stopped) ends the run KILLED within tracking.KILLED_SECONDS,
-    then the process dies of the signal as it would have without MLflow.
+    SIGTERM (a pod deleted, the group stopped) unwinds the rank (Terminated) and the run ends
+    KILLED within tracking.KILLED_SECONDS; the rank exits 143.
     """
 
     def __init__(self, cfg: MlflowConfig, *, telemetry: Any = None, checkpoint_dir: str | None = None,
@@ -89,14 +89,20 @@ class MlflowReporter(ConsoleReporter):
             self.tracker.close(status)
 
     def _on_sigterm(self, signum: int, frame: Any) -> None:
-        # torchrun may send SIGTERM twice: a second one lands inside this handler, and must not
-        # cut its close short.
-        if self._terminating:
-            return
-        self._terminating = True
-        self.close(status="KILLED")
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        os.kill(os.getpid(), signal.SIGTERM)
+        # Not close() here: the signal may have interrupted this very thread inside the tracker's
+        # queue, holding its lock. Unwinding releases it; __main__ then ends the run KILLED.
+        # torchrun may send SIGTERM twice: the second must not interrupt that close.
+        if not self._terminating:
+            self._terminating = True
+            raise Terminated(signum)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM on a rank that tracks a run: unwinds it like Ctrl-C, its run ends KILLED."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"stopped by {signal.Signals(signum).name}")
+        self.signum = signum
 
 
 def make_reporter(*, rank: int, mlflow: MlflowConfig | None, **tracking: Any) -> NullReporter:

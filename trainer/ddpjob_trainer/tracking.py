@@ -7,6 +7,7 @@ a call that fails (server down, frozen, refusing) is counted as `reason="failed"
 out after MLFLOW_HTTP_REQUEST_TIMEOUT seconds (default here 5, MLflow's own is 120) without
 retries (MLFLOW_HTTP_REQUEST_MAX_RETRIES 0, MLflow's own is 7 with backoff: minutes), so a hung
 server holds the worker, never a step. A variable set in the pod's env wins over these defaults.
+Metrics are sent in batches, one request at most every FLUSH_SECONDS (and at close).
 
 One run per job: the run carries the tag `ddpjob.key` (a hash of the job's UID; locally the runner
 derives one from the job name and its work directory). Each attempt finds the run by that tag and
@@ -43,6 +44,10 @@ REOPEN_SECONDS = (1.0, 30.0)  # no run yet: try again after 1 s, doubling up to 
 WARN_EVERY_SECONDS = 60.0
 KEY_TAG = "ddpjob.key"
 PARAM_BATCH = 100          # MLflow's log_batch limit on params and tags
+METRIC_BATCH = 1000        # ... and on metrics
+# Metrics go out in one request at most this often (and at close): a request costs the client and
+# the server milliseconds of CPU, which at every log step of a fast loop would be a few % of it.
+FLUSH_SECONDS = 5.0
 PARAM_VALUE_MAX = 6000
 
 
@@ -173,6 +178,8 @@ class Tracker:
         self._warn, self._count_drop = warn, count_drop
         self._client: Any = None
         self._has_params = False
+        self._batch: list[Any] = []      # metrics not sent yet (the worker's own)
+        self._flushed = 0.0              # monotonic time of the last send
         self._client_factory = client_factory or _mlflow_client
         self._last_warning = {"queue_full": 0.0, "failed": 0.0}
         self._counts = {"queue_full": 0, "failed": 0, "skipped": 0}
@@ -286,11 +293,22 @@ class Tracker:
         if self.run_id and values:
             from mlflow.entities import Metric
 
-            self._client.log_batch(self.run_id, metrics=[Metric(k, v, stamp, step) for k, v in values.items()])
+            self._batch += [Metric(k, v, stamp, step) for k, v in values.items()]
+            if time.monotonic() - self._flushed >= FLUSH_SECONDS or len(self._batch) >= METRIC_BATCH:
+                self._flush()
+
+    def _flush(self) -> None:
+        batch, self._batch, self._flushed = self._batch, [], time.monotonic()
+        for i in range(0, len(batch), METRIC_BATCH):
+            self._client.log_batch(self.run_id, metrics=batch[i:i + METRIC_BATCH])
 
     def _end(self, status: str) -> None:
         if self.run_id:
-            self._client.set_terminated(self.run_id, status=status)
+            try:
+                if self._batch:
+                    self._flush()
+            finally:
+                self._client.set_terminated(self.run_id, status=status)
 
 
 def _log_batched(client: Any, run_id: str, *, params: Mapping[str, str] | None = None,
