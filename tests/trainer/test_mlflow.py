@@ -61,6 +61,13 @@ def test_one_run_across_a_killed_ranks_restart_with_the_loss_to_the_last_step(tm
                 "checkpoint_seconds"):
         assert key in run.data.metrics, (key, sorted(run.data.metrics))
     assert 16 in {m.step for m in mlflow_server.metric_history(run.info.run_id, "eval_accuracy")}
+    # Rank 0 logged the trained model at the end, in torch's format: it loads and runs.
+    import torch
+    from mlflow import pytorch as mlflow_pytorch, set_tracking_uri
+
+    set_tracking_uri(mlflow_server.uri)
+    model = mlflow_pytorch.load_model(f"runs:/{run.info.run_id}/model")
+    assert model(torch.zeros(3, 1, 8, 8)).shape == (3, 10)
 
 
 def test_training_keeps_stepping_while_the_server_is_frozen_and_the_run_finishes(tmp_path, mlflow_server):

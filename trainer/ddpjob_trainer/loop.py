@@ -446,7 +446,10 @@ class Trainer:
 def train(cfg: TrainerConfig, ctx: DistContext, *, log: NullReporter, telemetry: Telemetry,
           result_path: str | None = None) -> RunResult:
     """Run (or resume) training to completion; every rank calls this."""
-    result = Trainer(cfg, ctx, log=log, telemetry=telemetry).fit()
+    trainer = Trainer(cfg, ctx, log=log, telemetry=telemetry)
+    result = trainer.fit()
+    if ctx.is_main:
+        log.model(trainer.model)  # rank 0 alone, after the last collective
     if ctx.is_main and result_path:
         _write_json_atomic(result_path, {**asdict(result), "mlflow_run_id": log.run_id})
     log.info(f"done: {result.steps} steps, eval accuracy {result.eval_accuracy:.4f}, "

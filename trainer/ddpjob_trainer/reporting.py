@@ -28,6 +28,9 @@ class NullReporter:
     def metrics(self, metrics: dict[str, float], *, step: int) -> None:
         """Do nothing."""
 
+    def model(self, model: Any) -> None:
+        """Do nothing."""
+
     def close(self, *, status: str = "FINISHED") -> None:
         """Do nothing."""
 
@@ -81,6 +84,15 @@ class MlflowReporter(ConsoleReporter):
     def metrics(self, metrics: dict[str, float], *, step: int) -> None:
         """Log metrics at a global step (queued; never waits for the server)."""
         self.tracker.metrics(metrics, step=step)
+
+    def model(self, model: Any) -> None:
+        """Log the trained model (rank 0, after training, outside any collective): a CPU copy is
+        handed to the tracking thread, which saves and uploads it before the run ends."""
+        import copy
+
+        import torch
+
+        self.tracker.model(copy.deepcopy(model).cpu(), torch_version=torch.__version__.split("+")[0])
 
     def close(self, *, status: str = "FINISHED") -> None:
         """Flush (within a deadline) and end the run with `status`."""

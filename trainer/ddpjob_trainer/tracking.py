@@ -39,6 +39,7 @@ HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_TIMEOUT": "5", "MLFLOW_HTTP_REQUEST_MAX_RE
 QUEUE_SIZE = 1000          # calls; a log step puts one, so this is many minutes of a stalled server
 START_SECONDS = 30.0       # `required: true`: how long the first rank waits for its run
 CLOSE_SECONDS = 15.0       # close(): flush, then end the run, within this
+MODEL_SECONDS = 120.0      # ... plus this when the trained model is to be saved and uploaded
 KILLED_SECONDS = 3.0       # close("KILLED"): the launcher's SIGKILL follows SIGTERM after 5 s
 REOPEN_SECONDS = (1.0, 30.0)  # no run yet: try again after 1 s, doubling up to 30 s
 WARN_EVERY_SECONDS = 60.0
@@ -178,6 +179,7 @@ class Tracker:
         self._warn, self._count_drop = warn, count_drop
         self._client: Any = None
         self._has_params = False
+        self._model_queued = False
         self._batch: list[Any] = []      # metrics not sent yet (the worker's own)
         self._flushed = 0.0              # monotonic time of the last send
         self._client_factory = client_factory or _mlflow_client
@@ -198,10 +200,15 @@ class Tracker:
         values = {k: float(v) for k, v in metrics.items() if v is not None}
         self._calls.submit(lambda: self._log_metrics(values, step, stamp))
 
+    def model(self, model: Any, *, torch_version: str) -> None:
+        """Log `model` (a CPU copy nobody trains any more) as the run's artifact `model`, in torch's
+        standard format (loadable with mlflow.pytorch.load_model("runs:/<id>/model"))."""
+        self._model_queued = self._calls.submit(lambda: self._log_model(model, torch_version))
+
     def close(self, status: str, *, seconds: float | None = None) -> bool:
         """Flush within the deadline and end the run with `status` (FINISHED, FAILED, KILLED)."""
         if seconds is None:
-            seconds = KILLED_SECONDS if status == "KILLED" else CLOSE_SECONDS
+            seconds = KILLED_SECONDS if status == "KILLED" else CLOSE_SECONDS + MODEL_SECONDS * self._model_queued
         self._closing.set()
         ok = self._calls.close(lambda: self._end(status), seconds=seconds)
         lost = self._counts["queue_full"] + self._counts["failed"] + self._counts["skipped"]
@@ -301,6 +308,19 @@ class Tracker:
         batch, self._batch, self._flushed = self._batch, [], time.monotonic()
         for i in range(0, len(batch), METRIC_BATCH):
             self._client.log_batch(self.run_id, metrics=batch[i:i + METRIC_BATCH])
+
+    def _log_model(self, model: Any, torch_version: str) -> None:
+        if not self.run_id:
+            return
+        import tempfile
+
+        import mlflow.pytorch
+
+        with tempfile.TemporaryDirectory(prefix="ddpjob-model-") as tmp:
+            # Requirements named, not inferred (inference loads the model in a subprocess: seconds).
+            mlflow.pytorch.save_model(model, f"{tmp}/model", serialization_format="pickle",
+                                      pip_requirements=[f"torch=={torch_version}"])
+            self._client.log_artifacts(self.run_id, f"{tmp}/model", "model")
 
     def _end(self, status: str) -> None:
         if self.run_id:
