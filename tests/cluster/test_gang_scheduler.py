@@ -44,7 +44,7 @@ def gang_node(name: str, tag: str) -> dict:
 @pytest.fixture
 def gang_nodes(cluster):
     """Four Ready kwok nodes with 8 GPUs each that only this test's pods tolerate; yields their tag."""
-    tag = uuid.uuid4().hex[:8]
+    tag = f"t{uuid.uuid4().hex[:8]}"  # a letter first: "1234e567" would reach the API server as a number
     names = [f"kwok-gang-{tag}-{i}" for i in range(4)]
     try:
         cluster.kubectl("create", "-f", "-",

@@ -34,7 +34,7 @@ def fake_node(name: str, tag: str) -> dict:
 
 @pytest.fixture
 def own_nodes(cluster):
-    tag = uuid.uuid4().hex[:8]
+    tag = f"t{uuid.uuid4().hex[:8]}"  # a letter first: "1234e567" would reach the API server as a number
     made: list[str] = []
 
     def make(suffix: str) -> str:
