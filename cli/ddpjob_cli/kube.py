@@ -17,7 +17,7 @@ from urllib3.exceptions import HTTPError
 
 from ddpjob_operator import labels
 from ddpjob_operator.k8s import child_path
-from ddpjob_operator.monitor import SIMULATED_NODE_ANNOTATION
+from ddpjob_operator.podinfo import is_simulated_node
 from ddpjob_operator.scrape import MAX_BODY_BYTES
 from ddpjob_operator.spec import API_VERSION, PLURAL
 
@@ -197,7 +197,7 @@ class Kube:
                 obj = self._call("GET", f"/api/v1/nodes/{node}", name=node) or {}
             except CliError:
                 obj = {}
-            self._simulated[node] = SIMULATED_NODE_ANNOTATION in ((obj.get("metadata") or {}).get("annotations") or {})
+            self._simulated[node] = is_simulated_node(obj)
         return self._simulated[node]
 
     def pod_metrics(self, pod: str, port: int, *, max_bytes: int = MAX_BODY_BYTES) -> str:

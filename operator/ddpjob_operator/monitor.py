@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 
 from . import health, podinfo, progress, scrape
+from .podinfo import is_simulated_node
 from .config import OperatorConfig
 
 log = logging.getLogger(__name__)
@@ -21,9 +22,6 @@ log = logging.getLogger(__name__)
 DEFAULT_URL_TEMPLATE = "http://{ip}:{port}/metrics"
 CONDITION_TYPES = (health.STRAGGLER, health.STALLED)
 
-# kwok manages the nodes that carry this annotation: their pods' addresses are fictitious (they belong
-# to no host), so scraping one by its address can only fail, or leave the machine.
-SIMULATED_NODE_ANNOTATION = "kwok.x-k8s.io/node"
 # status.progress.unavailable while every running pod is on a simulated node.
 SIMULATED_UNAVAILABLE = ("{n} pod(s) on simulated (kwok) nodes: their addresses answer nobody, so "
                          "they are not scraped and progress is unavailable")
@@ -103,7 +101,7 @@ class SimulatedNodes:
                 log.warning("may not read nodes (%s): pods on simulated (kwok) nodes are scraped "
                             "like any other", getattr(exc, "reason", exc))
             return False  # anything else: asked again next time
-        simulated = SIMULATED_NODE_ANNOTATION in (((obj or {}).get("metadata") or {}).get("annotations") or {})
+        simulated = is_simulated_node(obj)
         if obj is not None:
             if len(self._known) >= self._max:
                 self._known.clear()

@@ -139,3 +139,14 @@ def node_not_ready(pod: dict[str, Any]) -> bool:
         return False
     conds = {c.get("type"): c.get("status") for c in (pod.get("status") or {}).get("conditions") or []}
     return conds.get("Ready") == "False" and conds.get("ContainersReady") == "True"
+
+
+# kwok manages the nodes that carry this annotation: their pods' addresses are fictitious (they belong
+# to no host), so reaching one by its address can only fail, or leave the machine.
+SIMULATED_NODE_ANNOTATION = "kwok.x-k8s.io/node"
+
+
+def is_simulated_node(node: dict[str, Any] | None) -> bool:
+    """True when kwok simulates this Node object (the operator's scrapes and the CLI's `top --live`
+    skip its pods)."""
+    return SIMULATED_NODE_ANNOTATION in (((node or {}).get("metadata") or {}).get("annotations") or {})

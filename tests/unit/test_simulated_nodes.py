@@ -13,7 +13,8 @@ from aiohttp import web
 
 from ddpjob_operator import scrape
 from ddpjob_operator.config import OperatorConfig
-from ddpjob_operator.monitor import SIMULATED_NODE_ANNOTATION, Monitor, SimulatedNodes
+from ddpjob_operator.monitor import Monitor, SimulatedNodes
+from ddpjob_operator.podinfo import SIMULATED_NODE_ANNOTATION
 from ddpjob_operator.status import progress_display
 from tests.support.builders import make_manifest, make_pod
 
