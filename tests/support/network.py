@@ -291,17 +291,26 @@ def block_in_process_connects(networks=FICTITIOUS_NETWORKS) -> None:
     sys.addaudithook(hook)
 
 
-# Connections to kwok's ranges this test run made on purpose: the guard's own test proves that they
-# are refused. Every other rejected packet is an attempt that must not have happened.
-_guard_probes = [0]
+# Connections to kwok's ranges made on purpose: the guard's own test proves that they are refused.
+# Every other rejected packet is an attempt that must not have happened. The guard is one iptables
+# chain for the whole machine, and pytest sessions can run side by side (make test runs the cluster
+# tiers beside the CPU tiers), so the probes are counted where every session sees them: a ledger file,
+# one line per probe, written before the probe's packet leaves. A session compares the growth of the
+# guard's counters with the growth of this ledger over its own lifetime.
+GUARD_PROBE_LEDGER = Path(os.environ.get("DDPJOB_GUARD_PROBE_LEDGER", "/tmp/ddpjob-kwok-guard-probes"))
 
 
 def record_guard_probe() -> None:
-    _guard_probes[0] += 1
+    with GUARD_PROBE_LEDGER.open("a") as ledger:   # O_APPEND: one write per line, atomic among sessions
+        ledger.write(f"{os.getpid()}\n")
 
 
 def guard_probes() -> int:
-    return _guard_probes[0]
+    """Deliberate probes so far, by every session on this machine."""
+    try:
+        return GUARD_PROBE_LEDGER.read_text().count("\n")
+    except FileNotFoundError:
+        return 0
 
 
 def guard_rejections() -> int | None:
