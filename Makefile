@@ -42,9 +42,8 @@ install-floor: $(FLOOR_STAMP) ## create .venv-floor: the project on the trainer 
 demo: install ## train examples/digits.yaml on 2 simulated nodes with a progress bar
 	$(DDPJOB) run examples/digits.yaml --local
 
-test: install install-floor cluster-up images ## every tier, then the trainer tiers again on the image's torch; CI runs exactly this
-	$(PY) -m pytest -ra $(PYTEST_ARGS) tests
-	$(MAKE) --no-print-directory test-floor
+test: install install-floor cluster-up images ## every tier (cluster tiers beside the CPU tiers, hack/test.sh), the trainer's again on the image's torch; CI runs exactly this
+	PY=$(PY) PYTEST_ARGS="$(PYTEST_ARGS)" hack/test.sh
 
 # What depends on torch's version: local multi-process runs (convergence, a killed rank, the
 # seed-style custom script, signals), checkpoint save/resume (bit-exact at world size 2), compile,

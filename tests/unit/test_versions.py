@@ -39,7 +39,8 @@ def test_pyprojects_torch_floors_are_the_images_versions_which_make_test_floor_r
     assert minor(floors()["torch"]) == minor(pins()["TORCH_VERSION"])
     assert minor(floors()["torchvision"]) == minor(pins()["TORCHVISION_VERSION"])
     makefile = (REPO / "Makefile").read_text()
-    assert "test-floor" in re.search(r"^test:.*$\n(\t.*\n)+", makefile, re.M).group(0)
+    assert "hack/test.sh" in re.search(r"^test:.*$\n(\t.*\n)+", makefile, re.M).group(0)
+    assert re.search(r"^\s*make .*test-floor", (REPO / "hack" / "test.sh").read_text(), re.M)
 
 
 def test_the_trainer_images_mlflow_client_is_the_pin_and_pyprojects_floor_which_make_test_floor_runs():
