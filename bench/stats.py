@@ -6,16 +6,7 @@ import statistics
 import subprocess
 from pathlib import Path
 
-# Two-sided 97.5 % quantiles of Student's t for n - 1 degrees of freedom (n = 2..30).
-_T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262,
-         10: 2.228, 11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131, 16: 2.120, 17: 2.110,
-         18: 2.101, 19: 2.093, 20: 2.086, 25: 2.060, 29: 2.045}
-
-
-def _t975(df: int) -> float:
-    if df in _T975:
-        return _T975[df]
-    return _T975[max(k for k in _T975 if k <= df)] if df < 30 else 1.96
+from scipy import stats
 
 
 def ratio_interval(ratios: list[float]) -> dict[str, float]:
@@ -24,7 +15,7 @@ def ratio_interval(ratios: list[float]) -> dict[str, float]:
         raise ValueError("need at least 2 pairs for an interval")
     logs = [math.log(r) for r in ratios]
     mean, sd = statistics.mean(logs), statistics.stdev(logs)
-    half = _t975(len(logs) - 1) * sd / math.sqrt(len(logs))
+    half = float(stats.t.ppf(0.975, len(logs) - 1)) * sd / math.sqrt(len(logs))
     return {"ratio": math.exp(mean), "low": math.exp(mean - half), "high": math.exp(mean + half),
             "pairs": len(ratios)}
 
