@@ -18,6 +18,7 @@ from typing import Any, Callable, Hashable
 
 from kubernetes import client, config as kconfig
 from kubernetes.client.rest import ApiException
+from kubernetes.watch.watch import iter_resp_lines
 
 from . import labels
 from .fairqueue import FairSlots
@@ -128,13 +129,9 @@ class K8s:
             if not 200 <= resp.status <= 299:
                 resp.read()
                 raise ApiException(http_resp=resp)
-            buf = b""
-            for chunk in raw.stream(65536, decode_content=True):
-                buf += chunk
-                *lines, buf = buf.split(b"\n")
-                for line in lines:
-                    if line.strip():
-                        yield json.loads(line)
+            for line in iter_resp_lines(raw):   # the client library's own line splitter of a watch stream
+                if line.strip():
+                    yield json.loads(line)
         finally:
             raw.release_conn()
 
