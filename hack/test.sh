@@ -19,6 +19,8 @@ cluster_tiers() {
 
 cpu_tiers() {
   local rc=0
+  # Its own pytest cache: both sessions write theirs when they end.
+  export PYTEST_ADDOPTS="${PYTEST_ADDOPTS:-} -o cache_dir=.pytest_cache/cpu"
   "$PY" -m pytest -ra "${ARGS[@]}" tests/trainer || rc=$?
   # The floor runs even when the newest torch failed: a failure on one torch only is worth seeing.
   make --no-print-directory test-floor || rc=$((rc ? rc : $?))
