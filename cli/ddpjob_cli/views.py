@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
-from ddpjob_operator import podinfo
+from ddpjob_operator import objmeta, podinfo
 from ddpjob_operator.health import STALLED, STRAGGLER
 from ddpjob_operator.phases import Phase
 from ddpjob_operator.progress import human_duration
@@ -29,7 +29,7 @@ NONE = "-"
 
 def age(timestamp: str | None, now: dt.datetime) -> str:
     """'4m10s' since an RFC 3339 time (as `kubectl get` shows AGE); '-' when unknown."""
-    t = podinfo.parse_time(timestamp)
+    t = objmeta.parse_time(timestamp)
     if t is None:
         return NONE
     return human_duration((now - t).total_seconds())

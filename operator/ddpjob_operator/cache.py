@@ -20,6 +20,7 @@ from typing import Any, Callable
 from kubernetes.client.rest import ApiException
 
 from . import labels
+from .objmeta import parse_time, resource_version
 
 log = logging.getLogger("ddpjob.cache")
 Key = tuple[str, str]
@@ -34,16 +35,13 @@ def key_of(obj: Obj) -> Key:
     return str(meta.get("namespace") or ""), str(meta.get("name") or "")
 
 
-def _rv(obj: Obj) -> str:
-    return str((obj.get("metadata") or {}).get("resourceVersion") or "")
-
 
 def newer(a: Obj, b: Obj | None) -> bool:
     """True unless `b` is provably newer than `a` (resourceVersions are opaque, but etcd's are
     integers; when either is not, the later arrival wins)."""
     if b is None:
         return True
-    ra, rb = _rv(a), _rv(b)
+    ra, rb = resource_version(a), resource_version(b)
     if ra.isdigit() and rb.isdigit():
         return int(ra) >= int(rb)
     return True
@@ -256,7 +254,7 @@ class Informer:
                     if obj.get("code") == 410:
                         return rv  # too old: relist (the caller does)
                     raise RuntimeError(f"watch error: {obj.get('message') or obj}")
-                rv = _rv(obj) or rv
+                rv = resource_version(obj) or rv
                 if etype in ("ADDED", "MODIFIED", "DELETED"):
                     self._post(self._event, etype, obj)
         return rv
@@ -281,13 +279,6 @@ def peering_informers(k8s: Any, store: Store, name: str, namespaces: tuple[str, 
                      namespace=ns, what=f"kopfpeering {ns}/{name}") for ns in namespaces]
 
 
-def _parse_time(value: Any) -> dt.datetime | None:
-    try:
-        t = dt.datetime.fromisoformat(str(value).replace("Z", "+00:00"))
-    except ValueError:
-        return None
-    return t if t.tzinfo else t.replace(tzinfo=dt.timezone.utc)
-
 
 class PeerGate:
     """kopf's peering rule, from the peering objects in `store`: pause while a live peer with a
@@ -310,7 +301,7 @@ class PeerGate:
                     prio, lifetime = int(info.get("priority", 0)), float(info.get("lifetime", 60))
                 except (TypeError, ValueError):
                     continue
-                seen = _parse_time(info.get("lastseen")) or now
+                seen = parse_time(info.get("lastseen")) or now
                 deadline = seen + dt.timedelta(seconds=lifetime)
                 if prio > self.priority and deadline > now:
                     until = max(until or deadline, deadline)

@@ -24,6 +24,7 @@ from .cache import PeerGate, Store, key_of
 from .config import OperatorConfig
 from .k8s import K8s
 from .lifecycle import Decision, decide
+from .objmeta import resource_version
 from .operator_metrics import OperatorMetrics
 from .phases import Phase
 from .pods import render_pod
@@ -111,9 +112,6 @@ def urgent(prev: dict[str, Any], status: dict[str, Any], decision: Decision, eve
     return any(status.get(k) != prev.get(k) for k in set(status) | set(prev) if k not in _QUIET_FIELDS)
 
 
-def _rv(obj: dict[str, Any] | None) -> str:
-    return str(((obj or {}).get("metadata") or {}).get("resourceVersion") or "")
-
 
 class Reconciler:
     """Serialises and coalesces reconcile passes per job; owns the scrape schedule and timers."""
@@ -178,7 +176,7 @@ class Reconciler:
         """A DDPJob watch event: cache it; pass over it unless it is the echo of our own write."""
         key = key_of(obj)
         self.jobs.upsert(obj, notify=False)
-        if _rv(obj) and self._written_rv.get(key) == _rv(obj):
+        if resource_version(obj) and self._written_rv.get(key) == resource_version(obj):
             return
         self.kick(*key)
 
@@ -333,7 +331,7 @@ class Reconciler:
                     break
             try:
                 written = await self.k8s.patch_status(namespace, name, status_patch(prev, status),
-                                                      resource_version=_rv(obj) or None)
+                                                      resource_version=resource_version(obj) or None)
             except ApiException as exc:
                 if exc.status == 404:
                     self.forget(namespace, name)
@@ -405,7 +403,7 @@ class Reconciler:
 
     def _wrote(self, key: Key, written: dict[str, Any] | None) -> None:
         """Our write is the newest state: the next pass must see it before its watch echo."""
-        self._written_rv[key] = _rv(written)
+        self._written_rv[key] = resource_version(written)
         self._last_write[key] = asyncio.get_running_loop().time()
         if written:
             self.jobs.upsert(written, notify=False)

@@ -42,7 +42,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Mapping
 
-from .progress import rfc3339
+from .objmeta import format_time
 from .scrape import STAGES, RankSample
 
 STRAGGLER = "Straggler"
@@ -128,12 +128,12 @@ class HealthTracker:
             if stage is None:
                 return "Starting", "no training step yet; no stage reported"
             since = self._stage_start(stage)
-            when = f" since {rfc3339(since)}" if since else ""
+            when = f" since {format_time(since)}" if since else ""
             return "Starting", (f"no training step yet; in {stage}{when} (Stalled after "
                                 f"{self.effective_hang_timeout(None):.0f}s without progress)")
         if stage in _PAUSES:
             since = self._stage_start(stage)
-            when = f" since {rfc3339(since)}" if since else ""
+            when = f" since {format_time(since)}" if since else ""
             return "Progressing", f"in {stage}{when}, after step {self._max_step}"
         return "Progressing", "training steps are advancing"
 

@@ -6,7 +6,6 @@ builders and the status function never see client model classes.
 from __future__ import annotations
 
 import asyncio
-import datetime as dt
 import json
 import logging
 import os
@@ -20,7 +19,7 @@ from kubernetes import client, config as kconfig
 from kubernetes.client.rest import ApiException
 from kubernetes.watch.watch import iter_resp_lines
 
-from . import labels
+from . import labels, objmeta
 from .fairqueue import FairSlots
 from .spec import GROUP, KIND, PLURAL, VERSION, API_VERSION
 
@@ -230,7 +229,7 @@ class K8s:
     async def post_event(self, job: dict[str, Any], type: str, reason: str, message: str) -> None:
         """A core/v1 Event on the DDPJob (best effort: a lost event never fails a pass)."""
         meta = job.get("metadata") or {}
-        now = dt.datetime.now(dt.timezone.utc).replace(microsecond=0).isoformat().replace("+00:00", "Z")
+        now = objmeta.now()
         body = {
             "apiVersion": "v1", "kind": "Event",
             "metadata": {"name": f"{meta.get('name')}.{uuid.uuid4().hex[:12]}",

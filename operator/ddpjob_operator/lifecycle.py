@@ -12,7 +12,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
-from . import kueue, labels, podinfo
+from . import kueue, labels, objmeta, podinfo
 from .config import OperatorConfig
 from .envvars import pod_hostname
 from .phases import Cond, Phase, RestartReason
@@ -186,7 +186,7 @@ class Decision:
 
 
 def _iso(value: Any) -> dt.datetime | None:
-    return podinfo.parse_time(value) if isinstance(value, str) else value
+    return objmeta.parse_time(value) if isinstance(value, str) else value
 
 
 def _sooner(a: float | None, b: float | None) -> float | None:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 
 from . import health, podinfo, progress, scrape
+from .objmeta import format_time
 from .podinfo import is_simulated_node
 from .config import OperatorConfig
 
@@ -48,10 +49,6 @@ class _JobState:
     last_progress: dict | None = None
     failing: set[str] = field(default_factory=set)
     attempt: int | None = None
-
-
-def _now_rfc3339(ts: float) -> str:
-    return progress.rfc3339(ts)
 
 
 def scrape_url(template: str, *, pod: dict, port: int, job_name: str, namespace: str) -> str | None:
@@ -251,7 +248,7 @@ class Monitor:
             if old and old.get("status") == status and old.get("lastTransitionTime"):
                 since = old["lastTransitionTime"]
             else:
-                since = _now_rfc3339(now)
+                since = format_time(now)
             out.append({"type": kind, "status": status, "reason": reason, "message": message,
                         "lastTransitionTime": since})
         return out

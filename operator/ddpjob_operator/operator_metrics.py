@@ -14,7 +14,7 @@ from prometheus_client import REGISTRY, disable_created_metrics, CollectorRegist
 
 from .lifecycle import INIT_START_ERRORS
 from .phases import Cond, Phase, RestartReason
-from .podinfo import parse_time
+from .objmeta import parse_time
 
 # The *_created series only double the output; nothing here reads them.
 disable_created_metrics()

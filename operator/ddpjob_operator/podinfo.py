@@ -7,10 +7,7 @@ from typing import Any
 from ddpjob_trainer.contract import EXIT_BAD_CONFIG  # never retried
 
 from . import labels
-
-# status.reason values of pods the node or cluster took away (not the training's fault).
-_DISRUPTION_REASONS = {"Evicted", "Preempting", "Preempted", "NodeLost", "Shutdown", "Terminated",
-                       "NodeShutdown", "OutOfcpu", "OutOfmemory", "UnexpectedAdmissionError"}
+from .objmeta import parse_time
 
 
 def meta(pod: dict[str, Any]) -> dict[str, Any]:
@@ -100,25 +97,11 @@ def failure_message(pod: dict[str, Any]) -> str:
 TERMINATION_TARGET = "TerminationTarget"
 
 
-def disrupted(pod: dict[str, Any]) -> bool:
-    """True when the pod was evicted, preempted or lost with its node (free restart)."""
-    st = pod.get("status") or {}
-    if st.get("reason") in _DISRUPTION_REASONS:
-        return True
-    return any(c.get("type") in ("DisruptionTarget", TERMINATION_TARGET) and c.get("status") == "True"
-               for c in _conditions(pod))
-
 
 def bad_config(pod: dict[str, Any]) -> bool:
     """True when the launcher exited with the bad-configuration code (a sidecar's 78 is its own)."""
     return phase(pod) == "Failed" and int((trainer_state(pod) or {}).get("exitCode") or 0) == EXIT_BAD_CONFIG
 
-
-def parse_time(value: str | None) -> dt.datetime | None:
-    """RFC 3339 timestamp -> aware datetime (None stays None)."""
-    if not value:
-        return None
-    return dt.datetime.fromisoformat(str(value).replace("Z", "+00:00"))
 
 
 def unschedulable_since(pod: dict[str, Any]) -> tuple[dt.datetime | None, str] | None:

@@ -6,11 +6,11 @@ Field names (declared in the CRD; also listed in PROGRESS_FIELDS):
 """
 from __future__ import annotations
 
-import datetime as _dt
 import math
 import statistics
 from typing import Mapping
 
+from .objmeta import format_time
 from .scrape import RankSample
 
 PROGRESS_FIELDS = (
@@ -20,11 +20,6 @@ PROGRESS_FIELDS = (
 
 Prev = tuple[float, Mapping[int, RankSample]]
 MAX_ETA_SECONDS = 10 * 365 * 86400  # ten years: past this no ETA is shown
-
-
-def rfc3339(ts: float) -> str:
-    """Unix seconds -> '2026-11-22T16:00:00Z' (what metav1.Time looks like)."""
-    return _dt.datetime.fromtimestamp(ts, tz=_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def human_duration(seconds: float) -> str:
@@ -83,7 +78,7 @@ def compute_progress(samples: Mapping[int, RankSample], *, now: float,
         out["evalAccuracy"] = round(statistics.fmean(accs), 6)
     stamps = [s.last_step_timestamp for s in ranks if _finite(s.last_step_timestamp) and s.last_step_timestamp > 0]
     if stamps:
-        out["lastStepTime"] = rfc3339(max(stamps))
+        out["lastStepTime"] = format_time(max(stamps))
 
     rate = None
     seconds_per_step = None

@@ -14,6 +14,7 @@ from .envvars import master_dns
 from .gang import gang_state
 from .kueue import admission, queue_name
 from .lifecycle import Decision, condition, decide
+from .objmeta import format_time
 from .phases import Cond, Phase
 from .pods import explain_pod_error
 from .redact import redact
@@ -26,12 +27,6 @@ if TYPE_CHECKING:  # the monitor module imports aiohttp; status needs only the r
 Event = tuple[str, str, str]  # (Normal|Warning, reason, message)
 
 
-def iso(t: dt.datetime | None) -> str | None:
-    """RFC 3339 UTC with a Z, as Kubernetes writes times."""
-    if t is None:
-        return None
-    return t.astimezone(dt.timezone.utc).replace(microsecond=0).isoformat().replace("+00:00", "Z")
-
 
 def set_condition(conditions: list[dict[str, Any]], *, type: str, status: bool, reason: str, message: str,
                   now: dt.datetime, generation: int) -> None:
@@ -40,11 +35,11 @@ def set_condition(conditions: list[dict[str, Any]], *, type: str, status: bool, 
     for cond in conditions:
         if cond.get("type") == type:
             if cond.get("status") != value:
-                cond["lastTransitionTime"] = iso(now)
+                cond["lastTransitionTime"] = format_time(now)
             cond.update(status=value, reason=reason, message=message, observedGeneration=generation)
             return
     conditions.append({"type": type, "status": value, "reason": reason, "message": message,
-                       "lastTransitionTime": iso(now), "observedGeneration": generation})
+                       "lastTransitionTime": format_time(now), "observedGeneration": generation})
 
 
 def _clear(conditions: list[dict[str, Any]], type: str, reason: str, message: str,
@@ -259,9 +254,9 @@ def job_status(job: JobSpec, pods: list[dict[str, Any]], *, now: dt.datetime,
                 old = by_type[cond["type"]]
                 if old.get("status") == cond.get("status") and old.get("lastTransitionTime"):
                     cond = {**cond, "lastTransitionTime": old["lastTransitionTime"]}
-                conds[conds.index(old)] = {"lastTransitionTime": iso(now), **cond}
+                conds[conds.index(old)] = {"lastTransitionTime": format_time(now), **cond}
             else:
-                conds.append({"lastTransitionTime": iso(now), **cond})
+                conds.append({"lastTransitionTime": format_time(now), **cond})
     display = progress_display(progress)
     if display:
         progress["display"] = display
@@ -280,9 +275,9 @@ def job_status(job: JobSpec, pods: list[dict[str, Any]], *, now: dt.datetime,
         "conditions": conds,
     }
     if d.start_time is not None:
-        status["startTime"] = iso(d.start_time)
+        status["startTime"] = format_time(d.start_time)
     if d.completion_time is not None and d.phase.finished:
-        status["completionTime"] = iso(d.completion_time)
+        status["completionTime"] = format_time(d.completion_time)
     if progress:
         status["progress"] = progress
     failures = list(prev.get("failures") or [])
@@ -392,7 +387,7 @@ def create_refused(job: JobSpec, status: dict[str, Any], refusals: list[CreateRe
     if first.permanent:
         new["phase"] = Phase.FAILED.value
         new["message"] = f"{message} (the job cannot start: fix the spec and recreate the DDPJob)"
-        new["completionTime"] = iso(now)
+        new["completionTime"] = format_time(now)
         set_condition(conds, type=Cond.FAILED, status=True, reason=Cond.FAILED_CREATE_POD.value,
                       message=new["message"], now=now, generation=gen)
         _clear(conds, Cond.RUNNING, Cond.FAILED_CREATE_POD.value, new["message"], now, gen)

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from ddpjob_operator.progress import PROGRESS_FIELDS, compute_progress, human_duration, rfc3339
+from ddpjob_operator.objmeta import format_time as rfc3339
+from ddpjob_operator.progress import PROGRESS_FIELDS, compute_progress, human_duration
 from ddpjob_operator.scrape import RankSample
 
 

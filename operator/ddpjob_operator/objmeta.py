@@ -1,0 +1,43 @@
+"""Kubernetes' own vocabulary, written once: an object's resourceVersion, and metav1.Time
+(RFC 3339 in UTC, whole seconds, a trailing Z) in both directions."""
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any, overload
+
+
+def resource_version(obj: dict[str, Any] | None) -> str:
+    """metadata.resourceVersion, "" when there is none (an object not read from the API server)."""
+    return str(((obj or {}).get("metadata") or {}).get("resourceVersion") or "")
+
+
+@overload
+def format_time(t: dt.datetime | float) -> str: ...
+@overload
+def format_time(t: None) -> None: ...
+def format_time(t: dt.datetime | float | None) -> str | None:
+    """A datetime (naive = UTC) or Unix seconds -> '2026-11-22T16:00:00Z', as Kubernetes writes times."""
+    if t is None:
+        return None
+    if not isinstance(t, dt.datetime):
+        t = dt.datetime.fromtimestamp(t, tz=dt.timezone.utc)
+    elif t.tzinfo is None:
+        t = t.replace(tzinfo=dt.timezone.utc)
+    return t.astimezone(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def parse_time(value: Any) -> dt.datetime | None:
+    """A metav1.Time (or any RFC 3339 string) -> an aware datetime; None for none or for text
+    that is not a time (a field someone else wrote is data, not a reason to fail a pass)."""
+    if not value:
+        return None
+    try:
+        t = dt.datetime.fromisoformat(str(value).replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    return t if t.tzinfo else t.replace(tzinfo=dt.timezone.utc)
+
+
+def now() -> str:
+    """The current time as Kubernetes writes it."""
+    return format_time(dt.datetime.now(dt.timezone.utc))
