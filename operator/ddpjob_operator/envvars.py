@@ -75,11 +75,13 @@ def pod_env(
     attempt: int = 0,
     cluster_domain: str | None = None,
     rdma_devices: bool = True,
+    stop_grace: float | None = None,
 ) -> list[dict[str, str]]:
     """Env for node `rank` as a k8s env list: ours, then the template container's env, then
     `spec.env`; a user's variable replaces ours of the same name (spec.env's a template's).
     `rdma_devices=False` (a local run, which has none of the pods' RDMA devices) leaves out the
-    fabric's settings, which would make NCCL refuse to start there."""
+    fabric's settings, which would make NCCL refuse to start there. `stop_grace`: the launcher's
+    SIGTERM-to-SIGKILL seconds (a pod's: stop_grace_seconds; a local run keeps the launcher's default)."""
     addr = master_addr or master_dns(job, cluster_domain=cluster_domain)
     port = master_port or job.master_port
     env: dict[str, str] = {
@@ -117,6 +119,8 @@ def pod_env(
         })
     if job.uid:
         env[contract.ENV_JOB_UID] = job.uid
+    if stop_grace is not None:
+        env[contract.ENV_STOP_GRACE] = f"{stop_grace:g}"
     if job.uses_builtin_trainer:
         env[contract.ENV_TRAINER_CONFIG] = json.dumps(job.trainer, sort_keys=True)
     env.update(mlflow_env(job))
@@ -132,6 +136,13 @@ def pod_env(
     user = template.user_env(job)
     user_names = {e.get("name") for e in user}
     return [e for e in ours if e["name"] not in user_names] + user
+
+
+def stop_grace_seconds(job: JobSpec) -> float:
+    """The launcher's grace in this job's pods: their terminationGracePeriodSeconds (spec.template's,
+    else Kubernetes' default) less the launcher's own margin (contract.stop_grace)."""
+    grace = (template.pod_template(job).get("spec") or {}).get("terminationGracePeriodSeconds")
+    return contract.stop_grace(contract.POD_TERMINATION_GRACE_DEFAULT if grace is None else grace)
 
 
 def cpu_request(job: JobSpec) -> Any:

@@ -6,7 +6,7 @@ from typing import Any
 
 from . import gang, kueue, labels, rdma, shm, template
 from .config import OperatorConfig
-from .envvars import pod_env, pod_hostname, service_name
+from .envvars import pod_env, pod_hostname, service_name, stop_grace_seconds
 from .service import child_metadata
 from .spec import JobSpec
 from .template import Layers
@@ -111,6 +111,12 @@ def pod_spread(job: JobSpec) -> list[dict[str, Any]]:
                    "minDomains": job.nodes, **selector}]
 
 
+def container_env(job: JobSpec, rank: int, *, attempt: int = 0, cluster_domain: str | None = None) -> list[dict[str, Any]]:
+    """The training container's env in a pod: pod_env with the launcher's grace derived from the
+    pod's terminationGracePeriodSeconds."""
+    return pod_env(job, rank, attempt=attempt, cluster_domain=cluster_domain, stop_grace=stop_grace_seconds(job))
+
+
 def render_pod(job: JobSpec, rank: int, *, attempt: int = 0, config: OperatorConfig | None = None,
                restarts: int | None = None, counted_restarts: int | None = None) -> dict[str, Any]:
     """Pod `<job>-<rank>` for one attempt of the group: spec.template under the flat fields under
@@ -123,7 +129,7 @@ def render_pod(job: JobSpec, rank: int, *, attempt: int = 0, config: OperatorCon
         "name": Layers(owned=labels.CONTAINER),
         "image": Layers(owned=job.image),
         "command": Layers(owned=command),
-        "env": Layers(owned=pod_env(job, rank, attempt=attempt, cluster_domain=config.cluster_domain or None)),
+        "env": Layers(owned=container_env(job, rank, attempt=attempt, cluster_domain=config.cluster_domain or None)),
         "ports": Layers(owned=[
             {"name": "master", "containerPort": job.master_port, "protocol": "TCP"},
             {"name": "metrics", "containerPort": job.metrics_port, "protocol": "TCP"},
@@ -241,7 +247,7 @@ def job_field(pod_path: str, job: JobSpec, *, rank: int = 0) -> str | None:
         # pod_env: the operator's variables, the template container's that spec.env leaves, spec.env.
         i, below = int(env.group(1)), env.group(2)
         kept = template.template_env(job)
-        ours = len(pod_env(job, rank)) - len(kept) - len(job.env)
+        ours = len(container_env(job, rank)) - len(kept) - len(job.env)
         if i < ours:
             return None
         if i < ours + len(kept):

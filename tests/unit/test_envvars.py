@@ -111,3 +111,30 @@ def test_every_pod_gets_the_jobs_uid_and_mlflows_own_variables_from_trainer_mlfl
     mine = env_dict(pod_env(job(trainer={"mlflow": {"trackingUri": "http://m"}},
                                 env=[{"name": "MLFLOW_EXPERIMENT_NAME", "value": "mine"}]), 0))
     assert mine["MLFLOW_EXPERIMENT_NAME"] == "mine"
+
+
+@pytest.mark.parametrize("template, grace", [
+    (None, 30 - 7.0),                                                    # Kubernetes' default grace period
+    ({"spec": {"terminationGracePeriodSeconds": 120}}, 113.0),
+    ({"spec": {"terminationGracePeriodSeconds": 10}}, 3.0),
+    ({"spec": {"terminationGracePeriodSeconds": 5}}, 0.0),              # shorter than the margin
+    ({"spec": {"terminationGracePeriodSeconds": 0}}, 0.0),
+])
+def test_the_launchers_stop_grace_follows_the_pods_termination_grace_period(template, grace):
+    from ddpjob_operator.pods import render_pod
+
+    spec = {"template": template} if template else {}
+    pod = render_pod(make_job("j", **spec), 0)
+    env = env_dict(pod["spec"]["containers"][0]["env"])
+    assert float(env["DDPJOB_STOP_GRACE_SECONDS"]) == grace
+    assert pod["spec"].get("terminationGracePeriodSeconds") == (template or {}).get("spec", {}).get(
+        "terminationGracePeriodSeconds")
+
+
+def test_a_stop_grace_in_spec_env_wins_and_a_local_run_keeps_the_launchers_default():
+    from ddpjob_operator.pods import render_pod
+
+    pod = render_pod(make_job("j", env=[{"name": "DDPJOB_STOP_GRACE_SECONDS", "value": "2"}]), 0)
+    env = pod["spec"]["containers"][0]["env"]
+    assert [e["value"] for e in env if e["name"] == "DDPJOB_STOP_GRACE_SECONDS"] == ["2"]
+    assert "DDPJOB_STOP_GRACE_SECONDS" not in env_dict(pod_env(job(), 0))  # what `ddpjob run --local` uses

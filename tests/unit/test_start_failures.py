@@ -272,11 +272,10 @@ def test_split_creates_keeps_refusals_and_raises_the_rest():
     ("spec.hostname", None),
 ])
 def test_pod_error_paths_name_the_ddpjob_field(pod_path, job_path):
-    from ddpjob_operator.envvars import pod_env
-    from ddpjob_operator.pods import job_field
+    from ddpjob_operator.pods import job_field, render_pod
 
     job = make_job(nodes=2, env=[{"name": "A", "value": "1"}])
-    user = len(pod_env(job, 0)) - 1  # the one spec.env variable is the last
+    user = len(render_pod(job, 0)["spec"]["containers"][0]["env"]) - 1  # the one spec.env variable is the last
     assert job_field(pod_path.format(user=user), job) == job_path
 
 

@@ -7,7 +7,7 @@ import sys
 import traceback
 
 from . import contract
-from .errors import EXIT_BAD_CONFIG, EXIT_TRAINING_FAILED, ConfigError
+from .errors import EXIT_BAD_CONFIG, EXIT_TRAINING_FAILED, ConfigError, PeerStopped
 
 
 def _record(kind: str, msg: str) -> None:
@@ -29,6 +29,10 @@ def _failed(exc: BaseException, rank: str) -> int:
         print(f"[rank {rank}] {msg}", file=sys.stderr, flush=True)
         _record("bad-config", msg)
         return EXIT_BAD_CONFIG
+    if isinstance(exc, PeerStopped):  # not this rank's fault: its message says it all
+        print(f"[rank {rank}] {exc}", file=sys.stderr, flush=True)
+        _record("failed", str(exc))
+        return EXIT_TRAINING_FAILED
     # Any other failure may succeed on retry.
     tb = "".join(traceback.format_exception(exc))
     print(f"[rank {rank}] training failed:\n{tb}", file=sys.stderr, flush=True)

@@ -32,6 +32,7 @@ import pickle
 import re
 import shutil
 import threading
+import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -397,6 +398,9 @@ class Checkpointer:
         self.async_save = async_save
         self.io_threads = io_threads
         self.last_saved_step: int | None = None
+        # The last finished save's whole time, background write included (preempt.plan's estimate
+        # of the next one); None until one finished.
+        self.last_seconds: float | None = None
         self._writer: threading.Thread | None = None
         self._pruner: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -411,6 +415,7 @@ class Checkpointer:
         final = self.dir / step_dir_name(step)
         tmp = self.dir / f".tmp-{step_dir_name(step)}"
         self.wait()
+        t0 = time.perf_counter()
         if self.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a crashed earlier attempt
             tmp.mkdir(parents=True)
@@ -419,16 +424,19 @@ class Checkpointer:
         if self.async_save:
             staged = self._stager.stage({"common": common, "rank": rank_state})
             self._writer = threading.Thread(target=self._write_in_background, name="ckpt-writer",
-                                            args=(staged["common"], staged["rank"], tmp, final, step), daemon=True)
+                                            args=(staged["common"], staged["rank"], tmp, final, step, t0), daemon=True)
             self._writer.start()
         else:
             self._write(common, rank_state, tmp, final, step)
+            self.last_seconds = time.perf_counter() - t0
         self.last_saved_step = step
         return final
 
     def _write_in_background(self, *args) -> None:
+        *write_args, t0 = args
         try:
-            self._write(*args)
+            self._write(*write_args)
+            self.last_seconds = time.perf_counter() - t0
         except BaseException as exc:  # noqa: BLE001 - handed to the training thread by wait()
             self._error = exc
 

@@ -21,6 +21,10 @@ ENV_TRAINER_CONFIG = "DDPJOB_TRAINER_CONFIG"  # spec.trainer as JSON (built-in t
 ENV_CPUS = "DDPJOB_CPUS"                  # the pod's CPU request, via the downward API
 ENV_LOCAL = "DDPJOB_LOCAL"                # "1" under `ddpjob run --local`
 ENV_GPUS_PER_NODE = "DDPJOB_GPUS_PER_NODE"  # spec.gpusPerNode: > 0, every local rank needs a GPU
+# Seconds from a stop's SIGTERM to the launcher's SIGKILL of the node's processes: the operator
+# derives it from the pod's terminationGracePeriodSeconds (stop_grace); the launcher passes the
+# value it uses on to the ranks, whose last checkpoint must fit in it.
+ENV_STOP_GRACE = "DDPJOB_STOP_GRACE_SECONDS"
 
 # Set by the launcher (or the local runner) for the ranks below it.
 ENV_METRICS_DIR = "DDPJOB_METRICS_DIR"    # prometheus-client's multiprocess dir, one per node
@@ -31,6 +35,10 @@ ENV_TELEMETRY = "DDPJOB_TELEMETRY"        # "0": no metrics at all
 # and where torchrun copies the first failed worker's (a user's script gets its traceback into
 # the pod's termination message by decorating its main with @record).
 ENV_TORCHELASTIC_ERROR_FILE = "TORCHELASTIC_ERROR_FILE"
+# torchrun's agent SIGKILLs its workers this many seconds after its own SIGTERM (read by torch
+# releases that have the setting; 30 s, fixed, before them): the launcher sets it to its grace.
+ENV_TORCHRUN_SHUTDOWN_TIMEOUT = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
+TORCHRUN_SHUTDOWN_TIMEOUT_DEFAULT = 30
 
 # torchrun's flags as env (torch.distributed.run reads PET_<FLAG>).
 PET_NNODES = "PET_NNODES"
@@ -42,6 +50,23 @@ PET_RDZV_BACKEND = "PET_RDZV_BACKEND"
 PET_RDZV_ENDPOINT = "PET_RDZV_ENDPOINT"
 PET_RDZV_ID = "PET_RDZV_ID"
 PET_MAX_RESTARTS = "PET_MAX_RESTARTS"
+
+# Kubernetes' terminationGracePeriodSeconds for a pod spec that does not set it.
+POD_TERMINATION_GRACE_DEFAULT = 30
+# The launcher's grace where nothing sets ENV_STOP_GRACE (a local run, a launcher run by hand).
+STOP_GRACE_DEFAULT = 5.0
+# After its own SIGKILL the launcher waits this long for the killed processes to vanish.
+LAUNCHER_KILL_WAIT = 5.0
+# The part of a pod's grace period the launcher keeps for itself after that SIGKILL (its kill wait,
+# then its termination message and exit), so that the kubelet never has to SIGKILL the pod.
+STOP_MARGIN_SECONDS = LAUNCHER_KILL_WAIT + 2.0
+
+
+def stop_grace(termination_grace_seconds: float) -> float:
+    """The launcher's SIGTERM-to-SIGKILL time in a pod with this terminationGracePeriodSeconds:
+    the grace period less STOP_MARGIN_SECONDS (0 when the grace is shorter than the margin)."""
+    return max(0.0, float(termination_grace_seconds) - STOP_MARGIN_SECONDS)
+
 
 # spec.trainer.mlflow.experiment when unset: the trainer logs there, the operator's pods get it as
 # MLFLOW_EXPERIMENT_NAME.

@@ -4,6 +4,7 @@ from __future__ import annotations
 import math
 import os
 import random
+import signal
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -170,9 +171,17 @@ class PerSampleSeeded(Dataset):
                 random.setstate(py_state)
 
 
+def ignore_sigterm(_worker_id: int) -> None:
+    """A loader worker's init: the launcher's SIGTERM reaches every process of the pod, and a
+    worker killed by it fails the rank's next batch, before the rank can save on the stop
+    (preempt.py). The worker still ends with its rank (torch's workers watch their parent)."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
 def loader_kwargs(*, workers: int, prefetch_factor: int, pin_memory: bool) -> dict[str, Any]:
     """DataLoader options shared by the training and evaluation loaders."""
-    extra: dict[str, Any] = {"prefetch_factor": prefetch_factor, "persistent_workers": True} if workers else {}
+    extra: dict[str, Any] = {"prefetch_factor": prefetch_factor, "persistent_workers": True,
+                             "worker_init_fn": ignore_sigterm} if workers else {}
     return {"num_workers": workers, "pin_memory": pin_memory, **extra}
 
 

@@ -35,6 +35,9 @@ class DistContext:
     # A second group of all ranks, gloo, for checkpoint writes on a background thread (collectives
     # of two threads must not share a group); None in a single process or a run without checkpoints.
     io_group: Any = None
+    # A third, gloo, for the per-step stop vote (preempt.StopVote), in flight while a step runs;
+    # present exactly when io_group is.
+    vote_group: Any = None
 
     @property
     def is_main(self) -> bool:
@@ -74,7 +77,7 @@ def rank_device(local_rank: int, local_world_size: int, env=os.environ) -> torch
 def process_group(*, timeout_seconds: int, io_group: bool = False,
                   debug_dir: str | None = None) -> Iterator[DistContext]:
     """Init the default group (NCCL on GPUs, gloo on the CPU: see rank_device), and with
-    `io_group` the checkpoint writer's gloo group; always destroyed on exit."""
+    `io_group` the checkpoint writer's and the stop vote's gloo groups; always destroyed on exit."""
     env = os.environ
     if launched_by_torchrun(env):
         rank, local_rank = int(env["RANK"]), int(env["LOCAL_RANK"])
@@ -101,8 +104,9 @@ def process_group(*, timeout_seconds: int, io_group: bool = False,
     try:
         # Only for a run that checkpoints: a gloo group connects every rank to every other.
         io = dist.new_group(backend="gloo", timeout=timeout) if io_group and world > 1 else None
+        vote = dist.new_group(backend="gloo", timeout=timeout) if io is not None else None
         yield DistContext(rank=rank, local_rank=local_rank, world_size=world,
-                          node_rank=node_rank, device=device, backend=backend, io_group=io)
+                          node_rank=node_rank, device=device, backend=backend, io_group=io, vote_group=vote)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -12,7 +12,9 @@ installed before anything else (as a container's PID 1 the launcher would otherw
 SIGTERM until the kubelet's SIGKILL at the end of terminationGracePeriodSeconds), every process
 below the launcher (torchrun's agent and its workers, which torchrun puts in sessions of their
 own, and any orphan re-parented to the launcher) gets SIGTERM, then SIGKILL after
-`--stop-grace` seconds (DDPJOB_STOP_GRACE_SECONDS, default 5). Exit code 128 + signal:
+`--stop-grace` seconds (DDPJOB_STOP_GRACE_SECONDS, which the operator derives from the pod's
+terminationGracePeriodSeconds; default 5). The ranks are told the grace they got (the built-in
+trainer saves a last checkpoint in it when that fits: preempt.py). Exit code 128 + signal:
 143 for SIGTERM, 130 for SIGINT.
 """
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import math
 import os
 import shutil
 import signal
@@ -35,10 +38,10 @@ from .errors import EXIT_BAD_CONFIG, EXIT_TRAINING_FAILED, ConfigError
 
 TERMINATION_LOG = "/dev/termination-log"
 TERMINATION_LIMIT = 4000  # characters; the kubelet truncates a termination message at 4096 bytes
-DEFAULT_STOP_GRACE = 5.0
+DEFAULT_STOP_GRACE = contract.STOP_GRACE_DEFAULT
 # After SIGKILL, how long to wait for processes to vanish before giving up on them (one stuck
 # in uninterruptible kernel sleep cannot be reaped; waiting longer would only hang the caller).
-KILL_WAIT = 5.0
+KILL_WAIT = contract.LAUNCHER_KILL_WAIT
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 _PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
@@ -160,14 +163,15 @@ class StopSignals:
 
 
 def stop_grace_from_env(env=os.environ) -> float:
-    """DDPJOB_STOP_GRACE_SECONDS (default 5): seconds between SIGTERM and SIGKILL on a stop."""
-    raw = env.get("DDPJOB_STOP_GRACE_SECONDS", "")
+    """DDPJOB_STOP_GRACE_SECONDS (default 5; the operator sets it from the pod's
+    terminationGracePeriodSeconds): seconds between SIGTERM and SIGKILL on a stop."""
+    raw = env.get(contract.ENV_STOP_GRACE, "")
     try:
         value = float(raw) if raw else DEFAULT_STOP_GRACE
     except ValueError:
-        raise ConfigError(f"DDPJOB_STOP_GRACE_SECONDS: not a number of seconds: {raw!r}") from None
+        raise ConfigError(f"{contract.ENV_STOP_GRACE}: not a number of seconds: {raw!r}") from None
     if value < 0:
-        raise ConfigError(f"DDPJOB_STOP_GRACE_SECONDS: must be >= 0, got {raw!r}")
+        raise ConfigError(f"{contract.ENV_STOP_GRACE}: must be >= 0, got {raw!r}")
     return value
 
 
@@ -421,7 +425,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                    help="serve this pod's metrics here (0: don't)")
     p.add_argument("--stop-grace", type=float, default=None,
                    help="on SIGTERM/SIGINT, seconds every process of the node gets before SIGKILL "
-                        f"(default: DDPJOB_STOP_GRACE_SECONDS or {DEFAULT_STOP_GRACE:g})")
+                        f"(default: {contract.ENV_STOP_GRACE} or {DEFAULT_STOP_GRACE:g})")
     p.add_argument("cmd", nargs=argparse.REMAINDER)
     args = p.parse_args(argv)
     if args.stop_grace is None:
@@ -462,6 +466,10 @@ def _launch(args: argparse.Namespace, node: _Node, signals: StopSignals) -> int:
             return EXIT_BAD_CONFIG
 
     env = with_exit_guard(dict(os.environ))
+    # The ranks learn the grace they have (a last checkpoint must fit in it), and torchrun's agent,
+    # which gets the same SIGTERM, must not kill them sooner.
+    env[contract.ENV_STOP_GRACE] = f"{args.stop_grace:g}"
+    env.setdefault(contract.ENV_TORCHRUN_SHUTDOWN_TIMEOUT, str(math.ceil(args.stop_grace)))
     node_rank = int(env.get("NODE_RANK", "0"))
     addr, port = env.get("MASTER_ADDR"), int(env.get("MASTER_PORT", "29500"))
     node.scratch = tempfile.mkdtemp(prefix="ddpjob-")

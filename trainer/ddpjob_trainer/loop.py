@@ -7,6 +7,7 @@ import inspect
 import json
 import math
 import os
+import signal
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -17,14 +18,15 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 
-from . import contract, debug, rng, torchapi, tuning
+from . import contract, debug, preempt, rng, torchapi, tuning
 from .checkpoint import Checkpointer, check_resumable, optimizer_state, step_dir_name
 from .collectives import Collectives
 from .config import TrainerConfig
 from .data import PerSampleSeeded, ResumableSampler, build_data, eval_loader, loader_kwargs
 from .dist import DistContext
+from .errors import PeerStopped
 from .models import build_model
-from .reporting import NullReporter
+from .reporting import NullReporter, Terminated
 from .shared_dir import check_shared_dir
 from .telemetry import DeviceTimer, Telemetry
 
@@ -236,6 +238,10 @@ class Trainer:
                              async_save=cfg.checkpoint.async_save),
                 every_steps=cfg.checkpoint.every_steps)
         self._synced_at: int | None = None
+        # A stop (SIGTERM) is acted on at step boundaries only in a run that checkpoints: there
+        # is nothing to save otherwise, and SIGTERM keeps its plain meaning.
+        self.stop_request = preempt.StopRequest(preempt.stop_budget()) if self.checkpoints else None
+        self.stop_vote = preempt.StopVote(ctx.vote_group) if self.checkpoints else None
 
     def enter(self, stage: str) -> None:
         self.telemetry.set_stage(stage)
@@ -296,6 +302,34 @@ class Trainer:
         self.log.metrics({"checkpoint_seconds": seconds}, step=st.step)
         self.enter("training")
 
+    def check_stop(self, step_seconds: float) -> None:
+        """At a step boundary: when a rank was sent SIGTERM, save if the save fits in its grace
+        (preempt.plan), then end this rank (preempt's docstring)."""
+        if self.stop_request is None or self.stop_vote is None or self.checkpoints is None:
+            return
+        ckpt = self.checkpoints.checkpointer
+        agreed = self.stop_vote.cast(left=self.stop_request.left(), last_save=ckpt.last_seconds,
+                                     step_seconds=step_seconds)
+        if agreed is None or math.isinf(agreed.left):
+            return
+        self.stop_vote.finish()
+        save, why = preempt.plan(left=agreed.left, last_save=agreed.last_save, step_seconds=agreed.step_seconds,
+                                 saved=self.checkpoints.saved(self.state.step))
+        where = f"step {self.state.step} (epoch {self.state.epoch}, batch {self.state.micro_done})"
+        if save:
+            self.log.info(f"stop requested (SIGTERM): saving a checkpoint at {where}: {why}")
+            self.save()
+        ckpt.wait()  # a write in flight, this one's or an earlier one's, is published before the end
+        if save:
+            self.log.info(f"stop: checkpoint {Path(ckpt.dir) / step_dir_name(self.state.step)} saved in "
+                          f"{ckpt.last_seconds:.2f}s; the next attempt resumes from it")
+        else:
+            self.log.info(f"stop requested (SIGTERM) at {where}: no checkpoint saved: {why}")
+        if self.stop_request.at is not None:
+            raise Terminated(signal.SIGTERM)
+        raise PeerStopped(f"rank {self.ctx.rank} stops with its group: a rank on another node was sent SIGTERM "
+                          f"at {where}" + (" (checkpoint saved)" if save else ""))
+
     def evaluate(self) -> EvalResult:
         self.enter("eval")
         self.sync_buffers()
@@ -345,6 +379,18 @@ class Trainer:
 
     def fit(self) -> RunResult:
         """Run (or resume) training to completion; every rank calls this."""
+        if self.stop_request is None:
+            return self._fit()
+        self.stop_request.install()
+        try:
+            result = self._fit()
+            if self.stop_vote is not None:
+                self.stop_vote.finish()  # the last boundary's ballot, cast by every rank
+            return result
+        finally:
+            self.stop_request.restore()
+
+    def _fit(self) -> RunResult:
         cfg, ctx, log, telemetry = self.cfg, self.ctx, self.log, self.telemetry
         resumed_from = self.restore()
         st = self.state
@@ -422,6 +468,7 @@ class Trainer:
                 if save_step:
                     self.save()
                     boundary = time.perf_counter()
+                self.check_stop(dt_step)
             if st.micro_done >= self.micro_per_epoch:
                 last_eval, eval_step = self._eval_and_log(), st.step
                 st.epoch, st.micro_done = st.epoch + 1, 0

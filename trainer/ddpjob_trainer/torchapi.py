@@ -9,14 +9,17 @@ Nothing else in the trainer imports a private torch name (tests/unit/test_torcha
 from __future__ import annotations
 
 import datetime as dt
-from typing import Any
+import os
+from typing import Any, Mapping
 
 import torch.distributed as dist
 # Where a shard's item lives (file, offset, length, transform descriptors): DCP's FileSystemReader
 # requires this class in a checkpoint's `.metadata`, and has no public name for it.
 from torch.distributed.checkpoint.filesystem import _StorageInfo as StorageInfo
 
-__all__ = ["StorageInfo", "TIMEOUT_SETTABLE_FOR_GLOO", "load_dcp_state", "set_timeout"]
+from . import contract
+
+__all__ = ["StorageInfo", "TIMEOUT_SETTABLE_FOR_GLOO", "load_dcp_state", "set_timeout", "torchrun_shutdown_seconds"]
 
 
 # Whether this torch can change a live group's timeout for every backend, gloo included.
@@ -52,3 +55,20 @@ def load_dcp_state(path: Any, storage_reader: Any) -> dict[str, Any]:
     state: dict[str, Any] = {}
     _load_state_dict(state, storage_reader=storage_reader, planner=_EmptyStateDictLoadPlanner(), no_dist=True)
     return state
+
+
+def torchrun_shutdown_seconds(env: Mapping[str, str] = os.environ) -> float:
+    """How long torchrun's agent lets its workers run after its own SIGTERM before it SIGKILLs them.
+
+    Newer torch reads TORCH_ELASTIC_SHUTDOWN_TIMEOUT (LaunchConfig.shutdown_timeout); 2.8, the
+    floor, has no such setting and always gives 30 s.
+    """
+    from torch.distributed.launcher.api import LaunchConfig
+    default = float(contract.TORCHRUN_SHUTDOWN_TIMEOUT_DEFAULT)
+    if "shutdown_timeout" not in getattr(LaunchConfig, "__dataclass_fields__", {}):
+        return default
+    raw = env.get(contract.ENV_TORCHRUN_SHUTDOWN_TIMEOUT, "")
+    try:
+        return float(int(raw)) if raw else default
+    except ValueError:  # torchrun itself fails on it, before any worker starts
+        return default
