@@ -470,14 +470,14 @@ def _run_local(path: str, *, signals: StopSignals, summary_json: str | None, met
         "workdir": str(wd), "last_checkpoint": r.get("last_checkpoint"),
         "mlflow_run_id": r.get("mlflow_run_id"),
     }
-    if outcome.ok and r:
+    run = f", MLflow run {r['mlflow_run_id']}" if r.get("mlflow_run_id") else ""
+    if outcome.ok and r.get("steps") is not None:
         click.echo(f"{job.name}: Succeeded in {summary['wall_seconds']:.1f}s — {r.get('steps')} steps, "
                    f"eval accuracy {r.get('eval_accuracy', 0):.4f} on {r.get('eval_samples')}/"
                    f"{r.get('eval_dataset_size')} samples, {r.get('train_samples_per_second', 0):.0f} "
-                   f"samples/s, restarts {tally.restarts}"
-                   + (f", MLflow run {r['mlflow_run_id']}" if r.get("mlflow_run_id") else ""), err=True)
+                   f"samples/s, restarts {tally.restarts}{run}", err=True)
     elif outcome.ok:
-        click.echo(f"{job.name}: Succeeded in {summary['wall_seconds']:.1f}s, restarts {tally.restarts}", err=True)
+        click.echo(f"{job.name}: Succeeded in {summary['wall_seconds']:.1f}s, restarts {tally.restarts}{run}", err=True)
     else:
         click.echo(f"{job.name}: {phase}", err=True)
     if summary_json:

@@ -72,6 +72,8 @@ def render(file, namespace) -> None:
 @click.option("--peering", default=_OP.peering, envvar="DDPJOB_PEERING", show_default=True,
               help="kopf peering name; empty for standalone.")
 @click.option("--priority", type=int, default=_OP.priority, envvar="DDPJOB_PRIORITY", show_default=True)
+@click.option("--mlflow-tracking-uri", default=_OP.mlflow_tracking_uri, envvar="DDPJOB_MLFLOW_TRACKING_URI",
+              help="MLflow tracking URI of jobs whose spec.trainer.mlflow names none (they opt in with mlflow: {}).")
 @click.option("--log-level", type=click.Choice(LOG_LEVELS, case_sensitive=False), default=_OP.log_level,
               envvar="DDPJOB_LOG_LEVEL", show_default=True)
 @click.option("--log-format", type=click.Choice(LOG_FORMATS), default=_OP.log_format, envvar="DDPJOB_LOG_FORMAT",

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
 from ddpjob_operator import objmeta, podinfo
+from ddpjob_trainer.contract import MLFLOW_DEFAULT_EXPERIMENT, public_uri
 from ddpjob_operator.health import STALLED, STRAGGLER
 from ddpjob_operator.phases import Phase
 from ddpjob_operator.progress import human_duration
@@ -204,11 +205,13 @@ def spec_summary(job: dict[str, Any]) -> list[tuple[str, str]]:
         ckpt = (t.get("checkpoint") or {}).get("dir")
         if ckpt:
             out.append(("Checkpoints", str(ckpt)))
-        mlflow = (t.get("mlflow") or {}).get("trackingUri")
-        if mlflow:
-            out.append(("MLflow", str(mlflow)))
     else:
         out.append(("Command", " ".join(map(str, (js.command or []) + (js.args or [])))))
+    mlflow = js.trainer.get("mlflow")
+    if mlflow is not None:
+        uri = (mlflow or {}).get("trackingUri")
+        out.append(("MLflow", (public_uri(str(uri)) if uri else "the operator's default tracking URI")
+                    + f", experiment {(mlflow or {}).get('experiment') or MLFLOW_DEFAULT_EXPERIMENT}"))
     out.append(("Max restarts", str(js.max_restarts)))
     if js.suspend:
         out.append(("Suspend", "true"))
@@ -248,7 +251,7 @@ def describe_data(job: dict[str, Any], events: list[dict[str, Any]], pods: list[
         "attempt": st.get("attempt"), "restarts": st.get("restarts", 0), "countedRestarts": st.get("countedRestarts", 0),
         "maxRestarts": from_manifest(job).max_restarts,
         "masterAddr": st.get("masterAddr"), "startTime": st.get("startTime"), "completionTime": st.get("completionTime"),
-        "progress": st.get("progress") or {}, "result": st.get("result") or {},
+        "progress": st.get("progress") or {}, "result": st.get("result") or {}, "mlflow": st.get("mlflow") or {},
         "conditions": list(st.get("conditions") or []),
         "ranks": [r.as_dict() for r in rank_rows(job, pods)],
         "failures": list(st.get("failures") or []),
@@ -297,6 +300,8 @@ def describe_text(data: dict[str, Any], now: dt.datetime) -> str:
     field("Started", data.get("startTime"))
     field("Completed", data.get("completionTime"))
     field("Progress", progress_line(data["progress"]))
+    run = data.get("mlflow") or {}
+    field("MLflow run", " ".join(str(run[k]) for k in ("runId", "url") if run.get(k)))
     res = data.get("result") or {}
     if res:
         field("Result", ", ".join(f"{k} {v}" for k, v in res.items()))

@@ -27,3 +27,5 @@ class OperatorConfig:
     priority: int = 0                         # kopf peering priority (HA replicas differ)
     log_level: str = "INFO"
     log_format: str = "text"                  # json: one object per line, for log pipelines
+    # spec.trainer.mlflow.trackingUri of a job that names none (a platform team's one server); "": none
+    mlflow_tracking_uri: str = ""

@@ -369,7 +369,7 @@ class Reconciler:
             self._departed[key] = gone  # older attempts' records are history
         if refused:
             # The API server refused a pod (a 4xx naming the field): say so in the job.
-            new, more = create_refused(job, status, refused, now=now)
+            new, more = create_refused(job, status, refused, now=now, config=self.config)
             self._wrote(key, await self.k8s.patch_status(namespace, name, status_patch(status, new)))
             status, events = new, events + more
             if not any(r.permanent for r in refused):

@@ -55,14 +55,32 @@ def nccl_env(nccl: dict[str, Any]) -> dict[str, str]:
     return out
 
 
-def mlflow_env(job: JobSpec) -> dict[str, str]:
+def mlflow_env(job: JobSpec, *, default_tracking_uri: str | None = None) -> dict[str, str]:
     """spec.trainer.mlflow as MLflow's own variables, so that a script of the user's (or a subclass of
-    the trainer) logs with plain `mlflow` calls to the same server and experiment; the built-in
-    trainer's run is found by its tag `ddpjob.uid` (DDPJOB_UID)."""
-    ml = job.trainer.get("mlflow") or {}
-    if not ml.get("trackingUri"):
+    the trainer) logs with plain `mlflow` calls to the same server and experiment (and, with
+    MLFLOW_RUN_ID from the launcher, the same run). The URI is the job's, else the operator's
+    cluster-wide default (a job opts in with `mlflow: {}`); none: no tracking, no variables."""
+    ml = job.trainer.get("mlflow")
+    uri = (ml or {}).get("trackingUri") or default_tracking_uri
+    if ml is None or not uri:
         return {}
-    return {"MLFLOW_TRACKING_URI": ml["trackingUri"], "MLFLOW_EXPERIMENT_NAME": ml.get("experiment") or contract.MLFLOW_DEFAULT_EXPERIMENT}
+    env = {contract.ENV_MLFLOW_TRACKING_URI: uri,
+           contract.ENV_MLFLOW_EXPERIMENT: ml.get("experiment") or contract.MLFLOW_DEFAULT_EXPERIMENT,
+           contract.ENV_MLFLOW: "required" if ml.get("required") else "optional"}
+    if ml.get("runName"):
+        env[contract.ENV_MLFLOW_RUN_NAME] = ml["runName"]
+    return env
+
+
+def mlflow_secret_env(job: JobSpec, *, default_tracking_uri: str | None = None) -> list[dict[str, Any]]:
+    """MLflow's credentials from the Secret spec.trainer.mlflow.credentialsSecret names: its keys
+    `token` (MLFLOW_TRACKING_TOKEN) or `username` and `password`, each optional (the operator reads
+    no Secret, so it cannot know which the Secret has; the kubelet leaves a missing key unset)."""
+    name = (job.trainer.get("mlflow") or {}).get("credentialsSecret")
+    if not name or not mlflow_env(job, default_tracking_uri=default_tracking_uri):
+        return []
+    return [{"name": var, "valueFrom": {"secretKeyRef": {"name": name, "key": key, "optional": True}}}
+            for var, key in contract.MLFLOW_SECRET_KEYS.items()]
 
 
 def pod_env(
@@ -76,12 +94,14 @@ def pod_env(
     cluster_domain: str | None = None,
     rdma_devices: bool = True,
     stop_grace: float | None = None,
-) -> list[dict[str, str]]:
+    mlflow_tracking_uri: str | None = None,
+) -> list[dict[str, Any]]:
     """Env for node `rank` as a k8s env list: ours, then the template container's env, then
     `spec.env`; a user's variable replaces ours of the same name (spec.env's a template's).
     `rdma_devices=False` (a local run, which has none of the pods' RDMA devices) leaves out the
     fabric's settings, which would make NCCL refuse to start there. `stop_grace`: the launcher's
-    SIGTERM-to-SIGKILL seconds (a pod's: stop_grace_seconds; a local run keeps the launcher's default)."""
+    SIGTERM-to-SIGKILL seconds (a pod's: stop_grace_seconds; a local run keeps the launcher's default).
+    `mlflow_tracking_uri`: the operator's default for a job whose spec.trainer.mlflow names none."""
     addr = master_addr or master_dns(job, cluster_domain=cluster_domain)
     port = master_port or job.master_port
     env: dict[str, str] = {
@@ -123,11 +143,12 @@ def pod_env(
         env[contract.ENV_STOP_GRACE] = f"{stop_grace:g}"
     if job.uses_builtin_trainer:
         env[contract.ENV_TRAINER_CONFIG] = json.dumps(job.trainer, sort_keys=True)
-    env.update(mlflow_env(job))
+    env.update(mlflow_env(job, default_tracking_uri=mlflow_tracking_uri))
     if rdma_devices:
         env.update(rdma.env(job))
     env.update(nccl_env(job.nccl))
     ours: list[dict[str, Any]] = [{"name": k, "value": v} for k, v in env.items()]
+    ours += mlflow_secret_env(job, default_tracking_uri=mlflow_tracking_uri)
     if cpu_request(job):
         # The trainer sizes numWorkers: auto from the CPUs the pod asked for, not the node's cores
         # (which os.cpu_count() reports inside a container). Rounded up to whole CPUs.

@@ -40,6 +40,7 @@ class MonitorReport:
     events: list[tuple[str, str, str]]   # (Normal|Warning, reason, message) new since the last report
     stalled: bool              # True -> restart the group when spec.failurePolicy.restartOnHang
     unreachable: bool = False  # running pods, none answered: the caller may scrape this job less often
+    mlflow_run: tuple[str, str] | None = None  # (run id, experiment id) the ranks report (status.mlflow)
 
 
 @dataclass
@@ -226,9 +227,11 @@ class Monitor:
         # Nothing scraped yet (e.g. endpoints unreachable): claim no health either way, so jobs whose
         # metrics cannot be read cost no status write per scrape and show no false "Progressing".
         conditions = self._conditions(job, st, now) if st.prev is not None or st.tracker.active else []
+        runs = [(s.mlflow_run_id, s.mlflow_experiment_id) for _, s in sorted(samples.items())
+                if s.mlflow_run_id and s.mlflow_experiment_id]
         return MonitorReport(progress=prog, conditions=conditions, events=events,
                              stalled=health.STALLED in st.tracker.active,
-                             unreachable=bool(targets) and not samples)
+                             unreachable=bool(targets) and not samples, mlflow_run=runs[0] if runs else None)
 
     def _conditions(self, job: dict, st: _JobState, now: float) -> list[dict]:
         """Straggler and Stalled, keeping lastTransitionTime when the status did not change."""

@@ -111,10 +111,12 @@ def pod_spread(job: JobSpec) -> list[dict[str, Any]]:
                    "minDomains": job.nodes, **selector}]
 
 
-def container_env(job: JobSpec, rank: int, *, attempt: int = 0, cluster_domain: str | None = None) -> list[dict[str, Any]]:
+def container_env(job: JobSpec, rank: int, *, attempt: int = 0, cluster_domain: str | None = None,
+                  mlflow_tracking_uri: str | None = None) -> list[dict[str, Any]]:
     """The training container's env in a pod: pod_env with the launcher's grace derived from the
     pod's terminationGracePeriodSeconds."""
-    return pod_env(job, rank, attempt=attempt, cluster_domain=cluster_domain, stop_grace=stop_grace_seconds(job))
+    return pod_env(job, rank, attempt=attempt, cluster_domain=cluster_domain, stop_grace=stop_grace_seconds(job),
+                   mlflow_tracking_uri=mlflow_tracking_uri)
 
 
 def render_pod(job: JobSpec, rank: int, *, attempt: int = 0, config: OperatorConfig | None = None,
@@ -129,7 +131,8 @@ def render_pod(job: JobSpec, rank: int, *, attempt: int = 0, config: OperatorCon
         "name": Layers(owned=labels.CONTAINER),
         "image": Layers(owned=job.image),
         "command": Layers(owned=command),
-        "env": Layers(owned=container_env(job, rank, attempt=attempt, cluster_domain=config.cluster_domain or None)),
+        "env": Layers(owned=container_env(job, rank, attempt=attempt, cluster_domain=config.cluster_domain or None,
+                                          mlflow_tracking_uri=config.mlflow_tracking_uri or None)),
         "ports": Layers(owned=[
             {"name": "master", "containerPort": job.master_port, "protocol": "TCP"},
             {"name": "metrics", "containerPort": job.metrics_port, "protocol": "TCP"},
@@ -224,8 +227,9 @@ def _locate(rest: str, job: JobSpec, *, tpl: dict[str, Any], tpl_path: str | Non
     return f"{tpl_path}.{key}{at}{below}" if tpl_path and key in tpl and key not in _OWNED else None
 
 
-def job_field(pod_path: str, job: JobSpec, *, rank: int = 0) -> str | None:
-    """The DDPJob field that a field path of its rendered Pod comes from (None: the operator's own)."""
+def job_field(pod_path: str, job: JobSpec, *, rank: int = 0, config: OperatorConfig | None = None) -> str | None:
+    """The DDPJob field that a field path of its rendered Pod comes from (None: the operator's own);
+    `config`: the one the pod was rendered with (its defaults add variables of the operator's)."""
     tpl = template.pod_template(job)
     if pod_path.startswith("metadata."):
         return _locate(pod_path[len("metadata"):], job, tpl=tpl.get("metadata") or {},
@@ -247,7 +251,8 @@ def job_field(pod_path: str, job: JobSpec, *, rank: int = 0) -> str | None:
         # pod_env: the operator's variables, the template container's that spec.env leaves, spec.env.
         i, below = int(env.group(1)), env.group(2)
         kept = template.template_env(job)
-        ours = len(container_env(job, rank)) - len(kept) - len(job.env)
+        ours = len(container_env(job, rank, mlflow_tracking_uri=(config or OperatorConfig()).mlflow_tracking_uri or None)
+                   ) - len(kept) - len(job.env)
         if i < ours:
             return None
         if i < ours + len(kept):
@@ -257,9 +262,9 @@ def job_field(pod_path: str, job: JobSpec, *, rank: int = 0) -> str | None:
                    lists=_CONTAINER_LISTS, shorthands=_CONTAINER_SHORTHANDS)
 
 
-def explain_pod_error(message: str, job: JobSpec, *, rank: int = 0) -> str:
+def explain_pod_error(message: str, job: JobSpec, *, rank: int = 0, config: OperatorConfig | None = None) -> str:
     """An API error about a rendered Pod, with the DDPJob field named after each Pod field path."""
     def name(m: re.Match) -> str:
-        field = job_field(m.group(0), job, rank=rank)
+        field = job_field(m.group(0), job, rank=rank, config=config)
         return f"{m.group(0)} (DDPJob {field})" if field else m.group(0)
     return _PATH.sub(name, message)

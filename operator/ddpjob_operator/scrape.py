@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import math
+import re
 from dataclasses import dataclass
 from typing import Iterable
 
-from ddpjob_trainer.contract import METRIC_PREFIX
+from ddpjob_trainer.contract import METRIC_PREFIX, MLFLOW_RUN_INFO
 from ddpjob_trainer.telemetry import STAGES  # same wheel; a light module (no torch)
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -42,6 +43,9 @@ _GAUGES = {
 # `stage{stage=S} 1` names a rank's stage; a name not in STAGES is dropped, so a pod cannot put
 # text of its choosing into a condition message.
 _INTS = {"step", "epoch", "total_steps", "restart_count", "step_started"}
+# `mlflow_run_info{run_id, experiment_id} 1`: ids go into status and a URL, so only id-shaped ones
+# (MLflow's are hex and digits) are kept.
+_MLFLOW_ID = re.compile(r"^[0-9A-Za-z_-]{1,64}$")
 
 # A pod controls its exposition, so every value is bounded before it can reach status: a value
 # outside these ranges (or NaN/±Inf) is dropped as if the rank had not reported it. 1e12 steps or
@@ -94,6 +98,8 @@ class RankSample:
     gpu_memory_max_allocated_bytes: float | None = None
     stage: str | None = None             # one of STAGES
     stage_started_at: float | None = None  # Unix time (the pod's clock) the stage began
+    mlflow_run_id: str | None = None     # the job's MLflow run (rank 0 reports it)
+    mlflow_experiment_id: str | None = None
     pod: str | None = None       # filled in by the scraper, not the exposition
     node: str | None = None
 
@@ -121,7 +127,9 @@ def parse_metrics(text: str) -> dict[int, RankSample]:
         for s in family.samples:
             short = s.name[len(PREFIX):]
             attr = _GAUGES.get(short)
-            if attr is None and not (short == "stage" and s.value == 1 and s.labels.get("stage") in STAGES):
+            mlflow = (short == MLFLOW_RUN_INFO and s.value == 1
+                      and all(_MLFLOW_ID.match(s.labels.get(k) or "") for k in ("run_id", "experiment_id")))
+            if attr is None and not mlflow and not (short == "stage" and s.value == 1 and s.labels.get("stage") in STAGES):
                 continue
             rank = _int_or_none(s.labels.get("rank"))
             if rank is None:
@@ -135,6 +143,9 @@ def parse_metrics(text: str) -> dict[int, RankSample]:
                     ddpjob=s.labels.get("ddpjob") or None,
                     namespace=s.labels.get("namespace") or None,
                 )
+            if mlflow:
+                rs.mlflow_run_id, rs.mlflow_experiment_id = s.labels["run_id"], s.labels["experiment_id"]
+                continue
             if attr is None:
                 rs.stage = s.labels["stage"]
                 continue

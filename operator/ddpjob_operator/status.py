@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ddpjob_trainer import contract
+from ddpjob_trainer.contract import public_uri
 
 from . import podinfo
 from .config import OperatorConfig
@@ -157,6 +158,21 @@ def _admission_condition(conds: list[dict[str, Any]], queued, now: dt.datetime, 
     return [("Warning" if queued.reason == "NotManagedByKueue" else "Normal", queued.reason, queued.message)]
 
 
+def mlflow_status(job: JobSpec, *, prev: dict[str, Any] | None, run: tuple[str, str] | None,
+                  default_tracking_uri: str = "") -> dict[str, Any] | None:
+    """status.mlflow: the run the ranks report (runId, experimentId) and, for an http(s) tracking
+    URI, its page (`<uri>/#/experiments/<exp>/runs/<run>`, the URI's userinfo left out). Written
+    when the run is first reported or changes, never per scrape; kept while nothing reports."""
+    if run is None or (prev or {}).get("runId") == run[0]:
+        return dict(prev) if prev else None
+    run_id, exp_id = run
+    out: dict[str, Any] = {"runId": run_id, "experimentId": exp_id}
+    uri = (job.trainer.get("mlflow") or {}).get("trackingUri") or default_tracking_uri
+    if uri.startswith(("http://", "https://")):
+        out["url"] = f"{public_uri(uri).rstrip('/')}/#/experiments/{exp_id}/runs/{run_id}"
+    return out
+
+
 def job_status(job: JobSpec, pods: list[dict[str, Any]], *, now: dt.datetime,
                prev_status: dict[str, Any] | None, config: OperatorConfig | None = None,
                decision: Decision | None = None, report: MonitorReport | None = None,
@@ -280,6 +296,10 @@ def job_status(job: JobSpec, pods: list[dict[str, Any]], *, now: dt.datetime,
         status["completionTime"] = format_time(d.completion_time)
     if progress:
         status["progress"] = progress
+    mlflow = mlflow_status(job, prev=prev.get("mlflow"), run=report.mlflow_run if report is not None else None,
+                           default_tracking_uri=config.mlflow_tracking_uri)
+    if mlflow:
+        status["mlflow"] = mlflow
     failures = list(prev.get("failures") or [])
     ended = d.attempt - 1 if d.restarted is not None else (d.attempt if d.phase is Phase.FAILED else None)
     if ended is not None and not any(f.get("attempt") == ended for f in failures):
@@ -364,7 +384,7 @@ def split_creates(objs: list[dict[str, Any]], results: list[Any]) -> tuple[list[
 
 
 def create_refused(job: JobSpec, status: dict[str, Any], refusals: list[CreateRefusal], *,
-                   now: dt.datetime) -> tuple[dict[str, Any], list[Event]]:
+                   now: dt.datetime, config: OperatorConfig | None = None) -> tuple[dict[str, Any], list[Event]]:
     """The status after pod creates were refused: a FailedCreatePod condition with the API's
     message, Failed when the spec can never be created (400/422), else Pending with that reason
     (lifecycle.decide keeps it until every pod exists). One FailedCreatePod event per new message."""
@@ -373,7 +393,7 @@ def create_refused(job: JobSpec, status: dict[str, Any], refusals: list[CreateRe
     first = next((r for r in refusals if r.permanent), refusals[0])
     gen = job.generation
     names = ", ".join(sorted({r.pod for r in refusals}))
-    message = f"the API server refused to create {first.kind}(s) {names}: {explain_pod_error(first.message, job)}"
+    message = f"the API server refused to create {first.kind}(s) {names}: {explain_pod_error(first.message, job, config=config)}"
     conds = [dict(c) for c in status.get("conditions") or []]
     old = condition({"conditions": conds}, Cond.FAILED_CREATE_POD)
     set_condition(conds, type=Cond.FAILED_CREATE_POD, status=True, reason=first.reason, message=message,

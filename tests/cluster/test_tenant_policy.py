@@ -239,6 +239,10 @@ def _places():
     out += [(f"spec.volumes[].{f}", lambda s, mk=mk: {"volumes": [{"name": "v", **mk(s)}]}, f"spec.volumes[v].{at}")
             for f, mk, at in SECRET_VOLUMES]
     out.append(("spec.imagePullSecrets", lambda s: {"imagePullSecrets": [{"name": s}]}, "spec.imagePullSecrets"))
+    # MLflow's credentials: the operator turns the Secret into the pods' env (envvars.mlflow_secret_env).
+    out.append(("spec.trainer.mlflow.credentialsSecret",
+                lambda s: {"trainer": {"mlflow": {"trackingUri": "http://mlflow.example:5000", "credentialsSecret": s}}},
+                "spec.trainer.mlflow.credentialsSecret"))
     tpl = "spec.template.spec"
     for kind in ("containers", "initContainers", "ephemeralContainers"):
         out += [(f"{tpl}.{kind}[].{f}",

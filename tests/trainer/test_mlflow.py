@@ -2,11 +2,13 @@
 CPU) against a real `mlflow server` (tests/support/mlflow_server.py, one per session).
 
 One run per job across a group restart; training keeps stepping while the server is frozen and
-when it refuses connections; the run ends FINISHED, FAILED or KILLED as the job does.
+when it refuses connections; the run ends FINISHED, FAILED or KILLED as the job does; a user's own
+script logs into the job's run with plain `mlflow` calls (MLFLOW_RUN_ID from its node's launcher).
 """
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import uuid
@@ -126,3 +128,45 @@ def test_sigterm_ends_the_run_killed(tmp_path, mlflow_server):
             proc.wait()
     run = mlflow_server.wait_run(exp, lambda r: r.info.status != "RUNNING", "the run's end", timeout=30)
     assert run.info.status == "KILLED", out[-3000:]
+
+
+# A user's script, unchanged MLflow usage: the fluent API picks the run up from MLFLOW_RUN_ID.
+SCRIPT = """
+import os, mlflow
+node, given = os.environ["NODE_RANK"], os.environ["MLFLOW_RUN_ID"]  # mlflow's start_run unsets it
+mlflow.log_metric(f"node{node}_seen", 1.0, step=int(node))
+mlflow.set_tag(f"node{node}.run_id", given)
+"""
+
+
+def test_a_users_script_logs_into_the_jobs_run_through_the_env(tmp_path, mlflow_server):
+    exp = experiment("script")
+    (tmp_path / "log_to_mlflow.py").write_text(SCRIPT)
+    # torchrun: a node other than 0 waits for the master's port (torchrun's store on node 0).
+    job = write_job(tmp_path / "mlf-script.yaml", name="mlf-script", command=["torchrun", "log_to_mlflow.py"],
+                    trainer=mlflow(mlflow_server.uri, exp, runName="script"))
+    proc, s = run_local(job, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (run,) = mlflow_server.runs(exp)
+    # Node 0's launcher made the run (tagged with the job), node 1's found it: both nodes logged there.
+    assert run.info.run_name == "script" and run.info.status == "FINISHED"
+    tags = run.data.tags
+    assert tags["node0.run_id"] == tags["node1.run_id"] == run.info.run_id and tags["ddpjob.name"] == "mlf-script"
+    assert {"node0_seen", "node1_seen"} <= set(run.data.metrics)
+    # The local runner's summary and final line name it.
+    assert s["mlflow_run_id"] == run.info.run_id and f"MLflow run {run.info.run_id}" in proc.stderr.splitlines()[-1]
+
+
+def test_a_launcher_without_a_run_fails_the_attempt_only_when_mlflow_is_required(monkeypatch):
+    # The real child process against a server refusing connections (the decisions without one:
+    # tests/unit/test_trainer_launch.py).
+    from ddpjob_trainer import launch
+
+    nobody = free_ports(1)[0]  # nothing listens there: refused at once
+    env = {**os.environ, "MLFLOW_TRACKING_URI": f"http://user:pw@127.0.0.1:{nobody}", "DDPJOB_UID": "u-1",
+           "DDPJOB_MLFLOW": "required"}
+    monkeypatch.setattr(launch, "MLFLOW_RETRY_SECONDS", 0)   # refused is refused: no second try
+    run_id, failed = launch._mlflow_run(env, node_rank=0, node=launch._Node(), signals=launch.StopSignals(),
+                                        stages=launch._RankStages({"DDPJOB_TELEMETRY": "0"}))
+    assert run_id is None and failed.startswith(f"spec.trainer.mlflow.required: no MLflow run at http://127.0.0.1:{nobody}: ")
+    assert "Connection refused" in failed and "pw" not in failed

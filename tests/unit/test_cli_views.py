@@ -105,7 +105,9 @@ def test_describe_shows_spec_conditions_ranks_failures_and_only_this_jobs_events
                                          "message": "all 2 pods running", "lastTransitionTime": ago(60)}],
                             failures=[{"attempt": 0, "rank": 1, "pod": "j-1", "node": "n1", "exitCode": 137,
                                        "signal": 9, "reason": "OOMKilled", "logTail": "step 3\nKilled\n"}])
-    job = job_with(status, trainer={"dataset": "digits", "model": "convnet", "mlflow": {"trackingUri": "http://mlf"}},
+    status["mlflow"] = {"runId": "abc123", "experimentId": "7", "url": "http://mlf/#/experiments/7/runs/abc123"}
+    job = job_with(status, trainer={"dataset": "digits", "model": "convnet",
+                                    "mlflow": {"trackingUri": "http://u:pw@mlf", "experiment": "vision"}},
                    failurePolicy={"maxRestarts": 2})
     job["metadata"]["uid"] = "uid-j"
     pods = [placed(make_pod(0, attempt=1), "n0"), placed(make_pod(1, attempt=1), "n3")]
@@ -117,10 +119,11 @@ def test_describe_shows_spec_conditions_ranks_failures_and_only_this_jobs_events
                "involvedObject": {"kind": "DDPJob", "name": "other"}, "lastTimestamp": ago(10)}]
     data = views.describe_data(job, events, pods, NOW)
     assert data["spec"]["Trainer"].startswith("built-in (dataset digits, model convnet")
-    assert data["spec"]["MLflow"] == "http://mlf" and data["maxRestarts"] == 2
+    assert data["spec"]["MLflow"] == "http://mlf, experiment vision" and data["maxRestarts"] == 2
     assert [e["reason"] for e in data["events"]] == ["Restarting", "Scheduled"]
     text = views.describe_text(data, NOW)
     assert "Restarts:             1 (1/2 of the budget)" in text
+    assert "MLflow run:           abc123 http://mlf/#/experiments/7/runs/abc123" in text and "pw" not in text
     assert "Running   True     Running   1m00s   all 2 pods running" in text
     assert "j-1   n3" in text                                       # the current attempt's rank 1
     failure = next(ln for ln in text.splitlines() if "OOMKilled" in ln)

@@ -138,3 +138,40 @@ def test_a_stop_grace_in_spec_env_wins_and_a_local_run_keeps_the_launchers_defau
     env = pod["spec"]["containers"][0]["env"]
     assert [e["value"] for e in env if e["name"] == "DDPJOB_STOP_GRACE_SECONDS"] == ["2"]
     assert "DDPJOB_STOP_GRACE_SECONDS" not in env_dict(pod_env(job(), 0))  # what `ddpjob run --local` uses
+
+
+SECRET_ENV = {"MLFLOW_TRACKING_TOKEN": "token", "MLFLOW_TRACKING_USERNAME": "username",
+              "MLFLOW_TRACKING_PASSWORD": "password"}
+
+
+@pytest.mark.parametrize("mlflow, default, expected", [
+    # The job's own URI; the operator's default unused.
+    ({"trackingUri": "http://team:5000"}, "http://platform:5000",
+     {"MLFLOW_TRACKING_URI": "http://team:5000", "MLFLOW_EXPERIMENT_NAME": "ddpjob", "DDPJOB_MLFLOW": "optional"}),
+    # `mlflow: {}` opts in to the operator's default.
+    ({}, "http://platform:5000",
+     {"MLFLOW_TRACKING_URI": "http://platform:5000", "MLFLOW_EXPERIMENT_NAME": "ddpjob", "DDPJOB_MLFLOW": "optional"}),
+    ({"experiment": "vision", "runName": "a", "required": True}, "http://platform:5000",
+     {"MLFLOW_TRACKING_URI": "http://platform:5000", "MLFLOW_EXPERIMENT_NAME": "vision", "DDPJOB_MLFLOW": "required",
+      "DDPJOB_MLFLOW_RUN_NAME": "a"}),
+    # No URI anywhere: no tracking; no mlflow section: no tracking, whatever the default.
+    ({}, None, {}),
+    (None, "http://platform:5000", {}),
+])
+def test_mlflow_variables_from_the_job_or_the_operators_default(mlflow, default, expected):
+    trainer = {"epochs": 1} if mlflow is None else {"mlflow": mlflow}
+    env = env_dict(pod_env(job(trainer=trainer), 1, mlflow_tracking_uri=default))
+    assert {k: v for k, v in env.items() if "MLFLOW" in k} == expected
+
+
+def test_mlflow_credentials_come_only_from_the_named_secret():
+    tracked = {"trackingUri": "http://m:5000", "credentialsSecret": "mlflow-creds"}
+    env = pod_env(job(trainer={"mlflow": tracked}), 0)
+    refs = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in env if "valueFrom" in e and "secretKeyRef" in e["valueFrom"]}
+    assert refs == {var: {"name": "mlflow-creds", "key": key, "optional": True} for var, key in SECRET_ENV.items()}
+    assert not set(SECRET_ENV) & set(env_dict(env))  # never a plain value
+    # No tracking (no URI), no credentials; the operator's default brings them with it.
+    untracked = pod_env(job(trainer={"mlflow": {"credentialsSecret": "mlflow-creds"}}), 0)
+    assert not set(SECRET_ENV) & {e["name"] for e in untracked}
+    by_default = pod_env(job(trainer={"mlflow": {"credentialsSecret": "c"}}), 0, mlflow_tracking_uri="http://p")
+    assert set(SECRET_ENV) <= {e["name"] for e in by_default}

@@ -135,6 +135,10 @@ def test_a_real_finish_is_still_sticky():
     ("key id AKIAIOSFODNN7EXAMPLE used", "AKIAIOSFODNN7EXAMPLE", "key id *** used"),
     ("HF_TOKEN hf_abcdefghijklmnopqrstuvwxyz123", "hf_abcdef", "HF_TOKEN"),
     ("jwt eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiIxIn0.c2lnbmF0dXJlX2hlcmU", "eyJhbGci", "jwt ***"),
+    # MLflow's credential variables (from spec.trainer.mlflow.credentialsSecret), echoed by a script.
+    ("MLFLOW_TRACKING_TOKEN=dapi0123456789abcdef", "dapi0123", "MLFLOW_TRACKING_TOKEN=***"),
+    ("export MLFLOW_TRACKING_PASSWORD='pa ss' ok", "pa ss", "MLFLOW_TRACKING_PASSWORD=*** ok"),
+    ("MLflow: no run at http://bob:pw1234@mlflow:5000", "pw1234", "http://***@mlflow:5000"),
 ])
 def test_redact(text, leaked, kept):
     out = redact(text)

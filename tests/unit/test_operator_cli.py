@@ -46,6 +46,13 @@ def test_accepted(started, args, namespaces, everywhere, level, fmt):
     assert (cfg.namespaces, cfg.all_namespaces, cfg.log_level, cfg.log_format) == (namespaces, everywhere, level, fmt)
 
 
+def test_the_default_mlflow_tracking_uri_is_a_flag_and_an_env_var(started, monkeypatch):
+    assert invoke("-A", "--mlflow-tracking-uri", "http://mlflow.mlops:5000").exit_code == 0
+    monkeypatch.setenv("DDPJOB_MLFLOW_TRACKING_URI", "http://from-env:5000")   # as every flag
+    assert invoke("-A").exit_code == 0
+    assert [c.mlflow_tracking_uri for c in started] == ["http://mlflow.mlops:5000", "http://from-env:5000"]
+
+
 def test_json_logs_are_one_object_per_line():
     handler = operator_main.log_handler("json")
     record = logging.LogRecord("ddpjob.reconcile", logging.WARNING, __file__, 1, "job %s restarted", ("ns/a",), None)

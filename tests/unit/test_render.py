@@ -242,23 +242,32 @@ def test_example_resnet_gpu_renders_4_pods_with_8_gpus():
         assert env["NODE_RANK"] == str(rank) and env["WORLD_SIZE"] == "32"
 
 
-@pytest.mark.parametrize("elastic", [None, {"minNodes": 1, "maxNodes": 4}])
-def test_job_field_follows_render_pod(elastic):
+@pytest.mark.parametrize("elastic, mlflow", [
+    (None, None), ({"minNodes": 1, "maxNodes": 4}, None),
+    # The operator's default tracking URI adds variables (and the Secret's) only the config knows of.
+    (None, {"credentialsSecret": "creds"}),
+])
+def test_job_field_follows_render_pod(elastic, mlflow):
     """pods.job_field (which names the DDPJob field in a refused create) agrees with render_pod about
     where each user-written list entry lands in the Pod."""
     from ddpjob_operator.pods import job_field
 
     extra = {"elastic": elastic} if elastic else {}
+    if mlflow is not None:
+        extra["trainer"] = {"mlflow": mlflow}
+    config = OperatorConfig(mlflow_tracking_uri="http://mlflow.mlops:5000")
     j = job(env=[{"name": "A", "value": "1"}, {"name": "B", "value": "2"}],
             volumes=[{"name": "d", "emptyDir": {}}, {"name": "e", "emptyDir": {}}],
             volumeMounts=[{"name": "d", "mountPath": "/d"}, {"name": "e", "mountPath": "/e"}], **extra)
-    pod = render_pod(j, 1)
+    pod = render_pod(j, 1, config=config)
+    if mlflow is not None:
+        assert env_dict(container(pod)["env"])["MLFLOW_TRACKING_URI"] == "http://mlflow.mlops:5000"
     c = container(pod)
     lists = {"spec.containers[0].env": (c["env"], "env"), "spec.volumes": (pod["spec"]["volumes"], "volumes"),
              "spec.containers[0].volumeMounts": (c["volumeMounts"], "volumeMounts")}
     for base, (items, key) in lists.items():
         for i, item in enumerate(items):
-            field = job_field(f"{base}[{i}].name", j, rank=1)
+            field = job_field(f"{base}[{i}].name", j, rank=1, config=config)
             if item in j.spec[key]:
                 assert field == f"spec.{key}[{j.spec[key].index(item)}].name"
             else:

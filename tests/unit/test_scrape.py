@@ -37,6 +37,8 @@ _PRODUCER = textwrap.dedent("""
             t.gpu_memory(types.SimpleNamespace(cuda=cuda), types.SimpleNamespace(type="cuda"))
             t.compute([0.2] * r["steps"])   # DeviceTimer.read() at a log step
         t.set_stage("training")
+        if r.get("mlflow"):
+            t.mlflow_run(*r["mlflow"])
     reg = CollectorRegistry()
     MultiProcessCollector(reg, path=os.environ["DDPJOB_METRICS_DIR"])
     sys.stdout.write(generate_latest(reg).decode())
@@ -54,7 +56,7 @@ def exposition(tmp_path, ranks: list[dict]) -> str:
 
 def test_parse_two_ranks_from_real_exposition(tmp_path):
     text = exposition(tmp_path, [
-        {"rank": 0, "steps": 3, "total": 10, "loss": 1.5, "acc": 0.9},
+        {"rank": 0, "steps": 3, "total": 10, "loss": 1.5, "acc": 0.9, "mlflow": ["0a1b2c3d4e5f60718293a4b5c6d7e8f9", "7"]},
         {"rank": 1, "steps": 4, "total": 10, "loss": 0.5},
     ])
     got = parse_metrics(text)
@@ -71,6 +73,8 @@ def test_parse_two_ranks_from_real_exposition(tmp_path):
     assert r0.eval_accuracy == 0.9 and r0.eval_loss == 0.25 and r1.eval_accuracy is None
     assert r0.checkpoint_seconds == 1.5 and r0.restart_count == 1
     assert (r1.local_rank, r1.node_rank, r1.ddpjob, r1.namespace) == (1, 0, "demo", "ns1")
+    assert (r0.mlflow_run_id, r0.mlflow_experiment_id) == ("0a1b2c3d4e5f60718293a4b5c6d7e8f9", "7")
+    assert r1.mlflow_run_id is None
 
 
 def test_every_metric_the_scraper_reads_is_one_a_rank_writes(tmp_path):
@@ -117,3 +121,16 @@ def test_parse_stage(lines, expected):
     text = "".join(f"ddpjob_trainer_{line}\n" for line in lines)
     s = parse_metrics(text)[0]
     assert (s.stage, s.stage_started_at) == expected
+
+
+@pytest.mark.parametrize("line,expected", [
+    ('mlflow_run_info{rank="0",run_id="abc123",experiment_id="4"} 1', ("abc123", "4")),
+    ('mlflow_run_info{rank="0",run_id="abc123",experiment_id="4"} 0', (None, None)),
+    # The ids reach status and a URL: anything but an id's characters is dropped.
+    ('mlflow_run_info{rank="0",run_id="../../evil",experiment_id="4"} 1', (None, None)),
+    ('mlflow_run_info{rank="0",run_id="abc",experiment_id="4 <b>"} 1', (None, None)),
+    ('mlflow_run_info{rank="0",run_id="",experiment_id="4"} 1', (None, None)),
+])
+def test_parse_mlflow_run(line, expected):
+    s = parse_metrics(f"ddpjob_trainer_{line}\n").get(0) or RankSample(rank=0)
+    assert (s.mlflow_run_id, s.mlflow_experiment_id) == expected

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from types import SimpleNamespace
 
 import pytest
 from aiohttp import web
@@ -140,14 +139,15 @@ def test_a_failed_lookup_is_asked_again():
 
 
 def test_the_status_says_why_and_forgets_it_once_progress_returns():
+    from ddpjob_operator.monitor import MonitorReport
     from ddpjob_operator.status import UNAVAILABLE, job_status
     from tests.support.builders import NOW, make_job, running_status
 
     pods = [make_pod(0), make_pod(1)]
     note = {UNAVAILABLE: "2 pod(s) on simulated (kwok) nodes: ..."}
     status, _ = job_status(make_job(nodes=2), pods, now=NOW, prev_status=running_status(),
-                           report=SimpleNamespace(progress=note, conditions=[], events=[], stalled=False))
+                           report=MonitorReport(progress=note, conditions=[], events=[], stalled=False))
     assert status["progress"] == {**note, "display": "n/a (not scraped)"}
     status, _ = job_status(make_job(nodes=2), pods, now=NOW, prev_status=status,
-                           report=SimpleNamespace(progress={"step": 3}, conditions=[], events=[], stalled=False))
+                           report=MonitorReport(progress={"step": 3}, conditions=[], events=[], stalled=False))
     assert status["progress"] == {"step": 3, "display": "step 3"}

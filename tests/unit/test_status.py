@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from ddpjob_operator.config import OperatorConfig
-from ddpjob_operator.status import job_status, node_counts, progress_display
+from ddpjob_operator.status import job_status, mlflow_status, node_counts, progress_display
 from tests.support.status import condition as cond
 from tests.support.builders import NOW, ago, make_job, make_pod, running_status
 
@@ -107,6 +107,7 @@ class Report:
     conditions: list = field(default_factory=list)
     events: list = field(default_factory=list)
     stalled: bool = False
+    mlflow_run: tuple | None = None
 
 
 def test_monitor_report_merges_progress_and_conditions_by_type():
@@ -217,3 +218,39 @@ def test_node_not_ready_clears_when_the_node_reports_again_and_warns_once():
     assert [e[1] for e in ev1].count("NodeNotReady") == 1 and not [e for e in ev2 if e[1] == "NodeNotReady"]
     back, _ = job_status(make_job(nodes=2), [make_pod(0), make_pod(1)], now=NOW, prev_status=again)
     assert cond(back, "NodeNotReady")["status"] == "False" and cond(back, "NodeNotReady")["reason"] == "NodesReady"
+
+
+RUN = ("0a1b2c3d4e5f60718293a4b5c6d7e8f9", "7")
+
+
+@pytest.mark.parametrize("mlflow, default, prev, run, expected", [
+    # First report: the run and its page (the URI's userinfo never shown).
+    ({"trackingUri": "https://user:pw@mlflow.example/"}, "", None, RUN,
+     {"runId": RUN[0], "experimentId": "7", "url": f"https://mlflow.example/#/experiments/7/runs/{RUN[0]}"}),
+    ({}, "http://platform:5000", None, RUN,
+     {"runId": RUN[0], "experimentId": "7", "url": f"http://platform:5000/#/experiments/7/runs/{RUN[0]}"}),
+    # A URI that is not a web server's has no page.
+    ({"trackingUri": "file:///data/mlruns"}, "", None, RUN, {"runId": RUN[0], "experimentId": "7"}),
+    # Kept while nothing reports, and as it was while the same run is reported (no write per scrape).
+    ({}, "http://p", {"runId": RUN[0], "experimentId": "7", "url": "kept"}, None,
+     {"runId": RUN[0], "experimentId": "7", "url": "kept"}),
+    ({}, "http://p", {"runId": RUN[0], "experimentId": "7", "url": "kept"}, RUN,
+     {"runId": RUN[0], "experimentId": "7", "url": "kept"}),
+    # Another run (a user's spec.env MLFLOW_RUN_ID, say): the one reported now.
+    ({"trackingUri": "http://m"}, "", {"runId": "old", "experimentId": "1"}, RUN,
+     {"runId": RUN[0], "experimentId": "7", "url": f"http://m/#/experiments/7/runs/{RUN[0]}"}),
+    ({"trackingUri": "http://m"}, "", None, None, None),
+])
+def test_mlflow_status(mlflow, default, prev, run, expected):
+    job = make_job(nodes=1, trainer={"mlflow": mlflow})
+    assert mlflow_status(job, prev=prev, run=run, default_tracking_uri=default) == expected
+
+
+def test_the_run_the_ranks_report_is_written_into_status_once():
+    job = make_job(nodes=2, trainer={"mlflow": {"trackingUri": "http://m:5000"}})
+    pods = [make_pod(0), make_pod(1)]
+    first, _ = job_status(job, pods, now=NOW, prev_status=running_status(), report=Report(mlflow_run=RUN))
+    assert first["mlflow"]["runId"] == RUN[0]
+    again, _ = job_status(job, pods, now=NOW, prev_status=first, report=Report(mlflow_run=RUN))
+    quiet, _ = job_status(job, pods, now=NOW, prev_status=first, report=Report())
+    assert again["mlflow"] == quiet["mlflow"] == first["mlflow"]

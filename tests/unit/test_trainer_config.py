@@ -58,6 +58,16 @@ def test_only_rank_0_tracks_and_mlflow_required_parses():
         parse_config({"mlflow": {"trackingUri": "http://x", "required": "yes"}})
 
 
+def test_mlflow_without_a_uri_takes_the_pods_mlflow_tracking_uri():
+    # The operator's cluster-wide default reaches the trainer as MLFLOW_TRACKING_URI (envvars.mlflow_env).
+    env = {"DDPJOB_TRAINER_CONFIG": '{"mlflow": {}}', "MLFLOW_TRACKING_URI": "http://platform:5000"}
+    assert config_from_env(env).mlflow.tracking_uri == "http://platform:5000"
+    mine = {**env, "DDPJOB_TRAINER_CONFIG": '{"mlflow": {"trackingUri": "http://team"}}'}
+    assert config_from_env(mine).mlflow.tracking_uri == "http://team"
+    with pytest.raises(ConfigError, match="trackingUri: required when mlflow is set and the operator has no default"):
+        config_from_env({"DDPJOB_TRAINER_CONFIG": '{"mlflow": {}}'})
+
+
 def test_gpu_and_data_loading_keys_and_their_defaults():
     from ddpjob_trainer.config import AUTO
 

@@ -370,3 +370,47 @@ def test_waiting_for_the_child_sees_a_lost_stop():
     finally:
         child.kill()
         child.wait()
+
+
+# --- the job's MLflow run, found before torchrun starts ------------------------------------------
+
+TRACKED = {"MLFLOW_TRACKING_URI": "http://u:pw@mlflow:5000", "DDPJOB_UID": "u-1", "DDPJOB_MLFLOW": "optional"}
+
+
+@pytest.mark.parametrize("env, node_rank, answer, expected", [
+    # Node 0 finds or creates it; every rank below gets it; rank 0's series names it.
+    (TRACKED, 0, ('{"run_id": "r1", "experiment_id": "3"}', ""), ("r1", None, ["resolve", "--create"])),
+    (TRACKED, 1, ('{"run_id": "r1", "experiment_id": "3"}', ""), ("r1", None, ["resolve", "--wait"])),
+    # No run: a warning, training goes on without one; required: the attempt fails, naming the server.
+    (TRACKED, 0, (None, "ConnectionError: refused"), (None, None, ["resolve", "--create"])),
+    ({**TRACKED, "DDPJOB_MLFLOW": "required"}, 1, (None, "no answer within 60s"),
+     (None, "spec.trainer.mlflow.required: no MLflow run at http://mlflow:5000: no answer within 60s",
+      ["resolve", "--wait"])),
+    # Not asked for (a user's own MLFLOW_TRACKING_URI), or given already (spec.env): nothing to do.
+    ({k: v for k, v in TRACKED.items() if k != "DDPJOB_MLFLOW"}, 0, None, (None, None, None)),
+    ({**TRACKED, "MLFLOW_RUN_ID": "mine"}, 0, None, (None, None, None)),
+])
+def test_the_launcher_gives_its_ranks_the_jobs_mlflow_run(monkeypatch, env, node_rank, answer, expected):
+    from ddpjob_trainer import launch
+
+    asked: list[list[str]] = []
+    said: list[str] = []
+
+    def run_tracking(args, env, **kw):
+        asked.append(args[:2])
+        return answer
+    monkeypatch.setattr(launch, "_run_tracking", run_tracking)
+    monkeypatch.setattr(launch, "_say", said.append)
+    reported: list[tuple] = []
+    stages = launch._RankStages({"DDPJOB_TELEMETRY": "0"})
+    stages.telemetry = [type("T", (), {"mlflow_run": lambda self, *ids: reported.append(ids)})()]
+    env, given = dict(env), env.get("MLFLOW_RUN_ID")
+    run_id, failed = launch._mlflow_run(env, node_rank=node_rank, node=launch._Node(), signals=launch.StopSignals(),
+                                        stages=stages)
+    assert (run_id, failed, asked[0] if asked else None) == expected
+    assert env.get("MLFLOW_RUN_ID") == (run_id or given)
+    assert reported == ([("r1", "3")] if run_id and node_rank == 0 else [])
+    if answer and answer[0] is None and not failed:
+        assert said == ["WARNING MLflow: no run at http://mlflow:5000 (ConnectionError: refused); training goes on "
+                        "without MLFLOW_RUN_ID"]
+    assert not any("pw" in line for line in said + [failed or ""])

@@ -10,6 +10,7 @@ import types
 import pytest
 
 from ddpjob_trainer import tracking
+from ddpjob_trainer.contract import public_uri
 from ddpjob_trainer.tracking import CallQueue, Tracker, flatten_params, run_key, run_tags
 
 
@@ -117,10 +118,17 @@ class FakeClient:
 
     def create_run(self, exp_id, run_name=None, tags=None):
         rid = f"run{len(self.s['runs'])}"
-        run = types.SimpleNamespace(info=types.SimpleNamespace(run_id=rid, status="RUNNING"),
+        run = types.SimpleNamespace(info=types.SimpleNamespace(run_id=rid, status="RUNNING", experiment_id=exp_id),
                                     data=types.SimpleNamespace(tags=dict(tags or {}), params={}, metrics=[]))
         self.s["runs"][rid] = run
         return run
+
+    def get_run(self, run_id):
+        if run_id not in self.s["runs"]:
+            err = Exception(f"Run '{run_id}' not found")
+            err.error_code = "RESOURCE_DOES_NOT_EXIST"  # type: ignore[attr-defined]  # MlflowException's
+            raise err
+        return self.s["runs"][run_id]
 
     def update_run(self, run_id, status=None):
         self.s["runs"][run_id].info.status = status
@@ -245,3 +253,63 @@ def test_metrics_go_out_in_batches_at_most_every_flush_interval_and_at_close():
     assert t.close("FINISHED")
     assert sent == [2, 8] and server["runs"]["run0"].info.status == "FINISHED"
     assert [m[2] for m in server["runs"]["run0"].data.metrics] == [1, 1, 2, 2, 3, 3, 4, 4, 5, 5]
+
+
+def test_the_launchers_run_node_0_creates_it_the_other_nodes_find_it():
+    server: dict = {"experiments": {}, "runs": {}}
+    env = {"MLFLOW_TRACKING_URI": "http://fake", "MLFLOW_EXPERIMENT_NAME": "vision", "DDPJOB_UID": "u-1",
+           "DDPJOB_NAME": "bert", "DDPJOB_MLFLOW_RUN_NAME": "a"}
+    fake = {"client_factory": lambda uri: FakeClient(server)}
+    with pytest.raises(LookupError, match="no run tagged ddpjob.key="):
+        tracking.resolve(env, create=False, wait=0, **fake)   # a node before node 0 made it: none
+    assert tracking.resolve(env, create=True, **fake) == ("run0", "0")
+    assert tracking.resolve(env, create=False, **fake) == ("run0", "0")
+    assert tracking.resolve(env, create=True, **fake) == ("run0", "0")   # the next attempt's node 0
+    run = server["runs"]["run0"]
+    assert run.data.tags[tracking.KEY_TAG] == tracking.run_key(env) and run.data.tags["ddpjob.name"] == "bert"
+    # MLFLOW_RUN_ID (spec.env's): that run; one the server does not have: the job's, by its tag.
+    other = FakeClient(server).create_run("0")
+    assert tracking.resolve({**env, "MLFLOW_RUN_ID": other.info.run_id}, create=True, **fake)[0] == "run1"
+    assert tracking.resolve({**env, "MLFLOW_RUN_ID": "gone"}, create=True, **fake)[0] == "run0"
+    assert len(server["runs"]) == 2
+
+
+def test_a_script_that_did_not_end_its_run_has_it_ended_by_its_launcher():
+    server: dict = {"experiments": {}, "runs": {}}
+    run = FakeClient(server).create_run("0")
+    env = {"MLFLOW_TRACKING_URI": "http://fake", "MLFLOW_RUN_ID": run.info.run_id}
+    assert tracking.end_if_running(env, "FAILED", client_factory=lambda uri: FakeClient(server))
+    assert not tracking.end_if_running(env, "FINISHED", client_factory=lambda uri: FakeClient(server))
+    assert run.info.status == "FAILED"
+
+
+def test_the_tracker_resumes_the_launchers_run_and_reports_it():
+    pytest.importorskip("mlflow")
+    server: dict = {"experiments": {}, "runs": {}}
+    made = FakeClient(server).create_run("0", tags={tracking.KEY_TAG: "other"})
+    made.info.status = "FINISHED"
+    opened: list = []
+    t = Tracker(tracking_uri="http://fake", experiment="exp", run_name=None, key="k1", tags={}, warn=print,
+                count_drop=lambda r: None, client_factory=lambda uri: FakeClient(server), run_id=made.info.run_id,
+                on_open=lambda *ids: opened.append(ids))
+    assert t.ready.wait(10) and t.run_id == made.info.run_id and opened == [(made.info.run_id, "0")]
+    assert made.info.status == "RUNNING" and t.close("FINISHED") and len(server["runs"]) == 1
+
+
+@pytest.mark.parametrize("text, shown", [
+    ("https://user:secret@mlflow.example:443/x", "https://mlflow.example:443/x"),
+    ("http://token@h/ and http://h2", "http://h/ and http://h2"),
+    ("file:///data/mlruns", "file:///data/mlruns"),
+    ("databricks", "databricks"),
+])
+def test_uris_lose_their_userinfo_wherever_they_are_shown(text, shown):
+    assert public_uri(text) == shown
+
+
+def test_params_never_carry_a_uris_credentials():
+    pytest.importorskip("mlflow")
+    server: dict = {"experiments": {}, "runs": {}}
+    t = attempt(server, 0, [])
+    t.params({"mlflow": {"tracking_uri": "https://u:pw@m.example"}})
+    assert t.close("FINISHED")
+    assert server["runs"]["run0"].data.params == {"mlflow.tracking_uri": "https://m.example"}

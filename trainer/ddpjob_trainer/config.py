@@ -72,6 +72,7 @@ class MlflowConfig:
     experiment: str = contract.MLFLOW_DEFAULT_EXPERIMENT
     run_name: str | None = None
     required: bool = False
+    credentials_secret: str | None = None  # the operator's business (env from a Secret); here for the record
 
 
 @dataclass(frozen=True)
@@ -159,7 +160,8 @@ _DDP = {"bufferSync": ("buffer_sync", "enum", BUFFER_SYNCS),
         "staticGraph": ("static_graph", "bool", None),
         "bucketCapMb": ("bucket_cap_mb", "int", 1)}
 _MLFLOW = {"trackingUri": ("tracking_uri", "str", None), "experiment": ("experiment", "str", None),
-           "runName": ("run_name", "str", None), "required": ("required", "bool", None)}
+           "runName": ("run_name", "str", None), "required": ("required", "bool", None),
+           "credentialsSecret": ("credentials_secret", "str", None)}
 
 
 def _check(path: str, value: Any, kind: str, arg: Any) -> Any:
@@ -216,8 +218,11 @@ def _section(raw: Any, table: dict, path: str) -> dict[str, Any]:
 _NESTED = ("checkpoint", "synthetic", "ddp", "mlflow")
 
 
-def parse_config(raw: dict[str, Any] | None, *, path: str = "spec.trainer") -> TrainerConfig:
-    """Validate `spec.trainer` (camelCase keys) into a TrainerConfig; raise ConfigError naming the key."""
+def parse_config(raw: dict[str, Any] | None, *, path: str = "spec.trainer",
+                 default_tracking_uri: str | None = None) -> TrainerConfig:
+    """Validate `spec.trainer` (camelCase keys) into a TrainerConfig; raise ConfigError naming the key.
+    `default_tracking_uri`: mlflow.trackingUri when unset (the pod's MLFLOW_TRACKING_URI, which the
+    operator sets from the job or from its cluster-wide default)."""
     raw = dict(raw or {})
     nested = {k: raw.pop(k) for k in _NESTED if k in raw}
     unknown = [k for k in raw if k not in _TOP]
@@ -233,8 +238,11 @@ def parse_config(raw: dict[str, Any] | None, *, path: str = "spec.trainer") -> T
         kwargs["ddp"] = DdpConfig(**_section(nested["ddp"], _DDP, f"{path}.ddp"))
     if nested.get("mlflow") is not None:
         ml = _section(nested["mlflow"], _MLFLOW, f"{path}.mlflow")
+        if "tracking_uri" not in ml and default_tracking_uri:
+            ml["tracking_uri"] = default_tracking_uri
         if "tracking_uri" not in ml:
-            raise ConfigError(f"{path}.mlflow.trackingUri: required when mlflow is set")
+            raise ConfigError(f"{path}.mlflow.trackingUri: required when mlflow is set and the operator has no "
+                              "default tracking URI (chart value mlflow.defaultTrackingUri)")
         kwargs["mlflow"] = MlflowConfig(**ml)
     cfg = TrainerConfig(**kwargs)
     if cfg.dataset == "imagefolder" and not cfg.data_path:
@@ -253,5 +261,5 @@ def config_from_env(environ: dict[str, str] | None = None) -> TrainerConfig:
         raw = json.loads(text)
     except json.JSONDecodeError as exc:
         raise ConfigError(f"{contract.ENV_TRAINER_CONFIG}: not valid JSON ({exc})") from None
-    return parse_config(raw)
+    return parse_config(raw, default_tracking_uri=env.get(contract.ENV_MLFLOW_TRACKING_URI) or None)
 

@@ -2,9 +2,11 @@
 once: the environment a pod gets, the exit codes a node reports, the metric name prefix.
 
 It lives in the trainer package because that is the one package every side has (the operator's
-image installs the same wheel); it imports nothing, so the operator pays nothing for it.
+image installs the same wheel); it imports nothing but `re`, so the operator pays nothing for it.
 """
 from __future__ import annotations
+
+import re
 
 # Exit codes of a rank, a node's launcher and the local runner.
 EXIT_OK = 0
@@ -71,6 +73,25 @@ def stop_grace(termination_grace_seconds: float) -> float:
 # spec.trainer.mlflow.experiment when unset: the trainer logs there, the operator's pods get it as
 # MLFLOW_EXPERIMENT_NAME.
 MLFLOW_DEFAULT_EXPERIMENT = "ddpjob"
+# MLflow's own variables (what plain `mlflow` calls in a user's script read). The operator (and the
+# local runner) set the URI and experiment; node 0's launcher finds or creates the job's one run
+# and sets MLFLOW_RUN_ID for every rank below it (the other nodes' launchers look it up).
+ENV_MLFLOW_TRACKING_URI = "MLFLOW_TRACKING_URI"
+ENV_MLFLOW_EXPERIMENT = "MLFLOW_EXPERIMENT_NAME"
+ENV_MLFLOW_RUN_ID = "MLFLOW_RUN_ID"
+# From the Secret spec.trainer.mlflow.credentialsSecret names (its keys: MLFLOW_SECRET_KEYS).
+ENV_MLFLOW_TOKEN = "MLFLOW_TRACKING_TOKEN"
+ENV_MLFLOW_USERNAME = "MLFLOW_TRACKING_USERNAME"
+ENV_MLFLOW_PASSWORD = "MLFLOW_TRACKING_PASSWORD"
+MLFLOW_SECRET_KEYS = {ENV_MLFLOW_TOKEN: "token", ENV_MLFLOW_USERNAME: "username", ENV_MLFLOW_PASSWORD: "password"}
+# Set when the job tracks (spec.trainer.mlflow): "required" (spec.trainer.mlflow.required: no run
+# fails the attempt) or "optional". Only then does a launcher find or create the run: an
+# MLFLOW_TRACKING_URI of the user's own (spec.env, a local shell) asks for nothing.
+ENV_MLFLOW = "DDPJOB_MLFLOW"
+ENV_MLFLOW_RUN_NAME = "DDPJOB_MLFLOW_RUN_NAME"  # spec.trainer.mlflow.runName, for the run a launcher creates
+# 1 for the job's MLflow run, on rank 0's series (labels run_id, experiment_id): how the operator
+# learns the run for status.mlflow.
+MLFLOW_RUN_INFO = "mlflow_run_info"
 
 # Every metric a rank exports starts with this; the operator's scraper keeps only these.
 METRIC_PREFIX = "ddpjob_trainer_"
@@ -81,3 +102,14 @@ def debug_dir(checkpoint_dir: str, attempt: int | str) -> str:
     on the volume every node shares and that outlives the pods; the trainer writes there, the
     operator names it in status.failures."""
     return f"{checkpoint_dir.rstrip('/')}/debug/attempt-{attempt}"
+
+
+_USERINFO = re.compile(r"\b([a-zA-Z][a-zA-Z0-9+.-]*://)[^/@\s]*@")
+
+
+def public_uri(text: str) -> str:
+    """`text` (a URI, or a message naming one) without URIs' userinfo (`https://user:pass@host` ->
+    `https://host`): what may be printed, logged as an MLflow param or shown in a status (a link
+    that still works, unlike the operator's redaction `***@`). Credentials belong in a Secret
+    (MLFLOW_TRACKING_TOKEN, ..._USERNAME/_PASSWORD), but a URI that carries them must not spread them."""
+    return _USERINFO.sub(r"\1", text)

@@ -43,6 +43,12 @@ DEFAULT_STOP_GRACE = contract.STOP_GRACE_DEFAULT
 # in uninterruptible kernel sleep cannot be reaped; waiting longer would only hang the caller).
 KILL_WAIT = contract.LAUNCHER_KILL_WAIT
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+# Finding or creating the job's MLflow run before torchrun starts: importing MLflow takes seconds on
+# a loaded node, a request at most 5 s (tracking.HTTP_DEFAULTS), and there are a few.
+MLFLOW_SECONDS = 60.0
+MLFLOW_RETRY_SECONDS = 20.0  # within it, how long node 0 tries again (a busy or restarting server)
+MLFLOW_PEER_WAIT_SECONDS = 30.0  # ... and a node other than 0 looks for node 0's run
+MLFLOW_END_SECONDS = 30.0  # ending a user's script's run that it left RUNNING
 _PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
 # A sitecustomize that frees a run's process group before interpreter finalization (why: its
@@ -491,6 +497,11 @@ def _launch(args: argparse.Namespace, node: _Node, signals: StopSignals) -> int:
             return EXIT_TRAINING_FAILED
         finally:
             node.stop_server()  # no thread may run while the child is forked (below)
+    run_id, failed = _mlflow_run(env, node_rank=node_rank, node=node, signals=signals, stages=stages)
+    if failed:
+        _say(failed)
+        _write_termination(failed)
+        return EXIT_TRAINING_FAILED
     stages.set("rendezvous")
     # The child starts before the metrics server's thread does: a fork with no other thread
     # running cannot inherit a lock that thread held.
@@ -499,6 +510,10 @@ def _launch(args: argparse.Namespace, node: _Node, signals: StopSignals) -> int:
     node.children.append(child)
     _serve(args, node, metrics_dir)
     code = _wait(child, signals)
+    if run_id and node_rank == 0 and not builtin:
+        # A user's script may never end the run the launcher made for it (the built-in trainer does).
+        _run_tracking(["end", "FINISHED" if code == 0 else "FAILED"], env, node=node, signals=signals,
+                      seconds=MLFLOW_END_SECONDS)
     bad = _rank_messages(status_dir, "bad-config")
     if bad:
         _write_termination(bad[0])
@@ -509,8 +524,66 @@ def _launch(args: argparse.Namespace, node: _Node, signals: StopSignals) -> int:
         if msg:
             _write_termination(msg)
         return code if code > 0 else EXIT_TRAINING_FAILED
+    if run_id and node_rank == 0 and not os.path.exists(result_file):
+        # A user's script writes no result: the run is the one thing node 0 knows (the local runner's summary).
+        with open(result_file, "w") as f:
+            json.dump({"mlflow_run_id": run_id}, f)
     _report_result(result_file)
     return 0
+
+
+def _run_tracking(args: list[str], env: dict[str, str], *, node: _Node, signals: StopSignals,
+                  seconds: float) -> tuple[str | None, str]:
+    """`python -m ddpjob_trainer.tracking ARGS` within `seconds`: (its stdout, None) or (None, why not).
+    A child process: MLflow's import may start threads, and torchrun is forked with none running."""
+    child = subprocess.Popen([sys.executable, "-m", "ddpjob_trainer.tracking", *args], env=env, text=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+                             preexec_fn=functools.partial(die_with_parent, os.getpid()))
+    node.children.append(child)
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            out, err = child.communicate(timeout=1.0)
+            break
+        except subprocess.TimeoutExpired:
+            signals.raise_if_stopped()
+            if time.monotonic() >= deadline:
+                os.killpg(child.pid, signal.SIGKILL)
+                child.communicate()
+                return None, f"no answer within {seconds:.0f}s"
+    if child.returncode != 0:
+        return None, (err.strip().splitlines() or [f"exit code {child.returncode}"])[-1]
+    return out, ""
+
+
+def _mlflow_run(env: dict[str, str], *, node_rank: int, node: _Node, signals: StopSignals,
+                stages: _RankStages) -> tuple[str | None, str | None]:
+    """The job's MLflow run into env[MLFLOW_RUN_ID] for every rank of this node, so that a user's
+    plain `mlflow` calls log into it (the built-in trainer resumes it): node 0 finds it by the job's
+    tag or creates it, the other nodes look it up (node 0 created it before its torchrun opened the
+    master port they waited for). Bounded; no run is a warning, unless spec.trainer.mlflow.required:
+    then (None, why the attempt fails). Nothing to do for a job that does not track (DDPJOB_MLFLOW
+    unset), or with MLFLOW_RUN_ID set (spec.env's, or the user's own shell under the local runner)."""
+    if not env.get(contract.ENV_MLFLOW) or not env.get(contract.ENV_MLFLOW_TRACKING_URI) or env.get(contract.ENV_MLFLOW_RUN_ID):
+        return None, None
+    uri = contract.public_uri(env[contract.ENV_MLFLOW_TRACKING_URI])
+    args = (["resolve", "--create", "--wait", str(MLFLOW_RETRY_SECONDS)] if node_rank == 0
+            else ["resolve", "--wait", str(MLFLOW_PEER_WAIT_SECONDS)])
+    out, why = _run_tracking(args, env, node=node, signals=signals, seconds=MLFLOW_SECONDS)
+    try:
+        found = json.loads(out or "")
+        run_id, exp_id = str(found["run_id"]), str(found["experiment_id"])
+    except (ValueError, KeyError, TypeError):
+        why = why or f"unexpected answer {out!r}"
+        if env.get(contract.ENV_MLFLOW) == "required":
+            return None, f"spec.trainer.mlflow.required: no MLflow run at {uri}: {why}"
+        _say(f"WARNING MLflow: no run at {uri} ({why}); training goes on without {contract.ENV_MLFLOW_RUN_ID}")
+        return None, None
+    env[contract.ENV_MLFLOW_RUN_ID] = run_id
+    if node_rank == 0 and stages.telemetry:
+        stages.telemetry[0].mlflow_run(run_id, exp_id)  # rank 0's series: the operator's status.mlflow
+    _say(f"MLflow run {run_id} (experiment {exp_id}) at {uri}")
+    return run_id, None
 
 
 def _report_result(path: str) -> None:

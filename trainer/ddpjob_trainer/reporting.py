@@ -8,6 +8,7 @@ import threading
 import time
 from typing import Any
 
+from . import contract
 from .config import MlflowConfig
 
 
@@ -63,12 +64,14 @@ class MlflowReporter(ConsoleReporter):
         self.tracker = tracking.Tracker(
             tracking_uri=cfg.tracking_uri, experiment=cfg.experiment, run_name=cfg.run_name,
             key=tracking.run_key(env, checkpoint_dir=checkpoint_dir),
-            tags=tracking.run_tags(env, torch_mod=torch_mod, device=device), warn=self.warning, count_drop=count)
+            tags=tracking.run_tags(env, torch_mod=torch_mod, device=device), warn=self.warning, count_drop=count,
+            run_id=env.get(contract.ENV_MLFLOW_RUN_ID) or None,
+            on_open=telemetry.mlflow_run if telemetry is not None else None)
         self._closed = self._terminating = False
         if cfg.required and (not self.tracker.ready.wait(tracking.START_SECONDS) or self.tracker.run_id is None):
             why = self.tracker.error or f"no answer within {tracking.START_SECONDS:.0f}s"
             self.close(status="FAILED")
-            raise RuntimeError(f"spec.trainer.mlflow.required: no MLflow run at {cfg.tracking_uri}: {why}")
+            raise RuntimeError(f"spec.trainer.mlflow.required: no MLflow run at {contract.public_uri(cfg.tracking_uri)}: {why}")
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self._on_sigterm)
 

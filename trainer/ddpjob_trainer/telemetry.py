@@ -137,6 +137,9 @@ class Telemetry:
             "was full), failed (the tracking server refused, timed out or erred), skipped (closing past "
             "its deadline).", names + ["reason"], registry=reg)
         self._mlflow_dropped: dict[str, Any] = {}
+        self._mlflow_run = Gauge(PREFIX + contract.MLFLOW_RUN_INFO, "1 for the job's MLflow run (rank 0 only): "
+                                 "the operator copies it into status.mlflow.", names + ["run_id", "experiment_id"],
+                                 registry=reg, multiprocess_mode="mostrecent")
         stage = Gauge(PREFIX + "stage", "1 for the stage this rank is in (" + ", ".join(STAGES) + "), "
                       "0 for the others.", names + ["stage"], registry=reg, multiprocess_mode="mostrecent")
         self._stages = {s: stage.labels(**labels, stage=s) for s in STAGES}
@@ -227,6 +230,11 @@ class Telemetry:
         if child is None:
             child = self._mlflow_dropped[reason] = self._mlflow_family.labels(**self.labels, reason=reason)
         child.inc(n)
+
+    def mlflow_run(self, run_id: str, experiment_id: str) -> None:
+        """Export which MLflow run the job logs to (rank 0: the launcher of node 0, the trainer)."""
+        if self.enabled:
+            self._mlflow_run.labels(**self.labels, run_id=run_id, experiment_id=experiment_id).set(1)
 
     def gpu_memory(self, torch_mod: Any, device: Any) -> None:
         """Record GPU memory of `device` (call every few steps, not every step)."""

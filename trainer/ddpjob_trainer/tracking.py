@@ -33,6 +33,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from . import contract
+from .contract import public_uri
 
 HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_TIMEOUT": "5", "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0",
                  "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "0"}
@@ -43,6 +44,7 @@ MODEL_SECONDS = 120.0      # ... plus this when the trained model is to be saved
 KILLED_SECONDS = 3.0       # close("KILLED"): the launcher's SIGKILL follows SIGTERM after 5 s
 REOPEN_SECONDS = (1.0, 30.0)  # no run yet: try again after 1 s, doubling up to 30 s
 WARN_EVERY_SECONDS = 60.0
+LAUNCHER_HTTP_TIMEOUT = 15  # seconds a request of the launcher's (`main`) may take: before training
 KEY_TAG = "ddpjob.key"
 PARAM_BATCH = 100          # MLflow's log_batch limit on params and tags
 METRIC_BATCH = 1000        # ... and on metrics
@@ -170,9 +172,14 @@ class Tracker:
 
     def __init__(self, *, tracking_uri: str, experiment: str, run_name: str | None, key: str | None,
                  tags: dict[str, str], warn: Callable[[str], None], count_drop: Callable[[str], None],
-                 client_factory: Callable[[str], Any] | None = None, queue_size: int = QUEUE_SIZE) -> None:
+                 client_factory: Callable[[str], Any] | None = None, queue_size: int = QUEUE_SIZE,
+                 run_id: str | None = None, on_open: Callable[[str, str], None] | None = None) -> None:
         self.tracking_uri, self.experiment, self.run_name, self.key = tracking_uri, experiment, run_name, key
+        self.shown_uri = public_uri(tracking_uri)  # in warnings: never a URI's credentials
+        self.given_run_id = run_id       # MLFLOW_RUN_ID (the launcher's): the run to resume, if the server has it
+        self._on_open = on_open          # (run id, experiment id) once the run is open
         self.run_id: str | None = None
+        self.experiment_id: str | None = None
         self.error: str | None = None    # why there is no run (after `ready`)
         self.ready = threading.Event()   # the first try to open the run is over (run_id: its outcome)
         self._closing = threading.Event()  # close() was called: stop trying to open the run
@@ -191,7 +198,7 @@ class Tracker:
     # --- on the caller's thread: never waits for the server --------------------------------------
     def params(self, params: Mapping[str, Any]) -> None:
         """Log params once per run (the first attempt that finds the run without them)."""
-        flat = flatten_params(params)
+        flat = {k: public_uri(v) for k, v in flatten_params(params).items()}
         self._calls.submit(lambda: self._log_params(flat))
 
     def metrics(self, metrics: Mapping[str, float], *, step: int) -> None:
@@ -214,7 +221,7 @@ class Tracker:
         lost = self._counts["queue_full"] + self._counts["failed"] + self._counts["skipped"]
         if not ok:
             self._warn(f"MLflow: the run was not ended {status} within {seconds:.0f}s "
-                       f"(tracking server {self.tracking_uri} slow or unreachable); it may stay RUNNING")
+                       f"(tracking server {self.shown_uri} slow or unreachable); it may stay RUNNING")
         elif lost:
             self._warn(f"MLflow: {lost} call(s) were not logged ({self._counts})")
         return ok
@@ -230,15 +237,15 @@ class Tracker:
         if reason == "queue_full" and now - self._last_warning["queue_full"] >= WARN_EVERY_SECONDS:
             self._last_warning["queue_full"] = now
             self._warn(f"MLflow: the tracking queue is full ({self._counts['queue_full']} call(s) dropped so "
-                       f"far; tracking server {self.tracking_uri} slow or unreachable); training goes on")
+                       f"far; tracking server {self.shown_uri} slow or unreachable); training goes on")
 
     def _failed(self, exc: BaseException) -> None:
         self._dropped("failed")
         now = time.monotonic()
         if now - self._last_warning["failed"] >= WARN_EVERY_SECONDS:
             self._last_warning["failed"] = now
-            self._warn(f"MLflow: a call to {self.tracking_uri} failed ({self._counts['failed']} so far): "
-                       f"{type(exc).__name__}: {str(exc)[:300]}")
+            self._warn(f"MLflow: a call to {self.shown_uri} failed ({self._counts['failed']} so far): "
+                       f"{type(exc).__name__}: {public_uri(str(exc))[:300]}")
 
     # --- on the worker thread --------------------------------------------------------------------
     def _open(self, tags: dict[str, str]) -> None:
@@ -254,38 +261,23 @@ class Tracker:
         first = not self.ready.is_set()
         try:
             client = self._client_factory(self.tracking_uri)
-            exp = client.get_experiment_by_name(self.experiment)
-            if exp is None:
-                try:
-                    exp_id = client.create_experiment(self.experiment)
-                except Exception:  # another job created it meanwhile
-                    exp = client.get_experiment_by_name(self.experiment)
-                    if exp is None:
-                        raise
-                    exp_id = exp.experiment_id
-            else:
-                exp_id = exp.experiment_id
-            found = []
-            if self.key:
-                found = client.search_runs([exp_id], filter_string=f"tags.`{KEY_TAG}` = '{self.key}'",
-                                           max_results=1, order_by=["attributes.start_time ASC"])
-            if found:
-                run = found[0]
-                self._has_params = bool(run.data.params)
-                if run.info.status != "RUNNING":
-                    client.update_run(run.info.run_id, status="RUNNING")
-            else:
-                run = client.create_run(exp_id, run_name=self.run_name,
-                                        tags={KEY_TAG: self.key} if self.key else None)
+            run = find_run(client, experiment=self.experiment, key=self.key, run_id=self.given_run_id,
+                           run_name=self.run_name, create=True)
+            self._has_params = bool(run.data.params)
+            if run.info.status != "RUNNING":
+                client.update_run(run.info.run_id, status="RUNNING")
             _log_batched(client, run.info.run_id, tags=tags)
             self._client, self.run_id, self.error = client, run.info.run_id, None
+            self.experiment_id = run.info.experiment_id
+            if self._on_open is not None:
+                self._on_open(self.run_id, self.experiment_id)
             if not first:
-                self._warn(f"MLflow: run {self.run_id} open at {self.tracking_uri} after all")
+                self._warn(f"MLflow: run {self.run_id} open at {self.shown_uri} after all")
             return True
         except Exception as exc:  # noqa: BLE001 - reported, and training goes on (unless required)
-            self.error = f"{type(exc).__name__}: {str(exc)[:500]}"
+            self.error = f"{type(exc).__name__}: {public_uri(str(exc))[:500]}"
             if first:
-                self._warn(f"MLflow: no run at {self.tracking_uri} (experiment {self.experiment!r}): "
+                self._warn(f"MLflow: no run at {self.shown_uri} (experiment {self.experiment!r}): "
                            f"{self.error}; training goes on, the calls queue up while it tries again")
             return False
         finally:
@@ -331,6 +323,80 @@ class Tracker:
                 self._client.set_terminated(self.run_id, status=status)
 
 
+def experiment_id(client: Any, name: str) -> str:
+    """The id of experiment `name`, created when absent (another job may create it meanwhile)."""
+    exp = client.get_experiment_by_name(name)
+    if exp is not None:
+        return str(exp.experiment_id)
+    try:
+        return str(client.create_experiment(name))
+    except Exception:
+        exp = client.get_experiment_by_name(name)
+        if exp is None:
+            raise
+        return str(exp.experiment_id)
+
+
+def find_run(client: Any, *, experiment: str, key: str | None, run_id: str | None = None,
+             run_name: str | None = None, create: bool = False, tags: Mapping[str, str] | None = None) -> Any:
+    """The job's one run: `run_id` when the server has it (MLFLOW_RUN_ID), else the oldest run of
+    `experiment` tagged `ddpjob.key` = `key`, else (with `create`) a new one with that tag and `tags`;
+    None when there is none and `create` is off."""
+    if run_id:
+        try:
+            return client.get_run(run_id)
+        except Exception as exc:
+            if getattr(exc, "error_code", "") != "RESOURCE_DOES_NOT_EXIST":
+                raise  # unreachable or refusing: not a reason for a second run
+    exp_id = experiment_id(client, experiment)
+    if key:
+        found = client.search_runs([exp_id], filter_string=f"tags.`{KEY_TAG}` = '{key}'",
+                                   max_results=1, order_by=["attributes.start_time ASC"])
+        if found:
+            return found[0]
+    if not create:
+        return None
+    return client.create_run(exp_id, run_name=run_name,
+                             tags={**(tags or {}), **({KEY_TAG: key} if key else {})} or None)
+
+
+def resolve(env: Mapping[str, str], *, create: bool, wait: float = 0.0, interval: float = 1.0,
+            client_factory: Callable[[str], Any] | None = None) -> tuple[str, str]:
+    """(run id, experiment id) of the job's run for a launcher, from the pod's env (MLflow's
+    variables, DDPJOB_UID): node 0 finds or creates it, the other nodes only look it up. Tries
+    again for `wait` seconds (node 0 may still be creating it; a busy server may time out), then
+    raises the last reason."""
+    uri = env[contract.ENV_MLFLOW_TRACKING_URI]
+    experiment = env.get(contract.ENV_MLFLOW_EXPERIMENT) or contract.MLFLOW_DEFAULT_EXPERIMENT
+    key = run_key(env)
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            client = (client_factory or _mlflow_client)(uri)
+            run = find_run(client, experiment=experiment, key=key, run_id=env.get(contract.ENV_MLFLOW_RUN_ID),
+                           run_name=env.get(contract.ENV_MLFLOW_RUN_NAME) or None, create=create,
+                           tags=run_tags(env))
+            if run is not None:
+                return str(run.info.run_id), str(run.info.experiment_id)
+            why: Exception = LookupError(f"no run tagged {KEY_TAG}={key} in experiment {experiment!r} at {public_uri(uri)}")
+        except Exception as exc:  # noqa: BLE001 - tried again until the deadline, then raised
+            why = exc
+        if time.monotonic() >= deadline:
+            raise why
+        time.sleep(interval)
+
+
+def end_if_running(env: Mapping[str, str], status: str, *, client_factory: Callable[[str], Any] | None = None) -> bool:
+    """End the run MLFLOW_RUN_ID with `status` unless something ended it already (a user's script
+    that ran `mlflow.end_run()`); True when this call ended it."""
+    client = (client_factory or _mlflow_client)(env[contract.ENV_MLFLOW_TRACKING_URI])
+    run = client.get_run(env[contract.ENV_MLFLOW_RUN_ID])
+    if run.info.status != "RUNNING":
+        return False
+    client.set_terminated(run.info.run_id, status=status)
+    return True
+
+
 def _log_batched(client: Any, run_id: str, *, params: Mapping[str, str] | None = None,
                  tags: Mapping[str, str] | None = None) -> None:
     """log_batch within MLflow's limits (100 params or tags a request)."""
@@ -351,3 +417,38 @@ def _mlflow_client(tracking_uri: str) -> Any:
     from mlflow.tracking import MlflowClient
 
     return MlflowClient(tracking_uri=tracking_uri)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m ddpjob_trainer.tracking resolve [--create] [--wait S]`: print the job's run as JSON
+    ({"run_id", "experiment_id"}); `end STATUS`: end MLFLOW_RUN_ID if still RUNNING. The launcher
+    runs this in a child process (MLflow's import may start threads, and the launcher forks torchrun
+    with none running) under a deadline of its own. Exit 1 with the reason on stderr."""
+    import argparse
+    import json
+    import sys
+
+    p = argparse.ArgumentParser(prog="python -m ddpjob_trainer.tracking")
+    sub = p.add_subparsers(dest="what", required=True)
+    r = sub.add_parser("resolve")
+    r.add_argument("--create", action="store_true")
+    r.add_argument("--wait", type=float, default=0.0)
+    e = sub.add_parser("end")
+    e.add_argument("status", choices=["FINISHED", "FAILED", "KILLED"])
+    args = p.parse_args(argv)
+    # Nothing trains yet (or any more): a busy server may take longer than a step may wait.
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", str(LAUNCHER_HTTP_TIMEOUT))
+    try:
+        if args.what == "end":
+            print(json.dumps({"ended": end_if_running(os.environ, args.status)}))
+        else:
+            run_id, exp_id = resolve(os.environ, create=args.create, wait=args.wait)
+            print(json.dumps({"run_id": run_id, "experiment_id": exp_id}))
+    except Exception as exc:  # noqa: BLE001 - the launcher decides what a missing run means
+        print(f"{type(exc).__name__}: {public_uri(str(exc))[:500]}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
