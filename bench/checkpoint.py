@@ -42,7 +42,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from stats import git_head, ratio_interval  # noqa: E402
 
-from ddpjob_trainer.checkpoint import IO_THREADS, MANIFEST, Checkpointer  # noqa: E402
+from ddpjob_trainer.checkpointing.checkpoint import IO_THREADS, MANIFEST, Checkpointer  # noqa: E402
 from ddpjob_trainer.models import build_model  # noqa: E402
 from ddpjob_trainer.reporting import NullReporter  # noqa: E402
 

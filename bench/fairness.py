@@ -42,8 +42,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import operator_scale as osc  # also puts the repo root on sys.path
 from kubernetes import client
 
-from ddpjob_operator import labels
-from ddpjob_operator.k8s import K8s
+from ddpjob_operator.api import labels
+from ddpjob_operator.cluster.k8s import K8s
 from tests.support.cluster import (create_namespace, delete_namespace, ensure_cluster,
                                    set_pod_exit, wait_crd_established, wait_for)
 

@@ -47,7 +47,7 @@ from kubernetes import client  # noqa: E402
 from kubernetes.client.rest import ApiException  # noqa: E402
 
 import kubeflow_peer  # noqa: E402
-from ddpjob_operator.k8s import K8s  # noqa: E402
+from ddpjob_operator.cluster.k8s import K8s  # noqa: E402
 from tests.support.cluster import (create_namespace, delete_namespace, ensure_cluster,  # noqa: E402
                                    wait_crd_established, wait_for)
 

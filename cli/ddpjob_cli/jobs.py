@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import click
 
-from ddpjob_operator.phases import Phase
+from ddpjob_operator.api.phases import Phase
 
 from . import views
 from .kube import CliError, Kube
@@ -339,8 +339,8 @@ def top(kube: Kube, name: str, once: bool, interval: float, live: bool, output: 
 
 def _live_samples(kube: Kube, job: dict[str, Any], pods: list[dict[str, Any]]) -> tuple[dict[int, Any], list[str]]:
     """({global rank: RankSample}, notes on pods not read) from the running pods of the current attempt."""
-    from ddpjob_operator.scrape import merge, parse_metrics
-    from ddpjob_operator.spec import from_manifest
+    from ddpjob_operator.cluster.scrape import merge, parse_metrics
+    from ddpjob_operator.api.spec import from_manifest
 
     port = from_manifest(job).metrics_port
     parts, notes = [], []

@@ -15,11 +15,11 @@ from typing import Any, Iterator
 from kubernetes import client, config as kconfig
 from urllib3.exceptions import HTTPError
 
-from ddpjob_operator import labels
-from ddpjob_operator.k8s import child_path
-from ddpjob_operator.podinfo import is_simulated_node
-from ddpjob_operator.scrape import MAX_BODY_BYTES
-from ddpjob_operator.spec import API_VERSION, PLURAL
+from ddpjob_operator.api import labels
+from ddpjob_operator.cluster.k8s import child_path
+from ddpjob_operator.api.podinfo import is_simulated_node
+from ddpjob_operator.cluster.scrape import MAX_BODY_BYTES
+from ddpjob_operator.api.spec import API_VERSION, PLURAL
 
 from .views import api_error, missing_object
 

@@ -50,9 +50,9 @@ from ddpjob_trainer.launch import (
     stop_tree,
 )
 
-from ddpjob_operator import envvars, pods
-from ddpjob_operator.phases import Phase
-from ddpjob_operator.spec import JobSpec, from_manifest
+from ddpjob_operator.builders import envvars, pods
+from ddpjob_operator.api.phases import Phase
+from ddpjob_operator.api.spec import JobSpec, from_manifest
 
 from .localpolicy import Tally, after_failure, next_tally
 
@@ -79,7 +79,7 @@ def validate(obj: dict[str, Any]) -> JobSpec:
     """The same schema and rules as the API server, plus the trainer config; raise naming the field."""
     from ddpjob_trainer.config import parse_config
 
-    from ddpjob_operator.validation import apply_defaults, validate_manifest
+    from ddpjob_operator.api.validation import apply_defaults, validate_manifest
 
     obj.setdefault("metadata", {}).setdefault("name", "local")
     errors = validate_manifest(obj)
@@ -276,7 +276,7 @@ class Display:
     """Progress bar on a terminal, periodic lines otherwise; warnings above the bar."""
 
     def __init__(self, *, enabled: bool, job: JobSpec) -> None:
-        from ddpjob_operator.health import HealthTracker
+        from ddpjob_operator.decisions.health import HealthTracker
 
         self.enabled = enabled
         self.tty = enabled and sys.stderr.isatty()
@@ -295,8 +295,8 @@ class Display:
 
     def update(self, ports: list[int]) -> None:
         """Scrape every node once and redraw."""
-        from ddpjob_operator.progress import compute_progress
-        from ddpjob_operator.scrape import merge, parse_metrics
+        from ddpjob_operator.decisions.progress import compute_progress
+        from ddpjob_operator.cluster.scrape import merge, parse_metrics
 
         parts = []
         for port in ports:

@@ -7,11 +7,11 @@ from __future__ import annotations
 import datetime as dt
 from dataclasses import dataclass
 
-from ddpjob_operator import labels
-from ddpjob_operator.envvars import pod_hostname
-from ddpjob_operator.lifecycle import Decision, decide
-from ddpjob_operator.phases import Phase
-from ddpjob_operator.spec import JobSpec
+from ddpjob_operator.api import labels
+from ddpjob_operator.builders.envvars import pod_hostname
+from ddpjob_operator.decisions.lifecycle import Decision, decide
+from ddpjob_operator.api.phases import Phase
+from ddpjob_operator.api.spec import JobSpec
 
 
 @dataclass(frozen=True)

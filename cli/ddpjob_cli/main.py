@@ -5,7 +5,7 @@ import sys
 
 import click
 
-from ddpjob_operator.config import LOG_FORMATS, LOG_LEVELS, OperatorConfig
+from ddpjob_operator.api.config import LOG_FORMATS, LOG_LEVELS, OperatorConfig
 
 # The flags' defaults are OperatorConfig's: one place (the chart's values.yaml is checked against it).
 _OP = OperatorConfig()
@@ -50,7 +50,7 @@ def run(file, local, summary_json, metrics_port_base, workdir, no_progress) -> N
 @click.option("--namespace", "-n", default=None, help="Namespace when the file names none.")
 def render(file, namespace) -> None:
     """Print the Service and Pods the operator would create for FILE (YAML)."""
-    from ddpjob_operator.render import render_file
+    from ddpjob_operator.builders.render import render_file
 
     click.echo(render_file(file, namespace=namespace), nl=False)
 
@@ -80,7 +80,7 @@ def render(file, namespace) -> None:
               show_default=True, help="json: one object per line (time, level, logger, message).")
 def operator(namespaces, all_namespaces, **opts) -> None:
     """Run the operator against the current kubeconfig (or in-cluster config)."""
-    from ddpjob_operator.operator_main import run_operator
+    from ddpjob_operator.app.operator_main import run_operator
 
     namespaces = tuple(n for ns in namespaces for n in ns.split(",") if n)
     if not namespaces and not all_namespaces:

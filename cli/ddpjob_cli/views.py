@@ -2,7 +2,7 @@
 
 Each takes DDPJob, pod and event objects as the API serves them (plain dicts, camelCase) and
 returns plain data or text; `kube.py` does the I/O and `jobs.py` the click commands. The names
-of phases, conditions and labels are the operator's (`ddpjob_operator.phases`, `.health`,
+of phases, conditions and labels are the operator's (`ddpjob_operator.api.phases`, `.health`,
 `.labels`), read from there.
 """
 from __future__ import annotations
@@ -13,14 +13,14 @@ import re
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
-from ddpjob_operator import objmeta, podinfo
+from ddpjob_operator.api import objmeta, podinfo
 from ddpjob_trainer.contract import MLFLOW_DEFAULT_EXPERIMENT, public_uri
-from ddpjob_operator.health import STALLED, STRAGGLER
-from ddpjob_operator.phases import Phase
-from ddpjob_operator.progress import human_duration
-from ddpjob_operator.scrape import RankSample
-from ddpjob_operator.spec import KIND, PLURAL, from_manifest
-from ddpjob_operator.status import UNAVAILABLE
+from ddpjob_operator.decisions.health import STALLED, STRAGGLER
+from ddpjob_operator.api.phases import Phase
+from ddpjob_operator.decisions.progress import human_duration
+from ddpjob_operator.cluster.scrape import RankSample
+from ddpjob_operator.api.spec import KIND, PLURAL, from_manifest
+from ddpjob_operator.decisions.status import UNAVAILABLE
 
 Row = list[str]
 NONE = "-"

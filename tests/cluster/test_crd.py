@@ -6,7 +6,7 @@ import json
 import pytest
 import yaml
 
-from ddpjob_operator.crd import crd_path
+from ddpjob_operator.api.crd import crd_path
 from tests.cluster.conftest import wait_for
 from tests.support.cluster import wait_crd_established
 
@@ -95,7 +95,7 @@ def test_invalid_spec_refused_naming_the_field(crd, namespace, name, spec, field
     assert proc.returncode != 0, f"accepted: {spec}"
     assert field in proc.stderr, proc.stderr
     # The local validator (same CRD file) agrees and names the same field.
-    from ddpjob_operator.validation import validate_manifest
+    from ddpjob_operator.api.validation import validate_manifest
     assert any(field in p for p in validate_manifest(manifest(name, **spec)))
 
 
@@ -223,9 +223,9 @@ def test_env_names_accepted_exactly_when_a_pod_accepts_them(crd, namespace, env_
 def test_full_pod_level_spec_accepted_and_its_pods_too(crd, namespace):
     """A DDPJob using every pod-level field is stored as written, and the pods the operator renders
     from it pass the API server's Pod validation (the two schemas agree on valid input)."""
-    from ddpjob_operator.pods import render_pod
-    from ddpjob_operator.service import render_service
-    from ddpjob_operator.spec import from_manifest
+    from ddpjob_operator.builders.pods import render_pod
+    from ddpjob_operator.builders.service import render_service
+    from ddpjob_operator.api.spec import from_manifest
 
     spec = {
         "env": [{"name": "TOKEN", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k", "optional": True}}}],
@@ -264,8 +264,8 @@ def test_full_pod_level_spec_accepted_and_its_pods_too(crd, namespace):
 def test_an_rdma_job_is_stored_defaulted_and_its_pods_pass_pod_validation(crd, namespace):
     """spec.rdma under the real schema (devicesPerNode defaults to 1), and the pods it renders (the
     device as request = limit, IPC_LOCK added to the dropped ALL) are Pods this API server accepts."""
-    from ddpjob_operator.pods import render_pod
-    from ddpjob_operator.spec import from_manifest
+    from ddpjob_operator.builders.pods import render_pod
+    from ddpjob_operator.api.spec import from_manifest
 
     proc = apply(crd, namespace, manifest("rdma", gpusPerNode=8, rdma={"resource": "rdma/ib"},
                                           resources={"requests": {"rdma/ib": "1", "cpu": "4"}}))
@@ -308,8 +308,8 @@ TEMPLATE = {
 def test_a_template_is_stored_as_written_and_its_pods_pass_pod_validation(crd, namespace):
     """spec.template under the real schema: nothing pruned, and the pods merge_template makes from
     it (with flat fields on top) are Pods this API server accepts."""
-    from ddpjob_operator.pods import render_pod
-    from ddpjob_operator.spec import from_manifest
+    from ddpjob_operator.builders.pods import render_pod
+    from ddpjob_operator.api.spec import from_manifest
 
     obj = manifest("templated", gpusPerNode=0, env=[{"name": "A", "value": "1"}],
                    volumes=[{"name": "ckpt", "emptyDir": {}}], volumeMounts=[{"name": "ckpt", "mountPath": "/ckpt"}],
@@ -328,8 +328,8 @@ def test_a_template_is_stored_as_written_and_its_pods_pass_pod_validation(crd, n
 def test_a_clash_with_the_operators_port_is_refused_at_pod_creation_naming_the_template_field(crd, namespace):
     """A port of the trainer named master is the one clash the CRD cannot afford to check (CEL
     cost): the Pod's validation refuses it, and explain_pod_error names the DDPJob field."""
-    from ddpjob_operator.pods import explain_pod_error, render_pod
-    from ddpjob_operator.spec import from_manifest
+    from ddpjob_operator.builders.pods import explain_pod_error, render_pod
+    from ddpjob_operator.api.spec import from_manifest
 
     job = from_manifest(manifest("clash", template={"spec": {"containers": [
         {"name": "trainer", "ports": [{"name": "master", "containerPort": 1234}]}]}}))

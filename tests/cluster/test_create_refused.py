@@ -11,9 +11,9 @@ import yaml
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 
-from ddpjob_operator.pods import render_pod
-from ddpjob_operator.spec import from_manifest
-from ddpjob_operator.status import create_refused, job_status, refusal
+from ddpjob_operator.builders.pods import render_pod
+from ddpjob_operator.api.spec import from_manifest
+from ddpjob_operator.decisions.status import create_refused, job_status, refusal
 from tests.cluster.conftest import wait_for
 from tests.cluster.test_crd import install_crd, manifest
 

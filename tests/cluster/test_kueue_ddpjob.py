@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from ddpjob_operator import kueue
+from ddpjob_operator.builders import kueue
 from tests.cluster.test_kueue import delete_queues, kueue_namespace, make_queues
 from tests.cluster.test_operator import crd, k8s, running, start_operator  # noqa: F401  (fixtures)
 from tests.support.cluster import delete_namespace, set_pod_exit, wait_for

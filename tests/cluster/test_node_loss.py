@@ -14,7 +14,7 @@ import pytest
 import yaml
 from kubernetes.client.rest import ApiException
 
-from ddpjob_operator import controller
+from ddpjob_operator.app import controller
 from tests.cluster.conftest import wait_for
 from tests.cluster.test_operator import crd, k8s, start_operator  # noqa: F401  (fixtures)
 

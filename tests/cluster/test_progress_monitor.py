@@ -8,8 +8,8 @@ import threading
 
 import pytest
 
-from ddpjob_operator.config import OperatorConfig
-from ddpjob_operator.monitor import Monitor, scrape_url
+from ddpjob_operator.api.config import OperatorConfig
+from ddpjob_operator.cluster.monitor import Monitor, scrape_url
 
 
 def exposition(step: int, rank: int) -> bytes:
@@ -97,7 +97,7 @@ def run(coro, timeout=20):
 def test_hung_pod_does_not_hold_up_the_others_and_stall_events_are_transitions(endpoints, monkeypatch):
     now = [1000.0]
     ports = {f"j-{e.rank}": e.port for e in endpoints}
-    monkeypatch.setattr("ddpjob_operator.monitor.scrape_url",
+    monkeypatch.setattr("ddpjob_operator.cluster.monitor.scrape_url",
                         lambda template, *, pod, **kw: f"http://127.0.0.1:{ports[pod['metadata']['name']]}/metrics")
     m = Monitor(OperatorConfig(), timeout=1.0, clock=lambda: now[0])
     pods = [pod(0), pod(1), pod(2, phase="Pending"), pod(0, attempt=0, deleting=True)]
@@ -138,7 +138,7 @@ def test_hung_pod_does_not_hold_up_the_others_and_stall_events_are_transitions(e
 
 def test_restart_of_the_operator_keeps_a_reported_stall(endpoints, monkeypatch):
     ports = {f"j-{e.rank}": e.port for e in endpoints}
-    monkeypatch.setattr("ddpjob_operator.monitor.scrape_url",
+    monkeypatch.setattr("ddpjob_operator.cluster.monitor.scrape_url",
                         lambda template, *, pod, **kw: f"http://127.0.0.1:{ports[pod['metadata']['name']]}/metrics")
     body = {**job(), "status": {"conditions": [{"type": "Stalled", "status": "True", "reason": "NoProgress",
                                                 "message": "old", "lastTransitionTime": "2026-01-01T00:00:00Z"}]}}
@@ -149,7 +149,7 @@ def test_restart_of_the_operator_keeps_a_reported_stall(endpoints, monkeypatch):
 
 def test_group_restart_starts_the_hang_clock_afresh(endpoints, monkeypatch):
     ports = {f"j-{e.rank}": e.port for e in endpoints}
-    monkeypatch.setattr("ddpjob_operator.monitor.scrape_url",
+    monkeypatch.setattr("ddpjob_operator.cluster.monitor.scrape_url",
                         lambda template, *, pod, **kw: f"http://127.0.0.1:{ports[pod['metadata']['name']]}/metrics")
     now = [0.0]
     m = Monitor(OperatorConfig(), timeout=1.0, clock=lambda: now[0])

@@ -71,7 +71,7 @@ def test_every_trainer_metric_queried_is_exported(exported):
 def test_every_operator_metric_queried_is_exported():
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from ddpjob_operator.operator_metrics import OperatorMetrics
+    from ddpjob_operator.app.operator_metrics import OperatorMetrics
 
     m = OperatorMetrics(CollectorRegistry(), namespaces=["ns"])
     m.record_pass(("ns", "j"), prev_status={}, status={"phase": "Failed", "reason": "PodFailed"}, hang_timeout=60)

@@ -3,7 +3,7 @@ chart's PodMonitor (tests/realpods/promkit.py translates `helm template` output 
 prometheus-operator does), labels a trainer's series with the namespace, job and node rank of the
 pod it scraped, not with what the pod's env made the trainer report.
 
-Two pods rendered by the operator's own builder (ddpjob_operator.pods.render_pod) live on the
+Two pods rendered by the operator's own builder (ddpjob_operator.builders.pods.render_pod) live on the
 control plane: "theirs" in one namespace, honest, and "mine" in another, whose spec.env sets
 DDPJOB_NAMESPACE/DDPJOB_NAME/NODE_RANK to theirs. Each pod's container is stood in for by a
 local process running the trainer's real telemetry (Telemetry.from_env) with that container's env;
@@ -20,7 +20,7 @@ import textwrap
 import pytest
 from kubernetes import client
 
-from ddpjob_operator.pods import render_pod
+from ddpjob_operator.builders.pods import render_pod
 from tests.e2e.test_prometheus import Prometheus, ensure_prometheus
 from tests.realpods.promkit import LOOPBACK_ADDRESS, PodDiscovery, chart_scrape_configs, targets_report
 from tests.support.builders import make_job

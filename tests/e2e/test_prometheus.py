@@ -176,7 +176,7 @@ def operator_exporter(hang_timeout: float | None = None):
     them, as an in-cluster operator would export it; yields the port."""
     from prometheus_client import CollectorRegistry, start_http_server
 
-    from ddpjob_operator.operator_metrics import OperatorMetrics
+    from ddpjob_operator.app.operator_metrics import OperatorMetrics
 
     registry = CollectorRegistry()
     OperatorMetrics(registry).record_pass((NAMESPACE, JOB), prev_status={}, status={"phase": "Running"},

@@ -20,9 +20,9 @@ GONE_WITHIN = 20
 def training_pod(namespace: str, name: str) -> dict:
     """The pod the operator renders for node 0 of a 1-node x 2-process digits job (the master is
     the pod itself, on loopback), placed on a real node."""
-    from ddpjob_operator.config import OperatorConfig
+    from ddpjob_operator.api.config import OperatorConfig
     from ddpjob_cli.local import validate
-    from ddpjob_operator.render import render_pod
+    from ddpjob_operator.builders.render import render_pod
 
     job = validate({"apiVersion": "ddpjob.dev/v1alpha1", "kind": "DDPJob",
                     "metadata": {"name": name, "namespace": namespace},

@@ -11,8 +11,8 @@ import copy
 import datetime as dt
 from typing import Any
 
-from ddpjob_operator import labels
-from ddpjob_operator.spec import API_VERSION, KIND, JobSpec, from_manifest
+from ddpjob_operator.api import labels
+from ddpjob_operator.api.spec import API_VERSION, KIND, JobSpec, from_manifest
 
 NOW = dt.datetime(2026, 11, 22, 12, 0, 0, tzinfo=dt.timezone.utc)
 

@@ -53,7 +53,7 @@ def single_process_eval(ckpt_dir: Path, trainer: dict) -> tuple[float, float, in
     import torch
     import torch.nn.functional as F
 
-    from ddpjob_trainer.checkpoint import load_shared_state
+    from ddpjob_trainer.checkpointing.checkpoint import load_shared_state
     from ddpjob_trainer.config import parse_config
     from ddpjob_trainer.data import build_data
     from ddpjob_trainer.models import build_model

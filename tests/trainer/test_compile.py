@@ -1,7 +1,7 @@
 """spec.trainer.compile compiles the model for real, and its checkpoints stay those of the plain model."""
 from __future__ import annotations
 
-from ddpjob_trainer.checkpoint import load_shared_state
+from ddpjob_trainer.checkpointing.checkpoint import load_shared_state
 
 from .helpers import run_trainer
 

@@ -41,7 +41,7 @@ def start_pod_launcher(tmp_path, *, metrics_port: int, as_pid1: bool = True, eve
     from the operator's own pod env, the launcher's grace as the operator derives it), as PID 1
     of a PID namespace when `as_pid1` and allowed; returns (process, pid to signal, work dir)."""
     from ddpjob_cli.local import free_port, node_command, node_env, validate
-    from ddpjob_operator.envvars import stop_grace_seconds
+    from ddpjob_operator.builders.envvars import stop_grace_seconds
 
     work = tmp_path / "w"
     job = validate({"apiVersion": "ddpjob.dev/v1alpha1", "kind": "DDPJob", "metadata": {"name": "podstop"},
@@ -110,7 +110,7 @@ def test_the_launcher_reaps_workers_orphaned_by_a_dead_agent(tmp_path):
 
 
 def complete_checkpoints(ckpt: Path) -> list[int]:
-    from ddpjob_trainer.checkpoint import MANIFEST
+    from ddpjob_trainer.checkpointing.checkpoint import MANIFEST
     return sorted(int(p.name.split("-")[1]) for p in ckpt.glob("step-*") if (p / MANIFEST).is_file())
 
 
@@ -120,7 +120,7 @@ def test_a_stopped_pod_saves_a_checkpoint_mid_epoch(tmp_path):
     complete checkpoint the next attempt loads (its resume in a pod: tests/realpods/test_pod_stop),
     and end 143. Checkpoints only at epoch ends (everySteps 0), steps slowed a little so the
     signal lands well inside epoch 1."""
-    from ddpjob_trainer.checkpoint import load_shared_state, verify
+    from ddpjob_trainer.checkpointing.checkpoint import load_shared_state, verify
 
     port = free_ports(1)[0]
     proc, target, work = start_pod_launcher(tmp_path, metrics_port=port, every_steps=0,

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddpjob_trainer.checkpoint import load_shared_state
+from ddpjob_trainer.checkpointing.checkpoint import load_shared_state
 
 from .helpers import run_local, run_trainer, single_process_eval, write_job
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 import asyncio
 import threading
 
-from ddpjob_operator import labels
-from ddpjob_operator.cache import Informer, Store, pod_informers
+from ddpjob_operator.api import labels
+from ddpjob_operator.cluster.cache import Informer, Store, pod_informers
 from tests.support.builders import make_pod
 
 

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from ddpjob_operator import crd
-from ddpjob_operator.phases import Phase
+from ddpjob_operator.api import crd
+from ddpjob_operator.api.phases import Phase
 
 
 @pytest.fixture(scope="module")

@@ -137,8 +137,8 @@ def test_operator_image_environment_runs_the_operator(tmp_path):
         import importlib.util, sys
         for heavy in ("torch", "numpy", "sklearn", "torchvision"):
             assert importlib.util.find_spec(heavy) is None, heavy + " must not be in the operator image"
-        import ddpjob_operator.operator_main, ddpjob_operator.handlers, ddpjob_operator.render
-        import ddpjob_operator.monitor
+        import ddpjob_operator.app.operator_main, ddpjob_operator.app.handlers, ddpjob_operator.builders.render
+        import ddpjob_operator.cluster.monitor
         """)], capture_output=True, text=True, timeout=120)
     assert probe.returncode == 0, probe.stderr[-3000:]
     ddpjob = str(venv / "bin" / "ddpjob")

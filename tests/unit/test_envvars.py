@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from ddpjob_operator.envvars import env_dict, master_dns, nccl_env, pod_env
-from ddpjob_operator.spec import resolve_nproc
+from ddpjob_operator.builders.envvars import env_dict, master_dns, nccl_env, pod_env
+from ddpjob_operator.api.spec import resolve_nproc
 from tests.support.builders import make_job
 
 
@@ -121,7 +121,7 @@ def test_every_pod_gets_the_jobs_uid_and_mlflows_own_variables_from_trainer_mlfl
     ({"spec": {"terminationGracePeriodSeconds": 0}}, 0.0),
 ])
 def test_the_launchers_stop_grace_follows_the_pods_termination_grace_period(template, grace):
-    from ddpjob_operator.pods import render_pod
+    from ddpjob_operator.builders.pods import render_pod
 
     spec = {"template": template} if template else {}
     pod = render_pod(make_job("j", **spec), 0)
@@ -132,7 +132,7 @@ def test_the_launchers_stop_grace_follows_the_pods_termination_grace_period(temp
 
 
 def test_a_stop_grace_in_spec_env_wins_and_a_local_run_keeps_the_launchers_default():
-    from ddpjob_operator.pods import render_pod
+    from ddpjob_operator.builders.pods import render_pod
 
     pod = render_pod(make_job("j", env=[{"name": "DDPJOB_STOP_GRACE_SECONDS", "value": "2"}]), 0)
     env = pod["spec"]["containers"][0]["env"]

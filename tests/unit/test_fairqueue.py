@@ -5,7 +5,7 @@ import asyncio
 
 import pytest
 
-from ddpjob_operator.fairqueue import FairSlots
+from ddpjob_operator.cluster.fairqueue import FairSlots
 from tests.support.builders import make_pod
 
 
@@ -105,7 +105,7 @@ def test_the_k8s_facade_queues_requests_per_job():
     queued pod creations after at most one of them."""
     import time
 
-    from ddpjob_operator.k8s import K8s
+    from ddpjob_operator.cluster.k8s import K8s
 
     k8s = K8s(api=object(), workers=1)
     made: list[str] = []

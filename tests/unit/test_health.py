@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from ddpjob_operator.health import STALLED, STRAGGLER, HealthTracker
-from ddpjob_operator.scrape import RankSample
+from ddpjob_operator.decisions.health import STALLED, STRAGGLER, HealthTracker
+from ddpjob_operator.cluster.scrape import RankSample
 
 
 class Job:

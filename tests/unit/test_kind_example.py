@@ -46,7 +46,7 @@ def test_the_kind_blocks_helm_install_renders_the_image_it_loads():
 
 def test_the_kind_example_needs_one_node_and_no_readwritemany_volume():
     from ddpjob_cli.local import validate
-    from ddpjob_operator.pods import render_pod
+    from ddpjob_operator.builders.pods import render_pod
 
     claims = [d for d in docs("digits-kind.yaml") if d["kind"] == "PersistentVolumeClaim"]
     assert claims and all(c["spec"]["accessModes"] == ["ReadWriteOnce"] for c in claims)

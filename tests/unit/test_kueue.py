@@ -3,12 +3,12 @@ from __future__ import annotations
 
 import pytest
 
-from ddpjob_operator import kueue
-from ddpjob_operator.lifecycle import decide
-from ddpjob_operator.phases import Phase
-from ddpjob_operator.pods import render_pod
-from ddpjob_operator.spec import from_manifest
-from ddpjob_operator.status import job_status
+from ddpjob_operator.builders import kueue
+from ddpjob_operator.decisions.lifecycle import decide
+from ddpjob_operator.api.phases import Phase
+from ddpjob_operator.builders.pods import render_pod
+from ddpjob_operator.api.spec import from_manifest
+from ddpjob_operator.decisions.status import job_status
 from tests.support.builders import NOW, ago, make_manifest, make_pod
 
 

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import pytest
 
-from ddpjob_operator.config import OperatorConfig
-from ddpjob_operator.lifecycle import decide
-from ddpjob_operator.phases import Phase
+from ddpjob_operator.api.config import OperatorConfig
+from ddpjob_operator.decisions.lifecycle import decide
+from ddpjob_operator.api.phases import Phase
 from tests.support.builders import NOW, ago, make_job, make_pod, running_status
 
 

@@ -6,11 +6,11 @@ import functools
 
 import pytest
 
-from ddpjob_operator import labels
-from ddpjob_operator.lifecycle import Verdict, decide, trusted_counters, verdict
-from ddpjob_operator.phases import Phase
-from ddpjob_operator.pods import render_pod
-from ddpjob_operator.redact import redact
+from ddpjob_operator.api import labels
+from ddpjob_operator.decisions.lifecycle import Verdict, decide, trusted_counters, verdict
+from ddpjob_operator.api.phases import Phase
+from ddpjob_operator.builders.pods import render_pod
+from ddpjob_operator.decisions.redact import redact
 from tests.support.builders import NOW, make_job, make_pod, running_status
 
 

@@ -23,7 +23,7 @@ LOCAL_LAUNCHER = [sys.executable, "-m", "ddpjob_trainer.launch", "--metrics-port
     ({"args": ["torchrun", "-m", "ddpjob_trainer"]}, LOCAL_LAUNCHER + ["torchrun", "-m", "ddpjob_trainer"]),
 ])
 def test_a_local_node_runs_the_pods_command(spec, want):
-    from ddpjob_operator.pods import LAUNCHER, container_command
+    from ddpjob_operator.builders.pods import LAUNCHER, container_command
 
     assert node_command(make_job(**spec), metrics_port=19400) == want
     command, args = container_command(make_job(**spec))

@@ -6,9 +6,9 @@ import datetime as dt
 
 import pytest
 
-from ddpjob_operator.lifecycle import decide
+from ddpjob_operator.decisions.lifecycle import decide
 from ddpjob_cli.localpolicy import Tally, after_failure, exit_code, node_pod
-from ddpjob_operator.phases import Phase
+from ddpjob_operator.api.phases import Phase
 from tests.support.builders import make_job
 
 NOW = dt.datetime(2026, 11, 23, 12, 0, tzinfo=dt.timezone.utc)

@@ -5,7 +5,7 @@ import datetime as dt
 
 import pytest
 
-from ddpjob_operator.objmeta import format_time, parse_time, resource_version
+from ddpjob_operator.api.objmeta import format_time, parse_time, resource_version
 
 UTC = dt.timezone.utc
 

@@ -8,7 +8,7 @@ import pytest
 from click.testing import CliRunner
 
 from ddpjob_cli import main as cli
-from ddpjob_operator import operator_main
+from ddpjob_operator.app import operator_main
 
 
 @pytest.fixture

@@ -4,9 +4,9 @@ from __future__ import annotations
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from ddpjob_operator.lifecycle import decide
-from ddpjob_operator.operator_metrics import FAILURE_REASONS, RESTART_REASONS, OperatorMetrics
-from ddpjob_operator.phases import Phase
+from ddpjob_operator.decisions.lifecycle import decide
+from ddpjob_operator.app.operator_metrics import FAILURE_REASONS, RESTART_REASONS, OperatorMetrics
+from ddpjob_operator.api.phases import Phase
 from tests.support.builders import NOW, make_job, make_pod, running_status
 
 KEY = ("team-a", "mnist")
@@ -91,7 +91,7 @@ def test_pending_since_is_the_jobs_start_and_goes_when_it_runs(monkeypatch):
 
 
 def test_pending_since_without_a_start_time_is_when_first_seen(monkeypatch):
-    import ddpjob_operator.operator_metrics as om
+    import ddpjob_operator.app.operator_metrics as om
 
     m = OperatorMetrics(CollectorRegistry())
     monkeypatch.setattr(om.time, "time", lambda: 1000.0)

@@ -52,4 +52,4 @@ def test_a_package_does_not_import_one_above_it(package, forbidden):
 
 def test_the_local_runner_uses_the_operators_decision_and_command():
     found = imports("ddpjob_cli")
-    assert "ddpjob_operator.lifecycle.decide" in found and "ddpjob_operator.pods" in found
+    assert "ddpjob_operator.decisions.lifecycle.decide" in found and "ddpjob_operator.builders.pods" in found

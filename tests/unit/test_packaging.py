@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from ddpjob_operator.crd import CRD_RELPATH
+from ddpjob_operator.api.crd import CRD_RELPATH
 from tests.unit.test_dockerfile import stages
 
 REPO = Path(__file__).resolve().parents[2]
@@ -95,7 +95,7 @@ def installed(tmp_path_factory):
     for package, folder in PACKAGES.items():
         shutil.copytree(REPO / folder / package, src / folder / package, symlinks=True,
                         ignore=shutil.ignore_patterns("__pycache__"))
-    # operator/ddpjob_operator/crds links to the chart's crds/.
+    # operator/ddpjob_operator/api/crds links to the chart's crds/.
     shutil.copytree(REPO / CRD_RELPATH.parent, src / CRD_RELPATH.parent)
     uv_run("build", "-q", "--out-dir", str(tmp / "dist"), str(src))
     (wheel,) = (tmp / "dist").glob("ddpjob-*.whl")
@@ -110,7 +110,7 @@ def test_the_wheel_carries_the_crd_the_license_and_the_trainer_as_an_extra(insta
     with zipfile.ZipFile(wheel) as z:
         files = set(z.namelist())
         meta = next(z.read(n).decode() for n in files if n.endswith(".dist-info/METADATA"))
-    assert f"ddpjob_operator/crds/{CRD_RELPATH.name}" in files and any(n.endswith(".dist-info/licenses/LICENSE") for n in files)
+    assert f"ddpjob_operator/api/crds/{CRD_RELPATH.name}" in files and any(n.endswith(".dist-info/licenses/LICENSE") for n in files)
     assert "License-Expression: Apache-2.0" in meta
     assert {"Homepage", "Documentation", "Issues"} <= set(re.findall(r"^Project-URL: (\w+),", meta, re.M))
     core = {norm(m) for m in re.findall(r"^Requires-Dist: ([A-Za-z0-9._-]+)[^;\n]*$", meta, re.M)}
@@ -154,7 +154,7 @@ def workdir(tmp_path):
 
 def test_render_outside_the_checkout_uses_the_packaged_crd(installed, workdir):
     _, venv = installed
-    found = run(venv, "python", "-c", "from ddpjob_operator.crd import crd_path; print(crd_path())", cwd=workdir)
+    found = run(venv, "python", "-c", "from ddpjob_operator.api.crd import crd_path; print(crd_path())", cwd=workdir)
     assert found.returncode == 0 and Path(found.stdout.strip()).is_relative_to(venv), found
     rendered = run(venv, "ddpjob", "render", "digits.yaml", "-n", "x", cwd=workdir)
     assert rendered.returncode == 0, rendered.stderr[-2000:]
@@ -164,8 +164,8 @@ def test_render_outside_the_checkout_uses_the_packaged_crd(installed, workdir):
 
 def test_the_operator_entry_runs_without_torch(installed, workdir):
     _, venv = installed
-    imported = run(venv, "python", "-c", "import ddpjob_operator.operator_main, ddpjob_operator.handlers, "
-                   "ddpjob_operator.monitor", cwd=workdir)
+    imported = run(venv, "python", "-c", "import ddpjob_operator.app.operator_main, ddpjob_operator.app.handlers, "
+                   "ddpjob_operator.cluster.monitor", cwd=workdir)
     assert imported.returncode == 0, imported.stderr[-2000:]
     assert run(venv, "ddpjob", "operator", "--help", cwd=workdir).returncode == 0
     unnamed = run(venv, "ddpjob", "operator", cwd=workdir)  # the CLI's own refusal, past every import

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from ddpjob_operator import labels
-from ddpjob_operator.pods import render_pod
+from ddpjob_operator.api import labels
+from ddpjob_operator.builders.pods import render_pod
 from tests.support.builders import make_job
 
 

@@ -15,14 +15,14 @@ import pytest
 from kubernetes.client.rest import ApiException
 from prometheus_client import CollectorRegistry
 
-from ddpjob_operator import labels
-from ddpjob_operator.cache import PeerGate, Store
-from ddpjob_operator.config import OperatorConfig
-from ddpjob_operator.controller import Reconciler
-from ddpjob_operator.monitor import MonitorReport
-from ddpjob_operator.operator_metrics import OperatorMetrics
-from ddpjob_operator.service import render_service
-from ddpjob_operator.spec import from_manifest
+from ddpjob_operator.api import labels
+from ddpjob_operator.cluster.cache import PeerGate, Store
+from ddpjob_operator.api.config import OperatorConfig
+from ddpjob_operator.app.controller import Reconciler
+from ddpjob_operator.cluster.monitor import MonitorReport
+from ddpjob_operator.app.operator_metrics import OperatorMetrics
+from ddpjob_operator.builders.service import render_service
+from ddpjob_operator.api.spec import from_manifest
 from tests.support.builders import make_manifest
 
 NS = "ns"  # make_manifest's namespace
@@ -541,7 +541,7 @@ def test_our_own_headless_service_found_by_a_409_is_used():
 
 
 def test_a_large_group_is_created_in_batches_with_another_jobs_pass_between():
-    from ddpjob_operator.controller import CREATE_BATCH
+    from ddpjob_operator.app.controller import CREATE_BATCH
 
     k8s = FakeK8s()
     rec = reconciler(k8s)

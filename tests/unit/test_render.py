@@ -7,13 +7,13 @@ import functools
 import pytest
 import yaml
 
-from ddpjob_operator import labels
-from ddpjob_operator.config import OperatorConfig
-from ddpjob_operator.envvars import env_dict
-from ddpjob_operator.pods import LAUNCHER, render_pod
-from ddpjob_operator.render import render_file
-from ddpjob_operator.service import render_service
-from ddpjob_operator.spec import from_manifest
+from ddpjob_operator.api import labels
+from ddpjob_operator.api.config import OperatorConfig
+from ddpjob_operator.builders.envvars import env_dict
+from ddpjob_operator.builders.pods import LAUNCHER, render_pod
+from ddpjob_operator.builders.render import render_file
+from ddpjob_operator.builders.service import render_service
+from ddpjob_operator.api.spec import from_manifest
 from tests.support.builders import make_job, make_manifest
 
 
@@ -250,7 +250,7 @@ def test_example_resnet_gpu_renders_4_pods_with_8_gpus():
 def test_job_field_follows_render_pod(elastic, mlflow):
     """pods.job_field (which names the DDPJob field in a refused create) agrees with render_pod about
     where each user-written list entry lands in the Pod."""
-    from ddpjob_operator.pods import job_field
+    from ddpjob_operator.builders.pods import job_field
 
     extra = {"elastic": elastic} if elastic else {}
     if mlflow is not None:

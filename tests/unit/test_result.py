@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from ddpjob_operator.result import parse_result, run_result
+from ddpjob_operator.decisions.result import parse_result, run_result
 from tests.support.builders import make_pod
 
 RESULT = {"steps": 276, "total_steps": 276, "epochs_completed": 12, "world_size": 2, "resumed_from_step": 100,

@@ -9,7 +9,7 @@ import textwrap
 
 import pytest
 
-from ddpjob_operator.scrape import RankSample, parse_metrics
+from ddpjob_operator.cluster.scrape import RankSample, parse_metrics
 
 # Runs in a subprocess: multiprocess mode is process-global in prometheus_client.
 _PRODUCER = textwrap.dedent("""
@@ -80,7 +80,7 @@ def test_parse_two_ranks_from_real_exposition(tmp_path):
 def test_every_metric_the_scraper_reads_is_one_a_rank_writes(tmp_path):
     """The scraper's names and the telemetry's are spelled in two modules: a rename on one side
     would leave a status field empty for good, with no error anywhere."""
-    from ddpjob_operator.scrape import _GAUGES, PREFIX
+    from ddpjob_operator.cluster.scrape import _GAUGES, PREFIX
 
     text = exposition(tmp_path, [{"rank": 0, "steps": 2, "total": 4, "loss": 1.0, "acc": 0.5, "gpu": True}])
     written = {line.split("{")[0].split(" ")[0][len(PREFIX):] for line in text.splitlines()

@@ -9,9 +9,9 @@ import logging
 import pytest
 from aiohttp import web
 
-from ddpjob_operator import monitor as monitor_mod, scrape
-from ddpjob_operator.config import OperatorConfig
-from ddpjob_operator.monitor import Monitor
+from ddpjob_operator.cluster import monitor as monitor_mod, scrape
+from ddpjob_operator.api.config import OperatorConfig
+from ddpjob_operator.cluster.monitor import Monitor
 from tests.support.builders import make_manifest, make_pod
 
 CAP = 64 * 1024
@@ -110,7 +110,7 @@ def test_monitor_warns_naming_the_url_and_cap(server, caplog):
     mon = Monitor(OperatorConfig(scrape_url_template=base + "/{pod}"), timeout=20,
                   max_body_bytes=CAP)
     pods = _pods(["huge", "good"])
-    with caplog.at_level(logging.WARNING, logger="ddpjob_operator.monitor"):
+    with caplog.at_level(logging.WARNING, logger="ddpjob_operator.cluster.monitor"):
         report = loop.run_until_complete(mon.observe(_job(), pods))
     assert report.progress is not None  # the good pod still counts
     warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import pytest
 
-from ddpjob_operator import shm
-from ddpjob_operator.pods import render_pod
-from ddpjob_operator.shm import GIB, loader_bytes, loader_workers, shm_size
+from ddpjob_operator.builders import shm
+from ddpjob_operator.builders.pods import render_pod
+from ddpjob_operator.builders.shm import GIB, loader_bytes, loader_workers, shm_size
 from tests.support.builders import make_job
 
 # One 224x224 RGB float32 sample and its int64 label.

@@ -10,11 +10,11 @@ import logging
 import pytest
 from aiohttp import web
 
-from ddpjob_operator import scrape
-from ddpjob_operator.config import OperatorConfig
-from ddpjob_operator.monitor import Monitor, SimulatedNodes
-from ddpjob_operator.podinfo import SIMULATED_NODE_ANNOTATION
-from ddpjob_operator.status import progress_display
+from ddpjob_operator.cluster import scrape
+from ddpjob_operator.api.config import OperatorConfig
+from ddpjob_operator.cluster.monitor import Monitor, SimulatedNodes
+from ddpjob_operator.api.podinfo import SIMULATED_NODE_ANNOTATION
+from ddpjob_operator.decisions.status import progress_display
 from tests.support.builders import make_manifest, make_pod
 
 KWOK_IP = "10.244.0.7"   # never dialled: the in-process hook would refuse it anyway
@@ -122,7 +122,7 @@ def test_a_node_is_asked_about_once(endpoint, fetched):
 def test_without_permission_to_read_nodes_every_node_is_real_said_once(caplog):
     nodes = Nodes(error=Forbidden())
     simulated = SimulatedNodes(nodes.get)
-    with caplog.at_level(logging.WARNING, logger="ddpjob_operator.monitor"):
+    with caplog.at_level(logging.WARNING, logger="ddpjob_operator.cluster.monitor"):
         answers = [asyncio.run(simulated(n)) for n in ("kwok-gpu-0", "real-0", "kwok-gpu-0")]
     assert answers == [False, False, False]
     assert nodes.asked == ["kwok-gpu-0"]  # not asked again: the answer cannot change
@@ -139,8 +139,8 @@ def test_a_failed_lookup_is_asked_again():
 
 
 def test_the_status_says_why_and_forgets_it_once_progress_returns():
-    from ddpjob_operator.monitor import MonitorReport
-    from ddpjob_operator.status import UNAVAILABLE, job_status
+    from ddpjob_operator.cluster.monitor import MonitorReport
+    from ddpjob_operator.decisions.status import UNAVAILABLE, job_status
     from tests.support.builders import NOW, make_job, running_status
 
     pods = [make_pod(0), make_pod(1)]

@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from ddpjob_operator.lifecycle import decide
-from ddpjob_operator.phases import Phase
-from ddpjob_operator.status import CreateRefusal, create_refused, job_status, refusal
+from ddpjob_operator.decisions.lifecycle import decide
+from ddpjob_operator.api.phases import Phase
+from ddpjob_operator.decisions.status import CreateRefusal, create_refused, job_status, refusal
 from tests.support.builders import NOW, ago, make_job, make_pod, running_status
 from tests.unit.test_status import cond
 
@@ -167,7 +167,7 @@ def test_refusal_is_a_value():
 
 
 # -- evidence kept across a group restart ---------------------------------------------------------------
-from ddpjob_operator.status import MAX_FAILURES, failure_evidence  # noqa: E402
+from ddpjob_operator.decisions.status import MAX_FAILURES, failure_evidence  # noqa: E402
 
 
 def killed(rank, code, *, attempt=0, message="", signal=None):
@@ -242,7 +242,7 @@ def test_evidence_ignores_other_attempts_and_clean_exits():
 def test_split_creates_keeps_refusals_and_raises_the_rest():
     from kubernetes.client.rest import ApiException
 
-    from ddpjob_operator.status import split_creates
+    from ddpjob_operator.decisions.status import split_creates
 
     def api_error(code, body):
         exc = ApiException(status=code, reason="x")
@@ -272,7 +272,7 @@ def test_split_creates_keeps_refusals_and_raises_the_rest():
     ("spec.hostname", None),
 ])
 def test_pod_error_paths_name_the_ddpjob_field(pod_path, job_path):
-    from ddpjob_operator.pods import job_field, render_pod
+    from ddpjob_operator.builders.pods import job_field, render_pod
 
     job = make_job(nodes=2, env=[{"name": "A", "value": "1"}])
     user = len(render_pod(job, 0)["spec"]["containers"][0]["env"]) - 1  # the one spec.env variable is the last

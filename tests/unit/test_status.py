@@ -5,8 +5,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from ddpjob_operator.config import OperatorConfig
-from ddpjob_operator.status import job_status, mlflow_status, node_counts, progress_display
+from ddpjob_operator.api.config import OperatorConfig
+from ddpjob_operator.decisions.status import job_status, mlflow_status, node_counts, progress_display
 from tests.support.status import condition as cond
 from tests.support.builders import NOW, ago, make_job, make_pod, running_status
 
@@ -141,7 +141,7 @@ def test_progress_display(progress, text):
 
 
 def test_status_patch_nulls_removed_keys():
-    from ddpjob_operator.controller import status_patch
+    from ddpjob_operator.app.controller import status_patch
 
     assert status_patch({"phase": "Failed", "completionTime": "t", "restarts": 1},
                         {"phase": "Pending", "restarts": 1}) == {"phase": "Pending", "restarts": 1,
@@ -150,7 +150,7 @@ def test_status_patch_nulls_removed_keys():
 
 @pytest.mark.parametrize("refs,owned", [([{"uid": "u1"}], True), ([{"uid": "other"}], False), (None, False)])
 def test_only_pods_owned_by_this_job_uid_count(refs, owned):
-    from ddpjob_operator.controller import owned_by
+    from ddpjob_operator.app.controller import owned_by
 
     assert owned_by({"metadata": {"ownerReferences": refs}}, "u1") is owned
 
@@ -158,10 +158,10 @@ def test_only_pods_owned_by_this_job_uid_count(refs, owned):
 def test_handlers_never_need_finalizers():
     import kopf
 
-    from ddpjob_operator.config import OperatorConfig
-    from ddpjob_operator.controller import Reconciler
-    from ddpjob_operator.handlers import register
-    from ddpjob_operator.operator_metrics import OperatorMetrics
+    from ddpjob_operator.api.config import OperatorConfig
+    from ddpjob_operator.app.controller import Reconciler
+    from ddpjob_operator.app.handlers import register
+    from ddpjob_operator.app.operator_metrics import OperatorMetrics
     from prometheus_client import CollectorRegistry
 
     registry = kopf.OperatorRegistry()
@@ -176,8 +176,8 @@ def test_handlers_never_need_finalizers():
 
 
 def test_operator_settings_bound_watches_and_peering():
-    from ddpjob_operator.config import OperatorConfig
-    from ddpjob_operator.operator_main import operator_settings
+    from ddpjob_operator.api.config import OperatorConfig
+    from ddpjob_operator.app.operator_main import operator_settings
 
     s = operator_settings(OperatorConfig(peering=""))
     assert s.watching.server_timeout and s.watching.client_timeout > s.watching.server_timeout

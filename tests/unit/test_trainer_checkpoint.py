@@ -8,7 +8,7 @@ import pytest
 import torch
 import xxhash
 
-from ddpjob_trainer.checkpoint import (Checkpointer, CheckpointUnreadable, check_resumable, load_shared_state,
+from ddpjob_trainer.checkpointing.checkpoint import (Checkpointer, CheckpointUnreadable, check_resumable, load_shared_state,
                                        optimizer_state, verify)
 from ddpjob_trainer.errors import ConfigError
 from ddpjob_trainer.reporting import NullReporter

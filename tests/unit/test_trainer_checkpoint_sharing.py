@@ -9,8 +9,8 @@ import textwrap
 
 import torch
 
-from ddpjob_trainer.checkpoint import flatten, share_of
-from ddpjob_trainer.storage import build_state
+from ddpjob_trainer.checkpointing.checkpoint import flatten, share_of
+from ddpjob_trainer.checkpointing.storage import build_state
 
 
 def _state():
@@ -53,7 +53,7 @@ def test_a_flattened_state_rebuilds_as_dcp_gave_it_back():
 _RANK = textwrap.dedent("""
     import datetime as dt, json, sys
     import torch, torch.distributed as dist
-    from ddpjob_trainer import checkpoint, storage
+    from ddpjob_trainer.checkpointing import checkpoint, storage
     rank, store, ckdir = int(sys.argv[1]), sys.argv[2], sys.argv[3]
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
                             timeout=dt.timedelta(seconds=120))

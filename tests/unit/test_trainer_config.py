@@ -102,7 +102,7 @@ def test_bad_gpu_and_data_loading_keys_name_the_key(raw, needle):
 # enum value changed on one side only fails here (a key the CRD lacks would be pruned or refused
 # by the API server; one the trainer lacks would make every pod exit 78).
 def _trainer_schema() -> dict:
-    from ddpjob_operator.crd import version_schema
+    from ddpjob_operator.api.crd import version_schema
 
     return version_schema()["properties"]["spec"]["properties"]["trainer"]
 

@@ -5,7 +5,7 @@ import threading
 
 import pytest
 
-from ddpjob_trainer.parallel import run_each, split_by_size
+from ddpjob_trainer.checkpointing.parallel import run_each, split_by_size
 
 
 @pytest.mark.parametrize("n, want", [(1, [[9, 5, 4, 1]]), (2, [[9, 1], [5, 4]]), (3, [[9], [5], [4, 1]]),

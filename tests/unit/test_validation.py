@@ -5,7 +5,7 @@ import copy
 
 import pytest
 
-from ddpjob_operator.validation import InvalidDDPJob, apply_defaults, check_manifest, validate_manifest
+from ddpjob_operator.api.validation import InvalidDDPJob, apply_defaults, check_manifest, validate_manifest
 
 GOOD = {"apiVersion": "ddpjob.dev/v1alpha1", "kind": "DDPJob", "metadata": {"name": "mnist"},
         "spec": {"image": "reg/trainer:1", "nodes": 2, "trainer": {"dataset": "digits", "model": "convnet"}}}
@@ -130,7 +130,7 @@ def test_check_manifest_raises_with_every_problem():
 
 def _crd_rules() -> list[dict]:
     """Every x-kubernetes-validations rule of the CRD the operator installs."""
-    from ddpjob_operator.crd import load_crd
+    from ddpjob_operator.api.crd import load_crd
 
     out: list[dict] = []
 
@@ -230,7 +230,7 @@ def test_the_operators_fallbacks_are_the_crds_defaults(spec):
     property of the JobSpec must come out the same both ways, or the two paths run different jobs."""
     import dataclasses
 
-    from ddpjob_operator.spec import JobSpec, from_manifest
+    from ddpjob_operator.api.spec import JobSpec, from_manifest
 
     bare = {"apiVersion": "ddpjob.dev/v1alpha1", "kind": "DDPJob", "metadata": {"name": "j", "namespace": "ns"},
             "spec": spec}

@@ -13,7 +13,7 @@ EXIT_OK = 0
 EXIT_TRAINING_FAILED = 1   # may be retried (group restart, resume from checkpoint)
 EXIT_BAD_CONFIG = 78       # EX_CONFIG: retrying cannot help; fail the job at once
 
-# Set by the operator in every pod (operator/envvars.py) and by the local runner.
+# Set by the operator in every pod (operator/ddpjob_operator/builders/envvars.py) and by the local runner.
 ENV_JOB_NAME = "DDPJOB_NAME"
 ENV_JOB_NAMESPACE = "DDPJOB_NAMESPACE"
 ENV_JOB_UID = "DDPJOB_UID"                # the DDPJob's metadata.uid; locally, one per name + work dir

@@ -19,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 
 from . import contract, debug, preempt, rng, torchapi, tuning
-from .checkpoint import Checkpointer, check_resumable, optimizer_state, step_dir_name
+from .checkpointing.checkpoint import Checkpointer, check_resumable, optimizer_state, step_dir_name
 from .collectives import Collectives
 from .config import TrainerConfig
 from .data import PerSampleSeeded, ResumableSampler, build_data, eval_loader, loader_kwargs

@@ -11,8 +11,9 @@ from typing import Any
 
 from ddpjob_trainer import contract
 
-from . import labels, rdma, template
-from .spec import JobSpec
+from ddpjob_operator.api import labels
+from ddpjob_operator.builders import rdma, template
+from ddpjob_operator.api.spec import JobSpec
 
 # spec.nccl keys -> NCCL_* variables; anything else in spec.nccl is upper-snake-cased.
 _NCCL_KEYS = {

@@ -12,8 +12,8 @@ from typing import Any
 
 import kopf
 
-from .controller import Reconciler
-from .spec import GROUP, PLURAL, VERSION
+from ddpjob_operator.app.controller import Reconciler
+from ddpjob_operator.api.spec import GROUP, PLURAL, VERSION
 
 
 def register(registry: kopf.OperatorRegistry, reconciler: Reconciler, *, informers: Sequence[Any] = ()) -> None:

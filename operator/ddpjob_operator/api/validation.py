@@ -13,9 +13,9 @@ from typing import Any, TypeGuard
 
 import jsonschema
 
-from . import crd as crd_mod
-from . import labels
-from .spec import API_VERSION, KIND
+from ddpjob_operator.api import crd as crd_mod
+from ddpjob_operator.api import labels
+from ddpjob_operator.api.spec import API_VERSION, KIND
 
 MAX_NAME = 58            # `<name>-<rank>` <= 63 characters for ranks up to 9999
 MAX_NODES = 10000

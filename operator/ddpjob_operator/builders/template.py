@@ -17,8 +17,8 @@ import copy
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from . import labels
-from .spec import JobSpec
+from ddpjob_operator.api import labels
+from ddpjob_operator.api.spec import JobSpec
 
 
 @dataclass(frozen=True)

@@ -19,9 +19,9 @@ from kubernetes import client, config as kconfig
 from kubernetes.client.rest import ApiException
 from kubernetes.watch.watch import iter_resp_lines
 
-from . import labels, objmeta
-from .fairqueue import FairSlots
-from .spec import GROUP, KIND, PLURAL, VERSION, API_VERSION
+from ddpjob_operator.api import labels, objmeta
+from ddpjob_operator.cluster.fairqueue import FairSlots
+from ddpjob_operator.api.spec import GROUP, KIND, PLURAL, VERSION, API_VERSION
 
 log = logging.getLogger("ddpjob.k8s")
 COMPONENT = "ddpjob-operator"

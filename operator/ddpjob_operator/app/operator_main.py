@@ -11,13 +11,13 @@ import kopf
 from kubernetes.config import ConfigException
 from prometheus_client import Counter
 
-from . import labels
-from .cache import PeerGate, Store, peering_informers, pod_informers
-from .config import OperatorConfig
-from .controller import Reconciler
-from .handlers import register
-from .k8s import COMPONENT, K8s
-from .operator_metrics import OperatorMetrics
+from ddpjob_operator.api import labels
+from ddpjob_operator.cluster.cache import PeerGate, Store, peering_informers, pod_informers
+from ddpjob_operator.api.config import OperatorConfig
+from ddpjob_operator.app.controller import Reconciler
+from ddpjob_operator.app.handlers import register
+from ddpjob_operator.cluster.k8s import COMPONENT, K8s
+from ddpjob_operator.app.operator_metrics import OperatorMetrics
 
 log = logging.getLogger("ddpjob.operator")
 

@@ -12,12 +12,13 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
-from . import kueue, labels, objmeta, podinfo
-from .config import OperatorConfig
-from .envvars import pod_hostname
-from .phases import Cond, Phase, RestartReason
-from .redact import redact
-from .spec import JobSpec
+from ddpjob_operator.builders import kueue
+from ddpjob_operator.api import labels, objmeta, podinfo
+from ddpjob_operator.api.config import OperatorConfig
+from ddpjob_operator.builders.envvars import pod_hostname
+from ddpjob_operator.api.phases import Cond, Phase, RestartReason
+from ddpjob_operator.decisions.redact import redact
+from ddpjob_operator.api.spec import JobSpec
 
 
 @dataclass(frozen=True)

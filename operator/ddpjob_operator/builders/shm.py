@@ -15,8 +15,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from .envvars import cpu_request
-from .spec import JobSpec
+from ddpjob_operator.builders.envvars import cpu_request
+from ddpjob_operator.api.spec import JobSpec
 
 GIB = 1024 ** 3
 # Below the batches: NCCL's shared-memory transport between local ranks and torch's own IPC, which

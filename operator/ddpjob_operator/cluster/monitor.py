@@ -13,10 +13,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 
-from . import health, podinfo, progress, scrape
-from .objmeta import format_time
-from .podinfo import is_simulated_node
-from .config import OperatorConfig
+from ddpjob_operator.decisions import health, progress
+from ddpjob_operator.api import podinfo
+from ddpjob_operator.cluster import scrape
+from ddpjob_operator.api.objmeta import format_time
+from ddpjob_operator.api.podinfo import is_simulated_node
+from ddpjob_operator.api.config import OperatorConfig
 
 log = logging.getLogger(__name__)
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from . import podinfo
-from .spec import JobSpec
+from ddpjob_operator.api import podinfo
+from ddpjob_operator.api.spec import JobSpec
 
 QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 GROUP_LABEL = "kueue.x-k8s.io/pod-group-name"

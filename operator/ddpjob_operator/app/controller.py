@@ -19,21 +19,22 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from kubernetes.client.rest import ApiException
 
-from . import gang, labels, podinfo
-from .cache import PeerGate, Store, key_of
-from .config import OperatorConfig
-from .k8s import K8s
-from .lifecycle import Decision, decide
-from .objmeta import resource_version
-from .operator_metrics import OperatorMetrics
-from .phases import Phase
-from .pods import render_pod
+from ddpjob_operator.builders import gang
+from ddpjob_operator.api import labels, podinfo
+from ddpjob_operator.cluster.cache import PeerGate, Store, key_of
+from ddpjob_operator.api.config import OperatorConfig
+from ddpjob_operator.cluster.k8s import K8s
+from ddpjob_operator.decisions.lifecycle import Decision, decide
+from ddpjob_operator.api.objmeta import resource_version
+from ddpjob_operator.app.operator_metrics import OperatorMetrics
+from ddpjob_operator.api.phases import Phase
+from ddpjob_operator.builders.pods import render_pod
 
 if TYPE_CHECKING:
-    from .monitor import Monitor, MonitorReport
-from .service import render_service
-from .spec import from_manifest
-from .status import NAME_CONFLICT, CreateRefusal, create_refused, job_status, refusal, split_creates
+    from ddpjob_operator.cluster.monitor import Monitor, MonitorReport
+from ddpjob_operator.builders.service import render_service
+from ddpjob_operator.api.spec import from_manifest
+from ddpjob_operator.decisions.status import NAME_CONFLICT, CreateRefusal, create_refused, job_status, refusal, split_creates
 
 log = logging.getLogger("ddpjob.controller")
 Key = tuple[str, str]
@@ -53,7 +54,7 @@ _QUIET_FIELDS = frozenset({"nodes", "launchedAttempt"})
 
 def _load_monitor(config: OperatorConfig, k8s: K8s) -> Monitor | None:
     """The progress/health monitor; the operator works without it."""
-    from .monitor import Monitor, SimulatedNodes  # here, not at the top: imports aiohttp; unit tests pass monitor=None
+    from ddpjob_operator.cluster.monitor import Monitor, SimulatedNodes  # here, not at the top: imports aiohttp; unit tests pass monitor=None
 
     try:
         return Monitor(config, simulated=SimulatedNodes(k8s.get_node))

@@ -4,12 +4,13 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from . import gang, kueue, labels, rdma, shm, template
-from .config import OperatorConfig
-from .envvars import pod_env, pod_hostname, service_name, stop_grace_seconds
-from .service import child_metadata
-from .spec import JobSpec
-from .template import Layers
+from ddpjob_operator.builders import gang, kueue, rdma, shm, template
+from ddpjob_operator.api import labels
+from ddpjob_operator.api.config import OperatorConfig
+from ddpjob_operator.builders.envvars import pod_env, pod_hostname, service_name, stop_grace_seconds
+from ddpjob_operator.builders.service import child_metadata
+from ddpjob_operator.api.spec import JobSpec
+from ddpjob_operator.builders.template import Layers
 
 GPU_RESOURCE = "nvidia.com/gpu"
 LAUNCHER = ["python", "-m", "ddpjob_trainer.launch", "--"]

@@ -19,8 +19,8 @@ from typing import Any, Callable
 
 from kubernetes.client.rest import ApiException
 
-from . import labels
-from .objmeta import parse_time, resource_version
+from ddpjob_operator.api import labels
+from ddpjob_operator.api.objmeta import parse_time, resource_version
 
 log = logging.getLogger("ddpjob.cache")
 Key = tuple[str, str]

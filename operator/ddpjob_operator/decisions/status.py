@@ -9,21 +9,21 @@ from typing import TYPE_CHECKING, Any
 from ddpjob_trainer import contract
 from ddpjob_trainer.contract import public_uri
 
-from . import podinfo
-from .config import OperatorConfig
-from .envvars import master_dns
-from .gang import gang_state
-from .kueue import admission, queue_name
-from .lifecycle import Decision, condition, decide
-from .objmeta import format_time
-from .phases import Cond, Phase
-from .pods import explain_pod_error
-from .redact import redact
-from .result import run_result
-from .spec import JobSpec
+from ddpjob_operator.api import podinfo
+from ddpjob_operator.api.config import OperatorConfig
+from ddpjob_operator.builders.envvars import master_dns
+from ddpjob_operator.builders.gang import gang_state
+from ddpjob_operator.builders.kueue import admission, queue_name
+from ddpjob_operator.decisions.lifecycle import Decision, condition, decide
+from ddpjob_operator.api.objmeta import format_time
+from ddpjob_operator.api.phases import Cond, Phase
+from ddpjob_operator.builders.pods import explain_pod_error
+from ddpjob_operator.decisions.redact import redact
+from ddpjob_operator.decisions.result import run_result
+from ddpjob_operator.api.spec import JobSpec
 
 if TYPE_CHECKING:  # the monitor module imports aiohttp; status needs only the report's shape
-    from .monitor import MonitorReport
+    from ddpjob_operator.cluster.monitor import MonitorReport
 
 Event = tuple[str, str, str]  # (Normal|Warning, reason, message)
 

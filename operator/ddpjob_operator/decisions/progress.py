@@ -10,8 +10,8 @@ import math
 import statistics
 from typing import Mapping
 
-from .objmeta import format_time
-from .scrape import RankSample
+from ddpjob_operator.api.objmeta import format_time
+from ddpjob_operator.cluster.scrape import RankSample
 
 PROGRESS_FIELDS = (
     "epoch", "step", "totalSteps", "percent", "loss", "samplesPerSecond",

@@ -42,8 +42,8 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Mapping
 
-from .objmeta import format_time
-from .scrape import STAGES, RankSample
+from ddpjob_operator.api.objmeta import format_time
+from ddpjob_operator.cluster.scrape import STAGES, RankSample
 
 STRAGGLER = "Straggler"
 STALLED = "Stalled"

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import labels
-from .envvars import service_name
-from .spec import API_VERSION, KIND, JobSpec
+from ddpjob_operator.api import labels
+from ddpjob_operator.builders.envvars import service_name
+from ddpjob_operator.api.spec import API_VERSION, KIND, JobSpec
 
 
 def owner_reference(job: JobSpec) -> dict[str, Any]:

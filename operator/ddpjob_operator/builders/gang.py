@@ -16,9 +16,9 @@ from typing import Any
 
 from kubernetes.utils.quantity import parse_quantity
 
-from . import podinfo
-from .service import child_metadata
-from .spec import JobSpec
+from ddpjob_operator.api import podinfo
+from ddpjob_operator.builders.service import child_metadata
+from ddpjob_operator.api.spec import JobSpec
 
 
 class GangScheduler(str, enum.Enum):

@@ -11,7 +11,7 @@ import json
 import math
 from typing import Any
 
-from . import podinfo
+from ddpjob_operator.api import podinfo
 
 # Trainer result key (ddpjob_trainer.loop.RunResult) -> status.result field (CRD schema).
 RESULT_FIELDS = {

@@ -12,9 +12,9 @@ from typing import Any, Iterable
 
 from prometheus_client import REGISTRY, disable_created_metrics, CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from .lifecycle import INIT_START_ERRORS
-from .phases import Cond, Phase, RestartReason
-from .objmeta import parse_time
+from ddpjob_operator.decisions.lifecycle import INIT_START_ERRORS
+from ddpjob_operator.api.phases import Cond, Phase, RestartReason
+from ddpjob_operator.api.objmeta import parse_time
 
 # The *_created series only double the output; nothing here reads them.
 disable_created_metrics()

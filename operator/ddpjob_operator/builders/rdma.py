@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .spec import JobSpec
+from ddpjob_operator.api.spec import JobSpec
 
 EFA_RESOURCE = "vpc.amazonaws.com/efa"
 # RDMA registers (pins) the buffers NCCL sends from; without IPC_LOCK a container's locked-memory

@@ -6,8 +6,8 @@ from typing import Any
 
 from ddpjob_trainer.contract import EXIT_BAD_CONFIG  # never retried
 
-from . import labels
-from .objmeta import parse_time
+from ddpjob_operator.api import labels
+from ddpjob_operator.api.objmeta import parse_time
 
 
 def meta(pod: dict[str, Any]) -> dict[str, Any]:
