@@ -1,6 +1,14 @@
-"""Which package may import which (issue 14): the operator does not run training processes, so it
-imports from the trainer only the shared contract and the stage names its scraper reads, and
-nothing from the CLI/local runner; the trainer, which every pod runs, imports neither."""
+"""Which package may import which (issue 14), and which layer of the operator may import which
+(issue 33, docs/architecture.md).
+
+Between packages: the operator does not run training processes, so it imports from the trainer only
+the shared contract and the stage names its scraper reads, and nothing from the CLI/local runner;
+the trainer, which every pod runs, imports neither.
+
+Inside the operator: every module lives in one layer, and a layer imports only itself and the layers
+below it (api < builders < decisions < cluster < app), so the pure parts never reach the I/O or the
+process that wires them. Inside the trainer: checkpointing is a world of its own under the loop.
+"""
 from __future__ import annotations
 
 import ast
@@ -12,20 +20,46 @@ REPO = Path(__file__).resolve().parents[2]
 PACKAGES = {"ddpjob_operator": REPO / "operator/ddpjob_operator", "ddpjob_trainer": REPO / "trainer/ddpjob_trainer",
             "ddpjob_cli": REPO / "cli/ddpjob_cli"}
 
+# The operator's layers, bottom first.
+LAYERS = ("api", "builders", "decisions", "cluster", "app")
+# Imports that run up a layer today, each with what removes it. A new one fails the test below;
+# one that is gone fails too, so this list only shrinks.
+KNOWN_UPWARD = {
+    ("decisions/progress.py", "ddpjob_operator.cluster.scrape.RankSample"):
+        "the parsed sample is defined beside the HTTP fetch: move RankSample and parse_metrics down",
+    ("decisions/health.py", "ddpjob_operator.cluster.scrape.RankSample"): "as above",
+    ("decisions/health.py", "ddpjob_operator.cluster.scrape.STAGES"): "as above (a re-export of the trainer's)",
+    ("decisions/status.py", "ddpjob_operator.cluster.monitor.MonitorReport"):
+        "type only (TYPE_CHECKING): the report's shape belongs to decisions, the monitor fills it",
+}
+
+
+def module_name(package: str, path: Path) -> str:
+    rel = path.relative_to(PACKAGES[package]).with_suffix("")
+    parts = [package, *rel.parts]
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
 
 def imports(package: str) -> dict[str, set[str]]:
-    """{module imported: files importing it} over a package, `from X import name` as X.name."""
+    """{module imported: files importing it (relative to the package)} over a package, `from X import
+    name` as X.name, relative imports resolved, imports under TYPE_CHECKING or in functions included."""
     found: dict[str, set[str]] = {}
     for path in PACKAGES[package].rglob("*.py"):
+        here = module_name(package, path).split(".")
+        if path.name != "__init__.py":
+            here = here[:-1]
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Import):
                 names = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                names = [f"{node.module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    base = ".".join(here[:len(here) - node.level + 1] + ([base] if base else []))
+                names = [f"{base}.{a.name}" for a in node.names]
             else:
                 continue
             for name in names:
-                found.setdefault(name, set()).add(path.name)
+                found.setdefault(name, set()).add(str(path.relative_to(PACKAGES[package])))
     return found
 
 
@@ -53,3 +87,42 @@ def test_a_package_does_not_import_one_above_it(package, forbidden):
 def test_the_local_runner_uses_the_operators_decision_and_command():
     found = imports("ddpjob_cli")
     assert "ddpjob_operator.decisions.lifecycle.decide" in found and "ddpjob_operator.builders.pods" in found
+
+
+def layer_of(file: str) -> str:
+    return Path(file).parts[0]
+
+
+def test_every_operator_module_lives_in_a_layer():
+    root = PACKAGES["ddpjob_operator"]
+    loose = sorted(p.name for p in root.glob("*.py") if p.name != "__init__.py")
+    assert not loose, f"modules at the package root, in no layer ({', '.join(LAYERS)}): {loose}"
+    folders = sorted(p.name for p in root.iterdir() if (p / "__init__.py").exists())
+    assert folders == sorted(LAYERS), f"the operator's subpackages are not its layers: {folders}"
+
+
+def test_a_layer_imports_only_itself_and_the_layers_below():
+    upward: dict[tuple[str, str], str] = {}
+    for name, files in ours(imports("ddpjob_operator"), "ddpjob_operator").items():
+        target = name.split(".")[1]
+        assert target in LAYERS, f"{sorted(files)} import {name}, which is in no layer"
+        for file in files:
+            if LAYERS.index(target) > LAYERS.index(layer_of(file)):
+                upward[(file, name)] = f"{layer_of(file)} -> {target}"
+    new = {k: v for k, v in upward.items() if k not in KNOWN_UPWARD}
+    assert not new, "imports that run up the layers (" + " < ".join(LAYERS) + "): " + \
+        "; ".join(f"{file} imports {name} ({how})" for (file, name), how in sorted(new.items()))
+    gone = set(KNOWN_UPWARD) - set(upward)
+    assert not gone, f"no longer imported upwards, strike from KNOWN_UPWARD: {sorted(gone)}"
+
+
+def test_checkpointing_does_not_reach_back_into_the_loop():
+    found = ours(imports("ddpjob_trainer"), "ddpjob_trainer")
+    # The trainer's modules that use checkpointing (the loop and whatever imports it) sit above it.
+    users = {Path(f).with_suffix("").parts[0] for name, files in found.items()
+             if name.startswith("ddpjob_trainer.checkpointing") for f in files if not f.startswith("checkpointing/")}
+    assert "loop" in users, "the scan found none of the loop's checkpoint imports"
+    back = {name: files for name, files in found.items()
+            if name.split(".")[1] in users | {"launch", "__main__"}
+            and any(f.startswith("checkpointing/") for f in files)}
+    assert not back, f"checkpointing imports what sits above it: {back}"
