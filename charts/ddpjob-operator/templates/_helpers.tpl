@@ -79,7 +79,7 @@ Fail early on value combinations that would install a broken or unsafe operator.
 
 {{/*
 The RBAC rules the operator needs inside a namespace it watches: exactly the API calls of
-ddpjob_operator (k8s.py: its only I/O module; handlers.py: kopf watches) and of kopf itself
+ddpjob_operator (cluster/: its I/O, the client and the informers; app/handlers.py: kopf watches) and of kopf itself
 (run with scanning disabled, so no CRD or namespace reads). Nothing on secrets, nodes or RBAC.
 */}}
 {{- define "ddpjob-operator.namespacedRules" -}}
