@@ -25,21 +25,24 @@ START_SECONDS = 120.0  # a cold start runs the sqlite migrations: seconds, on a 
 
 
 class MlflowServer:
-    """One `mlflow server` process group on 127.0.0.1."""
+    """One `mlflow server` process group on `host` (127.0.0.1; the real-pod tier binds it to an
+    address of this machine that the pods route to). Artifacts go to root/artifacts: through the
+    server (mlflow-artifacts:/) for clients elsewhere, else straight to that directory."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, *, host: str = "127.0.0.1", proxy_artifacts: bool = False) -> None:
         from tests.support.localrun import free_ports
 
         self.root = root
         self.port = free_ports(1)[0]
-        self.uri = f"http://127.0.0.1:{self.port}"
+        self.uri = f"http://{host}:{self.port}"
         self.log = root / "mlflow-server.log"
         (root / "artifacts").mkdir(parents=True, exist_ok=True)
+        artifacts = (["--artifacts-destination", str(root / "artifacts")] if proxy_artifacts
+                     else ["--default-artifact-root", str(root / "artifacts")])
         with open(self.log, "w") as log:
             self.proc = subprocess.Popen(
-                [str(MLFLOW), "server", "--host", "127.0.0.1", "--port", str(self.port), "--workers", "1",
-                 "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}",
-                 "--default-artifact-root", str(root / "artifacts")],
+                [str(MLFLOW), "server", "--host", host, "--port", str(self.port), "--workers", "1",
+                 "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}", *artifacts],
                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=root,
                 # No job runner (its huey consumers are processes that tracking never uses).
                 env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"})
@@ -109,12 +112,12 @@ class MlflowServer:
                 self.proc.wait(timeout=grace)
 
 
-@pytest.fixture(scope="session")
-def mlflow_server(tmp_path_factory) -> Iterator[MlflowServer]:
-    """A real tracking server for the session (tests use experiments of their own)."""
+@contextmanager
+def running_server(root: Path, **how: Any) -> Iterator[MlflowServer]:
+    """A healthy MlflowServer (MlflowServer's keywords) until the block ends."""
     if not MLFLOW.exists():
         pytest.fail(f"{MLFLOW} is missing: the test extra installs mlflow (make install)")
-    server = MlflowServer(tmp_path_factory.mktemp("mlflow"))
+    server = MlflowServer(root, **how)
     t0 = time.monotonic()
     try:
         server.wait_healthy()
@@ -125,3 +128,10 @@ def mlflow_server(tmp_path_factory) -> Iterator[MlflowServer]:
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def mlflow_server(tmp_path_factory) -> Iterator[MlflowServer]:
+    """A real tracking server for the session (tests use experiments of their own)."""
+    with running_server(tmp_path_factory.mktemp("mlflow")) as server:
+        yield server
