@@ -1,25 +1,32 @@
 """A deleted training pod is gone within its termination grace period, not killed at its end: the
 in-pod launcher (the container's PID 1) stops torchrun's agent and workers within seconds of the
-kubelet's SIGTERM (issue 18), whether they are still starting (importing torch) or training."""
+kubelet's SIGTERM (issue 18), whether they are still starting (importing torch) or training. Deleted
+mid-epoch, the built-in trainer first saves a checkpoint of that step, its grace derived by the
+operator from the pod's terminationGracePeriodSeconds, and the next attempt resumes from it (issue 31)."""
 from __future__ import annotations
 
+import re
+import shutil
+import subprocess
 import time
 
 import pytest
 import yaml
 
 from tests.realpods.conftest import REAL_NODE_SCHEDULING, TRAINER_IMAGE
-from tests.support.cluster import create_namespace, delete_namespace, wait_for
+from tests.support.cluster import REPO_ROOT, create_namespace, delete_namespace, wait_for
 
 GRACE_SECONDS = 30  # the pod default, stated so the bound below reads against it
-# A behaviour bound: the launcher's own stop sends SIGKILL after 5 s; a pod that takes the whole
-# grace period was killed by the kubelet, i.e. the launcher never handled SIGTERM.
+# A behaviour bound: the launcher's own stop sends SIGKILL after the grace less its margin; a pod
+# that takes the whole grace period was killed by the kubelet, i.e. the launcher never handled SIGTERM.
 GONE_WITHIN = 20
+CKPT = "/ckpt"
 
 
-def training_pod(namespace: str, name: str) -> dict:
+def training_pod(namespace: str, name: str, *, volume: str, attempt: int = 0) -> dict:
     """The pod the operator renders for node 0 of a 1-node x 2-process digits job (the master is
-    the pod itself, on loopback), placed on a real node."""
+    the pod itself, on loopback), placed on a real node. Checkpoints at epoch ends only, on a
+    hostPath both real nodes share; its steps slowed a little, so a deletion lands mid-epoch."""
     from ddpjob_operator.api.config import OperatorConfig
     from ddpjob_cli.local import validate
     from ddpjob_operator.builders.render import render_pod
@@ -28,10 +35,14 @@ def training_pod(namespace: str, name: str) -> dict:
                     "metadata": {"name": name, "namespace": namespace},
                     "spec": {"nodes": 1, "nprocPerNode": 2, "gpusPerNode": 0, "image": TRAINER_IMAGE,
                              "trainer": {"dataset": "digits", "model": "mlp", "epochs": 200, "batchSize": 8,
-                                         "logEverySteps": 1}}})
-    pod = render_pod(job, 0, config=OperatorConfig())
+                                         "logEverySteps": 1, "checkpoint": {"dir": CKPT, "everySteps": 0}},
+                             "env": [{"name": "DDPJOB_DEBUG_STEP_SLEEP", "value": "0.05"}],
+                             "volumes": [{"name": "ckpt", "hostPath": {"path": volume, "type": "Directory"}}],
+                             "volumeMounts": [{"name": "ckpt", "mountPath": CKPT}],
+                             "template": {"spec": {"terminationGracePeriodSeconds": GRACE_SECONDS}}}})
+    pod = render_pod(job, 0, attempt=attempt, config=OperatorConfig())
     spec = pod["spec"]
-    spec.update(REAL_NODE_SCHEDULING, terminationGracePeriodSeconds=GRACE_SECONDS)
+    spec.update(REAL_NODE_SCHEDULING)
     (c,) = spec["containers"]
     c["imagePullPolicy"] = "Never"
     for e in c["env"]:
@@ -40,28 +51,62 @@ def training_pod(namespace: str, name: str) -> dict:
     return pod
 
 
+def complete_checkpoints(volume) -> list[int]:
+    from ddpjob_trainer.checkpointing.checkpoint import MANIFEST
+    return sorted(int(p.name.split("-")[1]) for p in volume.glob("step-*") if (p / MANIFEST).is_file())
+
+
 @pytest.mark.parametrize("moment", ["start-up", "training"])
 def test_a_deleted_training_pod_is_gone_within_seconds(real_cluster, moment):
     api = real_cluster.api()
     ns = create_namespace(api, prefix="real-stop-")
     name = "stop"
     pod = f"{name}-0"
+    volume = (REPO_ROOT / ".cache" / "cluster" / "volumes" / ns / "ckpt").resolve()
+    volume.mkdir(parents=True)
+    volume.chmod(0o1777)  # the image runs as a non-root user; hostPath ignores fsGroup
+    follow = None
     try:
-        real_cluster.kubectl("apply", "-n", ns, "-f", "-", input=yaml.safe_dump(training_pod(ns, name)))
+        manifest = training_pod(ns, name, volume=str(volume))
+        assert {"name": "DDPJOB_STOP_GRACE_SECONDS", "value": "23"} in manifest["spec"]["containers"][0]["env"]
+        real_cluster.kubectl("apply", "-n", ns, "-f", "-", input=yaml.safe_dump(manifest))
 
         def phase() -> str:
             return real_cluster.kubectl("get", "pod", pod, "-n", ns, "-o", "jsonpath={.status.phase}").stdout
 
         wait_for(lambda: phase() == "Running", timeout=300, desc=f"pod {pod} Running", interval=0.5)
         if moment == "training":
-            wait_for(lambda: " step " in real_cluster.kubectl("logs", "-n", ns, pod, check=False).stdout,
-                     timeout=300, desc=f"training steps in the log of {pod}", interval=1)
+            # The first epoch's checkpoint measured a save; the pod is deleted inside the second epoch.
+            wait_for(lambda: complete_checkpoints(volume), timeout=300, desc=f"epoch 0's checkpoint in {volume}",
+                     interval=0.2)
+            follow = subprocess.Popen(["kubectl", "logs", "-f", "-n", ns, pod], env=real_cluster.env(),
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         t0 = time.monotonic()
         real_cluster.kubectl("delete", "pod", pod, "-n", ns, "--wait=true", timeout=GRACE_SECONDS + 60)
         took = time.monotonic() - t0
         print(f"pod {pod} deleted at moment {moment!r}: gone after {took:.1f}s (grace {GRACE_SECONDS}s)")
         assert took < GONE_WITHIN, (f"pod {pod} deleted at moment {moment!r} took {took:.1f}s to go "
                                     f"(grace {GRACE_SECONDS}s): the kubelet had to SIGKILL it")
+        if moment != "training":
+            return
+        log, _ = follow.communicate(timeout=60)  # ends with the container
+        saved = re.search(r"stop requested \(SIGTERM\): saving a checkpoint at step (\d+) \(epoch 1, batch (\d+)\)", log)
+        assert saved, log[-3000:]
+        step, batch = int(saved.group(1)), int(saved.group(2))
+        epoch_end = complete_checkpoints(volume)[0]
+        assert step > epoch_end and batch > 0, (epoch_end, step, batch)
+        assert complete_checkpoints(volume) == [epoch_end, step], log[-3000:]
+
+        # The next attempt (what the operator's group restart creates) resumes from that step.
+        real_cluster.kubectl("apply", "-n", ns, "-f", "-",
+                             input=yaml.safe_dump(training_pod(ns, name, volume=str(volume), attempt=1)))
+        resumed = f"resumed from {CKPT}/step-{step:08d} at step {step} (epoch 1, batch {batch})"
+        wait_for(lambda: resumed in real_cluster.kubectl("logs", "-n", ns, pod, check=False).stdout,
+                 timeout=300, desc=f"{resumed!r} in the log of {pod}, attempt 1", interval=1)
     finally:
+        if follow is not None and follow.poll() is None:
+            follow.kill()
+            follow.wait()
         delete_namespace(api, ns)
         api.close()
+        shutil.rmtree(volume.parent, ignore_errors=True)
