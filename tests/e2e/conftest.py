@@ -83,13 +83,13 @@ class Release:
 
 
 def install_release(cluster: Cluster, *sets: str, name: str | None = None, namespace: str,
-                    wait: bool = True, allow_pod_scrape: bool = False) -> Release:
+                    wait: bool = True, allow_pod_scrape: bool = False, chart: Path = CHART) -> Release:
     """`helm install` the chart (release name random unless given) into namespace (created).
 
     The in-cluster operator scrapes loopback (helm_loopback_values, which `sets` may extend but
     not undo: the installed workload is checked) unless `allow_pod_scrape` (real pods only)."""
     name = name or f"d{uuid.uuid4().hex[:6]}"
-    args = ["install", name, str(CHART), "-n", namespace, "--create-namespace"]
+    args = ["install", name, str(chart), "-n", namespace, "--create-namespace"]
     if wait:
         args += ["--wait", "--timeout", "120s"]
     for s in (*OPERATOR_IMAGE_VALUES, *sets):       # the image first: a test's own sets may replace it
