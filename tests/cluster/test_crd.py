@@ -72,7 +72,7 @@ def test_defaults_applied_by_the_api_server(crd, namespace):
     ("job", {"trainer": {"numWorkers": -1}}, "spec.trainer.numWorkers"),   # a CEL rule the local validator once missed
     ("job", {"trainer": {"batch_size": 8}}, "spec.trainer.batch_size"),   # unknown key: strict decoding
     ("j" * 59, {}, "metadata.name"),
-    # spec.template: what the operator owns, refused with the reason (CEL; the local validator's _cel).
+    # spec.template: what the operator owns, refused with the reason (CEL; the local validator evaluates the same rules).
     ("job", {"template": {"spec": {"restartPolicy": "Always"}}}, "spec.template.spec.restartPolicy must be Never"),
     ("job", {"template": {"spec": {"hostname": "fixed"}}}, "spec.template.spec.hostname must not be set"),
     ("job", {"template": {"spec": {"containers": [{"name": "trainer", "image": "other"}]}}},

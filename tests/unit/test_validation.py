@@ -1,4 +1,4 @@
-"""validate_manifest: the CRD schema + its CEL rules in Python, every message naming the field."""
+"""validate_manifest: the CRD schema + its CEL rules (evaluated by a CEL library), every message naming the field."""
 from __future__ import annotations
 
 import copy
@@ -147,9 +147,9 @@ def _crd_rules() -> list[dict]:
     return out
 
 
-# One violation per CEL rule of the CRD, keyed by the rule's message. The local validator
-# re-expresses the rules in Python (validation._cel); this table is how a rule added to or changed
-# in the CRD without the Python side is caught. Transition rules (oldSelf: immutability) need an
+# One violation per CEL rule of the CRD, keyed by the rule's message: the local validator evaluates
+# the CRD's own rules (validation._cel), and this table keeps a violating example of each, so a rule
+# that the CEL library reads differently from the API server shows up here. Transition rules (oldSelf: immutability) need an
 # old object and are the API server's alone (cluster tier: test_immutable_fields_...).
 CEL_VIOLATIONS = {
     "metadata.name: must be at most 58 characters so that every pod's DNS name `<name>-<rank>` fits 63 "
@@ -240,3 +240,25 @@ def test_the_operators_fallbacks_are_the_crds_defaults(spec):
     differ = {n: (getattr(as_written, n), getattr(as_stored, n)) for n in names
               if getattr(as_written, n) != getattr(as_stored, n)}
     assert len(names) > 15 and not differ, differ
+
+
+def test_a_rule_added_to_the_crd_is_enforced_locally_with_no_python_change(tmp_path, monkeypatch):
+    import yaml
+
+    from ddpjob_operator.api import crd as crd_mod
+
+    doc = copy.deepcopy(crd_mod.load_crd())
+    nodes = crd_mod.version_schema(doc)["properties"]["spec"]["properties"]["nodes"]
+    nodes.setdefault("x-kubernetes-validations", []).append(
+        {"rule": "self % 2 == 0", "message": "spec.nodes must be even in this cluster"})
+    path = tmp_path / "crd.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    monkeypatch.setenv(crd_mod.CRD_ENV, str(path))
+    assert "spec.nodes must be even in this cluster" in validate_manifest(with_spec(nodes=3))
+    assert validate_manifest(with_spec(nodes=4)) == []
+
+
+def test_a_missing_name_is_named_once():
+    m = copy.deepcopy(GOOD)
+    del m["metadata"]["name"]
+    assert validate_manifest(m) == ["metadata.name: required field is missing"]
