@@ -81,13 +81,16 @@ def last_writer(relabel_configs: list[dict], label: str) -> dict:
     return writers[-1]
 
 
+pytestmark = pytest.mark.skipif(
+    not (prometheus_operator_dir() / "prometheus-operator").exists(),
+    reason=f"prometheus-operator is not built ({prometheus_operator_dir()}): `hack/build.sh prometheus-operator` "
+           "builds it (not yet part of make cluster-up's build: its cold build measured 6-8.5 min here)")
+
+
 @pytest.fixture
 def rendered(cluster, api, namespace, tmp_path):
     """(the chart's monitoring objects, prometheus.yaml, {rule file: text}) as prometheus-operator wrote them."""
     op_dir = prometheus_operator_dir()
-    if not (op_dir / "prometheus-operator").exists():
-        pytest.skip(f"prometheus-operator is not built ({op_dir}): `hack/build.sh prometheus-operator` builds it "
-                    "(not yet part of make cluster-up's build: its cold build measured 6-8.5 min here)")
     prom_bin, _ = ensure_prometheus()
     cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(op_dir / "crds"), timeout=120)
     for plural in ("prometheuses", "podmonitors", "servicemonitors", "prometheusrules"):
