@@ -239,6 +239,7 @@ def kit():
 
     return types.SimpleNamespace(
         Release=Release, install_release=install_release, uninstall_release=uninstall_release,
+        check_release_scrapes_loopback=check_release_scrapes_loopback,
         can_i=can_i, token_kubeconfig=token_kubeconfig, start_operator=start_operator,
         free_port=free_port, create_namespace=create_namespace, delete_namespace=delete_namespace,
         set_pod_exit=set_pod_exit, wait_for=wait_for, chart=CHART, repo=REPO_ROOT)
