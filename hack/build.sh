@@ -292,6 +292,8 @@ case "${1:-all}" in
     # DDPJOB_REAL_NODES=0: a control plane with kwok nodes only needs no kubelet or CoreDNS.
     [ "${DDPJOB_REAL_NODES:-2}" = 0 ] || build_node_binaries
     [ "${DDPJOB_KUEUE:-1}" = 0 ] || build_kueue
+    # The e2e tier's monitors test needs it (cold: about 4 CPU-min, once per machine).
+    build_prometheus_operator
     ;;
   *) die "unknown target '$1' (kube | scheduler-plugins | kwok | helm | nodes | kueue | prometheus-operator | all)" ;;
 esac

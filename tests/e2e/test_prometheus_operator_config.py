@@ -83,8 +83,8 @@ def last_writer(relabel_configs: list[dict], label: str) -> dict:
 
 pytestmark = pytest.mark.skipif(
     not (prometheus_operator_dir() / "prometheus-operator").exists(),
-    reason=f"prometheus-operator is not built ({prometheus_operator_dir()}): `hack/build.sh prometheus-operator` "
-           "builds it (not yet part of make cluster-up's build: its cold build measured 6-8.5 min here)")
+    reason=f"prometheus-operator is not built ({prometheus_operator_dir()}): `make cluster-up` (hack/build.sh all) "
+           "or `hack/build.sh prometheus-operator` builds it")
 
 
 @pytest.fixture
