@@ -172,6 +172,9 @@ def _cel(obj: dict[str, Any]) -> list[str]:
         for key, low in (("maxRestarts", 0), ("podStartTimeoutSeconds", 1)):
             if is_int(fp.get(key)) and fp[key] < low:
                 errs.append(f"spec.failurePolicy.{key} must be >= {low}")
+        keep = fp.get("keepFailedAttempts")
+        if is_int(keep) and not 0 <= keep <= 10:
+            errs.append("spec.failurePolicy.keepFailedAttempts must be between 0 and 10")
     for key, low in (("hangTimeoutSeconds", 1), ("ttlSecondsAfterFinished", 0), ("activeDeadlineSeconds", 1)):
         if is_int(spec.get(key)) and spec[key] < low:
             errs.append(f"spec.{key} must be >= {low}")
