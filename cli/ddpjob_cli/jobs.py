@@ -93,12 +93,16 @@ def get(kube: Kube, name: str, output: str | None) -> None:
 @click.command()
 @cluster_command
 @click.argument("name")
+@click.option("--live", is_flag=True,
+              help="Also each process's own numbers (stage, step, samples/s, step and data-wait time, GPU memory), "
+                   "read as `top --live` reads them (needs get on pods/proxy).")
 @output_option()
-def describe(kube: Kube, name: str, output: str | None) -> None:
+def describe(kube: Kube, name: str, live: bool, output: str | None) -> None:
     """Spec, phase, conditions, per-rank pods, failed attempts and recent events of a DDPJob."""
     job = kube.get_job(name)
     pods = kube.pods(name)
-    data = views.describe_data(job, kube.events(), pods, now())
+    samples, notes = _live_samples(kube, job, pods) if live else (None, [])
+    data = views.describe_data(job, kube.events(), pods, now(), samples=samples, notes=notes)
     click.echo(views.dump(data, output) if output else views.describe_text(data, now()), nl=False)
 
 

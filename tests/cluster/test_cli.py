@@ -279,8 +279,8 @@ def test_errors_are_one_line(cluster, env, tmp_path):
 
 
 # Rank 1 of attempt 0 fails at once (exit 3, two lines); then each pod prints a line, serves a fixed
-# exposition on its metrics port until 2 s after its first scrape (60 s at most), prints another
-# line and exits 0.
+# exposition on its metrics port until 2 s after its second scrape (`top --live`, then `describe
+# --live`; 60 s at most), prints another line and exits 0.
 REAL_POD_SCRIPT = r'''
 import http.server, os, signal, time
 signal.signal(signal.SIGTERM, lambda *_: os._exit(143))   # as PID 1, no default action would end it
@@ -294,11 +294,13 @@ lab = f'rank="{r}",local_rank="0",node_rank="{r}"'
 body = "".join(f"ddpjob_trainer_{m}{{{lab}}} {v}\n" for m, v in (
     ("step", 10 + r), ("samples_total", 640), ("step_seconds_sum", 2.0 * (1 + r)), ("step_seconds_count", 10)))
 body += f'ddpjob_trainer_stage{{{lab},stage="training"}} 1\n'
-end = time.time() + 60
+end, scrapes = time.time() + 60, 0
 class H(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
-        global end
-        end = min(end, time.time() + 2)
+        global end, scrapes
+        scrapes += 1
+        if scrapes == 2:
+            end = min(end, time.time() + 2)
         self.send_response(200); self.end_headers(); self.wfile.write(body.encode())
     def log_message(self, *a): pass
 srv = http.server.HTTPServer(("", port), H)
@@ -313,7 +315,7 @@ def test_logs_and_top_live_on_real_pods(cluster, env, tmp_path):
     """On the local cluster's two real nodes: after a group restart the failed rank's pod is kept
     (ended, out of the Service's endpoints) and `logs --attempt 0` reads its last lines from it,
     `top --live` reads each pod's metrics through the API server, `logs -f --all-ranks` follows
-    both pods to their end, `logs --rank 1` reads one."""
+    both pods to their end, `logs --rank 1` reads one; `describe --live` shows the same numbers."""
     from tests.realpods.conftest import REAL_NODE_SCHEDULING, TRAINER_IMAGE, real_nodes
 
     if os.environ.get("DDPJOB_REAL_NODES") == "0" or len(real_nodes(cluster)) < 2:
@@ -343,6 +345,9 @@ def test_logs_and_top_live_on_real_pods(cluster, env, tmp_path):
     procs = {ln.split()[0]: ln.split() for ln in top.split("DATA WAIT MS")[1].splitlines()[1:] if ln.strip()}
     assert procs["0"][:7] == ["0", "0", "real-0-a1", "training", "10", "-", "320.0"], top
     assert procs["1"][:8] == ["1", "1", "real-1-a1", "training", "11", "-", "160.0", "400.0"], top
+    described = ok(ddpjob(cluster, "describe", "real", "--live", "-n", ns))
+    live = described.split("Processes (live):")[1].split("Failures (earlier attempts):")[0].splitlines()[2:]
+    assert [ln.split()[:8] for ln in live] == [procs["0"][:8], procs["1"][:8]], described
 
     followed = ok(ddpjob(cluster, "logs", "real", "--all-ranks", "-f", "-n", ns)).splitlines()
     assert {"[rank 0] bye from rank 0", "[rank 1] bye from rank 1", "[rank 1] hello from rank 1"} <= set(followed)

@@ -243,6 +243,19 @@ def test_top_live_adds_each_process_own_numbers_and_flags_the_named_rank():
                             notes=["rank 1: no metrics (boom)"])
     assert "DATA WAIT MS" in screen and screen.rstrip().endswith("rank 1: no metrics (boom)")
     assert "no process reported metrics yet" in views.top_text(job, [], NOW, samples={})
+    # describe --live: the same numbers under the per-rank table, as data and as text.
+    data = views.describe_data(job, [], [placed(make_pod(0), "n0"), placed(make_pod(1), "n1")], NOW, samples=samples,
+                               notes=["rank 1: no metrics (boom)"])
+    assert data["processes"][3] == dict(zip(views.PROCESS_HEADERS, [cells for cells, _ in rows][3]))
+    text = views.describe_text(data, NOW)
+    live = text.split("Processes (live):\n")[1].split("Failures (earlier attempts):")[0].splitlines()
+    assert live[0].split() == ["RANK", "NODE", "RANK", "POD", "STAGE", "STEP", "LOSS", "SAMPLES/S", "STEP", "MS", "DATA",
+                               "WAIT", "MS", "GPU", "MEM", "GiB", "FLAGS"]
+    assert live[4].split() == ["3", "1", "j-1", "training", "13", "0.25", "160.0", "400.0", "50.0", "2.00", "straggler"]
+    assert live[-1] == "  rank 1: no metrics (boom)"
+    # Without --live, nothing is read and nothing is said.
+    plain = views.describe_data(job, [], [], NOW)
+    assert "processes" not in plain and "Processes (live)" not in views.describe_text(plain, NOW)
 
 
 def test_progress_line_says_why_progress_is_unavailable():
