@@ -476,7 +476,7 @@ def top_text(job: dict[str, Any], pods: list[dict[str, Any]], now: dt.datetime, 
 def every_rank(job: dict[str, Any], pods: list[dict[str, Any]], *, rank: int | None, all_ranks: bool,
                attempt: int | None) -> bool:
     """True when `logs` shows every rank it finds, each line prefixed: --all-ranks, or an earlier
-    attempt without --rank (what it kept are the ranks that had ended, the failed ones among them)."""
+    attempt without --rank (what it kept are its failed ranks' pods)."""
     return all_ranks or (rank is None and attempt is not None and attempt != current_attempt(job, pods))
 
 

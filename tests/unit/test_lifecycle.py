@@ -72,6 +72,14 @@ def test_a_restart_keeps_the_ended_pods_of_the_last_failed_attempts(keep, attemp
     assert set(d.delete_pods) == kept and d.create_ranks == [0, 1]
 
 
+def test_a_rank_that_had_exited_0_is_not_kept():
+    # Its log tells nothing of the failure, and a gang scheduler counting finished members
+    # (Volcano) could count it towards the next attempt's gang.
+    pods = [make_pod(0, phase="Succeeded", exit_code=0), make_pod(1, phase="Failed", exit_code=1)]
+    d = decide(make_job(nodes=2), pods, now=NOW, prev_status=running_status())
+    assert d.phase is Phase.RESTARTING and d.delete_pods == ["j-0"]
+
+
 def test_a_suspend_and_cleanpodpolicy_all_delete_kept_pods():
     kept = make_pod(1, attempt=0, phase="Failed", exit_code=1)
     running = [make_pod(0, attempt=1), make_pod(1, attempt=1)]

@@ -414,13 +414,14 @@ def decide(job: JobSpec, pods: list[dict[str, Any]], *, now: dt.datetime, prev_s
 
 def kept_pods(job: JobSpec, pods: list[dict[str, Any]], attempt: int) -> set[str]:
     """Names of the pods of earlier attempts that stay for inspection while `attempt` is current:
-    those that ended (Succeeded, Failed: they hold no node resources) in the last
-    spec.failurePolicy.keepFailedAttempts attempts. Pods still running or pending when their
-    attempt failed are deleted with it (stopping them is what frees their GPUs), so a running
-    job has at most one pod per rank that has not ended."""
+    the Failed ones (they hold no node resources) of the last spec.failurePolicy.keepFailedAttempts
+    attempts. Pods still running or pending when their attempt failed are deleted with it (that
+    frees their GPUs), so a running job has at most one pod per rank that has not ended; so is a
+    rank that had exited 0, whose log tells nothing of the failure, and which a gang scheduler
+    counting finished members (Volcano) could count towards the next attempt's gang."""
     oldest = attempt - job.keep_failed_attempts
     return {podinfo.name(p) for p in pods
-            if oldest <= podinfo.attempt(p) < attempt and podinfo.ended(p) and not podinfo.terminating(p)}
+            if oldest <= podinfo.attempt(p) < attempt and podinfo.phase(p) == "Failed" and not podinfo.terminating(p)}
 
 
 # A terminating pod still there this long after its grace period ended is on a node whose kubelet
