@@ -93,12 +93,16 @@ def get(kube: Kube, name: str, output: str | None) -> None:
 @click.command()
 @cluster_command
 @click.argument("name")
+@click.option("--live", is_flag=True,
+              help="Also each process's own numbers (stage, step, samples/s, step and data-wait time, GPU memory), "
+                   "read as `top --live` reads them (needs get on pods/proxy).")
 @output_option()
-def describe(kube: Kube, name: str, output: str | None) -> None:
+def describe(kube: Kube, name: str, live: bool, output: str | None) -> None:
     """Spec, phase, conditions, per-rank pods, failed attempts and recent events of a DDPJob."""
     job = kube.get_job(name)
     pods = kube.pods(name)
-    data = views.describe_data(job, kube.events(), pods, now())
+    samples, notes = _live_samples(kube, job, pods) if live else (None, [])
+    data = views.describe_data(job, kube.events(), pods, now(), samples=samples, notes=notes)
     click.echo(views.dump(data, output) if output else views.describe_text(data, now()), nl=False)
 
 
@@ -247,8 +251,10 @@ resume = _suspend_command("resume", "resumed", False,
 @click.option("--rank", type=int, default=None, help="Node rank whose pod to show (default 0).")
 @click.option("--all-ranks", is_flag=True, help="Every rank's pod, each line prefixed [rank N].")
 @click.option("--attempt", type=int, default=None,
-              help="An attempt's pods (default: the current one); once they are gone, the failed ranks' log "
-                   "tails kept in the status (spec.failurePolicy.logTailInStatus).")
+              help="An attempt's pods (default: the current one): an earlier attempt's ended pods stay "
+                   "(spec.failurePolicy.keepFailedAttempts), each rank's lines prefixed unless --rank; once "
+                   "they are gone, the failed ranks' log tails kept in the status "
+                   "(spec.failurePolicy.logTailInStatus).")
 @click.option("--follow", "-f", is_flag=True, help="Stream until the containers end.")
 @click.option("--tail", type=int, default=None, help="Lines from the end of each log.")
 def logs(kube: Kube, name: str, rank: int | None, all_ranks: bool, attempt: int | None, follow: bool,
@@ -258,6 +264,7 @@ def logs(kube: Kube, name: str, rank: int | None, all_ranks: bool, attempt: int 
         raise click.UsageError("--rank and --all-ranks exclude each other")
     job = kube.get_job(name)
     pods = kube.pods(name)
+    all_ranks = views.every_rank(job, pods, rank=rank, all_ranks=all_ranks, attempt=attempt)
     chosen = views.log_pods(job, pods, rank=rank, all_ranks=all_ranks, attempt=attempt)
     if not chosen and attempt is not None:
         kept = views.kept_tails(job, attempt=attempt, rank=rank, all_ranks=all_ranks)

@@ -8,7 +8,7 @@ import datetime as dt
 from dataclasses import dataclass
 
 from ddpjob_operator.api import labels
-from ddpjob_operator.builders.envvars import pod_hostname
+from ddpjob_operator.builders.envvars import pod_name
 from ddpjob_operator.decisions.lifecycle import Decision, decide
 from ddpjob_operator.api.phases import Phase
 from ddpjob_operator.api.spec import JobSpec
@@ -36,7 +36,7 @@ def node_pod(job: JobSpec, rank: int, *, tally: Tally, returncode: int | None) -
         status = {"phase": "Succeeded" if code == 0 else "Failed",
                   "containerStatuses": [{"name": labels.CONTAINER,
                                          "state": {"terminated": {"exitCode": code}}}]}
-    return {"metadata": {"name": pod_hostname(job, rank), "namespace": job.namespace,
+    return {"metadata": {"name": pod_name(job.name, rank, tally.attempt), "namespace": job.namespace,
                          "labels": {labels.JOB_NAME: job.name, labels.NODE_RANK: str(rank),
                                     labels.ATTEMPT: str(tally.attempt)},
                          "annotations": {labels.RESTARTS: str(tally.restarts),

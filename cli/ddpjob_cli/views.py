@@ -239,11 +239,16 @@ def events_of(job: dict[str, Any], events: list[dict[str, Any]], pods: list[dict
 
 
 def describe_data(job: dict[str, Any], events: list[dict[str, Any]], pods: list[dict[str, Any]],
-                  now: dt.datetime, *, max_events: int = 20) -> dict[str, Any]:
-    """Everything `describe` shows, as plain data (what -o json|yaml prints)."""
+                  now: dt.datetime, *, max_events: int = 20, samples: Mapping[int, RankSample] | None = None,
+                  notes: Iterable[str] = ()) -> dict[str, Any]:
+    """Everything `describe` shows, as plain data (what -o json|yaml prints); with `samples`
+    (`--live`, as `top --live` reads them) every process's own numbers, and `notes` on pods not read."""
     st = status_of(job)
     evs = events_of(job, events, pods)[-max_events:]
-    return {
+    live: dict[str, Any] = {} if samples is None else {
+        "processes": [dict(zip(PROCESS_HEADERS, cells)) for cells, _ in process_rows(job, samples)],
+        "notes": list(notes)}
+    return {**live,
         "name": meta(job).get("name"), "namespace": meta(job).get("namespace"),
         "created": meta(job).get("creationTimestamp"),
         "spec": dict(spec_summary(job)),
@@ -318,6 +323,11 @@ def describe_text(data: dict[str, Any], now: dt.datetime) -> str:
     rows = [RankRow(r["rank"], r["pod"] or "", r["node"] or "", r["phase"], r["ready"], r["restarts"], r["exitCode"],
                     r["startTime"] or "", tuple(r["flags"])).cells(now) for r in data["ranks"]]
     out.append(_indent(table(RANK_HEADERS, rows)) if rows else "  <none>")
+    if "processes" in data:
+        out.append("Processes (live):")
+        procs = [[str(p.get(h, NONE)) for h in PROCESS_HEADERS] for p in data["processes"]]
+        out.append(_indent(table(PROCESS_HEADERS, procs)) if procs else "  no process reported metrics yet")
+        out += [f"  {note}" for note in data.get("notes") or []]
     out.append("Failures (earlier attempts):")
     if data["failures"]:
         out.append(_indent(table(["ATTEMPT", "RANK", "POD", "NODE", "EXIT", "REASON", "FINISHED", "LAST LINE"],
@@ -462,6 +472,13 @@ def top_text(job: dict[str, Any], pods: list[dict[str, Any]], now: dt.datetime, 
 
 
 # --- logs -------------------------------------------------------------------------------------------
+
+def every_rank(job: dict[str, Any], pods: list[dict[str, Any]], *, rank: int | None, all_ranks: bool,
+               attempt: int | None) -> bool:
+    """True when `logs` shows every rank it finds, each line prefixed: --all-ranks, or an earlier
+    attempt without --rank (what it kept are its failed ranks' pods)."""
+    return all_ranks or (rank is None and attempt is not None and attempt != current_attempt(job, pods))
+
 
 def log_pods(job: dict[str, Any], pods: list[dict[str, Any]], *, rank: int | None, all_ranks: bool,
              attempt: int | None) -> list[tuple[int, str]]:

@@ -29,7 +29,7 @@ from kubernetes import client
 
 from tests.cluster.conftest import wait_for
 from tests.cluster.test_crd import install_crd
-from tests.cluster.test_operator import Operator
+from tests.cluster.test_operator import Operator, endpoint_pods
 from tests.support.cluster import create_namespace, delete_namespace, set_pod_exit
 from ddpjob_cli.main import main
 
@@ -279,8 +279,8 @@ def test_errors_are_one_line(cluster, env, tmp_path):
 
 
 # Rank 1 of attempt 0 fails at once (exit 3, two lines); then each pod prints a line, serves a fixed
-# exposition on its metrics port until 2 s after its first scrape (60 s at most), prints another
-# line and exits 0.
+# exposition on its metrics port until 2 s after its second scrape (`top --live`, then `describe
+# --live`; 60 s at most), prints another line and exits 0.
 REAL_POD_SCRIPT = r'''
 import http.server, os, signal, time
 signal.signal(signal.SIGTERM, lambda *_: os._exit(143))   # as PID 1, no default action would end it
@@ -294,11 +294,13 @@ lab = f'rank="{r}",local_rank="0",node_rank="{r}"'
 body = "".join(f"ddpjob_trainer_{m}{{{lab}}} {v}\n" for m, v in (
     ("step", 10 + r), ("samples_total", 640), ("step_seconds_sum", 2.0 * (1 + r)), ("step_seconds_count", 10)))
 body += f'ddpjob_trainer_stage{{{lab},stage="training"}} 1\n'
-end = time.time() + 60
+end, scrapes = time.time() + 60, 0
 class H(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
-        global end
-        end = min(end, time.time() + 2)
+        global end, scrapes
+        scrapes += 1
+        if scrapes == 2:
+            end = min(end, time.time() + 2)
         self.send_response(200); self.end_headers(); self.wfile.write(body.encode())
     def log_message(self, *a): pass
 srv = http.server.HTTPServer(("", port), H)
@@ -310,9 +312,10 @@ print(f"bye from rank {r}", flush=True)
 
 
 def test_logs_and_top_live_on_real_pods(cluster, env, tmp_path):
-    """On the local cluster's two real nodes: after a group restart, `logs --attempt 0` shows the
-    failed rank's last lines, `top --live` reads each pod's metrics through the API server,
-    `logs -f --all-ranks` follows both pods to their end, `logs --rank 1` reads one."""
+    """On the local cluster's two real nodes: after a group restart the failed rank's pod is kept
+    (ended, out of the Service's endpoints) and `logs --attempt 0` reads its last lines from it,
+    `top --live` reads each pod's metrics through the API server, `logs -f --all-ranks` follows
+    both pods to their end, `logs --rank 1` reads one; `describe --live` shows the same numbers."""
     from tests.realpods.conftest import REAL_NODE_SCHEDULING, TRAINER_IMAGE, real_nodes
 
     if os.environ.get("DDPJOB_REAL_NODES") == "0" or len(real_nodes(cluster)) < 2:
@@ -324,17 +327,27 @@ def test_logs_and_top_live_on_real_pods(cluster, env, tmp_path):
                                           failurePolicy={"maxRestarts": 1, "logTailInStatus": True}), "-n", ns))
     wait_for(lambda: "hello from rank 1" in ddpjob(cluster, "logs", "real", "--rank", "1", "-n", ns).stdout,
              timeout=120, desc="rank 1's first line in attempt 1")
+    pods = {p.metadata.name: p for p in client.CoreV1Api(api).list_namespaced_pod(
+        ns, label_selector="ddpjob.dev/job-name=real").items if p.metadata.deletion_timestamp is None}
+    # The failed rank's pod stays, ended; the rank that was running went with its attempt.
+    assert (pods["real-1"].metadata.labels["ddpjob.dev/attempt"], pods["real-1"].status.phase) == ("0", "Failed")
+    assert sorted(pods) == ["real-0-a1", "real-1", "real-1-a1"], sorted(pods)
+    wait_for(lambda: endpoint_pods(api, ns, "real") == ["real-0-a1", "real-1-a1"], timeout=30,
+             desc="the Service lists attempt 1's pods only")
     kept = ddpjob(cluster, "logs", "real", "--attempt", "0", "-n", ns)
-    assert ok(kept).splitlines()[-2:] == ["[rank 1] rank 1 starts attempt 0", "[rank 1] RuntimeError: rank 1 fails attempt 0"]
-    assert "attempt 0's pods are gone" in kept.stderr
+    assert ok(kept).splitlines() == ["[rank 1] rank 1 starts attempt 0", "[rank 1] RuntimeError: rank 1 fails attempt 0"]
+    assert kept.stderr == ""   # read from the kept pod, not from the tails in the status
     failure = ok(ddpjob(cluster, "describe", "real", "-n", ns)).split("Failures (earlier attempts):")[1].splitlines()[2]
     assert failure.split()[:5] == ["0", "1", "real-1"] + failure.split()[3:4] + ["3"] and \
         failure.rstrip().endswith("RuntimeError: rank 1 fails attempt 0"), failure
 
     top = ok(ddpjob(cluster, "top", "real", "--once", "--live", "-n", ns))
     procs = {ln.split()[0]: ln.split() for ln in top.split("DATA WAIT MS")[1].splitlines()[1:] if ln.strip()}
-    assert procs["0"][:7] == ["0", "0", "real-0", "training", "10", "-", "320.0"], top
-    assert procs["1"][:8] == ["1", "1", "real-1", "training", "11", "-", "160.0", "400.0"], top
+    assert procs["0"][:7] == ["0", "0", "real-0-a1", "training", "10", "-", "320.0"], top
+    assert procs["1"][:8] == ["1", "1", "real-1-a1", "training", "11", "-", "160.0", "400.0"], top
+    described = ok(ddpjob(cluster, "describe", "real", "--live", "-n", ns))
+    live = described.split("Processes (live):")[1].split("Failures (earlier attempts):")[0].splitlines()[2:]
+    assert [ln.split()[:8] for ln in live] == [procs["0"][:8], procs["1"][:8]], described
 
     followed = ok(ddpjob(cluster, "logs", "real", "--all-ranks", "-f", "-n", ns)).splitlines()
     assert {"[rank 0] bye from rank 0", "[rank 1] bye from rank 1", "[rank 1] hello from rank 1"} <= set(followed)

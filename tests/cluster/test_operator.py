@@ -236,20 +236,51 @@ def test_running_job_at_rest_costs_no_api_requests(start_operator, k8s):
     assert not [k for k in before if k.startswith("GET ")], before
 
 
+def pod_table(k8s, name):
+    """(pod, attempt, phase) of the job's pods that are not being deleted."""
+    return sorted((p.metadata.name, p.metadata.labels["ddpjob.dev/attempt"], p.status.phase)
+                  for p in k8s.pods(name) if p.metadata.deletion_timestamp is None)
+
+
+def endpoint_pods(api, ns, service):
+    """The pods the headless Service's EndpointSlices list (what its DNS names resolve to)."""
+    slices = client.DiscoveryV1Api(api).list_namespaced_endpoint_slice(
+        ns, label_selector=f"kubernetes.io/service-name={service}").items
+    return sorted(e.target_ref.name for s in slices for e in s.endpoints or [] if e.target_ref)
+
+
 def test_pod_failure_and_deletion_restart_the_group(start_operator, k8s):
+    """A group restart keeps the failed attempt's ended pods (spec.failurePolicy.keepFailedAttempts,
+    default 1) beside the new attempt's, whose pods carry the attempt in their names; the kept pods
+    leave the Service's endpoints, older ones are pruned, and keepFailedAttempts 0 deletes them."""
     op = start_operator()
     k8s.apply("grp", nodes=3)
     k8s.wait_status("grp", running(3), "Running 3/3")
     set_pod_exit(k8s.core.api_client, k8s.ns, "grp-1", 1)
     status = k8s.wait_status("grp", lambda s: s.get("restarts") == 1 and running(3)(s), "restarted once")
     assert status["attempt"] == 1 and status["countedRestarts"] == 1
-    assert {p.metadata.labels["ddpjob.dev/attempt"] for p in k8s.pods("grp")} == {"1"}
+    new = [(f"grp-{r}-a1", "1", "Running") for r in range(3)]
+    wait_for(lambda: pod_table(k8s, "grp") == sorted([("grp-1", "0", "Failed"), *new]), timeout=30,
+             desc=f"the failed pod kept beside attempt 1 ({pod_table(k8s, 'grp')})")
     assert any(r == "Restarting" and "grp-1 failed with exit code 1" in m for _, r, m in k8s.events("grp"))
-    # Deleting a pod (as a user would) also restarts the whole group.
-    k8s.core.delete_namespaced_pod("grp-0", k8s.ns)
+    # DNS and MASTER_ADDR stay: the Service lists only the running pods, not the kept one.
+    wait_for(lambda: endpoint_pods(k8s.core.api_client, k8s.ns, "grp") == [n for n, _, _ in new], timeout=30,
+             desc=f"endpoints of attempt 1 only ({endpoint_pods(k8s.core.api_client, k8s.ns, 'grp')})")
+    # Another failure: its failed pod is kept, the one from two attempts back pruned.
+    set_pod_exit(k8s.core.api_client, k8s.ns, "grp-2-a1", 1)
     k8s.wait_status("grp", lambda s: s.get("restarts") == 2 and running(3)(s), "restarted twice")
-    pods = k8s.pods("grp")
-    assert len(pods) == 3 and {p.metadata.labels["ddpjob.dev/attempt"] for p in pods} == {"2"}
+    wait_for(lambda: pod_table(k8s, "grp") == sorted([("grp-2-a1", "1", "Failed"),
+                                                     *[(f"grp-{r}-a2", "2", "Running") for r in range(3)]]),
+             timeout=30, desc=f"attempt 1's failed pod kept, attempt 0's pruned ({pod_table(k8s, 'grp')})")
+    # keepFailedAttempts 0: kept pods go at once.
+    k8s.patch("grp", {"failurePolicy": {"keepFailedAttempts": 0}})
+    wait_for(lambda: [n for n, _, _ in pod_table(k8s, "grp")] == [f"grp-{r}-a2" for r in range(3)], timeout=30,
+             desc=f"no kept pod ({pod_table(k8s, 'grp')})")
+    # Deleting a pod (as a user would) also restarts the whole group.
+    k8s.core.delete_namespaced_pod("grp-0-a2", k8s.ns)
+    k8s.wait_status("grp", lambda s: s.get("restarts") == 3 and running(3)(s), "restarted three times")
+    wait_for(lambda: pod_table(k8s, "grp") == [(f"grp-{r}-a3", "3", "Running") for r in range(3)], timeout=30,
+             desc=f"attempt 3 alone ({pod_table(k8s, 'grp')})")
     # The Service outlives group restarts: created once, never re-POSTed.
     assert api_requests(op)["POST services"] == 1
 
@@ -265,15 +296,17 @@ def test_a_new_attempt_waits_until_the_old_master_is_gone(start_operator, k8s):
     try:
         set_pod_exit(k8s.core.api_client, k8s.ns, "gen-1", 1)
         k8s.wait_status("gen", lambda s: s.get("restarts") == 1, "restart 1")
-        wait_for(lambda: [p.metadata.name for p in k8s.pods("gen")] == ["gen-0"], timeout=30,
-                 desc="only the held old master left")
+        # Left: the held old master and the failed rank's pod (kept for its logs).
+        old = [("gen-0", "0", "Running"), ("gen-1", "0", "Failed")]
+        wait_for(lambda: [(p.metadata.name, p.metadata.labels["ddpjob.dev/attempt"], p.status.phase)
+                          for p in k8s.pods("gen")] == old, timeout=30, desc="only the held old master left")
         time.sleep(3)  # several operator passes (a pod event each) — still nothing new beside it
         pods = k8s.pods("gen")
-        assert [(p.metadata.name, p.metadata.labels["ddpjob.dev/attempt"]) for p in pods] == [("gen-0", "0")]
+        assert [(p.metadata.name, p.metadata.labels["ddpjob.dev/attempt"], p.status.phase) for p in pods] == old
     finally:  # or the namespace could never be deleted
         k8s.core.patch_namespaced_pod("gen-0", k8s.ns, {"metadata": {"finalizers": None}})
     k8s.wait_status("gen", lambda s: s.get("attempt") == 1 and running(2)(s), "attempt 1 Running 2/2")
-    assert {p.metadata.labels["ddpjob.dev/attempt"] for p in k8s.pods("gen")} == {"1"}
+    assert {p.metadata.labels["ddpjob.dev/attempt"] for p in k8s.pods("gen") if p.status.phase != "Failed"} == {"1"}
 
 
 def test_restart_budget_exhausted_fails(start_operator, k8s):
@@ -282,16 +315,18 @@ def test_restart_budget_exhausted_fails(start_operator, k8s):
     k8s.wait_status("budget", running(2), "Running")
     set_pod_exit(k8s.core.api_client, k8s.ns, "budget-0", 2)
     k8s.wait_status("budget", lambda s: s.get("restarts") == 1 and running(2)(s), "one restart")
-    set_pod_exit(k8s.core.api_client, k8s.ns, "budget-1", 2)
+    set_pod_exit(k8s.core.api_client, k8s.ns, "budget-1-a1", 2)
     status = k8s.wait_status("budget", lambda s: s.get("phase") == "Failed", "Failed")
     assert status["reason"] == "RestartLimitExceeded" and status["restarts"] == 1
     assert "completionTime" in status
-    # cleanPodPolicy Running: the failed pod stays for its logs, the running one is removed.
-    wait_for(lambda: [p.metadata.name for p in k8s.pods("budget")] == ["budget-1"], timeout=20,
-             desc="only the failed pod left")
+    # cleanPodPolicy Running: the failed pods stay for their logs (attempt 0's too, kept by the
+    # restart), the running one is removed.
+    failed = ["budget-0", "budget-1-a1"]
+    wait_for(lambda: [p.metadata.name for p in k8s.pods("budget")] == failed, timeout=20,
+             desc="only the failed pods left")
     time.sleep(1)
     assert k8s.status("budget")["phase"] == "Failed"  # stays failed: no new pods
-    assert [p.metadata.name for p in k8s.pods("budget")] == ["budget-1"]
+    assert [p.metadata.name for p in k8s.pods("budget")] == failed
 
 
 def test_eviction_does_not_count_against_the_budget(start_operator, k8s):

@@ -13,6 +13,7 @@ from typing import Any
 
 from ddpjob_operator.api import labels
 from ddpjob_operator.api.spec import API_VERSION, KIND, JobSpec, from_manifest
+from ddpjob_operator.builders.envvars import pod_name
 
 NOW = dt.datetime(2026, 11, 22, 12, 0, 0, tzinfo=dt.timezone.utc)
 
@@ -59,7 +60,7 @@ def make_pod(rank: int = 0, *, job: str = "j", attempt: int = 0, phase: str = "R
              counted_restarts: int | None = None, node_name: str | None = None, pod_ip: str | None = None,
              name: str | None = None, namespace: str = "ns", uid: str | None = None,
              resource_version: int | None = None) -> dict[str, Any]:
-    """Pod <job>-<rank> of one attempt, as a watch delivers it: the operator's labels, and
+    """The pod of one rank of one attempt (named as the operator names it), as a watch delivers it: the operator's labels, and
     the restart-counter annotations only when `restarts` / `counted_restarts` are given.
 
     exit_code: the trainer container terminated with it (`message`: its termination message).
@@ -68,7 +69,7 @@ def make_pod(rank: int = 0, *, job: str = "j", attempt: int = 0, phase: str = "R
     DisruptionTarget condition with this reason (DeletionByPodGC, PreemptionByScheduler ...).
     reason: status.reason. unschedulable_for: the scheduler has found no node for that long (s).
     """
-    name = name or f"{job}-{rank}"
+    name = name or pod_name(job, rank, attempt)
     meta: dict[str, Any] = {
         "name": name, "namespace": namespace, "uid": uid or f"uid-{name}-{attempt}",
         "labels": {labels.JOB_NAME: job, labels.MANAGED_BY: labels.MANAGER,

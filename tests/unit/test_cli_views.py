@@ -72,7 +72,7 @@ def test_rank_rows_take_the_current_attempt_and_show_missing_ranks():
             placed(make_pod(2, attempt=1, phase="Failed", exit_code=137), "n2")]
     rows = views.rank_rows(job, pods)
     assert [(r.rank, r.pod, r.node, r.phase, r.exit_code) for r in rows] == [
-        (0, "j-0", "n0", "Running", None), (1, "", "", "-", None), (2, "j-2", "n2", "Failed", 137)]
+        (0, "j-0-a1", "n0", "Running", None), (1, "", "", "-", None), (2, "j-2-a1", "n2", "Failed", 137)]
 
 
 def test_rank_rows_flag_the_pods_a_straggler_condition_names():
@@ -114,7 +114,7 @@ def test_describe_shows_spec_conditions_ranks_failures_and_only_this_jobs_events
     events = [{"type": "Warning", "reason": "Restarting", "message": "restarting all 2 node(s)",
                "involvedObject": {"kind": "DDPJob", "name": "j", "uid": "uid-j"}, "lastTimestamp": ago(90)},
               {"type": "Normal", "reason": "Scheduled", "message": "assigned",
-               "involvedObject": {"kind": "Pod", "name": "j-0"}, "lastTimestamp": ago(80)},
+               "involvedObject": {"kind": "Pod", "name": "j-0-a1"}, "lastTimestamp": ago(80)},
               {"type": "Normal", "reason": "Created", "message": "someone else's",
                "involvedObject": {"kind": "DDPJob", "name": "other"}, "lastTimestamp": ago(10)}]
     data = views.describe_data(job, events, pods, NOW)
@@ -125,7 +125,7 @@ def test_describe_shows_spec_conditions_ranks_failures_and_only_this_jobs_events
     assert "Restarts:             1 (1/2 of the budget)" in text
     assert "MLflow run:           abc123 http://mlf/#/experiments/7/runs/abc123" in text and "pw" not in text
     assert "Running   True     Running   1m00s   all 2 pods running" in text
-    assert "j-1   n3" in text                                       # the current attempt's rank 1
+    assert "j-1-a1   n3" in text                                    # the current attempt's rank 1
     failure = next(ln for ln in text.splitlines() if "OOMKilled" in ln)
     assert "137 (signal 9)" in failure and failure.rstrip().endswith("Killed")
     assert "someone else's" not in text
@@ -170,13 +170,25 @@ def test_wait_outcome_of_a_deleted_job_is_an_end():
 
 def test_log_pods_default_to_rank_0_of_the_current_attempt():
     job = job_with(running_status(attempt=2))
-    pods = [make_pod(1, attempt=2), make_pod(0, attempt=2), make_pod(0, attempt=1, name="old-0")]
-    assert views.log_pods(job, pods, rank=None, all_ranks=False, attempt=None) == [(0, "j-0")]
-    assert views.log_pods(job, pods, rank=1, all_ranks=False, attempt=None) == [(1, "j-1")]
-    assert views.log_pods(job, pods, rank=None, all_ranks=True, attempt=None) == [(0, "j-0"), (1, "j-1")]
-    assert views.log_pods(job, pods, rank=None, all_ranks=True, attempt=1) == [(0, "old-0")]
+    pods = [make_pod(1, attempt=2), make_pod(0, attempt=2), make_pod(0, attempt=1, phase="Failed", exit_code=1)]
+    assert views.log_pods(job, pods, rank=None, all_ranks=False, attempt=None) == [(0, "j-0-a2")]
+    assert views.log_pods(job, pods, rank=1, all_ranks=False, attempt=None) == [(1, "j-1-a2")]
+    assert views.log_pods(job, pods, rank=None, all_ranks=True, attempt=None) == [(0, "j-0-a2"), (1, "j-1-a2")]
+    assert views.log_pods(job, pods, rank=None, all_ranks=True, attempt=1) == [(0, "j-0-a1")]
     assert views.log_pods(job, pods, rank=5, all_ranks=False, attempt=None) == []
     assert views.prefixed(3, "loss 0.1") == "[rank 3] loss 0.1"
+
+
+@pytest.mark.parametrize("rank, all_ranks, attempt, every", [
+    (None, False, None, False),   # rank 0 of the current attempt
+    (None, False, 2, False),      # the current attempt named
+    (None, False, 1, True),       # an earlier attempt: every rank it kept, prefixed
+    (1, False, 1, False),         # ... unless one rank is asked for
+    (None, True, None, True),
+])
+def test_logs_of_an_earlier_attempt_show_every_kept_rank(rank, all_ranks, attempt, every):
+    job = job_with(running_status(attempt=2))
+    assert views.every_rank(job, [], rank=rank, all_ranks=all_ranks, attempt=attempt) is every
 
 
 # --- errors -----------------------------------------------------------------------------------------------
@@ -231,6 +243,19 @@ def test_top_live_adds_each_process_own_numbers_and_flags_the_named_rank():
                             notes=["rank 1: no metrics (boom)"])
     assert "DATA WAIT MS" in screen and screen.rstrip().endswith("rank 1: no metrics (boom)")
     assert "no process reported metrics yet" in views.top_text(job, [], NOW, samples={})
+    # describe --live: the same numbers under the per-rank table, as data and as text.
+    data = views.describe_data(job, [], [placed(make_pod(0), "n0"), placed(make_pod(1), "n1")], NOW, samples=samples,
+                               notes=["rank 1: no metrics (boom)"])
+    assert data["processes"][3] == dict(zip(views.PROCESS_HEADERS, [cells for cells, _ in rows][3]))
+    text = views.describe_text(data, NOW)
+    live = text.split("Processes (live):\n")[1].split("Failures (earlier attempts):")[0].splitlines()
+    assert live[0].split() == ["RANK", "NODE", "RANK", "POD", "STAGE", "STEP", "LOSS", "SAMPLES/S", "STEP", "MS", "DATA",
+                               "WAIT", "MS", "GPU", "MEM", "GiB", "FLAGS"]
+    assert live[4].split() == ["3", "1", "j-1", "training", "13", "0.25", "160.0", "400.0", "50.0", "2.00", "straggler"]
+    assert live[-1] == "  rank 1: no metrics (boom)"
+    # Without --live, nothing is read and nothing is said.
+    plain = views.describe_data(job, [], [], NOW)
+    assert "processes" not in plain and "Processes (live)" not in views.describe_text(plain, NOW)
 
 
 def test_progress_line_says_why_progress_is_unavailable():

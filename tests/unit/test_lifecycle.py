@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 
 from ddpjob_operator.api.config import OperatorConfig
+from ddpjob_operator.builders.pods import render_pod
 from ddpjob_operator.decisions.lifecycle import decide
 from ddpjob_operator.api.phases import Phase
 from tests.support.builders import NOW, ago, make_job, make_pod, running_status
@@ -38,8 +39,58 @@ def test_failure_restarts_the_whole_group(pods, reason, counted):
     assert d.phase is Phase.RESTARTING and d.reason == reason
     assert d.attempt == 1 and d.restarts == 1 and d.counted_restarts == counted
     live = {p["metadata"]["name"] for p in pods if not p["metadata"].get("deletionTimestamp")}
-    assert set(d.delete_pods) == live and d.create_ranks == []
+    ended = {p["metadata"]["name"] for p in pods if p["status"]["phase"] == "Failed"}  # kept for their logs
+    assert set(d.delete_pods) == live - ended and d.create_ranks == []
     assert d.restarted is not None
+
+
+@pytest.mark.parametrize("keep, attempt, kept", [
+    # Attempt 2 restarted into 3: its ended pods stay; still-running ones go (they hold GPUs).
+    (1, 3, {"j-1-a2"}),
+    (2, 3, {"j-1-a1", "j-0-a1", "j-1-a2"}),   # two attempts back
+    (0, 3, set()),                             # nothing kept
+    (10, 3, {"j-1", "j-1-a1", "j-0-a1", "j-1-a2"}),
+])
+def test_a_restart_keeps_the_ended_pods_of_the_last_failed_attempts(keep, attempt, kept):
+    pods = [make_pod(1, attempt=0, phase="Failed", exit_code=1),
+            make_pod(0, attempt=1, phase="Failed", exit_code=143), make_pod(1, attempt=1, phase="Failed", exit_code=1),
+            make_pod(0, attempt=2), make_pod(1, attempt=2, phase="Failed", exit_code=1)]
+    job = make_job(nodes=2, failurePolicy={"keepFailedAttempts": keep})
+    prev = running_status(attempt=2, launchedAttempt=2, restarts=2, countedRestarts=2)
+    d = decide(job, pods, now=NOW, prev_status=prev)
+    assert d.phase is Phase.RESTARTING and d.attempt == attempt
+    assert set(d.delete_pods) == {p["metadata"]["name"] for p in pods} - kept
+    # Once the running pod is gone, the new attempt starts beside the kept ones, under new names.
+    left = [p for p in pods if p["metadata"]["name"] in kept]
+    prev = {**prev, "phase": "Restarting", "attempt": 3, "restarts": 3, "countedRestarts": 3}
+    d = decide(job, left, now=NOW, prev_status=prev)
+    assert d.delete_pods == [] and d.create_ranks == [0, 1]
+    created = [render_pod(job, r, attempt=d.attempt)["metadata"]["name"] for r in d.create_ranks]
+    assert created == ["j-0-a3", "j-1-a3"]
+    # Older than the window: pruned in a later pass as well (the window moved, or the spec changed).
+    d = decide(make_job(nodes=2, failurePolicy={"keepFailedAttempts": 0}), left, now=NOW, prev_status=prev)
+    assert set(d.delete_pods) == kept and d.create_ranks == [0, 1]
+
+
+def test_a_rank_that_had_exited_0_is_not_kept():
+    # Its log tells nothing of the failure, and a gang scheduler counting finished members
+    # (Volcano) could count it towards the next attempt's gang.
+    pods = [make_pod(0, phase="Succeeded", exit_code=0), make_pod(1, phase="Failed", exit_code=1)]
+    d = decide(make_job(nodes=2), pods, now=NOW, prev_status=running_status())
+    assert d.phase is Phase.RESTARTING and d.delete_pods == ["j-0"]
+
+
+def test_a_suspend_and_cleanpodpolicy_all_delete_kept_pods():
+    kept = make_pod(1, attempt=0, phase="Failed", exit_code=1)
+    running = [make_pod(0, attempt=1), make_pod(1, attempt=1)]
+    prev = running_status(attempt=1, launchedAttempt=1, restarts=1, countedRestarts=1)
+    d = decide(make_job(nodes=2, suspend=True), [kept, *running], now=NOW, prev_status=prev)
+    assert set(d.delete_pods) == {"j-1", "j-0-a1", "j-1-a1"}
+    done = [make_pod(0, attempt=1, phase="Succeeded", exit_code=0), make_pod(1, attempt=1, phase="Succeeded", exit_code=0)]
+    d = decide(make_job(nodes=2), [kept, *done], now=NOW, prev_status=prev)
+    assert d.phase is Phase.SUCCEEDED and d.delete_pods == []     # cleanPodPolicy Running: kept until the TTL
+    d = decide(make_job(nodes=2, cleanPodPolicy="All"), [kept, *done], now=NOW, prev_status=prev)
+    assert set(d.delete_pods) == {"j-1", "j-0-a1", "j-1-a1"}
 
 
 @pytest.mark.parametrize("old, create", [
@@ -50,8 +101,11 @@ def test_failure_restarts_the_whole_group(pods, reason, counted):
     # Gone: the new attempt starts.
     ([], [0, 1]),
     # Still there 31 s after its grace period: its node's kubelet stopped reporting; it no longer
-    # holds the attempt up (rank 0 waits for its name, rank 1 is created).
-    ([make_pod(0, attempt=0, deleting=31)], [1]),
+    # holds the attempt up (the new attempt's pods have names of their own).
+    ([make_pod(0, attempt=0, deleting=31)], [0, 1]),
+    # Ended pods of the failed attempt (kept for their logs) hold nothing up.
+    ([make_pod(0, attempt=0, phase="Failed", exit_code=143), make_pod(1, attempt=0, phase="Failed", exit_code=1)],
+     [0, 1]),
 ])
 def test_a_new_attempt_starts_once_every_pod_of_the_old_one_is_gone(old, create):
     prev = running_status(phase="Restarting", attempt=1, restarts=1, countedRestarts=1)

@@ -235,7 +235,7 @@ def test_pods_of_a_lost_node_vanish_and_the_new_group_is_created_without_another
     assert status["attempt"] == 1 and status["restarts"] == 1 and status["countedRestarts"] == 0, status
     assert status["reason"] == "NodeLost", status
     created = [c[2] for c in k8s.calls if c[:2] == ("create", "Pod")]
-    assert sorted(created) == ["j-0", "j-1"], k8s.calls
+    assert sorted(created) == ["j-0-a1", "j-1-a1"], k8s.calls
     assert all(p["metadata"]["annotations"].get(labels.ATTEMPT, p["metadata"]["labels"].get(labels.ATTEMPT)) == "1"
                for (kind, _), p in k8s.objects.items() if kind == "Pod"), k8s.objects
 
@@ -301,7 +301,8 @@ def test_status_refused_with_the_monitor_report_is_written_without_it(code):
     assert len(patches) == 2
     status = k8s.jobs["j"]["status"]
     assert status["phase"] == "Restarting" and "progress" not in status
-    assert ("delete_pod", "j-0") in k8s.calls  # the lifecycle went on
+    # The lifecycle went on: the running rank is deleted, the failed one kept for its logs.
+    assert ("delete_pod", "j-1") in k8s.calls and ("delete_pod", "j-0") not in k8s.calls
 
 
 def test_own_status_write_echo_does_not_trigger_a_pass_but_a_foreign_change_does():

@@ -43,9 +43,12 @@ def test_service_is_headless_and_publishes_not_ready_addresses():
 
 @pytest.mark.parametrize("rank", [0, 1, 3])
 def test_pod_identity_labels_and_dns(rank):
+    # The first attempt's pods are named as their hosts; a later attempt's carry the attempt (the
+    # failed attempt's pods may still exist), while hostname and DNS name stay.
+    assert render_pod(job(), rank, attempt=0)["metadata"]["name"] == f"train-{rank}"
     pod = render_pod(job(), rank, attempt=2)
     meta, spec = pod["metadata"], pod["spec"]
-    assert meta["name"] == f"train-{rank}"
+    assert meta["name"] == f"train-{rank}-a2"
     assert spec["hostname"] == f"train-{rank}" and spec["subdomain"] == "train"
     assert meta["labels"][labels.JOB_NAME] == "train"
     assert meta["labels"][labels.NODE_RANK] == str(rank)

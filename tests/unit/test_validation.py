@@ -116,7 +116,8 @@ def test_defaults_come_from_the_crd():
     spec = apply_defaults(GOOD)["spec"]
     assert spec["nprocPerNode"] == "auto" and spec["gpusPerNode"] == 0
     assert spec["masterPort"] == 29500 and spec["metricsPort"] == 9400
-    assert spec["failurePolicy"] == {"maxRestarts": 3, "restartOnHang": False, "logTailInStatus": False}
+    assert spec["failurePolicy"] == {"maxRestarts": 3, "restartOnHang": False, "logTailInStatus": False,
+                                     "keepFailedAttempts": 1}
     assert spec["launcher"] is True and spec["cleanPodPolicy"] == "Running" and spec["suspend"] is False
     assert "suspend" not in GOOD["spec"]  # input untouched
 
@@ -183,6 +184,7 @@ CEL_VIOLATIONS = {
         {"spec": {"podAnnotations": {"x.ddpjob.dev/attempt": "9"}}},
     "spec.failurePolicy.maxRestarts must be >= 0": {"spec": {"failurePolicy": {"maxRestarts": -1}}},
     "spec.failurePolicy.podStartTimeoutSeconds must be >= 1": {"spec": {"failurePolicy": {"podStartTimeoutSeconds": 0}}},
+    "spec.failurePolicy.keepFailedAttempts must be between 0 and 10": {"spec": {"failurePolicy": {"keepFailedAttempts": 11}}},
     "spec.hangTimeoutSeconds must be >= 1": {"spec": {"hangTimeoutSeconds": 0}},
     "spec.elastic.minNodes must be >= 1": {"spec": {"nodes": 2, "elastic": {"minNodes": 0, "maxNodes": 2}}},
     "spec.elastic.maxNodes must be >= 1": {"spec": {"nodes": 1, "elastic": {"minNodes": 1, "maxNodes": 0}}},

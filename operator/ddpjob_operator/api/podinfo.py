@@ -39,6 +39,11 @@ def phase(pod: dict[str, Any]) -> str:
     return str((pod.get("status") or {}).get("phase") or "Pending")
 
 
+def ended(pod: dict[str, Any]) -> bool:
+    """Succeeded or Failed: every container has terminated (the scheduler no longer counts it)."""
+    return phase(pod) in ("Succeeded", "Failed")
+
+
 def terminating(pod: dict[str, Any]) -> bool:
     return bool(meta(pod).get("deletionTimestamp"))
 

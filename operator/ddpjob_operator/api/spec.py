@@ -13,6 +13,7 @@ API_VERSION = f"{GROUP}/{VERSION}"
 
 DEFAULT_MASTER_PORT = 29500
 DEFAULT_METRICS_PORT = 9400
+DEFAULT_KEEP_FAILED_ATTEMPTS = 1
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,12 @@ class JobSpec:
         status and events; off: reason and exit code only (readers of a DDPJob may not be
         readers of its pods' logs)."""
         return bool((self.spec.get("failurePolicy") or {}).get("logTailInStatus", False))
+
+    @property
+    def keep_failed_attempts(self) -> int:
+        """How many failed attempts back the terminated pods stay after a group restart (0: none)."""
+        val = (self.spec.get("failurePolicy") or {}).get("keepFailedAttempts")
+        return DEFAULT_KEEP_FAILED_ATTEMPTS if val is None else max(0, int(val))
 
     @property
     def pod_start_timeout(self) -> int | None:

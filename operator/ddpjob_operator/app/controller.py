@@ -391,7 +391,8 @@ class Reconciler:
         api = gang.api_of(job)
         if api is None or Phase.parse((job.raw.get("status") or {}).get("phase")) in (Phase.SUCCEEDED, Phase.FAILED):
             return None
-        pods = [p for p in self.pods.by_index(namespace, name) if owned_by(p, job.uid)]
+        # A failed attempt's kept pods (ended, bound) are no part of the gang being placed.
+        pods = [p for p in self.pods.by_index(namespace, name) if owned_by(p, job.uid) and not podinfo.ended(p)]
         bound = sum(1 for p in pods if (p.get("spec") or {}).get("nodeName"))
         if bound == len(pods) or bound >= gang.min_member(job):  # no pods yet, or the gang is placed
             return None

@@ -33,8 +33,19 @@ def service_name(job: JobSpec) -> str:
 
 
 def pod_hostname(job: JobSpec, rank: int) -> str:
-    """The pod's hostname, also its name: `<job>-<rank>`."""
+    """The pod's hostname in every attempt, `<job>-<rank>`: its DNS name under the headless Service
+    (MASTER_ADDR is rank 0's) never changes, whatever the pod is called."""
     return f"{job.name}-{rank}"
+
+
+def pod_name(job_name: str, rank: int, attempt: int) -> str:
+    """The pod of one rank in one attempt: `<job>-<rank>` in attempt 0 (the names most jobs, which
+    never restart, show), `<job>-<rank>-a<K>` after: a failed attempt's pods are kept for their
+    logs (spec.failurePolicy.keepFailedAttempts), so the next attempt cannot reuse their names. A
+    pod name may be 253 characters, so the suffix fits any job name the CRD accepts; only the
+    hostname must fit a 63-character DNS label, and it carries no suffix."""
+    base = f"{job_name}-{rank}"
+    return f"{base}-a{attempt}" if attempt > 0 else base
 
 
 def master_dns(job: JobSpec, *, cluster_domain: str | None = None) -> str:

@@ -7,7 +7,7 @@ from typing import Any
 from ddpjob_operator.builders import gang, kueue, rdma, shm, template
 from ddpjob_operator.api import labels
 from ddpjob_operator.api.config import OperatorConfig
-from ddpjob_operator.builders.envvars import pod_env, pod_hostname, service_name, stop_grace_seconds
+from ddpjob_operator.builders.envvars import pod_env, pod_hostname, pod_name, service_name, stop_grace_seconds
 from ddpjob_operator.builders.service import child_metadata
 from ddpjob_operator.api.spec import JobSpec
 from ddpjob_operator.builders.template import Layers
@@ -122,7 +122,7 @@ def container_env(job: JobSpec, rank: int, *, attempt: int = 0, cluster_domain: 
 
 def render_pod(job: JobSpec, rank: int, *, attempt: int = 0, config: OperatorConfig | None = None,
                restarts: int | None = None, counted_restarts: int | None = None) -> dict[str, Any]:
-    """Pod `<job>-<rank>` for one attempt of the group: spec.template under the flat fields under
+    """Pod `envvars.pod_name` (hostname `<job>-<rank>`) for one attempt of the group: spec.template under the flat fields under
     what the operator owns (template.merge_template)."""
     config = config or OperatorConfig()
     spec = job.spec
@@ -172,7 +172,7 @@ def render_pod(job: JobSpec, rank: int, *, attempt: int = 0, config: OperatorCon
     queue_labels, queue_annotations = kueue.pod_metadata(job, attempt)
     extra = {**template.user_metadata(job, "labels", "podLabels"), **gang_labels, **queue_labels,
              labels.NODE_RANK: str(rank), labels.ATTEMPT: str(attempt)}
-    meta = child_metadata(job, pod_hostname(job, rank), extra)
+    meta = child_metadata(job, pod_name(job.name, rank, attempt), extra)
     total, counted = restart_counters(job, restarts, counted_restarts)
     meta["annotations"] = {**template.user_metadata(job, "annotations", "podAnnotations"), **gang_annotations, **queue_annotations,
                            labels.RESTARTS: str(total), labels.COUNTED_RESTARTS: str(counted)}

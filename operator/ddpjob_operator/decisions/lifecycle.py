@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterable
 from ddpjob_operator.builders import kueue
 from ddpjob_operator.api import labels, objmeta, podinfo
 from ddpjob_operator.api.config import OperatorConfig
-from ddpjob_operator.builders.envvars import pod_hostname
+from ddpjob_operator.builders.envvars import pod_name
 from ddpjob_operator.api.phases import Cond, Phase, RestartReason
 from ddpjob_operator.decisions.redact import redact
 from ddpjob_operator.api.spec import JobSpec
@@ -205,7 +205,7 @@ def _finished_deletes(job: JobSpec, pods: list[dict]) -> list[str]:
             and not (keep_done and podinfo.phase(p) in ("Succeeded", "Failed"))]
 
 
-def _failures(job: JobSpec, current: dict[int, dict], launched: bool,
+def _failures(job: JobSpec, current: dict[int, dict], attempt: int, launched: bool,
               departed: dict[str, dict[str, Any]]) -> list[Failure]:
     out: list[Failure] = []
     for _r, pod in sorted(current.items()):
@@ -215,7 +215,7 @@ def _failures(job: JobSpec, current: dict[int, dict], launched: bool,
     if launched:
         for r in range(job.nodes):
             if r not in current:
-                name = pod_hostname(job, r)
+                name = pod_name(job.name, r, attempt)
                 last = departed.get(name) or {"metadata": {"name": name}}
                 # never None with gone=True: the table's last rule matches every departed pod
                 out.append(verdict(last, gone=True, with_log=job.log_tail_in_status))  # type: ignore[arg-type]
@@ -337,7 +337,7 @@ def decide(job: JobSpec, pods: list[dict[str, Any]], *, now: dt.datetime, prev_s
     stale = [p for p in live if podinfo.name(p) not in current_names]
     gone = {podinfo.name(p): p for p in departed
             if podinfo.attempt(p) == d.attempt and podinfo.name(p) not in present}
-    failures = _failures(job, current, launched=d.launched_attempt == d.attempt, departed=gone)
+    failures = _failures(job, current, d.attempt, launched=d.launched_attempt == d.attempt, departed=gone)
     if stalled and job.restart_on_hang and prev_phase is Phase.RUNNING:
         failures.append(Failure(R.STALLED.value, "training stalled (no step progress); failurePolicy.restartOnHang",
                                 counted=True))
@@ -358,21 +358,25 @@ def decide(job: JobSpec, pods: list[dict[str, Any]], *, now: dt.datetime, prev_s
         d.counted_restarts += int(cause.counted)
         d.phase, d.reason, d.message = Phase.RESTARTING, cause.reason, cause.message
         d.restarted = cause
-        d.delete_pods = [podinfo.name(p) for p in live]
+        kept = kept_pods(job, pods, d.attempt)
+        d.delete_pods = [podinfo.name(p) for p in live if podinfo.name(p) not in kept]
         return d
 
     # Steady state: remove stale pods; create the missing ranks once no pod of an older attempt is
     # left. Per-name readiness is not enough: a master still terminating serves its rendezvous
     # store on the job's DNS name, and a new worker that reaches it joins the old attempt (seen:
     # a new rank 1 "finished" with the dying master while the new master waited in rendezvous).
-    d.delete_pods = [podinfo.name(p) for p in stale]
+    # A failed attempt's ended pods stay for their logs (kept_pods); ended, they hold up nothing.
+    kept = kept_pods(job, pods, d.attempt)
+    d.delete_pods = [podinfo.name(p) for p in stale if podinfo.name(p) not in kept]
     taken = {podinfo.name(p) for p in pods}
     blocking = [when for when in (_leftover_until(p, now) for p in pods if podinfo.name(p) not in current_names)
                 if when is not None]
     if blocking:
         d.requeue_after = _sooner(d.requeue_after, max(0.1, (min(blocking) - now).total_seconds()))
     else:
-        d.create_ranks = [r for r in range(job.nodes) if r not in current and pod_hostname(job, r) not in taken]
+        d.create_ranks = [r for r in range(job.nodes)
+                          if r not in current and pod_name(job.name, r, d.attempt) not in taken]
     if len(current) == job.nodes:
         d.launched_attempt = d.attempt
     phases = [podinfo.phase(current[r]) for r in sorted(current)]
@@ -408,6 +412,18 @@ def decide(job: JobSpec, pods: list[dict[str, Any]], *, now: dt.datetime, prev_s
     return d
 
 
+def kept_pods(job: JobSpec, pods: list[dict[str, Any]], attempt: int) -> set[str]:
+    """Names of the pods of earlier attempts that stay for inspection while `attempt` is current:
+    the Failed ones (they hold no node resources) of the last spec.failurePolicy.keepFailedAttempts
+    attempts. Pods still running or pending when their attempt failed are deleted with it (that
+    frees their GPUs), so a running job has at most one pod per rank that has not ended; so is a
+    rank that had exited 0, whose log tells nothing of the failure, and which a gang scheduler
+    counting finished members (Volcano) could count towards the next attempt's gang."""
+    oldest = attempt - job.keep_failed_attempts
+    return {podinfo.name(p) for p in pods
+            if oldest <= podinfo.attempt(p) < attempt and podinfo.phase(p) == "Failed" and not podinfo.terminating(p)}
+
+
 # A terminating pod still there this long after its grace period ended is on a node whose kubelet
 # stopped reporting: it no longer holds up the next attempt (its processes, if any still run,
 # are cut off with their node).
@@ -416,7 +432,11 @@ LEFTOVER_SLACK = dt.timedelta(seconds=30)
 
 def _leftover_until(pod: dict[str, Any], now: dt.datetime) -> dt.datetime | None:
     """Until when a pod of another attempt holds up the creation of new pods (None: it does not).
-    A pod not yet terminating is deleted this pass; wait for it like for any other."""
+    A pod not yet terminating is deleted this pass; wait for it like for any other. An ended pod
+    (Succeeded, Failed) holds up nothing: its processes, the old master's rendezvous store among
+    them, are gone, and the headless Service no longer lists it."""
+    if podinfo.ended(pod):
+        return None
     gone_by = podinfo.gone_by(pod)
     if gone_by is None:
         return now + LEFTOVER_SLACK
