@@ -37,7 +37,7 @@ def test_one_run_across_a_killed_ranks_restart_with_the_loss_to_the_last_step(tm
     exp = experiment("restart")
     job = write_job(tmp_path / "mlf-restart.yaml", name="mlf-restart", max_restarts=1, trainer={
         **TRAINER, "maxSteps": 16, "checkpoint": {"dir": "ckpt", "everySteps": 4, "keep": 1, "asyncSave": False},
-        **mlflow(mlflow_server.uri, exp, runName="restart")})
+        **mlflow(mlflow_server.uri, exp, runName="restart", registerModel=exp)})
     # Rank 1 dies at step 10 of attempt 0; attempt 1 resumes from step 8.
     proc, s = run_local(job, tmp_path, env={"DDPJOB_DEBUG_CRASH_RANK": "1:10"})
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -63,12 +63,20 @@ def test_one_run_across_a_killed_ranks_restart_with_the_loss_to_the_last_step(tm
                 "checkpoint_seconds"):
         assert key in run.data.metrics, (key, sorted(run.data.metrics))
     assert 16 in {m.step for m in mlflow_server.metric_history(run.info.run_id, "eval_accuracy")}
-    # Rank 0 logged the trained model at the end, in torch's format: it loads and runs.
+    # At the end rank 0 logged the job's record (the job, its resolved config, its last checkpoint,
+    # which is also a tag) and the trained model, in torch's format, registered as asked: it loads
+    # through the registry and runs.
     import torch
-    from mlflow import pytorch as mlflow_pytorch, set_tracking_uri
+    from mlflow import artifacts, pytorch as mlflow_pytorch, set_tracking_uri
 
     set_tracking_uri(mlflow_server.uri)
-    model = mlflow_pytorch.load_model(f"runs:/{run.info.run_id}/model")
+    record = artifacts.load_dict(f"runs:/{run.info.run_id}/ddpjob/job.json")
+    assert record["checkpoint"] == s["last_checkpoint"] == tags["ddpjob.checkpoint"] and s["last_checkpoint"]
+    assert record["job"]["name"] == "mlf-restart" and record["job"]["attempt"] == 1
+    assert record["trainer"]["checkpoint"]["every_steps"] == 4 and record["trainer"]["world_size"] == 2
+    (version,) = mlflow_server.client().search_model_versions(f"name = '{exp}'")
+    assert version.run_id == run.info.run_id
+    model = mlflow_pytorch.load_model(f"models:/{exp}/{version.version}")
     assert model(torch.zeros(3, 1, 8, 8)).shape == (3, 10)
 
 
