@@ -14,8 +14,9 @@ to block by more than the 1 % to be shown, and the server here takes its CPU fro
 cores, which a real tracking server (another machine) does not. So each block also measures CPU
 time, which other processes' load barely moves: steps per CPU-second of this process (the
 training thread and the tracker's: all that tracking costs the training's machine, the GIL the
-tracker holds included, as CPU time), and the server's process group's CPU seconds per 1,000
-steps (what the same work costs a server; here it shares the cores with training).
+tracker holds included, as CPU time), split into the training thread's and the other threads'
+(the tracker's) per 1,000 steps, and the server's process group's CPU seconds per 1,000 steps
+(what the same work costs a server; here it shares the cores, and their caches, with training).
 
 Writes bench/results/mlflow_overhead.json.
 Usage: .venv/bin/python bench/mlflow_overhead.py [--blocks 20] [--steps 1000]
@@ -89,11 +90,12 @@ def main() -> None:
             tracker.params({"model": "convnet", "batch_size": 32, "checkpoint": {"dir": "/ckpt"}})
             step = 0
 
-            def block(on: bool, n: int) -> tuple[float, float, float]:
-                """(steps per wall second, steps per CPU second of this process, server CPU seconds)."""
+            def block(on: bool, n: int) -> tuple[float, float, float, float]:
+                """(steps per wall second, steps per CPU second of this process, server CPU seconds,
+                CPU seconds of this process's threads but the training one)."""
                 nonlocal step
                 s0 = group_cpu_seconds(server.proc.pid)
-                c0 = time.process_time()
+                c0, m0 = time.process_time(), time.thread_time()
                 t0 = time.perf_counter()
                 for _ in range(n):
                     loss = F.cross_entropy(model(x), y)
@@ -107,21 +109,24 @@ def main() -> None:
                         if on:
                             tracker.metrics(metrics, step=step)
                 wall = time.perf_counter() - t0
+                main = time.thread_time() - m0
                 cpu = time.process_time() - c0
-                return n / wall, n / cpu, group_cpu_seconds(server.proc.pid) - s0
+                return n / wall, n / cpu, group_cpu_seconds(server.proc.pid) - s0, cpu - main
 
             block(True, args.steps)
             block(False, args.steps)  # warm-up
             pairs: list[tuple[float, float]] = []
             cpu_pairs: list[tuple[float, float]] = []
             server_cpu = {True: 0.0, False: 0.0}
+            other_cpu = {True: 0.0, False: 0.0}   # this process's threads but the training one
             for b in range(args.blocks):
                 order = (True, False) if b % 2 == 0 else (False, True)
                 rate = {on: block(on, args.steps) for on in order}
                 pairs.append((rate[True][0], rate[False][0]))
                 cpu_pairs.append((rate[True][1], rate[False][1]))
-                server_cpu[True] += rate[True][2]
-                server_cpu[False] += rate[False][2]
+                for arm in (True, False):
+                    server_cpu[arm] += rate[arm][2]
+                    other_cpu[arm] += rate[arm][3]
             closed = tracker.close("FINISHED")
             lost = tracker.counts()
         finally:
@@ -137,6 +142,8 @@ def main() -> None:
               "steps_per_cpu_second_on": statistics.median(p[0] for p in cpu_pairs),
               "steps_per_cpu_second_off": statistics.median(p[1] for p in cpu_pairs),
               "cpu_ratio_on_off": cpu_ci,
+              "other_threads_cpu_seconds_per_1000_steps_on": 1000 * other_cpu[True] / (args.blocks * args.steps),
+              "other_threads_cpu_seconds_per_1000_steps_off": 1000 * other_cpu[False] / (args.blocks * args.steps),
               "server_cpu_seconds_per_1000_steps_on": 1000 * server_cpu[True] / (args.blocks * args.steps),
               "server_cpu_seconds_per_1000_steps_off": 1000 * server_cpu[False] / (args.blocks * args.steps),
               "load_average_before": load_before, "load_average_after": load_after,
