@@ -105,6 +105,7 @@ docs: install ## regenerate the chart README (values.yaml's comments) and docs/c
 bench: install ## benchmarks (ratios, JSON under bench/results/)
 	$(PY) bench/trainer_overhead.py
 	$(PY) bench/metrics_overhead.py
+	$(PY) bench/mlflow_overhead.py
 	$(PY) bench/checkpoint.py
 	$(MAKE) cluster-up
 	$(PY) bench/operator_scale.py

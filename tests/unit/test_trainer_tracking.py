@@ -369,3 +369,23 @@ def test_registering_makes_a_new_version_of_the_named_model_created_when_absent(
             raise PermissionError("403 PERMISSION_DENIED")
     with pytest.raises(PermissionError):  # the tracker's worker counts and warns it (failed)
         tracking.register(Refusing(server), "other", run_id="r3")
+
+
+def test_a_call_on_a_connection_the_server_just_closed_is_made_once_more():
+    tries: list[str] = []
+
+    class Closing:
+        def log_batch(self, run_id):
+            tries.append(run_id)
+            if len(tries) == 1:  # what MLflow raises, worded by urllib3
+                raise Exception("API request to http://m/api/2.0/mlflow/runs/log-batch failed with exception "
+                                "HTTPConnectionPool(...): Max retries exceeded (Caused by ProtocolError("
+                                "'Connection aborted.', RemoteDisconnected('Remote end closed connection')))")
+            if run_id == "timeout":
+                raise TimeoutError("Read timed out. (read timeout=5)")
+            return "sent"
+    client = tracking.OnceMore(Closing())
+    assert client.log_batch("r1") == "sent" and tries == ["r1", "r1"]
+    with pytest.raises(TimeoutError):  # anything else is not tried again: a hung server holds no longer
+        client.log_batch("timeout")
+    assert tries == ["r1", "r1", "timeout"]

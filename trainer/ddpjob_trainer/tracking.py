@@ -127,6 +127,35 @@ def _public(obj: Any) -> Any:
     return public_uri(str(obj))
 
 
+# What urllib3 says when the server closed a kept-alive connection as this request went out on it
+# (uvicorn, MLflow's server, closes idle ones after 5 s): the request never reached the server.
+_STALE_CONNECTION = ("RemoteDisconnected", "Connection aborted")
+
+
+class OnceMore:
+    """An MLflow client whose calls are made once more, at once, when the first went out on a
+    connection the server had just closed. MLflow's own retries are off (HTTP_DEFAULTS: a retry
+    after a timeout would double a hung server's hold on the tracking thread), and without this a
+    send every FLUSH_SECONDS can meet the server's idle timeout and lose its batch."""
+
+    def __init__(self, client: Any) -> None:
+        self._client = client
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._client, name)
+        if not callable(attr):
+            return attr
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return attr(*args, **kwargs)
+            except Exception as exc:
+                if not any(s in str(exc) for s in _STALE_CONNECTION):
+                    raise
+            return attr(*args, **kwargs)
+        return call
+
+
 class _Final:
     """The last call: it runs even when the backlog is being skipped."""
 
@@ -297,7 +326,7 @@ class Tracker:
     def _try_open(self, tags: dict[str, str]) -> bool:
         first = not self.ready.is_set()
         try:
-            client = self._client_factory(self.tracking_uri)
+            client = OnceMore(self._client_factory(self.tracking_uri))
             run = find_run(client, experiment=self.experiment, key=self.key, run_id=self.given_run_id,
                            run_name=self.run_name, create=True)
             self._has_params = bool(run.data.params)
