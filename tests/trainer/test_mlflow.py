@@ -48,7 +48,7 @@ def test_one_run_across_a_killed_ranks_restart_with_the_loss_to_the_last_step(tm
     assert run.info.status == "FINISHED" and run.info.run_name == "restart"
     tags = run.data.tags
     assert (tags["ddpjob.name"], tags["ddpjob.attempt"], tags["ddpjob.nodes_x_procs"]) == ("mlf-restart", "1", "2x1")
-    assert tags["ddpjob.uid"].startswith("local-") and tags["torch.version"]
+    assert tags["ddpjob.uid"].startswith("local-") and tags["torch.version"] and tags["ddpjob.image"] == "trainer:test"
     # The whole resolved config, nested sections flattened, logged once (a resume changes no param).
     params = run.data.params
     assert (params["world_size"], params["checkpoint.every_steps"], params["mlflow.experiment"]) == ("2", "4", exp)

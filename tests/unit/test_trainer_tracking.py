@@ -35,13 +35,14 @@ def test_the_run_key_is_the_jobs_uid_else_its_checkpoint_dir_else_none():
 
 def test_tags_name_the_job_the_attempt_the_shape_and_the_software():
     env = {"DDPJOB_NAME": "digits", "DDPJOB_NAMESPACE": "team-a", "DDPJOB_UID": "u-1", "DDPJOB_ATTEMPT": "2",
-           "NNODES": "4", "NPROC_PER_NODE": "8", "WORLD_SIZE": "32"}
+           "NNODES": "4", "NPROC_PER_NODE": "8", "WORLD_SIZE": "32", "DDPJOB_IMAGE": "reg.example/train:1.2"}
     cuda = types.SimpleNamespace(nccl=types.SimpleNamespace(version=lambda: (2, 27, 3)),
                                  get_device_name=lambda d: "NVIDIA H100 80GB HBM3")
     torch = types.SimpleNamespace(__version__="2.8.0+cu128", version=types.SimpleNamespace(cuda="12.8"), cuda=cuda)
     tags = run_tags(env, torch_mod=torch, device=types.SimpleNamespace(type="cuda", index=0))
     assert tags == {"ddpjob.name": "digits", "ddpjob.namespace": "team-a", "ddpjob.uid": "u-1",
                     "ddpjob.attempt": "2", "ddpjob.nodes_x_procs": "4x8", "ddpjob.world_size": "32",
+                    "ddpjob.image": "reg.example/train:1.2",
                     "torch.version": "2.8.0+cu128", "torch.cuda": "12.8", "torch.nccl": "2.27.3",
                     "gpu.model": "NVIDIA H100 80GB HBM3"}
     cpu = run_tags({}, torch_mod=torch, device=types.SimpleNamespace(type="cpu"))
@@ -333,17 +334,19 @@ def test_params_never_carry_a_uris_credentials():
 
 def test_the_jobs_record_names_the_job_its_resolved_config_and_its_last_checkpoint():
     env = {"DDPJOB_NAME": "bert", "DDPJOB_NAMESPACE": "team-a", "DDPJOB_UID": "u-1", "DDPJOB_ATTEMPT": "2",
-           "NNODES": "4", "NPROC_PER_NODE": "8"}
+           "NNODES": "4", "NPROC_PER_NODE": "8", "DDPJOB_IMAGE": "reg.example/bert:3"}
     config = {"lr": 0.1, "synthetic": {"shape": (3, 32, 32)}, "data_path": None, "compile": False,
               "mlflow": {"tracking_uri": "https://u:pw@m.example", "register_model": "bert"}}
     record = tracking.job_record(env, config, checkpoint="/ckpt/step-00000400")
     assert record == {
-        "job": {"name": "bert", "namespace": "team-a", "uid": "u-1", "attempt": 2, "nodes": 4, "nprocPerNode": 8},
+        "job": {"name": "bert", "namespace": "team-a", "uid": "u-1", "image": "reg.example/bert:3", "attempt": 2,
+                "nodes": 4, "nprocPerNode": 8},
         "trainer": {"lr": 0.1, "synthetic": {"shape": [3, 32, 32]}, "data_path": None, "compile": False,
                     "mlflow": {"tracking_uri": "https://m.example", "register_model": "bert"}},
         "checkpoint": "/ckpt/step-00000400"}
     local = tracking.job_record({}, {}, checkpoint=None)
-    assert local["job"] == {"name": "local", "namespace": "", "uid": "", "attempt": 0, "nodes": 1, "nprocPerNode": 1}
+    assert local["job"] == {"name": "local", "namespace": "", "uid": "", "image": "", "attempt": 0, "nodes": 1,
+                            "nprocPerNode": 1}
     assert local["checkpoint"] is None
 
 

@@ -94,7 +94,8 @@ def run_tags(env: Mapping[str, str], *, torch_mod: Any = None, device: Any = Non
             "ddpjob.uid": env.get(contract.ENV_JOB_UID, ""),
             "ddpjob.attempt": env.get(contract.ENV_ATTEMPT, "0"),
             "ddpjob.nodes_x_procs": f"{nodes}x{nproc}",
-            "ddpjob.world_size": env.get("WORLD_SIZE", "1")}
+            "ddpjob.world_size": env.get("WORLD_SIZE", "1"),
+            "ddpjob.image": env.get(contract.ENV_IMAGE, "")}
     if torch_mod is not None:
         tags["torch.version"] = str(torch_mod.__version__)
         tags["torch.cuda"] = str(torch_mod.version.cuda or "none")
@@ -111,7 +112,8 @@ def job_record(env: Mapping[str, str], config: Mapping[str, Any], *, checkpoint:
     unflattened), and the path of the last checkpoint (None without checkpoint.dir). No URI's
     credentials."""
     job = {"name": env.get(contract.ENV_JOB_NAME, "local"), "namespace": env.get(contract.ENV_JOB_NAMESPACE, ""),
-           "uid": env.get(contract.ENV_JOB_UID, ""), "attempt": int(env.get(contract.ENV_ATTEMPT, "0")),
+           "uid": env.get(contract.ENV_JOB_UID, ""), "image": env.get(contract.ENV_IMAGE, ""),
+           "attempt": int(env.get(contract.ENV_ATTEMPT, "0")),
            "nodes": int(env.get("NNODES") or 1), "nprocPerNode": int(env.get("NPROC_PER_NODE") or 1)}
     return _public({"job": job, "trainer": dict(config), "checkpoint": checkpoint})
 
