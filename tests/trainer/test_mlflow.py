@@ -37,7 +37,7 @@ def test_one_run_across_a_killed_ranks_restart_with_the_loss_to_the_last_step(tm
     exp = experiment("restart")
     job = write_job(tmp_path / "mlf-restart.yaml", name="mlf-restart", max_restarts=1, trainer={
         **TRAINER, "maxSteps": 16, "checkpoint": {"dir": "ckpt", "everySteps": 4, "keep": 1, "asyncSave": False},
-        **mlflow(mlflow_server.uri, exp, runName="restart")})
+        **mlflow(mlflow_server.uri, exp, runName="restart", registerModel=exp)})
     # Rank 1 dies at step 10 of attempt 0; attempt 1 resumes from step 8.
     proc, s = run_local(job, tmp_path, env={"DDPJOB_DEBUG_CRASH_RANK": "1:10"})
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -48,7 +48,7 @@ def test_one_run_across_a_killed_ranks_restart_with_the_loss_to_the_last_step(tm
     assert run.info.status == "FINISHED" and run.info.run_name == "restart"
     tags = run.data.tags
     assert (tags["ddpjob.name"], tags["ddpjob.attempt"], tags["ddpjob.nodes_x_procs"]) == ("mlf-restart", "1", "2x1")
-    assert tags["ddpjob.uid"].startswith("local-") and tags["torch.version"]
+    assert tags["ddpjob.uid"].startswith("local-") and tags["torch.version"] and tags["ddpjob.image"] == "trainer:test"
     # The whole resolved config, nested sections flattened, logged once (a resume changes no param).
     params = run.data.params
     assert (params["world_size"], params["checkpoint.every_steps"], params["mlflow.experiment"]) == ("2", "4", exp)
@@ -63,24 +63,33 @@ def test_one_run_across_a_killed_ranks_restart_with_the_loss_to_the_last_step(tm
                 "checkpoint_seconds"):
         assert key in run.data.metrics, (key, sorted(run.data.metrics))
     assert 16 in {m.step for m in mlflow_server.metric_history(run.info.run_id, "eval_accuracy")}
-    # Rank 0 logged the trained model at the end, in torch's format: it loads and runs.
+    # At the end rank 0 logged the job's record (the job, its resolved config, its last checkpoint,
+    # which is also a tag) and the trained model, in torch's format, registered as asked: it loads
+    # through the registry and runs.
     import torch
-    from mlflow import pytorch as mlflow_pytorch, set_tracking_uri
+    from mlflow import artifacts, pytorch as mlflow_pytorch, set_tracking_uri
 
     set_tracking_uri(mlflow_server.uri)
-    model = mlflow_pytorch.load_model(f"runs:/{run.info.run_id}/model")
+    record = artifacts.load_dict(f"runs:/{run.info.run_id}/ddpjob/job.json")
+    assert record["checkpoint"] == s["last_checkpoint"] == tags["ddpjob.checkpoint"] and s["last_checkpoint"]
+    assert record["job"]["name"] == "mlf-restart" and record["job"]["attempt"] == 1
+    assert record["trainer"]["checkpoint"]["every_steps"] == 4 and record["trainer"]["world_size"] == 2
+    (version,) = mlflow_server.client().search_model_versions(f"name = '{exp}'")
+    assert version.run_id == run.info.run_id
+    model = mlflow_pytorch.load_model(f"models:/{exp}/{version.version}")
     assert model(torch.zeros(3, 1, 8, 8)).shape == (3, 10)
 
 
 def test_training_keeps_stepping_while_the_server_is_frozen_and_the_run_finishes(tmp_path, mlflow_server):
     exp = experiment("frozen")
-    spec = write_job(tmp_path / "mlf-frozen.yaml", name="mlf-frozen", trainer={
-        **TRAINER, "epochs": 3, **mlflow(mlflow_server.uri, exp)})  # 69 steps
+    # One node, one rank: what is tested is rank 0's tracker (a second node would only add a start).
+    spec = write_job(tmp_path / "mlf-frozen.yaml", name="mlf-frozen", nodes=1, trainer={
+        **TRAINER, "epochs": 3, "batchSize": 64, **mlflow(mlflow_server.uri, exp)})  # 69 steps
     with local_run(spec, tmp_path, DDPJOB_DEBUG_STEP_SLEEP="0.2") as run:
         mlflow_server.wait_run(exp, lambda r: "train_loss" in r.data.metrics, "the first loss in MLflow",
                                proc=run.proc)
         with mlflow_server.freeze():
-            at = wait_ranks(run, in_stage("training"), "training")[0].step
+            at = wait_ranks(run, in_stage("training", ranks=(0,)), "training")[0].step
             # Each log step's call now waits for a server that never answers (until it times out on
             # the tracking thread); the steps must not.
             wait_ranks(run, lambda s: 0 in s and s[0].step >= min(at + 16, 69), "16 steps with the server frozen")

@@ -25,6 +25,7 @@ def test_static_job_env_points_every_rank_at_pod_0(rank):
     assert env["NPROC_PER_NODE"] == env["PET_NPROC_PER_NODE"] == "8"
     assert env["WORLD_SIZE"] == "32"
     assert json.loads(env["DDPJOB_TRAINER_CONFIG"]) == {"epochs": 2}
+    assert env["DDPJOB_IMAGE"] == "img"  # spec.image: the MLflow run's tag ddpjob.image
     assert "PET_RDZV_ENDPOINT" not in env
 
 

@@ -3,6 +3,7 @@ run key, the bounded call queue (drops counted, never blocks, close within its d
 run per job against a fake client. The real server: tests/trainer/test_mlflow.py."""
 from __future__ import annotations
 
+import json
 import threading
 import time
 import types
@@ -34,13 +35,14 @@ def test_the_run_key_is_the_jobs_uid_else_its_checkpoint_dir_else_none():
 
 def test_tags_name_the_job_the_attempt_the_shape_and_the_software():
     env = {"DDPJOB_NAME": "digits", "DDPJOB_NAMESPACE": "team-a", "DDPJOB_UID": "u-1", "DDPJOB_ATTEMPT": "2",
-           "NNODES": "4", "NPROC_PER_NODE": "8", "WORLD_SIZE": "32"}
+           "NNODES": "4", "NPROC_PER_NODE": "8", "WORLD_SIZE": "32", "DDPJOB_IMAGE": "reg.example/train:1.2"}
     cuda = types.SimpleNamespace(nccl=types.SimpleNamespace(version=lambda: (2, 27, 3)),
                                  get_device_name=lambda d: "NVIDIA H100 80GB HBM3")
     torch = types.SimpleNamespace(__version__="2.8.0+cu128", version=types.SimpleNamespace(cuda="12.8"), cuda=cuda)
     tags = run_tags(env, torch_mod=torch, device=types.SimpleNamespace(type="cuda", index=0))
     assert tags == {"ddpjob.name": "digits", "ddpjob.namespace": "team-a", "ddpjob.uid": "u-1",
                     "ddpjob.attempt": "2", "ddpjob.nodes_x_procs": "4x8", "ddpjob.world_size": "32",
+                    "ddpjob.image": "reg.example/train:1.2",
                     "torch.version": "2.8.0+cu128", "torch.cuda": "12.8", "torch.nccl": "2.27.3",
                     "gpu.model": "NVIDIA H100 80GB HBM3"}
     cpu = run_tags({}, torch_mod=torch, device=types.SimpleNamespace(type="cpu"))
@@ -143,6 +145,21 @@ class FakeClient:
 
     def set_terminated(self, run_id, status):
         self.s["runs"][run_id].info.status = status
+
+    def log_text(self, run_id, text, artifact_file):
+        self.s.setdefault("artifacts", {})[(run_id, artifact_file)] = text
+
+    def create_registered_model(self, name):
+        models = self.s.setdefault("models", {})
+        if name in models:
+            err = Exception(f"Registered Model (name={name}) already exists.")
+            err.error_code = "RESOURCE_ALREADY_EXISTS"  # type: ignore[attr-defined]  # MlflowException's
+            raise err
+        models[name] = []
+
+    def create_model_version(self, name, source, run_id, await_creation_for):
+        self.s["models"][name].append((source, run_id))
+        return types.SimpleNamespace(version=str(len(self.s["models"][name])))
 
 
 def attempt(server: dict, n: int, warnings: list[str]) -> Tracker:
@@ -313,3 +330,65 @@ def test_params_never_carry_a_uris_credentials():
     t.params({"mlflow": {"tracking_uri": "https://u:pw@m.example"}})
     assert t.close("FINISHED")
     assert server["runs"]["run0"].data.params == {"mlflow.tracking_uri": "https://m.example"}
+
+
+def test_the_jobs_record_names_the_job_its_resolved_config_and_its_last_checkpoint():
+    env = {"DDPJOB_NAME": "bert", "DDPJOB_NAMESPACE": "team-a", "DDPJOB_UID": "u-1", "DDPJOB_ATTEMPT": "2",
+           "NNODES": "4", "NPROC_PER_NODE": "8", "DDPJOB_IMAGE": "reg.example/bert:3"}
+    config = {"lr": 0.1, "synthetic": {"shape": (3, 32, 32)}, "data_path": None, "compile": False,
+              "mlflow": {"tracking_uri": "https://u:pw@m.example", "register_model": "bert"}}
+    record = tracking.job_record(env, config, checkpoint="/ckpt/step-00000400")
+    assert record == {
+        "job": {"name": "bert", "namespace": "team-a", "uid": "u-1", "image": "reg.example/bert:3", "attempt": 2,
+                "nodes": 4, "nprocPerNode": 8},
+        "trainer": {"lr": 0.1, "synthetic": {"shape": [3, 32, 32]}, "data_path": None, "compile": False,
+                    "mlflow": {"tracking_uri": "https://m.example", "register_model": "bert"}},
+        "checkpoint": "/ckpt/step-00000400"}
+    local = tracking.job_record({}, {}, checkpoint=None)
+    assert local["job"] == {"name": "local", "namespace": "", "uid": "", "image": "", "attempt": 0, "nodes": 1,
+                            "nprocPerNode": 1}
+    assert local["checkpoint"] is None
+
+
+def test_the_record_is_an_artifact_and_its_checkpoint_a_tag():
+    pytest.importorskip("mlflow")
+    server: dict = {"experiments": {}, "runs": {}}
+    t = attempt(server, 0, [])
+    t.record({"job": {"name": "j"}, "checkpoint": "/c/step-8"})
+    assert t.close("FINISHED")
+    assert json.loads(server["artifacts"][("run0", tracking.JOB_ARTIFACT)])["checkpoint"] == "/c/step-8"
+    assert server["runs"]["run0"].data.tags[tracking.CHECKPOINT_TAG] == "/c/step-8"
+
+
+def test_registering_makes_a_new_version_of_the_named_model_created_when_absent():
+    server: dict = {"experiments": {}, "runs": {}}
+    client = FakeClient(server)
+    assert tracking.register(client, "digits", run_id="r1") == "1"
+    assert tracking.register(client, "digits", run_id="r2") == "2"  # it exists: another version
+    assert server["models"] == {"digits": [("runs:/r1/model", "r1"), ("runs:/r2/model", "r2")]}
+
+    class Refusing(FakeClient):
+        def create_registered_model(self, name):
+            raise PermissionError("403 PERMISSION_DENIED")
+    with pytest.raises(PermissionError):  # the tracker's worker counts and warns it (failed)
+        tracking.register(Refusing(server), "other", run_id="r3")
+
+
+def test_a_call_on_a_connection_the_server_just_closed_is_made_once_more():
+    tries: list[str] = []
+
+    class Closing:
+        def log_batch(self, run_id):
+            tries.append(run_id)
+            if len(tries) == 1:  # what MLflow raises, worded by urllib3
+                raise Exception("API request to http://m/api/2.0/mlflow/runs/log-batch failed with exception "
+                                "HTTPConnectionPool(...): Max retries exceeded (Caused by ProtocolError("
+                                "'Connection aborted.', RemoteDisconnected('Remote end closed connection')))")
+            if run_id == "timeout":
+                raise TimeoutError("Read timed out. (read timeout=5)")
+            return "sent"
+    client = tracking.OnceMore(Closing())
+    assert client.log_batch("r1") == "sent" and tries == ["r1", "r1"]
+    with pytest.raises(TimeoutError):  # anything else is not tried again: a hung server holds no longer
+        client.log_batch("timeout")
+    assert tries == ["r1", "r1", "timeout"]

@@ -66,6 +66,8 @@ class MlflowConfig:
 
     required: a tracking server unreachable at start fails the attempt (retried like any training
     failure); by default it is a warning and training goes on untracked.
+    register_model: after a successful run, the logged model becomes a new version of this
+    registered model (created when absent); unset (the default): nothing is registered.
     """
 
     tracking_uri: str
@@ -73,6 +75,7 @@ class MlflowConfig:
     run_name: str | None = None
     required: bool = False
     credentials_secret: str | None = None  # the operator's business (env from a Secret); here for the record
+    register_model: str | None = None
 
 
 @dataclass(frozen=True)
@@ -161,7 +164,8 @@ _DDP = {"bufferSync": ("buffer_sync", "enum", BUFFER_SYNCS),
         "bucketCapMb": ("bucket_cap_mb", "int", 1)}
 _MLFLOW = {"trackingUri": ("tracking_uri", "str", None), "experiment": ("experiment", "str", None),
            "runName": ("run_name", "str", None), "required": ("required", "bool", None),
-           "credentialsSecret": ("credentials_secret", "str", None)}
+           "credentialsSecret": ("credentials_secret", "str", None),
+           "registerModel": ("register_model", "str", None)}
 
 
 def _check(path: str, value: Any, kind: str, arg: Any) -> Any:

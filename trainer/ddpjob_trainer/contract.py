@@ -18,6 +18,7 @@ ENV_JOB_NAME = "DDPJOB_NAME"
 ENV_JOB_NAMESPACE = "DDPJOB_NAMESPACE"
 ENV_JOB_UID = "DDPJOB_UID"                # the DDPJob's metadata.uid; locally, one per name + work dir
 ENV_ATTEMPT = "DDPJOB_ATTEMPT"            # the group attempt: 0, then +1 per restart
+ENV_IMAGE = "DDPJOB_IMAGE"                # spec.image (the MLflow run's tag ddpjob.image)
 ENV_POD_METRICS_PORT = "DDPJOB_METRICS_PORT"  # the pod's metrics endpoint (not the operator's own)
 ENV_TRAINER_CONFIG = "DDPJOB_TRAINER_CONFIG"  # spec.trainer as JSON (built-in trainer only)
 ENV_CPUS = "DDPJOB_CPUS"                  # the pod's CPU request, via the downward API

@@ -390,6 +390,14 @@ class Trainer:
         finally:
             self.stop_request.restore()
 
+    def resolved_config(self) -> dict[str, Any]:
+        """The whole trainer config as this run resolved it (defaults applied, `auto`s decided): the
+        run's params, and its record at the end."""
+        cfg, ctx = self.cfg, self.ctx
+        return {"world_size": ctx.world_size, "backend": ctx.backend, "resolved_num_workers": self.workers,
+                "amp_dtype": str(self.place.amp_dtype), "channels_last": self.place.channels_last,
+                "static_graph": tuning.static_graph(cfg), "total_steps": self.total_steps, **asdict(cfg)}
+
     def _fit(self) -> RunResult:
         cfg, ctx, log, telemetry = self.cfg, self.ctx, self.log, self.telemetry
         resumed_from = self.restore()
@@ -398,10 +406,7 @@ class Trainer:
         attempt = int(os.environ.get(contract.ENV_ATTEMPT, "0"))
         telemetry.set_restart_count(attempt)
         telemetry.gpu_info(torch, ctx.device)
-        # The whole resolved config (nested sections flattened by the reporter), logged once per run.
-        log.params({"world_size": ctx.world_size, "backend": ctx.backend, "resolved_num_workers": self.workers,
-                    "amp_dtype": str(self.place.amp_dtype), "channels_last": self.place.channels_last,
-                    "static_graph": tuning.static_graph(cfg), "total_steps": self.total_steps, **asdict(cfg)})
+        log.params(self.resolved_config())  # nested sections flattened by the reporter, logged once per run
         log.metrics({"restarts": attempt}, step=st.step)
         log.info(f"training {cfg.model} on {cfg.dataset}: world size {ctx.world_size} ({ctx.backend}), "
                  f"{len(self.data.train)} train / {len(self.data.val)} val samples, {self.total_steps} steps, "  # type: ignore[arg-type]
@@ -495,8 +500,9 @@ def train(cfg: TrainerConfig, ctx: DistContext, *, log: NullReporter, telemetry:
     """Run (or resume) training to completion; every rank calls this."""
     trainer = Trainer(cfg, ctx, log=log, telemetry=telemetry)
     result = trainer.fit()
-    if ctx.is_main:
-        log.model(trainer.model)  # rank 0 alone, after the last collective
+    if ctx.is_main:  # rank 0 alone, after the last collective
+        log.record(trainer.resolved_config(), checkpoint=result.last_checkpoint)
+        log.model(trainer.model)
     if ctx.is_main and result_path:
         _write_json_atomic(result_path, {**asdict(result), "mlflow_run_id": log.run_id})
     log.info(f"done: {result.steps} steps, eval accuracy {result.eval_accuracy:.4f}, "

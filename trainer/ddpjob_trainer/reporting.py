@@ -32,6 +32,9 @@ class NullReporter:
     def model(self, model: Any) -> None:
         """Do nothing."""
 
+    def record(self, config: dict[str, Any], *, checkpoint: str | None) -> None:
+        """Do nothing."""
+
     def close(self, *, status: str = "FINISHED") -> None:
         """Do nothing."""
 
@@ -60,6 +63,7 @@ class MlflowReporter(ConsoleReporter):
         from . import tracking
 
         env = os.environ if environ is None else environ
+        self._env, self._register_as = env, cfg.register_model
         count = telemetry.mlflow_dropped if telemetry is not None else (lambda reason: None)
         self.tracker = tracking.Tracker(
             tracking_uri=cfg.tracking_uri, experiment=cfg.experiment, run_name=cfg.run_name,
@@ -95,7 +99,15 @@ class MlflowReporter(ConsoleReporter):
 
         import torch
 
-        self.tracker.model(copy.deepcopy(model).cpu(), torch_version=torch.__version__.split("+")[0])
+        self.tracker.model(copy.deepcopy(model).cpu(), torch_version=torch.__version__.split("+")[0],
+                           register_as=self._register_as)
+
+    def record(self, config: dict[str, Any], *, checkpoint: str | None) -> None:
+        """Log the job's record at the end of a successful run: the job, its resolved trainer config
+        (`config`) and the last checkpoint's path (queued, like every call)."""
+        from . import tracking
+
+        self.tracker.record(tracking.job_record(self._env, config, checkpoint=checkpoint))
 
     def close(self, *, status: str = "FINISHED") -> None:
         """Flush (within a deadline) and end the run with `status`."""

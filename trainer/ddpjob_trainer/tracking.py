@@ -19,12 +19,17 @@ Start: opening the run is the queue's first call. An unreachable server is a war
 goes on; the worker tries again (after 1 s, doubling up to 30 s) while the calls queue up behind
 it (dropped and counted once the queue is full), so a server that comes back later gets them.
 `spec.trainer.mlflow.required: true` instead waits for the first try (at most START_SECONDS) and
-fails the attempt without a run. End: `close(status)` flushes what is queued within a deadline
-(then skips the rest), and ends the run FINISHED, FAILED or KILLED (SIGTERM: a shorter deadline).
+fails the attempt without a run. End: after a successful run rank 0 queues the job's record (the
+artifact JOB_ARTIFACT: the job, its resolved trainer config, its last checkpoint; that checkpoint
+also as the tag CHECKPOINT_TAG, which each attempt may change) and the trained model (registered as
+a new version of `mlflow.registerModel` when the spec names one); `close(status)` flushes what is
+queued within a deadline (then skips the rest), and ends the run FINISHED, FAILED or KILLED
+(SIGTERM: a shorter deadline).
 """
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import queue
 import threading
@@ -46,6 +51,9 @@ REOPEN_SECONDS = (1.0, 30.0)  # no run yet: try again after 1 s, doubling up to 
 WARN_EVERY_SECONDS = 60.0
 LAUNCHER_HTTP_TIMEOUT = 15  # seconds a request of the launcher's (`main`) may take: before training
 KEY_TAG = "ddpjob.key"
+CHECKPOINT_TAG = "ddpjob.checkpoint"  # the last checkpoint a successful attempt wrote
+JOB_ARTIFACT = "ddpjob/job.json"      # job_record(), logged at the end of a successful run
+MODEL_ARTIFACT = "model"
 PARAM_BATCH = 100          # MLflow's log_batch limit on params and tags
 METRIC_BATCH = 1000        # ... and on metrics
 # Metrics go out in one request at most this often (and at close): a request costs the client and
@@ -86,7 +94,8 @@ def run_tags(env: Mapping[str, str], *, torch_mod: Any = None, device: Any = Non
             "ddpjob.uid": env.get(contract.ENV_JOB_UID, ""),
             "ddpjob.attempt": env.get(contract.ENV_ATTEMPT, "0"),
             "ddpjob.nodes_x_procs": f"{nodes}x{nproc}",
-            "ddpjob.world_size": env.get("WORLD_SIZE", "1")}
+            "ddpjob.world_size": env.get("WORLD_SIZE", "1"),
+            "ddpjob.image": env.get(contract.ENV_IMAGE, "")}
     if torch_mod is not None:
         tags["torch.version"] = str(torch_mod.__version__)
         tags["torch.cuda"] = str(torch_mod.version.cuda or "none")
@@ -95,6 +104,58 @@ def run_tags(env: Mapping[str, str], *, torch_mod: Any = None, device: Any = Non
             tags["torch.nccl"] = ".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl)
             tags["gpu.model"] = torch_mod.cuda.get_device_name(device)
     return tags
+
+
+def job_record(env: Mapping[str, str], config: Mapping[str, Any], *, checkpoint: str | None) -> dict[str, Any]:
+    """What the run keeps of the job (JOB_ARTIFACT): which DDPJob and shape (the pod's env), the
+    trainer config as it was resolved (defaults applied, `auto`s decided: what the params hold,
+    unflattened), and the path of the last checkpoint (None without checkpoint.dir). No URI's
+    credentials."""
+    job = {"name": env.get(contract.ENV_JOB_NAME, "local"), "namespace": env.get(contract.ENV_JOB_NAMESPACE, ""),
+           "uid": env.get(contract.ENV_JOB_UID, ""), "image": env.get(contract.ENV_IMAGE, ""),
+           "attempt": int(env.get(contract.ENV_ATTEMPT, "0")),
+           "nodes": int(env.get("NNODES") or 1), "nprocPerNode": int(env.get("NPROC_PER_NODE") or 1)}
+    return _public({"job": job, "trainer": dict(config), "checkpoint": checkpoint})
+
+
+def _public(obj: Any) -> Any:
+    """`obj` as JSON-able data with every string's URIs shown without userinfo."""
+    if isinstance(obj, Mapping):
+        return {str(k): _public(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_public(v) for v in obj]
+    if obj is None or isinstance(obj, (bool, int, float)):
+        return obj
+    return public_uri(str(obj))
+
+
+# What urllib3 says when the server closed a kept-alive connection as this request went out on it
+# (uvicorn, MLflow's server, closes idle ones after 5 s): the request never reached the server.
+_STALE_CONNECTION = ("RemoteDisconnected", "Connection aborted")
+
+
+class OnceMore:
+    """An MLflow client whose calls are made once more, at once, when the first went out on a
+    connection the server had just closed. MLflow's own retries are off (HTTP_DEFAULTS: a retry
+    after a timeout would double a hung server's hold on the tracking thread), and without this a
+    send every FLUSH_SECONDS can meet the server's idle timeout and lose its batch."""
+
+    def __init__(self, client: Any) -> None:
+        self._client = client
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._client, name)
+        if not callable(attr):
+            return attr
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return attr(*args, **kwargs)
+            except Exception as exc:
+                if not any(s in str(exc) for s in _STALE_CONNECTION):
+                    raise
+            return attr(*args, **kwargs)
+        return call
 
 
 class _Final:
@@ -207,10 +268,17 @@ class Tracker:
         values = {k: float(v) for k, v in metrics.items() if v is not None}
         self._calls.submit(lambda: self._log_metrics(values, step, stamp))
 
-    def model(self, model: Any, *, torch_version: str) -> None:
+    def model(self, model: Any, *, torch_version: str, register_as: str | None = None) -> None:
         """Log `model` (a CPU copy nobody trains any more) as the run's artifact `model`, in torch's
-        standard format (loadable with mlflow.pytorch.load_model("runs:/<id>/model"))."""
-        self._model_queued = self._calls.submit(lambda: self._log_model(model, torch_version))
+        standard format (loadable with mlflow.pytorch.load_model("runs:/<id>/model")); with
+        `register_as`, then as a new version of that registered model ("models:/<name>/<version>")."""
+        self._model_queued = self._calls.submit(lambda: self._log_model(model, torch_version, register_as))
+
+    def record(self, record: Mapping[str, Any]) -> None:
+        """Log the job's record (job_record()) as JOB_ARTIFACT, its checkpoint as CHECKPOINT_TAG."""
+        text = json.dumps(record, indent=2, sort_keys=True)
+        checkpoint = record.get("checkpoint")
+        self._calls.submit(lambda: self._log_record(text, checkpoint))
 
     def close(self, status: str, *, seconds: float | None = None) -> bool:
         """Flush within the deadline and end the run with `status` (FINISHED, FAILED, KILLED)."""
@@ -260,7 +328,7 @@ class Tracker:
     def _try_open(self, tags: dict[str, str]) -> bool:
         first = not self.ready.is_set()
         try:
-            client = self._client_factory(self.tracking_uri)
+            client = OnceMore(self._client_factory(self.tracking_uri))
             run = find_run(client, experiment=self.experiment, key=self.key, run_id=self.given_run_id,
                            run_name=self.run_name, create=True)
             self._has_params = bool(run.data.params)
@@ -301,7 +369,13 @@ class Tracker:
         for i in range(0, len(batch), METRIC_BATCH):
             self._client.log_batch(self.run_id, metrics=batch[i:i + METRIC_BATCH])
 
-    def _log_model(self, model: Any, torch_version: str) -> None:
+    def _log_record(self, text: str, checkpoint: str | None) -> None:
+        if self.run_id:
+            self._client.log_text(self.run_id, text, JOB_ARTIFACT)
+            if checkpoint:
+                _log_batched(self._client, self.run_id, tags={CHECKPOINT_TAG: checkpoint})
+
+    def _log_model(self, model: Any, torch_version: str, register_as: str | None) -> None:
         if not self.run_id:
             return
         import tempfile
@@ -312,7 +386,9 @@ class Tracker:
             # Requirements named, not inferred (inference loads the model in a subprocess: seconds).
             mlflow.pytorch.save_model(model, f"{tmp}/model", serialization_format="pickle",
                                       pip_requirements=[f"torch=={torch_version}"])
-            self._client.log_artifacts(self.run_id, f"{tmp}/model", "model")
+            self._client.log_artifacts(self.run_id, f"{tmp}/model", MODEL_ARTIFACT)
+        if register_as:
+            register(self._client, register_as, run_id=self.run_id)
 
     def _end(self, status: str) -> None:
         if self.run_id:
@@ -321,6 +397,20 @@ class Tracker:
                     self._flush()
             finally:
                 self._client.set_terminated(self.run_id, status=status)
+
+
+def register(client: Any, name: str, *, run_id: str) -> str:
+    """Make the run's MODEL_ARTIFACT a new version of registered model `name` (created when absent,
+    also when another job creates it meanwhile); the version."""
+    try:
+        client.create_registered_model(name)
+    except Exception as exc:
+        if getattr(exc, "error_code", "") != "RESOURCE_ALREADY_EXISTS":
+            raise
+    # The server answers READY at once for a runs:/ source: nothing to wait for.
+    version = client.create_model_version(name, source=f"runs:/{run_id}/{MODEL_ARTIFACT}", run_id=run_id,
+                                          await_creation_for=0)
+    return str(version.version)
 
 
 def experiment_id(client: Any, name: str) -> str:

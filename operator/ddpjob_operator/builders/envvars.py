@@ -128,6 +128,7 @@ def pod_env(
         contract.ENV_JOB_NAMESPACE: job.namespace,
         contract.ENV_POD_METRICS_PORT: str(metrics_port or job.metrics_port),
         contract.ENV_ATTEMPT: str(attempt),
+        contract.ENV_IMAGE: job.image,
         contract.ENV_GPUS_PER_NODE: str(job.gpus_per_node),
         # Unbuffered output so `kubectl logs` and the local runner see errors at once.
         "PYTHONUNBUFFERED": "1",
