@@ -148,12 +148,16 @@ class Reconciler:
         # The latest scrape of each Running job, folded into its passes until the job stops running;
         # its events are taken (posted) by the next pass.
         self._reports: dict[Key, MonitorReport] = {}
+        self._at_once: set[Key] = set()            # the pending pass skips the debounce
 
     # -- triggers ------------------------------------------------------------------------
-    def kick(self, namespace: str, name: str, *, scrape: bool = False) -> None:
-        """Ask for a pass over this job (coalesced with any pass already pending)."""
+    def kick(self, namespace: str, name: str, *, scrape: bool = False, at_once: bool = False) -> None:
+        """Ask for a pass over this job (coalesced with any pass already pending); `at_once`: no
+        pause to fold a burst of events in (the next batch of a group being created)."""
         key = (namespace, name)
         self._dirty[key] = self._dirty.get(key, False) or scrape
+        if at_once:
+            self._at_once.add(key)
         if key not in self._workers:
             self._workers[key] = asyncio.get_running_loop().create_task(self._work(key))
 
@@ -205,6 +209,7 @@ class Reconciler:
         for table in (self._written_rv, self._last_write, self._dirty, self._departed):
             table.pop(key, None)
         self._blocked.discard(key)
+        self._at_once.discard(key)
         self._stop_scraping(key, uid)
         timer = self._timers.pop(key, None)
         if timer:
@@ -246,7 +251,11 @@ class Reconciler:
         try:
             await self.pods.wait_synced()  # an unsynced cache would make launched pods look deleted
             while key in self._dirty:
-                await asyncio.sleep(self.debounce)
+                if key in self._at_once:
+                    self._at_once.discard(key)
+                    await asyncio.sleep(0)  # other jobs' passes still get their turn
+                else:
+                    await asyncio.sleep(self.debounce)
                 scrape = self._dirty.pop(key)
                 wait = self.held_back()
                 if wait is not None:
@@ -373,8 +382,7 @@ class Reconciler:
                                         decision=decision, report=report, podgroup=podgroup)
             if status == prev:
                 break
-            acting = bool(decision.create_ranks or decision.delete_pods or decision.delete_job)
-            if not urgent(prev, status, acting=acting, events=len(events) + len(report.events if report else [])):
+            if not urgent(prev, status, events=len(events) + len(report.events if report else [])):
                 since = asyncio.get_running_loop().time() - self._last_write.get(key, float("-inf"))
                 wait = write_wait(prev, status, since_write=since, coalesce=self.coalesce,
                                   progress_interval=self.progress_interval)
@@ -530,7 +538,7 @@ class Reconciler:
         ranks = list(decision.create_ranks)
         if len(ranks) > CREATE_BATCH:
             ranks = ranks[:CREATE_BATCH]
-            self.kick(job.namespace, job.name)  # the rest in later passes, other jobs' passes between
+            self.kick(job.namespace, job.name, at_once=True)  # the rest in later passes, other jobs' between
         pods = [render_pod(job, r, attempt=decision.attempt, config=self.config, restarts=decision.restarts,
                            counted_restarts=decision.counted_restarts) for r in ranks]
         if self.create_delay > 0:

@@ -46,11 +46,12 @@ def changed_fields(prev: dict[str, Any], status: dict[str, Any]) -> set[str]:
     return {k for k in set(prev) | set(status) if prev.get(k) != status.get(k)}
 
 
-def urgent(prev: dict[str, Any], status: dict[str, Any], *, acting: bool, events: int) -> bool:
-    """True when the write must happen in this pass: it precedes actions (`acting`: the attempt
-    and counters are stored before pods are deleted or created), announces a transition (`events`),
-    or changes what users act on. Progress, node counts and the monitor conditions' wording wait."""
-    if acting or events:
+def urgent(prev: dict[str, Any], status: dict[str, Any], *, events: int) -> bool:
+    """True when the write must happen in this pass: it announces a transition (`events`) or
+    changes what users or the pods act on (the attempt and counters the pods carry are among them,
+    so they are stored before the pods they describe are created or deleted). Progress, node
+    counts and the monitor conditions' wording wait, also in a pass that creates the next batch."""
+    if events:
         return True
     for key in changed_fields(prev, status) - QUIET_FIELDS - PROGRESS_FIELDS:
         if key != "conditions" or _conditions_changed(prev.get(key), status.get(key)):
