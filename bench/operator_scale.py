@@ -301,8 +301,8 @@ def at_rest(ctrl, seconds: float, jobs: int) -> dict:
 
 
 def run_one(cluster, api, k8s: K8s, variant: str, jobs: int, nodes: int, *, idle_seconds: float,
-            webhook_port: int, logs: Path, before_source: Path | None, ranks: FakeRanks,
-            max_load: float) -> dict:
+            finished_seconds: float, webhook_port: int, logs: Path, before_source: Path | None,
+            ranks: FakeRanks, max_load: float) -> dict:
     ns = create_namespace(api, prefix=f"bench-{variant[:3]}{'t' if variant.endswith('tuned') else ''}-")
     log_path = logs / f"{variant}-{jobs}x{nodes}-{ns}.log"
     load_before = os.getloadavg()
@@ -335,6 +335,7 @@ def run_one(cluster, api, k8s: K8s, variant: str, jobs: int, nodes: int, *, idle
                     "rss_idle_mib": rss_idle, "rss_after_mib": rss_mib(ctrl.pid)})
         if idle_seconds > 0 and times["all_pods_running_s"] is not None:
             res["rest_running"] = at_rest(ctrl, idle_seconds, jobs)
+        if idle_seconds > 0 and finished_seconds > 0 and times["all_pods_running_s"] is not None:
             pods = [p.metadata.name for p in core.list_namespaced_pod(ns).items]
             with ThreadPoolExecutor(8) as pool:   # kwok ends each pod with exit code 0
                 list(pool.map(lambda name: set_pod_exit(api, ns, name, 0), pods))
@@ -345,7 +346,7 @@ def run_one(cluster, api, k8s: K8s, variant: str, jobs: int, nodes: int, *, idle
                 res["rest_finished_error"] = str(exc)[:300]
             else:
                 settle(ctrl)
-                res["rest_finished"] = at_rest(ctrl, idle_seconds, jobs)
+                res["rest_finished"] = at_rest(ctrl, finished_seconds, jobs)
     finally:
         ctrl.stop()
         load_after = os.getloadavg()
@@ -420,7 +421,11 @@ def main() -> int:
                     help="git revision whose operator runs as variant ddpjob-before (added to the variants)")
     ap.add_argument("--repeat", type=int, default=3, help="interleaved runs per scenario and variant")
     ap.add_argument("--rest", default="100x8", help="the scenario (JOBSxNODES) whose jobs are also measured at rest")
-    ap.add_argument("--idle-seconds", type=float, default=60.0, help="each at-rest window (0 = skip)")
+    ap.add_argument("--idle-seconds", type=float, default=60.0,
+                    help="the at-rest window of Running jobs (0 = skip both windows); a multiple of the "
+                         "operator's 30 s progress interval, or a window sees 0 or 2x its writes")
+    ap.add_argument("--finished-seconds", type=float, default=None,
+                    help="the at-rest window of finished jobs (default: --idle-seconds; 0 = skip)")
     ap.add_argument("--max-load", type=float, default=float(os.cpu_count() or 1),
                     help="1-minute load average above which a run is flagged loaded")
     ap.add_argument("--out", default=str(REPO / "bench/results/operator_scale.json"))
@@ -466,7 +471,8 @@ def main() -> int:
             for jobs, nodes in scenarios:
                 for variant in order:
                     idle = args.idle_seconds if (jobs, nodes) == rest else 0
-                    res = run_one(cluster, api, k8s, variant, jobs, nodes, idle_seconds=idle,
+                    finished_s = args.idle_seconds if args.finished_seconds is None else args.finished_seconds
+                    res = run_one(cluster, api, k8s, variant, jobs, nodes, idle_seconds=idle, finished_seconds=finished_s,
                                   webhook_port=webhook_port, logs=logs, before_source=before_source,
                                   ranks=ranks, max_load=args.max_load)
                     res["repeat"] = rep
