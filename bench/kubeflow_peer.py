@@ -77,7 +77,9 @@ def install(cluster, *, webhook_port: int) -> None:
     # (`kubectl wait` fails outright while a brand-new CRD has no conditions yet.)
     jsonpath = '{.status.conditions[?(@.type=="Established")].status}'
     deadline = time.monotonic() + 60
-    while cluster.kubectl("get", "crd", "pytorchjobs.kubeflow.org", "-o", f"jsonpath={jsonpath}").stdout != "True":
+    # (Nor may the jsonpath read them: kubectl exits 1 on the missing list, so check=False.)
+    while cluster.kubectl("get", "crd", "pytorchjobs.kubeflow.org", "-o", f"jsonpath={jsonpath}",
+                          check=False).stdout != "True":
         if time.monotonic() > deadline:
             raise RuntimeError("CRD pytorchjobs.kubeflow.org not Established after 60 s")
         time.sleep(0.5)

@@ -2,31 +2,38 @@
 """Operator cost at scale on the local control plane: the DDPJob operator vs Kubeflow's
 training-operator v1.9.4 (PyTorchJob) at upstream defaults and tuned, in one run.
 
-Scenarios (the same pod counts for every controller): 1 job x 64 nodes, 100 jobs x 8 nodes.
-Each controller runs alone, freshly started for each scenario, serving only that scenario's
-namespace; runs are interleaved (ours, default, tuned, ours, ...) when --repeat > 1.
+Scenarios (the same pod counts for every controller): 1 job x 64 nodes, 100 jobs x 8 nodes, and
+(bounded: --scenarios 1000x10) 10,000 pods. Each controller runs alone, freshly started for each run,
+serving only that run's namespace. Every cell is --repeat runs (default 3), interleaved: each repeat
+runs every scenario with every variant, the variants' order rotating from one repeat to the next.
 Measured per run:
 - seconds from the first create request until all pods exist / all are Running (kwok), from a
   label-free watch of the namespace (no polling LISTs that would load the API server);
-- requests the controller sent per job, counted client-side by each controller itself:
-  ours `ddpjob_operator_api_requests_total` (every request of our K8s facade: creates, deletes,
-  status writes, events, our informers' lists and watches; kopf's own DDPJob list/watch is not
-  counted, one of each per namespace), the peer client-go's `rest_client_requests_total` (every
-  request, watches included). Server-side counting by user agent needs an audit log, which the
-  local control plane does not write;
-- API requests per minute and controller CPU-s per minute for the 100 jobs at rest (all Running),
-  over --idle-seconds;
-- controller CPU-s (utime+stime from /proc) for the scenario, RSS idle and after.
-Pods land on extra fake nodes this script adds (and removes). Any operator here scrapes only a
-closed loopback port (kwok pod IPs are fictitious). Prints medians [min-max] and our/tuned ratios;
-writes bench/results/operator_scale.json. Not a test: nothing here asserts timings.
+- requests the controller sent, counted client-side by each controller itself (not the API
+  server's total, which counts everyone's requests): ours `ddpjob_operator_api_requests_total`
+  (every request of our K8s facade: creates, deletes, status writes, events, our informers' lists
+  and watches; kopf's own DDPJob list/watch is not counted, one of each per namespace), the peer
+  client-go's `rest_client_requests_total` (every request, watches included);
+- controller CPU-s (utime+stime from /proc) and RSS (idle before, after);
+- at rest (--rest scenario, default 100x8), over --idle-seconds each: (a) every job Running with
+  its ranks' metrics served on loopback by this script (an exposition whose steps advance, so
+  our operator scrapes, computes progress and writes status at its progress interval; kwok pod
+  addresses are fictitious and never contacted), (b) every job finished (kwok ends the pods with
+  exit code 0): requests/min, status writes per job per minute, CPU-s/min.
+The load average is recorded before and after each run; a run that saw a 1-minute load above
+--max-load (default: the CPU count) is flagged `loaded`, and the table says how many were.
+Cells are medians [min-max] over the repeats; ours/tuned is the geometric mean of the per-repeat
+ratios with its 95 % interval (bench/stats.py). Writes bench/results/operator_scale.json.
+Not a test: nothing here asserts timings.
 
-    .venv/bin/python bench/operator_scale.py [--scenarios 1x64,100x8] [--repeat 1] [--idle-seconds 60]
+    .venv/bin/python bench/operator_scale.py [--scenarios 1x64,100x8] [--repeat 3] [--idle-seconds 60]
 """
 from __future__ import annotations
 
 import argparse
+import http.server
 import json
+import math
 import os
 import platform
 import socket
@@ -37,6 +44,7 @@ import tempfile
 import threading
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -47,14 +55,16 @@ from kubernetes import client  # noqa: E402
 from kubernetes.client.rest import ApiException  # noqa: E402
 
 import kubeflow_peer  # noqa: E402
+import stats  # noqa: E402
 from ddpjob_operator.cluster.k8s import K8s  # noqa: E402
 from tests.support.cluster import (create_namespace, delete_namespace, ensure_cluster,  # noqa: E402
-                                   wait_crd_established, wait_for)
+                                   set_pod_exit, wait_crd_established, wait_for)
 
 BENCH_LABEL = "kwok-bench"
-BENCH_NODES = 4
-PODS_PER_NODE = 250
-TIMEOUT = 400
+PODS_PER_NODE = 500
+TIMEOUT = 400            # seconds for one scenario's pods to be Running (the 10,000-pod row included)
+MAX_PODS = 10_000        # the largest scenario this script runs (only on its own kwok nodes)
+FINISH_TIMEOUT = 300
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 VARIANTS = ("ddpjob", "pytorchjob-default", "pytorchjob-tuned")
 ALL_VARIANTS = VARIANTS + ("ddpjob-before",)
@@ -69,9 +79,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def bench_nodes(core, *, create: bool) -> None:
+def bench_nodes(core, count: int, *, create: bool) -> None:
     """Extra fake nodes (kwok manages nodes annotated kwok.x-k8s.io/node=fake)."""
-    for i in range(BENCH_NODES):
+    for i in range(count):
         name = f"{BENCH_LABEL}-{i}"
         if not create:
             try:
@@ -93,7 +103,7 @@ def bench_nodes(core, *, create: bool) -> None:
     if create:
         def ready() -> bool:
             nodes = core.list_node(label_selector=f"type={BENCH_LABEL}").items
-            return len(nodes) == BENCH_NODES and all(
+            return len(nodes) == count and all(
                 any(c.type == "Ready" and c.status == "True" for c in (n.status.conditions or [])) for n in nodes)
         wait_for(ready, timeout=60, desc="bench nodes Ready")
 
@@ -147,6 +157,51 @@ class PodTracker:
         return {"all_pods_exist_s": _r(self.exist_at), "all_pods_running_s": _r(self.running_at)}
 
 
+class FakeRanks:
+    """The ranks' metrics endpoints, served on loopback by this script: our operator's scrape URL
+    template points here (`/{namespace}/{job}/{rank}`), never at a kwok pod's address. Steps advance
+    with time, so every scrape finds new progress, as a training job's does. HTTP/1.1 keep-alive."""
+
+    def __init__(self) -> None:
+        t0 = time.time()
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def do_GET(self) -> None:
+                parts = self.path.strip("/").split("/")
+                ns, job, rank = (parts + ["", "", "0"])[:3]
+                now = time.time()
+                step = int((now - t0) * 2)
+                lab = f'ddpjob="{job}",namespace="{ns}",rank="{rank}",local_rank="0",node_rank="{rank}"'
+                body = "".join(f"ddpjob_trainer_{k}{{{lab}}} {v}\n" for k, v in (
+                    ("step", step), ("epoch", step // 100), ("total_steps", 10_000_000), ("loss", 1 / (1 + step)),
+                    ("samples_total", 32 * step), ("step_seconds_sum", 0.5 * step), ("step_seconds_count", step),
+                    ("last_step_timestamp_seconds", now))) + f'ddpjob_trainer_stage{{{lab},stage="training"}} 1\n'
+                data = body.encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "text/plain; version=0.0.4")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.port = self.server.server_address[1]
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    @property
+    def template(self) -> str:
+        return f"http://127.0.0.1:{self.port}/{{namespace}}/{{job}}/{{rank}}"
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
 def _r(x: float | None, n: int = 2) -> float | None:
     return None if x is None else round(x, n)
 
@@ -164,10 +219,11 @@ def rss_mib(pid: int) -> float:
 
 
 class Ours:
-    """`ddpjob operator` serving one namespace, scraping only a closed loopback port; with
-    `source`, the operator package from that directory (an older revision, for before/after)."""
+    """`ddpjob operator` serving one namespace, scraping only loopback (`scrape_url`); with
+    `source`, the operator package from that directory (an older revision, for before/after).
+    Its progress interval is the operator's default."""
 
-    def __init__(self, cluster, ns: str, log_path: Path, *, source: Path | None = None) -> None:
+    def __init__(self, cluster, ns: str, log_path: Path, *, scrape_url: str, source: Path | None = None) -> None:
         self.metrics_port, self.health_port = free_port(), free_port()
         env = cluster.env()
         if source is not None:
@@ -175,8 +231,8 @@ class Ours:
         cmd = [sys.executable, "-m", "ddpjob_cli", "operator", "-n", ns, "--peering", "",
                "--metrics-port", str(self.metrics_port), "--health-port", str(self.health_port),
                "--scrape-interval", "15", "--log-level", "WARNING",
-               # kwok pod IPs are fictitious: scrape a closed loopback port instead (fails at once).
-               "--scrape-url-template", f"http://127.0.0.1:{free_port()}/metrics"]
+               # kwok pod IPs are fictitious: scrape loopback (FakeRanks, or a closed port) instead.
+               "--scrape-url-template", scrape_url]
         self.log = open(log_path, "w")  # noqa: SIM115  (the child's for its lifetime)
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd="/")
         self.pid = self.proc.pid
@@ -201,36 +257,13 @@ class Ours:
         self.log.close()
 
 
-_SERVER_RESOURCES = {"ddpjobs", "pytorchjobs", "services", "events", "pods"}
-
-
-def server_requests(cluster) -> dict[str, float]:
-    """The API server's apiserver_request_total for what controllers write or read, watches, pod
-    status and binding (kwok, scheduler) excluded. Cluster-wide: concurrent test runs add noise."""
-    text = cluster.kubectl("get", "--raw", "/metrics", timeout=60).stdout
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line.startswith("apiserver_request_total{"):
-            continue
-        labels, value = line.rsplit(" ", 1)
-        lab = dict(part.split("=", 1) for part in labels[len("apiserver_request_total{"):-1].split('",')
-                   if "=" in part)
-        lab = {k: v.strip('"') for k, v in lab.items()}
-        if lab.get("verb") in ("WATCH", "CONNECT") or lab.get("resource") not in _SERVER_RESOURCES:
-            continue
-        if lab.get("subresource") and lab.get("resource") == "pods":
-            continue
-        key = f"{lab.get('verb')} {lab.get('resource')}" + (f"/{lab['subresource']}" if lab.get("subresource") else "")
-        out[key] = out.get(key, 0.0) + float(value)
-    return out
-
-
 def _delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
     return {k: v - before.get(k, 0.0) for k, v in after.items() if v - before.get(k, 0.0) > 0}
 
 
-def settle(ctrl, *, quiet: float = 3.0, limit: float = 30.0) -> dict[str, float]:
-    """Wait until the controller sends nothing for `quiet` s (status writes trail the pods)."""
+def settle(ctrl, *, quiet: float = 6.0, limit: float = 45.0) -> dict[str, float]:
+    """Wait until the controller sends nothing for `quiet` s (status writes trail the pods: ours
+    coalesces node counts for 5 s)."""
     last, since, deadline = ctrl.requests(), time.monotonic(), time.monotonic() + limit
     while time.monotonic() < deadline:
         time.sleep(0.5)
@@ -242,22 +275,51 @@ def settle(ctrl, *, quiet: float = 3.0, limit: float = 30.0) -> dict[str, float]
     return last
 
 
-def run_one(cluster, api, k8s: K8s, variant: str, jobs: int, nodes: int, *, idle_seconds: float,
-            webhook_port: int, logs: Path, before_source: Path | None) -> dict:
-    ns = create_namespace(api, prefix=f"bench-{variant[:3]}{'t' if variant.endswith('tuned') else ''}-")
-    log_path = logs / f"{variant}-{jobs}x{nodes}.log"
+def finished(custom, ns: str, variant: str, jobs: int) -> bool:
+    """Every job of the run has ended (ours: status.phase; the peer: a Succeeded/Failed condition)."""
     if variant.startswith("ddpjob"):
-        ctrl = Ours(cluster, ns, log_path, source=before_source if variant == "ddpjob-before" else None)
+        items = custom.list_namespaced_custom_object("ddpjob.dev", "v1alpha1", ns, "ddpjobs")["items"]
+        done = [o for o in items if (o.get("status") or {}).get("phase") in ("Succeeded", "Failed")]
+    else:
+        items = custom.list_namespaced_custom_object("kubeflow.org", "v1", ns, "pytorchjobs")["items"]
+        done = [o for o in items if any(c.get("type") in ("Succeeded", "Failed") and c.get("status") == "True"
+                                        for c in (o.get("status") or {}).get("conditions") or [])]
+    return len(done) >= jobs
+
+
+def at_rest(ctrl, seconds: float, jobs: int) -> dict:
+    """The controller's requests, status writes and CPU over `seconds` of nothing happening."""
+    r0, c0 = ctrl.requests(), cpu_seconds(ctrl.pid)
+    time.sleep(seconds)
+    delta = _delta(ctrl.requests(), r0)
+    per_min = 60 / seconds
+    # Ours counts by verb and resource, the peer (client-go) by method only.
+    writes = sum(v for k, v in delta.items() if k in ("PATCH ddpjobs/status", "PUT", "PATCH"))
+    return {"requests_per_min": round(sum(delta.values()) * per_min, 1), "breakdown": delta,
+            "writes_per_job_per_min": round(writes * per_min / jobs, 3),
+            "cpu_s_per_min": round((cpu_seconds(ctrl.pid) - c0) * per_min, 3)}
+
+
+def run_one(cluster, api, k8s: K8s, variant: str, jobs: int, nodes: int, *, idle_seconds: float,
+            finished_seconds: float, webhook_port: int, logs: Path, before_source: Path | None,
+            ranks: FakeRanks, max_load: float) -> dict:
+    ns = create_namespace(api, prefix=f"bench-{variant[:3]}{'t' if variant.endswith('tuned') else ''}-")
+    log_path = logs / f"{variant}-{jobs}x{nodes}-{ns}.log"
+    load_before = os.getloadavg()
+    if variant.startswith("ddpjob"):
+        ctrl = Ours(cluster, ns, log_path, scrape_url=ranks.template,
+                    source=before_source if variant == "ddpjob-before" else None)
     else:
         ctrl = kubeflow_peer.Peer(cluster, namespace=ns, tuned=variant.endswith("tuned"),
                                   metrics_port=free_port(), probe_port=free_port(),
                                   webhook_port=webhook_port, log_path=log_path)
     custom = client.CustomObjectsApi(api)
+    core = client.CoreV1Api(api)
+    res: dict = {"variant": variant, "jobs": jobs, "nodes_per_job": nodes}
     try:
         ctrl.wait_ready()
         time.sleep(2)
         rss_idle, before, cpu0 = rss_mib(ctrl.pid), ctrl.requests(), cpu_seconds(ctrl.pid)
-        server0 = server_requests(cluster)
         t0 = time.monotonic()
         tracker = PodTracker(k8s, ns, jobs * nodes, t0)
         for j in range(jobs):
@@ -267,53 +329,72 @@ def run_one(cluster, api, k8s: K8s, variant: str, jobs: int, nodes: int, *, idle
                 custom.create_namespaced_custom_object("kubeflow.org", "v1", ns, "pytorchjobs",
                                                        kubeflow_peer.pytorchjob(f"b{j}", nodes, PLACEMENT))
         times = tracker.wait()
-        after = settle(ctrl) if before else (time.sleep(5) or {})
-        cpu1 = cpu_seconds(ctrl.pid)
-        delta = _delta(after, before)
-        server = _delta(server_requests(cluster), server0)
-        # The job creations are the bench's own requests, and the tracker's one pod LIST.
-        server_ctrl = sum(v for k, v in server.items() if k not in ("POST ddpjobs", "POST pytorchjobs")) - 1
-        res = {"variant": variant, "jobs": jobs, "nodes_per_job": nodes, **times,
-               "requests": sum(delta.values()) if before else None,
-               "requests_per_job": round(sum(delta.values()) / jobs, 1) if before else None,
-               "request_breakdown": delta, "server_requests_per_job": round(server_ctrl / jobs, 1),
-               "server_request_breakdown": server, "cpu_s": round(cpu1 - cpu0, 2),
-               "rss_idle_mib": rss_idle, "rss_after_mib": rss_mib(ctrl.pid)}
+        delta = _delta(settle(ctrl), before)
+        res.update({**times, "requests": sum(delta.values()), "requests_per_job": round(sum(delta.values()) / jobs, 1),
+                    "request_breakdown": delta, "cpu_s": round(cpu_seconds(ctrl.pid) - cpu0, 2),
+                    "rss_idle_mib": rss_idle, "rss_after_mib": rss_mib(ctrl.pid)})
         if idle_seconds > 0 and times["all_pods_running_s"] is not None:
-            r0, c0, s0 = ctrl.requests(), cpu_seconds(ctrl.pid), server_requests(cluster)
-            time.sleep(idle_seconds)
-            idle = _delta(ctrl.requests(), r0)
-            server_idle = _delta(server_requests(cluster), s0)
-            res["idle_requests_per_min"] = round(sum(idle.values()) * 60 / idle_seconds, 1) if r0 else None
-            res["idle_request_breakdown"] = idle
-            res["idle_server_requests_per_min"] = round(sum(server_idle.values()) * 60 / idle_seconds, 1)
-            res["idle_server_request_breakdown"] = server_idle
-            res["idle_cpu_s_per_min"] = round((cpu_seconds(ctrl.pid) - c0) * 60 / idle_seconds, 3)
-        return res
+            res["rest_running"] = at_rest(ctrl, idle_seconds, jobs)
+        if idle_seconds > 0 and finished_seconds > 0 and times["all_pods_running_s"] is not None:
+            pods = [p.metadata.name for p in core.list_namespaced_pod(ns).items]
+            with ThreadPoolExecutor(8) as pool:   # kwok ends each pod with exit code 0
+                list(pool.map(lambda name: set_pod_exit(api, ns, name, 0), pods))
+            try:
+                wait_for(lambda: finished(custom, ns, variant, jobs), timeout=FINISH_TIMEOUT, interval=2,
+                         desc=f"{jobs} {variant} jobs finished")
+            except Exception as exc:  # noqa: BLE001  (recorded; the run's other numbers stand)
+                res["rest_finished_error"] = str(exc)[:300]
+            else:
+                settle(ctrl)
+                res["rest_finished"] = at_rest(ctrl, finished_seconds, jobs)
     finally:
         ctrl.stop()
+        load_after = os.getloadavg()
+        res.update({"load_avg_before": [round(x, 2) for x in load_before],
+                    "load_avg_after": [round(x, 2) for x in load_after],
+                    "loaded": max(load_before[0], load_after[0]) > max_load})
         delete_namespace(api, ns, wait=True, timeout=300)
+    return res
+
+
+ROWS = [  # (label, key, rest only)
+    ("apply -> all pods created (s)", "all_pods_exist_s", False),
+    ("apply -> all Running (s)", "all_pods_running_s", False),
+    ("requests per job", "requests_per_job", False),
+    ("controller CPU-s", "cpu_s", False),
+    ("RSS idle (MiB)", "rss_idle_mib", False),
+    ("RSS after (MiB)", "rss_after_mib", False),
+    ("at rest, Running+scraped: requests/min", "rest_running.requests_per_min", True),
+    ("at rest, Running+scraped: status writes/job/min", "rest_running.writes_per_job_per_min", True),
+    ("at rest, Running+scraped: CPU-s/min", "rest_running.cpu_s_per_min", True),
+    ("at rest, finished: requests/min", "rest_finished.requests_per_min", True),
+    ("at rest, finished: CPU-s/min", "rest_finished.cpu_s_per_min", True),
+]
+
+
+def value(run: dict, key: str):
+    for part in key.split("."):
+        run = run.get(part) if isinstance(run, dict) else None  # type: ignore[assignment]
+    return run
 
 
 def summarize(values: list) -> dict | None:
+    """Median and range over the repeats (the range is the interval a few repeats can give)."""
     vals = [v for v in values if v is not None]
     if not vals:
         return None
     return {"median": round(statistics.median(vals), 3), "min": min(vals), "max": max(vals), "n": len(vals)}
 
 
-ROWS = [  # (label, scenario, key)
-    ("apply -> all pods created (s)", None, "all_pods_exist_s"),
-    ("apply -> all Running (s)", None, "all_pods_running_s"),
-    ("requests per job", None, "requests_per_job"),
-    ("requests per job (server-side)", None, "server_requests_per_job"),
-    ("controller CPU-s", None, "cpu_s"),
-    ("RSS idle (MiB)", None, "rss_idle_mib"),
-    ("RSS after (MiB)", None, "rss_after_mib"),
-    ("at rest: API requests/min", "idle", "idle_requests_per_min"),
-    ("at rest: requests/min (server)", "idle", "idle_server_requests_per_min"),
-    ("at rest: CPU-s/min", "idle", "idle_cpu_s_per_min"),
-]
+def paired_ratio(ours: list, tuned: list) -> dict | None:
+    """ours/tuned per repeat -> geometric mean and its 95 % interval (median ratio for one pair)."""
+    ratios = [a / b for a, b in zip(ours, tuned) if a is not None and b and a > 0]
+    if not ratios:
+        return None
+    if len(ratios) < 2:
+        return {"ratio": round(ratios[0], 3), "pairs": 1}
+    ci = stats.ratio_interval(ratios)
+    return {k: (round(v, 3) if isinstance(v, float) and math.isfinite(v) else v) for k, v in ci.items()}
 
 
 def fmt(s: dict | None) -> str:
@@ -324,18 +405,36 @@ def fmt(s: dict | None) -> str:
     return f"{s['median']:g} [{s['min']:g}-{s['max']:g}]"
 
 
+def fmt_ratio(r: dict | None) -> str:
+    if r is None:
+        return "-"
+    if "low" not in r:
+        return f"{r['ratio']:g}"
+    return f"{r['ratio']:.2f} [{r['low']:.2f}-{r['high']:.2f}]"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--scenarios", default="1x64,100x8", help="comma list of JOBSxNODES")
+    ap.add_argument("--scenarios", default="1x64,100x8", help="comma list of JOBSxNODES (at most 10,000 pods each)")
     ap.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list of {', '.join(ALL_VARIANTS)}")
     ap.add_argument("--before", default=None, metavar="REV",
                     help="git revision whose operator runs as variant ddpjob-before (added to the variants)")
-    ap.add_argument("--repeat", type=int, default=1, help="interleaved runs per scenario and variant")
+    ap.add_argument("--repeat", type=int, default=3, help="interleaved runs per scenario and variant")
+    ap.add_argument("--rest", default="100x8", help="the scenario (JOBSxNODES) whose jobs are also measured at rest")
     ap.add_argument("--idle-seconds", type=float, default=60.0,
-                    help="at-rest window after the largest scenario (0 = skip)")
+                    help="the at-rest window of Running jobs (0 = skip both windows); a multiple of the "
+                         "operator's 30 s progress interval, or a window sees 0 or 2x its writes")
+    ap.add_argument("--finished-seconds", type=float, default=None,
+                    help="the at-rest window of finished jobs (default: --idle-seconds; 0 = skip)")
+    ap.add_argument("--max-load", type=float, default=float(os.cpu_count() or 1),
+                    help="1-minute load average above which a run is flagged loaded")
     ap.add_argument("--out", default=str(REPO / "bench/results/operator_scale.json"))
     args = ap.parse_args()
     scenarios = [tuple(int(x) for x in s.split("x")) for s in args.scenarios.split(",")]
+    too_big = [f"{j}x{n}" for j, n in scenarios if j * n > MAX_PODS]
+    if too_big:
+        ap.error(f"--scenarios: {', '.join(too_big)} over {MAX_PODS} pods")
+    rest = tuple(int(x) for x in args.rest.split("x"))
     variants = [v for v in args.variants.split(",") if v]
     unknown = set(variants) - set(ALL_VARIANTS)
     if unknown:
@@ -348,7 +447,7 @@ def main() -> int:
         subprocess.run(["tar", "-x", "-C", str(before_source)], input=archive, check=True)
         if "ddpjob-before" not in variants:
             variants.insert(0, "ddpjob-before")
-    largest = max(scenarios, key=lambda s: s[0] * s[1])
+    node_count = math.ceil(max(j * n for j, n in scenarios) / PODS_PER_NODE)
 
     cluster = ensure_cluster()
     api = cluster.api()
@@ -361,47 +460,65 @@ def main() -> int:
     if any(v.startswith("pytorchjob") for v in variants):
         kubeflow_peer.ensure_binary()
         kubeflow_peer.install(cluster, webhook_port=webhook_port)
-    bench_nodes(core, create=True)
+    bench_nodes(core, node_count, create=True)
+    ranks = FakeRanks()
     logs = Path(tempfile.mkdtemp(prefix="operator-scale-"))
     runs: list[dict] = []
+    load_start = os.getloadavg()
     try:
         for rep in range(args.repeat):
+            order = variants[rep % len(variants):] + variants[:rep % len(variants)]
             for jobs, nodes in scenarios:
-                for variant in variants:
-                    idle = args.idle_seconds if (jobs, nodes) == largest else 0
-                    res = run_one(cluster, api, k8s, variant, jobs, nodes, idle_seconds=idle,
-                                  webhook_port=webhook_port, logs=logs, before_source=before_source)
+                for variant in order:
+                    idle = args.idle_seconds if (jobs, nodes) == rest else 0
+                    finished_s = args.idle_seconds if args.finished_seconds is None else args.finished_seconds
+                    res = run_one(cluster, api, k8s, variant, jobs, nodes, idle_seconds=idle, finished_seconds=finished_s,
+                                  webhook_port=webhook_port, logs=logs, before_source=before_source,
+                                  ranks=ranks, max_load=args.max_load)
                     res["repeat"] = rep
                     runs.append(res)
-                    print(f"{variant:19s} {jobs:3d}x{nodes:<2d}: created {res['all_pods_exist_s']}s, running "
-                          f"{res['all_pods_running_s']}s, {res['requests_per_job']} req/job "
-                          f"({res['server_requests_per_job']} server-side), CPU {res['cpu_s']}s, "
-                          f"RSS {res['rss_idle_mib']}/{res['rss_after_mib']} MiB"
-                          + (f", at rest {res['idle_requests_per_min']} req/min {res['idle_cpu_s_per_min']} CPU-s/min"
-                             if "idle_requests_per_min" in res else ""), flush=True)
+                    rr, rf = res.get("rest_running") or {}, res.get("rest_finished") or {}
+                    print(f"{variant:19s} {jobs:4d}x{nodes:<2d} rep {rep}: created {res['all_pods_exist_s']}s, "
+                          f"running {res['all_pods_running_s']}s, {res['requests_per_job']} req/job, "
+                          f"CPU {res['cpu_s']}s, RSS {res['rss_idle_mib']}/{res['rss_after_mib']} MiB, "
+                          f"load {res['load_avg_before'][0]}->{res['load_avg_after'][0]}"
+                          + (" LOADED" if res["loaded"] else "")
+                          + (f"; at rest running {rr.get('requests_per_min')} req/min "
+                             f"{rr.get('writes_per_job_per_min')} writes/job/min {rr.get('cpu_s_per_min')} CPU-s/min"
+                             if rr else "")
+                          + (f"; finished {rf.get('requests_per_min')} req/min {rf.get('cpu_s_per_min')} CPU-s/min"
+                             if rf else ""), flush=True)
     finally:
-        bench_nodes(core, create=False)
+        ranks.close()
+        bench_nodes(core, node_count, create=False)
         if any(v.startswith("pytorchjob") for v in variants):
             kubeflow_peer.uninstall(cluster)
         k8s.close()
 
     table: dict = {}
-    lines = [f"{'':34s}" + "".join(f"{v:>26s}" for v in variants) + f"{'ours/tuned':>12s}"]
+    width = 28
+    lines = [f"{'':52s}" + "".join(f"{v:>{width}s}" for v in variants) + f"{'ours/tuned [95% CI]':>24s}"]
     for jobs, nodes in scenarios:
-        for label, only, key in ROWS:
-            if only == "idle" and (jobs, nodes) != largest:
+        for label, key, rest_only in ROWS:
+            if rest_only and (jobs, nodes) != rest:
                 continue
-            cells = {v: summarize([r.get(key) for r in runs if r["variant"] == v
-                                   and (r["jobs"], r["nodes_per_job"]) == (jobs, nodes)]) for v in variants}
-            ours, tuned = cells.get("ddpjob"), cells.get("pytorchjob-tuned")
-            ratio = (round(ours["median"] / tuned["median"], 2)
-                     if ours and tuned and tuned["median"] else None)
+            mine = [r for r in runs if (r["jobs"], r["nodes_per_job"]) == (jobs, nodes)]
+            cells = {v: summarize([value(r, key) for r in mine if r["variant"] == v]) for v in variants}
+            ratio = paired_ratio([value(r, key) for r in mine if r["variant"] == "ddpjob"],
+                                 [value(r, key) for r in mine if r["variant"] == "pytorchjob-tuned"])
             table[f"{jobs}x{nodes} {label}"] = {**cells, "ratio_ours_tuned": ratio}
-            lines.append(f"{f'{jobs}x{nodes} {label}':34s}" + "".join(f"{fmt(cells[v]):>26s}" for v in variants)
-                         + f"{(ratio if ratio is not None else '-'):>12}")
+            lines.append(f"{f'{jobs}x{nodes} {label}':52s}" + "".join(f"{fmt(cells[v]):>{width}s}" for v in variants)
+                         + f"{fmt_ratio(ratio):>24s}")
+    loaded = sum(1 for r in runs if r.get("loaded"))
+    lines.append(f"{loaded} of {len(runs)} runs on a loaded machine (1-min load > {args.max_load:g}); "
+                 f"load at start {tuple(round(x, 2) for x in load_start)}, at end "
+                 f"{tuple(round(x, 2) for x in os.getloadavg())}")
     print("\n".join(lines))
     out = {"machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
-                       "load_avg_at_end": os.getloadavg()},
+                       "load_avg_at_start": load_start, "load_avg_at_end": os.getloadavg(),
+                       "max_load": args.max_load, "loaded_runs": loaded, "runs": len(runs)},
+           "commit": stats.git_head(),
+           "command": " ".join(sys.argv),
            "peer": f"kubeflow training-operator {kubeflow_peer.VERSION} (PyTorchJob); tuned = "
                    + " ".join(kubeflow_peer.TUNED_FLAGS),
            "request_counting": "client-side, each controller's own counter (see the module docstring)",

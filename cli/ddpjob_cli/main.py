@@ -64,6 +64,10 @@ def render(file, namespace) -> None:
 @click.option("--default-runtime-class", default=_OP.default_runtime_class, envvar="DDPJOB_DEFAULT_RUNTIME_CLASS", show_default=True)
 @click.option("--cluster-domain", default=_OP.cluster_domain, envvar="DDPJOB_CLUSTER_DOMAIN")
 @click.option("--scrape-interval", type=float, default=_OP.scrape_interval, envvar="DDPJOB_SCRAPE_INTERVAL", show_default=True)
+@click.option("--progress-interval", type=click.FloatRange(min=0), default=_OP.progress_interval,
+              envvar="DDPJOB_PROGRESS_INTERVAL", show_default=True,
+              help="Seconds between writes of a running job's status.progress; a phase or condition "
+                   "change is written at once.")
 @click.option("--scrape-url-template", default=_OP.scrape_url_template, envvar="DDPJOB_SCRAPE_URL_TEMPLATE",
               help="Override where pod metrics are scraped; placeholders {pod} {rank} {ip} {port} "
                    "{rank_port} (= metricsPort + node rank) {namespace} {job}, "

@@ -35,6 +35,8 @@ class Operator:
         self.log_path = log_path
         cmd = [DDPJOB, "operator", "-n", namespace, "--metrics-port", str(self.metrics_port),
                "--health-port", str(self.health_port), "--scrape-interval", "2",
+               # Every new scrape's progress is written: tests wait on it, not on the 30 s default.
+               "--progress-interval", "1",
                "--unschedulable-timeout", "2", "--log-level", "INFO", *(extra or ["--peering", ""])]
         # kwok pod IPs are fictitious: unless a test points the scraper at its own endpoints,
         # scrape a closed loopback port (fails at once) rather than those addresses.

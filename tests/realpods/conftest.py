@@ -74,12 +74,12 @@ README_BLOCK = ("make images", "examples/local-cluster")
 def helm_install_operator(cluster: Cluster, *, namespace: str, watch: list[str], name: str) -> None:
     """The chart installed by the README's own `helm install` line (the local image, on the real
     nodes: examples/local-cluster/operator-values.yaml); only the release's name and namespace
-    differ, and it watches this tier's namespaces, scraping every 3 s."""
+    differ, and it watches this tier's namespaces, scraping every 3 s and writing each scrape's progress."""
     argv = shlex.split(readme_line(readme_block(*README_BLOCK), "helm install"))
     assert argv[:4] == ["helm", "install", "ddpjob", "charts/ddpjob-operator"] and "-n" in argv, argv
     argv[2] = name
     argv[argv.index("-n") + 1] = namespace
-    sets = ["operator.scrapeInterval=3"] + [f"operator.watchNamespaces[{i}]={ns}" for i, ns in enumerate(watch)]
+    sets = ["operator.scrapeInterval=3", "operator.progressInterval=1"] + [f"operator.watchNamespaces[{i}]={ns}" for i, ns in enumerate(watch)]
     args = argv[1:] + ["--wait", "--timeout", "180s"]
     for s in sets:
         args += ["--set", s]

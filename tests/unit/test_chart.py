@@ -275,15 +275,22 @@ def parse_operator_args(c: dict) -> dict:
 def test_operator_args_are_accepted_by_the_real_cli():
     params = parse_operator_args(container(render(
         "operator.defaultRuntimeClass=nvidia-cdi", "operator.clusterDomain=cluster.local",
-        "operator.scrapeInterval=30", "operator.unschedulableTimeout=120",
+        "operator.scrapeInterval=30", "operator.progressInterval=7", "operator.unschedulableTimeout=120",
         "operator.logLevel=DEBUG", "operator.logFormat=json")))
     assert params["all_namespaces"] is True and params["namespaces"] == ()
     assert params["default_runtime_class"] == "nvidia-cdi"
     assert params["cluster_domain"] == "cluster.local"
     assert params["scrape_interval"] == 30 and params["unschedulable_timeout"] == 120
+    assert params["progress_interval"] == 7
     assert params["log_level"] == "DEBUG" and params["log_format"] == "json"
     assert params["metrics_port"] == 8080 and params["health_port"] == 8081
     assert params["peering"] == "", "a single replica runs standalone (no peering object needed)"
+
+
+def test_the_charts_progress_interval_is_the_operators_default():
+    """One default: the chart's value is held to OperatorConfig's (the CLI's default too)."""
+    from ddpjob_operator.api.config import OperatorConfig
+    assert parse_operator_args(container(render()))["progress_interval"] == OperatorConfig().progress_interval
 
 
 def test_the_schemas_log_choices_are_the_clis():

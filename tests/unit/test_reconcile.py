@@ -445,16 +445,20 @@ class SilentMonitor:
 
     def __init__(self):
         self.answer = False
+        self.answered_once = False
+        self.observed = 0
 
     async def observe(self, job, pods):
+        self.observed += 1
+        self.answered_once |= self.answer
         return MonitorReport(progress={"step": 1} if self.answer else None, conditions=[], events=[], stalled=False,
-                      unreachable=not self.answer)
+                             unreachable=not self.answer, never_answered=not self.answered_once)
 
     def forget(self, uid):
         pass
 
 
-def test_jobs_whose_metrics_do_not_answer_are_scraped_less_often():
+def test_jobs_whose_metrics_never_answer_are_left_alone_until_a_pod_changes():
     k8s = FakeK8s()
     mon = SilentMonitor()
     rec = reconciler(k8s, monitor=mon)
@@ -463,16 +467,83 @@ def test_jobs_whose_metrics_do_not_answer_are_scraped_less_often():
     async def main():
         await start_running(k8s, rec)
         periods = []
-        for _ in range(5):
-            await rec.reconcile(NS, "j", scrape=True)
+        for _ in range(4):
+            assert not await rec.scrape(NS, "j")
             periods.append(rec._scrape_every[key])
-        assert periods == [2, 4, 8, 8, 8]
+        assert periods == [2, 4, 8, 8]
+        assert key in rec._silent           # the scrape loop skips it from now on
+        pod = rec.pods.by_index(NS, "j")[0]
+        rec._pod_changed("MODIFIED", pod)   # e.g. a pod turning Ready once it serves metrics
+        assert key not in rec._silent and key not in rec._scrape_every
         mon.answer = True
-        await rec.reconcile(NS, "j", scrape=True)
-        assert rec._scrape_every[key] == 1
+        assert await rec.scrape(NS, "j")    # the first progress is worth a pass
+        await rec.reconcile(NS, "j")
         await rec.shutdown()
     run(main())
     assert k8s.jobs["j"]["status"]["progress"]["step"] == 1
+
+
+class SteppingMonitor:
+    """Ranks that step on every scrape."""
+
+    def __init__(self):
+        self.step = 0
+
+    async def observe(self, job, pods):
+        self.step += 1
+        return MonitorReport(progress={"step": self.step}, conditions=[], events=[], stalled=False)
+
+    def forget(self, uid):
+        pass
+
+
+def test_progress_is_written_once_per_progress_interval_not_per_scrape():
+    k8s = FakeK8s()
+    mon = SteppingMonitor()
+    rec = reconciler(k8s, monitor=mon)
+    key = (NS, "j")
+
+    async def main():
+        await start_running(k8s, rec)
+        assert await rec.scrape(NS, "j")          # the first progress: a pass, written at once
+        await rec.reconcile(NS, "j")
+        for _ in range(3):                        # the next scrapes, within the interval: no pass
+            assert not await rec.scrape(NS, "j")
+        await rec.reconcile(NS, "j")              # a pass for another reason writes no progress
+        assert len([c for c in k8s.calls if c[0] == "patch_status"]) == 1
+        assert (rec.progress_interval, k8s.jobs["j"]["status"]["progress"]["step"]) == (30.0, 1)
+        rec._last_write[key] -= rec.progress_interval   # the interval has passed since that write
+        assert await rec.scrape(NS, "j")
+        await rec.reconcile(NS, "j")
+        await rec.shutdown()
+    run(main())
+    assert len([c for c in k8s.calls if c[0] == "patch_status"]) == 2
+    assert k8s.jobs["j"]["status"]["progress"]["step"] == mon.step == 5
+
+
+def test_finished_job_is_not_scraped_and_leaves_no_scrape_state():
+    k8s = FakeK8s()
+    mon = SteppingMonitor()
+    rec = reconciler(k8s, monitor=mon)
+    key = (NS, "j")
+
+    async def main():
+        await start_running(k8s, rec)
+        assert await rec.scrape(NS, "j")
+        set_phase(rec, k8s, "Succeeded", code=0)
+        await rec.reconcile(NS, "j")
+        assert k8s.jobs["j"]["status"]["phase"] == "Succeeded"
+        k8s.calls.clear()
+        observed = mon.step
+        assert not await rec.scrape(NS, "j")
+        await rec.reconcile(NS, "j")
+        await rec.shutdown()
+        return observed
+    observed = run(main())
+    assert mon.step == observed and k8s.calls == []
+    # The last scrape's progress went out with the transition.
+    assert k8s.jobs["j"]["status"]["progress"]["step"] == observed
+    assert key not in rec._reports and key not in rec._scrape_every
 
 
 def test_service_deleted_while_running_is_created_again_on_the_restart_pass():
@@ -547,6 +618,13 @@ def test_a_large_group_is_created_in_batches_with_another_jobs_pass_between():
     k8s = FakeK8s()
     rec = reconciler(k8s)
     big = 3 * CREATE_BATCH + 5
+    batches: list[tuple[str, int]] = []   # (job, pods) of each pass's creates
+    create_pods = rec._create_pods
+
+    async def record(job, pods):
+        batches.append((job.name, len(pods)))
+        return await create_pods(job, pods)
+    rec._create_pods = record  # type: ignore[method-assign]
 
     def created(job: str) -> list[int]:
         """Indexes in the call record of this job's pod creates."""
@@ -564,14 +642,11 @@ def test_a_large_group_is_created_in_batches_with_another_jobs_pass_between():
     run(main())
     big_creates, small_creates = created("big"), created("s")
     assert len(big_creates) == big and len(small_creates) == 2
-    # The big group went out over several passes (each a status-free run of creates between
-    # other calls), at most CREATE_BATCH pods each ...
-    runs, start = [], big_creates[0]
-    for prev, cur in zip(big_creates, big_creates[1:] + [None]):
-        if cur != prev + 1:
-            runs.append(prev - start + 1)
-            start = cur
+    # The big group went out over several passes, at most CREATE_BATCH pods each, with one status
+    # write (the attempt, before any pod) and not one per batch ...
+    runs = [n for job, n in batches if job == "big"]
     assert len(runs) >= 4 and max(runs) <= CREATE_BATCH, runs
+    assert len([c for c in k8s.calls[:max(big_creates)] if c[:2] == ("patch_status", "big")]) == 1
     # ... and the small job, kicked after the big one started, got its pods before the big one was done.
     assert max(small_creates) < max(big_creates)
     assert len(set(c[2] for c in k8s.calls if c[:2] == ("create", "Pod"))) == big + 2  # nothing twice

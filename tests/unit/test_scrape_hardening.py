@@ -66,6 +66,14 @@ def _serving(body):
     return handler
 
 
+PEERS: list[tuple] = []  # the client address of each request to /peer/
+
+
+async def _peer(request: web.Request) -> web.Response:
+    PEERS.append(request.transport.get_extra_info("peername"))
+    return web.Response(text=_good(int(request.match_info["rank"])))
+
+
 @pytest.fixture
 def server():
     """Start a loopback aiohttp app on a random port; yields its base URL."""
@@ -75,6 +83,7 @@ def server():
     app.router.add_get("/poison/{rank}", _serving(_poison))
     app.router.add_get("/huge/{rank}", _huge)
     app.router.add_get("/slow/{rank}", _slow)
+    app.router.add_get("/peer/{rank}", _peer)
     runner = web.AppRunner(app)
     loop.run_until_complete(runner.setup())
     site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -162,3 +171,16 @@ def test_slow_endpoint_fails_alone(server):
 def test_bad_cap_is_a_clear_error():
     with pytest.raises(ValueError, match="max_bytes"):
         asyncio.run(scrape.fetch_all(["http://127.0.0.1:1/"], max_bytes=0))
+
+
+def test_the_monitor_keeps_one_connection_per_pod_across_scrapes(server):
+    """A scrape does not open a connection per pod each time: the monitor's session keeps them."""
+    loop, base = server
+    PEERS.clear()
+    mon = Monitor(OperatorConfig(scrape_url_template=base + "/{pod}"), timeout=20)
+    pods = _pods(["peer", "peer"])
+    for _ in range(3):
+        report = loop.run_until_complete(mon.observe(_job(), pods))
+        assert report.progress and report.progress["ranksReporting"] == 2
+    loop.run_until_complete(mon.close())
+    assert len(PEERS) == 6 and len(set(PEERS)) == 2, PEERS

@@ -19,6 +19,9 @@ class OperatorConfig:
     default_runtime_class: str = "nvidia"     # used when gpusPerNode > 0 and the job sets none
     cluster_domain: str = ""                  # "" -> <pod>.<svc>.<ns>.svc (resolv.conf search does the rest)
     scrape_interval: float = 15.0             # seconds between progress scrapes of running jobs
+    # seconds between writes of a running job's status.progress (a change of phase or of a
+    # condition is written at once, with the freshest progress)
+    progress_interval: float = 30.0
     # Tests and local runs point the scraper at localhost: a str.format template with
     # {pod}, {rank}, {ip}, {port}, {namespace}, {job}; empty -> http://{ip}:{port}/metrics
     scrape_url_template: str = ""

@@ -6,6 +6,8 @@ bursts of triggers (a 64-pod group emits hundreds of pod events) coalesce into a
 status changes nobody acts on (node counts) are written at most once per `coalesce` seconds.
 Periodic work is only the scrape schedule of running jobs (pods' metrics, not the API server)
 and one timer per job for its next deadline (activeDeadlineSeconds, TTL, unschedulable timeout).
+A scrape is not a pass: it runs one only when it found something to write now
+(`decisions.writes.scrape_needs_pass`); progress alone is written once per progress interval.
 """
 from __future__ import annotations
 
@@ -35,6 +37,7 @@ if TYPE_CHECKING:
 from ddpjob_operator.builders.service import render_service
 from ddpjob_operator.api.spec import from_manifest
 from ddpjob_operator.decisions.status import NAME_CONFLICT, CreateRefusal, create_refused, job_status, refusal, split_creates
+from ddpjob_operator.decisions.writes import scrape_needs_pass, urgent, write_wait
 
 log = logging.getLogger("ddpjob.controller")
 Key = tuple[str, str]
@@ -48,8 +51,6 @@ MAX_SCRAPE_BACKOFF = 8
 # another job's requests queue behind at most one batch in the K8s facade's pool, not a whole group.
 CREATE_BATCH = 32
 REFUSED_RETRY_SECONDS = 10.0  # a refusal that may pass later (403 from a quota): try again after this
-# Status fields that only mirror pods (nobody acts on them): their changes may wait and coalesce.
-_QUIET_FIELDS = frozenset({"nodes", "launchedAttempt"})
 
 
 def _load_monitor(config: OperatorConfig, k8s: K8s) -> Monitor | None:
@@ -105,15 +106,6 @@ def foreign_podgroup(job, pg: dict[str, Any] | None) -> CreateRefusal | None:
                                  "scheduler would place the pods by its rules; rename the job or delete it")
 
 
-def urgent(prev: dict[str, Any], status: dict[str, Any], decision: Decision, events: list) -> bool:
-    """True when the write must happen in this pass: it precedes actions (the attempt and counters
-    are stored before pods are deleted), announces a transition, or changes what users act on."""
-    if events or decision.create_ranks or decision.delete_pods or decision.delete_job:
-        return True
-    return any(status.get(k) != prev.get(k) for k in set(status) | set(prev) if k not in _QUIET_FIELDS)
-
-
-
 class Reconciler:
     """Serialises and coalesces reconcile passes per job; owns the scrape schedule and timers."""
 
@@ -131,6 +123,7 @@ class Reconciler:
         if gate is not None:
             gate.store.listeners.append(lambda *_: self._unblock())
         self.scrape_interval = max(float(config.scrape_interval), 1.0)
+        self.progress_interval = max(float(config.progress_interval), 0.0)
         self.create_delay = float(os.environ.get(CREATE_DELAY_ENV) or 0)
         # A short pause before each pass folds a burst of pod events into one pass.
         self.debounce = 0.1
@@ -149,12 +142,22 @@ class Reconciler:
         # Jobs whose metrics endpoints do not answer are scraped every Nth interval (N doubles up
         # to MAX_SCRAPE_BACKOFF): jobs running their own command often serve no metrics at all.
         self._scrape_every: dict[Key, int] = {}
+        # Jobs none of whose pods ever answered, through the whole backoff: not scraped again until
+        # one of their pods changes (a restart, a pod that starts serving and turns Ready).
+        self._silent: set[Key] = set()
+        # The latest scrape of each Running job, folded into its passes until the job stops running;
+        # its events are taken (posted) by the next pass.
+        self._reports: dict[Key, MonitorReport] = {}
+        self._at_once: set[Key] = set()            # the pending pass skips the debounce
 
     # -- triggers ------------------------------------------------------------------------
-    def kick(self, namespace: str, name: str, *, scrape: bool = False) -> None:
-        """Ask for a pass over this job (coalesced with any pass already pending)."""
+    def kick(self, namespace: str, name: str, *, scrape: bool = False, at_once: bool = False) -> None:
+        """Ask for a pass over this job (coalesced with any pass already pending); `at_once`: no
+        pause to fold a burst of events in (the next batch of a group being created)."""
         key = (namespace, name)
         self._dirty[key] = self._dirty.get(key, False) or scrape
+        if at_once:
+            self._at_once.add(key)
         if key not in self._workers:
             self._workers[key] = asyncio.get_running_loop().create_task(self._work(key))
 
@@ -192,6 +195,8 @@ class Reconciler:
             key = (key_of(pod)[0], job_name)
             if etype == "DELETED":
                 self._departed.setdefault(key, {})[podinfo.name(pod)] = pod
+            self._silent.discard(key)
+            self._scrape_every.pop(key, None)
             self.kick(*key)
 
     def forget(self, namespace: str, name: str, uid: str | None = None) -> None:
@@ -201,9 +206,11 @@ class Reconciler:
         if obj is not None and (uid is None or (obj.get("metadata") or {}).get("uid") == uid):
             uid = uid or (obj.get("metadata") or {}).get("uid")
             self.jobs.delete(obj, notify=False)
-        for table in (self._written_rv, self._last_write, self._dirty, self._scrape_every, self._departed):
+        for table in (self._written_rv, self._last_write, self._dirty, self._departed):
             table.pop(key, None)
         self._blocked.discard(key)
+        self._at_once.discard(key)
+        self._stop_scraping(key, uid)
         timer = self._timers.pop(key, None)
         if timer:
             timer[1].cancel()
@@ -211,11 +218,17 @@ class Reconciler:
         if uid:
             self._services.pop(uid, None)
             self._podgroups.pop(uid, None)
-            if self.monitor is not None:
-                try:
-                    self.monitor.forget(uid)
-                except Exception:
-                    log.exception("monitor.forget failed")
+
+    def _stop_scraping(self, key: Key, uid: str | None) -> None:
+        """Drop what the scrape schedule keeps about a job (gone, or no longer running)."""
+        self._scrape_every.pop(key, None)
+        self._reports.pop(key, None)
+        self._silent.discard(key)
+        if uid and self.monitor is not None:
+            try:
+                self.monitor.forget(uid)
+            except Exception:
+                log.exception("monitor.forget failed")
 
     async def shutdown(self) -> None:
         """Stop timers and in-flight passes (on operator exit), then the I/O pool."""
@@ -227,6 +240,9 @@ class Reconciler:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        close = getattr(self.monitor, "close", None)
+        if close is not None:
+            await close()
         self.k8s.close()
 
     # -- scheduling ------------------------------------------------------------------------
@@ -235,7 +251,11 @@ class Reconciler:
         try:
             await self.pods.wait_synced()  # an unsynced cache would make launched pods look deleted
             while key in self._dirty:
-                await asyncio.sleep(self.debounce)
+                if key in self._at_once:
+                    self._at_once.discard(key)
+                    await asyncio.sleep(0)  # other jobs' passes still get their turn
+                else:
+                    await asyncio.sleep(self.debounce)
                 scrape = self._dirty.pop(key)
                 wait = self.held_back()
                 if wait is not None:
@@ -273,19 +293,57 @@ class Reconciler:
             self.kick(*key)
 
     async def scrape_loop(self) -> None:
-        """Every scrape interval: a scraping pass over each running job. The API server is not
-        asked anything unless the scrape changed what the status shows."""
+        """Every scrape interval: scrape each running job's pods (not the API server), and run a
+        pass only for a job whose scrape found something to write now. A job none of whose pods
+        ever answered is left alone until one of its pods changes."""
         if self.monitor is None:
             return
         tick = 0
         while True:
             await asyncio.sleep(self.scrape_interval)
             tick += 1
+            due = []
             for obj in self.jobs.items():
                 key = key_of(obj)
-                if ((obj.get("status") or {}).get("phase") == Phase.RUNNING.value
+                if ((obj.get("status") or {}).get("phase") == Phase.RUNNING.value and key not in self._silent
                         and tick % self._scrape_every.get(key, 1) == 0):
-                    self.kick(*key, scrape=True)
+                    due.append(key)
+            # One round at a time (the monitor bounds the requests of all jobs together).
+            await asyncio.gather(*(self._scrape_and_kick(key) for key in due))
+
+    async def _scrape_and_kick(self, key: Key) -> None:
+        try:
+            if await self.scrape(*key):
+                self.kick(*key)
+        except Exception:  # a scrape is optional; the next tick tries again
+            log.exception("scrape of %s/%s failed", *key)
+
+    async def scrape(self, namespace: str, name: str) -> bool:
+        """Scrape a running job's pods now and keep the report for its passes; True when it holds
+        something to write now (decisions.writes.scrape_needs_pass)."""
+        key = (namespace, name)
+        obj = self.jobs.get(namespace, name)
+        if self.monitor is None or obj is None or (obj.get("status") or {}).get("phase") != Phase.RUNNING.value:
+            return False
+        uid = (obj.get("metadata") or {}).get("uid") or ""
+        report = await self._observe(obj, [p for p in self.pods.by_index(namespace, name) if owned_by(p, uid)])
+        if report is None:
+            return False
+        every = self._scrape_every.get(key, 1)
+        if report.unreachable:
+            if report.never_answered and every >= MAX_SCRAPE_BACKOFF:
+                self._silent.add(key)
+            self._scrape_every[key] = min(every * 2, MAX_SCRAPE_BACKOFF)
+        else:
+            self._scrape_every.pop(key, None)
+        old = self._reports.get(key)
+        if old is not None and old.events:
+            report = dataclasses.replace(report, events=old.events + report.events)  # not posted yet
+        self._reports[key] = report
+        since = asyncio.get_running_loop().time() - self._last_write.get(key, float("-inf"))
+        return scrape_needs_pass(obj.get("status") or {}, progress=report.progress, conditions=report.conditions,
+                                 events=len(report.events), mlflow_run=report.mlflow_run,
+                                 progress_due=since >= self.progress_interval)
 
     # -- one pass ------------------------------------------------------------------------
     async def _observe(self, obj: dict[str, Any], pods: list[dict[str, Any]]) -> MonitorReport | None:
@@ -304,13 +362,12 @@ class Reconciler:
         if obj is None:
             self.forget(namespace, name)
             return
-        report: MonitorReport | None = None
-        if (scrape and self.monitor is not None
-                and (obj.get("status") or {}).get("phase") == Phase.RUNNING.value):
-            uid = (obj.get("metadata") or {}).get("uid") or ""
-            report = await self._observe(obj, [p for p in self.pods.by_index(namespace, name) if owned_by(p, uid)])
-            every = self._scrape_every.get(key, 1)
-            self._scrape_every[key] = min(every * 2, MAX_SCRAPE_BACKOFF) if report is not None and report.unreachable else 1
+        if scrape:
+            await self.scrape(namespace, name)
+        # The latest scrape counts while the job runs; its events are this pass's to post.
+        report = self._reports.get(key) if (obj.get("status") or {}).get("phase") == Phase.RUNNING.value else None
+        if report is not None and report.events:
+            self._reports[key] = dataclasses.replace(report, events=[])
 
         job = from_manifest(obj)  # built again only when a conflict brings a newer object
         podgroup = await self._read_podgroup(job, namespace, name)
@@ -325,8 +382,10 @@ class Reconciler:
                                         decision=decision, report=report, podgroup=podgroup)
             if status == prev:
                 break
-            if not urgent(prev, status, decision, events):
-                wait = self._last_write.get(key, float("-inf")) + self.coalesce - asyncio.get_running_loop().time()
+            if not urgent(prev, status, events=len(events) + len(report.events if report else [])):
+                since = asyncio.get_running_loop().time() - self._last_write.get(key, float("-inf"))
+                wait = write_wait(prev, status, since_write=since, coalesce=self.coalesce,
+                                  progress_interval=self.progress_interval)
                 if wait > 0:
                     self.kick_later(key, wait)  # fold this change into a later write
                     break
@@ -353,6 +412,7 @@ class Reconciler:
                 log.warning("status of %s/%s refused with the monitor report (%s); writing it without",
                             namespace, name, exc.reason)
                 report = None
+                self._reports.pop(key, None)
                 continue
             self._wrote(key, written)
             break
@@ -378,6 +438,8 @@ class Reconciler:
         for etype, reason, message in events + (report.events if report is not None else []):
             await self.k8s.post_event(obj, etype, reason, message)
 
+        if decision.phase is not Phase.RUNNING:
+            self._stop_scraping(key, job.uid if decision.phase.finished else None)
         self.metrics.record_pass(key, prev_status=prev, status=status,
                                  restarted=decision.restarted.reason if decision.restarted else None,
                                  hang_timeout=job.hang_timeout_seconds)
@@ -477,7 +539,7 @@ class Reconciler:
         ranks = list(decision.create_ranks)
         if len(ranks) > CREATE_BATCH:
             ranks = ranks[:CREATE_BATCH]
-            self.kick(job.namespace, job.name)  # the rest in later passes, other jobs' passes between
+            self.kick(job.namespace, job.name, at_once=True)  # the rest in later passes, other jobs' between
         pods = [render_pod(job, r, attempt=decision.attempt, config=self.config, restarts=decision.restarts,
                            counted_restarts=decision.counted_restarts) for r in ranks]
         if self.create_delay > 0:

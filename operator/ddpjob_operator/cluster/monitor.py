@@ -42,6 +42,7 @@ class MonitorReport:
     events: list[tuple[str, str, str]]   # (Normal|Warning, reason, message) new since the last report
     stalled: bool              # True -> restart the group when spec.failurePolicy.restartOnHang
     unreachable: bool = False  # running pods, none answered: the caller may scrape this job less often
+    never_answered: bool = False  # unreachable, and no pod of this attempt has ever answered
     mlflow_run: tuple[str, str] | None = None  # (run id, experiment id) the ranks report (status.mlflow)
 
 
@@ -128,6 +129,23 @@ class Monitor:
         # One bound for the whole operator (all jobs' scrapes together), made in the running loop.
         self._sem: asyncio.Semaphore | None = None
         self._sem_loop: asyncio.AbstractEventLoop | None = None
+        # One keep-alive HTTP session for every scrape (made in the running loop, closed by close()):
+        # a connection per pod is opened once, not once per scrape.
+        self._session = None
+
+    async def close(self) -> None:
+        """Close the scrapes' HTTP session (on operator exit)."""
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    def _client(self, loop: asyncio.AbstractEventLoop):
+        if self._sem is None or self._sem_loop is not loop:
+            self._sem, self._sem_loop = asyncio.Semaphore(self.concurrency), loop
+            # A session belongs to its loop: a new loop (tests) gets a new one.
+            self._session = scrape.session(concurrency=self.concurrency,
+                                           keepalive=self.config.scrape_interval * 2 + 5)
+        return self._sem, self._session
 
     def forget(self, uid: str) -> None:
         """Drop what is kept about a job (deleted or finished)."""
@@ -176,11 +194,9 @@ class Monitor:
                              job_name=name, namespace=namespace)
             if url:
                 targets.append((url, pod))
-        loop = asyncio.get_running_loop()
-        if self._sem is None or self._sem_loop is not loop:
-            self._sem, self._sem_loop = asyncio.Semaphore(self.concurrency), loop
+        sem, session = self._client(asyncio.get_running_loop())
         results = await scrape.fetch_all([u for u, _ in targets], concurrency=self.concurrency,
-                                         timeout=self.timeout, semaphore=self._sem,
+                                         timeout=self.timeout, semaphore=sem, session=session,
                                          max_bytes=self.max_body_bytes)
         now = self.clock()
         samples: dict[int, scrape.RankSample] = {}
@@ -233,7 +249,9 @@ class Monitor:
                 if s.mlflow_run_id and s.mlflow_experiment_id]
         return MonitorReport(progress=prog, conditions=conditions, events=events,
                              stalled=health.STALLED in st.tracker.active,
-                             unreachable=bool(targets) and not samples, mlflow_run=runs[0] if runs else None)
+                             unreachable=bool(targets) and not samples,
+                             never_answered=bool(targets) and st.prev is None,
+                             mlflow_run=runs[0] if runs else None)
 
     def _conditions(self, job: dict, st: _JobState, now: float) -> list[dict]:
         """Straggler and Stalled, keeping lastTransitionTime when the status did not change."""

@@ -217,11 +217,21 @@ async def _read_capped(resp: object, *, max_bytes: int) -> bytes:
     return bytes(buf)
 
 
+def session(*, concurrency: int, keepalive: float):
+    """A long-lived aiohttp session for `fetch_all`: connections kept open `keepalive` seconds
+    between scrapes (longer than the scrape interval, so each pod's connection is reused)."""
+    import aiohttp  # comes with kopf; imported here so parse_metrics users need not have it
+
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=max(1, concurrency),
+                                                                keepalive_timeout=keepalive))
+
+
 async def fetch_all(urls: list[str], *, concurrency: int = 16, timeout: float = 5.0,
-                    semaphore: asyncio.Semaphore | None = None,
+                    semaphore: asyncio.Semaphore | None = None, session=None,
                     max_bytes: int = MAX_BODY_BYTES) -> list[ScrapeResult]:
     """GET every URL concurrently (at most `concurrency` at once, or as `semaphore` allows across
-    callers), each with its own deadline and a body of at most `max_bytes`; never raises."""
+    callers), each with its own deadline and a body of at most `max_bytes`; never raises. With
+    `session` (see session()) its kept-alive connections are used; else a session for this call."""
     if max_bytes < 1:
         raise ValueError(f"fetch_all: max_bytes must be positive, got {max_bytes}")
     import aiohttp  # comes with kopf; imported here so parse_metrics users need not have it
@@ -247,6 +257,8 @@ async def fetch_all(urls: list[str], *, concurrency: int = 16, timeout: float = 
 
     if not urls:
         return []
-    connector = aiohttp.TCPConnector(limit=max(1, concurrency), force_close=True)
-    async with aiohttp.ClientSession(connector=connector) as session:
+    if session is not None:
         return list(await asyncio.gather(*(one(session, u) for u in urls)))
+    connector = aiohttp.TCPConnector(limit=max(1, concurrency), force_close=True)
+    async with aiohttp.ClientSession(connector=connector) as own:
+        return list(await asyncio.gather(*(one(own, u) for u in urls)))

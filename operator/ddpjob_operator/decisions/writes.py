@@ -1,0 +1,89 @@
+"""When a status write is due, and when a scrape holds anything a pass must write (pure).
+
+A running job's pods are scraped every scrape interval, but its status is not rewritten per scrape:
+progress (and the wording of the monitor's conditions, which quotes the latest step) is written at
+most once per progress interval, while a change of phase, of a condition's status or reason, an
+event, or anything a user acts on is written in the pass that sees it, carrying the freshest
+progress along.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from ddpjob_operator.decisions.health import STALLED, STRAGGLER
+from ddpjob_operator.decisions.status import UNAVAILABLE
+
+# Status fields that only mirror pods (nobody acts on them): their changes may wait and coalesce.
+QUIET_FIELDS = frozenset({"nodes", "launchedAttempt"})
+# Fields that change with every scrape of a training job: written at the progress interval.
+PROGRESS_FIELDS = frozenset({"progress"})
+# The monitor's conditions: a change of status or reason is material; of message (which names the
+# latest step, or how far behind a straggler is) it is progress.
+MONITOR_CONDITIONS = (STRAGGLER, STALLED)
+
+
+def _condition_key(cond: dict[str, Any]) -> tuple:
+    """What of a condition counts as a change worth a write of its own."""
+    if cond.get("type") in MONITOR_CONDITIONS:
+        return (cond.get("type"), cond.get("status"), cond.get("reason"))
+    return tuple(sorted((k, str(v)) for k, v in cond.items()))
+
+
+def _conditions_changed(prev: list[dict[str, Any]] | None, new: list[dict[str, Any]] | None) -> bool:
+    return sorted(map(_condition_key, prev or []), key=str) != sorted(map(_condition_key, new or []), key=str)
+
+
+def _progress_kind(progress: dict[str, Any] | None) -> str:
+    """'none', 'unavailable' or 'steps': a change of kind is news, a new step is progress."""
+    progress = progress or {}
+    if progress.get("step") is not None:
+        return "steps"
+    return UNAVAILABLE if progress.get(UNAVAILABLE) else "none"
+
+
+def changed_fields(prev: dict[str, Any], status: dict[str, Any]) -> set[str]:
+    """Top-level status fields that differ."""
+    return {k for k in set(prev) | set(status) if prev.get(k) != status.get(k)}
+
+
+def urgent(prev: dict[str, Any], status: dict[str, Any], *, events: int) -> bool:
+    """True when the write must happen in this pass: it announces a transition (`events`) or
+    changes what users or the pods act on (the attempt and counters the pods carry are among them,
+    so they are stored before the pods they describe are created or deleted). Progress, node
+    counts and the monitor conditions' wording wait, also in a pass that creates the next batch."""
+    if events:
+        return True
+    for key in changed_fields(prev, status) - QUIET_FIELDS - PROGRESS_FIELDS:
+        if key != "conditions" or _conditions_changed(prev.get(key), status.get(key)):
+            return True
+    return _progress_kind(prev.get("progress")) != _progress_kind(status.get("progress"))
+
+
+def write_wait(prev: dict[str, Any], status: dict[str, Any], *, since_write: float, coalesce: float,
+               progress_interval: float) -> float:
+    """Seconds until a write that is not urgent is due (0: now). Node counts wait `coalesce`
+    seconds after the last write; progress alone waits `progress_interval`."""
+    quiet = bool(changed_fields(prev, status) & QUIET_FIELDS)
+    return max(0.0, (coalesce if quiet else progress_interval) - since_write)
+
+
+def scrape_needs_pass(prev: dict[str, Any], *, progress: dict[str, Any] | None, conditions: list[dict[str, Any]],
+                      events: int, mlflow_run: tuple[str, str] | None, progress_due: bool) -> bool:
+    """True when a scrape found something a pass must write now: an event, a condition of the
+    monitor's that changes status or reason, a first MLflow run, the first progress (or progress
+    becoming unavailable), or new progress once `progress_due`. Otherwise the scrape costs no pass."""
+    if events:
+        return True
+    old = {c.get("type"): c for c in prev.get("conditions") or []}
+    for cond in conditions:
+        was = old.get(cond.get("type"))
+        if was is None or (was.get("status"), was.get("reason")) != (cond.get("status"), cond.get("reason")):
+            return True
+    if mlflow_run is not None and (prev.get("mlflow") or {}).get("runId") != mlflow_run[0]:
+        return True
+    if not progress:
+        return False
+    before = prev.get("progress") or {}
+    if _progress_kind(before) != _progress_kind({**before, **progress}):
+        return True
+    return progress_due and any(before.get(k) != v for k, v in progress.items())

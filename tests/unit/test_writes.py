@@ -1,0 +1,79 @@
+"""When a running job's status is written, and when a scrape is worth a pass (decisions/writes.py)."""
+from __future__ import annotations
+
+import pytest
+
+from ddpjob_operator.decisions.writes import scrape_needs_pass, urgent, write_wait
+
+STEPS = {"step": 10, "totalSteps": 100, "percent": 10.0, "display": "10% (10/100)"}
+CALM = {"type": "Stalled", "status": "False", "reason": "Progressing", "message": "in train, after step 10",
+        "lastTransitionTime": "t0"}
+RUNNING = {"type": "Running", "status": "True", "reason": "Running", "message": "2/2 running",
+           "lastTransitionTime": "t0"}
+
+
+def status(**kw) -> dict:
+    base = {"phase": "Running", "attempt": 0, "nodes": {"running": 2}, "progress": STEPS,
+            "conditions": [RUNNING, CALM]}
+    return {**base, **kw}
+
+
+def cond(c: dict, **kw) -> dict:
+    return {**c, **kw}
+
+
+@pytest.mark.parametrize("new, events, expected", [
+    (status(), 0, False),                                                     # nothing changed
+    (status(progress={**STEPS, "step": 20}), 0, False),                       # progress: waits
+    (status(nodes={"running": 1}), 0, False),                                 # node counts: coalesce
+    (status(conditions=[RUNNING, cond(CALM, message="in train, after step 20")]), 0, False),  # wording
+    (status(phase="Succeeded"), 0, True),                                     # a transition
+    (status(conditions=[RUNNING, cond(CALM, status="True", reason="NoProgress")]), 0, True),
+    (status(conditions=[cond(RUNNING, message="1/2 running"), CALM]), 0, True),  # not the monitor's
+    (status(conditions=[RUNNING]), 0, True),                                  # a condition went away
+    (status(attempt=1, restarts=1), 0, True),       # what the next pods carry: before they are made
+    (status(progress={"unavailable": "on kwok"}), 0, True),                   # what progress *is*
+    (status(progress={**STEPS, "step": 20}), 1, True),                        # with an event
+])
+def test_urgent(new, events, expected):
+    assert urgent(status(), new, events=events) is expected
+
+
+def test_the_first_status_and_the_first_progress_are_written_at_once():
+    assert urgent({}, status(), events=0)
+    assert urgent(status(progress=None), status(), events=0)
+
+
+@pytest.mark.parametrize("new, since, expected", [
+    (status(progress={**STEPS, "step": 20}), 5.0, 25.0),       # progress alone: the progress interval
+    (status(progress={**STEPS, "step": 20}), 31.0, 0.0),
+    (status(nodes={"running": 1}), 1.0, 4.0),                  # node counts: the coalescing window
+    (status(nodes={"running": 1}, progress={**STEPS, "step": 20}), 1.0, 4.0),  # ... carrying progress along
+    (status(progress={**STEPS, "step": 20}), float("inf"), 0.0),  # never written by this process
+])
+def test_write_wait(new, since, expected):
+    assert write_wait(status(), new, since_write=since, coalesce=5.0, progress_interval=30.0) == expected
+
+
+def needs(prev=None, *, progress=None, conditions=(), events=0, mlflow_run=None, due=False) -> bool:
+    return scrape_needs_pass(status() if prev is None else prev, progress=progress, conditions=list(conditions),
+                             events=events, mlflow_run=mlflow_run, progress_due=due)
+
+
+@pytest.mark.parametrize("kw, expected", [
+    ({}, False),                                                              # nothing answered
+    ({"progress": {"step": 20}}, False),                                      # new step, not due yet
+    ({"progress": {"step": 20}, "due": True}, True),                          # new step, due
+    ({"progress": {"step": 10}, "due": True}, False),                         # due, but nothing new
+    ({"conditions": [cond(CALM, message="after step 20")]}, False),           # the wording only
+    ({"conditions": [cond(CALM, status="True", reason="NoProgress")]}, True),  # a hang
+    ({"conditions": [{"type": "Straggler", "status": "False", "reason": "NoStraggler"}]}, True),  # first time
+    ({"events": 1}, True),
+    ({"mlflow_run": ("r1", "e1")}, True),                                     # a run first reported
+    ({"prev": status(mlflow={"runId": "r1"}), "mlflow_run": ("r1", "e1")}, False),
+    ({"prev": status(progress=None), "progress": {"step": 1}}, True),         # the first progress
+    ({"prev": status(progress=None), "progress": {"unavailable": "kwok"}}, True),
+    ({"prev": status(progress={"unavailable": "kwok"}), "progress": {"unavailable": "kwok"}, "due": True}, False),
+])
+def test_scrape_needs_pass(kw, expected):
+    assert needs(**kw) is expected
