@@ -17,6 +17,7 @@ from tests.support.stopping import (
     cpu_load,
     describe,
     kill_run,
+    is_worker,
     moment_reached,
     run_processes,
     wait_for_moment,
@@ -61,8 +62,7 @@ def _find_worker(job_name: str, rank: int) -> int | None:
             cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"ddpjob_trainer" in cmd and b"torch.distributed.run" not in cmd \
-                and b"ddpjob_trainer.launch" not in cmd:
+        if is_worker(cmd):
             return pid
     return None
 

@@ -397,6 +397,7 @@ class Trainer:
         telemetry.set_total_steps(self.total_steps)
         attempt = int(os.environ.get(contract.ENV_ATTEMPT, "0"))
         telemetry.set_restart_count(attempt)
+        telemetry.resumed_from(resumed_from)
         telemetry.gpu_info(torch, ctx.device)
         # The whole resolved config (nested sections flattened by the reporter), logged once per run.
         log.params({"world_size": ctx.world_size, "backend": ctx.backend, "resolved_num_workers": self.workers,

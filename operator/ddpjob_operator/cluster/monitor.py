@@ -43,6 +43,8 @@ class MonitorReport:
     stalled: bool              # True -> restart the group when spec.failurePolicy.restartOnHang
     unreachable: bool = False  # running pods, none answered: the caller may scrape this job less often
     mlflow_run: tuple[str, str] | None = None  # (run id, experiment id) the ranks report (status.mlflow)
+    # This scrape's samples by rank (their worker failures and first steps: decisions/inplace.py).
+    ranks: dict[int, scrape.RankSample] = field(default_factory=dict)
 
 
 @dataclass
@@ -233,7 +235,8 @@ class Monitor:
                 if s.mlflow_run_id and s.mlflow_experiment_id]
         return MonitorReport(progress=prog, conditions=conditions, events=events,
                              stalled=health.STALLED in st.tracker.active,
-                             unreachable=bool(targets) and not samples, mlflow_run=runs[0] if runs else None)
+                             unreachable=bool(targets) and not samples, mlflow_run=runs[0] if runs else None,
+                             ranks=samples)
 
     def _conditions(self, job: dict, st: _JobState, now: float) -> list[dict]:
         """Straggler and Stalled, keeping lastTransitionTime when the status did not change."""
