@@ -403,7 +403,8 @@ class Trainer:
         log.params({"world_size": ctx.world_size, "backend": ctx.backend, "resolved_num_workers": self.workers,
                     "amp_dtype": str(self.place.amp_dtype), "channels_last": self.place.channels_last,
                     "static_graph": tuning.static_graph(cfg), "total_steps": self.total_steps, **asdict(cfg)})
-        log.metrics({"restarts": attempt}, step=st.step)
+        # Restarts before this start: the group's, and this pod's in place within the attempt.
+        log.metrics({"restarts": attempt + int(os.environ.get(contract.ENV_RESTART, "0") or 0)}, step=st.step)
         log.info(f"training {cfg.model} on {cfg.dataset}: world size {ctx.world_size} ({ctx.backend}), "
                  f"{len(self.data.train)} train / {len(self.data.val)} val samples, {self.total_steps} steps, "  # type: ignore[arg-type]
                  f"{self.workers} data workers per rank")
