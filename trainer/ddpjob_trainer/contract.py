@@ -126,6 +126,10 @@ def public_uri(text: str) -> str:
 # start), so a pod's log splits into its worker starts (`ddpjob logs --attempt` filters on it).
 INPLACE_MARKER = "==> ddpjob: attempt {attempt} restart {restart} <=="
 INPLACE_MARKER_RE = re.compile(r"^==> ddpjob: attempt (\d+) restart (\d+) <==$")
+# In-memory snapshots (checkpointing/snapshot.py): under the pod's /dev/shm (a memory-backed
+# emptyDir that outlives a worker restarted in place), or where DDPJOB_SNAPSHOT_DIR says.
+SNAPSHOT_SHM = "/dev/shm"
+ENV_SNAPSHOT_DIR = "DDPJOB_SNAPSHOT_DIR"
 # Set by the agent for the workers it starts: the pod's worker start in this attempt (0, 1, ...).
 ENV_RESTART = "DDPJOB_RESTART"
 # 1 per worker failure the agent saw on this pod, valued the failure's Unix time; labels: the
