@@ -108,7 +108,7 @@ def test_killed_worker_restarts_in_place_counted_and_resumes_from_the_shared_che
     (entry,) = [e for e in st["restartHistory"] if e["kind"] == "InPlace"]
     assert (entry["pod"], entry["rank"], entry["exitCode"], entry["signal"]) == ("digits-1", 1, -9, "SIGKILL"), entry
     assert entry["node"] == pod_nodes(real_cluster, ns, "digits")["digits-1"], entry
-    assert entry["resumedFromStep"] >= 50, entry  # the disk checkpoint of step 50 or a newer snapshot
+    assert entry["resumedFromStep"] > 0, entry  # a disk checkpoint or a newer snapshot, not step 0
     print(f"in-place restart: SIGKILL to every rank's next step in {entry['recoverySeconds']}s "
           f"(pods' clocks), resumed from step {entry['resumedFromStep']}")
 
