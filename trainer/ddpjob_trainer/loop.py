@@ -512,9 +512,9 @@ class Trainer:
                     self.save()
                     boundary = time.perf_counter()
                 elif self.snapshots is not None and self.snapshots.due(st.step) and not epoch_end:
-                    # (At an epoch's end the disk checkpoint follows its evaluation.)
+                    # (At an epoch's end the disk checkpoint follows its evaluation.) Its copy counts
+                    # in the next step's time: what it costs training (bench/trainer_overhead.py).
                     self.snapshot()
-                    boundary = time.perf_counter()
                 self.check_stop(dt_step)
             if st.micro_done >= self.micro_per_epoch:
                 last_eval, eval_step = self._eval_and_log(), st.step
