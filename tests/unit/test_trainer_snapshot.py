@@ -5,18 +5,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ddpjob_trainer.checkpointing.snapshot import KEEP, Snapshots, common_newest, snapshot_root
+from ddpjob_trainer.checkpointing.snapshot import KEEP, Snapshots, agreed_step, snapshot_root
 
 
-@pytest.mark.parametrize("steps, want", [
-    ([[10, 20], [10, 20]], 20),
-    ([[10, 20], [10]], 10),        # rank 1 died writing step 20: the step every rank has
-    ([[20], [10]], None),
-    ([[], [10]], None),
-    ([], None),
+@pytest.mark.parametrize("candidates, holders, want", [
+    ([10, 20], [2.0, 2.0], 20),
+    ([10, 20], [2.0, 1.0], 10),    # rank 1 died writing step 20: the newest step every rank has
+    ([20], [1.0], None),
+    ([], [], None),
 ])
-def test_the_ranks_resume_from_the_newest_step_they_all_have(steps, want):
-    assert common_newest(steps) == want
+def test_the_ranks_resume_from_the_newest_step_they_all_have(candidates, holders, want):
+    assert agreed_step(candidates, holders, world_size=2) == want
 
 
 def test_a_rank_keeps_its_newest_snapshots_and_reads_them_back_exactly(tmp_path):

@@ -40,12 +40,6 @@ class Collectives:
         dist.broadcast_object_list(box, src=src, device=self.device)
         return box[0]
 
-    def gather_object(self, value: Any) -> list[Any]:
-        """Every rank's picklable value, in rank order, on every rank."""
-        out: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(out, value)
-        return out
-
     def barrier(self) -> None:
         """Wait for every rank (NCCL: on this rank's device, set by init_process_group's device_id)."""
         dist.barrier()

@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader
 
 from . import contract, debug, preempt, rng, torchapi, tuning
 from .checkpointing.checkpoint import Checkpointer, check_resumable, optimizer_state, step_dir_name
-from .checkpointing.snapshot import Snapshots, common_newest, snapshot_root
+from .checkpointing.snapshot import Snapshots, agreed_step, snapshot_root
 from .collectives import Collectives
 from .config import TrainerConfig
 from .data import PerSampleSeeded, ResumableSampler, build_data, eval_loader, loader_kwargs
@@ -289,7 +289,14 @@ class Trainer:
         newest disk checkpoint (a worker restarted in place: checkpointing/snapshot.py)."""
         if self.snapshots is None or self.checkpoints is None:
             return False
-        step = common_newest(self.comm.gather_object(self.snapshots.steps()))
+        # Rank 0's steps, and how many ranks hold each: collectives on the rank's device (an NCCL
+        # group takes no CPU tensor, so no all_gather_object).
+        mine = self.snapshots.steps()
+        candidates = self.comm.broadcast_object(mine)
+        if not candidates:
+            return False
+        holders = self.comm.sum([1.0 if s in mine else 0.0 for s in candidates]).tolist()
+        step = agreed_step(candidates, holders, self.ctx.world_size)
         disk = self.checkpoints.checkpointer.newest_published_step() if self.ctx.rank == 0 else None
         if not self.comm.broadcast_object(step is not None and step > (disk or 0)):
             return False

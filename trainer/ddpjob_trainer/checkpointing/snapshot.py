@@ -105,7 +105,8 @@ class Snapshots:
             self.path(step).unlink(missing_ok=True)
 
 
-def common_newest(steps_per_rank: list[list[int]]) -> int | None:
-    """The newest step every rank has a snapshot of (None: none)."""
-    common = set.intersection(*(set(s) for s in steps_per_rank)) if steps_per_rank else set()
-    return max(common) if common else None
+def agreed_step(candidates: list[int], holders: list[float], world_size: int) -> int | None:
+    """The newest of rank 0's snapshot steps (`candidates`) that every rank holds: `holders[i]` is
+    how many ranks hold candidates[i] (a sum over ranks); None when no step is held by all."""
+    held = [step for step, n in zip(candidates, holders) if round(n) == world_size]
+    return max(held) if held else None
