@@ -10,6 +10,9 @@ Method (what makes the ratio mean something on a shared machine):
 - identical DDP: the plain loop wraps its model with the trainer's own `wrap_ddp` (same
   bucket size, static_graph, buffer handling, gradient_as_bucket_view);
 - ours runs through the in-pod launcher with telemetry on (a multiprocess metrics dir), as in a pod.
+With --snapshot-every N the arms are instead the built-in trainer with in-memory snapshots every N
+steps and without (both with a checkpoint dir, disk checkpoints only at the epoch's end, outside
+the window): what the snapshots cost training (bench/results/trainer_snapshot_overhead.json).
 Prints the geometric-mean ratio ours/plain with a 95 % interval, worded "no difference
 detectable within ±x %" when the interval holds 1.0; writes bench/results/trainer_overhead.json.
 """
@@ -51,11 +54,16 @@ def _env(nproc: int) -> dict[str, str]:
     return env
 
 
-def run_ours(nproc: int) -> float:
-    """Built-in trainer via the launcher; throughput from its result file."""
+def run_ours(nproc: int, snapshot_every: int | None = None) -> float:
+    """Built-in trainer via the launcher; throughput from its result file. With `snapshot_every`
+    (0: none) it checkpoints into a temp dir and snapshots into another."""
     with tempfile.TemporaryDirectory() as d:
         env = _env(nproc)
-        env.update({"DDPJOB_TRAINER_CONFIG": json.dumps(CONFIG), "DDPJOB_RESULT_FILE": f"{d}/r.json",
+        config = dict(CONFIG)
+        if snapshot_every is not None:
+            config["checkpoint"] = {"dir": f"{d}/ckpt", "snapshotEverySteps": snapshot_every}
+            env["DDPJOB_SNAPSHOT_DIR"] = f"/dev/shm/ddpjob-bench-{os.getpid()}"
+        env.update({"DDPJOB_TRAINER_CONFIG": json.dumps(config), "DDPJOB_RESULT_FILE": f"{d}/r.json",
                     "DDPJOB_NAME": "bench", "DDPJOB_METRICS_DIR": f"{d}/metrics"})
         subprocess.run([sys.executable, "-m", "ddpjob_trainer.launch", "--metrics-port", "0", "--"],
                        env=env, check=True, capture_output=True, timeout=600)
@@ -76,18 +84,36 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--pairs", type=int, default=7)
     ap.add_argument("--nproc", type=int, default=2)
-    ap.add_argument("--out", default=str(HERE / "results" / "trainer_overhead.json"))
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--snapshot-every", type=int, default=None,
+                    help="compare snapshots every N steps (ours) with none (plain) instead")
     args = ap.parse_args()
     if args.pairs < 2:
         ap.error("--pairs must be >= 2 for an interval")
-    run_ours(args.nproc)
-    run_plain(args.nproc)
+    if args.snapshot_every is not None and args.snapshot_every < 1:
+        ap.error("--snapshot-every must be >= 1")
+    name = "trainer_overhead" if args.snapshot_every is None else "trainer_snapshot_overhead"
+    args.out = args.out or str(HERE / "results" / f"{name}.json")
+    if args.snapshot_every is None:
+        def first() -> float:
+            return run_ours(args.nproc)
+
+        def peer() -> float:
+            return run_plain(args.nproc)
+    else:
+        def first() -> float:
+            return run_ours(args.nproc, args.snapshot_every)
+
+        def peer() -> float:
+            return run_ours(args.nproc, 0)
+    first()
+    peer()
     ours, plain, ratios, order = [], [], [], []
     for i in range(args.pairs):
         if i % 2 == 0:
-            a, b = run_ours(args.nproc), run_plain(args.nproc)
+            a, b = first(), peer()
         else:
-            b, a = run_plain(args.nproc), run_ours(args.nproc)
+            b, a = peer(), first()
         order.append("ours,plain" if i % 2 == 0 else "plain,ours")
         ours.append(a)
         plain.append(b)
@@ -95,9 +121,10 @@ def main() -> int:
         print(f"pair {i + 1}/{args.pairs} ({order[-1]}): ours {a:8.1f}  plain {b:8.1f} samples/s  "
               f"ratio {a / b:.3f}", flush=True)
     ci = ratio_interval(ratios)
-    line = verdict(ci, what="throughput ours/plain")
+    line = verdict(ci, what="throughput ours/plain" if args.snapshot_every is None
+                   else f"throughput with snapshots every {args.snapshot_every} steps / without")
     result = {
-        "benchmark": "trainer_overhead", "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "benchmark": name, "snapshot_every": args.snapshot_every, "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "git_head": git_head(), "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
         "config": CONFIG, "nproc": args.nproc, "backend": "gloo", "method": "rotated pairs, both warmed",
         "order": order, "ours_samples_per_second": ours, "plain_samples_per_second": plain,

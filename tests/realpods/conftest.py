@@ -261,7 +261,7 @@ def exec_kill_trainer(cluster: Cluster, namespace: str, pod: str) -> None:
             "for p in filter(str.isdigit, os.listdir('/proc')):\n"
             "    try: cmd = open(f'/proc/{p}/cmdline', 'rb').read().split(b'\\0')\n"
             "    except OSError: continue\n"
-            "    if b'ddpjob_trainer' in cmd and b'torch.distributed.run' not in cmd and b'ddpjob_trainer.launch' not in cmd:\n"
+            "    if b'ddpjob_trainer' in cmd and b'ddpjob_trainer.agent' not in cmd and b'ddpjob_trainer.launch' not in cmd:\n"
             "        os.kill(int(p), signal.SIGKILL); print('killed', p)\n")
     out = cluster.kubectl("exec", "-n", namespace, pod, "--", "python", "-c", code, timeout=60)
     assert "killed" in out.stdout, f"no trainer worker found in {pod}: {out.stdout} {out.stderr}"

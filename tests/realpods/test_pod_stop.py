@@ -45,9 +45,11 @@ def training_pod(namespace: str, name: str, *, volume: str, attempt: int = 0) ->
     spec.update(REAL_NODE_SCHEDULING)
     (c,) = spec["containers"]
     c["imagePullPolicy"] = "Never"
-    for e in c["env"]:
+    for e in c["env"]:  # a bare pod: no headless Service names it, its rendezvous is its own
         if e["name"] in ("MASTER_ADDR", "PET_MASTER_ADDR"):
             e["value"] = "127.0.0.1"
+        elif e["name"] == "PET_RDZV_ENDPOINT":
+            e["value"] = "127.0.0.1:" + e["value"].rsplit(":", 1)[1]
     return pod
 
 

@@ -73,28 +73,61 @@ def test_digits_example_trains_across_two_real_nodes(real_cluster, namespaces):
     assert steps, f"no complete checkpoint under {ckpt}: {list(ckpt.rglob('*'))[:20]}"
 
 
-def test_killed_rank_restarts_the_group_and_resumes_from_the_shared_checkpoint(real_cluster, namespaces, tmp_path):
+def _pod_uids(cluster, namespace: str, job: str) -> dict[str, str]:
+    out = cluster.kubectl("get", "pods", "-n", namespace, "-l", f"ddpjob.dev/job-name={job}", "-o",
+                          "jsonpath={range .items[*]}{.metadata.name}={.metadata.uid}{\"\\n\"}{end}")
+    return dict(line.split("=", 1) for line in out.stdout.split())
+
+
+def test_killed_worker_restarts_in_place_counted_and_resumes_from_the_shared_checkpoint(real_cluster, namespaces,
+                                                                                         tmp_path):
+    """A worker SIGKILLed mid-training (an OOM kill, a segfault): every pod's workers restart where
+    they are (torchrun's agents through the c10d rendezvous), no pod is recreated, the status
+    names the restart (rank, pod, node, exit code, signal) and when training stepped again."""
     ns = namespaces["restart"]
     ckpt = shared_checkpoint_pv(real_cluster, claim=_digits_claim(), namespace=ns, tmp=tmp_path)
-    apply_docs(real_cluster, example_docs("digits.yaml"), ns)
+    docs = example_docs("digits.yaml")
+    # An in-memory snapshot after every step: the restart resumes from the step before the kill
+    # (unless that step was a disk checkpoint's, everySteps 50 and each epoch's end).
+    next(d for d in docs if d["kind"] == "DDPJob")["spec"]["trainer"]["checkpoint"]["snapshotEverySteps"] = 1
+    apply_docs(real_cluster, docs, ns)
 
     # Once the first complete checkpoint (everySteps 50 in the example) is on the shared volume,
     # kill rank 1's worker. A job that ends first fails here, with its pods' story printed.
     wait_job(real_cluster, ns, "digits", lambda st: any((p / "MANIFEST.json").exists() for p in ckpt.rglob("step-*")),
              give_up=lambda st: st.get("phase") in ("Succeeded", "Failed"),
              desc="a complete checkpoint (then the kill)", timeout=600)
+    uids = _pod_uids(real_cluster, ns, "digits")
     exec_kill_trainer(real_cluster, ns, "digits-1")
+
+    # Seen while the job runs: the restart, attributed, then its recovery (every rank stepped again).
+    st = wait_job(real_cluster, ns, "digits",
+                  lambda st: any("recoverySeconds" in e for e in st.get("restartHistory") or []),
+                  give_up=lambda st: st.get("phase") in ("Succeeded", "Failed"),
+                  desc="the in-place restart's recovery in status.restartHistory", timeout=600)
+    (entry,) = [e for e in st["restartHistory"] if e["kind"] == "InPlace"]
+    assert (entry["pod"], entry["rank"], entry["exitCode"], entry["signal"]) == ("digits-1", 1, -9, "SIGKILL"), entry
+    assert entry["node"] == pod_nodes(real_cluster, ns, "digits")["digits-1"], entry
+    assert entry["resumedFromStep"] > 0, entry  # a disk checkpoint or a newer snapshot, not step 0
+    print(f"in-place restart: SIGKILL to every rank's next step in {entry['recoverySeconds']}s "
+          f"(pods' clocks), resumed from step {entry['resumedFromStep']}")
 
     st = wait_phase(real_cluster, ns, "digits", {"Succeeded", "Failed"}, timeout=900)
     assert st["phase"] == "Succeeded", st
-    assert st.get("restarts", 0) >= 1, st
-    result = st.get("result") or {}
-    assert result.get("resumedFromStep", 0) > 0, st
-    assert result.get("evalSamples") == DIGITS_VAL_SAMPLES, st
-    # Why rank 1 died outlives its pod: the launcher left the termination message to the kubelet,
-    # whose log tail has torchrun's account of the kill (the job opted in: logTailInStatus).
-    killed = [f for f in st.get("failures") or [] if f.get("pod") == "digits-1" and f.get("attempt") == 0]
-    assert killed and "SIGKILL" in killed[0].get("logTail", ""), st.get("failures")
+    assert _pod_uids(real_cluster, ns, "digits") == uids  # no pod recreated
+    assert st.get("restarts", 0) == 0 and st.get("inPlaceRestarts") == 1, st
+    assert (st.get("result") or {}).get("evalSamples") == DIGITS_VAL_SAMPLES, st
+    # The pod's log marks each start of its workers (`ddpjob logs --attempt` filters on it).
+    log1 = real_cluster.kubectl("logs", "-n", ns, "digits-1").stdout
+    assert "==> ddpjob: attempt 0 restart 0 <==" in log1 and "==> ddpjob: attempt 0 restart 1 <==" in log1, log1[-3000:]
+    logs = log1 + real_cluster.kubectl("logs", "-n", ns, "digits-0").stdout  # rank 0 logs the resume
+    resumed = [ln for ln in logs.splitlines() if "resumed from" in ln]
+    assert resumed and f"at step {entry['resumedFromStep']} " in resumed[0], resumed or logs[-3000:]
+    # The newer of the two: the snapshot in the pods' /dev/shm (which the disk's lags), or the
+    # disk checkpoint when the kill came right after one.
+    from_memory = "in-memory snapshot /dev/shm/" in resumed[0]
+    assert from_memory or f"/ckpt/step-{entry['resumedFromStep']:08d}" in resumed[0], resumed
+    print(f"resumed from {'the in-memory snapshot' if from_memory else 'the disk checkpoint'}: {resumed[0]}")
 
 
 def test_custom_script_example_runs_unchanged_with_its_script_from_a_configmap(real_cluster, namespaces):

@@ -66,19 +66,31 @@ def _cmdline(pid: int) -> list[bytes]:
         return []
 
 
+# torchrun's agent: `python -m ddpjob_trainer.agent` under the launcher, torch's own elsewhere.
+AGENT_MODULES = (b"torch.distributed.run", b"ddpjob_trainer.agent")
+
+
+def is_agent(cmd: list[bytes]) -> bool:
+    return any(m in cmd for m in AGENT_MODULES)
+
+
+def is_worker(cmd: list[bytes]) -> bool:
+    """A training process of the built-in trainer (not its launcher, not torchrun's agent)."""
+    return b"ddpjob_trainer" in cmd and not is_agent(cmd) and b"ddpjob_trainer.launch" not in cmd
+
+
 def agents(marker: str) -> list[int]:
     """torchrun's agents. (Not the launchers: one signalled in the first milliseconds of its life,
     before Python has run a line of it, dies of the signal's default action, or as a container's
     PID 1 never sees it; the kubelet's SIGKILL at the end of the grace period bounds that case.)"""
-    return [p for p in run_processes(marker) if b"torch.distributed.run" in _cmdline(p)]
+    return [p for p in run_processes(marker) if is_agent(_cmdline(p))]
 
 
 def workers(marker: str) -> list[int]:
     """The training processes (not launchers, not torchrun agents)."""
     out = []
     for p in run_processes(marker):
-        cmd = _cmdline(p)
-        if b"ddpjob_trainer" in cmd and b"torch.distributed.run" not in cmd and b"ddpjob_trainer.launch" not in cmd:
+        if is_worker(_cmdline(p)):
             out.append(p)
     return out
 

@@ -5,6 +5,7 @@ import os
 import signal
 import subprocess
 import time
+import urllib.request
 import uuid
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from tests.support.stopping import (
     cpu_load,
     describe,
     kill_run,
+    is_worker,
     moment_reached,
     run_processes,
     wait_for_moment,
@@ -61,21 +63,33 @@ def _find_worker(job_name: str, rank: int) -> int | None:
             cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"ddpjob_trainer" in cmd and b"torch.distributed.run" not in cmd \
-                and b"ddpjob_trainer.launch" not in cmd:
+        if is_worker(cmd):
             return pid
     return None
 
 
-def test_sigkill_of_rank_1_restarts_the_group_and_resumes_from_checkpoint(tmp_path):
+def _scrape(port: int) -> dict:
+    from ddpjob_operator.cluster.scrape import parse_metrics
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+            return parse_metrics(resp.read().decode())
+    except OSError:
+        return {}
+
+
+def test_sigkill_of_rank_1_restarts_the_workers_in_place_and_resumes_from_checkpoint(tmp_path):
+    """No group restart: torchrun's agents restart every node's workers where they are (c10d
+    rendezvous), the node's metrics name the failure and each rank's first step after it, the
+    node logs mark each start, and the run still takes exactly its steps."""
     job = write_job(tmp_path / "killme.yaml", name="killme", max_restarts=2, trainer={
         "dataset": "digits", "model": "convnet", "epochs": 3, "batchSize": 32, "lr": 0.05,
         "checkpoint": {"dir": "ckpt", "everySteps": 5, "keep": 2}})
     summary = tmp_path / "summary.json"
     work = tmp_path / "work"
+    ports = free_ports(2, consecutive=True)
     proc = subprocess.Popen(
         [*DDPJOB, "run", str(job), "--local", "--no-progress", "--summary-json", str(summary),
-         "--workdir", str(work)],
+         "--workdir", str(work), "--metrics-port-base", str(ports[0])],
         env={**os.environ, "DDPJOB_DEBUG_STEP_SLEEP": "0.15"}, cwd=REPO,
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -90,6 +104,20 @@ def test_sigkill_of_rank_1_restarts_the_group_and_resumes_from_checkpoint(tmp_pa
                     killed = pid
             time.sleep(0.2)
         assert killed, "never saw a checkpoint at step 10 and a rank-1 worker to kill"
+        # Node 1's agent reports the failure; then every rank's new worker steps.
+        failure, firsts = None, {}
+        while time.monotonic() < deadline and (failure is None or len(firsts) < 2):
+            assert proc.poll() is None, proc.stdout.read()[-3000:]
+            samples = {**_scrape(ports[0]), **_scrape(ports[1])}
+            failures = [f for f in getattr(samples.get(1), "worker_failures", [])]
+            failure = failure or next((f for f in failures if f["signal"] == "SIGKILL"), None)
+            if failure is not None:
+                firsts = {r: s.first_step_timestamp for r, s in samples.items()
+                          if s.first_step_timestamp and s.first_step_timestamp > failure["time"]}
+            time.sleep(0.2)
+        assert failure and failure["restarted"] == "true" and failure["exit_code"] == "-9", failure
+        assert len(firsts) == 2, f"not every rank stepped after the restart: {firsts}"
+        print(f"in place: SIGKILL to every rank's next step in {max(firsts.values()) - failure['time']:.2f}s")
         out, _ = proc.communicate(timeout=300)
     finally:
         if proc.poll() is None:
@@ -98,10 +126,12 @@ def test_sigkill_of_rank_1_restarts_the_group_and_resumes_from_checkpoint(tmp_pa
     s = json.loads(summary.read_text())
     assert proc.returncode == 0, out[-3000:]
     assert s["phase"] == "Succeeded"
-    assert s["restarts"] >= 1
-    assert s["resumed_from_step"] >= 10
+    assert s["restarts"] == 0 and "restarting the whole group" not in out  # no group restart
+    assert s["resumed_from_step"] >= 5
     assert s["steps"] == 69  # 3 epochs x ceil(719/32) steps: nothing lost, nothing repeated
-    assert "restarting the whole group" in out
+    for node in (0, 1):
+        log = (work / "logs" / "attempt-0" / f"node-{node}.log").read_text()
+        assert "==> ddpjob: attempt 0 restart 0 <==" in log and "==> ddpjob: attempt 0 restart 1 <==" in log, log[-2000:]
 
 
 def test_missing_dataset_is_a_bad_configuration_and_is_not_retried(tmp_path):

@@ -38,16 +38,16 @@ def test_one_run_across_a_killed_ranks_restart_with_the_loss_to_the_last_step(tm
     job = write_job(tmp_path / "mlf-restart.yaml", name="mlf-restart", max_restarts=1, trainer={
         **TRAINER, "maxSteps": 16, "checkpoint": {"dir": "ckpt", "everySteps": 4, "keep": 1, "asyncSave": False},
         **mlflow(mlflow_server.uri, exp, runName="restart", registerModel=exp)})
-    # Rank 1 dies at step 10 of attempt 0; attempt 1 resumes from step 8.
+    # Rank 1 dies at step 10 of attempt 0; its workers restart in place and resume from step 8.
     proc, s = run_local(job, tmp_path, env={"DDPJOB_DEBUG_CRASH_RANK": "1:10"})
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert (s["restarts"], s["resumed_from_step"], s["steps"]) == (1, 8, 16), s
+    assert (s["restarts"], s["resumed_from_step"], s["steps"]) == (0, 8, 16), s
 
     (run,) = mlflow_server.runs(exp)
     assert s["mlflow_run_id"] == run.info.run_id and f"MLflow run {run.info.run_id}" in proc.stderr
     assert run.info.status == "FINISHED" and run.info.run_name == "restart"
     tags = run.data.tags
-    assert (tags["ddpjob.name"], tags["ddpjob.attempt"], tags["ddpjob.nodes_x_procs"]) == ("mlf-restart", "1", "2x1")
+    assert (tags["ddpjob.name"], tags["ddpjob.attempt"], tags["ddpjob.nodes_x_procs"]) == ("mlf-restart", "0", "2x1")
     assert tags["ddpjob.uid"].startswith("local-") and tags["torch.version"] and tags["ddpjob.image"] == "trainer:test"
     # The whole resolved config, nested sections flattened, logged once (a resume changes no param).
     params = run.data.params
@@ -72,7 +72,7 @@ def test_one_run_across_a_killed_ranks_restart_with_the_loss_to_the_last_step(tm
     set_tracking_uri(mlflow_server.uri)
     record = artifacts.load_dict(f"runs:/{run.info.run_id}/ddpjob/job.json")
     assert record["checkpoint"] == s["last_checkpoint"] == tags["ddpjob.checkpoint"] and s["last_checkpoint"]
-    assert record["job"]["name"] == "mlf-restart" and record["job"]["attempt"] == 1
+    assert record["job"]["name"] == "mlf-restart" and record["job"]["attempt"] == 0  # restarted in place
     assert record["trainer"]["checkpoint"]["every_steps"] == 4 and record["trainer"]["world_size"] == 2
     (version,) = mlflow_server.client().search_model_versions(f"name = '{exp}'")
     assert version.run_id == run.info.run_id

@@ -47,7 +47,7 @@ def _images(root: Path, n: int = 12) -> Path:
 
 
 def test_resume_at_world_size_2_with_workers_and_augmentation_is_bit_exact(tmp_path):
-    """Rank 1 dies mid-epoch; the group restarts from the last checkpoint and ends bit-identical."""
+    """Rank 1 dies mid-epoch; the workers restart in place from the last checkpoint and end bit-identical."""
     root = _images(tmp_path / "images")
     trainer = {"dataset": "imagefolder", "dataPath": str(root), "model": "convnet", "imageSize": 8,
                "epochs": 3, "batchSize": 4, "lr": 0.05, "seed": 5, "numWorkers": 1}
@@ -56,14 +56,16 @@ def test_resume_at_world_size_2_with_workers_and_augmentation_is_bit_exact(tmp_p
                          trainer={**trainer, "checkpoint": {"dir": "ck-a", "everySteps": 2}})
     pa, a = run_local(straight, tmp_path)
     assert pa.returncode == 0, pa.stderr[-3000:]
-    # Saved synchronously: every rank writes a shard, so a rank that dies one step after an async
-    # save would take that checkpoint with it (the one before is then resumed). The straight run
-    # saves asynchronously: both ways must give the same weights.
+    # Disk checkpoints only at epoch ends (steps 3, 6, 9), in-memory snapshots every 2 steps: the
+    # workers restarted in place resume from the snapshot of step 4, newer than the disk's step 3.
+    # (Each step sleeps, so the snapshot of step 4 is written before rank 1 dies at step 5.)
     crashy = write_job(tmp_path / "b.yaml", name="crashy", nodes=1, nproc=2, max_restarts=1,
-                       trainer={**trainer, "checkpoint": {"dir": "ck-b", "everySteps": 2, "asyncSave": False}})
-    pb, b = run_local(crashy, tmp_path, env={"DDPJOB_DEBUG_CRASH_RANK": "1:5"})
+                       trainer={**trainer, "checkpoint": {"dir": "ck-b", "snapshotEverySteps": 2}})
+    pb, b = run_local(crashy, tmp_path, env={"DDPJOB_DEBUG_CRASH_RANK": "1:5", "DDPJOB_DEBUG_STEP_SLEEP": "0.2"})
     assert pb.returncode == 0, pb.stderr[-3000:]
-    assert b["restarts"] == 1 and b["resumed_from_step"] == 4  # mid-epoch 1, workers restarted
+    assert b["restarts"] == 0 and b["resumed_from_step"] == 4  # mid-epoch 1, workers restarted in place
+    log = (tmp_path / "work" / "logs" / "attempt-0" / "node-0.log").read_text()
+    assert "resumed from the in-memory snapshot" in log and "newest disk checkpoint: step 3" in log, log[-3000:]
     assert a["steps"] == b["steps"] == 9
     assert b["eval_loss"] == a["eval_loss"] and b["eval_accuracy"] == a["eval_accuracy"]
     wa = load_shared_state(tmp_path / "work" / "ck-a" / "step-00000009")["model"]

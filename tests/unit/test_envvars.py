@@ -16,17 +16,19 @@ job = functools.partial(make_job, "bert", namespace="ml", uid="u-1", nodes=4, gp
 
 
 @pytest.mark.parametrize("rank", [0, 1, 3])
-def test_static_job_env_points_every_rank_at_pod_0(rank):
-    env = env_dict(pod_env(job(), rank))
-    assert env["MASTER_ADDR"] == env["PET_MASTER_ADDR"] == "bert-0.bert.ml.svc"
-    assert env["MASTER_PORT"] == env["PET_MASTER_PORT"] == "29500"
-    assert env["NODE_RANK"] == env["PET_NODE_RANK"] == str(rank)
+def test_every_job_rendezvouses_through_c10d_at_pod_0_so_workers_restart_in_place(rank):
+    env = env_dict(pod_env(job(failurePolicy={"maxRestarts": 5}), rank, attempt=2))
+    assert env["MASTER_ADDR"] == "bert-0.bert.ml.svc" and env["MASTER_PORT"] == "29500"
+    assert env["PET_RDZV_BACKEND"] == "c10d"
+    assert env["PET_RDZV_ENDPOINT"] == "bert-0.bert.ml.svc:29500"
+    assert env["PET_RDZV_ID"] == "u-1-2"  # one rendezvous per attempt
+    assert env["PET_MAX_RESTARTS"] == "5"  # failurePolicy.maxRestarts: torchrun's in-place budget per pod
+    assert env["NODE_RANK"] == str(rank) and "PET_NODE_RANK" not in env  # c10d numbers the nodes
     assert env["NNODES"] == env["PET_NNODES"] == "4"
     assert env["NPROC_PER_NODE"] == env["PET_NPROC_PER_NODE"] == "8"
     assert env["WORLD_SIZE"] == "32"
     assert json.loads(env["DDPJOB_TRAINER_CONFIG"]) == {"epochs": 2}
     assert env["DDPJOB_IMAGE"] == "img"  # spec.image: the MLflow run's tag ddpjob.image
-    assert "PET_RDZV_ENDPOINT" not in env
 
 
 @pytest.mark.parametrize("nproc, gpus, expected", [
@@ -38,7 +40,7 @@ def test_nproc_auto_is_one_per_gpu_or_one_on_cpu(nproc, gpus, expected):
 def test_local_mode_overrides_master_and_ports():
     env = env_dict(pod_env(job(), 1, master_addr="127.0.0.1", master_port=40000,
                            metrics_port=19401, attempt=2))
-    assert env["MASTER_ADDR"] == env["PET_MASTER_ADDR"] == "127.0.0.1"
+    assert env["MASTER_ADDR"] == "127.0.0.1" and env["PET_RDZV_ENDPOINT"] == "127.0.0.1:40000"
     assert env["MASTER_PORT"] == "40000" and env["DDPJOB_METRICS_PORT"] == "19401"
     assert env["DDPJOB_ATTEMPT"] == "2"
 
@@ -47,13 +49,13 @@ def test_cluster_domain_is_appended_when_configured():
     assert master_dns(job(), cluster_domain="cluster.local") == "bert-0.bert.ml.svc.cluster.local"
 
 
-def test_elastic_job_gets_c10d_rendezvous_instead_of_a_fixed_rank():
+def test_elastic_job_gets_its_node_range_and_its_own_in_place_budget():
     env = env_dict(pod_env(job(elastic={"minNodes": 2, "maxNodes": 6}), 1))
     assert env["PET_NNODES"] == "2:6"
     assert env["PET_RDZV_BACKEND"] == "c10d"
-    assert env["PET_RDZV_ENDPOINT"] == "bert-0.bert.ml.svc:29500"
-    assert env["PET_RDZV_ID"] == "u-1"
-    assert "PET_NODE_RANK" not in env
+    assert env["PET_RDZV_ID"] == "u-1-0"
+    assert env["PET_MAX_RESTARTS"] == "3"  # failurePolicy.maxRestarts' default
+    assert env_dict(pod_env(job(elastic={"minNodes": 2, "maxRestarts": 1}), 1))["PET_MAX_RESTARTS"] == "1"
 
 
 def test_user_env_wins_and_appears_once():

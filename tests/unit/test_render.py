@@ -57,9 +57,9 @@ def test_pod_identity_labels_and_dns(rank):
     assert spec["restartPolicy"] == "Never"
     env = env_dict(container(pod)["env"])
     # NODE_RANK equals the rank label; MASTER_ADDR is rank 0's hostname.subdomain.namespace.svc
-    assert env["NODE_RANK"] == meta["labels"][labels.NODE_RANK] == env["PET_NODE_RANK"]
+    assert env["NODE_RANK"] == meta["labels"][labels.NODE_RANK]
     pod0 = render_pod(job(), 0)["spec"]
-    assert env["MASTER_ADDR"] == f"{pod0['hostname']}.{pod0['subdomain']}.ml.svc" == env["PET_MASTER_ADDR"]
+    assert env["MASTER_ADDR"] == f"{pod0['hostname']}.{pod0['subdomain']}.ml.svc"
     assert env["DDPJOB_ATTEMPT"] == "2"
 
 

@@ -37,6 +37,13 @@ _PRODUCER = textwrap.dedent("""
             t.gpu_memory(types.SimpleNamespace(cuda=cuda), types.SimpleNamespace(type="cuda"))
             t.compute([0.2] * r["steps"])   # DeviceTimer.read() at a log step
         t.set_stage("training")
+        t.resumed_from(r.get("resumed", 0))
+        if r.get("failure"):  # the pod's torchrun agent (ddpjob_trainer.agent) saw this rank's worker die
+            import types
+            from ddpjob_trainer.agent import Hooks
+            code, sig = r["failure"]
+            Hooks().on_failure(None, None, {r["rank"]: types.SimpleNamespace(
+                exitcode=code, local_rank=r["rank"] % 2, signal_name=lambda: sig)}, True)
         if r.get("mlflow"):
             t.mlflow_run(*r["mlflow"])
     reg = CollectorRegistry()
@@ -75,6 +82,18 @@ def test_parse_two_ranks_from_real_exposition(tmp_path):
     assert (r1.local_rank, r1.node_rank, r1.ddpjob, r1.namespace) == (1, 0, "demo", "ns1")
     assert (r0.mlflow_run_id, r0.mlflow_experiment_id) == ("0a1b2c3d4e5f60718293a4b5c6d7e8f9", "7")
     assert r1.mlflow_run_id is None
+
+
+def test_a_worker_failure_the_agent_exports_is_read_with_its_rank_and_time(tmp_path):
+    text = exposition(tmp_path, [{"rank": 0, "steps": 2, "total": 4, "loss": 1.0},
+                                 {"rank": 1, "steps": 2, "total": 4, "loss": 1.0, "failure": [-9, "SIGKILL"],
+                                  "resumed": 10}])
+    got = parse_metrics(text)
+    assert got[0].worker_failures == [] and got[1].resumed_from_step == 10
+    (f,) = got[1].worker_failures
+    assert {k: f[k] for k in ("restart", "exit_code", "signal", "error", "restarted")} == {
+        "restart": "0", "exit_code": "-9", "signal": "SIGKILL", "error": "killed by SIGKILL", "restarted": "true"}
+    assert f["time"] > 1.7e9  # a Unix time: the operator measures recovery from it
 
 
 def test_every_metric_the_scraper_reads_is_one_a_rank_writes(tmp_path):

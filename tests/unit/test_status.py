@@ -108,6 +108,7 @@ class Report:
     events: list = field(default_factory=list)
     stalled: bool = False
     mlflow_run: tuple | None = None
+    ranks: dict = field(default_factory=dict)
 
 
 def test_monitor_report_merges_progress_and_conditions_by_type():

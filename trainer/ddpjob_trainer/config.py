@@ -28,6 +28,9 @@ class CheckpointConfig:
     # Write on a background thread from a host copy: training pauses only for the copy. A crash
     # during the write loses that checkpoint (never half of it): the previous one is loaded.
     async_save: bool = True
+    # Every N steps each rank's state also goes to /dev/shm (0: never); a worker restarted in place
+    # resumes from it when it is newer than the newest disk checkpoint (checkpointing/snapshot.py).
+    snapshot_every_steps: int = 10
 
 
 @dataclass(frozen=True)
@@ -155,7 +158,8 @@ _TOP: dict[str, tuple[str, str, Any]] = {
     "imageSize": ("image_size", "int", 8),
 }
 _CHECKPOINT = {"dir": ("dir", "str", None), "everySteps": ("every_steps", "int", 0),
-               "keep": ("keep", "int", 1), "asyncSave": ("async_save", "bool", None)}
+               "keep": ("keep", "int", 1), "asyncSave": ("async_save", "bool", None),
+               "snapshotEverySteps": ("snapshot_every_steps", "int", 0)}
 _SYNTHETIC = {"trainSize": ("train_size", "int", 1), "valSize": ("val_size", "int", 1),
               "shape": ("shape", "shape", None), "numClasses": ("num_classes", "int", 2),
               "seed": ("seed", "int", 0)}

@@ -53,6 +53,11 @@ PET_RDZV_BACKEND = "PET_RDZV_BACKEND"
 PET_RDZV_ENDPOINT = "PET_RDZV_ENDPOINT"
 PET_RDZV_ID = "PET_RDZV_ID"
 PET_MAX_RESTARTS = "PET_MAX_RESTARTS"
+# "1": each rendezvous round gets a store of its own for the workers. torchrun's default shares
+# the rendezvous's first store across rounds, unprefixed, and restarted workers then read the
+# addresses of the previous round's (dead) workers: gloo's connect is refused and the restart
+# fails again (seen with torch 2.15).
+ENV_TORCH_NO_SHARED_RDZV_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 
 # Kubernetes' terminationGracePeriodSeconds for a pod spec that does not set it.
 POD_TERMINATION_GRACE_DEFAULT = 30
@@ -114,3 +119,32 @@ def public_uri(text: str) -> str:
     that still works, unlike the operator's redaction `***@`). Credentials belong in a Secret
     (MLFLOW_TRACKING_TOKEN, ..._USERNAME/_PASSWORD), but a URI that carries them must not spread them."""
     return _USERINFO.sub(r"\1", text)
+
+
+# Restart in place: torchrun's agent (run as `python -m ddpjob_trainer.agent`) restarts a pod's
+# workers where they are, up to PET_MAX_RESTARTS times, re-forming the group through the c10d
+# rendezvous. Each start of a pod's workers prints this line first (restart 0: the attempt's first
+# start), so a pod's log splits into its worker starts (`ddpjob logs --attempt` filters on it).
+INPLACE_MARKER = "==> ddpjob: attempt {attempt} restart {restart} <=="
+INPLACE_MARKER_RE = re.compile(r"^==> ddpjob: attempt (\d+) restart (\d+) <==$")
+# In-memory snapshots (checkpointing/snapshot.py): under the pod's /dev/shm (a memory-backed
+# emptyDir that outlives a worker restarted in place), or where DDPJOB_SNAPSHOT_DIR says.
+SNAPSHOT_SHM = "/dev/shm"
+ENV_SNAPSHOT_DIR = "DDPJOB_SNAPSHOT_DIR"
+# Set by the agent for the workers it starts: the pod's worker start in this attempt (0, 1, ...).
+ENV_RESTART = "DDPJOB_RESTART"
+# 1 per worker failure the agent saw on this pod, valued the failure's Unix time; labels: the
+# failed rank's, `restart` (the pod's worker start that failed), `exit_code`, `signal`, `error`
+# (the first line that names the error), `restarted` ("true": the agent restarted in place;
+# "false": its budget was spent and the pod fails, for a group restart). The operator turns these
+# into status.restartHistory.
+WORKER_FAILURE = "worker_failure_timestamp_seconds"
+# Per rank, from the worker process that runs now: when it finished its first step, and the step
+# it resumed from (the recovery time of an in-place restart, and the steps it lost).
+FIRST_STEP_TIMESTAMP = "first_step_timestamp_seconds"
+RESUMED_FROM_STEP = "resumed_from_step"
+
+
+def inplace_marker(attempt: int | str, restart: int | str) -> str:
+    """The marker line of one start of a pod's workers (INPLACE_MARKER)."""
+    return INPLACE_MARKER.format(attempt=attempt, restart=restart)

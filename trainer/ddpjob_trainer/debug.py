@@ -3,7 +3,8 @@
 DDPJOB_DEBUG_SLOW_RANK="<rank>:<seconds>"   that rank's data loader takes this much longer per step
 DDPJOB_DEBUG_FREEZE_RANK="<rank>:<step>"    that rank stops advancing once it reaches the step
 DDPJOB_DEBUG_STEP_SLEEP="<seconds>"         every rank sleeps this long after every step
-DDPJOB_DEBUG_CRASH_RANK="<rank>:<step>"     that rank exits 1 at the step, on attempt 0 only
+DDPJOB_DEBUG_CRASH_RANK="<rank>:<step>"     that rank exits 1 at the step, in the first start of attempt 0
+                                            only (not again after a restart in place or of the group)
 DDPJOB_DEBUG_FREEZE_STAGE="<rank>:<stage>"  that rank freezes on entering the stage (e.g. first_step:
                                             a job that hangs before its first step)
 """
@@ -40,7 +41,7 @@ class Knobs:
         slow = _pair(env.get("DDPJOB_DEBUG_SLOW_RANK"))
         freeze = _pair(env.get("DDPJOB_DEBUG_FREEZE_RANK"))
         crash = _pair(env.get("DDPJOB_DEBUG_CRASH_RANK"))
-        first_attempt = env.get(contract.ENV_ATTEMPT, "0") == "0"
+        first_attempt = env.get(contract.ENV_ATTEMPT, "0") == "0" and env.get(contract.ENV_RESTART, "0") == "0"
         f_rank, _, f_stage = (env.get("DDPJOB_DEBUG_FREEZE_STAGE") or "").partition(":")
         return cls(freeze_stage=f_stage if f_stage and f_rank == str(rank) else None,
                    sleep=sleep, slow_fetch=slow[1] if slow and slow[0] == rank else 0.0,

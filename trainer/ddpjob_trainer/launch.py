@@ -314,8 +314,9 @@ def with_exit_guard(env: dict[str, str]) -> dict[str, str]:
 
 
 def default_command() -> list[str]:
-    """torchrun with the built-in trainer; torchrun reads PET_NNODES, PET_NODE_RANK, ... itself."""
-    return [sys.executable, "-m", "torch.distributed.run", "-m", "ddpjob_trainer"]
+    """torchrun (as ddpjob_trainer.agent: counted, attributed restarts in place) with the built-in
+    trainer; torchrun reads PET_NNODES, PET_RDZV_*, PET_MAX_RESTARTS, ... itself."""
+    return [sys.executable, "-m", "ddpjob_trainer.agent", "-m", "ddpjob_trainer"]
 
 
 def _rank_messages(status_dir: str, kind: str) -> list[str]:

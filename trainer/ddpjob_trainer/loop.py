@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader
 
 from . import contract, debug, preempt, rng, torchapi, tuning
 from .checkpointing.checkpoint import Checkpointer, check_resumable, optimizer_state, step_dir_name
+from .checkpointing.snapshot import Snapshots, agreed_step, snapshot_root
 from .collectives import Collectives
 from .config import TrainerConfig
 from .data import PerSampleSeeded, ResumableSampler, build_data, eval_loader, loader_kwargs
@@ -237,6 +238,10 @@ class Trainer:
                              barrier=self.comm.barrier, broadcast=self.comm.broadcast_object, log=log,
                              async_save=cfg.checkpoint.async_save),
                 every_steps=cfg.checkpoint.every_steps)
+        self.snapshots = None
+        if self.checkpoints and cfg.checkpoint.snapshot_every_steps:
+            self.snapshots = Snapshots(snapshot_root(), rank=ctx.rank, every_steps=cfg.checkpoint.snapshot_every_steps,
+                                       warn=log.warning)
         self._synced_at: int | None = None
         # A stop (SIGTERM) is acted on at step boundaries only in a run that checkpoints: there
         # is nothing to save otherwise, and SIGTERM keeps its plain meaning.
@@ -261,6 +266,8 @@ class Trainer:
         """Resume from the newest complete checkpoint; the step resumed from (0: none)."""
         if not self.checkpoints:
             return 0
+        if self._restore_snapshot():
+            return self.state.step
         loaded = self.checkpoints.checkpointer.load_latest()
         if not loaded:
             return 0
@@ -276,6 +283,47 @@ class Trainer:
         self.log.info(f"resumed from {loaded.path} at step {self.state.step} "
                       f"(epoch {self.state.epoch}, batch {self.state.micro_done})")
         return self.state.step
+
+    def _restore_snapshot(self) -> bool:
+        """Resume from the newest in-memory snapshot every rank has, when it is newer than the
+        newest disk checkpoint (a worker restarted in place: checkpointing/snapshot.py)."""
+        if self.snapshots is None or self.checkpoints is None:
+            return False
+        # Rank 0's steps, and how many ranks hold each: collectives on the rank's device (an NCCL
+        # group takes no CPU tensor, so no all_gather_object).
+        mine = self.snapshots.steps()
+        candidates = self.comm.broadcast_object(mine)
+        if not candidates:
+            return False
+        holders = self.comm.sum([1.0 if s in mine else 0.0 for s in candidates]).tolist()
+        step = agreed_step(candidates, holders, self.ctx.world_size)
+        disk = self.checkpoints.checkpointer.newest_published_step() if self.ctx.rank == 0 else None
+        if not self.comm.broadcast_object(step is not None and step > (disk or 0)):
+            return False
+        assert step is not None
+        path = self.snapshots.path(step)
+        s = self.snapshots.load(step)
+        check_resumable(s, path=path, world_size=self.ctx.world_size, batch_size=self.cfg.batch_size,
+                        grad_accum_steps=self.cfg.grad_accum_steps)
+        self.model.load_state_dict(s["model"])
+        self.opt.load_state_dict(s["optimizer"])
+        self.sched.load_state_dict(s["scheduler"])
+        self.state = TrainState(step=s["step"], epoch=s["epoch"], micro_done=s["micro_done"])
+        rng.set_state(s["rng"])
+        self.log.info(f"resumed from the in-memory snapshot {path} at step {self.state.step} "
+                      f"(epoch {self.state.epoch}, batch {self.state.micro_done}; newest disk checkpoint: "
+                      f"step {disk if disk is not None else 'none'})")
+        return True
+
+    def snapshot(self) -> None:
+        """This rank's whole state into /dev/shm, written in the background."""
+        if self.snapshots is None:
+            return
+        st = self.state
+        self.snapshots.save(st.step, {
+            "model": self.model.state_dict(), "optimizer": self.opt.state_dict(), "scheduler": self.sched.state_dict(),
+            "step": st.step, "epoch": st.epoch, "micro_done": st.micro_done, "world_size": self.ctx.world_size,
+            "config": self.cfg.to_dict(), "rng": rng.get_state()})
 
     def sync_buffers(self) -> None:
         """BatchNorm statistics made identical on every rank (once per step at most)."""
@@ -405,9 +453,11 @@ class Trainer:
         telemetry.set_total_steps(self.total_steps)
         attempt = int(os.environ.get(contract.ENV_ATTEMPT, "0"))
         telemetry.set_restart_count(attempt)
+        telemetry.resumed_from(resumed_from)
         telemetry.gpu_info(torch, ctx.device)
         log.params(self.resolved_config())  # nested sections flattened by the reporter, logged once per run
-        log.metrics({"restarts": attempt}, step=st.step)
+        # Restarts before this start: the group's, and this pod's in place within the attempt.
+        log.metrics({"restarts": attempt + int(os.environ.get(contract.ENV_RESTART, "0") or 0)}, step=st.step)
         log.info(f"training {cfg.model} on {cfg.dataset}: world size {ctx.world_size} ({ctx.backend}), "
                  f"{len(self.data.train)} train / {len(self.data.val)} val samples, {self.total_steps} steps, "  # type: ignore[arg-type]
                  f"{self.workers} data workers per rank")
@@ -473,6 +523,10 @@ class Trainer:
                 if save_step:
                     self.save()
                     boundary = time.perf_counter()
+                elif self.snapshots is not None and self.snapshots.due(st.step) and not epoch_end:
+                    # (At an epoch's end the disk checkpoint follows its evaluation.) Its copy counts
+                    # in the next step's time: what it costs training (bench/trainer_overhead.py).
+                    self.snapshot()
                 self.check_stop(dt_step)
             if st.micro_done >= self.micro_per_epoch:
                 last_eval, eval_step = self._eval_and_log(), st.step
@@ -484,6 +538,8 @@ class Trainer:
             self.save()
         if self.checkpoints:
             self.checkpoints.checkpointer.wait()
+        if self.snapshots is not None:
+            self.snapshots.clear()
         # Global throughput: every rank processed about the same number of samples in the same time.
         total_samples, total_seconds = self.comm.sum([samples_seen, train_seconds]).tolist()
         throughput = total_samples / (total_seconds / ctx.world_size) if total_seconds > 0 else 0.0

@@ -85,6 +85,7 @@ class Telemetry:
         self._pending_loss = float("nan")
         self._last_epoch: int | None = None
         self._stage: str | None = None
+        self._stepped = False
         if not enabled:
             return
         _prepare_multiprocess()
@@ -120,6 +121,11 @@ class Telemetry:
         self._ckpt = gauge("checkpoint_seconds", "Seconds training stood still for the last checkpoint "
                            "(with async saving: the host copy, not the write).")
         self._restarts = gauge("restart_count", "Group restarts before this attempt.")
+        # Of this worker process: with the agent's failure times, an in-place restart's recovery.
+        self._first_step = gauge(contract.FIRST_STEP_TIMESTAMP, "Unix time this worker process finished "
+                                 "its first step.")
+        self._resumed = gauge(contract.RESUMED_FROM_STEP, "The step this worker process resumed from "
+                              "(0: from the start).")
         self._gpu_alloc = gauge("gpu_memory_allocated_bytes", "torch.cuda.memory_allocated().")
         self._gpu_max = gauge("gpu_memory_max_allocated_bytes", "torch.cuda.max_memory_allocated().")
         self._gpu_reserved = gauge("gpu_memory_reserved_bytes", "torch.cuda.memory_reserved().")
@@ -187,6 +193,11 @@ class Telemetry:
         if self.enabled:
             self._restarts.set(n)
 
+    def resumed_from(self, step: int) -> None:
+        """The step this worker process resumed from (0: none)."""
+        if self.enabled:
+            self._resumed.set(step)
+
     def step_started(self, *, step: int) -> None:
         """This rank has the batch for `step` in hand (lets a hang name the rank that never got there)."""
         if self.enabled:
@@ -199,6 +210,9 @@ class Telemetry:
             return
         if self._stage is None or self._stage == "first_step":
             self.set_stage("training")  # the first finished step ends start-up
+        if not self._stepped:
+            self._stepped = True
+            self._first_step.set(timestamp)
         self._global_step = step
         self._step.set(step)
         if epoch != self._last_epoch:  # changes once per epoch: skip the mmap write otherwise

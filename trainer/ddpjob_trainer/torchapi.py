@@ -19,7 +19,8 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo as StorageInfo
 
 from . import contract
 
-__all__ = ["StorageInfo", "TIMEOUT_SETTABLE_FOR_GLOO", "load_dcp_state", "set_timeout", "torchrun_shutdown_seconds"]
+__all__ = ["StorageInfo", "TIMEOUT_SETTABLE_FOR_GLOO", "hook_agent", "load_dcp_state", "set_timeout",
+           "torchrun_shutdown_seconds"]
 
 
 # Whether this torch can change a live group's timeout for every backend, gloo included.
@@ -72,3 +73,33 @@ def torchrun_shutdown_seconds(env: Mapping[str, str] = os.environ) -> float:
         return float(int(raw)) if raw else default
     except ValueError:  # torchrun itself fails on it, before any worker starts
         return default
+
+
+def hook_agent(on_start: Any, on_failure: Any) -> bool:
+    """Have torchrun's agent (LocalElasticAgent, in this process) call `on_start(agent, group)`
+    before each start of its workers and `on_failure(agent, group, failures, will_restart)` when
+    workers failed (failures: {global rank: ProcessFailure}); False where this torch lacks the
+    seams, and torchrun runs unhooked (restarts in place all the same, unattributed).
+
+    Both are protected methods (`_start_workers`, `_monitor_workers`) that every torch from the
+    floor (2.8) to the newest has, with the same signatures; torchrun offers no public callback.
+    """
+    from torch.distributed.elastic.agent.server.api import WorkerState
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+    start, monitor = getattr(LocalElasticAgent, "_start_workers", None), getattr(LocalElasticAgent, "_monitor_workers", None)
+    if start is None or monitor is None:
+        return False
+
+    def _start_workers(self, worker_group):
+        on_start(self, worker_group)
+        return start(self, worker_group)
+
+    def _monitor_workers(self, worker_group):
+        result = monitor(self, worker_group)
+        if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY) and result.failures:
+            on_failure(self, worker_group, dict(result.failures), getattr(self, "_remaining_restarts", 0) > 0)
+        return result
+
+    LocalElasticAgent._start_workers = _start_workers  # type: ignore[method-assign]
+    LocalElasticAgent._monitor_workers = _monitor_workers  # type: ignore[method-assign]
+    return True

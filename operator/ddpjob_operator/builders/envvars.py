@@ -133,23 +133,21 @@ def pod_env(
         # Unbuffered output so `kubectl logs` and the local runner see errors at once.
         "PYTHONUNBUFFERED": "1",
     }
+    # Every job rendezvouses through c10d (not torchrun's static rendezvous) so that its workers
+    # restart in place: a pod whose worker dies restarts its workers, up to PET_MAX_RESTARTS times,
+    # and the other pods' agents see the new round and restart theirs (docs/restarts.md). The id
+    # names the attempt, so a group restart never meets an older attempt's round.
+    nnodes = str(job.nodes)
     if job.elastic:
-        lo = job.elastic.get("minNodes", job.nodes)
-        hi = job.elastic.get("maxNodes", job.nodes)
-        env.update({
-            contract.PET_NNODES: f"{lo}:{hi}",
-            contract.PET_RDZV_BACKEND: "c10d",
-            contract.PET_RDZV_ENDPOINT: f"{addr}:{port}",
-            contract.PET_RDZV_ID: job.uid or job.name,
-            contract.PET_MAX_RESTARTS: str(job.elastic.get("maxRestarts", 3)),
-        })
-    else:
-        env.update({
-            contract.PET_NNODES: str(job.nodes),
-            contract.PET_NODE_RANK: str(rank),
-            contract.PET_MASTER_ADDR: addr,
-            contract.PET_MASTER_PORT: str(port),
-        })
+        nnodes = f"{job.elastic.get('minNodes', job.nodes)}:{job.elastic.get('maxNodes', job.nodes)}"
+    env.update({
+        contract.PET_NNODES: nnodes,
+        contract.PET_RDZV_BACKEND: "c10d",
+        contract.PET_RDZV_ENDPOINT: f"{addr}:{port}",
+        contract.PET_RDZV_ID: f"{job.uid or job.name}-{attempt}",
+        contract.PET_MAX_RESTARTS: str(inplace_budget(job)),
+        contract.ENV_TORCH_NO_SHARED_RDZV_STORE: "1",
+    })
     if job.uid:
         env[contract.ENV_JOB_UID] = job.uid
     if stop_grace is not None:
@@ -170,6 +168,15 @@ def pod_env(
     user = template.user_env(job)
     user_names = {e.get("name") for e in user}
     return [e for e in ours if e["name"] not in user_names] + user
+
+
+def inplace_budget(job: JobSpec) -> int:
+    """PET_MAX_RESTARTS, the in-place restarts torchrun's agent of one pod may make: the job's
+    restart budget (failurePolicy.maxRestarts), or spec.elastic.maxRestarts where set. The operator
+    charges every in-place restart to failurePolicy.maxRestarts as well (decisions/inplace.py)."""
+    if job.elastic and job.elastic.get("maxRestarts") is not None:
+        return int(job.elastic["maxRestarts"])
+    return job.max_restarts
 
 
 def stop_grace_seconds(job: JobSpec) -> float:

@@ -44,6 +44,8 @@ class MonitorReport:
     unreachable: bool = False  # running pods, none answered: the caller may scrape this job less often
     never_answered: bool = False  # unreachable, and no pod of this attempt has ever answered
     mlflow_run: tuple[str, str] | None = None  # (run id, experiment id) the ranks report (status.mlflow)
+    # This scrape's samples by rank (their worker failures and first steps: decisions/inplace.py).
+    ranks: dict[int, scrape.RankSample] = field(default_factory=dict)
 
 
 @dataclass
@@ -251,7 +253,8 @@ class Monitor:
                              stalled=health.STALLED in st.tracker.active,
                              unreachable=bool(targets) and not samples,
                              never_answered=bool(targets) and st.prev is None,
-                             mlflow_run=runs[0] if runs else None)
+                             mlflow_run=runs[0] if runs else None,
+                             ranks=samples)
 
     def _conditions(self, job: dict, st: _JobState, now: float) -> list[dict]:
         """Straggler and Stalled, keeping lastTransitionTime when the status did not change."""

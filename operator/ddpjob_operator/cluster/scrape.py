@@ -9,10 +9,11 @@ from __future__ import annotations
 import asyncio
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterable
 
-from ddpjob_trainer.contract import METRIC_PREFIX, MLFLOW_RUN_INFO
+from ddpjob_trainer.contract import (FIRST_STEP_TIMESTAMP, METRIC_PREFIX, MLFLOW_RUN_INFO, RESUMED_FROM_STEP,
+                                    WORKER_FAILURE)
 from ddpjob_trainer.telemetry import STAGES  # same wheel; a light module (no torch)
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -39,10 +40,15 @@ _GAUGES = {
     "gpu_memory_allocated_bytes": "gpu_memory_allocated_bytes",
     "gpu_memory_max_allocated_bytes": "gpu_memory_max_allocated_bytes",
     "stage_start_timestamp_seconds": "stage_started_at",
+    FIRST_STEP_TIMESTAMP: "first_step_timestamp",
+    RESUMED_FROM_STEP: "resumed_from_step",
 }
 # `stage{stage=S} 1` names a rank's stage; a name not in STAGES is dropped, so a pod cannot put
 # text of its choosing into a condition message.
-_INTS = {"step", "epoch", "total_steps", "restart_count", "step_started"}
+_INTS = {"step", "epoch", "total_steps", "restart_count", "step_started", "resumed_from_step"}
+# What a worker failure's series says (its value is the failure's time); the operator bounds and
+# redacts each before any reaches status (decisions/inplace.py).
+FAILURE_LABELS = ("restart", "exit_code", "signal", "error", "restarted")
 # `mlflow_run_info{run_id, experiment_id} 1`: ids go into status and a URL, so only id-shaped ones
 # (MLflow's are hex and digits) are kept.
 _MLFLOW_ID = re.compile(r"^[0-9A-Za-z_-]{1,64}$")
@@ -100,6 +106,11 @@ class RankSample:
     stage_started_at: float | None = None  # Unix time (the pod's clock) the stage began
     mlflow_run_id: str | None = None     # the job's MLflow run (rank 0 reports it)
     mlflow_experiment_id: str | None = None
+    first_step_timestamp: float | None = None  # this worker process's first step (Unix time)
+    resumed_from_step: int | None = None
+    # The failures of this rank's workers the pod's agent saw (contract.WORKER_FAILURE): label
+    # dicts (restart, exit_code, signal, error, restarted) with "time", the failure's Unix time.
+    worker_failures: list[dict[str, str | float]] = field(default_factory=list)
     pod: str | None = None       # filled in by the scraper, not the exposition
     node: str | None = None
 
@@ -129,7 +140,8 @@ def parse_metrics(text: str) -> dict[int, RankSample]:
             attr = _GAUGES.get(short)
             mlflow = (short == MLFLOW_RUN_INFO and s.value == 1
                       and all(_MLFLOW_ID.match(s.labels.get(k) or "") for k in ("run_id", "experiment_id")))
-            if attr is None and not mlflow and not (short == "stage" and s.value == 1 and s.labels.get("stage") in STAGES):
+            failure = short == WORKER_FAILURE and _sane("time", s.value) is not None
+            if attr is None and not mlflow and not failure and not (short == "stage" and s.value == 1 and s.labels.get("stage") in STAGES):
                 continue
             rank = _int_or_none(s.labels.get("rank"))
             if rank is None:
@@ -143,6 +155,9 @@ def parse_metrics(text: str) -> dict[int, RankSample]:
                     ddpjob=s.labels.get("ddpjob") or None,
                     namespace=s.labels.get("namespace") or None,
                 )
+            if failure:
+                rs.worker_failures.append({**{k: s.labels.get(k, "") for k in FAILURE_LABELS}, "time": s.value})
+                continue
             if mlflow:
                 rs.mlflow_run_id, rs.mlflow_experiment_id = s.labels["run_id"], s.labels["experiment_id"]
                 continue

@@ -262,6 +262,12 @@ def trusted_counters(prev: dict[str, Any], pods: list[dict[str, Any]]) -> Counte
     return Counters(attempt=attempt, restarts=max(restarts, counted), counted_restarts=counted)
 
 
+def in_place_restarts(prev: dict[str, Any]) -> int:
+    """Restarts in place so far (status.inPlaceRestarts, decisions/inplace.py): charged to
+    failurePolicy.maxRestarts with the counted group restarts."""
+    return _count(prev.get("inPlaceRestarts"))
+
+
 def finished_claim_holds(job: JobSpec, prev_phase: Phase | None, pods: list[dict[str, Any]], attempt: int) -> bool:
     """A finished phase in the status is believed unless every rank of its attempt still has a
     live pod: a status edited to Succeeded must not get a healthy group deleted. (Every way the
@@ -342,16 +348,24 @@ def decide(job: JobSpec, pods: list[dict[str, Any]], *, now: dt.datetime, prev_s
         failures.append(Failure(R.STALLED.value, "training stalled (no step progress); failurePolicy.restartOnHang",
                                 counted=True))
 
+    in_place = in_place_restarts(prev)
     fatal = next((f for f in failures if f.fatal), None)
+    if not failures and d.counted_restarts + in_place > job.max_restarts:
+        # Each pod's agent restarts in place within its own budget; the job's is spent when they
+        # together, with the group restarts, made more than failurePolicy.maxRestarts.
+        d.phase, d.reason = Phase.FAILED, "RestartLimitExceeded"
+        d.message = (f"{in_place} restart(s) in place and {d.counted_restarts} group restart(s): more than "
+                     f"failurePolicy.maxRestarts={job.max_restarts}")
+        return _finish(job, d, pods, now)
     if fatal:
         d.phase, d.reason, d.message = Phase.FAILED, fatal.reason, fatal.message
         return _finish(job, d, pods, now)
     if failures:
         cause = next((f for f in failures if f.counted), failures[0])
-        if cause.counted and d.counted_restarts >= job.max_restarts:
+        if cause.counted and d.counted_restarts + in_place >= job.max_restarts:
             d.phase, d.reason = Phase.FAILED, "RestartLimitExceeded"
             d.message = (f"{cause.message}; failurePolicy.maxRestarts={job.max_restarts} "
-                         f"restart(s) already used")
+                         f"restart(s) already used" + (f" ({in_place} of them in place)" if in_place else ""))
             return _finish(job, d, pods, now)
         d.attempt += 1
         d.restarts += 1

@@ -49,9 +49,11 @@ def parse_result(message: str | None) -> dict[str, Any]:
 
 
 def run_result(pods: list[dict[str, Any]], *, attempt: int) -> dict[str, Any]:
-    """The result that node 0 of ATTEMPT reported on success ({} when there is none yet)."""
-    for pod in pods:
-        if podinfo.rank(pod) != 0 or podinfo.attempt(pod) != attempt or podinfo.phase(pod) != "Succeeded":
+    """The result that ATTEMPT's rank 0 reported on success ({} when there is none yet): pod 0's,
+    else another pod's. torchrun's c10d rendezvous numbers the nodes itself (by host name), so
+    rank 0 may run in another pod than <job>-0 (docs/restarts.md)."""
+    for pod in sorted(pods, key=podinfo.rank):
+        if podinfo.attempt(pod) != attempt or podinfo.phase(pod) != "Succeeded":
             continue
         state = podinfo.trainer_state(pod) or {}
         result = parse_result(state.get("message")) if state.get("exitCode") == 0 else {}

@@ -14,6 +14,7 @@ from ddpjob_operator.api.config import OperatorConfig
 from ddpjob_operator.builders.envvars import master_dns
 from ddpjob_operator.builders.gang import gang_state
 from ddpjob_operator.builders.kueue import admission, queue_name
+from ddpjob_operator.decisions import inplace
 from ddpjob_operator.decisions.lifecycle import Decision, condition, decide
 from ddpjob_operator.api.objmeta import format_time
 from ddpjob_operator.api.phases import Cond, Phase
@@ -173,6 +174,25 @@ def mlflow_status(job: JobSpec, *, prev: dict[str, Any] | None, run: tuple[str, 
     return out
 
 
+def _in_place(conds: list[dict[str, Any]], up: inplace.Update, job: JobSpec, d: Decision, now: dt.datetime,
+              gen: int) -> list[Event]:
+    """The Restarting condition while a running job restarts in place, and an event for each
+    in-place restart (Warning) and for each that steps again (Normal)."""
+    used = d.counted_restarts + up.in_place_restarts
+    cond = inplace.restarting(up, budget_used=used, max_restarts=job.max_restarts)
+    if cond is not None and d.phase is Phase.RUNNING:
+        status, reason, message = cond
+        set_condition(conds, type=Cond.RESTARTING, status=status, reason=reason, message=message,
+                      now=now, generation=gen)
+    events: list[Event] = [("Warning", inplace.RESTARTING_IN_PLACE,
+                            f"{inplace.describe(e)}; restarting in place ({used}/{job.max_restarts} of "
+                            "failurePolicy.maxRestarts used)") for e in up.new]
+    events += [("Normal", inplace.RESTARTED_IN_PLACE,
+                f"stepping again from step {e['resumedFromStep']} {e['recoverySeconds']:g}s after the worker of "
+                f"rank {e['rank']} (pod {e['pod']}) failed") for e in up.recovered]
+    return events
+
+
 def job_status(job: JobSpec, pods: list[dict[str, Any]], *, now: dt.datetime,
                prev_status: dict[str, Any] | None, config: OperatorConfig | None = None,
                decision: Decision | None = None, report: MonitorReport | None = None,
@@ -233,6 +253,10 @@ def job_status(job: JobSpec, pods: list[dict[str, Any]], *, now: dt.datetime,
     else:
         _clear(conds, Cond.RESTARTING, "Running" if d.phase is Phase.RUNNING else d.phase.value,
                "", now, gen)
+    restarts = inplace.update(prev, attempt=d.attempt - 1 if d.restarted is not None else d.attempt,
+                              ranks=report.ranks if report is not None else None, with_log=job.log_tail_in_status,
+                              group=(d.attempt - 1, d.reason, d.message) if d.restarted is not None else None, now=now)
+    events += _in_place(conds, restarts, job, d, now, gen)
     if d.phase is Phase.SUSPENDED:
         set_condition(conds, type=Cond.SUSPENDED, status=True, reason="Suspended", message=d.message,
                       now=now, generation=gen)
@@ -290,6 +314,10 @@ def job_status(job: JobSpec, pods: list[dict[str, Any]], *, now: dt.datetime,
         "nodes": node_counts(job, pods, d.attempt),
         "conditions": conds,
     }
+    if restarts.in_place_restarts:
+        status["inPlaceRestarts"] = restarts.in_place_restarts
+    if restarts.history:
+        status["restartHistory"] = restarts.history
     if d.start_time is not None:
         status["startTime"] = format_time(d.start_time)
     if d.completion_time is not None and d.phase.finished:
@@ -315,7 +343,8 @@ def job_status(job: JobSpec, pods: list[dict[str, Any]], *, now: dt.datetime,
     if d.restarted is not None:
         events.append(("Warning", "Restarting",
                        f"restarting all {job.nodes} node(s) as attempt {d.attempt} "
-                       f"(restart {d.restarts}, {d.counted_restarts}/{job.max_restarts} of the budget): "
+                       f"(restart {d.restarts}, {d.counted_restarts + restarts.in_place_restarts}/{job.max_restarts} "
+                       "of the budget): "
                        f"{d.message}"))
     elif d.phase is not prev_phase:
         kind = "Warning" if d.phase is Phase.FAILED else "Normal"

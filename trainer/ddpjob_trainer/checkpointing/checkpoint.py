@@ -505,6 +505,11 @@ class Checkpointer:
                 out.append((int(m.group(1)), p))
         return out
 
+    def newest_published_step(self) -> int | None:
+        """The step of the newest checkpoint with a manifest (not verified: a cheap listing)."""
+        steps = [step for step, path in self._step_dirs() if (path / MANIFEST).is_file()]
+        return max(steps) if steps else None
+
     def newest_complete(self) -> Path | None:
         """Rank 0's choice: the newest checkpoint with a manifest, verified and readable.
 

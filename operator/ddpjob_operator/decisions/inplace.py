@@ -1,0 +1,177 @@
+"""Restarts in place, as status: the history of a job's restarts and the `Restarting` condition (pure).
+
+A worker that dies is restarted where it is by torchrun's agent in its pod (and every other pod's
+agent restarts its workers through the c10d rendezvous); the agent exports each failure on the
+pod's metrics endpoint (contract.WORKER_FAILURE) and each worker process its first step
+(contract.FIRST_STEP_TIMESTAMP). From one scrape's samples and the last status this module says:
+
+- `status.restartHistory`: one entry per restart, newest last (HISTORY_LIMIT kept): kind `InPlace`
+  (attempt, the pod's worker start that failed, rank, pod, node, exit code, signal, with
+  failurePolicy.logTailInStatus the error's first line; once every rank stepped again,
+  `resumedFromStep` and `recoverySeconds`, failure to the group's first step, on the pods' clocks)
+  or kind `Group` (the attempt that ended, reason);
+- `status.inPlaceRestarts`: how many in-place restarts the job made, charged to
+  failurePolicy.maxRestarts with the group restarts (lifecycle.budget_used);
+- `Restarting`: True while an in-place restart has not stepped again.
+
+The samples are cluster/scrape.RankSample's (read by attribute: no import from the layer above).
+"""
+from __future__ import annotations
+
+import datetime as dt
+import re
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from ddpjob_operator.api.objmeta import format_time
+from ddpjob_operator.decisions.redact import redact
+
+INPLACE = "InPlace"
+GROUP = "Group"
+HISTORY_LIMIT = 20       # status.restartHistory entries kept (newest last)
+MESSAGE_CHARS = 200
+ALSO_LIMIT = 16          # peers' failures kept per in-place restart
+_SIGNAL = re.compile(r"^SIG[A-Z0-9]{2,10}$")
+# Reasons of the Restarting condition for an in-place restart (a group restart's is its cause).
+RESTARTING_IN_PLACE = "RestartingInPlace"
+RESTARTED_IN_PLACE = "RestartedInPlace"
+
+
+def _int(value: Any, default: int = 0) -> int:
+    try:
+        return int(str(value))
+    except ValueError:
+        return default
+
+
+def _open(entry: Mapping[str, Any]) -> bool:
+    """An in-place restart that has not stepped again (and whose attempt still runs)."""
+    return entry.get("kind") == INPLACE and "recoverySeconds" not in entry and not entry.get("superseded")
+
+
+def _key(entry: Mapping[str, Any]) -> tuple[Any, ...]:
+    return (entry.get("kind"), entry.get("attempt"), entry.get("pod"), entry.get("restart"), entry.get("rank"))
+
+
+def observed(ranks: Mapping[int, Any], *, attempt: int, with_log: bool) -> list[dict[str, Any]]:
+    """History entries for the failures the pods report that their agents restarted in place
+    (a failure with the pod's budget spent fails the pod instead: a group restart records it)."""
+    out = []
+    for rank, sample in sorted(ranks.items()):
+        for f in getattr(sample, "worker_failures", None) or []:
+            if f.get("restarted") != "true":
+                continue
+            entry: dict[str, Any] = {
+                "kind": INPLACE, "attempt": attempt, "restart": _int(f.get("restart")), "rank": rank,
+                "pod": sample.pod or "", "exitCode": _int(f.get("exit_code"), -1),
+                "time": format_time(dt.datetime.fromtimestamp(float(f["time"]), dt.timezone.utc)),
+                "failedAt": float(f["time"]),
+            }
+            if sample.node:
+                entry["node"] = sample.node
+            if _SIGNAL.match(str(f.get("signal") or "")):
+                entry["signal"] = f["signal"]
+            error = redact(str(f.get("error") or "")).strip()[:MESSAGE_CHARS]
+            if with_log and error:
+                entry["message"] = error
+            out.append(entry)
+    return out
+
+
+def recovery(entry: Mapping[str, Any], ranks: Mapping[int, Any]) -> tuple[int, float] | None:
+    """(step resumed from, seconds from the failure to the group's first step) once every rank
+    reporting has a worker that stepped after the failure; None before."""
+    t = float(entry.get("failedAt") or 0)
+    firsts = [(s.first_step_timestamp, s.resumed_from_step) for s in ranks.values()]
+    if not firsts or any(ts is None or ts <= t for ts, _ in firsts):
+        return None
+    return min(int(step or 0) for _, step in firsts), round(max(ts for ts, _ in firsts) - t, 3)
+
+
+@dataclass
+class Update:
+    """What one pass found about restarts."""
+
+    history: list[dict[str, Any]]
+    in_place_restarts: int
+    new: list[dict[str, Any]] = field(default_factory=list)        # in-place restarts first seen now
+    recovered: list[dict[str, Any]] = field(default_factory=list)  # entries that stepped again now
+
+    @property
+    def pending(self) -> dict[str, Any] | None:
+        """The newest in-place restart that has not stepped again (None: none)."""
+        return next((e for e in reversed(self.history) if _open(e)), None)
+
+
+def update(prev_status: Mapping[str, Any], *, attempt: int, ranks: Mapping[int, Any] | None, with_log: bool,
+           group: tuple[int, str, str] | None, now: dt.datetime) -> Update:
+    """The restart history and count after this pass. `ranks`: this scrape's samples (None: no
+    scrape); `group`: (the attempt that ended, reason, message) when this pass restarts the group."""
+    history = [dict(e) for e in prev_status.get("restartHistory") or []]
+    count = _int(prev_status.get("inPlaceRestarts"))
+    known = {_key(e) for e in history} | {_key({**a, "kind": INPLACE}) for e in history for a in e.get("alsoFailed") or []}
+    up = Update(history=history, in_place_restarts=count)
+    # A pod's agent reports its failures for as long as it lives; those before this attempt's last
+    # recovery are settled, whether or not their entries are still kept.
+    settled = max((float(e.get("failedAt") or 0) + float(e["recoverySeconds"]) for e in history
+                   if e.get("attempt") == attempt and "recoverySeconds" in e), default=0.0)
+    fresh = [e for e in observed(ranks or {}, attempt=attempt, with_log=with_log)
+             if _key(e) not in known and e["failedAt"] > settled]
+    for entry in sorted(fresh, key=lambda e: e["failedAt"]):
+        known.add(_key(entry))
+        head = next((e for e in reversed(history) if _open(e) and e.get("attempt") == attempt), None)
+        if head is None:
+            up.in_place_restarts += 1
+            history.append(entry)
+            up.new.append(entry)
+            continue
+        # One restart until every rank steps again: its peers' workers fail with it (a collective
+        # with a dead peer), and their agents report those too. The earliest failure is the cause.
+        if entry["failedAt"] < head["failedAt"]:
+            cause, other = entry, head
+            history[history.index(head)] = cause
+            if head in up.new:
+                up.new[up.new.index(head)] = cause
+        else:
+            cause, other = head, entry
+        also = [a for a in (other.pop("alsoFailed", None) or [])]
+        cause["alsoFailed"] = (list(cause.get("alsoFailed") or []) + [
+            {k: other[k] for k in ("rank", "pod", "restart", "exitCode", "attempt") if k in other}] + also)[:ALSO_LIMIT]
+    for entry in history:
+        if not _open(entry):
+            continue
+        if entry.get("attempt") != attempt or group is not None:
+            entry["superseded"] = True  # its attempt ended (a group restart) before it stepped again
+            continue
+        found = recovery(entry, ranks or {})
+        if found is not None:
+            entry["resumedFromStep"], entry["recoverySeconds"] = found
+            up.recovered.append(entry)
+    if group is not None:
+        ended, reason, message = group
+        history.append({"kind": GROUP, "attempt": ended, "reason": reason, "message": message[:MESSAGE_CHARS],
+                        "time": format_time(now)})
+    up.history = history[-HISTORY_LIMIT:]
+    return up
+
+
+def describe(entry: Mapping[str, Any]) -> str:
+    """One line naming an in-place restart: rank, pod, node, exit code, signal, error."""
+    how = f"exit code {entry.get('exitCode')}" + (f" ({entry['signal']})" if entry.get("signal") else "")
+    where = f"pod {entry.get('pod')}" + (f" on node {entry['node']}" if entry.get("node") else "")
+    text = f"the worker of rank {entry.get('rank')} ({where}) failed with {how}"
+    return text + (f": {entry['message']}" if entry.get("message") else "")
+
+
+def restarting(up: Update, *, budget_used: int, max_restarts: int) -> tuple[bool, str, str] | None:
+    """The `Restarting` condition for in-place restarts: (status, reason, message); None when
+    this job never restarted in place (the group restart's condition stands alone)."""
+    pending = up.pending
+    if pending is not None:
+        return True, RESTARTING_IN_PLACE, (f"{describe(pending)}; restarting every pod's workers in place "
+                                           f"({budget_used}/{max_restarts} of failurePolicy.maxRestarts used)")
+    done = next((e for e in reversed(up.history) if e.get("kind") == INPLACE and "recoverySeconds" in e), None)
+    if done is None:
+        return None
+    return False, RESTARTED_IN_PLACE, (f"restarted in place: stepping again from step {done['resumedFromStep']} "
+                                       f"{done['recoverySeconds']:g}s after {describe(done)}")

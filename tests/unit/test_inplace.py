@@ -1,0 +1,161 @@
+"""Restarts in place as status (decisions/inplace.py, through job_status and decide): the history
+entry of each restart, its cause among the peers that failed with it, its recovery, the Restarting
+condition and events, and the budget they share with group restarts."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+
+from ddpjob_operator.decisions import inplace
+from ddpjob_operator.decisions.lifecycle import decide
+from ddpjob_operator.decisions.status import job_status
+from tests.support.builders import NOW, make_job, make_pod, running_status
+from tests.support.status import condition as cond
+
+T0 = 1_800_000_000.0  # a failure's Unix time on the pods' clock
+
+
+@dataclass
+class Sample:
+    """What scrape.RankSample carries for these decisions."""
+
+    pod: str
+    node: str | None = "n1"
+    worker_failures: list = field(default_factory=list)
+    first_step_timestamp: float | None = None
+    resumed_from_step: int | None = None
+
+
+def failure(t: float, *, code: int = -9, signal: str = "SIGKILL", restart: int = 0, restarted: bool = True,
+            error: str = "killed by SIGKILL") -> dict:
+    return {"restart": str(restart), "exit_code": str(code), "signal": signal, "error": error,
+            "restarted": "true" if restarted else "false", "time": t}
+
+
+@dataclass
+class Report:
+    progress: dict | None = None
+    conditions: list = field(default_factory=list)
+    events: list = field(default_factory=list)
+    stalled: bool = False
+    mlflow_run: tuple | None = None
+    ranks: dict = field(default_factory=dict)
+
+
+def step(prev: dict, ranks: dict, *, job=None) -> tuple[dict, list]:
+    job = job or make_job(nodes=2, failurePolicy={"maxRestarts": 3})
+    return job_status(job, [make_pod(0), make_pod(1)], now=NOW, prev_status=prev, report=Report(ranks=ranks))
+
+
+def test_a_killed_worker_is_one_restart_attributed_to_its_rank_pod_and_node_then_its_recovery():
+    ranks = {0: Sample("j-0", "n0"), 1: Sample("j-1", "n1", worker_failures=[failure(T0)])}
+    st, events = step(running_status(), ranks)
+    (entry,) = st["restartHistory"]
+    assert {k: entry[k] for k in ("kind", "attempt", "restart", "rank", "pod", "node", "exitCode", "signal")} == {
+        "kind": "InPlace", "attempt": 0, "restart": 0, "rank": 1, "pod": "j-1", "node": "n1", "exitCode": -9,
+        "signal": "SIGKILL"}
+    assert "message" not in entry  # the container's own words only with logTailInStatus
+    assert st["inPlaceRestarts"] == 1 and st["phase"] == "Running"
+    c = cond(st, "Restarting")
+    assert (c["status"], c["reason"]) == ("True", "RestartingInPlace")
+    assert "rank 1 (pod j-1 on node n1) failed with exit code -9 (SIGKILL)" in c["message"]
+    assert "1/3 of failurePolicy.maxRestarts" in c["message"]
+    assert [e[:2] for e in events] == [("Warning", "RestartingInPlace")]
+
+    # The next scrape: rank 0 has stepped again, rank 1 not yet: still restarting, nothing new.
+    ranks[0].first_step_timestamp, ranks[0].resumed_from_step = T0 + 3.0, 40
+    st2, events2 = step(st, ranks)
+    assert st2["inPlaceRestarts"] == 1 and cond(st2, "Restarting")["status"] == "True" and events2 == []
+    # Every rank stepped: recovered at the later of their first steps.
+    ranks[1].first_step_timestamp, ranks[1].resumed_from_step = T0 + 4.5, 40
+    st3, events3 = step(st2, ranks)
+    (entry,) = st3["restartHistory"]
+    assert (entry["resumedFromStep"], entry["recoverySeconds"]) == (40, 4.5)
+    c = cond(st3, "Restarting")
+    assert (c["status"], c["reason"]) == ("False", "RestartedInPlace") and "from step 40 4.5s after" in c["message"]
+    assert [e[:2] for e in events3] == [("Normal", "RestartedInPlace")]
+    # The agent keeps exporting the failure: seen again, it is neither new nor counted twice.
+    st4, events4 = step(st3, ranks)
+    assert st4["restartHistory"] == st3["restartHistory"] and st4["inPlaceRestarts"] == 1 and events4 == []
+
+
+@pytest.mark.parametrize("first_seen", ["together", "casualty first"])
+def test_peers_that_fail_with_it_are_one_restart_whose_cause_is_the_earliest(first_seen):
+    cause = failure(T0, code=1, signal="", error="RuntimeError: boom")
+    casualty = failure(T0 + 0.4, code=1, signal="", error="RuntimeError: Connection closed by peer")
+    ranks = {0: Sample("j-0", worker_failures=[casualty]), 1: Sample("j-1", worker_failures=[cause])}
+    prev = running_status()
+    if first_seen == "casualty first":
+        prev, _ = step(prev, {0: ranks[0]})
+    st, _ = step(prev, ranks, job=make_job(nodes=2, failurePolicy={"maxRestarts": 3, "logTailInStatus": True}))
+    (entry,) = st["restartHistory"]
+    assert (entry["rank"], entry["message"]) == (1, "RuntimeError: boom")
+    assert entry["alsoFailed"] == [{"rank": 0, "pod": "j-0", "restart": 0, "exitCode": 1, "attempt": 0}]
+    assert st["inPlaceRestarts"] == 1
+
+
+def test_a_failure_with_the_pods_budget_spent_is_no_restart_in_place():
+    st, events = step(running_status(), {1: Sample("j-1", worker_failures=[failure(T0, restarted=False)])})
+    assert "restartHistory" not in st and "inPlaceRestarts" not in st and events == []
+    assert cond(st, "Restarting") is None
+
+
+def test_a_second_failure_after_recovery_is_a_second_restart():
+    done = {"kind": "InPlace", "attempt": 0, "restart": 0, "rank": 1, "pod": "j-1", "exitCode": -9, "failedAt": T0,
+            "resumedFromStep": 40, "recoverySeconds": 4.0}
+    ranks = {1: Sample("j-1", worker_failures=[failure(T0), failure(T0 + 60, restart=1)])}
+    st, _ = step(running_status(restartHistory=[done], inPlaceRestarts=1), ranks)
+    assert [e["restart"] for e in st["restartHistory"]] == [0, 1] and st["inPlaceRestarts"] == 2
+
+
+def test_a_group_restart_ends_an_open_in_place_restart_and_is_recorded_as_group():
+    open_entry = {"kind": "InPlace", "attempt": 0, "restart": 0, "rank": 1, "pod": "j-1", "exitCode": -9, "failedAt": T0}
+    prev = running_status(restartHistory=[open_entry], inPlaceRestarts=1)
+    pods = [make_pod(0), make_pod(1, phase="Failed", exit_code=1)]
+    st, _ = job_status(make_job(nodes=2, failurePolicy={"maxRestarts": 3}), pods, now=NOW, prev_status=prev)
+    assert st["phase"] == "Restarting" and st["attempt"] == 1
+    first, group = st["restartHistory"]
+    assert first["superseded"] is True and "recoverySeconds" not in first
+    assert (group["kind"], group["attempt"], group["reason"]) == ("Group", 0, "PodFailed")
+    assert cond(st, "Restarting")["reason"] == "PodFailed"
+    assert "2/3 of the budget" in " ".join(e[2] for e in _ if e[1] == "Restarting")
+
+
+@pytest.mark.parametrize("counted, in_place, max_restarts, phase", [
+    (0, 2, 2, "Running"),  # two in place: the budget is used, not overdrawn
+    (0, 3, 2, "Failed"),   # pods' agents together restarted more than the job's budget
+    (2, 1, 2, "Failed"),
+    (1, 0, 2, "Running"),
+])
+def test_in_place_restarts_share_the_budget_with_group_restarts(counted, in_place, max_restarts, phase):
+    job = make_job(nodes=2, failurePolicy={"maxRestarts": max_restarts})
+    prev = running_status(countedRestarts=counted, restarts=counted, inPlaceRestarts=in_place)
+    d = decide(job, [make_pod(0), make_pod(1)], now=NOW, prev_status=prev)
+    assert d.phase.value == phase
+    if phase == "Failed":
+        assert d.reason == "RestartLimitExceeded" and "maxRestarts" in d.message
+
+
+def test_a_pod_failure_after_in_place_restarts_used_the_budget_fails_the_job():
+    job = make_job(nodes=2, failurePolicy={"maxRestarts": 2})
+    pods = [make_pod(0), make_pod(1, phase="Failed", exit_code=1)]
+    d = decide(job, pods, now=NOW, prev_status=running_status(inPlaceRestarts=2))
+    assert (d.phase.value, d.reason) == ("Failed", "RestartLimitExceeded")
+    assert "(2 of them in place)" in d.message
+
+
+def test_history_keeps_the_newest_entries():
+    old = [{"kind": "Group", "attempt": i, "reason": "PodFailed", "message": "", "time": "t"}
+           for i in range(inplace.HISTORY_LIMIT)]
+    up = inplace.update({"restartHistory": old}, attempt=20, ranks={1: Sample("j-1", worker_failures=[failure(T0)])},
+                        with_log=False, group=None, now=NOW)
+    assert len(up.history) == inplace.HISTORY_LIMIT and up.history[-1]["kind"] == "InPlace"
+    assert up.history[0]["attempt"] == 1
+
+
+@pytest.mark.parametrize("label, kept", [("SIGKILL", "SIGKILL"), ("SIGSEGV", "SIGSEGV"), ("<script>", None), ("", None)])
+def test_only_signal_names_reach_the_status(label, kept):
+    (entry,) = inplace.observed({1: Sample("j-1", worker_failures=[failure(T0, signal=label)])}, attempt=0,
+                                with_log=False)
+    assert entry.get("signal") == kept

@@ -1,0 +1,112 @@
+"""In-memory snapshots: each rank's whole training state in the pod's /dev/shm, every few steps.
+
+A worker restarted in place (docs/restarts.md) finds them where its predecessor left them: the pod
+and its memory-backed /dev/shm outlive the worker process. So a restart loses at most
+`checkpoint.snapshotEverySteps` steps instead of everything since the last disk checkpoint. Disk
+checkpoints stay the durable layer (a lost pod, a group restart: its new pods have a fresh /dev/shm).
+
+Each rank writes its own state (model with its own buffers, optimizer, scheduler, data position,
+RNG), so resuming one is exactly resuming that rank: bit-exact like a disk resume. Written
+asynchronously: training stands still only for the copy into reused host buffers (the disk
+checkpoint's stager), a thread writes `rank-R-step-S.pt.part` and renames it; the newest KEEP are
+kept, so a write cut short by the kill leaves the one before. The ranks resume from the newest
+step every rank has, when it is newer than the newest complete disk checkpoint.
+
+It costs /dev/shm room: KEEP copies of the state per local rank (the pod's memory limit counts
+them). A write that fails (the room ran out) is a warning and ends snapshots for the run; it never
+stops training.
+"""
+from __future__ import annotations
+
+import os
+import re
+import threading
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from ddpjob_trainer import contract
+from ddpjob_trainer.checkpointing.checkpoint import _Stager
+
+KEEP = 2
+_FILE = re.compile(r"^rank-(\d+)-step-(\d{8})\.pt$")
+
+
+def snapshot_root(env=os.environ) -> Path:
+    """Where this job's snapshots live: DDPJOB_SNAPSHOT_DIR, else /dev/shm/ddpjob-<uid or name>."""
+    if env.get(contract.ENV_SNAPSHOT_DIR):
+        return Path(env[contract.ENV_SNAPSHOT_DIR])
+    key = env.get(contract.ENV_JOB_UID) or env.get(contract.ENV_JOB_NAME) or "local"
+    return Path(contract.SNAPSHOT_SHM) / f"ddpjob-{re.sub(r'[^A-Za-z0-9_.-]', '_', key)}"
+
+
+class Snapshots:
+    """One rank's snapshots: `save` every `every_steps` steps (async), `steps` and `load` on resume."""
+
+    def __init__(self, root: Path, *, rank: int, every_steps: int, warn: Callable[[str], None]) -> None:
+        self.root, self.rank, self.every_steps, self.warn = root, rank, every_steps, warn
+        self._stager = _Stager()
+        self._writer: threading.Thread | None = None
+        self._failed = False
+
+    def due(self, step: int) -> bool:
+        return bool(self.every_steps) and not self._failed and step % self.every_steps == 0
+
+    def path(self, step: int) -> Path:
+        return self.root / f"rank-{self.rank}-step-{step:08d}.pt"
+
+    def steps(self) -> list[int]:
+        """This rank's complete snapshots, oldest first."""
+        if not self.root.is_dir():
+            return []
+        found = [(_FILE.match(p.name), p) for p in self.root.iterdir()]
+        return sorted(int(m.group(2)) for m, _ in found if m and int(m.group(1)) == self.rank)
+
+    def save(self, step: int, state: dict[str, Any]) -> None:
+        """Copy `state` now; write it on a thread (waiting first for the previous write)."""
+        self.wait()
+        if self._failed:
+            return
+        staged = self._stager.stage(state)
+        self._writer = threading.Thread(target=self._write, args=(step, staged), name="snapshot", daemon=True)
+        self._writer.start()
+
+    def _write(self, step: int, state: dict[str, Any]) -> None:
+        final = self.path(step)
+        tmp = final.with_name(final.name + ".part")
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            torch.save(state, tmp)
+            os.replace(tmp, final)
+            for old in self.steps()[:-KEEP]:
+                self.path(old).unlink(missing_ok=True)
+        except Exception as exc:  # noqa: BLE001 - a snapshot never stops training
+            self._failed = True
+            try:
+                tmp.unlink(missing_ok=True)
+            except OSError:
+                pass  # nothing was written there
+            self.warn(f"in-memory snapshot to {final} failed ({type(exc).__name__}: {exc}); no more snapshots "
+                      "this run (disk checkpoints go on)")
+
+    def wait(self) -> None:
+        if self._writer is not None:
+            self._writer.join()
+            self._writer = None
+
+    def load(self, step: int) -> dict[str, Any]:
+        return torch.load(self.path(step), map_location="cpu", weights_only=True)
+
+    def clear(self) -> None:
+        """The run ended: its snapshots would only hold /dev/shm room."""
+        self.wait()
+        for step in self.steps():
+            self.path(step).unlink(missing_ok=True)
+
+
+def agreed_step(candidates: list[int], holders: list[float], world_size: int) -> int | None:
+    """The newest of rank 0's snapshot steps (`candidates`) that every rank holds: `holders[i]` is
+    how many ranks hold candidates[i] (a sum over ranks); None when no step is held by all."""
+    held = [step for step, n in zip(candidates, holders) if round(n) == world_size]
+    return max(held) if held else None
