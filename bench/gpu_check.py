@@ -1,10 +1,15 @@
 """GPU acceptance run: the built-in trainer on this machine's NVIDIA GPUs, no Kubernetes.
 
 What it runs (one node, one rank per GPU, the in-pod launcher and torchrun, as a pod does):
-  1. train:  NCCL, bf16 (precision "bf16": refused where the GPU lacks it natively), channels_last,
-             torch.compile, async checkpoint saves, to step --steps;
-  2. resume: the same job to twice as many steps, which must resume from the first run's last
-             checkpoint.
+  1. train:   NCCL, bf16 (precision "bf16": refused where the GPU lacks it natively), channels_last,
+              torch.compile, async checkpoint saves, to step --steps;
+  2. resume:  the same job to twice as many steps, which must resume from the first run's last
+              checkpoint;
+  3. inplace: on to three times as many steps, with one restart in place allowed (torchrun's
+              --max-restarts): local rank 0's worker process is SIGKILLed halfway, torchrun starts
+              the workers again in the same launcher (a new CUDA context, a new NCCL communicator),
+              and they resume from the newest saved state and finish. Also timed: from the kill to
+              the restarted workers' first logged step.
 After each run the ranks' metrics directory is served on loopback by the pods' own endpoint code
 and scraped: per rank the steps, step time, device compute time (CUDA events), GPU memory and GPU
 UUID. Prints one table and the checks, writes bench/results/gpu_check.json.
@@ -19,6 +24,8 @@ import argparse
 import json
 import os
 import platform
+import re
+import signal
 import socket
 import subprocess
 import sys
@@ -32,7 +39,8 @@ sys.path.insert(0, str(HERE))
 from stats import git_head  # noqa: E402
 
 EXIT_NO_GPU = 2
-RUNS = ("train", "resume")
+RUNS = ("train", "resume", "inplace")
+STEP_LINE = re.compile(r"\bstep (\d+)/\d+")
 
 
 def _port() -> int:
@@ -56,12 +64,52 @@ def trainer_config(*, cpu: bool, steps: int, ckpt_dir: str) -> dict:
             "checkpoint": {"dir": ckpt_dir, "everySteps": max(1, steps // 2), "asyncSave": True, "keep": 2}}
 
 
-def run_trainer(config: dict, *, nproc: int, cpu: bool, work: Path, name: str, timeout: float) -> dict:
-    """One run through the in-pod launcher; its exit code, result, metrics exposition and log."""
+def _descendants(root: int) -> list[int]:
+    """Every live process below `root` (from /proc: the GPU machine's Python may lack psutil)."""
+    parent: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = next(ln for ln in (entry / "status").read_text().splitlines() if ln.startswith("PPid:"))
+            except (OSError, StopIteration):
+                continue
+            parent[int(entry.name)] = int(ppid.split()[1])
+    out, frontier = [], [root]
+    while frontier:
+        kids = [p for p, pp in parent.items() if pp in frontier]
+        out += kids
+        frontier = kids
+    return out
+
+
+def _worker(launcher: int) -> int | None:
+    """The training worker of local rank 0 under the launcher (`python -m ddpjob_trainer`)."""
+    for pid in _descendants(launcher):
+        try:
+            raw = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if raw[-3:-1] == [b"-m", b"ddpjob_trainer"] and b"LOCAL_RANK=0" in env:
+            return pid
+    return None
+
+
+def run_trainer(config: dict, *, nproc: int, cpu: bool, work: Path, name: str, timeout: float,
+                kill_at_step: int | None = None) -> dict:
+    """One run through the in-pod launcher; its exit code, result, metrics exposition and log.
+    kill_at_step: SIGKILL local rank 0's worker once a step >= it is logged (torchrun may restart
+    the workers once), and time the recovery."""
     metrics_dir, result = work / f"{name}-metrics", work / f"{name}-result.json"
+    from ddpjob_trainer import contract
+
     env = dict(os.environ)
-    env.update({"PET_NNODES": "1", "PET_NODE_RANK": "0", "PET_NPROC_PER_NODE": str(nproc),
-                "PET_MASTER_ADDR": "127.0.0.1", "PET_MASTER_PORT": str(_port()), "NODE_RANK": "0",
+    # The rendezvous a pod gets (builders/envvars.py): c10d at node 0, one id per run, a fresh store
+    # per round, and the in-place restart budget (none unless this run kills a worker).
+    env.update({contract.PET_NNODES: "1", contract.PET_NPROC_PER_NODE: str(nproc),
+                contract.PET_RDZV_BACKEND: "c10d", contract.PET_RDZV_ENDPOINT: f"127.0.0.1:{_port()}",
+                contract.PET_RDZV_ID: f"gpu-check-{name}", contract.ENV_TORCH_NO_SHARED_RDZV_STORE: "1",
+                contract.PET_MAX_RESTARTS: "1" if kill_at_step is not None else "0", "NODE_RANK": "0",
                 "DDPJOB_TRAINER_CONFIG": json.dumps(config), "DDPJOB_NAME": "gpu-check",
                 "DDPJOB_METRICS_DIR": str(metrics_dir), "DDPJOB_RESULT_FILE": str(result),
                 # every local rank needs a GPU: the launcher's and trainer's checks run as in a pod
@@ -71,14 +119,34 @@ def run_trainer(config: dict, *, nproc: int, cpu: bool, work: Path, name: str, t
         env["CUDA_VISIBLE_DEVICES"] = ""
     env.pop("PROMETHEUS_MULTIPROC_DIR", None)
     t0 = time.monotonic()
+    proc = subprocess.Popen([sys.executable, "-m", "ddpjob_trainer.launch", "--metrics-port", "0", "--"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    killed: dict = {}
+    code: int | None = None
     try:
-        proc = subprocess.run([sys.executable, "-m", "ddpjob_trainer.launch", "--metrics-port", "0", "--"],
-                              env=env, capture_output=True, text=True, timeout=timeout)
-        code, log = proc.returncode, proc.stdout + proc.stderr
-    except subprocess.TimeoutExpired as exc:
-        code, log = None, f"timed out after {timeout:.0f}s\n{exc.stdout or ''}{exc.stderr or ''}"
-    (work / f"{name}.log").write_text(log if isinstance(log, str) else str(log))
-    return {"exit_code": code, "seconds": round(time.monotonic() - t0, 1),
+        assert proc.stdout is not None
+        for line in proc.stdout:  # the launcher's output ends when it exits; the deadline below bounds it
+            lines.append(line)
+            if time.monotonic() - t0 > timeout:
+                raise subprocess.TimeoutExpired(proc.args, timeout)
+            step = STEP_LINE.search(line)
+            if step is None or kill_at_step is None:
+                continue
+            if not killed and int(step.group(1)) >= kill_at_step and (pid := _worker(proc.pid)):
+                os.kill(pid, signal.SIGKILL)
+                killed = {"pid": pid, "after_step": int(step.group(1)), "at": time.monotonic()}
+            elif killed and "first_step" not in killed and _worker(proc.pid) not in (None, killed["pid"]):
+                killed["first_step"] = int(step.group(1))
+                killed["recovery_s"] = round(time.monotonic() - killed.pop("at"), 2)
+        code = proc.wait(timeout=max(1.0, timeout - (time.monotonic() - t0)))
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        lines.append(f"gpu-check: timed out after {timeout:.0f}s\n")
+    log = "".join(lines)
+    (work / f"{name}.log").write_text(log)
+    return {"exit_code": code, "seconds": round(time.monotonic() - t0, 1), "killed": killed or None,
             "result": json.loads(result.read_text()) if result.exists() else None,
             "metrics": scrape_dir(metrics_dir) if metrics_dir.exists() else "", "log_tail": log[-3000:]}
 
@@ -139,7 +207,7 @@ def checks(runs: dict[str, dict], *, cpu: bool, nproc: int, steps: int) -> list[
         ranks = run["ranks"]
         out.append((f"{name}: every rank exported metrics", sorted(ranks) == list(range(nproc)),
                     f"ranks {sorted(ranks)}"))
-        target = steps if name == "train" else 2 * steps
+        target = steps * (RUNS.index(name) + 1)
         done = {r: v["step"] for r, v in ranks.items()}
         out.append((f"{name}: every rank reached step {target}", bool(done) and set(done.values()) == {target},
                     f"steps {done}"))
@@ -159,6 +227,15 @@ def checks(runs: dict[str, dict], *, cpu: bool, nproc: int, steps: int) -> list[
     resume = runs.get("resume") or {}
     got = (resume.get("result") or {}).get("resumed_from_step")
     out.append(("resume: from the first run's last checkpoint", got == steps, f"resumed_from_step {got}"))
+    inplace = runs.get("inplace")
+    if inplace is not None:
+        killed = inplace.get("killed") or {}
+        out.append(("inplace: a worker was SIGKILLed mid-run", bool(killed), f"{killed or 'no worker found'}"))
+        out.append(("inplace: the restarted workers stepped again in the same launcher", "first_step" in killed,
+                    f"first step {killed.get('first_step')} {killed.get('recovery_s')} s after the kill"))
+        got = (inplace.get("result") or {}).get("resumed_from_step")
+        out.append(("inplace: resumed from state saved in this run", (got or 0) > 2 * steps,
+                    f"resumed_from_step {got}"))
     return out
 
 
@@ -206,9 +283,12 @@ def main(argv: list[str] | None = None) -> int:
     config = trainer_config(cpu=args.cpu, steps=steps, ckpt_dir=str(work / "checkpoints"))
 
     runs: dict[str, dict] = {}
-    for name, n in zip(RUNS, (steps, 2 * steps)):
-        run = run_trainer({**config, "maxSteps": n}, nproc=nproc, cpu=args.cpu, work=work, name=name,
-                          timeout=args.timeout)
+    for name, n in zip(RUNS, (steps, 2 * steps, 3 * steps)):
+        inplace = name == "inplace"
+        # Every step logged in the in-place run: the kill and the recovery are read off the log.
+        run = run_trainer({**config, "maxSteps": n, **({"logEverySteps": 1} if inplace else {})}, nproc=nproc,
+                          cpu=args.cpu, work=work, name=name, timeout=args.timeout,
+                          kill_at_step=2 * steps + steps // 2 + 2 if inplace else None)
         run["ranks"] = per_rank(run.pop("metrics"))
         runs[name] = run
         if run["exit_code"] != 0:
