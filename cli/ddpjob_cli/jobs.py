@@ -12,7 +12,7 @@ import shutil
 import sys
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import click
 
@@ -255,13 +255,22 @@ resume = _suspend_command("resume", "resumed", False,
                    "(spec.failurePolicy.keepFailedAttempts), each rank's lines prefixed unless --rank; once "
                    "they are gone, the failed ranks' log tails kept in the status "
                    "(spec.failurePolicy.logTailInStatus).")
+@click.option("--restart", type=int, default=None,
+              help="Only the lines of one start of the workers within the attempt's pods: 0 the first, R the "
+                   "R-th restart in place (from the launcher's marker line `==> ddpjob: attempt A restart R <==` "
+                   "to the next; --tail counts lines before this filter).")
 @click.option("--follow", "-f", is_flag=True, help="Stream until the containers end.")
 @click.option("--tail", type=int, default=None, help="Lines from the end of each log.")
-def logs(kube: Kube, name: str, rank: int | None, all_ranks: bool, attempt: int | None, follow: bool,
-         tail: int | None) -> None:
+def logs(kube: Kube, name: str, rank: int | None, all_ranks: bool, attempt: int | None, restart: int | None,
+         follow: bool, tail: int | None) -> None:
     """The trainer container's log of a rank's pod (through the API server)."""
     if rank is not None and all_ranks:
         raise click.UsageError("--rank and --all-ranks exclude each other")
+
+    def read_log(pod: str, *, follow: bool = False) -> Iterator[str]:
+        lines = kube.log_lines(pod, follow=follow, tail=tail)
+        return lines if restart is None else views.restart_lines(lines, restart)
+
     job = kube.get_job(name)
     pods = kube.pods(name)
     all_ranks = views.every_rank(job, pods, rank=rank, all_ranks=all_ranks, attempt=attempt)
@@ -281,12 +290,12 @@ def logs(kube: Kube, name: str, rank: int | None, all_ranks: bool, attempt: int 
                        f"gone or not created yet; `ddpjob describe {name}` shows what failed attempts left "
                        "(their log tails with spec.failurePolicy.logTailInStatus: true)")
     if len(chosen) == 1 and not all_ranks:
-        for line in kube.log_lines(chosen[0][1], follow=follow, tail=tail):
+        for line in read_log(chosen[0][1], follow=follow):
             click.echo(line)
         return
     if not follow:
         for r, pod in chosen:
-            for line in kube.log_lines(pod, tail=tail):
+            for line in read_log(pod):
                 click.echo(views.prefixed(r, line))
         return
     # Followed: one reader thread per pod, lines printed as they come.
@@ -294,7 +303,7 @@ def logs(kube: Kube, name: str, rank: int | None, all_ranks: bool, attempt: int 
 
     def read(r: int, pod: str) -> None:
         try:
-            for line in kube.log_lines(pod, follow=True, tail=tail):
+            for line in read_log(pod, follow=True):
                 lines.put((r, line, None))
             lines.put((r, None, None))
         except CliError as exc:

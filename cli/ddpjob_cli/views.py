@@ -11,10 +11,10 @@ import datetime as dt
 import json
 import re
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Iterator, Mapping
 
 from ddpjob_operator.api import objmeta, podinfo
-from ddpjob_trainer.contract import MLFLOW_DEFAULT_EXPERIMENT, public_uri
+from ddpjob_trainer.contract import INPLACE_MARKER_RE, MLFLOW_DEFAULT_EXPERIMENT, public_uri
 from ddpjob_operator.decisions.health import STALLED, STRAGGLER
 from ddpjob_operator.api.phases import Phase
 from ddpjob_operator.decisions.progress import human_duration
@@ -503,6 +503,20 @@ def kept_tails(job: dict[str, Any], *, attempt: int, rank: int | None, all_ranks
             continue
         out.append((int(f.get("rank", -1)), str(f["logTail"])))
     return out
+
+
+def restart_lines(lines: Iterable[str], restart: int) -> Iterator[str]:
+    """One start of a pod's workers out of its log: from the launcher's marker line for that start
+    (contract.INPLACE_MARKER, `==> ddpjob: attempt A restart R <==`, R = 0 for the first start) to
+    the next marker. Restarts in place share a pod, so this is how an in-place attempt's output is
+    found on its own."""
+    inside = False
+    for line in lines:
+        marker = INPLACE_MARKER_RE.match(line.strip())
+        if marker is not None:
+            inside = int(marker.group(2)) == restart
+        if inside:
+            yield line
 
 
 def prefixed(rank: int, line: str) -> str:

@@ -191,6 +191,24 @@ def test_logs_of_an_earlier_attempt_show_every_kept_rank(rank, all_ranks, attemp
     assert views.every_rank(job, [], rank=rank, all_ranks=all_ranks, attempt=attempt) is every
 
 
+POD_LOG = ["==> ddpjob: attempt 1 restart 0 <==", "step 1", "step 2", "Killed",
+           "==> ddpjob: attempt 1 restart 1 <==", "resumed at step 2", "step 3",
+           "==> ddpjob: attempt 1 restart 2 <==", "step 4"]
+
+
+@pytest.mark.parametrize("restart, lines", [
+    (0, POD_LOG[0:4]),
+    (1, POD_LOG[4:7]),
+    (2, POD_LOG[7:]),
+    (3, []),  # a restart that has not happened (yet)
+])
+def test_a_restart_in_place_is_read_out_of_the_pods_log_between_markers(restart, lines):
+    from ddpjob_trainer import contract
+
+    assert POD_LOG[4] == contract.inplace_marker(1, 1)  # the launcher's own format
+    assert list(views.restart_lines(iter(POD_LOG), restart)) == lines
+
+
 # --- errors -----------------------------------------------------------------------------------------------
 
 def status_body(code, reason, message, details=None):
