@@ -98,8 +98,10 @@ def _worker(launcher: int) -> int | None:
 def run_trainer(config: dict, *, nproc: int, cpu: bool, work: Path, name: str, timeout: float,
                 kill_at_step: int | None = None) -> dict:
     """One run through the in-pod launcher; its exit code, result, metrics exposition and log.
-    kill_at_step: SIGKILL local rank 0's worker once a step >= it is logged (torchrun may restart
-    the workers once), and time the recovery."""
+    kill_at_step: on a GPU, SIGKILL local rank 0's worker once a step >= it is logged; on CPU (steps
+    of milliseconds: the run could end before a kill lands) rank 0 exits 1 at that step by the
+    trainer's own fault injection (DDPJOB_DEBUG_CRASH_RANK, first start only). torchrun may restart
+    the workers once; the recovery is timed from the failure to the restarted workers' first step."""
     metrics_dir, result = work / f"{name}-metrics", work / f"{name}-result.json"
     from ddpjob_trainer import contract
 
@@ -117,6 +119,9 @@ def run_trainer(config: dict, *, nproc: int, cpu: bool, work: Path, name: str, t
                 "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // nproc))})
     if cpu:
         env["CUDA_VISIBLE_DEVICES"] = ""
+    crash = cpu and kill_at_step is not None
+    if crash:
+        env["DDPJOB_DEBUG_CRASH_RANK"] = f"0:{kill_at_step}"
     env.pop("PROMETHEUS_MULTIPROC_DIR", None)
     t0 = time.monotonic()
     proc = subprocess.Popen([sys.executable, "-m", "ddpjob_trainer.launch", "--metrics-port", "0", "--"],
@@ -130,8 +135,17 @@ def run_trainer(config: dict, *, nproc: int, cpu: bool, work: Path, name: str, t
             lines.append(line)
             if time.monotonic() - t0 > timeout:
                 raise subprocess.TimeoutExpired(proc.args, timeout)
+            if crash and not killed and (m := contract.INPLACE_MARKER_RE.match(line.strip())) and m.group(2) == "1":
+                # The crash happened (torchrun starts the workers again): time from here.
+                killed = {"pid": None, "after_step": kill_at_step, "at": time.monotonic()}
+                continue
             step = STEP_LINE.search(line)
             if step is None or kill_at_step is None:
+                continue
+            if crash:
+                if killed and "first_step" not in killed:
+                    killed["first_step"] = int(step.group(1))
+                    killed["recovery_s"] = round(time.monotonic() - killed.pop("at"), 2)
                 continue
             if not killed and int(step.group(1)) >= kill_at_step and (pid := _worker(proc.pid)):
                 os.kill(pid, signal.SIGKILL)
@@ -230,11 +244,13 @@ def checks(runs: dict[str, dict], *, cpu: bool, nproc: int, steps: int) -> list[
     inplace = runs.get("inplace")
     if inplace is not None:
         killed = inplace.get("killed") or {}
-        out.append(("inplace: a worker was SIGKILLed mid-run", bool(killed), f"{killed or 'no worker found'}"))
+        out.append(("inplace: a worker died mid-run (SIGKILL on a GPU, an injected crash on CPU)", bool(killed),
+                    f"{killed or 'no worker died'}"))
         out.append(("inplace: the restarted workers stepped again in the same launcher", "first_step" in killed,
                     f"first step {killed.get('first_step')} {killed.get('recovery_s')} s after the kill"))
         got = (inplace.get("result") or {}).get("resumed_from_step")
-        out.append(("inplace: resumed from state saved in this run", (got or 0) > 2 * steps,
+        # Not from scratch: from the resume run's last checkpoint or anything saved since.
+        out.append(("inplace: resumed from saved state, not from scratch", (got or 0) >= 2 * steps,
                     f"resumed_from_step {got}"))
     return out
 
@@ -288,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
         # Every step logged in the in-place run: the kill and the recovery are read off the log.
         run = run_trainer({**config, "maxSteps": n, **({"logEverySteps": 1} if inplace else {})}, nproc=nproc,
                           cpu=args.cpu, work=work, name=name, timeout=args.timeout,
-                          kill_at_step=2 * steps + steps // 2 + 2 if inplace else None)
+                          kill_at_step=2 * steps + max(1, steps // 2) if inplace else None)
         run["ranks"] = per_rank(run.pop("metrics"))
         runs[name] = run
         if run["exit_code"] != 0:

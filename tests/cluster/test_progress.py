@@ -14,7 +14,7 @@ from pathlib import Path
 
 from tests.cluster.conftest import wait_for
 from tests.cluster.test_operator import crd, k8s, running, start_operator  # noqa: F401  (fixtures)
-from tests.support.localrun import in_stage, local_run, wait_ranks, write_digits_job, write_slow_input_job
+from tests.support.localrun import in_stage, local_run, rank_samples, wait_ranks, write_digits_job, write_slow_input_job
 from tests.support.status import condition
 
 URL_TEMPLATE = "http://127.0.0.1:{rank_port}/metrics"
@@ -26,6 +26,12 @@ def local_training(tmp_path: Path, *, epochs: int = 40, **debug_env: str):
     with local_run(write_digits_job(tmp_path, epochs=epochs), tmp_path,
                    DDPJOB_DEBUG_STEP_SLEEP="0.05", **debug_env) as run:
         yield run
+
+
+def pod_of_rank(run, job: str, rank: int) -> str:
+    """The pod whose node holds a global rank: c10d, not the node's index, decides that (each
+    local node serves its metrics for the pod of its index, as a pod does)."""
+    return f"{job}-{rank_samples(run.ports)[rank].node_rank}"
 
 
 def table_row(header: str, row: str) -> dict[str, str]:
@@ -85,8 +91,9 @@ def test_slowed_rank_is_reported_as_straggler(start_operator, k8s, crd, tmp_path
         st = wait_job(k8s, "slow", run, lambda s: (condition(s, "Straggler") or {}).get("status") == "True",
                       "Straggler condition True", timeout=240)
         msg = condition(st, "Straggler")["message"]
-        node = next(p.spec.node_name for p in k8s.pods("slow") if p.metadata.name == "slow-1")
-        assert "rank 1 (pod slow-1 on node " + node in msg and "rank 0" not in msg, msg
+        pod = pod_of_rank(run, "slow", 1)
+        node = next(p.spec.node_name for p in k8s.pods("slow") if p.metadata.name == pod)
+        assert f"rank 1 (pod {pod} on node {node}" in msg and "rank 0" not in msg, msg
 
 
 FREEZE_AT = 30
@@ -104,14 +111,15 @@ def test_frozen_rank_turns_job_stalled_naming_that_rank(start_operator, k8s, crd
     with local_training(tmp_path, DDPJOB_DEBUG_FREEZE_RANK=f"1:{FREEZE_AT}") as run:
         # The job and its 10 s hang timeout come once the freeze has happened: a start-up slower
         # than 10 s (a cold machine's rendezvous) would otherwise be the stall this test sees.
-        wait_ranks(run, frozen_after_a_step, f"rank 1 frozen at step {FREEZE_AT}, rank 0 in the next step")
+        wait_ranks(run, frozen_after_a_step, f"rank 1 frozen at step {FREEZE_AT}, rank 0 in the next step",
+                   timeout=420)
         start_operator(DDPJOB_SCRAPE_URL_TEMPLATE=URL_TEMPLATE)
         apply_job(k8s, "frozen", run.base, hangTimeoutSeconds=10)
         k8s.wait_status("frozen", running(2), "both pods Running", timeout=60)
         st = wait_job(k8s, "frozen", run, lambda s: (condition(s, "Stalled") or {}).get("status") == "True",
                       "Stalled condition True", timeout=240)
         msg = condition(st, "Stalled")["message"]
-        assert "rank 1 (pod frozen-1" in msg and "rank 0" not in msg, msg
+        assert f"rank 1 (pod {pod_of_rank(run, 'frozen', 1)}" in msg and "rank 0" not in msg, msg
         evs = wait_for(lambda: [e for e in k8s.events("frozen") if e[1] == "Stalled"], timeout=30,
                        desc="a Stalled event")
         assert evs[0][0] == "Warning" and "rank 1" in evs[0][2]
@@ -141,7 +149,7 @@ def test_job_frozen_before_its_first_step_is_stalled_naming_the_stage(start_oper
         msg = condition(st, "Stalled")["message"]
         assert condition(st, "Stalled")["reason"] == "StuckInStage", st
         assert msg.startswith("stuck in first_step for ") and "(hangTimeoutSeconds 20)" in msg, msg
-        assert "rank 1 (pod early-1 on node " in msg, msg
+        assert f"rank 1 (pod {pod_of_rank(run, 'early', 1)} on node " in msg, msg
         assert "step" not in (st.get("progress") or {}), st
         calm = [c for c in seen if c["status"] == "False"]
         assert all(c["reason"] == "Starting" and "advancing" not in c["message"] for c in calm), seen
@@ -165,8 +173,9 @@ def test_rank_with_a_slow_data_loader_is_reported_as_straggler(start_operator, k
         st = wait_job(k8s, "input", run, lambda s: (condition(s, "Straggler") or {}).get("status") == "True",
                       "Straggler condition True", timeout=240)
         msg = condition(st, "Straggler")["message"]
-        node = next(p.spec.node_name for p in k8s.pods("input") if p.metadata.name == "input-1")
-        assert f"rank 1 (pod input-1 on node {node}" in msg and "rank 0" not in msg, msg
+        pod = pod_of_rank(run, "input", 1)
+        node = next(p.spec.node_name for p in k8s.pods("input") if p.metadata.name == pod)
+        assert f"rank 1 (pod {pod} on node {node}" in msg and "rank 0" not in msg, msg
         evs = wait_for(lambda: [e for e in k8s.events("input") if e[1] == "Straggler"], timeout=30,
                        desc="a Straggler event")
         assert evs[0][0] == "Warning" and "rank 1" in evs[0][2]

@@ -128,15 +128,6 @@ def test_killed_worker_restarts_in_place_counted_and_resumes_from_the_shared_che
     from_memory = "in-memory snapshot /dev/shm/" in resumed[0]
     assert from_memory or f"/ckpt/step-{entry['resumedFromStep']:08d}" in resumed[0], resumed
     print(f"resumed from {'the in-memory snapshot' if from_memory else 'the disk checkpoint'}: {resumed[0]}")
-    # `ddpjob logs --restart 1`: only that start's lines, read from the pod through the API server.
-    from click.testing import CliRunner
-
-    from ddpjob_cli.main import main as ddpjob_main
-
-    res = CliRunner().invoke(ddpjob_main, ["logs", "digits", "-n", ns, "--rank", "1", "--restart", "1"],
-                             env={"KUBECONFIG": str(real_cluster.kubeconfig)})
-    assert res.exit_code == 0, res.output
-    assert res.stdout.startswith("==> ddpjob: attempt 0 restart 1 <==") and "restart 0 <==" not in res.stdout, res.stdout
 
 
 def test_custom_script_example_runs_unchanged_with_its_script_from_a_configmap(real_cluster, namespaces):

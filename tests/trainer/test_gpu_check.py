@@ -37,10 +37,11 @@ def test_cpu_mode_trains_checkpoints_resumes_and_tabulates_every_rank(tmp_path):
     assert [c["what"] for c in data["checks"] if not c["passed"]] == []
     assert data["runs"]["resume"]["result"]["resumed_from_step"] == 4
     assert {r: v["step"] for r, v in data["runs"]["resume"]["ranks"].items()} == {"0": 8, "1": 8}
-    # The third run: a worker SIGKILLed, torchrun restarts both in place, they resume and finish.
+    # The third run: rank 0 crashes at step 10 (injected: CPU steps are too short to aim a SIGKILL
+    # at), torchrun restarts both workers in place, they resume and finish.
     inplace = data["runs"]["inplace"]
     assert inplace["exit_code"] == 0 and inplace["killed"]["first_step"] > 0
     assert {r: v["step"] for r, v in inplace["ranks"].items()} == {"0": 12, "1": 12}
-    assert inplace["result"]["resumed_from_step"] > 8
+    assert inplace["result"]["resumed_from_step"] >= 8
     header = proc.stdout.splitlines()[0].split()
     assert header[:4] == ["run", "rank", "gpu", "steps"] and "PASS  resume: from the first run's" in proc.stdout

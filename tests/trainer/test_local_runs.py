@@ -97,7 +97,10 @@ def test_sigkill_of_rank_1_restarts_the_workers_in_place_and_resumes_from_checkp
         killed = None
         while time.monotonic() < deadline and killed is None:
             assert proc.poll() is None, proc.stdout.read()[-3000:]
-            if (work / "ckpt" / "step-00000010").is_dir():
+            # Any checkpoint of step 10 or later (keep 2 prunes step 10's soon after; a loaded
+            # machine's poll may miss that window).
+            saved = [int(p.name[5:]) for p in (work / "ckpt").glob("step-*") if p.name[5:].isdigit()]
+            if saved and max(saved) >= 10:
                 pid = _find_worker("killme", 1)
                 if pid:
                     os.kill(pid, signal.SIGKILL)
@@ -169,8 +172,9 @@ def test_custom_script_example_runs_unchanged(tmp_path):
     proc, s = run_local(REPO / "examples" / "custom-script.yaml", tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert s["phase"] == "Succeeded" and s["world_size"] == 2
-    log = (tmp_path / "work" / "logs" / "attempt-0" / "node-0.log").read_text()
-    assert "training finished" in log
+    # Rank 0 prints it, on whichever node c10d gave rank 0.
+    logs = [(tmp_path / "work" / "logs" / "attempt-0" / f"node-{n}.log").read_text() for n in (0, 1)]
+    assert any("training finished" in log for log in logs), logs
 
 
 def _job_processes(job_name: str) -> list[int]:

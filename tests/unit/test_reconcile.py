@@ -458,7 +458,7 @@ class SilentMonitor:
         pass
 
 
-def test_jobs_whose_metrics_never_answer_are_left_alone_until_a_pod_changes():
+def test_jobs_whose_metrics_never_answer_are_scraped_less_often_but_never_given_up():
     k8s = FakeK8s()
     mon = SilentMonitor()
     rec = reconciler(k8s, monitor=mon)
@@ -470,13 +470,14 @@ def test_jobs_whose_metrics_never_answer_are_left_alone_until_a_pod_changes():
         for _ in range(4):
             assert not await rec.scrape(NS, "j")
             periods.append(rec._scrape_every[key])
-        assert periods == [2, 4, 8, 8]
-        assert key in rec._silent           # the scrape loop skips it from now on
+        assert periods == [2, 4, 8, 8]      # every 8th interval from now on, not never
         pod = rec.pods.by_index(NS, "j")[0]
-        rec._pod_changed("MODIFIED", pod)   # e.g. a pod turning Ready once it serves metrics
-        assert key not in rec._silent and key not in rec._scrape_every
-        mon.answer = True
+        rec._pod_changed("MODIFIED", pod)   # a pod change (a restart) scrapes at the full rate again
+        assert key not in rec._scrape_every
+        assert not await rec.scrape(NS, "j") and rec._scrape_every[key] == 2
+        mon.answer = True                   # a slow start finally serves its first sample, no pod event
         assert await rec.scrape(NS, "j")    # the first progress is worth a pass
+        assert key not in rec._scrape_every
         await rec.reconcile(NS, "j")
         await rec.shutdown()
     run(main())

@@ -142,9 +142,6 @@ class Reconciler:
         # Jobs whose metrics endpoints do not answer are scraped every Nth interval (N doubles up
         # to MAX_SCRAPE_BACKOFF): jobs running their own command often serve no metrics at all.
         self._scrape_every: dict[Key, int] = {}
-        # Jobs none of whose pods ever answered, through the whole backoff: not scraped again until
-        # one of their pods changes (a restart, a pod that starts serving and turns Ready).
-        self._silent: set[Key] = set()
         # The latest scrape of each Running job, folded into its passes until the job stops running;
         # its events are taken (posted) by the next pass.
         self._reports: dict[Key, MonitorReport] = {}
@@ -195,7 +192,6 @@ class Reconciler:
             key = (key_of(pod)[0], job_name)
             if etype == "DELETED":
                 self._departed.setdefault(key, {})[podinfo.name(pod)] = pod
-            self._silent.discard(key)
             self._scrape_every.pop(key, None)
             self.kick(*key)
 
@@ -223,7 +219,6 @@ class Reconciler:
         """Drop what the scrape schedule keeps about a job (gone, or no longer running)."""
         self._scrape_every.pop(key, None)
         self._reports.pop(key, None)
-        self._silent.discard(key)
         if uid and self.monitor is not None:
             try:
                 self.monitor.forget(uid)
@@ -294,8 +289,9 @@ class Reconciler:
 
     async def scrape_loop(self) -> None:
         """Every scrape interval: scrape each running job's pods (not the API server), and run a
-        pass only for a job whose scrape found something to write now. A job none of whose pods
-        ever answered is left alone until one of its pods changes."""
+        pass only for a job whose scrape found something to write now. A job whose pods do not
+        answer is scraped every MAX_SCRAPE_BACKOFF-th interval, never given up: a start-up that is
+        slow to serve its first sample (a cold image, a long rendezvous) changes no pod to wake it."""
         if self.monitor is None:
             return
         tick = 0
@@ -305,7 +301,7 @@ class Reconciler:
             due = []
             for obj in self.jobs.items():
                 key = key_of(obj)
-                if ((obj.get("status") or {}).get("phase") == Phase.RUNNING.value and key not in self._silent
+                if ((obj.get("status") or {}).get("phase") == Phase.RUNNING.value
                         and tick % self._scrape_every.get(key, 1) == 0):
                     due.append(key)
             # One round at a time (the monitor bounds the requests of all jobs together).
@@ -331,8 +327,6 @@ class Reconciler:
             return False
         every = self._scrape_every.get(key, 1)
         if report.unreachable:
-            if report.never_answered and every >= MAX_SCRAPE_BACKOFF:
-                self._silent.add(key)
             self._scrape_every[key] = min(every * 2, MAX_SCRAPE_BACKOFF)
         else:
             self._scrape_every.pop(key, None)
