@@ -229,6 +229,10 @@ def node_env(job: JobSpec, rank: int, *, master_port: int, metrics_port: int, at
         env[contract.ENV_TRAINER_CONFIG] = json.dumps(local_trainer_config(job.trainer, workdir))
     env[contract.ENV_RESULT_FILE] = str(result_file)
     env[contract.ENV_LOCAL] = "1"
+    # c10d numbers the nodes in the order of their addresses (then agent pids), and every local node
+    # has the same host name: each gets its own loopback address, ordered like the node ranks
+    # (127.0.0.101, .102, ...: equal lengths sort as numbers), so rank r runs on node r as in pods.
+    env[contract.PET_LOCAL_ADDR] = f"127.0.0.{101 + rank}"
     # A local job has no API server's uid: its name and work dir are what a resume shares.
     if not job.uid:
         env[contract.ENV_JOB_UID] = local_uid(job, workdir)

@@ -53,6 +53,7 @@ PET_RDZV_BACKEND = "PET_RDZV_BACKEND"
 PET_RDZV_ENDPOINT = "PET_RDZV_ENDPOINT"
 PET_RDZV_ID = "PET_RDZV_ID"
 PET_MAX_RESTARTS = "PET_MAX_RESTARTS"
+PET_LOCAL_ADDR = "PET_LOCAL_ADDR"
 # "1": each rendezvous round gets a store of its own for the workers. torchrun's default shares
 # the rendezvous's first store across rounds, unprefixed, and restarted workers then read the
 # addresses of the previous round's (dead) workers: gloo's connect is refused and the restart
