@@ -3,6 +3,8 @@ entry of each restart, its cause among the peers that failed with it, its recove
 condition and events, and the budget they share with group restarts."""
 from __future__ import annotations
 
+from tests.unit.test_status import Report  # the status tests' MonitorReport stand-in
+
 from dataclasses import dataclass, field
 
 import pytest
@@ -33,14 +35,6 @@ def failure(t: float, *, code: int = -9, signal: str = "SIGKILL", restart: int =
             "restarted": "true" if restarted else "false", "time": t}
 
 
-@dataclass
-class Report:
-    progress: dict | None = None
-    conditions: list = field(default_factory=list)
-    events: list = field(default_factory=list)
-    stalled: bool = False
-    mlflow_run: tuple | None = None
-    ranks: dict = field(default_factory=dict)
 
 
 def step(prev: dict, ranks: dict, *, job=None) -> tuple[dict, list]:

@@ -42,7 +42,6 @@ class MonitorReport:
     events: list[tuple[str, str, str]]   # (Normal|Warning, reason, message) new since the last report
     stalled: bool              # True -> restart the group when spec.failurePolicy.restartOnHang
     unreachable: bool = False  # running pods, none answered: the caller may scrape this job less often
-    never_answered: bool = False  # unreachable, and no pod of this attempt has ever answered
     mlflow_run: tuple[str, str] | None = None  # (run id, experiment id) the ranks report (status.mlflow)
     # This scrape's samples by rank (their worker failures and first steps: decisions/inplace.py).
     ranks: dict[int, scrape.RankSample] = field(default_factory=dict)
@@ -252,7 +251,6 @@ class Monitor:
         return MonitorReport(progress=prog, conditions=conditions, events=events,
                              stalled=health.STALLED in st.tracker.active,
                              unreachable=bool(targets) and not samples,
-                             never_answered=bool(targets) and st.prev is None,
                              mlflow_run=runs[0] if runs else None,
                              ranks=samples)
 
