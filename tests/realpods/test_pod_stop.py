@@ -100,8 +100,9 @@ def test_a_deleted_training_pod_is_gone_within_seconds(real_cluster, moment):
         assert complete_checkpoints(volume) == [epoch_end, step], log[-3000:]
 
         # The next attempt (what the operator's group restart creates) resumes from that step.
-        real_cluster.kubectl("apply", "-n", ns, "-f", "-",
-                             input=yaml.safe_dump(training_pod(ns, name, volume=str(volume), attempt=1)))
+        again = training_pod(ns, name, volume=str(volume), attempt=1)
+        pod = again["metadata"]["name"]   # an attempt's own pod name (keepFailedAttempts keeps the last)
+        real_cluster.kubectl("apply", "-n", ns, "-f", "-", input=yaml.safe_dump(again))
         resumed = f"resumed from {CKPT}/step-{step:08d} at step {step} (epoch 1, batch {batch})"
         wait_for(lambda: resumed in real_cluster.kubectl("logs", "-n", ns, pod, check=False).stdout,
                  timeout=300, desc=f"{resumed!r} in the log of {pod}, attempt 1", interval=1)

@@ -136,6 +136,16 @@ def run(coro):
     return asyncio.run(coro)
 
 
+async def until(cond, *, desc: str, timeout: float = 60.0) -> None:
+    """Wait for what the background passes do (an event), not for a fixed time a loaded machine can
+    overrun: `timeout` only bounds a test whose condition never comes."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not cond():
+        assert loop.time() < deadline, f"timed out after {timeout:g}s waiting for {desc}"
+        await asyncio.sleep(0.02)
+
+
 async def start_running(k8s: FakeK8s, rec: Reconciler, nodes: int = 2, **spec) -> None:
     rec.job_event(k8s.add_job(make_manifest(nodes=nodes, **spec)))
     await rec.reconcile(NS, "j")              # status, then Service and pods
@@ -225,10 +235,8 @@ def test_pods_of_a_lost_node_vanish_and_the_new_group_is_created_without_another
                  "message": "PodGC: node no longer exists"}]}
             del k8s.objects[(kind, name)]
             rec.pods.delete(copy.deepcopy(pod))   # notify: the controller's DELETED hook runs
-        for _ in range(30):
-            await asyncio.sleep(0.1)
-            if len([c for c in k8s.calls if c[:2] == ("create", "Pod")]) == 2:
-                break
+        await until(lambda: len([c for c in k8s.calls if c[:2] == ("create", "Pod")]) == 2,
+                    desc="the next attempt's two pods")
         await rec.shutdown()
     run(main())
     status = k8s.jobs["j"]["status"]
@@ -311,8 +319,8 @@ def test_own_status_write_echo_does_not_trigger_a_pass_but_a_foreign_change_does
 
     async def main():
         rec.job_event(k8s.add_job(make_manifest()))
-        await asyncio.sleep(0.3)           # the kicked pass ran and wrote status
-        assert "status" in k8s.jobs["j"]
+        await until(lambda: "status" in k8s.jobs["j"] and ("ns", "j") not in rec._workers,
+                    desc="the kicked pass's status write, then the pass's end")
         k8s.calls.clear()
         rec.job_event(copy.deepcopy(k8s.jobs["j"]))   # the watch echo of our write
         assert ("ns", "j") not in rec._workers
@@ -329,11 +337,11 @@ def test_failed_pass_is_retried_with_backoff():
     async def main():
         k8s.fail_status = [500]
         rec.job_event(k8s.add_job(make_manifest()))
-        await asyncio.sleep(0.5)
-        assert rec.metrics.reconcile_errors._value.get() == 1
+        await until(lambda: rec.metrics.reconcile_errors._value.get() == 1, desc="the failed pass")
         assert "status" not in k8s.jobs["j"]    # nothing yet: waiting out the backoff
-        await asyncio.sleep(1.0)
+        await until(lambda: "status" in k8s.jobs["j"], desc="the retried pass's status write")
         assert k8s.jobs["j"]["status"]["phase"] == "Pending"
+        assert rec.metrics.reconcile_errors._value.get() == 1
         await rec.shutdown()
     run(main())
 
@@ -352,7 +360,7 @@ def test_pod_count_changes_coalesce_into_one_later_write():
         set_phase(rec, k8s, "Pending", name="j-1")
         await rec.reconcile(NS, "j")
         assert [c for c in k8s.calls if c[0] == "patch_status"] == []
-        await asyncio.sleep(0.8)                # the coalescing timer fires one pass
+        await until(lambda: any(c[0] == "patch_status" for c in k8s.calls), desc="the coalescing timer's pass")
         await rec.shutdown()
     run(main())
     assert len([c for c in k8s.calls if c[0] == "patch_status"]) == 1
@@ -400,7 +408,7 @@ def test_passes_wait_for_the_pod_cache_to_sync():
         await asyncio.sleep(0.3)
         assert k8s.calls == []          # no pass may decide from an empty, unsynced cache
         pods.mark_synced()
-        await asyncio.sleep(0.3)
+        await until(lambda: k8s.calls, desc="the pass that waited for the cache")
         await rec.shutdown()
     run(main())
     assert k8s.calls[0][0] == "patch_status"
@@ -433,7 +441,7 @@ def test_peer_gate_from_the_cached_peering_object(peer_specs, acts):
             # The peer leaves (kopf removes its entry): the held-back pass runs at once.
             store.upsert({"metadata": {"name": "ddpjob", "namespace": NS, "resourceVersion": "2"},
                           "status": {}})
-            await asyncio.sleep(0.3)
+        await until(lambda: k8s.calls, desc="the pass the gate let through")
         await rec.shutdown()
     run(main())
     assert [c for c in k8s.calls if c[0] == "get_peering"] == []
@@ -616,12 +624,15 @@ def test_a_large_group_is_created_in_batches_with_another_jobs_pass_between():
 
     k8s = FakeK8s()
     rec = reconciler(k8s)
+    rec.debounce = 0.0   # no pause before a pass: the order below is the queue's, not the clock's
     big = 3 * CREATE_BATCH + 5
     batches: list[tuple[str, int]] = []   # (job, pods) of each pass's creates
     create_pods = rec._create_pods
 
     async def record(job, pods):
         batches.append((job.name, len(pods)))
+        if len(batches) == 1:   # the big job's first pass is under way: the small job arrives
+            rec.job_event(k8s.add_job(make_manifest("s", nodes=2)))
         return await create_pods(job, pods)
     rec._create_pods = record  # type: ignore[method-assign]
 
@@ -631,12 +642,7 @@ def test_a_large_group_is_created_in_batches_with_another_jobs_pass_between():
 
     async def main():
         rec.job_event(k8s.add_job(make_manifest("big", nodes=big)))
-        await asyncio.sleep(0.05)               # the big job's first pass is under way
-        rec.job_event(k8s.add_job(make_manifest("s", nodes=2)))
-        for _ in range(100):
-            if len(created("big")) == big and len(created("s")) == 2:
-                break
-            await asyncio.sleep(0.05)
+        await until(lambda: len(created("big")) == big and len(created("s")) == 2, desc="both jobs' pods")
         await rec.shutdown()
     run(main())
     big_creates, small_creates = created("big"), created("s")

@@ -142,8 +142,11 @@ def test_a_launcher_waiting_for_its_master_stops_at_once_even_as_pid_1(tmp_path)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # closed once the block ends: the master never comes
+    # A pod's env: its c10d rendezvous is hosted by the master it waits for.
     env = {**os.environ, "NODE_RANK": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+           "PET_RDZV_BACKEND": "c10d", "PET_RDZV_ENDPOINT": f"127.0.0.1:{port}",
            "DDPJOB_TRAINER_CONFIG": '{"dataset": "digits", "model": "mlp"}'}
+    env.pop("DDPJOB_LOCAL", None)
     prefix = pid1_prefix()
     proc = subprocess.Popen([*prefix, sys.executable, "-m", "ddpjob_trainer.launch", "--master-timeout", "300"],
                             env=env, stderr=subprocess.PIPE, text=True, start_new_session=True)

@@ -485,7 +485,11 @@ def _launch(args: argparse.Namespace, node: _Node, signals: StopSignals) -> int:
     result_file = env.setdefault(contract.ENV_RESULT_FILE, os.path.join(node.scratch, "result.json"))
     error_file = env.setdefault(contract.ENV_TORCHELASTIC_ERROR_FILE, os.path.join(node.scratch, "error.json"))
     stages = _RankStages(env)
-    if node_rank != 0 and addr and contract.PET_RDZV_ENDPOINT not in env:
+    # The master (pod 0) hosts the c10d rendezvous (PET_RDZV_ENDPOINT is MASTER_ADDR:MASTER_PORT):
+    # torchrun's own connect gives up after a few short tries with an error that names no pod, so a
+    # node other than 0 first waits here for pod 0's DNS name and port. A local run's nodes share
+    # loopback and start together: nothing to wait for.
+    if node_rank != 0 and addr and env.get(contract.ENV_LOCAL) != "1":
         stages.set("waiting_for_master")
         _say(f"waiting up to {args.master_timeout:.0f}s for master {addr}:{port}")
         # Served while waiting, so a worker stuck here is seen (and named) like any other hang.
