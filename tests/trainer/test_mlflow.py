@@ -139,6 +139,40 @@ def test_sigterm_ends_the_run_killed(tmp_path, mlflow_server):
     assert run.info.status == "KILLED", out[-3000:]
 
 
+# A user's script that logs, then works until it is stopped, and never ends its run.
+FOREVER = """
+import time, mlflow
+mlflow.log_metric("started", 1.0)
+time.sleep(3600)
+"""
+
+
+def test_sigterm_ends_a_users_scripts_run_killed(tmp_path, mlflow_server):
+    exp = experiment("script-killed")
+    (tmp_path / "forever.py").write_text(FOREVER)
+    job = write_job(tmp_path / "mlf-skilled.yaml", name="mlf-skilled", nodes=1, command=["python", "forever.py"],
+                    trainer=mlflow(mlflow_server.uri, exp))
+    out = ""
+    # A pod's grace (the default 30 s less the launcher's margin), not the local runner's 5 s: the
+    # run's end starts a process that imports MLflow, seconds on this loaded machine.
+    env = {**os.environ, "DDPJOB_STOP_GRACE_SECONDS": "25"}
+    proc = subprocess.Popen([*DDPJOB, "run", str(job), "--local", "--no-progress", "--workdir", str(tmp_path / "w")],
+                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        mlflow_server.wait_run(exp, lambda r: "started" in r.data.metrics, "the script's first metric", proc=proc)
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=90)
+        assert proc.returncode == 143, out[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    (run,) = mlflow_server.runs(exp)   # ended before the launcher exited: no wait
+    assert run.info.status == "KILLED", out[-3000:]
+    node_log = (tmp_path / "w" / "logs" / "attempt-0" / "node-0.log").read_text()
+    assert f"MLflow run {run.info.run_id} ended KILLED" in node_log, node_log[-3000:]
+
+
 # A user's script, unchanged MLflow usage: the fluent API picks the run up from MLFLOW_RUN_ID.
 SCRIPT = """
 import os, mlflow
@@ -151,7 +185,7 @@ mlflow.set_tag(f"node{node}.run_id", given)
 def test_a_users_script_logs_into_the_jobs_run_through_the_env(tmp_path, mlflow_server):
     exp = experiment("script")
     (tmp_path / "log_to_mlflow.py").write_text(SCRIPT)
-    # torchrun: a node other than 0 waits for the master's port (torchrun's store on node 0).
+    # torchrun: its c10d rendezvous finds node 0's store on loopback.
     job = write_job(tmp_path / "mlf-script.yaml", name="mlf-script", command=["torchrun", "log_to_mlflow.py"],
                     trainer=mlflow(mlflow_server.uri, exp, runName="script"))
     proc, s = run_local(job, tmp_path)

@@ -372,6 +372,8 @@ class _Node:
         self.children: list[subprocess.Popen] = []
         self.server = None
         self.scratch: str | None = None
+        # A user's script's run, which node 0's launcher made and so ends (the built-in trainer ends its own).
+        self.run_env: dict[str, str] | None = None
 
     def stop_server(self) -> None:
         if self.server is not None:
@@ -507,6 +509,8 @@ def _launch(args: argparse.Namespace, node: _Node, signals: StopSignals) -> int:
         _say(failed)
         _write_termination(failed)
         return EXIT_TRAINING_FAILED
+    if run_id and node_rank == 0 and not builtin:
+        node.run_env = env
     stages.set("rendezvous")
     # The child starts before the metrics server's thread does: a fork with no other thread
     # running cannot inherit a lock that thread held.
@@ -515,10 +519,11 @@ def _launch(args: argparse.Namespace, node: _Node, signals: StopSignals) -> int:
     node.children.append(child)
     _serve(args, node, metrics_dir)
     code = _wait(child, signals)
-    if run_id and node_rank == 0 and not builtin:
+    if node.run_env is not None:
         # A user's script may never end the run the launcher made for it (the built-in trainer does).
         _run_tracking(["end", "FINISHED" if code == 0 else "FAILED"], env, node=node, signals=signals,
                       seconds=MLFLOW_END_SECONDS)
+        node.run_env = None
     bad = _rank_messages(status_dir, "bad-config")
     if bad:
         _write_termination(bad[0])
@@ -538,12 +543,14 @@ def _launch(args: argparse.Namespace, node: _Node, signals: StopSignals) -> int:
 
 
 def _run_tracking(args: list[str], env: dict[str, str], *, node: _Node, signals: StopSignals,
-                  seconds: float) -> tuple[str | None, str]:
+                  seconds: float, while_stopping: bool = False) -> tuple[str | None, str]:
     """`python -m ddpjob_trainer.tracking ARGS` within `seconds`: (its stdout, None) or (None, why not).
-    A child process: MLflow's import may start threads, and torchrun is forked with none running."""
+    A child process: MLflow's import may start threads, and torchrun is forked with none running.
+    `while_stopping`: it ignores SIGTERM/SIGINT, which whatever stops this launcher (the local runner
+    signals every process that appears below it) would send it too; `seconds` still bounds it."""
     child = subprocess.Popen([sys.executable, "-m", "ddpjob_trainer.tracking", *args], env=env, text=True,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
-                             preexec_fn=functools.partial(die_with_parent, os.getpid()))
+                             preexec_fn=functools.partial(_tracking_child_setup, os.getpid(), while_stopping))
     node.children.append(child)
     deadline = time.monotonic() + seconds
     while True:
@@ -559,6 +566,13 @@ def _run_tracking(args: list[str], env: dict[str, str], *, node: _Node, signals:
     if child.returncode != 0:
         return None, (err.strip().splitlines() or [f"exit code {child.returncode}"])[-1]
     return out, ""
+
+
+def _tracking_child_setup(parent: int, ignore_stops: bool) -> None:
+    die_with_parent(parent)
+    if ignore_stops:
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, signal.SIG_IGN)
 
 
 def _mlflow_run(env: dict[str, str], *, node_rank: int, node: _Node, signals: StopSignals,
@@ -591,6 +605,24 @@ def _mlflow_run(env: dict[str, str], *, node_rank: int, node: _Node, signals: St
     return run_id, None
 
 
+def _end_run_killed(node: _Node, signals: StopSignals, *, seconds: float) -> None:
+    """A stopped job's user script left its run RUNNING (it had its grace to end it): end it KILLED,
+    after the script is gone (so nothing logs into it after) and within what is left of the grace."""
+    env, node.run_env = node.run_env, None
+    if env is None:
+        return
+    run = env[contract.ENV_MLFLOW_RUN_ID]
+    if seconds < 1.0:
+        _say(f"WARNING MLflow: run {run} left RUNNING (no time left in the stop grace to end it KILLED)")
+        return
+    out, why = _run_tracking(["end", "KILLED"], env, node=node, signals=signals, seconds=seconds,
+                             while_stopping=True)
+    if why:
+        _say(f"WARNING MLflow: run {run} not ended KILLED ({why})")
+    elif '"ended": true' in (out or ""):
+        _say(f"MLflow run {run} ended KILLED")
+
+
 def _report_result(path: str) -> None:
     """Rank 0's result (final eval, steps, resumed-from step) as the termination message: the run's
     last numbers come after the last metrics scrape, and the operator reads them from there into
@@ -617,6 +649,7 @@ def main(argv: list[str] | None = None) -> int:
         stop, code = exc, 128 + exc.signum
     finally:
         signals.armed = False  # a later signal only hurries the stop below
+    stopped_at = time.monotonic()
     if stop is not None:
         _say(f"{stop}: stopping every process of this node (SIGKILL after {args.stop_grace:g}s)")
     # After a normal end this only removes what the agent left behind (its workers live in
@@ -624,6 +657,8 @@ def main(argv: list[str] | None = None) -> int:
     left = stop_tree(node.children, grace=args.stop_grace if stop else 0.0, hurry=signals.hurry)
     if left:
         _say(f"WARNING processes {left} outlived SIGKILL (stuck in the kernel); exiting anyway")
+    if stop is not None and node.run_env is not None and not signals.hurry():
+        _end_run_killed(node, signals, seconds=args.stop_grace - (time.monotonic() - stopped_at))
     node.close()
     if stop is not None:
         _write_termination(str(stop))
