@@ -37,9 +37,10 @@ def test_one_run_across_a_killed_ranks_restart_with_the_loss_to_the_last_step(tm
     exp = experiment("restart")
     job = write_job(tmp_path / "mlf-restart.yaml", name="mlf-restart", max_restarts=1, trainer={
         **TRAINER, "maxSteps": 16, "checkpoint": {"dir": "ckpt", "everySteps": 4, "keep": 1, "asyncSave": False},
-        **mlflow(mlflow_server.uri, exp, runName="restart", registerModel=exp)})
+        **mlflow(mlflow_server.uri, exp, runName="restart", registerModel=exp, systemMetrics=True)})
     # Rank 1 dies at step 10 of attempt 0; its workers restart in place and resume from step 8.
-    proc, s = run_local(job, tmp_path, env={"DDPJOB_DEBUG_CRASH_RANK": "1:10"})
+    proc, s = run_local(job, tmp_path, env={"DDPJOB_DEBUG_CRASH_RANK": "1:10",
+                                            "MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (s["restarts"], s["resumed_from_step"], s["steps"]) == (0, 8, 16), s
 
@@ -63,6 +64,12 @@ def test_one_run_across_a_killed_ranks_restart_with_the_loss_to_the_last_step(tm
                 "checkpoint_seconds"):
         assert key in run.data.metrics, (key, sorted(run.data.metrics))
     assert 16 in {m.step for m in mlflow_server.metric_history(run.info.run_id, "eval_accuracy")}
+    # systemMetrics: each node's (not each rank's) CPU and memory, from its launcher's side process.
+    for node in (0, 1):
+        for key in ("cpu_utilization_percentage", "system_memory_usage_megabytes"):
+            assert f"system/node_{node}/{key}" in run.data.metrics, sorted(run.data.metrics)
+    assert not [k for k in run.data.metrics if k.startswith("system/") and not k.startswith(("system/node_0/",
+                                                                                          "system/node_1/"))]
     # At the end rank 0 logged the job's record (the job, its resolved config, its last checkpoint,
     # which is also a tag) and the trained model, in torch's format, registered as asked: it loads
     # through the registry and runs.

@@ -157,6 +157,12 @@ SECRET_ENV = {"MLFLOW_TRACKING_TOKEN": "token", "MLFLOW_TRACKING_USERNAME": "use
     ({"experiment": "vision", "runName": "a", "required": True}, "http://platform:5000",
      {"MLFLOW_TRACKING_URI": "http://platform:5000", "MLFLOW_EXPERIMENT_NAME": "vision", "DDPJOB_MLFLOW": "required",
       "DDPJOB_MLFLOW_RUN_NAME": "a"}),
+    # systemMetrics: each node's launcher logs them (false: nothing said).
+    ({"systemMetrics": True}, "http://platform:5000",
+     {"MLFLOW_TRACKING_URI": "http://platform:5000", "MLFLOW_EXPERIMENT_NAME": "ddpjob", "DDPJOB_MLFLOW": "optional",
+      "DDPJOB_MLFLOW_SYSTEM_METRICS": "1"}),
+    ({"systemMetrics": False}, "http://platform:5000",
+     {"MLFLOW_TRACKING_URI": "http://platform:5000", "MLFLOW_EXPERIMENT_NAME": "ddpjob", "DDPJOB_MLFLOW": "optional"}),
     # No URI anywhere: no tracking; no mlflow section: no tracking, whatever the default.
     ({}, None, {}),
     (None, "http://platform:5000", {}),

@@ -392,3 +392,23 @@ def test_a_call_on_a_connection_the_server_just_closed_is_made_once_more():
     with pytest.raises(TimeoutError):  # anything else is not tried again: a hung server holds no longer
         client.log_batch("timeout")
     assert tries == ["r1", "r1", "timeout"]
+
+
+def test_close_waits_for_a_queued_model_by_its_size():
+    """A model's save and upload get a deadline that grows with it (a 7 GB model: 350 s more at the
+    slow link's 20 MB/s), not one fixed for small models."""
+    assert tracking.close_seconds(None) == tracking.CLOSE_SECONDS
+    small, large = tracking.close_seconds(10**6), tracking.close_seconds(7 * 10**9)
+    assert small == pytest.approx(tracking.CLOSE_SECONDS + tracking.MODEL_SECONDS + 0.05)
+    assert large - small == pytest.approx((7e9 - 1e6) / 20e6)
+    torch = pytest.importorskip("torch")
+    server: dict = {"experiments": {}, "runs": {}}
+    t = Tracker(tracking_uri="http://fake", experiment="e", run_name=None, key="k", tags={}, warn=print,
+                count_drop=lambda r: None, client_factory=lambda uri: FakeClient(server))
+    t._log_model = lambda *a: None   # the upload itself: tests/trainer/test_mlflow.py
+    deadlines: list[float] = []
+    close = t._calls.close
+    t._calls.close = lambda final, *, seconds: (deadlines.append(seconds), close(final, seconds=seconds))[1]
+    t.model(torch.nn.Linear(1000, 1000), torch_version=torch.__version__)
+    assert t.close("FINISHED")
+    assert deadlines == [tracking.close_seconds(4 * (1000 * 1000 + 1000))]   # float32 weight and bias

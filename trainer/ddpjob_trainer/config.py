@@ -79,6 +79,7 @@ class MlflowConfig:
     required: bool = False
     credentials_secret: str | None = None  # the operator's business (env from a Secret); here for the record
     register_model: str | None = None
+    system_metrics: bool = False  # each node's launcher logs them (tracking.system_metrics); here for the record
 
 
 @dataclass(frozen=True)
@@ -169,7 +170,8 @@ _DDP = {"bufferSync": ("buffer_sync", "enum", BUFFER_SYNCS),
 _MLFLOW = {"trackingUri": ("tracking_uri", "str", None), "experiment": ("experiment", "str", None),
            "runName": ("run_name", "str", None), "required": ("required", "bool", None),
            "credentialsSecret": ("credentials_secret", "str", None),
-           "registerModel": ("register_model", "str", None)}
+           "registerModel": ("register_model", "str", None),
+           "systemMetrics": ("system_metrics", "bool", None)}
 
 
 def _check(path: str, value: Any, kind: str, arg: Any) -> Any:

@@ -95,6 +95,7 @@ MLFLOW_SECRET_KEYS = {ENV_MLFLOW_TOKEN: "token", ENV_MLFLOW_USERNAME: "username"
 # fails the attempt) or "optional". Only then does a launcher find or create the run: an
 # MLFLOW_TRACKING_URI of the user's own (spec.env, a local shell) asks for nothing.
 ENV_MLFLOW = "DDPJOB_MLFLOW"
+ENV_MLFLOW_SYSTEM_METRICS = "DDPJOB_MLFLOW_SYSTEM_METRICS"  # "1": spec.trainer.mlflow.systemMetrics
 ENV_MLFLOW_RUN_NAME = "DDPJOB_MLFLOW_RUN_NAME"  # spec.trainer.mlflow.runName, for the run a launcher creates
 # 1 for the job's MLflow run, on rank 0's series (labels run_id, experiment_id): how the operator
 # learns the run for status.mlflow.

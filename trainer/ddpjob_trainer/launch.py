@@ -49,6 +49,7 @@ MLFLOW_SECONDS = 60.0
 MLFLOW_RETRY_SECONDS = 20.0  # within it, how long node 0 tries again (a busy or restarting server)
 MLFLOW_PEER_WAIT_SECONDS = 30.0  # ... and a node other than 0 looks for node 0's run
 MLFLOW_END_SECONDS = 30.0  # ending a user's script's run that it left RUNNING
+SIDE_END_SECONDS = 10.0    # a side process's (system metrics) last flush after SIGTERM
 _PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
 # A sitecustomize that frees a run's process group before interpreter finalization (why: its
@@ -374,6 +375,7 @@ class _Node:
         self.scratch: str | None = None
         # A user's script's run, which node 0's launcher made and so ends (the built-in trainer ends its own).
         self.run_env: dict[str, str] | None = None
+        self.system_metrics: subprocess.Popen | None = None  # spec.trainer.mlflow.systemMetrics' process
 
     def stop_server(self) -> None:
         if self.server is not None:
@@ -511,6 +513,13 @@ def _launch(args: argparse.Namespace, node: _Node, signals: StopSignals) -> int:
         return EXIT_TRAINING_FAILED
     if run_id and node_rank == 0 and not builtin:
         node.run_env = env
+    if env.get(contract.ENV_MLFLOW_SYSTEM_METRICS) == "1" and env.get(contract.ENV_MLFLOW_RUN_ID):
+        # One per node (not per rank), a process of its own: its requests never wait in training.
+        node.system_metrics = subprocess.Popen(
+            [sys.executable, "-m", "ddpjob_trainer.tracking", "system-metrics", "--node-id", f"node_{node_rank}"],
+            env=env, stdout=subprocess.DEVNULL, start_new_session=True,
+            preexec_fn=functools.partial(die_with_parent, os.getpid()))
+        node.children.append(node.system_metrics)
     stages.set("rendezvous")
     # The child starts before the metrics server's thread does: a fork with no other thread
     # running cannot inherit a lock that thread held.
@@ -519,6 +528,8 @@ def _launch(args: argparse.Namespace, node: _Node, signals: StopSignals) -> int:
     node.children.append(child)
     _serve(args, node, metrics_dir)
     code = _wait(child, signals)
+    if node.system_metrics is not None:
+        _end_child(node.system_metrics, seconds=SIDE_END_SECONDS)   # its last samples go out
     if node.run_env is not None:
         # A user's script may never end the run the launcher made for it (the built-in trainer does).
         _run_tracking(["end", "FINISHED" if code == 0 else "FAILED"], env, node=node, signals=signals,
@@ -603,6 +614,17 @@ def _mlflow_run(env: dict[str, str], *, node_rank: int, node: _Node, signals: St
         stages.telemetry[0].mlflow_run(run_id, exp_id)  # rank 0's series: the operator's status.mlflow
     _say(f"MLflow run {run_id} (experiment {exp_id}) at {uri}")
     return run_id, None
+
+
+def _end_child(child: subprocess.Popen, *, seconds: float) -> None:
+    """SIGTERM to a side process of the launcher's, SIGKILL to its session after `seconds`."""
+    if child.poll() is None:
+        child.terminate()
+        try:
+            child.wait(timeout=seconds)
+        except subprocess.TimeoutExpired:
+            os.killpg(child.pid, signal.SIGKILL)
+            child.wait()
 
 
 def _end_run_killed(node: _Node, signals: StopSignals, *, seconds: float) -> None:

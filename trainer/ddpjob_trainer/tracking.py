@@ -45,7 +45,9 @@ HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_TIMEOUT": "5", "MLFLOW_HTTP_REQUEST_MAX_RE
 QUEUE_SIZE = 1000          # calls; a log step puts one, so this is many minutes of a stalled server
 START_SECONDS = 30.0       # `required: true`: how long the first rank waits for its run
 CLOSE_SECONDS = 15.0       # close(): flush, then end the run, within this
-MODEL_SECONDS = 120.0      # ... plus this when the trained model is to be saved and uploaded
+MODEL_SECONDS = 120.0      # ... plus this when the trained model is to be saved and uploaded,
+# ... plus its size at this rate: a slow link to the artifact store (a 7 GB model gets 6 more minutes).
+MODEL_UPLOAD_BYTES_PER_SECOND = 20e6
 KILLED_SECONDS = 3.0       # close("KILLED"): the launcher's SIGKILL follows SIGTERM after 5 s
 REOPEN_SECONDS = (1.0, 30.0)  # no run yet: try again after 1 s, doubling up to 30 s
 WARN_EVERY_SECONDS = 60.0
@@ -60,6 +62,14 @@ METRIC_BATCH = 1000        # ... and on metrics
 # the server milliseconds of CPU, which at every log step of a fast loop would be a few % of it.
 FLUSH_SECONDS = 5.0
 PARAM_VALUE_MAX = 6000
+
+
+def close_seconds(model_bytes: int | None) -> float:
+    """close()'s deadline: the flush, and with a model queued (its state's size in bytes) the model's
+    save and upload at a slow link's rate."""
+    if model_bytes is None:
+        return CLOSE_SECONDS
+    return CLOSE_SECONDS + MODEL_SECONDS + model_bytes / MODEL_UPLOAD_BYTES_PER_SECOND
 
 
 def flatten_params(config: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
@@ -247,7 +257,7 @@ class Tracker:
         self._warn, self._count_drop = warn, count_drop
         self._client: Any = None
         self._has_params = False
-        self._model_queued = False
+        self._model_bytes: int | None = None   # the queued model's size (its close deadline)
         self._batch: list[Any] = []      # metrics not sent yet (the worker's own)
         self._flushed = 0.0              # monotonic time of the last send
         self._client_factory = client_factory or _mlflow_client
@@ -272,7 +282,8 @@ class Tracker:
         """Log `model` (a CPU copy nobody trains any more) as the run's artifact `model`, in torch's
         standard format (loadable with mlflow.pytorch.load_model("runs:/<id>/model")); with
         `register_as`, then as a new version of that registered model ("models:/<name>/<version>")."""
-        self._model_queued = self._calls.submit(lambda: self._log_model(model, torch_version, register_as))
+        if self._calls.submit(lambda: self._log_model(model, torch_version, register_as)):
+            self._model_bytes = sum(int(getattr(t, "nbytes", 0)) for t in model.state_dict().values())
 
     def record(self, record: Mapping[str, Any]) -> None:
         """Log the job's record (job_record()) as JOB_ARTIFACT, its checkpoint as CHECKPOINT_TAG."""
@@ -283,7 +294,7 @@ class Tracker:
     def close(self, status: str, *, seconds: float | None = None) -> bool:
         """Flush within the deadline and end the run with `status` (FINISHED, FAILED, KILLED)."""
         if seconds is None:
-            seconds = KILLED_SECONDS if status == "KILLED" else CLOSE_SECONDS + MODEL_SECONDS * self._model_queued
+            seconds = KILLED_SECONDS if status == "KILLED" else close_seconds(self._model_bytes)
         self._closing.set()
         ok = self._calls.close(lambda: self._end(status), seconds=seconds)
         lost = self._counts["queue_full"] + self._counts["failed"] + self._counts["skipped"]
@@ -500,6 +511,41 @@ def _log_batched(client: Any, run_id: str, *, params: Mapping[str, str] | None =
         client.log_batch(run_id, tags=tag_items[i:i + PARAM_BATCH])
 
 
+def system_metrics(env: Mapping[str, str], *, node_id: str, stop: threading.Event,
+                   warn: Callable[[str], None]) -> None:
+    """Log this node's system metrics into the run MLFLOW_RUN_ID as system/<node_id>/... until `stop`
+    (spec.trainer.mlflow.systemMetrics; the launcher runs this in a process of its own, beside
+    training). MLflow's monitor samples the node (psutil; GPUs through NVML where there are any);
+    the loop is ours, not its thread's, which ends for good at the first failed request: a server
+    that is down costs the samples of that time and a warning a minute, and logging goes on when
+    it is back. Steps continue the run's (an attempt after a restart resumes them)."""
+    for name, value in HTTP_DEFAULTS.items():
+        os.environ.setdefault(name, value)
+    from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+    monitor = SystemMetricsMonitor(env[contract.ENV_MLFLOW_RUN_ID], node_id=node_id, resume_logging=True,
+                                   tracking_uri=env[contract.ENV_MLFLOW_TRACKING_URI])
+    warned = -WARN_EVERY_SECONDS
+    stopping = False
+    while not stopping:   # a last sample at the stop: the node's state when its training ended
+        stopping = stop.wait(float(monitor.sampling_interval))
+        monitor.collect_metrics()
+        try:
+            monitor.publish_metrics(monitor.aggregate_metrics())
+        except Exception as exc:  # noqa: BLE001 - a side service: warn, drop the samples, go on
+            for m in monitor.monitors:
+                m.clear_metrics()
+            monitor.mlflow_logger.data = []
+            if time.monotonic() - warned >= WARN_EVERY_SECONDS:
+                warned = time.monotonic()
+                warn(f"MLflow: system metrics of {node_id} not logged: {type(exc).__name__}: "
+                     f"{public_uri(str(exc))[:300]}")
+    try:
+        monitor.mlflow_logger.flush()
+    except Exception:  # noqa: BLE001 - the last samples only
+        pass
+
+
 def _mlflow_client(tracking_uri: str) -> Any:
     """MLflow's client with short HTTP timeouts and no retries (unless the env sets them)."""
     for name, value in HTTP_DEFAULTS.items():
@@ -511,7 +557,8 @@ def _mlflow_client(tracking_uri: str) -> Any:
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m ddpjob_trainer.tracking resolve [--create] [--wait S]`: print the job's run as JSON
-    ({"run_id", "experiment_id"}); `end STATUS`: end MLFLOW_RUN_ID if still RUNNING. The launcher
+    ({"run_id", "experiment_id"}); `end STATUS`: end MLFLOW_RUN_ID if still RUNNING; `system-metrics
+    --node-id ID`: log the node's system metrics into MLFLOW_RUN_ID until SIGTERM. The launcher
     runs this in a child process (MLflow's import may start threads, and the launcher forks torchrun
     with none running) under a deadline of its own. Exit 1 with the reason on stderr."""
     import argparse
@@ -525,7 +572,18 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--wait", type=float, default=0.0)
     e = sub.add_parser("end")
     e.add_argument("status", choices=["FINISHED", "FAILED", "KILLED"])
+    m = sub.add_parser("system-metrics")
+    m.add_argument("--node-id", required=True)
     args = p.parse_args(argv)
+    if args.what == "system-metrics":
+        import signal
+
+        stop = threading.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: stop.set())
+        system_metrics(os.environ, node_id=args.node_id, stop=stop,
+                       warn=lambda msg: print(f"WARNING {msg}", file=sys.stderr, flush=True))
+        return 0
     # Nothing trains yet (or any more): a busy server may take longer than a step may wait.
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", str(LAUNCHER_HTTP_TIMEOUT))
     try:

@@ -81,6 +81,8 @@ def mlflow_env(job: JobSpec, *, default_tracking_uri: str | None = None) -> dict
            contract.ENV_MLFLOW: "required" if ml.get("required") else "optional"}
     if ml.get("runName"):
         env[contract.ENV_MLFLOW_RUN_NAME] = ml["runName"]
+    if ml.get("systemMetrics"):
+        env[contract.ENV_MLFLOW_SYSTEM_METRICS] = "1"
     return env
 
 
