@@ -34,7 +34,8 @@ def features_job(tracking_uri: str) -> dict:
                 "nodes": 2, "nprocPerNode": 1, "gpusPerNode": 0, "image": TRAINER_IMAGE,
                 "trainer": {"dataset": "digits", "model": "mlp", "epochs": 1, "batchSize": 32, "maxSteps": 6,
                             "logEverySteps": 2, "compile": True,
-                            "mlflow": {"trackingUri": tracking_uri, "experiment": EXPERIMENT, "runName": "features"}},
+                            "mlflow": {"trackingUri": tracking_uri, "experiment": EXPERIMENT, "runName": "features",
+                                       "systemMetrics": True}},
                 "scheduling": dict(REAL_NODE_SCHEDULING),
                 "failurePolicy": {"maxRestarts": 0, "logTailInStatus": True},
                 "resources": {"requests": {"cpu": "1", "memory": "2Gi"}, "limits": {"cpu": "2", "memory": "4Gi"}}}}
@@ -52,6 +53,9 @@ def test_image_runs_a_job_with_mlflow_and_compile_on(real_cluster, namespaces, p
     assert run.info.run_name == "features" and run.info.status == "FINISHED", run.info
     assert len(server.metric_history(run.info.run_id, "train_loss")) >= 2
     assert run.data.params["world_size"] == "2"
+    # systemMetrics: the image has what MLflow's monitor reads the node with (psutil); one series a pod.
+    for node in (0, 1):
+        assert f"system/node_{node}/system_memory_usage_megabytes" in run.data.metrics, sorted(run.data.metrics)
     uid = real_cluster.kubectl("get", "ddpj", "features", "-n", ns, "-o", "jsonpath={.metadata.uid}").stdout
     assert run.data.tags["ddpjob.uid"] == uid and run.data.tags["ddpjob.namespace"] == ns
     # The operator learnt it from rank 0's metrics: the same run in the status, its page, and -o wide.
