@@ -160,8 +160,8 @@ def test_sigterm_ends_a_users_scripts_run_killed(tmp_path, mlflow_server):
     job = write_job(tmp_path / "mlf-skilled.yaml", name="mlf-skilled", nodes=1, command=["python", "forever.py"],
                     trainer=mlflow(mlflow_server.uri, exp))
     out = ""
-    # A pod's grace (the default 30 s less the launcher's margin), not the local runner's 5 s: the
-    # run's end starts a process that imports MLflow, seconds on this loaded machine.
+    # About a pod's grace (the default 30 s less the launcher's margin), not the local runner's 5 s:
+    # the run's end starts a process that imports MLflow, seconds on a loaded machine.
     env = {**os.environ, "DDPJOB_STOP_GRACE_SECONDS": "25"}
     proc = subprocess.Popen([*DDPJOB, "run", str(job), "--local", "--no-progress", "--workdir", str(tmp_path / "w")],
                             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -361,6 +361,7 @@ def test_pod_count_changes_coalesce_into_one_later_write():
         await rec.reconcile(NS, "j")
         assert [c for c in k8s.calls if c[0] == "patch_status"] == []
         await until(lambda: any(c[0] == "patch_status" for c in k8s.calls), desc="the coalescing timer's pass")
+        await asyncio.sleep(2 * rec.coalesce)   # room for a second write, which would be the bug
         await rec.shutdown()
     run(main())
     assert len([c for c in k8s.calls if c[0] == "patch_status"]) == 1

@@ -412,3 +412,58 @@ def test_close_waits_for_a_queued_model_by_its_size():
     t.model(torch.nn.Linear(1000, 1000), torch_version=torch.__version__)
     assert t.close("FINISHED")
     assert deadlines == [tracking.close_seconds(4 * (1000 * 1000 + 1000))]   # float32 weight and bias
+
+
+class FakeSystemMonitor:
+    """MLflow's SystemMetricsMonitor as system_metrics() drives it; publish fails while `down`."""
+    instances: list["FakeSystemMonitor"] = []
+    down = 0
+
+    def __init__(self, run_id, *, node_id, resume_logging, tracking_uri):
+        self.sampling_interval = 0   # a sample every tick
+        self.published: list[dict] = []
+        self.samples = 0
+        self.monitors = [types.SimpleNamespace(clear_metrics=lambda: None)]
+        self.mlflow_logger = types.SimpleNamespace(data=[], flush=lambda: None)
+        self.args = (run_id, node_id, resume_logging, tracking_uri)
+        FakeSystemMonitor.instances.append(self)
+
+    def collect_metrics(self):
+        self.samples += 1
+
+    def aggregate_metrics(self):
+        return {"cpu_utilization_percentage": float(self.samples)}
+
+    def publish_metrics(self, metrics):
+        if FakeSystemMonitor.down:
+            FakeSystemMonitor.down -= 1
+            raise ConnectionError("server down")
+        self.published.append(metrics)
+
+
+def test_system_metrics_go_on_after_failed_requests_and_end_with_a_last_sample(monkeypatch):
+    from mlflow.system_metrics import system_metrics_monitor
+
+    monkeypatch.setattr(system_metrics_monitor, "SystemMetricsMonitor", FakeSystemMonitor)
+    FakeSystemMonitor.instances, FakeSystemMonitor.down = [], 3
+    warnings: list[str] = []
+    env = {"MLFLOW_RUN_ID": "r1", "MLFLOW_TRACKING_URI": "http://fake"}
+    ticks = iter(range(10))
+    tracking.system_metrics(env, node_id="node_1", stopped=lambda: next(ticks) >= 6, warn=warnings.append, tick=0)
+    (mon,) = FakeSystemMonitor.instances
+    assert mon.args == ("r1", "node_1", True, "http://fake")
+    # 7 samples: 6 while running (the first 3 lost with the server down), the last one at the stop.
+    assert mon.samples == 7 and len(mon.published) == 4, (mon.samples, mon.published)
+    assert len(warnings) == 1 and "system metrics of node_1 not logged: ConnectionError" in warnings[0]
+
+
+def test_system_metrics_that_cannot_start_are_one_warning(monkeypatch):
+    from mlflow.system_metrics import system_metrics_monitor
+
+    def broken(*a, **kw):
+        raise ModuleNotFoundError("No module named 'psutil'")
+    monkeypatch.setattr(system_metrics_monitor, "SystemMetricsMonitor", broken)
+    warnings: list[str] = []
+    tracking.system_metrics({"MLFLOW_RUN_ID": "r1", "MLFLOW_TRACKING_URI": "http://fake"}, node_id="node_0",
+                            stopped=lambda: False, warn=warnings.append)
+    assert warnings == ["MLflow: system metrics of node_0 off: ModuleNotFoundError: No module named 'psutil'"]

@@ -35,6 +35,7 @@ from typing import Callable, Sequence
 
 from . import contract
 from .errors import EXIT_BAD_CONFIG, EXIT_TRAINING_FAILED, ConfigError
+from .tracking import SYSTEM_METRICS_END_SECONDS
 
 TERMINATION_LOG = "/dev/termination-log"
 TERMINATION_LIMIT = 4000  # characters; the kubelet truncates a termination message at 4096 bytes
@@ -49,7 +50,6 @@ MLFLOW_SECONDS = 60.0
 MLFLOW_RETRY_SECONDS = 20.0  # within it, how long node 0 tries again (a busy or restarting server)
 MLFLOW_PEER_WAIT_SECONDS = 30.0  # ... and a node other than 0 looks for node 0's run
 MLFLOW_END_SECONDS = 30.0  # ending a user's script's run that it left RUNNING
-SIDE_END_SECONDS = 10.0    # a side process's (system metrics) last flush after SIGTERM
 _PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
 # A sitecustomize that frees a run's process group before interpreter finalization (why: its
@@ -491,9 +491,10 @@ def _launch(args: argparse.Namespace, node: _Node, signals: StopSignals) -> int:
     stages = _RankStages(env)
     # The master (pod 0) hosts the c10d rendezvous (PET_RDZV_ENDPOINT is MASTER_ADDR:MASTER_PORT):
     # torchrun's own connect gives up after a few short tries with an error that names no pod, so a
-    # node other than 0 first waits here for pod 0's DNS name and port. A local run's nodes share
-    # loopback and start together: nothing to wait for.
-    if node_rank != 0 and addr and env.get(contract.ENV_LOCAL) != "1":
+    # node other than 0 first waits here for pod 0's DNS name and port. Not for an endpoint of the
+    # user's elsewhere (spec.env wins), nor in a local run (one loopback, the nodes start together).
+    if (node_rank != 0 and addr and env.get(contract.ENV_LOCAL) != "1"
+            and env.get(contract.PET_RDZV_ENDPOINT, f"{addr}:{port}") == f"{addr}:{port}"):
         stages.set("waiting_for_master")
         _say(f"waiting up to {args.master_timeout:.0f}s for master {addr}:{port}")
         # Served while waiting, so a worker stuck here is seen (and named) like any other hang.
@@ -529,7 +530,7 @@ def _launch(args: argparse.Namespace, node: _Node, signals: StopSignals) -> int:
     _serve(args, node, metrics_dir)
     code = _wait(child, signals)
     if node.system_metrics is not None:
-        _end_child(node.system_metrics, seconds=SIDE_END_SECONDS)   # its last samples go out
+        _end_child(node.system_metrics, seconds=SYSTEM_METRICS_END_SECONDS)   # its last samples go out
     if node.run_env is not None:
         # A user's script may never end the run the launcher made for it (the built-in trainer does).
         _run_tracking(["end", "FINISHED" if code == 0 else "FAILED"], env, node=node, signals=signals,
@@ -570,10 +571,11 @@ def _run_tracking(args: list[str], env: dict[str, str], *, node: _Node, signals:
             break
         except subprocess.TimeoutExpired:
             signals.raise_if_stopped()
-            if time.monotonic() >= deadline:
+            if time.monotonic() >= deadline or signals.hurry():
                 os.killpg(child.pid, signal.SIGKILL)
                 child.communicate()
-                return None, f"no answer within {seconds:.0f}s"
+                return None, ("cut short by a second stop signal" if signals.hurry()
+                              else f"no answer within {seconds:.0f}s")
     if child.returncode != 0:
         return None, (err.strip().splitlines() or [f"exit code {child.returncode}"])[-1]
     return out, ""
@@ -584,6 +586,8 @@ def _tracking_child_setup(parent: int, ignore_stops: bool) -> None:
     if ignore_stops:
         for sig in STOP_SIGNALS:
             signal.signal(sig, signal.SIG_IGN)
+        if _prctl is not None:  # a SIGTERM when the launcher dies would be ignored now
+            _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def _mlflow_run(env: dict[str, str], *, node_rank: int, node: _Node, signals: StopSignals,
@@ -617,14 +621,18 @@ def _mlflow_run(env: dict[str, str], *, node_rank: int, node: _Node, signals: St
 
 
 def _end_child(child: subprocess.Popen, *, seconds: float) -> None:
-    """SIGTERM to a side process of the launcher's, SIGKILL to its session after `seconds`."""
+    """SIGTERM to a side process of the launcher's, SIGKILL to its session after `seconds`; bounded
+    even when it is stuck in the kernel (an NVML call on a lost GPU): then stop_tree reports it."""
     if child.poll() is None:
         child.terminate()
         try:
             child.wait(timeout=seconds)
         except subprocess.TimeoutExpired:
             os.killpg(child.pid, signal.SIGKILL)
-            child.wait()
+            try:
+                child.wait(timeout=KILL_WAIT)
+            except subprocess.TimeoutExpired:
+                pass
 
 
 def _end_run_killed(node: _Node, signals: StopSignals, *, seconds: float) -> None:

@@ -52,6 +52,8 @@ KILLED_SECONDS = 3.0       # close("KILLED"): the launcher's SIGKILL follows SIG
 REOPEN_SECONDS = (1.0, 30.0)  # no run yet: try again after 1 s, doubling up to 30 s
 WARN_EVERY_SECONDS = 60.0
 LAUNCHER_HTTP_TIMEOUT = 15  # seconds a request of the launcher's (`main`) may take: before training
+# After SIGTERM, the system metrics process's last publish and flush: two requests, then a margin.
+SYSTEM_METRICS_END_SECONDS = 2 * float(HTTP_DEFAULTS["MLFLOW_HTTP_REQUEST_TIMEOUT"]) + 2.0
 KEY_TAG = "ddpjob.key"
 CHECKPOINT_TAG = "ddpjob.checkpoint"  # the last checkpoint a successful attempt wrote
 JOB_ARTIFACT = "ddpjob/job.json"      # job_record(), logged at the end of a successful run
@@ -511,26 +513,32 @@ def _log_batched(client: Any, run_id: str, *, params: Mapping[str, str] | None =
         client.log_batch(run_id, tags=tag_items[i:i + PARAM_BATCH])
 
 
-def system_metrics(env: Mapping[str, str], *, node_id: str, stop: threading.Event,
-                   warn: Callable[[str], None]) -> None:
-    """Log this node's system metrics into the run MLFLOW_RUN_ID as system/<node_id>/... until `stop`
-    (spec.trainer.mlflow.systemMetrics; the launcher runs this in a process of its own, beside
-    training). MLflow's monitor samples the node (psutil; GPUs through NVML where there are any);
-    the loop is ours, not its thread's, which ends for good at the first failed request: a server
-    that is down costs the samples of that time and a warning a minute, and logging goes on when
-    it is back. Steps continue the run's (an attempt after a restart resumes them)."""
-    for name, value in HTTP_DEFAULTS.items():
-        os.environ.setdefault(name, value)
-    from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+def system_metrics(env: Mapping[str, str], *, node_id: str, stopped: Callable[[], bool],
+                   warn: Callable[[str], None], tick: float = 0.2) -> None:
+    """Log this node's system metrics into the run MLFLOW_RUN_ID as system/<node_id>/... until
+    `stopped()` (spec.trainer.mlflow.systemMetrics; the launcher runs this in a process of its own,
+    beside training). MLflow's monitor samples the node (psutil; GPUs through NVML where there are
+    any); the loop is ours, not its thread's, which ends for good at the first failed request: a
+    server that is down costs the samples of that time and a warning a minute, and logging goes on
+    when it is back. Steps continue the run's (an attempt after a restart resumes them). A node
+    where the monitor cannot start is one warning, never a failure."""
+    _short_http_requests()
+    try:
+        from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 
-    monitor = SystemMetricsMonitor(env[contract.ENV_MLFLOW_RUN_ID], node_id=node_id, resume_logging=True,
-                                   tracking_uri=env[contract.ENV_MLFLOW_TRACKING_URI])
+        monitor = SystemMetricsMonitor(env[contract.ENV_MLFLOW_RUN_ID], node_id=node_id, resume_logging=True,
+                                       tracking_uri=env[contract.ENV_MLFLOW_TRACKING_URI])
+    except Exception as exc:  # noqa: BLE001 - e.g. psutil missing from a user's own image
+        warn(f"MLflow: system metrics of {node_id} off: {type(exc).__name__}: {public_uri(str(exc))[:300]}")
+        return
     warned = -WARN_EVERY_SECONDS
     stopping = False
     while not stopping:   # a last sample at the stop: the node's state when its training ended
-        stopping = stop.wait(float(monitor.sampling_interval))
-        monitor.collect_metrics()
+        due = time.monotonic() + float(monitor.sampling_interval)
+        while not (stopping := stopped()) and time.monotonic() < due:
+            time.sleep(tick)
         try:
+            monitor.collect_metrics()
             monitor.publish_metrics(monitor.aggregate_metrics())
         except Exception as exc:  # noqa: BLE001 - a side service: warn, drop the samples, go on
             for m in monitor.monitors:
@@ -546,10 +554,15 @@ def system_metrics(env: Mapping[str, str], *, node_id: str, stop: threading.Even
         pass
 
 
-def _mlflow_client(tracking_uri: str) -> Any:
-    """MLflow's client with short HTTP timeouts and no retries (unless the env sets them)."""
+def _short_http_requests() -> None:
+    """MLflow's HTTP requests short and without retries (HTTP_DEFAULTS), unless the env sets them."""
     for name, value in HTTP_DEFAULTS.items():
         os.environ.setdefault(name, value)
+
+
+def _mlflow_client(tracking_uri: str) -> Any:
+    """MLflow's client with short HTTP timeouts and no retries (unless the env sets them)."""
+    _short_http_requests()
     from mlflow.tracking import MlflowClient
 
     return MlflowClient(tracking_uri=tracking_uri)
@@ -578,10 +591,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.what == "system-metrics":
         import signal
 
-        stop = threading.Event()
+        stop: list[int] = []   # a plain flag: a handler taking a lock the main thread holds would hang
         for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: stop.set())
-        system_metrics(os.environ, node_id=args.node_id, stop=stop,
+            signal.signal(sig, lambda signum, _frame: stop.append(signum))
+        system_metrics(os.environ, node_id=args.node_id, stopped=lambda: bool(stop),
                        warn=lambda msg: print(f"WARNING {msg}", file=sys.stderr, flush=True))
         return 0
     # Nothing trains yet (or any more): a busy server may take longer than a step may wait.
