@@ -65,6 +65,11 @@ def main() -> None:
     ap.add_argument("--blocks", type=int, default=20)
     # About 5 s a block: each "on" block holds about one of the tracker's batched sends (FLUSH_SECONDS).
     ap.add_argument("--steps", type=int, default=1000)
+    # The server on CPU 1, this process (training and the tracker's thread) on CPU 0: the server as
+    # if on another machine (as it is in a cluster), the tracker sharing training's core (a pod's
+    # worst case). Unpinned, the server's CPU competes with training on the same 2 cores.
+    ap.add_argument("--pin", action="store_true")
+    ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
@@ -82,7 +87,11 @@ def main() -> None:
 
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory() as root:
+        if args.pin:
+            os.sched_setaffinity(0, {1})   # inherited by the server's processes, started now
         server = MlflowServer(Path(root))
+        if args.pin:
+            os.sched_setaffinity(0, {0})   # this thread, and the tracker's, started after
         try:
             server.wait_healthy()
             server.runs("warm-up")
@@ -160,7 +169,7 @@ def main() -> None:
               "other_threads_cpu_seconds_per_1000_steps_off": 1000 * other_cpu[False] / (args.blocks * args.steps),
               "server_cpu_seconds_per_1000_steps_on": 1000 * server_cpu[True] / (args.blocks * args.steps),
               "server_cpu_seconds_per_1000_steps_off": 1000 * server_cpu[False] / (args.blocks * args.steps),
-              "load_average_before": load_before, "load_average_after": load_after,
+              "pinned": args.pin, "load_average_before": load_before, "load_average_after": load_after,
               "run_ended": closed, "calls_lost": lost,
               "verdict": verdict(ci, what="steps/s MLflow on/off", above_one="faster with MLflow",
                                  below_one="slower with MLflow"),
@@ -171,7 +180,7 @@ def main() -> None:
                                f"{bound_ci['high']:.4f}, {bound_ci['pairs']} blocks): goal >= 0.99 "
                                + ("met" if bound_ci["low"] >= 0.99 else "not shown")}
     RESULTS.parent.mkdir(exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=1) + "\n")
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
     print(result["verdict"])
     print(result["cpu_verdict"])
     print(result["bound_verdict"])
