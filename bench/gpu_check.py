@@ -64,27 +64,11 @@ def trainer_config(*, cpu: bool, steps: int, ckpt_dir: str) -> dict:
             "checkpoint": {"dir": ckpt_dir, "everySteps": max(1, steps // 2), "asyncSave": True, "keep": 2}}
 
 
-def _descendants(root: int) -> list[int]:
-    """Every live process below `root` (from /proc: the GPU machine's Python may lack psutil)."""
-    parent: dict[int, int] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = next(ln for ln in (entry / "status").read_text().splitlines() if ln.startswith("PPid:"))
-            except (OSError, StopIteration):
-                continue
-            parent[int(entry.name)] = int(ppid.split()[1])
-    out, frontier = [], [root]
-    while frontier:
-        kids = [p for p, pp in parent.items() if pp in frontier]
-        out += kids
-        frontier = kids
-    return out
-
-
 def _worker(launcher: int) -> int | None:
     """The training worker of local rank 0 under the launcher (`python -m ddpjob_trainer`)."""
-    for pid in _descendants(launcher):
+    from ddpjob_trainer.launch import descendants   # the launcher's own /proc walk (no psutil there)
+
+    for pid in descendants(launcher):
         try:
             raw = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
             env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")

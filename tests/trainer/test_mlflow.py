@@ -126,22 +126,30 @@ def test_a_failed_job_ends_its_run_failed(tmp_path, mlflow_server):
     assert run.info.status == "FAILED" and run.data.tags["ddpjob.name"] == "mlf-failed"
 
 
-def test_sigterm_ends_the_run_killed(tmp_path, mlflow_server):
-    exp = experiment("killed")
-    job = write_job(tmp_path / "mlf-killed.yaml", name="mlf-killed", nodes=1, trainer={
-        **TRAINER, "epochs": 50, **mlflow(mlflow_server.uri, exp)})
-    out = ""
-    proc = subprocess.Popen([*DDPJOB, "run", str(job), "--local", "--no-progress", "--workdir", str(tmp_path / "w")],
-                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+def stopped_local_run(job, workdir, mlflow_server, exp: str, ready, desc: str, *, timeout: float,
+                      env: dict | None = None) -> str:
+    """`ddpjob run --local` until its run shows `ready`, then SIGTERM: its output (exit code 143)."""
+    proc = subprocess.Popen([*DDPJOB, "run", str(job), "--local", "--no-progress", "--workdir", str(workdir)],
+                            cwd=REPO, env={**os.environ, **(env or {})}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
     try:
-        mlflow_server.wait_run(exp, lambda r: "train_loss" in r.data.metrics, "the first loss in MLflow", proc=proc)
+        mlflow_server.wait_run(exp, ready, desc, proc=proc)
         proc.send_signal(signal.SIGTERM)
-        out, _ = proc.communicate(timeout=60)
+        out, _ = proc.communicate(timeout=timeout)
         assert proc.returncode == 143, out[-3000:]
+        return out
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_sigterm_ends_the_run_killed(tmp_path, mlflow_server):
+    exp = experiment("killed")
+    job = write_job(tmp_path / "mlf-killed.yaml", name="mlf-killed", nodes=1, trainer={
+        **TRAINER, "epochs": 50, **mlflow(mlflow_server.uri, exp)})
+    out = stopped_local_run(job, tmp_path / "w", mlflow_server, exp, lambda r: "train_loss" in r.data.metrics,
+                            "the first loss in MLflow", timeout=60)
     run = mlflow_server.wait_run(exp, lambda r: r.info.status != "RUNNING", "the run's end", timeout=30)
     assert run.info.status == "KILLED", out[-3000:]
 
@@ -159,21 +167,10 @@ def test_sigterm_ends_a_users_scripts_run_killed(tmp_path, mlflow_server):
     (tmp_path / "forever.py").write_text(FOREVER)
     job = write_job(tmp_path / "mlf-skilled.yaml", name="mlf-skilled", nodes=1, command=["python", "forever.py"],
                     trainer=mlflow(mlflow_server.uri, exp))
-    out = ""
     # About a pod's grace (the default 30 s less the launcher's margin), not the local runner's 5 s:
     # the run's end starts a process that imports MLflow, seconds on a loaded machine.
-    env = {**os.environ, "DDPJOB_STOP_GRACE_SECONDS": "25"}
-    proc = subprocess.Popen([*DDPJOB, "run", str(job), "--local", "--no-progress", "--workdir", str(tmp_path / "w")],
-                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        mlflow_server.wait_run(exp, lambda r: "started" in r.data.metrics, "the script's first metric", proc=proc)
-        proc.send_signal(signal.SIGTERM)
-        out, _ = proc.communicate(timeout=90)
-        assert proc.returncode == 143, out[-3000:]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    out = stopped_local_run(job, tmp_path / "w", mlflow_server, exp, lambda r: "started" in r.data.metrics,
+                            "the script's first metric", timeout=90, env={"DDPJOB_STOP_GRACE_SECONDS": "25"})
     (run,) = mlflow_server.runs(exp)   # ended before the launcher exited: no wait
     assert run.info.status == "KILLED", out[-3000:]
     node_log = (tmp_path / "w" / "logs" / "attempt-0" / "node-0.log").read_text()

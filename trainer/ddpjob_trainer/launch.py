@@ -516,11 +516,8 @@ def _launch(args: argparse.Namespace, node: _Node, signals: StopSignals) -> int:
         node.run_env = env
     if env.get(contract.ENV_MLFLOW_SYSTEM_METRICS) == "1" and env.get(contract.ENV_MLFLOW_RUN_ID):
         # One per node (not per rank), a process of its own: its requests never wait in training.
-        node.system_metrics = subprocess.Popen(
-            [sys.executable, "-m", "ddpjob_trainer.tracking", "system-metrics", "--node-id", f"node_{node_rank}"],
-            env=env, stdout=subprocess.DEVNULL, start_new_session=True,
-            preexec_fn=functools.partial(die_with_parent, os.getpid()))
-        node.children.append(node.system_metrics)
+        node.system_metrics = _tracking_child(["system-metrics", "--node-id", f"node_{node_rank}"], env, node=node,
+                                              stdout=subprocess.DEVNULL, stderr=None)
     stages.set("rendezvous")
     # The child starts before the metrics server's thread does: a fork with no other thread
     # running cannot inherit a lock that thread held.
@@ -560,10 +557,8 @@ def _run_tracking(args: list[str], env: dict[str, str], *, node: _Node, signals:
     A child process: MLflow's import may start threads, and torchrun is forked with none running.
     `while_stopping`: it ignores SIGTERM/SIGINT, which whatever stops this launcher (the local runner
     signals every process that appears below it) would send it too; `seconds` still bounds it."""
-    child = subprocess.Popen([sys.executable, "-m", "ddpjob_trainer.tracking", *args], env=env, text=True,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
-                             preexec_fn=functools.partial(_tracking_child_setup, os.getpid(), while_stopping))
-    node.children.append(child)
+    child = _tracking_child(args, env, node=node, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            while_stopping=while_stopping)
     deadline = time.monotonic() + seconds
     while True:
         try:
@@ -579,6 +574,17 @@ def _run_tracking(args: list[str], env: dict[str, str], *, node: _Node, signals:
     if child.returncode != 0:
         return None, (err.strip().splitlines() or [f"exit code {child.returncode}"])[-1]
     return out, ""
+
+
+def _tracking_child(args: list[str], env: dict[str, str], *, node: _Node, stdout: int, stderr: int | None,
+                    while_stopping: bool = False) -> subprocess.Popen:
+    """`python -m ddpjob_trainer.tracking ARGS` started as one of this node's children (in a session
+    of its own, dying with the launcher)."""
+    child = subprocess.Popen([sys.executable, "-m", "ddpjob_trainer.tracking", *args], env=env, text=True,
+                             stdout=stdout, stderr=stderr, start_new_session=True,
+                             preexec_fn=functools.partial(_tracking_child_setup, os.getpid(), while_stopping))
+    node.children.append(child)
+    return child
 
 
 def _tracking_child_setup(parent: int, ignore_stops: bool) -> None:
