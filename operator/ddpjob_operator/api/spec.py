@@ -17,6 +17,36 @@ DEFAULT_KEEP_FAILED_ATTEMPTS = 1
 
 
 @dataclass(frozen=True)
+class Gang:
+    """spec.scheduling.gang: the gang scheduler that places all of the job's pods or none."""
+
+    scheduler: str
+    schedule_timeout_seconds: int | None = None   # coscheduling's PodGroup timeout
+    queue: str | None = None                      # Volcano's queue
+
+
+@dataclass(frozen=True)
+class Scheduling:
+    """spec.scheduling: one pod per node (unless false), the gang, and the pod fields it sets
+    (schedulerName, nodeSelector, ... as given: they pass through to every pod)."""
+
+    one_pod_per_node: bool = True
+    gang: Gang | None = None
+    pod_fields: dict[str, Any] = field(default_factory=dict)
+
+
+def _scheduling(raw: Any) -> Scheduling:
+    sched = dict(raw) if isinstance(raw, dict) else {}
+    gang = sched.pop("gang", None)
+    timeout = gang.get("scheduleTimeoutSeconds") if isinstance(gang, dict) else None
+    return Scheduling(
+        one_pod_per_node=sched.pop("onePodPerNode", True) is not False,
+        gang=Gang(str(gang["scheduler"]), int(timeout) if timeout else None, str(gang["queue"]) if gang.get("queue") else None)
+        if isinstance(gang, dict) and gang.get("scheduler") else None,
+        pod_fields=sched)
+
+
+@dataclass(frozen=True)
 class JobSpec:
     """A DDPJob manifest with defaults applied; `raw` keeps pass-through fields."""
 
@@ -37,6 +67,7 @@ class JobSpec:
     max_restarts: int
     elastic: dict[str, Any] | None
     raw: dict[str, Any] = field(repr=False, compare=False)
+    scheduling: Scheduling = field(default_factory=Scheduling)
 
     @property
     def world_size(self) -> int:
@@ -150,4 +181,5 @@ def from_manifest(obj: dict[str, Any]) -> JobSpec:
         max_restarts=int(failure.get("maxRestarts", 3)),
         elastic=dict(spec["elastic"]) if spec.get("elastic") else None,
         raw=obj,
+        scheduling=_scheduling(spec.get("scheduling")),
     )

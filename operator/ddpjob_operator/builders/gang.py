@@ -57,16 +57,10 @@ KIND = "PodGroup"
 STALE_PHASES = frozenset({"Finished", "Failed"})
 
 
-def gang_spec(job: JobSpec) -> dict[str, Any]:
-    """spec.scheduling.gang ({} when the job is not gang-scheduled)."""
-    gang = (job.spec.get("scheduling") or {}).get("gang")
-    return dict(gang) if isinstance(gang, dict) and gang.get("scheduler") else {}
-
-
 def scheduler_of(job: JobSpec) -> GangScheduler | None:
     """The job's gang scheduler, None without one."""
-    name = gang_spec(job).get("scheduler")
-    return GangScheduler(name) if name else None
+    gang = job.scheduling.gang
+    return GangScheduler(gang.scheduler) if gang else None
 
 
 def api_of(job: JobSpec) -> GangApi | None:
@@ -148,16 +142,17 @@ def render_podgroup(job: JobSpec, pod: dict[str, Any]) -> dict[str, Any] | None:
     sched = scheduler_of(job)
     if sched is None:
         return None
-    api, gang = APIS[sched], gang_spec(job)
+    api, gang = APIS[sched], job.scheduling.gang
+    assert gang is not None
     spec: dict[str, Any] = {"minMember": min_member(job)}
     resources = min_resources(job, pod)
     if resources:
         spec["minResources"] = resources
-    if sched is GangScheduler.COSCHEDULING and gang.get("scheduleTimeoutSeconds"):
-        spec["scheduleTimeoutSeconds"] = int(gang["scheduleTimeoutSeconds"])
+    if sched is GangScheduler.COSCHEDULING and gang.schedule_timeout_seconds:
+        spec["scheduleTimeoutSeconds"] = gang.schedule_timeout_seconds
     if sched is GangScheduler.VOLCANO:
-        if gang.get("queue"):
-            spec["queue"] = str(gang["queue"])
+        if gang.queue:
+            spec["queue"] = gang.queue
         priority = (pod.get("spec") or {}).get("priorityClassName")
         if priority:
             spec["priorityClassName"] = priority

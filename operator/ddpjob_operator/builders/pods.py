@@ -82,11 +82,6 @@ def restart_counters(job: JobSpec, restarts: int | None, counted_restarts: int |
     return count(restarts, "restarts"), count(counted_restarts, "countedRestarts")
 
 
-def one_pod_per_node(job: JobSpec) -> bool:
-    """spec.scheduling.onePodPerNode, true unless the job says false."""
-    return (job.spec.get("scheduling") or {}).get("onePodPerNode") is not False
-
-
 def pod_spread(job: JobSpec) -> list[dict[str, Any]]:
     """The pods' topologySpreadConstraints: the job's own (spec.scheduling's, else its template's)
     and, unless onePodPerNode is false, one pod per node as a hard rule.
@@ -100,10 +95,9 @@ def pod_spread(job: JobSpec) -> list[dict[str, Any]]:
     with every pod that carries it. A job's own DoNotSchedule constraint on kubernetes.io/hostname
     replaces ours (the API allows one per key and mode). Relaxed (false), the spread is a
     preference (ScheduleAnyway) that the job's own constraints replace."""
-    sched = job.spec.get("scheduling") or {}
-    own = sched.get(SPREAD) or (template.pod_template(job).get("spec") or {}).get(SPREAD) or []
+    own = job.scheduling.pod_fields.get(SPREAD) or (template.pod_template(job).get("spec") or {}).get(SPREAD) or []
     selector = {"labelSelector": {"matchLabels": {labels.JOB_NAME: job.name}}}
-    if not one_pod_per_node(job):
+    if not job.scheduling.one_pod_per_node:
         return own or [{"maxSkew": 1, "topologyKey": HOSTNAME_KEY, "whenUnsatisfiable": "ScheduleAnyway", **selector}]
     if any(c.get("topologyKey") == HOSTNAME_KEY and c.get("whenUnsatisfiable", "DoNotSchedule") == "DoNotSchedule"
            for c in own):
@@ -126,7 +120,6 @@ def render_pod(job: JobSpec, rank: int, *, attempt: int = 0, config: OperatorCon
     what the operator owns (template.merge_template)."""
     config = config or OperatorConfig()
     spec = job.spec
-    sched = spec.get("scheduling") or {}
     command, args = container_command(job)
     container = {
         "name": Layers(owned=labels.CONTAINER),
@@ -160,7 +153,7 @@ def render_pod(job: JobSpec, rank: int, *, attempt: int = 0, config: OperatorCon
             "medium": "Memory", "sizeLimit": shm.shm_size(job)}}], flat=spec.get("volumes")),
         "runtimeClassName": Layers(default=default_runtime_class(job, config), flat=spec.get("runtimeClassName")),
         # A gang-scheduled job's pods go to its gang scheduler unless the job names one.
-        **{key: Layers(flat=sched.get(key), default=gang.default_scheduler_name(job) if key == "schedulerName" else None)
+        **{key: Layers(flat=job.scheduling.pod_fields.get(key), default=gang.default_scheduler_name(job) if key == "schedulerName" else None)
            for key in SCHEDULING if key != SPREAD},
         # The job's own spread (from the flat field or the template) with one pod per node.
         SPREAD: Layers(owned=pod_spread(job)),
