@@ -11,7 +11,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY="${PY:-.venv/bin/python}"
-read -r -a ARGS <<<"${PYTEST_ARGS:-}"
+# The slowest tests of each session in its log: where the CI budget goes, without a rerun.
+export PYTEST_ARGS="${PYTEST_ARGS:-} --durations=15"
+read -r -a ARGS <<<"${PYTEST_ARGS}"
 
 cluster_tiers() {
   "$PY" -m pytest -ra "${ARGS[@]}" tests --ignore=tests/trainer   # every other tier, new ones too
