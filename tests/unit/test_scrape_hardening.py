@@ -9,7 +9,8 @@ import logging
 import pytest
 from aiohttp import web
 
-from ddpjob_operator.cluster import monitor as monitor_mod, scrape
+from ddpjob_operator.cluster import monitor as monitor_mod
+from ddpjob_operator.decisions import samples as scrape
 from ddpjob_operator.api.config import OperatorConfig
 from ddpjob_operator.cluster.monitor import Monitor
 from tests.support.builders import make_manifest, make_pod

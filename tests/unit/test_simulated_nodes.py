@@ -10,7 +10,7 @@ import logging
 import pytest
 from aiohttp import web
 
-from ddpjob_operator.cluster import scrape
+from ddpjob_operator.decisions import samples as scrape
 from ddpjob_operator.api.config import OperatorConfig
 from ddpjob_operator.cluster.monitor import Monitor, SimulatedNodes
 from ddpjob_operator.api.podinfo import SIMULATED_NODE_ANNOTATION

@@ -15,7 +15,7 @@ from typing import Awaitable, Callable
 
 from ddpjob_operator.decisions import health, progress
 from ddpjob_operator.api import podinfo
-from ddpjob_operator.cluster import scrape
+from ddpjob_operator.decisions import samples as scrape
 from ddpjob_operator.api.objmeta import format_time
 from ddpjob_operator.api.podinfo import is_simulated_node
 from ddpjob_operator.api.config import OperatorConfig

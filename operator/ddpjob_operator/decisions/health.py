@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from typing import Mapping
 
 from ddpjob_operator.api.objmeta import format_time
-from ddpjob_operator.cluster.scrape import STAGES, RankSample
+from ddpjob_operator.decisions.samples import STAGES, RankSample
 
 STRAGGLER = "Straggler"
 STALLED = "Stalled"
