@@ -18,7 +18,7 @@ from urllib3.exceptions import HTTPError
 from ddpjob_operator.api import labels
 from ddpjob_operator.cluster.k8s import child_path
 from ddpjob_operator.api.podinfo import is_simulated_node
-from ddpjob_operator.decisions.samples import MAX_BODY_BYTES
+from ddpjob_operator.cluster.scrape import MAX_BODY_BYTES
 from ddpjob_operator.api.spec import API_VERSION, PLURAL
 
 from .views import api_error, missing_object

@@ -19,7 +19,7 @@ from ddpjob_operator.api import labels
 from ddpjob_operator.cluster.cache import PeerGate, Store
 from ddpjob_operator.api.config import OperatorConfig
 from ddpjob_operator.app.controller import Reconciler
-from ddpjob_operator.cluster.monitor import MonitorReport
+from ddpjob_operator.decisions.samples import MonitorReport
 from ddpjob_operator.app.operator_metrics import OperatorMetrics
 from ddpjob_operator.builders.service import render_service
 from ddpjob_operator.api.spec import from_manifest

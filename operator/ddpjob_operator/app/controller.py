@@ -33,9 +33,10 @@ from ddpjob_operator.api.phases import Phase
 from ddpjob_operator.builders.pods import render_pod
 
 if TYPE_CHECKING:
-    from ddpjob_operator.cluster.monitor import Monitor, MonitorReport
+    from ddpjob_operator.cluster.monitor import Monitor
 from ddpjob_operator.builders.service import render_service
 from ddpjob_operator.api.spec import from_manifest
+from ddpjob_operator.decisions.samples import MonitorReport
 from ddpjob_operator.decisions.status import NAME_CONFLICT, CreateRefusal, create_refused, job_status, refusal, split_creates
 from ddpjob_operator.decisions.writes import scrape_needs_pass, urgent, write_wait
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ddpjob_trainer import contract
 from ddpjob_trainer.contract import public_uri
@@ -21,10 +21,8 @@ from ddpjob_operator.api.phases import Cond, Phase
 from ddpjob_operator.builders.pods import explain_pod_error
 from ddpjob_operator.decisions.redact import redact
 from ddpjob_operator.decisions.result import run_result
+from ddpjob_operator.decisions.samples import MonitorReport
 from ddpjob_operator.api.spec import JobSpec
-
-if TYPE_CHECKING:  # the monitor module imports aiohttp; status needs only the report's shape
-    from ddpjob_operator.cluster.monitor import MonitorReport
 
 Event = tuple[str, str, str]  # (Normal|Warning, reason, message)
 
