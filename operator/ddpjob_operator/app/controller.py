@@ -1,9 +1,9 @@
 """One reconcile pass per job: read the caches, decide (pure), write status once, act, post events.
 
 Passes read the job and its pods from caches fed by watches, so a pass that changes nothing
-sends nothing to the API server: jobs at rest cost no requests. Passes for one job never overlap;
-bursts of triggers (a 64-pod group emits hundreds of pod events) coalesce into a few passes, and
-status changes nobody acts on (node counts) are written at most once per `coalesce` seconds.
+sends nothing to the API server: jobs at rest cost no requests. Passes for one job never overlap and
+bursts of triggers coalesce into a few passes (`workqueue`); status changes nobody acts on (node
+counts) are written at most once per `coalesce` seconds.
 Periodic work is only the scrape schedule of running jobs (pods' metrics, not the API server)
 and one timer per job for its next deadline (activeDeadlineSeconds, TTL, unschedulable timeout).
 A scrape is not a pass: it runs one only when it found something to write now
@@ -29,6 +29,7 @@ from ddpjob_operator.cluster.k8s import K8s
 from ddpjob_operator.decisions.lifecycle import Decision, decide
 from ddpjob_operator.api.objmeta import resource_version
 from ddpjob_operator.app.operator_metrics import OperatorMetrics
+from ddpjob_operator.app.workqueue import Key, WorkQueue
 from ddpjob_operator.api.phases import Phase
 from ddpjob_operator.builders.pods import render_pod
 
@@ -41,7 +42,6 @@ from ddpjob_operator.decisions.status import NAME_CONFLICT, CreateRefusal, creat
 from ddpjob_operator.decisions.writes import scrape_needs_pass, urgent, write_wait
 
 log = logging.getLogger("ddpjob.controller")
-Key = tuple[str, str]
 # Test knob: seconds to wait between pod creations (lets a test kill the operator mid-creation).
 CREATE_DELAY_ENV = "DDPJOB_DEBUG_CREATE_DELAY"
 MONITOR_TIMEOUT = 30.0
@@ -120,23 +120,17 @@ class Reconciler:
         self.jobs = jobs if jobs is not None else Store()
         self.pods = pods if pods is not None else Store(index_label=labels.JOB_NAME)
         self.pods.listeners.append(self._pod_changed)
-        self.gate = gate
-        if gate is not None:
-            gate.store.listeners.append(lambda *_: self._unblock())
+        # A short pause before each pass folds a burst of pod events into one pass.
+        self.queue = WorkQueue(lambda key, scrape: self.reconcile(*key, scrape=scrape), ready=self.pods.wait_synced,
+                               failed=self.metrics.reconcile_errors.inc, gate=gate, debounce=0.1)
         self.scrape_interval = max(float(config.scrape_interval), 1.0)
         self.progress_interval = max(float(config.progress_interval), 0.0)
         self.create_delay = float(os.environ.get(CREATE_DELAY_ENV) or 0)
-        # A short pause before each pass folds a burst of pod events into one pass.
-        self.debounce = 0.1
         self.coalesce = coalesce
         self._written_rv: dict[Key, str] = {}      # resourceVersion of our own last status write
         self._last_write: dict[Key, float] = {}    # loop time of that write
-        self._dirty: dict[Key, bool] = {}          # pending pass; True = also scrape
-        self._workers: dict[Key, asyncio.Task] = {}
-        self._timers: dict[Key, tuple[float, asyncio.TimerHandle]] = {}
         self._services: dict[str, int] = {}        # job uid -> attempt its Service was last seen in
         self._podgroups: dict[str, int] = {}       # job uid -> attempt its PodGroup was last seen in
-        self._blocked: set[Key] = set()            # passes held back by a higher-priority peer
         # Last state of each job's pods that vanished (PodGC marks a lost node's pod Failed +
         # DisruptionTarget just before it force-deletes it): lifecycle.decide's evidence.
         self._departed: dict[Key, dict[str, dict[str, Any]]] = {}
@@ -146,41 +140,15 @@ class Reconciler:
         # The latest scrape of each Running job, folded into its passes until the job stops running;
         # its events are taken (posted) by the next pass.
         self._reports: dict[Key, MonitorReport] = {}
-        self._at_once: set[Key] = set()            # the pending pass skips the debounce
 
     # -- triggers ------------------------------------------------------------------------
-    def kick(self, namespace: str, name: str, *, scrape: bool = False, at_once: bool = False) -> None:
-        """Ask for a pass over this job (coalesced with any pass already pending); `at_once`: no
-        pause to fold a burst of events in (the next batch of a group being created)."""
-        key = (namespace, name)
-        self._dirty[key] = self._dirty.get(key, False) or scrape
-        if at_once:
-            self._at_once.add(key)
-        if key not in self._workers:
-            self._workers[key] = asyncio.get_running_loop().create_task(self._work(key))
-
-    def kick_later(self, key: Key, delay: float) -> None:
-        """One delayed pass (deadlines, TTL, unschedulable timeout); keeps only the soonest."""
-        loop = asyncio.get_running_loop()
-        when = loop.time() + delay
-        old = self._timers.get(key)
-        if old and old[0] <= when and not old[1].cancelled():
-            return
-        if old:
-            old[1].cancel()
-        self._timers[key] = (when, loop.call_at(when + 0.05, self._timer_fired, key))
-
-    def _timer_fired(self, key: Key) -> None:
-        self._timers.pop(key, None)
-        self.kick(*key)
-
     def job_event(self, obj: dict[str, Any]) -> None:
         """A DDPJob watch event: cache it; pass over it unless it is the echo of our own write."""
         key = key_of(obj)
         self.jobs.upsert(obj, notify=False)
         if resource_version(obj) and self._written_rv.get(key) == resource_version(obj):
             return
-        self.kick(*key)
+        self.queue.kick(*key)
 
     def job_deleted(self, obj: dict[str, Any]) -> None:
         """A DDPJob is gone (its watch said so)."""
@@ -194,7 +162,7 @@ class Reconciler:
             if etype == "DELETED":
                 self._departed.setdefault(key, {})[podinfo.name(pod)] = pod
             self._scrape_every.pop(key, None)
-            self.kick(*key)
+            self.queue.kick(*key)
 
     def forget(self, namespace: str, name: str, uid: str | None = None) -> None:
         """A DDPJob is gone: drop everything kept about it (a running pass ends by itself)."""
@@ -203,14 +171,10 @@ class Reconciler:
         if obj is not None and (uid is None or (obj.get("metadata") or {}).get("uid") == uid):
             uid = uid or (obj.get("metadata") or {}).get("uid")
             self.jobs.delete(obj, notify=False)
-        for table in (self._written_rv, self._last_write, self._dirty, self._departed):
+        for table in (self._written_rv, self._last_write, self._departed):
             table.pop(key, None)
-        self._blocked.discard(key)
-        self._at_once.discard(key)
+        self.queue.forget(key)
         self._stop_scraping(key, uid)
-        timer = self._timers.pop(key, None)
-        if timer:
-            timer[1].cancel()
         self.metrics.set_phase(key, None)
         if uid:
             self._services.pop(uid, None)
@@ -228,66 +192,13 @@ class Reconciler:
 
     async def shutdown(self) -> None:
         """Stop timers and in-flight passes (on operator exit), then the I/O pool."""
-        for _, handle in self._timers.values():
-            handle.cancel()
-        self._timers.clear()
-        self._dirty.clear()
-        tasks = [t for t in self._workers.values() if not t.done()]
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await self.queue.shutdown()
         close = getattr(self.monitor, "close", None)
         if close is not None:
             await close()
         self.k8s.close()
 
     # -- scheduling ------------------------------------------------------------------------
-    async def _work(self, key: Key) -> None:
-        backoff = 1.0
-        try:
-            await self.pods.wait_synced()  # an unsynced cache would make launched pods look deleted
-            while key in self._dirty:
-                if key in self._at_once:
-                    self._at_once.discard(key)
-                    await asyncio.sleep(0)  # other jobs' passes still get their turn
-                else:
-                    await asyncio.sleep(self.debounce)
-                scrape = self._dirty.pop(key)
-                wait = self.held_back()
-                if wait is not None:
-                    # A higher-priority peer acts; retry when it would be presumed dead (its
-                    # keep-alives move that time, and its leaving wakes us through the peer cache).
-                    self._blocked.add(key)
-                    self.kick_later(key, wait)
-                    continue
-                try:
-                    await self.reconcile(*key, scrape=scrape)
-                    backoff = 1.0
-                except asyncio.CancelledError:
-                    raise
-                except Exception as exc:  # noqa: BLE001  (retry with backoff; never crash the operator)
-                    self.metrics.reconcile_errors.inc()
-                    log.warning("reconcile %s/%s failed (retry in %.0fs): %s", *key, backoff, exc)
-                    await asyncio.sleep(backoff)
-                    backoff = min(backoff * 2, 30.0)
-                    self._dirty[key] = self._dirty.get(key, False) or scrape
-        finally:
-            if self._workers.get(key) is asyncio.current_task():
-                del self._workers[key]
-
-    def held_back(self) -> float | None:
-        """Seconds until a live higher-priority peer would be presumed dead; None = act now."""
-        until = self.gate.blocking_until() if self.gate is not None else None
-        if until is None:
-            return None
-        return max(1.0, (until - dt.datetime.now(dt.timezone.utc)).total_seconds())
-
-    def _unblock(self) -> None:
-        """The peering object changed: passes held back may run now (or wait again)."""
-        blocked, self._blocked = self._blocked, set()
-        for key in blocked:
-            self.kick(*key)
-
     async def scrape_loop(self) -> None:
         """Every scrape interval: scrape each running job's pods (not the API server), and run a
         pass only for a job whose scrape found something to write now. A job whose pods do not
@@ -311,7 +222,7 @@ class Reconciler:
     async def _scrape_and_kick(self, key: Key) -> None:
         try:
             if await self.scrape(*key):
-                self.kick(*key)
+                self.queue.kick(*key)
         except Exception:  # a scrape is optional; the next tick tries again
             log.exception("scrape of %s/%s failed", *key)
 
@@ -382,7 +293,7 @@ class Reconciler:
                 wait = write_wait(prev, status, since_write=since, coalesce=self.coalesce,
                                   progress_interval=self.progress_interval)
                 if wait > 0:
-                    self.kick_later(key, wait)  # fold this change into a later write
+                    self.queue.kick_later(key, wait)  # fold this change into a later write
                     break
             try:
                 written = await self.k8s.patch_status(namespace, name, status_patch(prev, status),
@@ -419,7 +330,7 @@ class Reconciler:
         if decision.restarted is not None:
             # The new group is created by a later pass once the old pods' names are free; their
             # DELETED events usually bring it, but a lost node's pods were gone before this pass.
-            self.kick(namespace, name)
+            self.queue.kick(namespace, name)
         gone = {n: p for n, p in self._departed.pop(key, {}).items() if podinfo.attempt(p) >= decision.attempt}
         if gone:
             self._departed[key] = gone  # older attempts' records are history
@@ -429,7 +340,7 @@ class Reconciler:
             self._wrote(key, await self.k8s.patch_status(namespace, name, status_patch(status, new)))
             status, events = new, events + more
             if not any(r.permanent for r in refused):
-                self.kick_later(key, REFUSED_RETRY_SECONDS)  # e.g. a quota: try again
+                self.queue.kick_later(key, REFUSED_RETRY_SECONDS)  # e.g. a quota: try again
         for etype, reason, message in events + (report.events if report is not None else []):
             await self.k8s.post_event(obj, etype, reason, message)
 
@@ -439,7 +350,7 @@ class Reconciler:
                                  restarted=decision.restarted.reason if decision.restarted else None,
                                  hang_timeout=job.hang_timeout_seconds)
         if decision.requeue_after is not None and not decision.delete_job:
-            self.kick_later(key, decision.requeue_after)
+            self.queue.kick_later(key, decision.requeue_after)
         self.metrics.reconcile_seconds.observe(time.monotonic() - started)
 
     async def _read_podgroup(self, job, namespace: str, name: str) -> dict[str, Any] | None:
@@ -534,7 +445,7 @@ class Reconciler:
         ranks = list(decision.create_ranks)
         if len(ranks) > CREATE_BATCH:
             ranks = ranks[:CREATE_BATCH]
-            self.kick(job.namespace, job.name, at_once=True)  # the rest in later passes, other jobs' between
+            self.queue.kick(job.namespace, job.name, at_once=True)  # the rest in later passes, other jobs' between
         pods = [render_pod(job, r, attempt=decision.attempt, config=self.config, restarts=decision.restarts,
                            counted_restarts=decision.counted_restarts) for r in ranks]
         if self.create_delay > 0:
