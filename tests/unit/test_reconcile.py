@@ -380,7 +380,7 @@ def test_forget_leaves_no_state_behind():
         await asyncio.sleep(0.3)
         await rec.shutdown()
     run(main())
-    for table in (rec._written_rv, rec._last_write, rec.queue.dirty, rec.queue.workers, rec.queue.timers, rec._services):
+    for table in (rec._written_rv, rec._last_write, rec.queue.dirty, rec.queue.workers, rec.queue.timers, rec.children.services):
         assert not table
     assert rec.jobs.get(NS, "j") is None
 
@@ -621,21 +621,21 @@ def test_our_own_headless_service_found_by_a_409_is_used():
 
 
 def test_a_large_group_is_created_in_batches_with_another_jobs_pass_between():
-    from ddpjob_operator.app.controller import CREATE_BATCH
+    from ddpjob_operator.app.children import CREATE_BATCH
 
     k8s = FakeK8s()
     rec = reconciler(k8s)
     rec.queue.debounce = 0.0   # no pause before a pass: the order below is the queue's, not the clock's
     big = 3 * CREATE_BATCH + 5
     batches: list[tuple[str, int]] = []   # (job, pods) of each pass's creates
-    create_pods = rec._create_pods
+    create_pods = rec.children.create_pods
 
     async def record(job, pods):
         batches.append((job.name, len(pods)))
         if len(batches) == 1:   # the big job's first pass is under way: the small job arrives
             rec.job_event(k8s.add_job(make_manifest("s", nodes=2)))
         return await create_pods(job, pods)
-    rec._create_pods = record  # type: ignore[method-assign]
+    rec.children.create_pods = record  # type: ignore[method-assign]
 
     def created(job: str) -> list[int]:
         """Indexes in the call record of this job's pod creates."""

@@ -1,4 +1,5 @@
-"""One reconcile pass per job: read the caches, decide (pure), write status once, act, post events.
+"""One reconcile pass per job: read the caches, decide and compute the status (pure), write the
+status once, create and delete children as decided (`children`), post events.
 
 Passes read the job and its pods from caches fed by watches, so a pass that changes nothing
 sends nothing to the API server: jobs at rest cost no requests. Passes for one job never overlap and
@@ -15,42 +16,35 @@ import asyncio
 import dataclasses
 import datetime as dt
 import logging
-import os
 import time
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 from kubernetes.client.rest import ApiException
 
-from ddpjob_operator.builders import gang
 from ddpjob_operator.api import labels, podinfo
-from ddpjob_operator.cluster.cache import PeerGate, Store, key_of
 from ddpjob_operator.api.config import OperatorConfig
-from ddpjob_operator.cluster.k8s import K8s
-from ddpjob_operator.decisions.lifecycle import Decision, decide
-from ddpjob_operator.api.objmeta import resource_version
+from ddpjob_operator.api.objmeta import owned_by, resource_version
+from ddpjob_operator.api.phases import Phase
+from ddpjob_operator.api.spec import from_manifest
+from ddpjob_operator.app.children import Children
 from ddpjob_operator.app.operator_metrics import OperatorMetrics
 from ddpjob_operator.app.workqueue import Key, WorkQueue
-from ddpjob_operator.api.phases import Phase
-from ddpjob_operator.builders.pods import render_pod
+from ddpjob_operator.builders import gang
+from ddpjob_operator.cluster.cache import PeerGate, Store, key_of
+from ddpjob_operator.cluster.k8s import K8s
+from ddpjob_operator.decisions.lifecycle import decide
+from ddpjob_operator.decisions.samples import MonitorReport
+from ddpjob_operator.decisions.status import create_refused, job_status
+from ddpjob_operator.decisions.writes import scrape_needs_pass, urgent, write_wait
 
 if TYPE_CHECKING:
     from ddpjob_operator.cluster.monitor import Monitor
-from ddpjob_operator.builders.service import render_service
-from ddpjob_operator.api.spec import from_manifest
-from ddpjob_operator.decisions.samples import MonitorReport
-from ddpjob_operator.decisions.status import NAME_CONFLICT, CreateRefusal, create_refused, job_status, refusal, split_creates
-from ddpjob_operator.decisions.writes import scrape_needs_pass, urgent, write_wait
 
 log = logging.getLogger("ddpjob.controller")
-# Test knob: seconds to wait between pod creations (lets a test kill the operator mid-creation).
-CREATE_DELAY_ENV = "DDPJOB_DEBUG_CREATE_DELAY"
 MONITOR_TIMEOUT = 30.0
 # Status writes per pass: a 409 (someone wrote in between) re-reads the job and decides again.
 WRITE_ATTEMPTS = 4
 MAX_SCRAPE_BACKOFF = 8
-# Pods POSTed per pass: a larger group is created over several passes (the job kicks itself), so
-# another job's requests queue behind at most one batch in the K8s facade's pool, not a whole group.
-CREATE_BATCH = 32
 REFUSED_RETRY_SECONDS = 10.0  # a refusal that may pass later (403 from a quota): try again after this
 
 
@@ -74,41 +68,9 @@ def status_patch(prev: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
     return patch
 
 
-def owned_by(pod: dict[str, Any], uid: str) -> bool:
-    """True when the pod's controller owner is the DDPJob with this uid."""
-    return any(ref.get("uid") == uid for ref in (pod.get("metadata") or {}).get("ownerReferences") or [])
-
-
-def foreign_service(job, svc: dict[str, Any] | None) -> CreateRefusal | None:
-    """A refusal naming the Service that holds this job's Service name when it is not this job's
-    headless Service; None when it is (or it has gone meanwhile: the next pass creates it)."""
-    if svc is None:
-        return None
-    name = (svc.get("metadata") or {}).get("name") or job.name
-    if not owned_by(svc, job.uid):
-        why = f"service {name} exists and is not owned by this DDPJob"
-    elif (svc.get("spec") or {}).get("clusterIP") != "None":
-        why = f"service {name} is not headless (clusterIP {(svc.get('spec') or {}).get('clusterIP')})"
-    else:
-        return None
-    return CreateRefusal(pod=name, code=409, reason=NAME_CONFLICT, kind="service",
-                         message=f"{why}: pods would get a MASTER_ADDR that does not resolve; "
-                                 "rename the job or delete that service")
-
-
-def foreign_podgroup(job, pg: dict[str, Any] | None) -> CreateRefusal | None:
-    """A refusal naming the PodGroup that holds this job's PodGroup name when it is not this
-    job's: the gang scheduler would wait for that group's minMember, not ours."""
-    if pg is None or owned_by(pg, job.uid):
-        return None
-    name = (pg.get("metadata") or {}).get("name") or job.name
-    return CreateRefusal(pod=name, code=409, reason=NAME_CONFLICT, kind="podgroup",
-                         message=f"podgroup {name} exists and is not owned by this DDPJob: the gang "
-                                 "scheduler would place the pods by its rules; rename the job or delete it")
-
-
 class Reconciler:
-    """Serialises and coalesces reconcile passes per job; owns the scrape schedule and timers."""
+    """The pass over one job (`reconcile`), run by `queue`; what it decided to make or delete goes
+    through `children`. Owns the scrape schedule and what passes keep between them."""
 
     def __init__(self, config: OperatorConfig, k8s: K8s, metrics: OperatorMetrics, *,
                  monitor: Any = "auto", jobs: Store | None = None, pods: Store | None = None,
@@ -123,14 +85,12 @@ class Reconciler:
         # A short pause before each pass folds a burst of pod events into one pass.
         self.queue = WorkQueue(lambda key, scrape: self.reconcile(*key, scrape=scrape), ready=self.pods.wait_synced,
                                failed=self.metrics.reconcile_errors.inc, gate=gate, debounce=0.1)
+        self.children = Children(config, k8s, metrics, self.pods, kick=self.queue.kick)
         self.scrape_interval = max(float(config.scrape_interval), 1.0)
         self.progress_interval = max(float(config.progress_interval), 0.0)
-        self.create_delay = float(os.environ.get(CREATE_DELAY_ENV) or 0)
         self.coalesce = coalesce
         self._written_rv: dict[Key, str] = {}      # resourceVersion of our own last status write
         self._last_write: dict[Key, float] = {}    # loop time of that write
-        self._services: dict[str, int] = {}        # job uid -> attempt its Service was last seen in
-        self._podgroups: dict[str, int] = {}       # job uid -> attempt its PodGroup was last seen in
         # Last state of each job's pods that vanished (PodGC marks a lost node's pod Failed +
         # DisruptionTarget just before it force-deletes it): lifecycle.decide's evidence.
         self._departed: dict[Key, dict[str, dict[str, Any]]] = {}
@@ -177,8 +137,7 @@ class Reconciler:
         self._stop_scraping(key, uid)
         self.metrics.set_phase(key, None)
         if uid:
-            self._services.pop(uid, None)
-            self._podgroups.pop(uid, None)
+            self.children.forget(uid)
 
     def _stop_scraping(self, key: Key, uid: str | None) -> None:
         """Drop what the scrape schedule keeps about a job (gone, or no longer running)."""
@@ -326,7 +285,7 @@ class Reconciler:
             raise RuntimeError(f"status of {namespace}/{name}: {WRITE_ATTEMPTS} conflicting writes in a row")
 
         # Actions only after the status (attempt, counters) is safely stored.
-        refused = await self._act(job, pods, decision)
+        refused = await self.children.act(job, pods, decision)
         if decision.restarted is not None:
             # The new group is created by a later pass once the old pods' names are free; their
             # DELETED events usually bring it, but a lost node's pods were gone before this pass.
@@ -377,105 +336,3 @@ class Reconciler:
         self._last_write[key] = asyncio.get_running_loop().time()
         if written:
             self.jobs.upsert(written, notify=False)
-
-    async def _act(self, job, pods: list[dict[str, Any]], decision: Decision) -> list:
-        """Delete, create, delete the job, as decided; returns the pod creates the API refused."""
-        by_name = {podinfo.name(p): p for p in pods}
-        deletes = [self.k8s.delete_pod(job.namespace, n, job=job.name, uid=(by_name[n].get("metadata") or {}).get("uid"))
-                   for n in decision.delete_pods]
-        if deletes:
-            results = await asyncio.gather(*deletes)
-            self.metrics.count_pods(job.namespace, deleted=sum(bool(r) for r in results))
-        refused = []
-        if decision.create_ranks:
-            refused = await self._create(job, decision)
-        if decision.delete_job:
-            log.info("deleting %s/%s: ttlSecondsAfterFinished passed", job.namespace, job.name)
-            await self.k8s.delete_job(job.namespace, job.name)
-        return refused
-
-    async def _ensure_shared(self, job, obj: dict[str, Any], *, attempt: int, seen: dict[str, int],
-                             conflict: Callable[[Any, dict[str, Any] | None], CreateRefusal | None]
-                             ) -> CreateRefusal | None:
-        """Create a child the whole job shares (its Service, its PodGroup), once per job; a refusal
-        when it cannot be made or is someone else's. Nothing watches these, so a later creation
-        pass (a restart) reads it back, once per attempt (not per batch): someone may have
-        deleted it, and the new group's rendezvous (or gang) would then never form."""
-        kind, name, api_version = obj["kind"], obj["metadata"]["name"], obj["apiVersion"]
-        if seen.get(job.uid) not in (None, attempt):
-            if await self.k8s.get_child(kind, job.namespace, name, job=job.name, api_version=api_version) is None:
-                del seen[job.uid]
-            else:
-                seen[job.uid] = attempt
-        if job.uid in seen:
-            return None
-        try:
-            created = await self.k8s.create(obj)
-        except ApiException as exc:
-            refused = refusal(name, exc.status, exc.body)
-            if refused is None:
-                raise
-            if exc.status == 404 and kind == gang.KIND:  # the API group is not served: no scheduler CRD
-                refused = dataclasses.replace(refused, message=(
-                    f"this cluster does not serve {api_version} {kind}s: install the scheduler that "
-                    f"spec.scheduling.gang names (or remove spec.scheduling.gang)"))
-            return dataclasses.replace(refused, kind=kind.lower())
-        if created is None:
-            # 409: after an operator restart it is ours; anyone else's would stand in for ours.
-            found = conflict(job, await self.k8s.get_child(kind, job.namespace, name, job=job.name,
-                                                           api_version=api_version))
-            if found:
-                return found
-        seen[job.uid] = attempt
-        return None
-
-    async def _create(self, job, decision: Decision) -> list:
-        # The Service and PodGroup outlive group restarts: POST them once per job (a 409 after an
-        # operator restart also means they exist). A Service that is not ours (or not headless)
-        # would give the pods a MASTER_ADDR that never resolves, so no pods until it is sorted out.
-        service = render_service(job)
-        shared: list[tuple[Any, Any, Any]] = [(service, self._services, foreign_service)]
-        if gang.api_of(job) is not None:
-            pod = render_pod(job, 0, attempt=decision.attempt, config=self.config)
-            shared.append((gang.render_podgroup(job, pod), self._podgroups, foreign_podgroup))
-        for obj, seen, conflict in shared:
-            refused = await self._ensure_shared(job, obj, attempt=decision.attempt, seen=seen, conflict=conflict)
-            if refused:
-                return [refused]
-        ranks = list(decision.create_ranks)
-        if len(ranks) > CREATE_BATCH:
-            ranks = ranks[:CREATE_BATCH]
-            self.queue.kick(job.namespace, job.name, at_once=True)  # the rest in later passes, other jobs' between
-        pods = [render_pod(job, r, attempt=decision.attempt, config=self.config, restarts=decision.restarts,
-                           counted_restarts=decision.counted_restarts) for r in ranks]
-        if self.create_delay > 0:
-            refusals: list = []
-            for pod in pods:
-                refusals += await self._create_pods(job, [pod])
-                await asyncio.sleep(self.create_delay)
-            return refusals
-        return await self._create_pods(job, pods)
-
-    async def _create_pods(self, job, pods: list[dict[str, Any]]) -> list[CreateRefusal]:
-        results = await asyncio.gather(*(self.k8s.create(p) for p in pods), return_exceptions=True)
-        made, refused = split_creates(pods, results)
-        self._created(job.namespace, made)
-        # A 409 is usually our own pod the cache has not shown yet; a pod of that name made by
-        # someone else would keep the job waiting forever without a word, so look at its owner.
-        for pod, res in zip(pods, results):
-            if res is not None:
-                continue
-            name = pod["metadata"]["name"]
-            other = await self.k8s.get_child("Pod", job.namespace, name, job=job.name)
-            if other is not None and not owned_by(other, job.uid):
-                refused.append(CreateRefusal(pod=name, code=409, reason=NAME_CONFLICT,
-                                             message=f"pod {name} exists and is not owned by this DDPJob"))
-        return refused
-
-    def _created(self, namespace: str, pods: list[dict[str, Any] | None]) -> None:
-        made = [p for p in pods if p is not None]  # None: it existed already (409)
-        self.metrics.count_pods(namespace, created=len(made))
-        for pod in made:
-            if pod.get("metadata"):
-                self.pods.upsert(pod, notify=False)  # seen by the next pass even before its watch event
-
