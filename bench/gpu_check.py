@@ -163,7 +163,7 @@ def scrape_dir(metrics_dir: Path) -> str:
 
 def per_rank(text: str) -> dict[int, dict]:
     """Table columns per rank from one exposition (the operator's own parser, plus gpu_info)."""
-    from ddpjob_operator.cluster.scrape import parse_metrics
+    from ddpjob_operator.decisions.samples import parse_metrics
     from ddpjob_trainer.telemetry import GPU_INFO
     from prometheus_client.parser import text_string_to_metric_families
 

@@ -300,7 +300,7 @@ class Display:
     def update(self, ports: list[int]) -> None:
         """Scrape every node once and redraw."""
         from ddpjob_operator.decisions.progress import compute_progress
-        from ddpjob_operator.cluster.scrape import merge, parse_metrics
+        from ddpjob_operator.decisions.samples import merge, parse_metrics
 
         parts = []
         for port in ports:

@@ -1,5 +1,5 @@
 """A pod the API server refuses becomes a FailedCreatePod condition and phase with the API's own
-message: the real 422/403 bodies of this API server through status.refusal / create_refused, and the
+message: the real 422/403 bodies of this API server through children.refusal / status.create_refused, and the
 resulting status accepted by the CRD and shown by kubectl."""
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ from kubernetes.client.rest import ApiException
 
 from ddpjob_operator.builders.pods import render_pod
 from ddpjob_operator.api.spec import from_manifest
-from ddpjob_operator.decisions.status import create_refused, job_status, refusal
+from ddpjob_operator.app.children import refusal
+from ddpjob_operator.decisions.status import create_refused, job_status
 from tests.cluster.conftest import wait_for
 from tests.cluster.test_crd import install_crd, manifest
 

@@ -69,7 +69,7 @@ def _find_worker(job_name: str, rank: int) -> int | None:
 
 
 def _scrape(port: int) -> dict:
-    from ddpjob_operator.cluster.scrape import parse_metrics
+    from ddpjob_operator.decisions.samples import parse_metrics
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
             return parse_metrics(resp.read().decode())

@@ -240,7 +240,7 @@ def test_api_errors_are_one_line_saying_what_to_do(code, body, expect, missing):
 
 
 def test_top_live_adds_each_process_own_numbers_and_flags_the_named_rank():
-    from ddpjob_operator.cluster.scrape import parse_metrics
+    from ddpjob_operator.decisions.samples import parse_metrics
 
     text = "".join(
         f'ddpjob_trainer_{m}{{rank="{r}",local_rank="{r % 2}",node_rank="{r // 2}"{extra}}} {v}\n'

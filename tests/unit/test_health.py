@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from ddpjob_operator.decisions.health import STALLED, STRAGGLER, HealthTracker
-from ddpjob_operator.cluster.scrape import RankSample
+from ddpjob_operator.decisions.samples import RankSample
 
 
 class Job:

@@ -20,7 +20,7 @@ T0 = 1_800_000_000.0  # a failure's Unix time on the pods' clock
 
 @dataclass
 class Sample:
-    """What scrape.RankSample carries for these decisions."""
+    """What samples.RankSample carries for these decisions."""
 
     pod: str
     node: str | None = "n1"

@@ -5,7 +5,7 @@ import pytest
 
 from ddpjob_operator.api.objmeta import format_time as rfc3339
 from ddpjob_operator.decisions.progress import PROGRESS_FIELDS, compute_progress, human_duration
-from ddpjob_operator.cluster.scrape import RankSample
+from ddpjob_operator.decisions.samples import RankSample
 
 
 def rs(rank, step, *, total=100, loss=1.0, samples=0.0, ssum=0.0, scount=0.0, wait=0.0, ts=None,

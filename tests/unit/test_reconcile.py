@@ -19,7 +19,7 @@ from ddpjob_operator.api import labels
 from ddpjob_operator.cluster.cache import PeerGate, Store
 from ddpjob_operator.api.config import OperatorConfig
 from ddpjob_operator.app.controller import Reconciler
-from ddpjob_operator.cluster.monitor import MonitorReport
+from ddpjob_operator.decisions.samples import MonitorReport
 from ddpjob_operator.app.operator_metrics import OperatorMetrics
 from ddpjob_operator.builders.service import render_service
 from ddpjob_operator.api.spec import from_manifest
@@ -319,13 +319,13 @@ def test_own_status_write_echo_does_not_trigger_a_pass_but_a_foreign_change_does
 
     async def main():
         rec.job_event(k8s.add_job(make_manifest()))
-        await until(lambda: "status" in k8s.jobs["j"] and ("ns", "j") not in rec._workers,
+        await until(lambda: "status" in k8s.jobs["j"] and ("ns", "j") not in rec.queue.workers,
                     desc="the kicked pass's status write, then the pass's end")
         k8s.calls.clear()
         rec.job_event(copy.deepcopy(k8s.jobs["j"]))   # the watch echo of our write
-        assert ("ns", "j") not in rec._workers
+        assert ("ns", "j") not in rec.queue.workers
         rec.job_event(k8s.touch("j", message="edited"))
-        assert ("ns", "j") in rec._workers
+        assert ("ns", "j") in rec.queue.workers
         await rec.shutdown()
     run(main())
 
@@ -374,13 +374,13 @@ def test_forget_leaves_no_state_behind():
 
     async def main():
         await start_running(k8s, rec, nodes=2)
-        rec.kick(NS, "j")
-        rec.kick_later(("ns", "j"), 60)
+        rec.queue.kick(NS, "j")
+        rec.queue.kick_later(("ns", "j"), 60)
         rec.job_deleted(copy.deepcopy(k8s.jobs["j"]))
         await asyncio.sleep(0.3)
         await rec.shutdown()
     run(main())
-    for table in (rec._written_rv, rec._last_write, rec._dirty, rec._workers, rec._timers, rec._services):
+    for table in (rec._written_rv, rec._last_write, rec.queue.dirty, rec.queue.workers, rec.queue.timers, rec.children.services):
         assert not table
     assert rec.jobs.get(NS, "j") is None
 
@@ -621,21 +621,21 @@ def test_our_own_headless_service_found_by_a_409_is_used():
 
 
 def test_a_large_group_is_created_in_batches_with_another_jobs_pass_between():
-    from ddpjob_operator.app.controller import CREATE_BATCH
+    from ddpjob_operator.app.children import CREATE_BATCH
 
     k8s = FakeK8s()
     rec = reconciler(k8s)
-    rec.debounce = 0.0   # no pause before a pass: the order below is the queue's, not the clock's
+    rec.queue.debounce = 0.0   # no pause before a pass: the order below is the queue's, not the clock's
     big = 3 * CREATE_BATCH + 5
     batches: list[tuple[str, int]] = []   # (job, pods) of each pass's creates
-    create_pods = rec._create_pods
+    create_pods = rec.children.create_pods
 
     async def record(job, pods):
         batches.append((job.name, len(pods)))
         if len(batches) == 1:   # the big job's first pass is under way: the small job arrives
             rec.job_event(k8s.add_job(make_manifest("s", nodes=2)))
         return await create_pods(job, pods)
-    rec._create_pods = record  # type: ignore[method-assign]
+    rec.children.create_pods = record  # type: ignore[method-assign]
 
     def created(job: str) -> list[int]:
         """Indexes in the call record of this job's pod creates."""

@@ -10,6 +10,7 @@ import pytest
 from aiohttp import web
 
 from ddpjob_operator.cluster import monitor as monitor_mod, scrape
+from ddpjob_operator.decisions.samples import parse_metrics
 from ddpjob_operator.api.config import OperatorConfig
 from ddpjob_operator.cluster.monitor import Monitor
 from tests.support.builders import make_manifest, make_pod
@@ -111,7 +112,7 @@ def test_oversized_body_is_a_failed_scrape_of_that_pod(server, caplog):
         [f"{base}/huge/0", f"{base}/good/1"], timeout=20, max_bytes=CAP))
     assert results[0].text is None and results[0].oversized
     assert str(CAP) in results[0].error
-    assert results[1].text is not None and 1 in scrape.parse_metrics(results[1].text)
+    assert results[1].text is not None and 1 in parse_metrics(results[1].text)
 
 
 def test_monitor_warns_naming_the_url_and_cap(server, caplog):
@@ -129,7 +130,7 @@ def test_monitor_warns_naming_the_url_and_cap(server, caplog):
 def test_non_finite_and_absurd_values_never_reach_the_report(server):
     loop, base = server
     (res,) = loop.run_until_complete(scrape.fetch_all([f"{base}/poison/0"], timeout=20))
-    parsed = scrape.parse_metrics(res.text)
+    parsed = parse_metrics(res.text)
     s = parsed[0]
     assert s.step == 7
     assert s.total_steps is None and s.epoch is None and s.loss is None and s.eval_loss is None
@@ -152,7 +153,7 @@ def test_huge_but_finite_values_keep_the_report_within_int64(server):
     text = (f"ddpjob_trainer_step{{{lab}}} 0\nddpjob_trainer_total_steps{{{lab}}} 1e12\n"
             f"ddpjob_trainer_step_seconds_sum{{{lab}}} 1e12\n"
             f"ddpjob_trainer_step_seconds_count{{{lab}}} 1\n")
-    samples = scrape.parse_metrics(text)
+    samples = parse_metrics(text)
     assert samples[0].total_steps == 10**12
     mon = Monitor(OperatorConfig(scrape_url_template=base + "/{pod}"), timeout=20)
     prog = monitor_mod._finite_only(monitor_mod.progress.compute_progress(samples, now=1.0))
@@ -165,7 +166,7 @@ def test_slow_endpoint_fails_alone(server):
     results = loop.run_until_complete(scrape.fetch_all(
         [f"{base}/slow/0", f"{base}/good/1", f"{base}/good/2"], timeout=0.5))
     assert results[0].text is None and results[0].error
-    assert [sorted(scrape.parse_metrics(r.text)) for r in results[1:]] == [[1], [2]]
+    assert [sorted(parse_metrics(r.text)) for r in results[1:]] == [[1], [2]]
 
 
 def test_bad_cap_is_a_clear_error():

@@ -139,7 +139,7 @@ def test_a_failed_lookup_is_asked_again():
 
 
 def test_the_status_says_why_and_forgets_it_once_progress_returns():
-    from ddpjob_operator.cluster.monitor import MonitorReport
+    from ddpjob_operator.decisions.samples import MonitorReport
     from ddpjob_operator.decisions.status import UNAVAILABLE, job_status
     from tests.support.builders import NOW, make_job, running_status
 

@@ -8,7 +8,9 @@ import pytest
 
 from ddpjob_operator.decisions.lifecycle import decide
 from ddpjob_operator.api.phases import Phase
-from ddpjob_operator.decisions.status import CreateRefusal, create_refused, job_status, refusal
+from ddpjob_operator.app.children import refusal
+from ddpjob_operator.decisions.refusals import CreateRefusal
+from ddpjob_operator.decisions.status import create_refused, job_status
 from tests.support.builders import NOW, ago, make_job, make_pod, running_status
 from tests.unit.test_status import cond
 
@@ -242,7 +244,7 @@ def test_evidence_ignores_other_attempts_and_clean_exits():
 def test_split_creates_keeps_refusals_and_raises_the_rest():
     from kubernetes.client.rest import ApiException
 
-    from ddpjob_operator.decisions.status import split_creates
+    from ddpjob_operator.app.children import split_creates
 
     def api_error(code, body):
         exc = ApiException(status=code, reason="x")

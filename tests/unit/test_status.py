@@ -151,7 +151,7 @@ def test_status_patch_nulls_removed_keys():
 
 @pytest.mark.parametrize("refs,owned", [([{"uid": "u1"}], True), ([{"uid": "other"}], False), (None, False)])
 def test_only_pods_owned_by_this_job_uid_count(refs, owned):
-    from ddpjob_operator.app.controller import owned_by
+    from ddpjob_operator.api.objmeta import owned_by
 
     assert owned_by({"metadata": {"ownerReferences": refs}}, "u1") is owned
 

@@ -15,7 +15,7 @@ import urllib.request
 
 import pytest
 
-from ddpjob_operator.cluster.scrape import parse_metrics
+from ddpjob_operator.decisions.samples import parse_metrics
 from ddpjob_trainer.telemetry import DeviceTimer, gpu_uuid
 
 

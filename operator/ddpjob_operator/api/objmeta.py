@@ -1,9 +1,14 @@
-"""Kubernetes' own vocabulary, written once: an object's resourceVersion, and metav1.Time
+"""Kubernetes' own vocabulary, written once: an object's resourceVersion and owner, and metav1.Time
 (RFC 3339 in UTC, whole seconds, a trailing Z) in both directions."""
 from __future__ import annotations
 
 import datetime as dt
 from typing import Any, overload
+
+
+def owned_by(pod: dict[str, Any], uid: str) -> bool:
+    """True when the pod's controller owner is the DDPJob with this uid."""
+    return any(ref.get("uid") == uid for ref in (pod.get("metadata") or {}).get("ownerReferences") or [])
 
 
 def resource_version(obj: dict[str, Any] | None) -> str:

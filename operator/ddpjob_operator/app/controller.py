@@ -1,9 +1,10 @@
-"""One reconcile pass per job: read the caches, decide (pure), write status once, act, post events.
+"""One reconcile pass per job: read the caches, decide and compute the status (pure), write the
+status once, create and delete children as decided (`children`), post events.
 
 Passes read the job and its pods from caches fed by watches, so a pass that changes nothing
-sends nothing to the API server: jobs at rest cost no requests. Passes for one job never overlap;
-bursts of triggers (a 64-pod group emits hundreds of pod events) coalesce into a few passes, and
-status changes nobody acts on (node counts) are written at most once per `coalesce` seconds.
+sends nothing to the API server: jobs at rest cost no requests. Passes for one job never overlap and
+bursts of triggers coalesce into a few passes (`workqueue`); status changes nobody acts on (node
+counts) are written at most once per `coalesce` seconds.
 Periodic work is only the scrape schedule of running jobs (pods' metrics, not the API server)
 and one timer per job for its next deadline (activeDeadlineSeconds, TTL, unschedulable timeout).
 A scrape is not a pass: it runs one only when it found something to write now
@@ -15,41 +16,35 @@ import asyncio
 import dataclasses
 import datetime as dt
 import logging
-import os
 import time
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 from kubernetes.client.rest import ApiException
 
-from ddpjob_operator.builders import gang
 from ddpjob_operator.api import labels, podinfo
-from ddpjob_operator.cluster.cache import PeerGate, Store, key_of
 from ddpjob_operator.api.config import OperatorConfig
-from ddpjob_operator.cluster.k8s import K8s
-from ddpjob_operator.decisions.lifecycle import Decision, decide
-from ddpjob_operator.api.objmeta import resource_version
-from ddpjob_operator.app.operator_metrics import OperatorMetrics
+from ddpjob_operator.api.objmeta import owned_by, resource_version
 from ddpjob_operator.api.phases import Phase
-from ddpjob_operator.builders.pods import render_pod
-
-if TYPE_CHECKING:
-    from ddpjob_operator.cluster.monitor import Monitor, MonitorReport
-from ddpjob_operator.builders.service import render_service
 from ddpjob_operator.api.spec import from_manifest
-from ddpjob_operator.decisions.status import NAME_CONFLICT, CreateRefusal, create_refused, job_status, refusal, split_creates
+from ddpjob_operator.app.children import Children
+from ddpjob_operator.app.operator_metrics import OperatorMetrics
+from ddpjob_operator.app.workqueue import Key, WorkQueue
+from ddpjob_operator.builders import gang
+from ddpjob_operator.cluster.cache import PeerGate, Store, key_of
+from ddpjob_operator.cluster.k8s import K8s
+from ddpjob_operator.decisions.lifecycle import decide
+from ddpjob_operator.decisions.samples import MonitorReport
+from ddpjob_operator.decisions.status import create_refused, job_status
 from ddpjob_operator.decisions.writes import scrape_needs_pass, urgent, write_wait
 
+if TYPE_CHECKING:
+    from ddpjob_operator.cluster.monitor import Monitor
+
 log = logging.getLogger("ddpjob.controller")
-Key = tuple[str, str]
-# Test knob: seconds to wait between pod creations (lets a test kill the operator mid-creation).
-CREATE_DELAY_ENV = "DDPJOB_DEBUG_CREATE_DELAY"
 MONITOR_TIMEOUT = 30.0
 # Status writes per pass: a 409 (someone wrote in between) re-reads the job and decides again.
 WRITE_ATTEMPTS = 4
 MAX_SCRAPE_BACKOFF = 8
-# Pods POSTed per pass: a larger group is created over several passes (the job kicks itself), so
-# another job's requests queue behind at most one batch in the K8s facade's pool, not a whole group.
-CREATE_BATCH = 32
 REFUSED_RETRY_SECONDS = 10.0  # a refusal that may pass later (403 from a quota): try again after this
 
 
@@ -73,41 +68,9 @@ def status_patch(prev: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
     return patch
 
 
-def owned_by(pod: dict[str, Any], uid: str) -> bool:
-    """True when the pod's controller owner is the DDPJob with this uid."""
-    return any(ref.get("uid") == uid for ref in (pod.get("metadata") or {}).get("ownerReferences") or [])
-
-
-def foreign_service(job, svc: dict[str, Any] | None) -> CreateRefusal | None:
-    """A refusal naming the Service that holds this job's Service name when it is not this job's
-    headless Service; None when it is (or it has gone meanwhile: the next pass creates it)."""
-    if svc is None:
-        return None
-    name = (svc.get("metadata") or {}).get("name") or job.name
-    if not owned_by(svc, job.uid):
-        why = f"service {name} exists and is not owned by this DDPJob"
-    elif (svc.get("spec") or {}).get("clusterIP") != "None":
-        why = f"service {name} is not headless (clusterIP {(svc.get('spec') or {}).get('clusterIP')})"
-    else:
-        return None
-    return CreateRefusal(pod=name, code=409, reason=NAME_CONFLICT, kind="service",
-                         message=f"{why}: pods would get a MASTER_ADDR that does not resolve; "
-                                 "rename the job or delete that service")
-
-
-def foreign_podgroup(job, pg: dict[str, Any] | None) -> CreateRefusal | None:
-    """A refusal naming the PodGroup that holds this job's PodGroup name when it is not this
-    job's: the gang scheduler would wait for that group's minMember, not ours."""
-    if pg is None or owned_by(pg, job.uid):
-        return None
-    name = (pg.get("metadata") or {}).get("name") or job.name
-    return CreateRefusal(pod=name, code=409, reason=NAME_CONFLICT, kind="podgroup",
-                         message=f"podgroup {name} exists and is not owned by this DDPJob: the gang "
-                                 "scheduler would place the pods by its rules; rename the job or delete it")
-
-
 class Reconciler:
-    """Serialises and coalesces reconcile passes per job; owns the scrape schedule and timers."""
+    """The pass over one job (`reconcile`), run by `queue`; what it decided to make or delete goes
+    through `children`. Owns the scrape schedule and what passes keep between them."""
 
     def __init__(self, config: OperatorConfig, k8s: K8s, metrics: OperatorMetrics, *,
                  monitor: Any = "auto", jobs: Store | None = None, pods: Store | None = None,
@@ -119,23 +82,15 @@ class Reconciler:
         self.jobs = jobs if jobs is not None else Store()
         self.pods = pods if pods is not None else Store(index_label=labels.JOB_NAME)
         self.pods.listeners.append(self._pod_changed)
-        self.gate = gate
-        if gate is not None:
-            gate.store.listeners.append(lambda *_: self._unblock())
+        # A short pause before each pass folds a burst of pod events into one pass.
+        self.queue = WorkQueue(lambda key, scrape: self.reconcile(*key, scrape=scrape), ready=self.pods.wait_synced,
+                               failed=self.metrics.reconcile_errors.inc, gate=gate, debounce=0.1)
+        self.children = Children(config, k8s, metrics, self.pods, kick=self.queue.kick)
         self.scrape_interval = max(float(config.scrape_interval), 1.0)
         self.progress_interval = max(float(config.progress_interval), 0.0)
-        self.create_delay = float(os.environ.get(CREATE_DELAY_ENV) or 0)
-        # A short pause before each pass folds a burst of pod events into one pass.
-        self.debounce = 0.1
         self.coalesce = coalesce
         self._written_rv: dict[Key, str] = {}      # resourceVersion of our own last status write
         self._last_write: dict[Key, float] = {}    # loop time of that write
-        self._dirty: dict[Key, bool] = {}          # pending pass; True = also scrape
-        self._workers: dict[Key, asyncio.Task] = {}
-        self._timers: dict[Key, tuple[float, asyncio.TimerHandle]] = {}
-        self._services: dict[str, int] = {}        # job uid -> attempt its Service was last seen in
-        self._podgroups: dict[str, int] = {}       # job uid -> attempt its PodGroup was last seen in
-        self._blocked: set[Key] = set()            # passes held back by a higher-priority peer
         # Last state of each job's pods that vanished (PodGC marks a lost node's pod Failed +
         # DisruptionTarget just before it force-deletes it): lifecycle.decide's evidence.
         self._departed: dict[Key, dict[str, dict[str, Any]]] = {}
@@ -145,41 +100,15 @@ class Reconciler:
         # The latest scrape of each Running job, folded into its passes until the job stops running;
         # its events are taken (posted) by the next pass.
         self._reports: dict[Key, MonitorReport] = {}
-        self._at_once: set[Key] = set()            # the pending pass skips the debounce
 
     # -- triggers ------------------------------------------------------------------------
-    def kick(self, namespace: str, name: str, *, scrape: bool = False, at_once: bool = False) -> None:
-        """Ask for a pass over this job (coalesced with any pass already pending); `at_once`: no
-        pause to fold a burst of events in (the next batch of a group being created)."""
-        key = (namespace, name)
-        self._dirty[key] = self._dirty.get(key, False) or scrape
-        if at_once:
-            self._at_once.add(key)
-        if key not in self._workers:
-            self._workers[key] = asyncio.get_running_loop().create_task(self._work(key))
-
-    def kick_later(self, key: Key, delay: float) -> None:
-        """One delayed pass (deadlines, TTL, unschedulable timeout); keeps only the soonest."""
-        loop = asyncio.get_running_loop()
-        when = loop.time() + delay
-        old = self._timers.get(key)
-        if old and old[0] <= when and not old[1].cancelled():
-            return
-        if old:
-            old[1].cancel()
-        self._timers[key] = (when, loop.call_at(when + 0.05, self._timer_fired, key))
-
-    def _timer_fired(self, key: Key) -> None:
-        self._timers.pop(key, None)
-        self.kick(*key)
-
     def job_event(self, obj: dict[str, Any]) -> None:
         """A DDPJob watch event: cache it; pass over it unless it is the echo of our own write."""
         key = key_of(obj)
         self.jobs.upsert(obj, notify=False)
         if resource_version(obj) and self._written_rv.get(key) == resource_version(obj):
             return
-        self.kick(*key)
+        self.queue.kick(*key)
 
     def job_deleted(self, obj: dict[str, Any]) -> None:
         """A DDPJob is gone (its watch said so)."""
@@ -193,7 +122,7 @@ class Reconciler:
             if etype == "DELETED":
                 self._departed.setdefault(key, {})[podinfo.name(pod)] = pod
             self._scrape_every.pop(key, None)
-            self.kick(*key)
+            self.queue.kick(*key)
 
     def forget(self, namespace: str, name: str, uid: str | None = None) -> None:
         """A DDPJob is gone: drop everything kept about it (a running pass ends by itself)."""
@@ -202,18 +131,13 @@ class Reconciler:
         if obj is not None and (uid is None or (obj.get("metadata") or {}).get("uid") == uid):
             uid = uid or (obj.get("metadata") or {}).get("uid")
             self.jobs.delete(obj, notify=False)
-        for table in (self._written_rv, self._last_write, self._dirty, self._departed):
+        for table in (self._written_rv, self._last_write, self._departed):
             table.pop(key, None)
-        self._blocked.discard(key)
-        self._at_once.discard(key)
+        self.queue.forget(key)
         self._stop_scraping(key, uid)
-        timer = self._timers.pop(key, None)
-        if timer:
-            timer[1].cancel()
         self.metrics.set_phase(key, None)
         if uid:
-            self._services.pop(uid, None)
-            self._podgroups.pop(uid, None)
+            self.children.forget(uid)
 
     def _stop_scraping(self, key: Key, uid: str | None) -> None:
         """Drop what the scrape schedule keeps about a job (gone, or no longer running)."""
@@ -227,66 +151,13 @@ class Reconciler:
 
     async def shutdown(self) -> None:
         """Stop timers and in-flight passes (on operator exit), then the I/O pool."""
-        for _, handle in self._timers.values():
-            handle.cancel()
-        self._timers.clear()
-        self._dirty.clear()
-        tasks = [t for t in self._workers.values() if not t.done()]
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await self.queue.shutdown()
         close = getattr(self.monitor, "close", None)
         if close is not None:
             await close()
         self.k8s.close()
 
     # -- scheduling ------------------------------------------------------------------------
-    async def _work(self, key: Key) -> None:
-        backoff = 1.0
-        try:
-            await self.pods.wait_synced()  # an unsynced cache would make launched pods look deleted
-            while key in self._dirty:
-                if key in self._at_once:
-                    self._at_once.discard(key)
-                    await asyncio.sleep(0)  # other jobs' passes still get their turn
-                else:
-                    await asyncio.sleep(self.debounce)
-                scrape = self._dirty.pop(key)
-                wait = self.held_back()
-                if wait is not None:
-                    # A higher-priority peer acts; retry when it would be presumed dead (its
-                    # keep-alives move that time, and its leaving wakes us through the peer cache).
-                    self._blocked.add(key)
-                    self.kick_later(key, wait)
-                    continue
-                try:
-                    await self.reconcile(*key, scrape=scrape)
-                    backoff = 1.0
-                except asyncio.CancelledError:
-                    raise
-                except Exception as exc:  # noqa: BLE001  (retry with backoff; never crash the operator)
-                    self.metrics.reconcile_errors.inc()
-                    log.warning("reconcile %s/%s failed (retry in %.0fs): %s", *key, backoff, exc)
-                    await asyncio.sleep(backoff)
-                    backoff = min(backoff * 2, 30.0)
-                    self._dirty[key] = self._dirty.get(key, False) or scrape
-        finally:
-            if self._workers.get(key) is asyncio.current_task():
-                del self._workers[key]
-
-    def held_back(self) -> float | None:
-        """Seconds until a live higher-priority peer would be presumed dead; None = act now."""
-        until = self.gate.blocking_until() if self.gate is not None else None
-        if until is None:
-            return None
-        return max(1.0, (until - dt.datetime.now(dt.timezone.utc)).total_seconds())
-
-    def _unblock(self) -> None:
-        """The peering object changed: passes held back may run now (or wait again)."""
-        blocked, self._blocked = self._blocked, set()
-        for key in blocked:
-            self.kick(*key)
-
     async def scrape_loop(self) -> None:
         """Every scrape interval: scrape each running job's pods (not the API server), and run a
         pass only for a job whose scrape found something to write now. A job whose pods do not
@@ -310,7 +181,7 @@ class Reconciler:
     async def _scrape_and_kick(self, key: Key) -> None:
         try:
             if await self.scrape(*key):
-                self.kick(*key)
+                self.queue.kick(*key)
         except Exception:  # a scrape is optional; the next tick tries again
             log.exception("scrape of %s/%s failed", *key)
 
@@ -381,7 +252,7 @@ class Reconciler:
                 wait = write_wait(prev, status, since_write=since, coalesce=self.coalesce,
                                   progress_interval=self.progress_interval)
                 if wait > 0:
-                    self.kick_later(key, wait)  # fold this change into a later write
+                    self.queue.kick_later(key, wait)  # fold this change into a later write
                     break
             try:
                 written = await self.k8s.patch_status(namespace, name, status_patch(prev, status),
@@ -414,11 +285,11 @@ class Reconciler:
             raise RuntimeError(f"status of {namespace}/{name}: {WRITE_ATTEMPTS} conflicting writes in a row")
 
         # Actions only after the status (attempt, counters) is safely stored.
-        refused = await self._act(job, pods, decision)
+        refused = await self.children.act(job, pods, decision)
         if decision.restarted is not None:
             # The new group is created by a later pass once the old pods' names are free; their
             # DELETED events usually bring it, but a lost node's pods were gone before this pass.
-            self.kick(namespace, name)
+            self.queue.kick(namespace, name)
         gone = {n: p for n, p in self._departed.pop(key, {}).items() if podinfo.attempt(p) >= decision.attempt}
         if gone:
             self._departed[key] = gone  # older attempts' records are history
@@ -428,7 +299,7 @@ class Reconciler:
             self._wrote(key, await self.k8s.patch_status(namespace, name, status_patch(status, new)))
             status, events = new, events + more
             if not any(r.permanent for r in refused):
-                self.kick_later(key, REFUSED_RETRY_SECONDS)  # e.g. a quota: try again
+                self.queue.kick_later(key, REFUSED_RETRY_SECONDS)  # e.g. a quota: try again
         for etype, reason, message in events + (report.events if report is not None else []):
             await self.k8s.post_event(obj, etype, reason, message)
 
@@ -438,7 +309,7 @@ class Reconciler:
                                  restarted=decision.restarted.reason if decision.restarted else None,
                                  hang_timeout=job.hang_timeout_seconds)
         if decision.requeue_after is not None and not decision.delete_job:
-            self.kick_later(key, decision.requeue_after)
+            self.queue.kick_later(key, decision.requeue_after)
         self.metrics.reconcile_seconds.observe(time.monotonic() - started)
 
     async def _read_podgroup(self, job, namespace: str, name: str) -> dict[str, Any] | None:
@@ -465,105 +336,3 @@ class Reconciler:
         self._last_write[key] = asyncio.get_running_loop().time()
         if written:
             self.jobs.upsert(written, notify=False)
-
-    async def _act(self, job, pods: list[dict[str, Any]], decision: Decision) -> list:
-        """Delete, create, delete the job, as decided; returns the pod creates the API refused."""
-        by_name = {podinfo.name(p): p for p in pods}
-        deletes = [self.k8s.delete_pod(job.namespace, n, job=job.name, uid=(by_name[n].get("metadata") or {}).get("uid"))
-                   for n in decision.delete_pods]
-        if deletes:
-            results = await asyncio.gather(*deletes)
-            self.metrics.count_pods(job.namespace, deleted=sum(bool(r) for r in results))
-        refused = []
-        if decision.create_ranks:
-            refused = await self._create(job, decision)
-        if decision.delete_job:
-            log.info("deleting %s/%s: ttlSecondsAfterFinished passed", job.namespace, job.name)
-            await self.k8s.delete_job(job.namespace, job.name)
-        return refused
-
-    async def _ensure_shared(self, job, obj: dict[str, Any], *, attempt: int, seen: dict[str, int],
-                             conflict: Callable[[Any, dict[str, Any] | None], CreateRefusal | None]
-                             ) -> CreateRefusal | None:
-        """Create a child the whole job shares (its Service, its PodGroup), once per job; a refusal
-        when it cannot be made or is someone else's. Nothing watches these, so a later creation
-        pass (a restart) reads it back, once per attempt (not per batch): someone may have
-        deleted it, and the new group's rendezvous (or gang) would then never form."""
-        kind, name, api_version = obj["kind"], obj["metadata"]["name"], obj["apiVersion"]
-        if seen.get(job.uid) not in (None, attempt):
-            if await self.k8s.get_child(kind, job.namespace, name, job=job.name, api_version=api_version) is None:
-                del seen[job.uid]
-            else:
-                seen[job.uid] = attempt
-        if job.uid in seen:
-            return None
-        try:
-            created = await self.k8s.create(obj)
-        except ApiException as exc:
-            refused = refusal(name, exc.status, exc.body)
-            if refused is None:
-                raise
-            if exc.status == 404 and kind == gang.KIND:  # the API group is not served: no scheduler CRD
-                refused = dataclasses.replace(refused, message=(
-                    f"this cluster does not serve {api_version} {kind}s: install the scheduler that "
-                    f"spec.scheduling.gang names (or remove spec.scheduling.gang)"))
-            return dataclasses.replace(refused, kind=kind.lower())
-        if created is None:
-            # 409: after an operator restart it is ours; anyone else's would stand in for ours.
-            found = conflict(job, await self.k8s.get_child(kind, job.namespace, name, job=job.name,
-                                                           api_version=api_version))
-            if found:
-                return found
-        seen[job.uid] = attempt
-        return None
-
-    async def _create(self, job, decision: Decision) -> list:
-        # The Service and PodGroup outlive group restarts: POST them once per job (a 409 after an
-        # operator restart also means they exist). A Service that is not ours (or not headless)
-        # would give the pods a MASTER_ADDR that never resolves, so no pods until it is sorted out.
-        service = render_service(job)
-        shared: list[tuple[Any, Any, Any]] = [(service, self._services, foreign_service)]
-        if gang.api_of(job) is not None:
-            pod = render_pod(job, 0, attempt=decision.attempt, config=self.config)
-            shared.append((gang.render_podgroup(job, pod), self._podgroups, foreign_podgroup))
-        for obj, seen, conflict in shared:
-            refused = await self._ensure_shared(job, obj, attempt=decision.attempt, seen=seen, conflict=conflict)
-            if refused:
-                return [refused]
-        ranks = list(decision.create_ranks)
-        if len(ranks) > CREATE_BATCH:
-            ranks = ranks[:CREATE_BATCH]
-            self.kick(job.namespace, job.name, at_once=True)  # the rest in later passes, other jobs' between
-        pods = [render_pod(job, r, attempt=decision.attempt, config=self.config, restarts=decision.restarts,
-                           counted_restarts=decision.counted_restarts) for r in ranks]
-        if self.create_delay > 0:
-            refusals: list = []
-            for pod in pods:
-                refusals += await self._create_pods(job, [pod])
-                await asyncio.sleep(self.create_delay)
-            return refusals
-        return await self._create_pods(job, pods)
-
-    async def _create_pods(self, job, pods: list[dict[str, Any]]) -> list[CreateRefusal]:
-        results = await asyncio.gather(*(self.k8s.create(p) for p in pods), return_exceptions=True)
-        made, refused = split_creates(pods, results)
-        self._created(job.namespace, made)
-        # A 409 is usually our own pod the cache has not shown yet; a pod of that name made by
-        # someone else would keep the job waiting forever without a word, so look at its owner.
-        for pod, res in zip(pods, results):
-            if res is not None:
-                continue
-            name = pod["metadata"]["name"]
-            other = await self.k8s.get_child("Pod", job.namespace, name, job=job.name)
-            if other is not None and not owned_by(other, job.uid):
-                refused.append(CreateRefusal(pod=name, code=409, reason=NAME_CONFLICT,
-                                             message=f"pod {name} exists and is not owned by this DDPJob"))
-        return refused
-
-    def _created(self, namespace: str, pods: list[dict[str, Any] | None]) -> None:
-        made = [p for p in pods if p is not None]  # None: it existed already (409)
-        self.metrics.count_pods(namespace, created=len(made))
-        for pod in made:
-            if pod.get("metadata"):
-                self.pods.upsert(pod, notify=False)  # seen by the next pass even before its watch event
-

@@ -16,6 +16,7 @@ from typing import Awaitable, Callable
 from ddpjob_operator.decisions import health, progress
 from ddpjob_operator.api import podinfo
 from ddpjob_operator.cluster import scrape
+from ddpjob_operator.decisions.samples import MonitorReport, RankSample
 from ddpjob_operator.api.objmeta import format_time
 from ddpjob_operator.api.podinfo import is_simulated_node
 from ddpjob_operator.api.config import OperatorConfig
@@ -34,23 +35,9 @@ _NO_STRAGGLER = ("NoStraggler", "every rank keeps pace with the median")
 
 
 @dataclass
-class MonitorReport:
-    """What one observation of a job found (see the module docstring)."""
-
-    progress: dict | None      # status.progress; None = nothing scraped this time (keep the old one)
-    conditions: list[dict]     # Straggler / Stalled, metav1.Condition style, merge by type
-    events: list[tuple[str, str, str]]   # (Normal|Warning, reason, message) new since the last report
-    stalled: bool              # True -> restart the group when spec.failurePolicy.restartOnHang
-    unreachable: bool = False  # running pods, none answered: the caller may scrape this job less often
-    mlflow_run: tuple[str, str] | None = None  # (run id, experiment id) the ranks report (status.mlflow)
-    # This scrape's samples by rank (their worker failures and first steps: decisions/inplace.py).
-    ranks: dict[int, scrape.RankSample] = field(default_factory=dict)
-
-
-@dataclass
 class _JobState:
     tracker: health.HealthTracker
-    prev: tuple[float, dict[int, scrape.RankSample]] | None = None
+    prev: tuple[float, dict[int, RankSample]] | None = None
     last_progress: dict | None = None
     failing: set[str] = field(default_factory=set)
     attempt: int | None = None
@@ -200,7 +187,7 @@ class Monitor:
                                          timeout=self.timeout, semaphore=sem, session=session,
                                          max_bytes=self.max_body_bytes)
         now = self.clock()
-        samples: dict[int, scrape.RankSample] = {}
+        samples: dict[int, RankSample] = {}
         failing = set()
         first_error = ""
         answered = []

@@ -42,8 +42,10 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Mapping
 
+from ddpjob_trainer.telemetry import STAGES
+
 from ddpjob_operator.api.objmeta import format_time
-from ddpjob_operator.cluster.scrape import STAGES, RankSample
+from ddpjob_operator.decisions.samples import RankSample
 
 STRAGGLER = "Straggler"
 STALLED = "Stalled"

@@ -14,7 +14,7 @@ pod's metrics endpoint (contract.WORKER_FAILURE) and each worker process its fir
   failurePolicy.maxRestarts with the group restarts (lifecycle.budget_used);
 - `Restarting`: True while an in-place restart has not stepped again.
 
-The samples are cluster/scrape.RankSample's (read by attribute: no import from the layer above).
+The samples are decisions/samples.RankSample's (read by attribute).
 """
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ import statistics
 from typing import Mapping
 
 from ddpjob_operator.api.objmeta import format_time
-from ddpjob_operator.cluster.scrape import RankSample
+from ddpjob_operator.decisions.samples import RankSample
 
 PROGRESS_FIELDS = (
     "epoch", "step", "totalSteps", "percent", "loss", "samplesPerSecond",

@@ -2,9 +2,7 @@
 from __future__ import annotations
 
 import datetime as dt
-import json
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ddpjob_trainer import contract
 from ddpjob_trainer.contract import public_uri
@@ -20,11 +18,10 @@ from ddpjob_operator.api.objmeta import format_time
 from ddpjob_operator.api.phases import Cond, Phase
 from ddpjob_operator.builders.pods import explain_pod_error
 from ddpjob_operator.decisions.redact import redact
+from ddpjob_operator.decisions.refusals import CreateRefusal
 from ddpjob_operator.decisions.result import run_result
+from ddpjob_operator.decisions.samples import MonitorReport
 from ddpjob_operator.api.spec import JobSpec
-
-if TYPE_CHECKING:  # the monitor module imports aiohttp; status needs only the report's shape
-    from ddpjob_operator.cluster.monitor import MonitorReport
 
 Event = tuple[str, str, str]  # (Normal|Warning, reason, message)
 
@@ -353,63 +350,6 @@ def job_status(job: JobSpec, pods: list[dict[str, Any]], *, now: dt.datetime,
             reason = d.reason or "Failed"
         events.append((kind, reason, d.message))
     return status, events
-
-
-# API status codes of a create the API server refused for good: the pod spec itself is invalid
-# (schema, admission). Anything else in 4xx (quota, PodSecurity, a namespace being deleted) may
-# clear without a spec change: the job waits and the operator retries.
-PERMANENT_REFUSALS = frozenset({400, 422})
-# A pod name already taken by an object this job does not own: retried, as its owner may delete it.
-NAME_CONFLICT = "NameConflict"
-
-
-@dataclass(frozen=True)
-class CreateRefusal:
-    """One pod create the API server answered with a 4xx (other than 409 AlreadyExists / 429)."""
-
-    pod: str           # the object's name (a pod's, or the job's Service's when kind is "service")
-    code: int
-    reason: str        # the API Status reason: Invalid, Forbidden, BadRequest, ...
-    message: str       # the API's own message (names the field)
-    kind: str = "pod"
-
-    @property
-    def permanent(self) -> bool:
-        """True when only a different spec could be created."""
-        return self.code in PERMANENT_REFUSALS
-
-
-def refusal(pod: str, code: int | None, body: Any) -> CreateRefusal | None:
-    """A CreateRefusal from an API error (code + JSON Status body), None when it is not one:
-    409 (the pod exists), 429 and 5xx are the controller's to retry."""
-    if code is None or not 400 <= code < 500 or code in (409, 429):
-        return None
-    data: Any = body
-    if isinstance(body, (str, bytes)):
-        try:
-            data = json.loads(body)
-        except ValueError:
-            data = {"message": body.decode(errors="replace") if isinstance(body, bytes) else body}
-    data = data if isinstance(data, dict) else {}
-    message = " ".join(str(data.get("message") or f"HTTP {code}").split())
-    return CreateRefusal(pod=pod, code=int(code), reason=str(data.get("reason") or code), message=message[:1000])
-
-
-def split_creates(objs: list[dict[str, Any]], results: list[Any]) -> tuple[list[Any], list[CreateRefusal]]:
-    """(created results, refusals) from `asyncio.gather(*creates, return_exceptions=True)` over
-    `objs`; any other exception (5xx, 429, a lost connection) is raised for the pass to retry."""
-    created: list[Any] = []
-    refused: list[CreateRefusal] = []
-    for obj, res in zip(objs, results):
-        if isinstance(res, BaseException):
-            r = refusal(str((obj.get("metadata") or {}).get("name") or ""), getattr(res, "status", None),
-                        getattr(res, "body", None))
-            if r is None:
-                raise res
-            refused.append(r)
-        else:
-            created.append(res)
-    return created, refused
 
 
 def create_refused(job: JobSpec, status: dict[str, Any], refusals: list[CreateRefusal], *,

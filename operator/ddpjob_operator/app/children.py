@@ -1,0 +1,220 @@
+"""The children of a DDPJob: its headless Service, its pods and (gang-scheduled) its PodGroup,
+deleted and created as a pass decided (the Kueue workload is Kueue's, made from the pods' labels).
+
+Creates are idempotent: a 409 is the object already there, ours after an operator restart, or
+someone else's, which is refused. A large group goes out in batches of CREATE_BATCH. What a refused
+create means is decided here, where it happens: `refusal` turns the API's 4xx into a
+`CreateRefusal` that the status only renders (decisions/status.create_refused); anything else (5xx,
+429, a lost connection) is raised for the pass to retry.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import os
+from typing import Any, Callable
+
+from kubernetes.client.rest import ApiException
+
+from ddpjob_operator.api import podinfo
+from ddpjob_operator.api.config import OperatorConfig
+from ddpjob_operator.api.objmeta import owned_by
+from ddpjob_operator.app.operator_metrics import OperatorMetrics
+from ddpjob_operator.builders import gang
+from ddpjob_operator.builders.pods import render_pod
+from ddpjob_operator.builders.service import render_service
+from ddpjob_operator.cluster.cache import Store
+from ddpjob_operator.cluster.k8s import K8s
+from ddpjob_operator.decisions.lifecycle import Decision
+from ddpjob_operator.decisions.refusals import NAME_CONFLICT, CreateRefusal
+
+log = logging.getLogger("ddpjob.controller")
+# Test knob: seconds to wait between pod creations (lets a test kill the operator mid-creation).
+CREATE_DELAY_ENV = "DDPJOB_DEBUG_CREATE_DELAY"
+# Pods POSTed per pass: a larger group is created over several passes (the job kicks itself), so
+# another job's requests queue behind at most one batch in the K8s facade's pool, not a whole group.
+CREATE_BATCH = 32
+
+
+def refusal(pod: str, code: int | None, body: Any) -> CreateRefusal | None:
+    """A CreateRefusal from an API error (code + JSON Status body), None when it is not one:
+    409 (the pod exists), 429 and 5xx are the pass's to retry."""
+    if code is None or not 400 <= code < 500 or code in (409, 429):
+        return None
+    data: Any = body
+    if isinstance(body, (str, bytes)):
+        try:
+            data = json.loads(body)
+        except ValueError:
+            data = {"message": body.decode(errors="replace") if isinstance(body, bytes) else body}
+    data = data if isinstance(data, dict) else {}
+    message = " ".join(str(data.get("message") or f"HTTP {code}").split())
+    return CreateRefusal(pod=pod, code=int(code), reason=str(data.get("reason") or code), message=message[:1000])
+
+
+def split_creates(objs: list[dict[str, Any]], results: list[Any]) -> tuple[list[Any], list[CreateRefusal]]:
+    """(created results, refusals) from `asyncio.gather(*creates, return_exceptions=True)` over
+    `objs`; any other exception (5xx, 429, a lost connection) is raised for the pass to retry."""
+    created: list[Any] = []
+    refused: list[CreateRefusal] = []
+    for obj, res in zip(objs, results):
+        if isinstance(res, BaseException):
+            r = refusal(str((obj.get("metadata") or {}).get("name") or ""), getattr(res, "status", None),
+                        getattr(res, "body", None))
+            if r is None:
+                raise res
+            refused.append(r)
+        else:
+            created.append(res)
+    return created, refused
+
+
+def foreign_service(job, svc: dict[str, Any] | None) -> CreateRefusal | None:
+    """A refusal naming the Service that holds this job's Service name when it is not this job's
+    headless Service; None when it is (or it has gone meanwhile: the next pass creates it)."""
+    if svc is None:
+        return None
+    name = (svc.get("metadata") or {}).get("name") or job.name
+    if not owned_by(svc, job.uid):
+        why = f"service {name} exists and is not owned by this DDPJob"
+    elif (svc.get("spec") or {}).get("clusterIP") != "None":
+        why = f"service {name} is not headless (clusterIP {(svc.get('spec') or {}).get('clusterIP')})"
+    else:
+        return None
+    return CreateRefusal(pod=name, code=409, reason=NAME_CONFLICT, kind="service",
+                         message=f"{why}: pods would get a MASTER_ADDR that does not resolve; "
+                                 "rename the job or delete that service")
+
+
+def foreign_podgroup(job, pg: dict[str, Any] | None) -> CreateRefusal | None:
+    """A refusal naming the PodGroup that holds this job's PodGroup name when it is not this
+    job's: the gang scheduler would wait for that group's minMember, not ours."""
+    if pg is None or owned_by(pg, job.uid):
+        return None
+    name = (pg.get("metadata") or {}).get("name") or job.name
+    return CreateRefusal(pod=name, code=409, reason=NAME_CONFLICT, kind="podgroup",
+                         message=f"podgroup {name} exists and is not owned by this DDPJob: the gang "
+                                 "scheduler would place the pods by its rules; rename the job or delete it")
+
+
+class Children:
+    """Creates and deletes one operator's DDPJob children; remembers which jobs' shared children exist."""
+
+    def __init__(self, config: OperatorConfig, k8s: K8s, metrics: OperatorMetrics, pods: Store, *,
+                 kick: Callable[..., None]):
+        self.config = config
+        self.k8s = k8s
+        self.metrics = metrics
+        self.pods = pods
+        self._kick = kick    # asks for the job's next pass (the next batch of a large group)
+        self.create_delay = float(os.environ.get(CREATE_DELAY_ENV) or 0)
+        self.services: dict[str, int] = {}         # job uid -> attempt its Service was last seen in
+        self.podgroups: dict[str, int] = {}        # job uid -> attempt its PodGroup was last seen in
+
+    def forget(self, uid: str) -> None:
+        """A DDPJob is gone: its Service and PodGroup go with it (garbage collection)."""
+        self.services.pop(uid, None)
+        self.podgroups.pop(uid, None)
+
+    async def act(self, job, pods: list[dict[str, Any]], decision: Decision) -> list[CreateRefusal]:
+        """Delete, create, delete the job, as decided; returns the pod creates the API refused."""
+        by_name = {podinfo.name(p): p for p in pods}
+        deletes = [self.k8s.delete_pod(job.namespace, n, job=job.name, uid=(by_name[n].get("metadata") or {}).get("uid"))
+                   for n in decision.delete_pods]
+        if deletes:
+            results = await asyncio.gather(*deletes)
+            self.metrics.count_pods(job.namespace, deleted=sum(bool(r) for r in results))
+        refused: list[CreateRefusal] = []
+        if decision.create_ranks:
+            refused = await self._create(job, decision)
+        if decision.delete_job:
+            log.info("deleting %s/%s: ttlSecondsAfterFinished passed", job.namespace, job.name)
+            await self.k8s.delete_job(job.namespace, job.name)
+        return refused
+
+    async def _ensure_shared(self, job, obj: dict[str, Any], *, attempt: int, seen: dict[str, int],
+                             conflict: Callable[[Any, dict[str, Any] | None], CreateRefusal | None]
+                             ) -> CreateRefusal | None:
+        """Create a child the whole job shares (its Service, its PodGroup), once per job; a refusal
+        when it cannot be made or is someone else's. Nothing watches these, so a later creation
+        pass (a restart) reads it back, once per attempt (not per batch): someone may have
+        deleted it, and the new group's rendezvous (or gang) would then never form."""
+        kind, name, api_version = obj["kind"], obj["metadata"]["name"], obj["apiVersion"]
+        if seen.get(job.uid) not in (None, attempt):
+            if await self.k8s.get_child(kind, job.namespace, name, job=job.name, api_version=api_version) is None:
+                del seen[job.uid]
+            else:
+                seen[job.uid] = attempt
+        if job.uid in seen:
+            return None
+        try:
+            created = await self.k8s.create(obj)
+        except ApiException as exc:
+            refused = refusal(name, exc.status, exc.body)
+            if refused is None:
+                raise
+            if exc.status == 404 and kind == gang.KIND:  # the API group is not served: no scheduler CRD
+                refused = dataclasses.replace(refused, message=(
+                    f"this cluster does not serve {api_version} {kind}s: install the scheduler that "
+                    f"spec.scheduling.gang names (or remove spec.scheduling.gang)"))
+            return dataclasses.replace(refused, kind=kind.lower())
+        if created is None:
+            # 409: after an operator restart it is ours; anyone else's would stand in for ours.
+            found = conflict(job, await self.k8s.get_child(kind, job.namespace, name, job=job.name,
+                                                           api_version=api_version))
+            if found:
+                return found
+        seen[job.uid] = attempt
+        return None
+
+    async def _create(self, job, decision: Decision) -> list[CreateRefusal]:
+        # The Service and PodGroup outlive group restarts: POST them once per job (a 409 after an
+        # operator restart also means they exist). A Service that is not ours (or not headless)
+        # would give the pods a MASTER_ADDR that never resolves, so no pods until it is sorted out.
+        service = render_service(job)
+        shared: list[tuple[Any, Any, Any]] = [(service, self.services, foreign_service)]
+        if gang.api_of(job) is not None:
+            pod = render_pod(job, 0, attempt=decision.attempt, config=self.config)
+            shared.append((gang.render_podgroup(job, pod), self.podgroups, foreign_podgroup))
+        for obj, seen, conflict in shared:
+            refused = await self._ensure_shared(job, obj, attempt=decision.attempt, seen=seen, conflict=conflict)
+            if refused:
+                return [refused]
+        ranks = list(decision.create_ranks)
+        if len(ranks) > CREATE_BATCH:
+            ranks = ranks[:CREATE_BATCH]
+            self._kick(job.namespace, job.name, at_once=True)  # the rest in later passes, other jobs' between
+        pods = [render_pod(job, r, attempt=decision.attempt, config=self.config, restarts=decision.restarts,
+                           counted_restarts=decision.counted_restarts) for r in ranks]
+        if self.create_delay > 0:
+            refusals: list[CreateRefusal] = []
+            for pod in pods:
+                refusals += await self.create_pods(job, [pod])
+                await asyncio.sleep(self.create_delay)
+            return refusals
+        return await self.create_pods(job, pods)
+
+    async def create_pods(self, job, pods: list[dict[str, Any]]) -> list[CreateRefusal]:
+        results = await asyncio.gather(*(self.k8s.create(p) for p in pods), return_exceptions=True)
+        made, refused = split_creates(pods, results)
+        self._created(job.namespace, made)
+        # A 409 is usually our own pod the cache has not shown yet; a pod of that name made by
+        # someone else would keep the job waiting forever without a word, so look at its owner.
+        for pod, res in zip(pods, results):
+            if res is not None:
+                continue
+            name = pod["metadata"]["name"]
+            other = await self.k8s.get_child("Pod", job.namespace, name, job=job.name)
+            if other is not None and not owned_by(other, job.uid):
+                refused.append(CreateRefusal(pod=name, code=409, reason=NAME_CONFLICT,
+                                             message=f"pod {name} exists and is not owned by this DDPJob"))
+        return refused
+
+    def _created(self, namespace: str, pods: list[dict[str, Any] | None]) -> None:
+        made = [p for p in pods if p is not None]  # None: it existed already (409)
+        self.metrics.count_pods(namespace, created=len(made))
+        for pod in made:
+            if pod.get("metadata"):
+                self.pods.upsert(pod, notify=False)  # seen by the next pass even before its watch event

@@ -1,0 +1,195 @@
+"""What the trainer pods report: their Prometheus exposition parsed into one `RankSample` per
+rank (pure: the local runner and the CLI use it too), and the `MonitorReport` one scrape of a job
+comes to. The HTTP fetch is `cluster/scrape.py`; the monitor there fills the report.
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Iterable
+
+from ddpjob_trainer.contract import (FIRST_STEP_TIMESTAMP, METRIC_PREFIX, MLFLOW_RUN_INFO, RESUMED_FROM_STEP,
+                                    WORKER_FAILURE)
+from ddpjob_trainer.telemetry import STAGES  # same wheel; a light module (no torch)
+from prometheus_client.parser import text_string_to_metric_families
+
+PREFIX = METRIC_PREFIX
+
+# metric name (without prefix, as the parser reports the sample) -> RankSample attribute
+_GAUGES = {
+    "step": "step",
+    "epoch": "epoch",
+    "total_steps": "total_steps",
+    "loss": "loss",
+    "samples_total": "samples_total",
+    "data_wait_seconds_total": "data_wait_seconds_total",
+    "last_step_timestamp_seconds": "last_step_timestamp",
+    "step_started": "step_started",
+    "eval_accuracy": "eval_accuracy",
+    "eval_loss": "eval_loss",
+    "checkpoint_seconds": "checkpoint_seconds",
+    "restart_count": "restart_count",
+    "step_seconds_sum": "step_seconds_sum",
+    "step_seconds_count": "step_seconds_count",
+    "compute_seconds_sum": "compute_seconds_sum",
+    "compute_seconds_count": "compute_seconds_count",
+    "gpu_memory_allocated_bytes": "gpu_memory_allocated_bytes",
+    "gpu_memory_max_allocated_bytes": "gpu_memory_max_allocated_bytes",
+    "stage_start_timestamp_seconds": "stage_started_at",
+    FIRST_STEP_TIMESTAMP: "first_step_timestamp",
+    RESUMED_FROM_STEP: "resumed_from_step",
+}
+# `stage{stage=S} 1` names a rank's stage; a name not in STAGES is dropped, so a pod cannot put
+# text of its choosing into a condition message.
+_INTS = {"step", "epoch", "total_steps", "restart_count", "step_started", "resumed_from_step"}
+# What a worker failure's series says (its value is the failure's time); the operator bounds and
+# redacts each before any reaches status (decisions/inplace.py).
+FAILURE_LABELS = ("restart", "exit_code", "signal", "error", "restarted")
+# `mlflow_run_info{run_id, experiment_id} 1`: ids go into status and a URL, so only id-shaped ones
+# (MLflow's are hex and digits) are kept.
+_MLFLOW_ID = re.compile(r"^[0-9A-Za-z_-]{1,64}$")
+
+# A pod controls its exposition, so every value is bounded before it can reach status: a value
+# outside these ranges (or NaN/±Inf) is dropped as if the rank had not reported it. 1e12 steps or
+# seconds is far beyond any real run yet keeps every derived number a plain finite JSON float.
+_ABSURD = 1e12
+_BOUNDS: dict[str, tuple[float, float]] = {
+    "loss": (-_ABSURD, _ABSURD),
+    "eval_loss": (-_ABSURD, _ABSURD),
+    "eval_accuracy": (0.0, 100.0),
+    "gpu_memory_allocated_bytes": (0.0, 1e18),
+    "gpu_memory_max_allocated_bytes": (0.0, 1e18),
+}
+_DEFAULT_BOUNDS = (0.0, _ABSURD)
+
+@dataclass
+class RankSample:
+    """What one rank reported in one scrape (None = not reported yet)."""
+
+    rank: int
+    local_rank: int | None = None
+    node_rank: int | None = None
+    ddpjob: str | None = None
+    namespace: str | None = None
+    step: int | None = None
+    epoch: int | None = None
+    total_steps: int | None = None
+    loss: float | None = None
+    samples_total: float = 0.0
+    step_seconds_sum: float = 0.0
+    step_seconds_count: float = 0.0
+    compute_seconds_sum: float = 0.0     # device (GPU) forward time per step; 0 on CPU
+    compute_seconds_count: float = 0.0
+    data_wait_seconds_total: float = 0.0
+    last_step_timestamp: float | None = None
+    step_started: int | None = None
+    eval_accuracy: float | None = None
+    eval_loss: float | None = None
+    checkpoint_seconds: float | None = None
+    restart_count: int | None = None
+    gpu_memory_allocated_bytes: float | None = None
+    gpu_memory_max_allocated_bytes: float | None = None
+    stage: str | None = None             # one of STAGES
+    stage_started_at: float | None = None  # Unix time (the pod's clock) the stage began
+    mlflow_run_id: str | None = None     # the job's MLflow run (rank 0 reports it)
+    mlflow_experiment_id: str | None = None
+    first_step_timestamp: float | None = None  # this worker process's first step (Unix time)
+    resumed_from_step: int | None = None
+    # The failures of this rank's workers the pod's agent saw (contract.WORKER_FAILURE): label
+    # dicts (restart, exit_code, signal, error, restarted) with "time", the failure's Unix time.
+    worker_failures: list[dict[str, str | float]] = field(default_factory=list)
+    pod: str | None = None       # filled in by the scraper, not the exposition
+    node: str | None = None
+
+    @property
+    def mean_step_seconds(self) -> float | None:
+        """Mean step wall time since the process started."""
+        if self.step_seconds_count > 0:
+            return self.step_seconds_sum / self.step_seconds_count
+        return None
+
+
+def _int_or_none(v: str | None) -> int | None:
+    try:
+        return int(v) if v not in (None, "") else None
+    except ValueError:
+        return None
+
+
+def parse_metrics(text: str) -> dict[int, RankSample]:
+    """Prometheus text exposition -> {global rank: RankSample}; non-trainer metrics are ignored."""
+    out: dict[int, RankSample] = {}
+    for family in text_string_to_metric_families(text):
+        if not family.name.startswith(PREFIX):
+            continue
+        for s in family.samples:
+            short = s.name[len(PREFIX):]
+            attr = _GAUGES.get(short)
+            mlflow = (short == MLFLOW_RUN_INFO and s.value == 1
+                      and all(_MLFLOW_ID.match(s.labels.get(k) or "") for k in ("run_id", "experiment_id")))
+            failure = short == WORKER_FAILURE and _sane("time", s.value) is not None
+            if attr is None and not mlflow and not failure and not (short == "stage" and s.value == 1 and s.labels.get("stage") in STAGES):
+                continue
+            rank = _int_or_none(s.labels.get("rank"))
+            if rank is None:
+                continue
+            rs = out.get(rank)
+            if rs is None:
+                rs = out[rank] = RankSample(
+                    rank=rank,
+                    local_rank=_int_or_none(s.labels.get("local_rank")),
+                    node_rank=_int_or_none(s.labels.get("node_rank")),
+                    ddpjob=s.labels.get("ddpjob") or None,
+                    namespace=s.labels.get("namespace") or None,
+                )
+            if failure:
+                rs.worker_failures.append({**{k: s.labels.get(k, "") for k in FAILURE_LABELS}, "time": s.value})
+                continue
+            if mlflow:
+                rs.mlflow_run_id, rs.mlflow_experiment_id = s.labels["run_id"], s.labels["experiment_id"]
+                continue
+            if attr is None:
+                rs.stage = s.labels["stage"]
+                continue
+            value = _sane(attr, s.value)
+            if value is None:
+                continue  # keep the default: a hostile value must not displace "not reported"
+            setattr(rs, attr, int(value) if attr in _INTS else value)
+    return out
+
+
+def _sane(attr: str, raw: object) -> float | None:
+    """The value when finite and within the attribute's plausible range, else None."""
+    try:
+        value = float(raw)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return None
+    lo, hi = _BOUNDS.get(attr, _DEFAULT_BOUNDS)
+    if not math.isfinite(value) or not lo <= value <= hi:
+        return None
+    if attr in ("step_seconds_count", "compute_seconds_count") and 0 < value < 1:
+        return None  # a count is whole; a tiny one would make the mean step time overflow
+    return value
+
+
+def merge(parts: Iterable[dict[int, RankSample]]) -> dict[int, RankSample]:
+    """Union of several endpoints' samples (one per pod) keyed by global rank."""
+    out: dict[int, RankSample] = {}
+    for part in parts:
+        out.update(part)
+    return out
+
+
+@dataclass
+class MonitorReport:
+    """What one observation of a job found (cluster/monitor.py's Monitor.observe)."""
+
+    progress: dict | None      # status.progress; None = nothing scraped this time (keep the old one)
+    conditions: list[dict]     # Straggler / Stalled, metav1.Condition style, merge by type
+    events: list[tuple[str, str, str]]   # (Normal|Warning, reason, message) new since the last report
+    stalled: bool              # True -> restart the group when spec.failurePolicy.restartOnHang
+    unreachable: bool = False  # running pods, none answered: the caller may scrape this job less often
+    mlflow_run: tuple[str, str] | None = None  # (run id, experiment id) the ranks report (status.mlflow)
+    # This scrape's samples by rank (their worker failures and first steps: decisions/inplace.py).
+    ranks: dict[int, RankSample] = field(default_factory=dict)
