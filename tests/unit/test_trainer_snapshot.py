@@ -19,8 +19,8 @@ def test_the_ranks_resume_from_the_newest_step_they_all_have(candidates, holders
 
 
 def test_a_rank_keeps_its_newest_snapshots_and_reads_them_back_exactly(tmp_path):
-    snaps = Snapshots(tmp_path, rank=1, every_steps=5, warn=pytest.fail)
-    other = Snapshots(tmp_path, rank=0, every_steps=5, warn=pytest.fail)
+    snaps = Snapshots(tmp_path, rank=1, warn=pytest.fail)
+    other = Snapshots(tmp_path, rank=0, warn=pytest.fail)
     other.save(5, {"w": torch.zeros(2)})
     for step in (5, 10, 15):
         snaps.save(step, {"w": torch.full((3,), float(step)), "step": step})
@@ -28,7 +28,6 @@ def test_a_rank_keeps_its_newest_snapshots_and_reads_them_back_exactly(tmp_path)
     other.wait()
     assert snaps.steps() == [15 - 5 * i for i in reversed(range(KEEP))] and other.steps() == [5]
     assert torch.equal(snaps.load(15)["w"], torch.full((3,), 15.0)) and snaps.load(15)["step"] == 15
-    assert (snaps.due(10), snaps.due(11)) == (True, False)
     snaps.clear()
     assert snaps.steps() == [] and other.steps() == [5]
 
@@ -37,11 +36,11 @@ def test_a_failed_write_is_a_warning_and_ends_snapshots_not_training(tmp_path):
     blocker = tmp_path / "shm"
     blocker.write_text("a file where the directory should be")
     said = []
-    snaps = Snapshots(blocker / "job", rank=0, every_steps=1, warn=said.append)
+    snaps = Snapshots(blocker / "job", rank=0, warn=said.append)
     snaps.save(1, {"w": torch.zeros(1)})
     snaps.wait()
     assert len(said) == 1 and "no more snapshots" in said[0]
-    assert not snaps.due(2)
+    assert snaps.failed
     snaps.save(2, {"w": torch.zeros(1)})  # does nothing, raises nothing
     snaps.wait()
     assert len(said) == 1

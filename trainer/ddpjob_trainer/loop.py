@@ -10,7 +10,6 @@ import os
 import signal
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any, cast
 
 import torch
@@ -19,8 +18,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 
 from . import contract, debug, preempt, rng, torchapi, tuning
-from .checkpointing.checkpoint import Checkpointer, check_resumable, optimizer_state, step_dir_name
-from .checkpointing.snapshot import Snapshots, agreed_step, snapshot_root
+from .checkpointing.manager import CheckpointManager, TrainState
 from .collectives import Collectives
 from .config import TrainerConfig
 from .data import PerSampleSeeded, ResumableSampler, build_data, eval_loader, loader_kwargs
@@ -28,7 +26,6 @@ from .dist import DistContext
 from .errors import PeerStopped
 from .models import build_model
 from .reporting import NullReporter, Terminated
-from .shared_dir import check_shared_dir
 from .telemetry import DeviceTimer, Telemetry
 
 
@@ -143,15 +140,6 @@ def _write_json_atomic(path: str, data: dict[str, Any]) -> None:
 
 
 @dataclass
-class TrainState:
-    """Where training stands; what a checkpoint must bring back besides the tensors."""
-
-    step: int = 0
-    epoch: int = 0
-    micro_done: int = 0  # micro-batches of the current epoch already trained on
-
-
-@dataclass
 class StepOutput:
     """One optimizer step. The loss stays on the device: reading it is a host sync."""
 
@@ -159,20 +147,6 @@ class StepOutput:
     micro_batches: int
     samples: int
     data_wait_seconds: float
-
-
-class CheckpointManager:
-    """The checkpointer and the interval at which the loop asks it to save."""
-
-    def __init__(self, checkpointer: Checkpointer, *, every_steps: int) -> None:
-        self.checkpointer = checkpointer
-        self.every_steps = every_steps
-
-    def due(self, step: int) -> bool:
-        return bool(self.every_steps) and step % self.every_steps == 0
-
-    def saved(self, step: int) -> bool:
-        return self.checkpointer.last_saved_step == step
 
 
 class Trainer:
@@ -230,23 +204,14 @@ class Trainer:
         self.opt = _build_optimizer(cfg, self.ddp.parameters())
         self.sched = _build_scheduler(cfg, self.opt, self.total_steps)
         self.state = TrainState()
-        self.checkpoints = None
-        if cfg.checkpoint.dir:
-            check_shared_dir(Path(cfg.checkpoint.dir), rank=ctx.rank, group=ctx.io_group)
-            self.checkpoints = CheckpointManager(
-                Checkpointer(cfg.checkpoint.dir, keep=cfg.checkpoint.keep, rank=ctx.rank, group=ctx.io_group,
-                             barrier=self.comm.barrier, broadcast=self.comm.broadcast_object, log=log,
-                             async_save=cfg.checkpoint.async_save),
-                every_steps=cfg.checkpoint.every_steps)
-        self.snapshots = None
-        if self.checkpoints and cfg.checkpoint.snapshot_every_steps:
-            self.snapshots = Snapshots(snapshot_root(), rank=ctx.rank, every_steps=cfg.checkpoint.snapshot_every_steps,
-                                       warn=log.warning)
+        self.ckpt = CheckpointManager(cfg, ctx, model=self.model, optimizer=self.opt, scheduler=self.sched, log=log,
+                                      telemetry=telemetry, stage=self.enter,
+                                      sync_buffers=self.sync_buffers) if cfg.checkpoint.dir else None
         self._synced_at: int | None = None
         # A stop (SIGTERM) is acted on at step boundaries only in a run that checkpoints: there
         # is nothing to save otherwise, and SIGTERM keeps its plain meaning.
-        self.stop_request = preempt.StopRequest(preempt.stop_budget()) if self.checkpoints else None
-        self.stop_vote = preempt.StopVote(ctx.vote_group) if self.checkpoints else None
+        self.stop_request = preempt.StopRequest(preempt.stop_budget()) if self.ckpt else None
+        self.stop_vote = preempt.StopVote(ctx.vote_group) if self.ckpt else None
 
     def enter(self, stage: str) -> None:
         self.telemetry.set_stage(stage)
@@ -263,67 +228,10 @@ class Trainer:
         return F.cross_entropy(logits, targets)
 
     def restore(self) -> int:
-        """Resume from the newest complete checkpoint; the step resumed from (0: none)."""
-        if not self.checkpoints:
-            return 0
-        if self._restore_snapshot():
-            return self.state.step
-        loaded = self.checkpoints.checkpointer.load_latest()
-        if not loaded:
-            return 0
-        c = loaded.common
-        check_resumable(c, path=loaded.path, world_size=self.ctx.world_size, batch_size=self.cfg.batch_size,
-                        grad_accum_steps=self.cfg.grad_accum_steps)
-        self.model.load_state_dict(c["model"])
-        self.opt.load_state_dict(optimizer_state(c["optimizer"]))
-        self.sched.load_state_dict(c["scheduler"])
-        self.state = TrainState(step=c["step"], epoch=c["epoch"], micro_done=c["micro_done"])
-        if loaded.rank_state:
-            rng.set_state(loaded.rank_state["rng"])
-        self.log.info(f"resumed from {loaded.path} at step {self.state.step} "
-                      f"(epoch {self.state.epoch}, batch {self.state.micro_done})")
-        return self.state.step
-
-    def _restore_snapshot(self) -> bool:
-        """Resume from the newest in-memory snapshot every rank has, when it is newer than the
-        newest disk checkpoint (a worker restarted in place: checkpointing/snapshot.py)."""
-        if self.snapshots is None or self.checkpoints is None:
-            return False
-        # Rank 0's steps, and how many ranks hold each: collectives on the rank's device (an NCCL
-        # group takes no CPU tensor, so no all_gather_object).
-        mine = self.snapshots.steps()
-        candidates = self.comm.broadcast_object(mine)
-        if not candidates:
-            return False
-        holders = self.comm.sum([1.0 if s in mine else 0.0 for s in candidates]).tolist()
-        step = agreed_step(candidates, holders, self.ctx.world_size)
-        disk = self.checkpoints.checkpointer.newest_published_step() if self.ctx.rank == 0 else None
-        if not self.comm.broadcast_object(step is not None and step > (disk or 0)):
-            return False
-        assert step is not None
-        path = self.snapshots.path(step)
-        s = self.snapshots.load(step)
-        check_resumable(s, path=path, world_size=self.ctx.world_size, batch_size=self.cfg.batch_size,
-                        grad_accum_steps=self.cfg.grad_accum_steps)
-        self.model.load_state_dict(s["model"])
-        self.opt.load_state_dict(s["optimizer"])
-        self.sched.load_state_dict(s["scheduler"])
-        self.state = TrainState(step=s["step"], epoch=s["epoch"], micro_done=s["micro_done"])
-        rng.set_state(s["rng"])
-        self.log.info(f"resumed from the in-memory snapshot {path} at step {self.state.step} "
-                      f"(epoch {self.state.epoch}, batch {self.state.micro_done}; newest disk checkpoint: "
-                      f"step {disk if disk is not None else 'none'})")
-        return True
-
-    def snapshot(self) -> None:
-        """This rank's whole state into /dev/shm, written in the background."""
-        if self.snapshots is None:
-            return
-        st = self.state
-        self.snapshots.save(st.step, {
-            "model": self.model.state_dict(), "optimizer": self.opt.state_dict(), "scheduler": self.sched.state_dict(),
-            "step": st.step, "epoch": st.epoch, "micro_done": st.micro_done, "world_size": self.ctx.world_size,
-            "config": self.cfg.to_dict(), "rng": rng.get_state()})
+        """Resume from the newest complete checkpoint or snapshot; the step resumed from (0: none)."""
+        loaded = self.ckpt.load() if self.ckpt else None
+        self.state = loaded or self.state
+        return loaded.step if loaded else 0
 
     def sync_buffers(self) -> None:
         """BatchNorm statistics made identical on every rank (once per step at most)."""
@@ -333,43 +241,29 @@ class Trainer:
 
     def save(self) -> None:
         """A checkpoint of this step (once: a second call for the same step does nothing)."""
-        if not self.checkpoints or self.checkpoints.saved(self.state.step):
-            return
-        self.enter("checkpoint")
-        t0 = time.perf_counter()
-        self.sync_buffers()
-        st = self.state
-        common = {"model": self.model.state_dict(), "optimizer": self.opt.state_dict(),
-                  "scheduler": self.sched.state_dict(), "step": st.step, "epoch": st.epoch,
-                  "micro_done": st.micro_done, "world_size": self.ctx.world_size, "config": self.cfg.to_dict()}
-        path = self.checkpoints.checkpointer.save(step=st.step, common=common, rank_state={"rng": rng.get_state()})
-        seconds = time.perf_counter() - t0  # how long training stood still for it
-        self.telemetry.checkpoint(seconds)
-        how = "being written in the background" if self.cfg.checkpoint.async_save else "written"
-        self.log.info(f"checkpoint {path}: training paused {seconds:.2f}s ({how})")
-        self.log.metrics({"checkpoint_seconds": seconds}, step=st.step)
-        self.enter("training")
+        if self.ckpt:
+            self.ckpt.save(self.state)
 
     def check_stop(self, step_seconds: float) -> None:
         """At a step boundary: when a rank was sent SIGTERM, save if the save fits in its grace
         (preempt.plan), then end this rank (preempt's docstring)."""
-        if self.stop_request is None or self.stop_vote is None or self.checkpoints is None:
+        ckpt = self.ckpt
+        if self.stop_request is None or self.stop_vote is None or ckpt is None:
             return
-        ckpt = self.checkpoints.checkpointer
         agreed = self.stop_vote.cast(left=self.stop_request.left(), last_save=ckpt.last_seconds,
                                      step_seconds=step_seconds)
         if agreed is None or math.isinf(agreed.left):
             return
         self.stop_vote.finish()
         save, why = preempt.plan(left=agreed.left, last_save=agreed.last_save, step_seconds=agreed.step_seconds,
-                                 saved=self.checkpoints.saved(self.state.step))
+                                 saved=ckpt.saved(self.state.step))
         where = f"step {self.state.step} (epoch {self.state.epoch}, batch {self.state.micro_done})"
         if save:
             self.log.info(f"stop requested (SIGTERM): saving a checkpoint at {where}: {why}")
             self.save()
         ckpt.wait()  # a write in flight, this one's or an earlier one's, is published before the end
         if save:
-            self.log.info(f"stop: checkpoint {Path(ckpt.dir) / step_dir_name(self.state.step)} saved in "
+            self.log.info(f"stop: checkpoint {ckpt.path(self.state.step)} saved in "
                           f"{ckpt.last_seconds:.2f}s; the next attempt resumes from it")
         else:
             self.log.info(f"stop requested (SIGTERM) at {where}: no checkpoint saved: {why}")
@@ -480,7 +374,7 @@ class Trainer:
                 out = self.train_step(batches)
                 epoch_end = st.micro_done >= self.micro_per_epoch
                 log_step = st.step % cfg.log_every_steps == 0 or st.step == self.total_steps
-                save_step = bool(self.checkpoints) and self.checkpoints.due(st.step)
+                save_step = self.ckpt is not None and self.ckpt.due(st.step)
                 # The host reads the loss (a device sync) only at log steps; elsewhere the GPU runs
                 # ahead. Before an eval or checkpoint the step's queued work is finished here, so
                 # its time is charged to the step and not to what follows.
@@ -520,13 +414,8 @@ class Trainer:
                     if cuda:
                         tracked["gpu_memory_max_allocated_bytes"] = torch.cuda.max_memory_allocated(ctx.device)
                     log.metrics(tracked, step=st.step)
-                if save_step:
-                    self.save()
+                if self.ckpt and self.ckpt.maybe_save(st, epoch_end=epoch_end):
                     boundary = time.perf_counter()
-                elif self.snapshots is not None and self.snapshots.due(st.step) and not epoch_end:
-                    # (At an epoch's end the disk checkpoint follows its evaluation.) Its copy counts
-                    # in the next step's time: what it costs training (bench/trainer_overhead.py).
-                    self.snapshot()
                 self.check_stop(dt_step)
             if st.micro_done >= self.micro_per_epoch:
                 last_eval, eval_step = self._eval_and_log(), st.step
@@ -536,10 +425,8 @@ class Trainer:
             last_eval, eval_step = self.evaluate(), st.step
             log.metrics({"eval_accuracy": last_eval.accuracy, "eval_loss": last_eval.loss}, step=st.step)
             self.save()
-        if self.checkpoints:
-            self.checkpoints.checkpointer.wait()
-        if self.snapshots is not None:
-            self.snapshots.clear()
+        if self.ckpt:
+            self.ckpt.close()
         # Global throughput: every rank processed about the same number of samples in the same time.
         total_samples, total_seconds = self.comm.sum([samples_seen, train_seconds]).tolist()
         throughput = total_samples / (total_seconds / ctx.world_size) if total_seconds > 0 else 0.0
@@ -548,7 +435,7 @@ class Trainer:
             resumed_from_step=resumed_from, train_samples_per_second=throughput,
             eval_accuracy=last_eval.accuracy, eval_loss=last_eval.loss, eval_samples=last_eval.samples,
             eval_dataset_size=last_eval.dataset_size,
-            last_checkpoint=str(Path(cfg.checkpoint.dir) / step_dir_name(st.step)) if self.checkpoints else None)
+            last_checkpoint=str(self.ckpt.path(st.step)) if self.ckpt else None)
 
 
 def train(cfg: TrainerConfig, ctx: DistContext, *, log: NullReporter, telemetry: Telemetry,

@@ -1,1 +1,1 @@
-"""Checkpoints: the Checkpointer the training loop drives, the raw-file storage layer under torch.distributed.checkpoint, and its parallel file I/O."""
+"""Checkpoints: the CheckpointManager the training loop drives (manager.py), over the disk checkpoints (checkpoint.py, with the raw-file storage layer under torch.distributed.checkpoint and its parallel file I/O) and the in-memory snapshots (snapshot.py)."""

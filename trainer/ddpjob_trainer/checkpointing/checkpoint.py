@@ -491,24 +491,18 @@ class Checkpointer:
     def _prune(self) -> None:
         # Only complete checkpoints count towards `keep` and only they are deleted: a directory
         # without a manifest is nobody's to delete, and counting it would delete a good one.
-        complete = [path for _, path in sorted(self._step_dirs(), reverse=True) if (path / MANIFEST).is_file()]
+        complete = [path for _, path in self._step_dirs() if (path / MANIFEST).is_file()]
         for path in complete[self.keep:]:
             shutil.rmtree(path, ignore_errors=True)
 
     def _step_dirs(self) -> list[tuple[int, Path]]:
-        if not self.dir.is_dir():
-            return []
-        out = []
-        for p in self.dir.iterdir():
-            m = _STEP_DIR.match(p.name)
-            if m and p.is_dir():
-                out.append((int(m.group(1)), p))
-        return out
+        """(step, directory) of every step directory, newest first."""
+        found = [(_STEP_DIR.match(p.name), p) for p in self.dir.iterdir()] if self.dir.is_dir() else []
+        return sorted(((int(m.group(1)), p) for m, p in found if m and p.is_dir()), reverse=True)
 
     def newest_published_step(self) -> int | None:
         """The step of the newest checkpoint with a manifest (not verified: a cheap listing)."""
-        steps = [step for step, path in self._step_dirs() if (path / MANIFEST).is_file()]
-        return max(steps) if steps else None
+        return next((step for step, path in self._step_dirs() if (path / MANIFEST).is_file()), None)
 
     def newest_complete(self) -> Path | None:
         """Rank 0's choice: the newest checkpoint with a manifest, verified and readable.
@@ -516,7 +510,7 @@ class Checkpointer:
         A directory without a manifest (a write cut short) is skipped with a warning; one with a
         manifest that fails verification or whose index cannot be read raises CheckpointUnreadable.
         """
-        for _, path in sorted(self._step_dirs(), reverse=True):
+        for _, path in self._step_dirs():
             if not (path / MANIFEST).is_file():
                 self.log.warning(f"skipping checkpoint {path}: no {MANIFEST} (incomplete write)")
                 continue

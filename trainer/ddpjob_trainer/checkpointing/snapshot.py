@@ -9,8 +9,7 @@ Each rank writes its own state (model with its own buffers, optimizer, scheduler
 RNG), so resuming one is exactly resuming that rank: bit-exact like a disk resume. Written
 asynchronously: training stands still only for the copy into reused host buffers (the disk
 checkpoint's stager), a thread writes `rank-R-step-S.pt.part` and renames it; the newest KEEP are
-kept, so a write cut short by the kill leaves the one before. The ranks resume from the newest
-step every rank has, when it is newer than the newest complete disk checkpoint.
+kept, so a write cut short by the kill leaves the one before. manager.py says when, and which to load.
 
 It costs /dev/shm room: KEEP copies of the state per local rank (the pod's memory limit counts
 them). A write that fails (the room ran out) is a warning and ends snapshots for the run; it never
@@ -42,16 +41,13 @@ def snapshot_root(env=os.environ) -> Path:
 
 
 class Snapshots:
-    """One rank's snapshots: `save` every `every_steps` steps (async), `steps` and `load` on resume."""
+    """One rank's snapshots: `save` (async), `steps` and `load` on resume (manager.py says when)."""
 
-    def __init__(self, root: Path, *, rank: int, every_steps: int, warn: Callable[[str], None]) -> None:
-        self.root, self.rank, self.every_steps, self.warn = root, rank, every_steps, warn
+    def __init__(self, root: Path, *, rank: int, warn: Callable[[str], None]) -> None:
+        self.root, self.rank, self.warn = root, rank, warn
         self._stager = _Stager()
         self._writer: threading.Thread | None = None
-        self._failed = False
-
-    def due(self, step: int) -> bool:
-        return bool(self.every_steps) and not self._failed and step % self.every_steps == 0
+        self.failed = False  # a write failed: no more snapshots this run
 
     def path(self, step: int) -> Path:
         return self.root / f"rank-{self.rank}-step-{step:08d}.pt"
@@ -66,7 +62,7 @@ class Snapshots:
     def save(self, step: int, state: dict[str, Any]) -> None:
         """Copy `state` now; write it on a thread (waiting first for the previous write)."""
         self.wait()
-        if self._failed:
+        if self.failed:
             return
         staged = self._stager.stage(state)
         self._writer = threading.Thread(target=self._write, args=(step, staged), name="snapshot", daemon=True)
@@ -82,7 +78,7 @@ class Snapshots:
             for old in self.steps()[:-KEEP]:
                 self.path(old).unlink(missing_ok=True)
         except Exception as exc:  # noqa: BLE001 - a snapshot never stops training
-            self._failed = True
+            self.failed = True
             try:
                 tmp.unlink(missing_ok=True)
             except OSError:

@@ -1,0 +1,110 @@
+"""The checkpoint manager (checkpointing/manager.py): which layer a step boundary writes, and which one
+a resume loads, restoring the state exactly. One process in a real single-rank gloo group."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from ddpjob_trainer.checkpointing.manager import CheckpointManager, TrainState
+from ddpjob_trainer.config import parse_config
+from ddpjob_trainer.dist import DistContext
+from ddpjob_trainer.reporting import NullReporter
+from ddpjob_trainer.telemetry import Telemetry
+
+
+class Lines(NullReporter):
+    def __init__(self):
+        self.lines = []
+
+    def info(self, msg):
+        self.lines.append(msg)
+
+
+@pytest.fixture
+def group():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield DistContext(rank=0, local_rank=0, world_size=1, node_rank=0, device=torch.device("cpu"), backend="gloo")
+    dist.destroy_process_group()
+
+
+def manager(ctx, tmp_path, monkeypatch, *, every=0, snapshot_every=0, seed=0, log=None):
+    monkeypatch.setenv("DDPJOB_SNAPSHOT_DIR", str(tmp_path / "shm"))
+    cfg = parse_config({"batchSize": 8, "checkpoint": {"dir": str(tmp_path / "ck"), "everySteps": every,
+                                                       "snapshotEverySteps": snapshot_every, "asyncSave": False}})
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    stages = []
+    m = CheckpointManager(cfg, ctx, model=model, optimizer=opt, scheduler=sched, log=log or NullReporter(),
+                          telemetry=Telemetry.from_env(enabled=False), stage=stages.append,
+                          sync_buffers=lambda: stages.append("synced"))
+    return m, stages
+
+
+def train(m, steps=1):
+    for _ in range(steps):
+        m.model(torch.randn(4, 3)).sum().backward()
+        m.optimizer.step()
+        m.scheduler.step()
+
+
+@pytest.mark.parametrize("every, snapshot_every, step, epoch_end, want", [
+    (5, 2, 10, False, "disk"),      # both due: the disk checkpoint, no snapshot beside it
+    (5, 2, 4, False, "snapshot"),
+    (5, 2, 4, True, None),          # the epoch's end: its disk checkpoint follows the evaluation
+    (5, 2, 3, False, None),
+    (0, 2, 6, False, "snapshot"),   # everySteps 0: disk checkpoints only at epochs' ends
+    (0, 0, 6, False, None),
+])
+def test_a_step_boundary_writes_the_layer_that_is_due(group, tmp_path, monkeypatch, every, snapshot_every, step,
+                                                      epoch_end, want):
+    m, stages = manager(group, tmp_path, monkeypatch, every=every, snapshot_every=snapshot_every)
+    took_disk = m.maybe_save(TrainState(step=step), epoch_end=epoch_end)
+    m.close() if want != "snapshot" else m.snapshots.wait()
+    wrote_disk = (tmp_path / "ck" / f"step-{step:08d}").is_dir()
+    wrote_snapshot = bool(m.snapshots and m.snapshots.steps())
+    assert (wrote_disk, wrote_snapshot) == (want == "disk", want == "snapshot")
+    assert took_disk == (want == "disk")
+    assert stages == (["checkpoint", "synced", "training"] if want == "disk" else [])
+
+
+def test_a_step_is_saved_to_disk_once(group, tmp_path, monkeypatch):
+    m, stages = manager(group, tmp_path, monkeypatch, every=5)
+    assert m.maybe_save(TrainState(step=5), epoch_end=True)
+    assert not m.save(TrainState(step=5)) and m.saved(5) and stages == ["checkpoint", "synced", "training"]
+
+
+def test_resume_loads_the_newest_of_snapshot_and_disk_and_restores_it_exactly(group, tmp_path, monkeypatch):
+    log = Lines()
+    m, _ = manager(group, tmp_path, monkeypatch, every=3, snapshot_every=2, log=log)
+    train(m)
+    m.maybe_save(TrainState(step=3, epoch=0, micro_done=3), epoch_end=False)  # disk
+    train(m)
+    m.maybe_save(TrainState(step=4, epoch=1, micro_done=1), epoch_end=False)  # snapshot, newer
+    m.snapshots.wait()
+    want = {k: v.clone() for k, v in m.model.state_dict().items()}
+    momentum = [m.optimizer.state[p]["momentum_buffer"].clone() for p in m.model.parameters()]
+    draw = torch.rand(3)
+
+    fresh, _ = manager(group, tmp_path, monkeypatch, every=3, snapshot_every=2, seed=1, log=log)
+    assert fresh.load() == TrainState(step=4, epoch=1, micro_done=1)
+    assert all(torch.equal(fresh.model.state_dict()[k], v) for k, v in want.items())
+    assert all(torch.equal(fresh.optimizer.state[p]["momentum_buffer"], b)
+               for p, b in zip(fresh.model.parameters(), momentum))
+    assert fresh.scheduler.last_epoch == 2 and torch.equal(torch.rand(3), draw)
+    assert "resumed from the in-memory snapshot" in log.lines[-1] and "newest disk checkpoint: step 3" in log.lines[-1]
+
+    train(fresh)
+    fresh.save(TrainState(step=6, epoch=1, micro_done=3))  # the disk is newer now
+    again, _ = manager(group, tmp_path, monkeypatch, every=3, snapshot_every=2, seed=2, log=log)
+    assert again.load() == TrainState(step=6, epoch=1, micro_done=3)
+    assert log.lines[-1].startswith(f"resumed from {tmp_path / 'ck' / 'step-00000006'} at step 6")
+    again.close()
+    assert again.snapshots.steps() == []  # the run ended: /dev/shm room given back
+
+
+def test_nothing_to_resume_from(group, tmp_path, monkeypatch):
+    m, _ = manager(group, tmp_path, monkeypatch, snapshot_every=2)
+    assert m.load() is None
