@@ -26,7 +26,7 @@ def literals(path: Path) -> list[tuple[int, str, str]]:
 
 
 def test_the_product_files_are_found():
-    assert len(PRODUCT) > 30 and REPO / "trainer/ddpjob_trainer/launch.py" in PRODUCT
+    assert len(PRODUCT) > 30 and REPO / "trainer/ddpjob_trainer/launch/node.py" in PRODUCT
     assert REPO / "cli/ddpjob_cli/local.py" in PRODUCT
 
 
@@ -49,3 +49,4 @@ def test_the_pod_and_the_operator_do_not_share_a_metrics_port_variable():
     envvars = {p.envvar for p in operator.params}
     assert contract.ENV_POD_METRICS_PORT not in envvars
     assert "DDPJOB_OPERATOR_METRICS_PORT" in envvars
+
