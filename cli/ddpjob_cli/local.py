@@ -456,6 +456,7 @@ def _run_local(path: str, *, signals: StopSignals, summary_json: str | None, met
         display.close()
     phase = "Succeeded" if outcome.ok else ("Interrupted" if outcome.interrupted else "Failed")
     r = outcome.result
+    run_id = r.get(contract.RESULT_MLFLOW_RUN_ID)
     summary = {
         "phase": phase, "job": job.name, "world_size": job.world_size, "nodes": job.nodes,
         "nproc_per_node": job.nproc_per_node, "steps": r.get("steps"), "restarts": tally.restarts,
@@ -466,9 +467,9 @@ def _run_local(path: str, *, signals: StopSignals, summary_json: str | None, met
         "wall_seconds": round(time.monotonic() - t0, 3),
         "exit_code": 0 if outcome.ok else outcome.exit_code, "failed_rank": outcome.failed_rank,
         "workdir": str(wd), "last_checkpoint": r.get("last_checkpoint"),
-        "mlflow_run_id": r.get("mlflow_run_id"),
+        "mlflow_run_id": run_id,
     }
-    run = f", MLflow run {r['mlflow_run_id']}" if r.get("mlflow_run_id") else ""
+    run = f", MLflow run {run_id}" if run_id else ""
     if outcome.ok and r.get("steps") is not None:
         click.echo(f"{job.name}: Succeeded in {summary['wall_seconds']:.1f}s — {r.get('steps')} steps, "
                    f"eval accuracy {r.get('eval_accuracy', 0):.4f} on {r.get('eval_samples')}/"

@@ -105,7 +105,7 @@ def _serve(args: argparse.Namespace, node: _Node, metrics_dir: str) -> None:
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m ddpjob_trainer.launch")
+    p = argparse.ArgumentParser(prog=f"python -m {contract.LAUNCHER_MODULE}")
     p.add_argument("--master-timeout", type=float,
                    default=float(os.environ.get("DDPJOB_MASTER_TIMEOUT", "600")),
                    help="seconds a worker waits for the master's DNS name and port")
@@ -224,7 +224,7 @@ def _launch(args: argparse.Namespace, node: _Node, signals: StopSignals) -> int:
     if run_id and node_rank == 0 and not os.path.exists(result_file):
         # A user's script writes no result: the run is the one thing node 0 knows (the local runner's summary).
         with open(result_file, "w") as f:
-            json.dump({"mlflow_run_id": run_id}, f)
+            json.dump({contract.RESULT_MLFLOW_RUN_ID: run_id}, f)
     report_result(result_file)
     return 0
 
