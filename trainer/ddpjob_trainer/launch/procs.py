@@ -2,6 +2,7 @@
 bounded stop of everything below it (psutil reads the tree; prctl is the one ctypes call)."""
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import subprocess
@@ -19,18 +20,12 @@ _PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
 
 
-def _load_prctl() -> Callable[..., int] | None:
-    try:
-        import ctypes
-
-        return ctypes.CDLL("libc.so.6", use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None  # not Linux (glibc)
-
-
-# Resolved once in the parent: a preexec_fn runs between fork and exec, where dlopen (taking
-# locks another thread of the parent may have held at fork time) could deadlock the child.
-_libc_prctl = _load_prctl()
+# Resolved once, on import in the parent: a preexec_fn runs between fork and exec, where dlopen
+# (taking locks another thread of the parent may have held at fork time) could deadlock the child.
+try:
+    _libc_prctl: Callable[..., int] | None = ctypes.CDLL("libc.so.6", use_errno=True).prctl
+except (OSError, AttributeError):  # not Linux (glibc)
+    _libc_prctl = None
 
 
 def prctl(option: int, value: int) -> bool:
