@@ -66,15 +66,17 @@ def trainer_config(*, cpu: bool, steps: int, ckpt_dir: str) -> dict:
 
 def _worker(launcher: int) -> int | None:
     """The training worker of local rank 0 under the launcher (`python -m ddpjob_trainer`)."""
-    from ddpjob_trainer.launch import descendants   # the launcher's own /proc walk (no psutil there)
+    import psutil
+
+    from ddpjob_trainer.launch.procs import descendants
 
     for pid in descendants(launcher):
         try:
-            raw = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        except OSError:
+            proc = psutil.Process(pid)
+            cmd, env = proc.cmdline(), proc.environ()
+        except psutil.Error:  # gone meanwhile
             continue
-        if raw[-3:-1] == [b"-m", b"ddpjob_trainer"] and b"LOCAL_RANK=0" in env:
+        if cmd[-2:] == ["-m", "ddpjob_trainer"] and env.get("LOCAL_RANK") == "0":
             return pid
     return None
 

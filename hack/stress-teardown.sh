@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # How often a finished two-node run of examples/scripts/train.py aborts in teardown
 # ("terminate called without an active exception"), with and without the launcher's exit guard
-# (trainer/ddpjob_trainer/exitguard). Both nodes on this machine, gloo on the CPU.
+# (trainer/ddpjob_trainer/launch/exitguard). Both nodes on this machine, gloo on the CPU.
 #   hack/stress-teardown.sh [RUNS] [guarded|unguarded]
 set -euo pipefail
 runs=${1:-20}
 mode=${2:-guarded}
 root=$(cd "$(dirname "$0")/.." && pwd)
 py=${PYTHON:-$root/.venv/bin/python}
-guard=$("$py" -c 'from ddpjob_trainer.launch import EXIT_GUARD; print(EXIT_GUARD)')
+guard=$("$py" -c 'from ddpjob_trainer.launch.node import EXIT_GUARD; print(EXIT_GUARD)')
 logs=$(mktemp -d)
 trap 'rm -rf "$logs"' EXIT
 cd "$root/examples"

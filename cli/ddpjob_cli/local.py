@@ -36,19 +36,14 @@ from pathlib import Path
 from typing import Any
 
 import click
+import psutil
 import yaml
 
 from ddpjob_trainer import contract
 from ddpjob_trainer.contract import EXIT_BAD_CONFIG
 from ddpjob_trainer.errors import ConfigError
-from ddpjob_trainer.launch import (
-    Stop,
-    StopSignals,
-    become_subreaper,
-    die_with_parent,
-    stop_grace_from_env,
-    stop_tree,
-)
+from ddpjob_trainer.launch.procs import become_subreaper, die_with_parent, stop_tree
+from ddpjob_trainer.launch.signals import Stop, StopSignals, stop_grace_from_env
 
 from ddpjob_operator.builders import envvars, pods
 from ddpjob_operator.api.phases import Phase
@@ -243,11 +238,11 @@ def node_env(job: JobSpec, rank: int, *, master_port: int, metrics_port: int, at
     return env
 
 
-def _has_env(pid: int, prefix: bytes) -> bool:
+def _in_workdir(pid: int, workdir: Path) -> bool:
+    """The process carries this run's DDPJOB_RESULT_FILE (one under `workdir`)."""
     try:
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            return any(e.startswith(prefix) for e in f.read().split(b"\0"))
-    except OSError:
+        return psutil.Process(pid).environ().get(contract.ENV_RESULT_FILE, "").startswith(f"{workdir}{os.sep}")
+    except psutil.Error:
         return False
 
 
@@ -258,11 +253,10 @@ def _stop_nodes(nodes: list[Node], *, workdir: Path, signals: StopSignals, grace
     Besides the nodes' trees, any process re-parented to the runner that carries this run's
     DDPJOB_RESULT_FILE (a worker whose agent and launcher died first) is stopped; nothing else
     the caller of run_local may have started is touched."""
-    marker = f"{contract.ENV_RESULT_FILE}={workdir}{os.sep}".encode()
     signals.armed = False
     try:
         left = stop_tree([n.proc for n in nodes], grace=grace, hurry=signals.hurry,
-                         owned=functools.partial(_has_env, prefix=marker))
+                         owned=functools.partial(_in_workdir, workdir=workdir))
         if left:
             display.say(f"WARNING processes {left} outlived SIGKILL (stuck in the kernel); not waiting for them")
     finally:
@@ -462,6 +456,7 @@ def _run_local(path: str, *, signals: StopSignals, summary_json: str | None, met
         display.close()
     phase = "Succeeded" if outcome.ok else ("Interrupted" if outcome.interrupted else "Failed")
     r = outcome.result
+    run_id = r.get(contract.RESULT_MLFLOW_RUN_ID)
     summary = {
         "phase": phase, "job": job.name, "world_size": job.world_size, "nodes": job.nodes,
         "nproc_per_node": job.nproc_per_node, "steps": r.get("steps"), "restarts": tally.restarts,
@@ -472,9 +467,9 @@ def _run_local(path: str, *, signals: StopSignals, summary_json: str | None, met
         "wall_seconds": round(time.monotonic() - t0, 3),
         "exit_code": 0 if outcome.ok else outcome.exit_code, "failed_rank": outcome.failed_rank,
         "workdir": str(wd), "last_checkpoint": r.get("last_checkpoint"),
-        "mlflow_run_id": r.get("mlflow_run_id"),
+        "mlflow_run_id": run_id,
     }
-    run = f", MLflow run {r['mlflow_run_id']}" if r.get("mlflow_run_id") else ""
+    run = f", MLflow run {run_id}" if run_id else ""
     if outcome.ok and r.get("steps") is not None:
         click.echo(f"{job.name}: Succeeded in {summary['wall_seconds']:.1f}s — {r.get('steps')} steps, "
                    f"eval accuracy {r.get('eval_accuracy', 0):.4f} on {r.get('eval_samples')}/"

@@ -95,10 +95,10 @@ def no_kwok_traffic(connection_watch, request):
 def termination_log(tmp_path, monkeypatch) -> Path:
     """The launcher writes its termination message here instead of /dev/termination-log; its
     scratch files (result, per-rank status) go where it chooses, as in a pod."""
-    from ddpjob_trainer import launch
+    from ddpjob_trainer.launch import report
 
     term = tmp_path / "termination-log"
-    monkeypatch.setattr(launch, "TERMINATION_LOG", str(term))
+    monkeypatch.setattr(report, "TERMINATION_LOG", str(term))
     from prometheus_client import values
 
     for var in ("DDPJOB_RESULT_FILE", "DDPJOB_STATUS_DIR", "DDPJOB_METRICS_DIR", "PROMETHEUS_MULTIPROC_DIR"):

@@ -227,7 +227,7 @@ class ConnectionWatch:
                     hits[e.inode] = e
         if not hits:
             return
-        from ddpjob_trainer.launch import descendants
+        from ddpjob_trainer.launch.procs import descendants
 
         ours = [self.root, *descendants(self.root)]
         owners = _socket_owners(set(hits), ours)

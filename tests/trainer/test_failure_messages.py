@@ -21,13 +21,13 @@ USER_SCRIPT = textwrap.dedent("""
 
 
 def test_a_user_script_with_record_under_torchrun_names_its_error(termination_log, monkeypatch, tmp_path):
-    from ddpjob_trainer import launch
+    from ddpjob_trainer.launch.node import main
 
     monkeypatch.delenv("TORCHELASTIC_ERROR_FILE", raising=False)
     script = tmp_path / "train.py"
     script.write_text(USER_SCRIPT)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)]
-    assert launch.main(["--", *cmd]) == 1
+    assert main(["--", *cmd]) == 1
     text = termination_log.read_text()
     assert text.startswith("training exited with code 1\nTraceback (most recent call last):"), text
     assert text.endswith("FileNotFoundError: no such dataset: /data/imagenet"), text

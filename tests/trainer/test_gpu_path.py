@@ -72,7 +72,7 @@ def test_a_shared_checkpoint_dir_passes_the_check_and_is_checkpointed_into(tmp_p
 @pytest.mark.timeout(300)  # blocked, the teardown would wait for timeoutSeconds: 3600
 def test_a_failed_ranks_reason_is_recorded_and_it_exits_though_its_peer_is_mid_collective(
         termination_log, monkeypatch):
-    from ddpjob_trainer import launch
+    from ddpjob_trainer.launch.node import main
 
     from .failing_rank import REASON
 
@@ -82,7 +82,7 @@ def test_a_failed_ranks_reason_is_recorded_and_it_exits_though_its_peer_is_mid_c
     harness = Path(__file__).with_name("failing_rank.py")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(harness)]
     # Returns once every process has exited: the test's timeout is the bound on "promptly".
-    assert launch.main(["--", *cmd]) == 1
+    assert main(["--", *cmd]) == 1
     text = termination_log.read_text()
     # Rank 1's own error, not its peer's ("connection closed"), which came after it.
     assert text.startswith("training exited with code 1\nrank 1 failed:\nTraceback"), text

@@ -207,13 +207,14 @@ def test_a_users_script_logs_into_the_jobs_run_through_the_env(tmp_path, mlflow_
 def test_a_launcher_without_a_run_fails_the_attempt_only_when_mlflow_is_required(monkeypatch):
     # The real child process against a server refusing connections (the decisions without one:
     # tests/unit/test_trainer_launch.py).
-    from ddpjob_trainer import launch
+    from ddpjob_trainer.launch import runs
+    from ddpjob_trainer.launch.signals import StopSignals
 
     nobody = free_ports(1)[0]  # nothing listens there: refused at once
     env = {**os.environ, "MLFLOW_TRACKING_URI": f"http://user:pw@127.0.0.1:{nobody}", "DDPJOB_UID": "u-1",
            "DDPJOB_MLFLOW": "required"}
-    monkeypatch.setattr(launch, "MLFLOW_RETRY_SECONDS", 0)   # refused is refused: no second try
-    run_id, failed = launch._mlflow_run(env, node_rank=0, node=launch._Node(), signals=launch.StopSignals(),
-                                        stages=launch._RankStages({"DDPJOB_TELEMETRY": "0"}))
+    monkeypatch.setattr(runs, "MLFLOW_RETRY_SECONDS", 0)   # refused is refused: no second try
+    run_id, failed = runs.mlflow_run(env, node_rank=0, children=[], signals=StopSignals(),
+                                     on_run=lambda *ids: None)
     assert run_id is None and failed.startswith(f"spec.trainer.mlflow.required: no MLflow run at http://127.0.0.1:{nobody}: ")
     assert "Connection refused" in failed and "pw" not in failed

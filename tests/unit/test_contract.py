@@ -1,9 +1,14 @@
 """The names operator, local runner, launcher and trainer share are spelled once, in
 ddpjob_trainer/contract.py: a second spelling could drift from the first without any test noticing
-(the pod would get one env name and the launcher read another)."""
+(the pod would get one env name and the launcher read another). Each side of the contract's other
+parts (the launcher's path, the stages, the run's result) is held to it here; the metric names
+by tests/unit/test_scrape.py (every series the scraper reads is in a real rank's exposition)."""
 from __future__ import annotations
 
+import dataclasses
+import importlib.util
 import io
+import json
 import tokenize
 from pathlib import Path
 
@@ -15,7 +20,7 @@ REPO = Path(__file__).resolve().parents[2]
 PRODUCT = sorted(p for d in ("operator/ddpjob_operator", "trainer/ddpjob_trainer", "cli/ddpjob_cli")
                  for p in (REPO / d).rglob("*.py") if p.name != "contract.py")
 SHARED = {value: name for name, value in vars(contract).items()
-          if name.startswith(("ENV_", "PET_", "METRIC_"))}
+          if name.startswith(("ENV_", "PET_", "METRIC_", "LAUNCHER_MODULE"))}
 
 
 def literals(path: Path) -> list[tuple[int, str, str]]:
@@ -26,7 +31,7 @@ def literals(path: Path) -> list[tuple[int, str, str]]:
 
 
 def test_the_product_files_are_found():
-    assert len(PRODUCT) > 30 and REPO / "trainer/ddpjob_trainer/launch.py" in PRODUCT
+    assert len(PRODUCT) > 30 and REPO / "trainer/ddpjob_trainer/launch/node.py" in PRODUCT
     assert REPO / "cli/ddpjob_cli/local.py" in PRODUCT
 
 
@@ -49,3 +54,45 @@ def test_the_pod_and_the_operator_do_not_share_a_metrics_port_variable():
     envvars = {p.envvar for p in operator.params}
     assert contract.ENV_POD_METRICS_PORT not in envvars
     assert "DDPJOB_OPERATOR_METRICS_PORT" in envvars
+
+
+def test_the_pods_command_is_the_contracts_launcher_and_runs_as_a_module():
+    from ddpjob_operator.builders import pods
+
+    assert list(contract.LAUNCHER) == pods.LAUNCHER
+    assert contract.LAUNCHER[:2] == ("python", "-m") and contract.LAUNCHER[-1] == "--"
+    # `python -m` runs a package through its __main__ (tests/unit/test_dockerfile.py: the image's ENTRYPOINT).
+    assert importlib.util.find_spec(contract.LAUNCHER_MODULE + ".__main__") is not None
+
+
+@pytest.mark.parametrize("stage", contract.STAGES)
+def test_every_stage_a_rank_may_enter_is_one_the_operator_reads(stage):
+    from ddpjob_operator.cluster.scrape import parse_metrics
+    from ddpjob_trainer.telemetry import Telemetry
+
+    Telemetry(labels={}, enabled=False).set_stage(stage)  # the trainer refuses any other
+    text = f'{contract.METRIC_PREFIX}{contract.STAGE}{{rank="0",stage="{stage}"}} 1\n'
+    assert parse_metrics(text)[0].stage == stage
+
+
+def test_a_stage_outside_the_contract_is_refused_by_the_trainer():
+    from ddpjob_trainer.telemetry import Telemetry
+
+    with pytest.raises(ValueError, match="unknown stage 'warming_up'; one of waiting_for_master, "):
+        Telemetry(labels={}, enabled=False).set_stage("warming_up")
+
+
+def test_the_result_the_trainer_writes_is_what_the_operator_reads_into_status():
+    from ddpjob_operator.api import crd
+    from ddpjob_operator.decisions.result import RESULT_FIELDS, parse_result
+
+    written = {f.name for f in dataclasses.fields(contract.RunResult)}
+    # Every number of the result reaches status.result; the last checkpoint is a path, the run id an id.
+    assert set(RESULT_FIELDS) == written - {"last_checkpoint"}
+    status = crd.version_schema()["properties"]["status"]["properties"]["result"]["properties"]
+    assert set(RESULT_FIELDS.values()) == set(status)
+    result = contract.RunResult(steps=10, total_steps=10, epochs_completed=2, world_size=4, resumed_from_step=5,
+                                train_samples_per_second=99.5, eval_accuracy=0.75, eval_loss=0.5, eval_samples=40,
+                                eval_dataset_size=40, last_checkpoint="/ckpt/step-10")
+    message = json.dumps({**dataclasses.asdict(result), contract.RESULT_MLFLOW_RUN_ID: "r1"})
+    assert set(parse_result(message)) == set(status)

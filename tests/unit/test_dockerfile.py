@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from ddpjob_trainer import contract
+
 REPO = Path(__file__).resolve().parents[2]
 DOCKERFILE = REPO / "Dockerfile"
 VENV_HADOLINT = Path(sys.executable).parent / "hadolint"
@@ -90,7 +92,7 @@ def test_targets_operator_and_trainer_run_as_non_root():
 
 def test_trainer_entrypoint_is_the_launcher():
     ep = [line for line in stages()["trainer"] if line.upper().startswith("ENTRYPOINT")]
-    assert ep and json.loads(ep[-1].split(None, 1)[1]) == ["python", "-m", "ddpjob_trainer.launch", "--"]
+    assert ep and json.loads(ep[-1].split(None, 1)[1]) == list(contract.LAUNCHER)
     assert (REPO / "trainer" / "ddpjob_trainer").is_dir()
 
 

@@ -1,4 +1,4 @@
-"""The launcher's exit guard (ddpjob_trainer/exitguard/sitecustomize.py): users' own scripts,
+"""The launcher's exit guard (ddpjob_trainer/launch/exitguard/sitecustomize.py): users' own scripts,
 unchanged, free their process group before interpreter finalization, where gloo's threads abort
 the process. Real child interpreters; the abort itself is a race, so these tests observe the
 mechanism: when a reference cycle (as a DDP model makes) is freed."""
@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 
-from ddpjob_trainer.launch import EXIT_GUARD, with_exit_guard
+from ddpjob_trainer.launch.node import EXIT_GUARD, with_exit_guard
 
 # A cycle whose finalizer reports whether the interpreter was already finalizing when it ran.
 CYCLE = textwrap.dedent("""
@@ -74,11 +74,11 @@ def test_the_sitecustomize_it_shadows_still_runs(tmp_path):
 def test_the_launchers_child_runs_guarded(termination_log, monkeypatch, tmp_path):
     """The real launcher: its child (torchrun, the user's command) gets the guard, and the user's
     own PYTHONPATH after it."""
-    from ddpjob_trainer import launch
+    from ddpjob_trainer.launch.node import main
 
     monkeypatch.setenv("NODE_RANK", "1")
     monkeypatch.setenv("PYTHONPATH", "/opt/mine")
     out = tmp_path / "path.txt"
     script = f"import os; open({str(out)!r}, 'w').write(os.environ['PYTHONPATH'])"
-    assert launch.main(["--", sys.executable, "-c", script]) == 0
+    assert main(["--", sys.executable, "-c", script]) == 0
     assert out.read_text() == f"{EXIT_GUARD}{os.pathsep}/opt/mine"

@@ -2,12 +2,13 @@
 (issue 33, docs/architecture.md).
 
 Between packages: the operator does not run training processes, so it imports from the trainer only
-the shared contract and the stage names its scraper reads, and nothing from the CLI/local runner;
+the shared contract, and nothing from the CLI/local runner;
 the trainer, which every pod runs, imports neither.
 
 Inside the operator: every module lives in one layer, and a layer imports only itself and the layers
 below it (api < builders < decisions < cluster < app), so the pure parts never reach the I/O or the
-process that wires them. Inside the trainer: checkpointing is a world of its own under the loop.
+process that wires them. Inside the trainer: checkpointing is a world of its own under the loop, and
+the in-pod launcher (launch/) one above the training side, which never imports it.
 """
 from __future__ import annotations
 
@@ -60,10 +61,9 @@ def ours(found: dict[str, set[str]], package: str) -> dict[str, set[str]]:
     return {m: f for m, f in found.items() if m == package or m.startswith(package + ".")}
 
 
-def test_the_operator_takes_only_the_contract_and_stage_names_from_the_trainer():
+def test_the_operator_takes_only_the_contract_from_the_trainer():
     found = imports("ddpjob_operator")
-    allowed = ("ddpjob_trainer.contract", "ddpjob_trainer.telemetry.STAGES")
-    extra = {m: f for m, f in ours(found, "ddpjob_trainer").items() if not m.startswith(allowed)}
+    extra = {m: f for m, f in ours(found, "ddpjob_trainer").items() if not m.startswith("ddpjob_trainer.contract")}
     assert not extra, f"the operator imports more of the trainer than its contract: {extra}"
     assert ours(found, "ddpjob_trainer"), "the scan found none of the operator's known imports"
 
@@ -119,3 +119,14 @@ def test_checkpointing_does_not_reach_back_into_the_loop():
             if name.split(".")[1] in users | {"launch", "__main__"}
             and any(f.startswith("checkpointing/") for f in files)}
     assert not back, f"checkpointing imports what sits above it: {back}"
+
+
+def test_the_training_side_never_imports_the_launcher():
+    """The launcher (launch/) starts the ranks and watches them from outside; what runs in a rank
+    does not reach back into it (the launcher may use the training side's telemetry and config)."""
+    found = ours(imports("ddpjob_trainer"), "ddpjob_trainer")
+    assert any(f.startswith("launch/") for files in found.values() for f in files), "no launcher import found"
+    back = {name: sorted(f for f in files if not f.startswith("launch/"))
+            for name, files in found.items() if name.startswith("ddpjob_trainer.launch")}
+    back = {name: files for name, files in back.items() if files}
+    assert not back, f"the training side imports the launcher: {back}"

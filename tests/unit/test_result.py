@@ -55,19 +55,19 @@ def test_run_result_reads_rank_0s_pod_of_the_current_attempt_on_success(pods, at
 
 def test_the_launcher_reports_the_result_file_as_its_termination_message(termination_log, monkeypatch):
     """The real launcher, a real child process that writes a result file like rank 0 does."""
-    from ddpjob_trainer import launch
+    from ddpjob_trainer.launch.node import main
 
     term = termination_log
     monkeypatch.setenv("NODE_RANK", "0")
     script = ("import json, os; json.dump(" + repr(RESULT) + ", open(os.environ['DDPJOB_RESULT_FILE'], 'w'))")
-    assert launch.main(["--", sys.executable, "-c", script]) == 0
+    assert main(["--", sys.executable, "-c", script]) == 0
     assert parse_result(term.read_text())["evalSamples"] == 359
 
 
 def test_a_command_that_writes_no_result_leaves_no_termination_message(termination_log, monkeypatch):
-    from ddpjob_trainer import launch
+    from ddpjob_trainer.launch.node import main
 
     term = termination_log
     monkeypatch.setenv("NODE_RANK", "0")
-    assert launch.main(["--", sys.executable, "-c", "pass"]) == 0
+    assert main(["--", sys.executable, "-c", "pass"]) == 0
     assert not os.path.exists(term)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from ddpjob_trainer.launch import wait_for_master
+from ddpjob_trainer.launch.master import wait_for_master
 from tests.support.stopping import first_child, pid1_prefix
 
 
@@ -67,12 +67,12 @@ def _alive(pid: int) -> bool:
 def test_stop_tree_kills_a_tree_that_ignores_sigterm_across_sessions():
     proc = _run_py("""
         import json, os, signal, subprocess, sys, time
-        from ddpjob_trainer.launch import stop_tree
+        from ddpjob_trainer.launch.procs import stop_tree
         # child (own session) -> grandchild (own session again, like torchrun's workers); both ignore SIGTERM
         inner = "import signal, subprocess, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); " \\
                 "subprocess.Popen([sys.executable, '-c', 'import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)'], start_new_session=True); time.sleep(600)"
         child = subprocess.Popen([sys.executable, "-c", inner], start_new_session=True)
-        from ddpjob_trainer.launch import descendants
+        from ddpjob_trainer.launch.procs import descendants
         while len(descendants(os.getpid())) < 2:
             time.sleep(0.05)
         tree = sorted(descendants(os.getpid()))
@@ -88,7 +88,7 @@ def test_stop_tree_kills_a_tree_that_ignores_sigterm_across_sessions():
 def test_orphans_reparented_to_the_subreaper_are_stopped_and_reaped():
     proc = _run_py("""
         import json, os, subprocess, sys, time
-        from ddpjob_trainer.launch import become_subreaper, descendants, stop_tree
+        from ddpjob_trainer.launch.procs import become_subreaper, descendants, stop_tree
         assert become_subreaper()
         # the middle process starts a grandchild and exits at once: the grandchild is orphaned
         subprocess.run([sys.executable, "-c", "import subprocess, sys; "
@@ -103,14 +103,14 @@ def test_orphans_reparented_to_the_subreaper_are_stopped_and_reaped():
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
     assert len(out["orphans"]) == 1, "the orphan was re-parented to the subreaper"
-    assert out["left"] == [] and out["after"] == {}, "stopped, and reaped (no zombie left)"
+    assert out["left"] == [] and out["after"] == [], "stopped, and reaped (no zombie left)"
 
 
 @pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
 def test_the_first_signal_raises_stop_and_later_ones_only_hurry(sig, code):
     proc = _run_py(f"""
         import os, signal
-        from ddpjob_trainer.launch import Stop, StopSignals
+        from ddpjob_trainer.launch.signals import Stop, StopSignals
         s = StopSignals().install()
         try:
             os.kill(os.getpid(), {int(sig)})
@@ -127,7 +127,7 @@ def test_the_first_signal_raises_stop_and_later_ones_only_hurry(sig, code):
 
 def test_a_bad_stop_grace_names_the_variable():
     from ddpjob_trainer.errors import ConfigError
-    from ddpjob_trainer.launch import stop_grace_from_env
+    from ddpjob_trainer.launch.signals import stop_grace_from_env
 
     assert stop_grace_from_env({}) == 5.0 and stop_grace_from_env({"DDPJOB_STOP_GRACE_SECONDS": "2.5"}) == 2.5
     for bad in ("soon", "-1"):
@@ -167,7 +167,7 @@ def test_a_launcher_waiting_for_its_master_stops_at_once_even_as_pid_1(tmp_path)
 def test_with_owned_the_callers_other_children_are_left_alone():
     proc = _run_py("""
         import json, os, subprocess, sys, time
-        from ddpjob_trainer.launch import descendants, stop_tree
+        from ddpjob_trainer.launch.procs import stop_tree
         sleeper = [sys.executable, "-c", "import time; time.sleep(600)"]
         node = subprocess.Popen(sleeper, start_new_session=True)
         bystander = subprocess.Popen(sleeper, start_new_session=True)  # not the run's
@@ -189,7 +189,7 @@ def test_with_owned_the_callers_other_children_are_left_alone():
      "training exited with code 1\n...", "ValueError: last words"),
 ])
 def test_failure_message_keeps_the_exit_code_and_the_end_of_the_traceback(failed, limit, want_start, want_end):
-    from ddpjob_trainer.launch import failure_message
+    from ddpjob_trainer.launch.report import failure_message
 
     msg = failure_message(1, failed, limit=limit)
     assert msg.startswith(want_start) and msg.endswith(want_end), msg
@@ -197,7 +197,7 @@ def test_failure_message_keeps_the_exit_code_and_the_end_of_the_traceback(failed
 
 
 def test_no_recorded_failure_leaves_the_message_to_the_kubelets_log_tail():
-    from ddpjob_trainer.launch import failure_message
+    from ddpjob_trainer.launch.report import failure_message
 
     assert failure_message(1, []) is None
 
@@ -206,7 +206,7 @@ def test_a_failed_trainer_leaves_its_traceback_as_the_termination_message(termin
     """The real launcher and a child that fails the way the built-in trainer does (its failure
     recorded under DDPJOB_STATUS_DIR): the pod's termination message — which outlives the pod's log
     once a group restart deletes it — carries the error, not only the exit code."""
-    from ddpjob_trainer import launch
+    from ddpjob_trainer.launch.node import main
 
     term = termination_log
     monkeypatch.setenv("NODE_RANK", "1")
@@ -217,7 +217,7 @@ def test_a_failed_trainer_leaves_its_traceback_as_the_termination_message(termin
         _record("failed", "rank 1 failed:\\nTraceback (most recent call last):\\nOSError: disk full")
         sys.exit(1)
     """)
-    assert launch.main(["--", sys.executable, "-c", script]) == 1
+    assert main(["--", sys.executable, "-c", script]) == 1
     text = term.read_text()
     assert text.startswith("training exited with code 1\nrank 1 failed:"), text
     assert text.endswith("OSError: disk full"), text
@@ -225,11 +225,11 @@ def test_a_failed_trainer_leaves_its_traceback_as_the_termination_message(termin
 
 def test_a_failure_nobody_recorded_writes_no_termination_message(termination_log, monkeypatch):
     """The kubelet keeps the log's tail instead (FallbackToLogsOnError): more than 'exit code 3'."""
-    from ddpjob_trainer import launch
+    from ddpjob_trainer.launch.node import main
 
     term = termination_log
     monkeypatch.setenv("NODE_RANK", "1")
-    assert launch.main(["--", sys.executable, "-c", "import sys; sys.exit(3)"]) == 3
+    assert main(["--", sys.executable, "-c", "import sys; sys.exit(3)"]) == 3
     assert not term.exists()
 
 
@@ -275,7 +275,7 @@ def _torch_error_file(path, exc: BaseException) -> None:
     ('{"message": ""}', []),
 ])
 def test_recorded_error_reads_the_traceback_or_message_or_nothing(tmp_path, content, want):
-    from ddpjob_trainer.launch import recorded_error
+    from ddpjob_trainer.launch.report import recorded_error
 
     path = tmp_path / "error.json"
     if content is not None:
@@ -284,7 +284,7 @@ def test_recorded_error_reads_the_traceback_or_message_or_nothing(tmp_path, cont
 
 
 def test_recorded_error_reads_what_torch_itself_writes(tmp_path):
-    from ddpjob_trainer.launch import recorded_error
+    from ddpjob_trainer.launch.report import recorded_error
 
     path = tmp_path / "error.json"
     _torch_error_file(path, ValueError("learning rate is negative"))
@@ -296,7 +296,7 @@ def test_recorded_error_reads_what_torch_itself_writes(tmp_path):
 def test_a_users_script_with_record_leaves_its_traceback_as_the_termination_message(termination_log, monkeypatch):
     """`launcher: true` with a user's own command: the launcher points TORCHELASTIC_ERROR_FILE at
     its scratch dir and reads what @record wrote there."""
-    from ddpjob_trainer import launch
+    from ddpjob_trainer.launch.node import main
 
     monkeypatch.delenv("TORCHELASTIC_ERROR_FILE", raising=False)
     script = textwrap.dedent("""
@@ -308,7 +308,7 @@ def test_a_users_script_with_record_leaves_its_traceback_as_the_termination_mess
 
         main()
     """)
-    assert launch.main(["--", sys.executable, "-c", script]) == 1
+    assert main(["--", sys.executable, "-c", script]) == 1
     text = termination_log.read_text()
     assert text.startswith("training exited with code 1\nTraceback (most recent call last):"), text
     assert text.endswith("FileNotFoundError: no such dataset: /data/imagenet"), text
@@ -334,7 +334,7 @@ def _lose_a_stop(signals) -> None:
 
 @LOSES_A_STOP
 def test_a_stop_lost_in_a_weakref_callback_is_raised_again():
-    from ddpjob_trainer.launch import Stop, StopSignals
+    from ddpjob_trainer.launch.signals import Stop, StopSignals
 
     signals = StopSignals()
     _lose_a_stop(signals)
@@ -347,7 +347,7 @@ def test_a_stop_lost_in_a_weakref_callback_is_raised_again():
 
 @LOSES_A_STOP
 def test_waiting_for_the_master_sees_a_lost_stop():
-    from ddpjob_trainer.launch import Stop, StopSignals, wait_for_master
+    from ddpjob_trainer.launch.signals import Stop, StopSignals
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -362,7 +362,8 @@ def test_waiting_for_the_master_sees_a_lost_stop():
 
 @LOSES_A_STOP
 def test_waiting_for_the_child_sees_a_lost_stop():
-    from ddpjob_trainer.launch import Stop, StopSignals, _wait
+    from ddpjob_trainer.launch.node import _wait
+    from ddpjob_trainer.launch.signals import Stop, StopSignals
 
     signals = StopSignals()
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
@@ -394,7 +395,9 @@ TRACKED = {"MLFLOW_TRACKING_URI": "http://u:pw@mlflow:5000", "DDPJOB_UID": "u-1"
     ({**TRACKED, "MLFLOW_RUN_ID": "mine"}, 0, None, (None, None, None)),
 ])
 def test_the_launcher_gives_its_ranks_the_jobs_mlflow_run(monkeypatch, env, node_rank, answer, expected):
-    from ddpjob_trainer import launch
+    from ddpjob_trainer.launch import runs
+    from ddpjob_trainer.launch.node import _RankStages
+    from ddpjob_trainer.launch.signals import StopSignals
 
     asked: list[list[str]] = []
     said: list[str] = []
@@ -402,14 +405,15 @@ def test_the_launcher_gives_its_ranks_the_jobs_mlflow_run(monkeypatch, env, node
     def run_tracking(args, env, **kw):
         asked.append(args[:2])
         return answer
-    monkeypatch.setattr(launch, "_run_tracking", run_tracking)
-    monkeypatch.setattr(launch, "_say", said.append)
+    monkeypatch.setattr(runs, "run_tracking", run_tracking)
+    monkeypatch.setattr(runs, "say", said.append)
     reported: list[tuple] = []
-    stages = launch._RankStages({"DDPJOB_TELEMETRY": "0"})
-    stages.telemetry = [type("T", (), {"mlflow_run": lambda self, *ids: reported.append(ids)})()]
+    stages = _RankStages({"DDPJOB_TELEMETRY": "0"})
+    stages.telemetry = [type("T", (), {"labels": {"rank": str(node_rank * 2)},
+                                       "mlflow_run": lambda self, *ids: reported.append(ids)})()]
     env, given = dict(env), env.get("MLFLOW_RUN_ID")
-    run_id, failed = launch._mlflow_run(env, node_rank=node_rank, node=launch._Node(), signals=launch.StopSignals(),
-                                        stages=stages)
+    run_id, failed = runs.mlflow_run(env, node_rank=node_rank, children=[], signals=StopSignals(),
+                                     on_run=stages.mlflow_run)
     assert (run_id, failed, asked[0] if asked else None) == expected
     assert env.get("MLFLOW_RUN_ID") == (run_id or given)
     assert reported == ([("r1", "3")] if run_id and node_rank == 0 else [])

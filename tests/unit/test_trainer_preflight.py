@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ddpjob_trainer import preflight
+from ddpjob_trainer.launch import preflight
 from ddpjob_trainer.config import parse_config
 from ddpjob_trainer.errors import ConfigError
 

@@ -1,12 +1,20 @@
 """What the operator, the local runner, the in-pod launcher and the trainer agree on, defined
-once: the environment a pod gets, the exit codes a node reports, the metric name prefix.
+once: the pod's command, the environment a pod gets, the exit codes a node reports, the metrics a
+rank exports and the operator reads, and the run's result.
 
 It lives in the trainer package because that is the one package every side has (the operator's
-image installs the same wheel); it imports nothing but `re`, so the operator pays nothing for it.
+image installs the same wheel); it imports nothing but the standard library's `re` and
+`dataclasses`, so the operator pays nothing for it.
 """
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
+
+# A pod's command before the user's (the operator's pods, the trainer image's ENTRYPOINT, the
+# local runner's nodes): the in-pod launcher, ddpjob_trainer/launch/.
+LAUNCHER_MODULE = "ddpjob_trainer.launch"
+LAUNCHER = ("python", "-m", LAUNCHER_MODULE, "--")
 
 # Exit codes of a rank, a node's launcher and the local runner.
 EXIT_OK = 0
@@ -103,6 +111,54 @@ MLFLOW_RUN_INFO = "mlflow_run_info"
 
 # Every metric a rank exports starts with this; the operator's scraper keeps only these.
 METRIC_PREFIX = "ddpjob_trainer_"
+# The series of a rank (names after METRIC_PREFIX) that the operator reads into its progress,
+# health and status (cluster/scrape.py); the rest are for Prometheus alone. A counter's samples
+# end in _total, a histogram's in _sum and _count.
+STEP = "step"                          # optimizer steps done
+STEP_STARTED = "step_started"          # the step whose batch the rank has
+EPOCH = "epoch"
+TOTAL_STEPS = "total_steps"
+LOSS = "loss"
+SAMPLES = "samples"                    # counter
+STEP_SECONDS = "step_seconds"          # histogram
+COMPUTE_SECONDS = "compute_seconds"    # histogram (GPU ranks only)
+DATA_WAIT_SECONDS = "data_wait_seconds"  # counter
+LAST_STEP_TIMESTAMP = "last_step_timestamp_seconds"
+EVAL_ACCURACY = "eval_accuracy"
+EVAL_LOSS = "eval_loss"
+CHECKPOINT_SECONDS = "checkpoint_seconds"
+RESTART_COUNT = "restart_count"
+GPU_MEMORY_ALLOCATED = "gpu_memory_allocated_bytes"
+GPU_MEMORY_MAX_ALLOCATED = "gpu_memory_max_allocated_bytes"
+# `stage{stage=S}` is 1 for the stage a rank is in, one of STAGES, in the order a job passes through
+# them (the operator names the earliest one a stuck rank is in); the stage began at STAGE_START.
+STAGE = "stage"
+STAGES = ("waiting_for_master", "rendezvous", "process_group_init", "first_step", "training", "eval",
+          "checkpoint")
+STAGE_START_TIMESTAMP = "stage_start_timestamp_seconds"
+
+
+@dataclass
+class RunResult:
+    """What rank 0 reports when training ends: the run-result file (ENV_RESULT_FILE) holds its
+    fields and RESULT_MLFLOW_RUN_ID as one JSON object, which node 0's launcher makes its
+    termination message, the operator status.result (decisions/result.py) and the local runner
+    its summary."""
+
+    steps: int
+    total_steps: int
+    epochs_completed: int
+    world_size: int
+    resumed_from_step: int
+    train_samples_per_second: float
+    eval_accuracy: float | None
+    eval_loss: float | None
+    eval_samples: int | None
+    eval_dataset_size: int | None
+    last_checkpoint: str | None
+
+
+RESULT_MLFLOW_RUN_ID = "mlflow_run_id"  # the job's MLflow run, also in a user's script's result
 
 
 def debug_dir(checkpoint_dir: str, attempt: int | str) -> str:

@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader
 from . import contract, debug, preempt, rng, torchapi, tuning
 from .checkpointing.manager import CheckpointManager, TrainState
 from .collectives import Collectives
+from .contract import RunResult
 from .config import TrainerConfig
 from .data import PerSampleSeeded, ResumableSampler, build_data, eval_loader, loader_kwargs
 from .dist import DistContext
@@ -37,23 +38,6 @@ class EvalResult:
     loss: float
     samples: int
     dataset_size: int
-
-
-@dataclass
-class RunResult:
-    """What rank 0 reports when training ends (the local runner's summary reads it)."""
-
-    steps: int
-    total_steps: int
-    epochs_completed: int
-    world_size: int
-    resumed_from_step: int
-    train_samples_per_second: float
-    eval_accuracy: float | None
-    eval_loss: float | None
-    eval_samples: int | None
-    eval_dataset_size: int | None
-    last_checkpoint: str | None
 
 
 def _build_optimizer(cfg: TrainerConfig, params) -> torch.optim.Optimizer:
@@ -447,7 +431,7 @@ def train(cfg: TrainerConfig, ctx: DistContext, *, log: NullReporter, telemetry:
         log.record(trainer.resolved_config(), checkpoint=result.last_checkpoint)
         log.model(trainer.model)
     if ctx.is_main and result_path:
-        _write_json_atomic(result_path, {**asdict(result), "mlflow_run_id": log.run_id})
+        _write_json_atomic(result_path, {**asdict(result), contract.RESULT_MLFLOW_RUN_ID: log.run_id})
     log.info(f"done: {result.steps} steps, eval accuracy {result.eval_accuracy:.4f}, "
              f"{result.train_samples_per_second:.0f} samples/s")
     return result

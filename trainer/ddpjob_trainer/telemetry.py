@@ -53,9 +53,6 @@ from . import contract
 PREFIX = contract.METRIC_PREFIX
 METRICS_DIR_ENV = contract.ENV_METRICS_DIR
 LABELS = ("ddpjob", "namespace", "rank", "local_rank", "node_rank")
-# In the order a job passes through them (the operator names the earliest one a stuck rank is in).
-STAGES = ("waiting_for_master", "rendezvous", "process_group_init", "first_step", "training", "eval",
-          "checkpoint")
 GPU_INFO = PREFIX + "gpu_info"   # an info metric (labels uuid, name); bench/gpu_check.py reads it
 STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
@@ -103,35 +100,35 @@ class Telemetry:
         def counter(name: str, doc: str):
             return Counter(PREFIX + name, doc, names, registry=reg).labels(**labels)
 
-        self._step = gauge("step", "Optimizer steps completed (global, across epochs).")
-        self._started = gauge("step_started", "Optimizer step this rank has its batch for (in progress).")
-        self._epoch = gauge("epoch", "Current epoch (0-based).")
-        self._total = gauge("total_steps", "Optimizer steps the whole run will take.")
-        self._loss = gauge("loss", "Training loss of the last step whose loss was read (built-in "
+        self._step = gauge(contract.STEP, "Optimizer steps completed (global, across epochs).")
+        self._started = gauge(contract.STEP_STARTED, "Optimizer step this rank has its batch for (in progress).")
+        self._epoch = gauge(contract.EPOCH, "Current epoch (0-based).")
+        self._total = gauge(contract.TOTAL_STEPS, "Optimizer steps the whole run will take.")
+        self._loss = gauge(contract.LOSS, "Training loss of the last step whose loss was read (built-in "
                            "trainer: every logEverySteps steps) on this rank.")
-        self._samples = counter("samples", "Training samples processed by this rank.")
+        self._samples = counter(contract.SAMPLES, "Training samples processed by this rank.")
         self._step_s = Histogram(
-            PREFIX + "step_seconds", "Wall time of one optimizer step on this rank.", names,
+            PREFIX + contract.STEP_SECONDS, "Wall time of one optimizer step on this rank.", names,
             registry=reg, buckets=STEP_BUCKETS,
         ).labels(**labels)
-        self._wait = counter("data_wait_seconds", "Seconds spent waiting for the next batch.")
-        self._last = gauge("last_step_timestamp_seconds", "Unix time the last step finished.")
-        self._acc = gauge("eval_accuracy", "Validation accuracy of the last evaluation.")
-        self._eval_loss = gauge("eval_loss", "Validation loss of the last evaluation.")
-        self._ckpt = gauge("checkpoint_seconds", "Seconds training stood still for the last checkpoint "
+        self._wait = counter(contract.DATA_WAIT_SECONDS, "Seconds spent waiting for the next batch.")
+        self._last = gauge(contract.LAST_STEP_TIMESTAMP, "Unix time the last step finished.")
+        self._acc = gauge(contract.EVAL_ACCURACY, "Validation accuracy of the last evaluation.")
+        self._eval_loss = gauge(contract.EVAL_LOSS, "Validation loss of the last evaluation.")
+        self._ckpt = gauge(contract.CHECKPOINT_SECONDS, "Seconds training stood still for the last checkpoint "
                            "(with async saving: the host copy, not the write).")
-        self._restarts = gauge("restart_count", "Group restarts before this attempt.")
+        self._restarts = gauge(contract.RESTART_COUNT, "Group restarts before this attempt.")
         # Of this worker process: with the agent's failure times, an in-place restart's recovery.
         self._first_step = gauge(contract.FIRST_STEP_TIMESTAMP, "Unix time this worker process finished "
                                  "its first step.")
         self._resumed = gauge(contract.RESUMED_FROM_STEP, "The step this worker process resumed from "
                               "(0: from the start).")
-        self._gpu_alloc = gauge("gpu_memory_allocated_bytes", "torch.cuda.memory_allocated().")
-        self._gpu_max = gauge("gpu_memory_max_allocated_bytes", "torch.cuda.max_memory_allocated().")
+        self._gpu_alloc = gauge(contract.GPU_MEMORY_ALLOCATED, "torch.cuda.memory_allocated().")
+        self._gpu_max = gauge(contract.GPU_MEMORY_MAX_ALLOCATED, "torch.cuda.max_memory_allocated().")
         self._gpu_reserved = gauge("gpu_memory_reserved_bytes", "torch.cuda.memory_reserved().")
         # Its child is bound at the first value: a CPU rank exports no device series at all.
         self._compute_family = Histogram(
-            PREFIX + "compute_seconds", "Device (GPU) time of one optimizer step's forward passes on this "
+            PREFIX + contract.COMPUTE_SECONDS, "Device (GPU) time of one optimizer step's forward passes on this "
             "rank, from CUDA events; no collective runs in it, so waiting for peers never counts.",
             names, registry=reg, buckets=STEP_BUCKETS)
         self._compute_s: Any = None
@@ -146,10 +143,10 @@ class Telemetry:
         self._mlflow_run = Gauge(PREFIX + contract.MLFLOW_RUN_INFO, "1 for the job's MLflow run (rank 0 only): "
                                  "the operator copies it into status.mlflow.", names + ["run_id", "experiment_id"],
                                  registry=reg, multiprocess_mode="mostrecent")
-        stage = Gauge(PREFIX + "stage", "1 for the stage this rank is in (" + ", ".join(STAGES) + "), "
+        stage = Gauge(PREFIX + contract.STAGE, "1 for the stage this rank is in (" + ", ".join(contract.STAGES) + "), "
                       "0 for the others.", names + ["stage"], registry=reg, multiprocess_mode="mostrecent")
-        self._stages = {s: stage.labels(**labels, stage=s) for s in STAGES}
-        self._stage_start = gauge("stage_start_timestamp_seconds", "Unix time this rank's current stage began.")
+        self._stages = {s: stage.labels(**labels, stage=s) for s in contract.STAGES}
+        self._stage_start = gauge(contract.STAGE_START_TIMESTAMP, "Unix time this rank's current stage began.")
 
     @classmethod
     def from_env(cls, *, enabled: bool | None = None) -> "Telemetry":
@@ -172,10 +169,10 @@ class Telemetry:
         return self._stage
 
     def set_stage(self, stage: str, *, timestamp: float | None = None) -> None:
-        """Enter `stage` (one of STAGES): every stage's gauge is written, so that the process that
+        """Enter `stage` (one of contract.STAGES): every stage's gauge is written, so that the process that
         set the stage last (the launcher, then the rank) wins in the shared directory."""
-        if stage not in STAGES:
-            raise ValueError(f"unknown stage {stage!r}; one of {', '.join(STAGES)}")
+        if stage not in contract.STAGES:
+            raise ValueError(f"unknown stage {stage!r}; one of {', '.join(contract.STAGES)}")
         if not self.enabled or stage == self._stage:
             return
         self._stage = stage

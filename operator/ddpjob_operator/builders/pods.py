@@ -4,6 +4,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from ddpjob_trainer import contract
+
 from ddpjob_operator.builders import gang, kueue, rdma, shm, template
 from ddpjob_operator.api import labels
 from ddpjob_operator.api.config import OperatorConfig
@@ -13,7 +15,7 @@ from ddpjob_operator.api.spec import JobSpec
 from ddpjob_operator.builders.template import Layers
 
 GPU_RESOURCE = "nvidia.com/gpu"
-LAUNCHER = ["python", "-m", "ddpjob_trainer.launch", "--"]
+LAUNCHER = list(contract.LAUNCHER)
 SHM_VOLUME = "dshm"
 SPREAD = "topologySpreadConstraints"
 HOSTNAME_KEY = "kubernetes.io/hostname"

@@ -42,7 +42,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Mapping
 
-from ddpjob_trainer.telemetry import STAGES
+from ddpjob_trainer.contract import STAGES
 
 from ddpjob_operator.api.objmeta import format_time
 from ddpjob_operator.decisions.samples import RankSample

@@ -13,7 +13,7 @@ from typing import Any
 
 from ddpjob_operator.api import podinfo
 
-# Trainer result key (ddpjob_trainer.loop.RunResult) -> status.result field (CRD schema).
+# Trainer result key (ddpjob_trainer.contract.RunResult) -> status.result field (CRD schema).
 RESULT_FIELDS = {
     "steps": "steps",
     "total_steps": "totalSteps",

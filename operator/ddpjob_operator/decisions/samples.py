@@ -9,34 +9,36 @@ import re
 from dataclasses import dataclass, field
 from typing import Iterable
 
-from ddpjob_trainer.contract import (FIRST_STEP_TIMESTAMP, METRIC_PREFIX, MLFLOW_RUN_INFO, RESUMED_FROM_STEP,
-                                    WORKER_FAILURE)
-from ddpjob_trainer.telemetry import STAGES  # same wheel; a light module (no torch)
+from ddpjob_trainer.contract import (CHECKPOINT_SECONDS, COMPUTE_SECONDS, DATA_WAIT_SECONDS, EPOCH, EVAL_ACCURACY,
+                                    EVAL_LOSS, FIRST_STEP_TIMESTAMP, GPU_MEMORY_ALLOCATED, GPU_MEMORY_MAX_ALLOCATED,
+                                    LAST_STEP_TIMESTAMP, LOSS, METRIC_PREFIX, MLFLOW_RUN_INFO, RESTART_COUNT,
+                                    RESUMED_FROM_STEP, SAMPLES, STAGE, STAGE_START_TIMESTAMP, STAGES, STEP,
+                                    STEP_SECONDS, STEP_STARTED, TOTAL_STEPS, WORKER_FAILURE)
 from prometheus_client.parser import text_string_to_metric_families
 
 PREFIX = METRIC_PREFIX
 
 # metric name (without prefix, as the parser reports the sample) -> RankSample attribute
 _GAUGES = {
-    "step": "step",
-    "epoch": "epoch",
-    "total_steps": "total_steps",
-    "loss": "loss",
-    "samples_total": "samples_total",
-    "data_wait_seconds_total": "data_wait_seconds_total",
-    "last_step_timestamp_seconds": "last_step_timestamp",
-    "step_started": "step_started",
-    "eval_accuracy": "eval_accuracy",
-    "eval_loss": "eval_loss",
-    "checkpoint_seconds": "checkpoint_seconds",
-    "restart_count": "restart_count",
-    "step_seconds_sum": "step_seconds_sum",
-    "step_seconds_count": "step_seconds_count",
-    "compute_seconds_sum": "compute_seconds_sum",
-    "compute_seconds_count": "compute_seconds_count",
-    "gpu_memory_allocated_bytes": "gpu_memory_allocated_bytes",
-    "gpu_memory_max_allocated_bytes": "gpu_memory_max_allocated_bytes",
-    "stage_start_timestamp_seconds": "stage_started_at",
+    STEP: "step",
+    EPOCH: "epoch",
+    TOTAL_STEPS: "total_steps",
+    LOSS: "loss",
+    SAMPLES + "_total": "samples_total",
+    DATA_WAIT_SECONDS + "_total": "data_wait_seconds_total",
+    LAST_STEP_TIMESTAMP: "last_step_timestamp",
+    STEP_STARTED: "step_started",
+    EVAL_ACCURACY: "eval_accuracy",
+    EVAL_LOSS: "eval_loss",
+    CHECKPOINT_SECONDS: "checkpoint_seconds",
+    RESTART_COUNT: "restart_count",
+    STEP_SECONDS + "_sum": "step_seconds_sum",
+    STEP_SECONDS + "_count": "step_seconds_count",
+    COMPUTE_SECONDS + "_sum": "compute_seconds_sum",
+    COMPUTE_SECONDS + "_count": "compute_seconds_count",
+    GPU_MEMORY_ALLOCATED: "gpu_memory_allocated_bytes",
+    GPU_MEMORY_MAX_ALLOCATED: "gpu_memory_max_allocated_bytes",
+    STAGE_START_TIMESTAMP: "stage_started_at",
     FIRST_STEP_TIMESTAMP: "first_step_timestamp",
     RESUMED_FROM_STEP: "resumed_from_step",
 }
@@ -129,7 +131,7 @@ def parse_metrics(text: str) -> dict[int, RankSample]:
             mlflow = (short == MLFLOW_RUN_INFO and s.value == 1
                       and all(_MLFLOW_ID.match(s.labels.get(k) or "") for k in ("run_id", "experiment_id")))
             failure = short == WORKER_FAILURE and _sane("time", s.value) is not None
-            if attr is None and not mlflow and not failure and not (short == "stage" and s.value == 1 and s.labels.get("stage") in STAGES):
+            if attr is None and not mlflow and not failure and not (short == STAGE and s.value == 1 and s.labels.get("stage") in STAGES):
                 continue
             rank = _int_or_none(s.labels.get("rank"))
             if rank is None:

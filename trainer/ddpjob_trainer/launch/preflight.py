@@ -15,8 +15,8 @@ import sys
 import sysconfig
 from typing import Callable, Iterable, Mapping
 
-from .config import TrainerConfig
-from .errors import ConfigError
+from ..config import TrainerConfig
+from ..errors import ConfigError
 
 IMPORT_TIMEOUT = 180.0  # importing torch._inductor on a loaded 2-core node takes seconds, not minutes
 
