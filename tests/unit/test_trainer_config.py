@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 import typing
 
 import pytest
@@ -111,20 +112,28 @@ def test_bad_gpu_and_data_loading_keys_name_the_key(raw, needle):
 
 # The CRD is the one home of spec.trainer's schema (crdschema.py). What the trainer needs from it:
 # each key is a field of the config dataclasses (which hold the defaults), and each field a key.
-def _keys_and_fields(schema: dict, cls: type, where: str):
+def _sections(schema: dict, cls: type, where: str = "spec.trainer"):
+    """(where, schema, dataclass) of spec.trainer and of each nested object in it."""
+    yield where, schema, cls
     hints = typing.get_type_hints(cls)
-    keys = {config._snake(k): k for k in schema["properties"]}
-    fields = {f.name for f in dataclasses.fields(cls)}
-    yield where, set(keys), fields
-    for name, key in keys.items():
-        nested = [t for t in typing.get_args(hints.get(name)) or (hints.get(name),) if dataclasses.is_dataclass(t)]
-        if nested:
-            yield from _keys_and_fields(schema["properties"][key], nested[0], f"{where}.{key}")
+    for key, sub in schema["properties"].items():
+        kinds = typing.get_args(hints.get(config._snake(key))) or (hints.get(config._snake(key)),)
+        yield from (x for k in kinds if dataclasses.is_dataclass(k) for x in _sections(sub, k, f"{where}.{key}"))
 
 
 def test_every_crd_key_is_a_config_field_and_every_field_a_key():
-    for where, keys, fields in _keys_and_fields(crdschema.trainer_schema(), TrainerConfig, "spec.trainer"):
+    for where, schema, cls in _sections(crdschema.trainer_schema(), TrainerConfig):
+        keys, fields = {config._snake(k) for k in schema["properties"]}, {f.name for f in dataclasses.fields(cls)}
         assert keys == fields, (where, keys ^ fields)
+
+
+def test_a_default_the_crd_states_is_the_dataclass_default():
+    for where, schema, cls in _sections(crdschema.trainer_schema(), TrainerConfig):
+        defaults = {f.name: f.default for f in dataclasses.fields(cls)}
+        for key, sub in schema["properties"].items():
+            stated = re.search(r"\b[Dd]efault:? ([\w.]+?)\.?(?=[\s)]|$)", sub.get("description", ""))
+            if stated:
+                assert yaml.safe_load(stated.group(1)) == defaults[config._snake(key)], f"{where}.{key}"
 
 
 def test_the_buffer_sync_modes_implemented_are_the_crds():
