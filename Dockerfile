@@ -16,6 +16,8 @@ COPY pyproject.toml README.md LICENSE ./
 COPY operator/ operator/
 COPY trainer/ trainer/
 COPY cli/ cli/
+# The packages' crds/ links point here: the trainer validates spec.trainer against this CRD's schema.
+COPY charts/ddpjob-operator/crds/ddpjobs.ddpjob.dev.yaml charts/ddpjob-operator/crds/
 RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
 
 # --- operator: `ddpjob operator`, non-root, read-only-root-filesystem friendly --------------
@@ -66,6 +68,7 @@ RUN --mount=type=bind,from=wheel,source=/wheels,target=/wheels \
  && pip install --no-cache-dir -c /tmp/keep-torch.txt "${whl}[trainer]" mlflow-skinny==3.17.2 \
  && rm /tmp/keep-torch.txt \
  && python -c "import ddpjob_trainer.launch, mlflow, torch; print('torch', torch.__version__)" \
+ && python -c "from ddpjob_trainer.config import parse_config; parse_config({})" \
  && TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-check python -c \
       "import torch; assert torch.compile(lambda x: x.sin() + 1)(torch.ones(4)).shape == (4,)" \
  && rm -rf /tmp/inductor-check

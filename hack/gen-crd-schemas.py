@@ -13,8 +13,8 @@ version the project builds (hack/versions.env):
     has the same types but not the enum lists the API server publishes (`--check` against it
     reports those as differences).
 
-The CRD file is edited in place, one field's block at a time (read fresh from disk at run time):
-comments, hand-written fields and spec.trainer are left exactly as they are. `--check` exits 1
+The CRD file is parsed and dumped by a round-tripping YAML library with only these fields replaced:
+comments, hand-written fields and spec.trainer come back as they were. `--check` exits 1
 when the file is not what generation would write (a unit test runs it).
 
 Structural-schema rules applied while inlining $refs: no $ref/allOf/oneOf, Quantity and
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import io
 import json
 import os
 import re
@@ -35,7 +36,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import yaml
+from ruamel.yaml import YAML
 
 ROOT = Path(__file__).resolve().parent.parent
 CRD = ROOT / "charts/ddpjob-operator/crds/ddpjobs.ddpjob.dev.yaml"
@@ -235,91 +236,36 @@ def field_schema(path: tuple[str, ...], schemas: dict[str, Any], description: st
     return {"description": f"{own} {tag}" if own else f"Kubernetes {tag}", **out}
 
 
-# -- the CRD file, edited one block at a time ---------------------------------------------------
-_KEY = re.compile(r"^(?P<indent>\s*)(?P<dash>- )?(?P<key>[A-Za-z0-9_$.\-]+):(?P<rest>.*)$")
-
-
-def _indent(line: str) -> int:
-    return len(line) - len(line.lstrip(" "))
-
-
-def find_block(lines: list[str], path: tuple[str, ...]) -> tuple[int, int, int]:
-    """(first line, end line, indent) of the mapping entry at key `path` (block-style YAML)."""
-    stack: list[tuple[int, str]] = []
-    skip_deeper: int | None = None
-    for i, line in enumerate(lines):
-        if not line.strip() or line.lstrip().startswith("#"):
-            continue
-        ind = _indent(line)
-        if skip_deeper is not None:
-            if ind > skip_deeper:
-                continue
-            skip_deeper = None
-        m = _KEY.match(line)
-        if not m:
-            continue
-        col = ind + (2 if m.group("dash") else 0)
-        while stack and stack[-1][0] >= col:
-            stack.pop()
-        stack.append((col, m.group("key")))
-        if tuple(k for _, k in stack[-len(path):]) == path and len(stack) >= len(path):
-            end = i + 1
-            while end < len(lines) and (not lines[end].strip() or _indent(lines[end]) > col):
-                end += 1
-            while end > i + 1 and not lines[end - 1].strip():
-                end -= 1
-            return i, end, col
-        if m.group("rest").strip() in (">", ">-", "|", "|-"):
-            skip_deeper = col
-    raise GenError(f"CRD has no field {'.'.join(path)}")
-
-
-class _Dumper(yaml.SafeDumper):
-    """One line per scalar: multi-line descriptions become double-quoted with \\n escapes, so
-    no continuation line can look like a key to find_block."""
-
-
-_Dumper.add_representer(str, lambda d, s: d.represent_scalar(
-    "tag:yaml.org,2002:str", s, style='"' if "\n" in s else None))
-
-
-def dump_block(key: str, schema: dict[str, Any], indent: int) -> list[str]:
-    body = yaml.dump(schema, Dumper=_Dumper, sort_keys=False, width=100000, allow_unicode=True)
-    pad = " " * (indent + 2)
-    return [" " * indent + f"{key}:"] + [pad + ln if ln else ln for ln in body.splitlines()]
-
-
-SPEC_PATH = ("openAPIV3Schema", "properties", "spec", "properties")
-
-
-def _spec_node(doc: dict[str, Any], path: tuple[str, ...]) -> dict[str, Any] | None:
-    node = doc["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
-    for key in path:
-        node = (node.get("properties") or {}).get(key)
-        if node is None:
-            return None
-    return node
+# -- the CRD file: parsed, the generated fields replaced, dumped -----------------------------------
+def _yaml() -> YAML:
+    """A round-tripping YAML: comments, flow mappings, folded text and the quotes of the hand-written
+    parts come back as they were read."""
+    rt = YAML()
+    rt.preserve_quotes = True
+    rt.width = 100000  # a generated description stays on one line
+    rt.indent(mapping=2, sequence=4, offset=2)
+    # Multi-line text (Kubernetes' descriptions) as one double-quoted line with \n escapes.
+    rt.representer.add_representer(str, lambda r, s: r.represent_scalar(
+        "tag:yaml.org,2002:str", s, style='"' if "\n" in s else None))
+    return rt
 
 
 def generate(text: str, schemas: dict[str, Any]) -> str:
-    """The CRD text with every FIELDS entry replaced by its generated schema."""
-    before = yaml.safe_load(text)
-    lines = text.splitlines()
+    """The CRD text with every FIELDS entry replaced by its generated schema; nothing else changes."""
+    rt = _yaml()
+    doc = rt.load(text)
+    spec = doc["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
     for path in FIELDS:
-        old = _spec_node(before, path) or {}
-        yaml_path = SPEC_PATH + tuple(p for k in path[:-1] for p in (k, "properties")) + (path[-1],)
-        start, end, col = find_block(lines, yaml_path)
-        lines[start:end] = dump_block(path[-1], field_schema(path, schemas, old.get("description")), col)
-    out = "\n".join(lines) + "\n"
-    after = yaml.safe_load(out)
-    # Only the generated fields may differ; spec.trainer and the rest stay as they were.
-    for doc in (before, after):
-        for path in FIELDS:
-            parent = _spec_node(doc, path[:-1]) if len(path) > 1 else _spec_node(doc, ())
-            (parent or {}).get("properties", {}).pop(path[-1], None)
-    if before != after:
-        raise GenError("generation changed fields outside the generated ones (bug in the block splicer)")
-    return out
+        parent = spec
+        for key in path[:-1]:
+            parent = (parent.get("properties") or {}).get(key) or {}
+        props = parent.get("properties") or {}
+        if path[-1] not in props:
+            raise GenError(f"CRD has no field spec.{'.'.join(path)}")
+        props[path[-1]] = field_schema(path, schemas, props[path[-1]].get("description"))
+    out = io.StringIO()
+    rt.dump(doc, out)
+    return out.getvalue()
 
 
 # -- inputs -------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""hack/gen-crd-schemas.py: core/v1 OpenAPI -> structural CRD schemas, spliced into the CRD in place."""
+"""hack/gen-crd-schemas.py: core/v1 OpenAPI -> structural CRD schemas, put in the parsed CRD, which is dumped back."""
 from __future__ import annotations
 
 import importlib.util
@@ -101,7 +101,7 @@ spec:
 """
 
 
-def test_splice_replaces_only_the_generated_blocks(monkeypatch):
+def test_generation_replaces_only_the_generated_fields(monkeypatch):
     monkeypatch.setattr(gen, "FIELDS", {("env",): ("Outer", True), ("scheduling", "tolerations"): ("Inner", True)})
     monkeypatch.setattr(gen, "EXTRA", {("env",): {"items": {"properties": {"name": {"minLength": 1}}}}})
     out = gen.generate(CRD_TEXT, SCHEMAS)

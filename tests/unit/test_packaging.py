@@ -110,7 +110,8 @@ def test_the_wheel_carries_the_crd_the_license_and_the_trainer_as_an_extra(insta
     with zipfile.ZipFile(wheel) as z:
         files = set(z.namelist())
         meta = next(z.read(n).decode() for n in files if n.endswith(".dist-info/METADATA"))
-    assert f"ddpjob_operator/api/crds/{CRD_RELPATH.name}" in files and any(n.endswith(".dist-info/licenses/LICENSE") for n in files)
+    # The trainer's copy: it validates spec.trainer against the CRD's schema (ddpjob_trainer.crdschema).
+    assert {f"ddpjob_operator/api/crds/{CRD_RELPATH.name}", f"ddpjob_trainer/crds/{CRD_RELPATH.name}"} <= files and any(n.endswith(".dist-info/licenses/LICENSE") for n in files)
     assert "License-Expression: Apache-2.0" in meta
     assert {"Homepage", "Documentation", "Issues"} <= set(re.findall(r"^Project-URL: (\w+),", meta, re.M))
     core = {norm(m) for m in re.findall(r"^Requires-Dist: ([A-Za-z0-9._-]+)[^;\n]*$", meta, re.M)}
@@ -156,6 +157,10 @@ def test_render_outside_the_checkout_uses_the_packaged_crd(installed, workdir):
     _, venv = installed
     found = run(venv, "python", "-c", "from ddpjob_operator.api.crd import crd_path; print(crd_path())", cwd=workdir)
     assert found.returncode == 0 and Path(found.stdout.strip()).is_relative_to(venv), found
+    trainer = run(venv, "python", "-c", "from ddpjob_trainer import crdschema\n"
+                  "print(crdschema.CRD_FILE.resolve(), crdschema.trainer_schema()['type'])", cwd=workdir)
+    assert trainer.returncode == 0 and trainer.stdout.split()[1] == "object", trainer
+    assert Path(trainer.stdout.split()[0]).is_relative_to(venv), trainer
     rendered = run(venv, "ddpjob", "render", "digits.yaml", "-n", "x", cwd=workdir)
     assert rendered.returncode == 0, rendered.stderr[-2000:]
     kinds = re.findall(r"^kind: (\w+)$", rendered.stdout, re.M)
@@ -184,4 +189,6 @@ def test_the_images_build_the_same_package():
     installs the trainer extra (the operator's pins come from requirements/operator.txt)."""
     st = stages()
     assert any(line.startswith("COPY ") and "LICENSE" in line.split() for line in st["wheel"])
+    # The packages' crds/ links resolve in the wheel stage: the trainer reads its config schema there.
+    assert any(line.startswith("COPY ") and str(CRD_RELPATH) in line for line in st["wheel"])
     assert any("pip install" in line and "[trainer]" in line for line in st["trainer"])

@@ -1,9 +1,15 @@
 """spec.trainer validation: every mistake is named by its key."""
 from __future__ import annotations
 
-import pytest
+import dataclasses
+import re
+import typing
 
-from ddpjob_trainer.config import config_from_env, parse_config
+import pytest
+import yaml
+
+from ddpjob_trainer import config, crdschema
+from ddpjob_trainer.config import TrainerConfig, config_from_env, parse_config
 from ddpjob_trainer.errors import ConfigError
 
 
@@ -19,16 +25,17 @@ def test_defaults_and_camel_case_keys():
 
 @pytest.mark.parametrize("raw, needle", [
     ({"epoch": 3}, "spec.trainer.epoch: unknown key"),
-    ({"epochs": 0}, "spec.trainer.epochs: must be >= 1"),
-    ({"epochs": 2.5}, "spec.trainer.epochs: expected an integer"),
-    ({"epochs": True}, "spec.trainer.epochs: expected an integer"),
-    ({"lr": "fast"}, "spec.trainer.lr: expected a number"),
-    ({"dataset": "cifar"}, "spec.trainer.dataset: must be one of digits, synthetic, imagefolder"),
-    ({"model": "vit"}, "spec.trainer.model: must be one of"),
-    ({"compile": "yes"}, "spec.trainer.compile: expected true or false"),
-    ({"checkpoint": {"dir": "/c", "keep": 0}}, "spec.trainer.checkpoint.keep: must be >= 1"),
-    ({"checkpoint": "/c"}, "spec.trainer.checkpoint: expected a mapping"),
-    ({"synthetic": {"shape": [3, -1]}}, "spec.trainer.synthetic.shape"),
+    ({"epochs": 0}, "spec.trainer.epochs: 0 is less than the minimum of 1"),
+    ({"epochs": 2.5}, "spec.trainer.epochs: 2.5 is not of type 'integer'"),
+    ({"epochs": True}, "spec.trainer.epochs: True is not of type 'integer'"),
+    ({"lr": "fast"}, "spec.trainer.lr: 'fast' is not of type 'number'"),
+    ({"dataset": "cifar"}, "spec.trainer.dataset: 'cifar' is not one of ['digits', 'synthetic', 'imagefolder']"),
+    ({"model": "vit"}, "spec.trainer.model: 'vit' is not one of"),
+    ({"compile": "yes"}, "spec.trainer.compile: 'yes' is not of type 'boolean'"),
+    ({"checkpoint": {"dir": "/c", "keep": 0}}, "spec.trainer.checkpoint.keep: 0 is less than the minimum of 1"),
+    ({"checkpoint": "/c"}, "spec.trainer.checkpoint: '/c' is not of type 'object'"),
+    ({"synthetic": {"shape": [3, -1]}}, "spec.trainer.synthetic.shape[1]: -1 is less than the minimum of 1"),
+    ({"dataPath": ""}, "spec.trainer.dataPath: ''"),   # minLength (the wording is jsonschema's version's)
     ({"mlflow": {"experiment": "x"}}, "spec.trainer.mlflow.trackingUri: required"),
     ({"dataset": "imagefolder"}, "spec.trainer.dataPath: required"),
     ({"dataset": "digits", "model": "resnet18"}, "spec.trainer.model: resnet18 needs 3-channel"),
@@ -37,6 +44,10 @@ def test_bad_config_names_the_key(raw, needle):
     with pytest.raises(ConfigError, match=None) as info:
         parse_config(raw)
     assert needle in str(info.value)
+
+
+def test_nulls_are_unset_as_the_api_server_prunes_them():
+    assert parse_config({"epochs": None, "mlflow": None, "checkpoint": {"dir": None}}) == parse_config({})
 
 
 def test_env_config_must_be_json():
@@ -54,7 +65,7 @@ def test_only_rank_0_tracks_and_mlflow_required_parses():
     cfg = parse_config({"mlflow": {"trackingUri": "http://x", "required": True}})
     assert cfg.mlflow == MlflowConfig(tracking_uri="http://x", experiment="ddpjob", required=True)
     assert parse_config({"mlflow": {"trackingUri": "http://x"}}).mlflow.required is False
-    with pytest.raises(ConfigError, match="spec.trainer.mlflow.required: expected true or false"):
+    with pytest.raises(ConfigError, match="spec.trainer.mlflow.required: 'yes' is not of type 'boolean'"):
         parse_config({"mlflow": {"trackingUri": "http://x", "required": "yes"}})
 
 
@@ -84,11 +95,11 @@ def test_gpu_and_data_loading_keys_and_their_defaults():
 
 
 @pytest.mark.parametrize("raw, needle", [
-    ({"numWorkers": "many"}, 'spec.trainer.numWorkers: expected an integer or "auto"'),
-    ({"numWorkers": -1}, "spec.trainer.numWorkers: must be >= 0"),
-    ({"channelsLast": "auto"}, "spec.trainer.channelsLast: expected true or false"),
-    ({"ddp": {"bufferSync": "mean"}}, "spec.trainer.ddp.bufferSync: must be one of average, broadcast"),
-    ({"ddp": {"bucketCapMb": 0}}, "spec.trainer.ddp.bucketCapMb: must be >= 1"),
+    ({"numWorkers": "many"}, 'spec.trainer.numWorkers must be "auto" or an integer >= 0'),
+    ({"numWorkers": -1}, 'spec.trainer.numWorkers must be "auto" or an integer >= 0'),
+    ({"channelsLast": "auto"}, "spec.trainer.channelsLast: 'auto' is not of type 'boolean'"),
+    ({"ddp": {"bufferSync": "mean"}}, "spec.trainer.ddp.bufferSync: 'mean' is not one of ['average', 'broadcast']"),
+    ({"ddp": {"bucketCapMb": 0}}, "spec.trainer.ddp.bucketCapMb: 0 is less than the minimum of 1"),
     ({"ddp": {"broadcastBuffers": True}}, "spec.trainer.ddp.broadcastBuffers: unknown key"),
 ])
 def test_bad_gpu_and_data_loading_keys_name_the_key(raw, needle):
@@ -97,48 +108,60 @@ def test_bad_gpu_and_data_loading_keys_name_the_key(raw, needle):
     assert needle in str(info.value)
 
 
-# The trainer's key tables (config.py) and the CRD's spec.trainer schema are two spellings of one
-# set of keys: the API server validates with one, the trainer with the other. A key, type, bound or
-# enum value changed on one side only fails here (a key the CRD lacks would be pruned or refused
-# by the API server; one the trainer lacks would make every pod exit 78).
-def _trainer_schema() -> dict:
-    from ddpjob_operator.api.crd import version_schema
-
-    return version_schema()["properties"]["spec"]["properties"]["trainer"]
 
 
-def _sections():
-    from ddpjob_trainer import config as c
-
-    schema = _trainer_schema()
-    yield "spec.trainer", c._TOP, schema
-    for name, table in (("checkpoint", c._CHECKPOINT), ("synthetic", c._SYNTHETIC), ("ddp", c._DDP),
-                        ("mlflow", c._MLFLOW)):
-        yield f"spec.trainer.{name}", table, schema["properties"][name]
-
-
-def _disagreements(path: str, key: str, kind: str, arg, prop: dict) -> list[str]:
-    want = {"int": "integer", "float": "number", "bool": "boolean", "enum": "string", "str": "string",
-            "shape": "array"}
-    where = f"{path}.{key}"
-    if kind == "int_or_auto":
-        return [] if prop.get("x-kubernetes-int-or-string") else [f"{where}: CRD is not int-or-string"]
-    out = []
-    if prop.get("type") != want[kind]:
-        out.append(f"{where}: CRD type {prop.get('type')}, trainer {kind}")
-    if kind in ("int", "float") and prop.get("minimum") != arg:
-        out.append(f"{where}: CRD minimum {prop.get('minimum')}, trainer {arg}")
-    if kind == "enum" and list(prop.get("enum") or []) != list(arg):
-        out.append(f"{where}: CRD enum {prop.get('enum')}, trainer {list(arg)}")
-    if kind == "shape" and (prop.get("items") or {}).get("type") != "integer":
-        out.append(f"{where}: CRD items are not integers")
-    return out
+# The CRD is the one home of spec.trainer's schema (crdschema.py). What the trainer needs from it:
+# each key is a field of the config dataclasses (which hold the defaults), and each field a key.
+def _sections(schema: dict, cls: type, where: str = "spec.trainer"):
+    """(where, schema, dataclass) of spec.trainer and of each nested object in it."""
+    yield where, schema, cls
+    hints = typing.get_type_hints(cls)
+    for key, sub in schema["properties"].items():
+        kinds = typing.get_args(hints.get(config._snake(key))) or (hints.get(config._snake(key)),)
+        yield from (x for k in kinds if dataclasses.is_dataclass(k) for x in _sections(sub, k, f"{where}.{key}"))
 
 
-@pytest.mark.parametrize("path, table, schema", list(_sections()), ids=lambda v: v if isinstance(v, str) else "")
-def test_the_crd_and_the_trainer_know_the_same_keys_with_the_same_types(path, table, schema):
-    props = schema["properties"]
-    nested = {"checkpoint", "synthetic", "ddp", "mlflow"} if path == "spec.trainer" else set()
-    assert set(props) - nested == set(table), (set(props) - nested ^ set(table))
-    problems = [p for key, (_, kind, arg) in table.items() for p in _disagreements(path, key, kind, arg, props[key])]
-    assert not problems, problems
+def test_every_crd_key_is_a_config_field_and_every_field_a_key():
+    for where, schema, cls in _sections(crdschema.trainer_schema(), TrainerConfig):
+        keys, fields = {config._snake(k) for k in schema["properties"]}, {f.name for f in dataclasses.fields(cls)}
+        assert keys == fields, (where, keys ^ fields)
+
+
+def test_a_default_the_crd_states_is_the_dataclass_default():
+    for where, schema, cls in _sections(crdschema.trainer_schema(), TrainerConfig):
+        defaults = {f.name: f.default for f in dataclasses.fields(cls)}
+        for key, sub in schema["properties"].items():
+            stated = re.search(r"\b[Dd]efault:? ([\w.]+?)\.?(?=[\s)]|$)", sub.get("description", ""))
+            if stated:
+                assert yaml.safe_load(stated.group(1)) == defaults[config._snake(key)], f"{where}.{key}"
+
+
+def test_the_buffer_sync_modes_implemented_are_the_crds():
+    from ddpjob_trainer.collectives import BUFFER_SYNCS
+
+    assert list(BUFFER_SYNCS) == crdschema.trainer_schema()["properties"]["ddp"]["properties"]["bufferSync"]["enum"]
+
+
+def test_a_rule_enum_or_key_added_to_the_crd_is_enforced_with_no_python_change(tmp_path, monkeypatch):
+    crd = yaml.load(crdschema.CRD_FILE.read_text(), Loader=yaml.CSafeLoader)
+    (version,) = (v for v in crd["spec"]["versions"] if v.get("storage"))
+    trainer = version["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]["trainer"]
+    trainer["properties"]["optimizer"]["enum"] = ["sgd"]
+    trainer["properties"]["ddp"]["properties"]["bucketCapMb"]["maximum"] = 100
+    trainer["properties"]["tensorParallel"] = {"type": "integer", "minimum": 1}
+    trainer["x-kubernetes-validations"] = [{"rule": "!has(self.maxSteps) || self.maxSteps <= 1000",
+                                           "message": "spec.trainer.maxSteps must be at most 1000"}]
+    edited = tmp_path / "ddpjobs.ddpjob.dev.yaml"
+    edited.write_text(yaml.dump(crd, Dumper=yaml.CSafeDumper))
+    assert parse_config({"optimizer": "adamw", "maxSteps": 5000}).max_steps == 5000   # the shipped CRD allows them
+    monkeypatch.setattr(crdschema, "CRD_FILE", edited)
+    for raw, needle in [
+        ({"optimizer": "adamw"}, "spec.trainer.optimizer: 'adamw' is not one of ['sgd']"),
+        ({"ddp": {"bucketCapMb": 200}}, "spec.trainer.ddp.bucketCapMb: 200 is greater than the maximum of 100"),
+        ({"tensorParallel": 0}, "spec.trainer.tensorParallel: 0 is less than the minimum of 1"),
+        ({"maxSteps": 5000}, "spec.trainer.maxSteps must be at most 1000"),
+    ]:
+        with pytest.raises(ConfigError) as info:
+            parse_config(raw)
+        assert needle in str(info.value)
+    assert parse_config({"maxSteps": 1000}).max_steps == 1000

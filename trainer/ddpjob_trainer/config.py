@@ -1,20 +1,19 @@
-"""Built-in trainer configuration: DDPJob `spec.trainer`, validated with messages that name the key."""
+"""Built-in trainer configuration: DDPJob `spec.trainer`, validated against the CRD's own schema
+(crdschema.py: keys, types, bounds, enums and rules live there only), then mapped onto these frozen
+dataclasses, which hold the defaults."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import re
+import typing
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import contract
+from . import contract, crdschema
 from .errors import ConfigError
 
-DATASETS = ("digits", "synthetic", "imagefolder")
-MODELS = ("convnet", "mlp", "resnet18", "resnet50")
-OPTIMIZERS = ("sgd", "adamw")
-SCHEDULERS = ("cosine", "constant")
-PRECISIONS = ("auto", "bf16", "fp32")
-BUFFER_SYNCS = ("average", "broadcast")
 AUTO = "auto"
 
 
@@ -129,132 +128,45 @@ class TrainerConfig:
         return asdict(self)
 
 
-# camelCase key in the DDPJob -> (field name, kind, constraint)
-_TOP: dict[str, tuple[str, str, Any]] = {
-    "dataset": ("dataset", "enum", DATASETS),
-    "model": ("model", "enum", MODELS),
-    "epochs": ("epochs", "int", 1),
-    "batchSize": ("batch_size", "int", 1),
-    "lr": ("lr", "float", 0.0),
-    "momentum": ("momentum", "float", 0.0),
-    "weightDecay": ("weight_decay", "float", 0.0),
-    "optimizer": ("optimizer", "enum", OPTIMIZERS),
-    "scheduler": ("scheduler", "enum", SCHEDULERS),
-    "warmupSteps": ("warmup_steps", "int", 0),
-    "gradAccumSteps": ("grad_accum_steps", "int", 1),
-    "maxSteps": ("max_steps", "int", 0),
-    "numWorkers": ("num_workers", "int_or_auto", 0),
-    "prefetchFactor": ("prefetch_factor", "int", 1),
-    "precision": ("precision", "enum", PRECISIONS),
-    "compile": ("compile", "bool", None),
-    "cudnnBenchmark": ("cudnn_benchmark", "bool", None),
-    "tf32": ("tf32", "bool", None),
-    "channelsLast": ("channels_last", "bool", None),
-    "seed": ("seed", "int", 0),
-    "timeoutSeconds": ("timeout_seconds", "int", 1),
-    "stepTimeoutSeconds": ("step_timeout_seconds", "int", 0),
-    "logEverySteps": ("log_every_steps", "int", 1),
-    "dataPath": ("data_path", "str", None),
-    "valPath": ("val_path", "str", None),
-    "imageSize": ("image_size", "int", 8),
-}
-_CHECKPOINT = {"dir": ("dir", "str", None), "everySteps": ("every_steps", "int", 0),
-               "keep": ("keep", "int", 1), "asyncSave": ("async_save", "bool", None),
-               "snapshotEverySteps": ("snapshot_every_steps", "int", 0)}
-_SYNTHETIC = {"trainSize": ("train_size", "int", 1), "valSize": ("val_size", "int", 1),
-              "shape": ("shape", "shape", None), "numClasses": ("num_classes", "int", 2),
-              "seed": ("seed", "int", 0)}
-_DDP = {"bufferSync": ("buffer_sync", "enum", BUFFER_SYNCS),
-        "staticGraph": ("static_graph", "bool", None),
-        "bucketCapMb": ("bucket_cap_mb", "int", 1)}
-_MLFLOW = {"trackingUri": ("tracking_uri", "str", None), "experiment": ("experiment", "str", None),
-           "runName": ("run_name", "str", None), "required": ("required", "bool", None),
-           "credentialsSecret": ("credentials_secret", "str", None),
-           "registerModel": ("register_model", "str", None),
-           "systemMetrics": ("system_metrics", "bool", None)}
+def _snake(key: str) -> str:
+    return re.sub(r"(?<=[a-z0-9])([A-Z])", r"_\1", key).lower()
 
 
-def _check(path: str, value: Any, kind: str, arg: Any) -> Any:
-    if kind == "int_or_auto":
-        if value == AUTO:
-            return value
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{path}: expected an integer or \"auto\", got {value!r}")
-        kind = "int"
-    if kind == "int":
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{path}: expected an integer, got {value!r}")
-        if value < arg:
-            raise ConfigError(f"{path}: must be >= {arg}, got {value}")
-        return value
-    if kind == "float":
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{path}: expected a number, got {value!r}")
-        if value < arg:
-            raise ConfigError(f"{path}: must be >= {arg}, got {value}")
-        return float(value)
-    if kind == "bool":
-        if not isinstance(value, bool):
-            raise ConfigError(f"{path}: expected true or false, got {value!r}")
-        return value
-    if kind == "enum":
-        if value not in arg:
-            raise ConfigError(f"{path}: must be one of {', '.join(arg)}; got {value!r}")
-        return value
-    if kind == "str":
-        if not isinstance(value, str) or not value:
-            raise ConfigError(f"{path}: expected a non-empty string, got {value!r}")
-        return value
-    if kind == "shape":
-        if (not isinstance(value, list) or not value
-                or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value)):
-            raise ConfigError(f"{path}: expected a list of positive integers, got {value!r}")
-        return tuple(value)
-    raise AssertionError(kind)
-
-
-def _section(raw: Any, table: dict, path: str) -> dict[str, Any]:
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{path}: expected a mapping, got {raw!r}")
-    out = {}
+def _build(cls: type, raw: dict[str, Any]) -> Any:
+    """A config dataclass from validated camelCase data: `batchSize` is field `batch_size`, a mapping
+    the field's own dataclass, a list a tuple, an integer where a float is declared a float."""
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
     for key, value in raw.items():
-        if key not in table:
-            raise ConfigError(f"{path}.{key}: unknown key (known: {', '.join(sorted(table))})")
-        name, kind, arg = table[key]
-        out[name] = _check(f"{path}.{key}", value, kind, arg)
-    return out
-
-
-_NESTED = ("checkpoint", "synthetic", "ddp", "mlflow")
+        name = _snake(key)
+        kinds = typing.get_args(hints[name]) or (hints[name],)
+        nested = next((k for k in kinds if dataclasses.is_dataclass(k)), None)
+        if nested is not None:
+            value = _build(nested, value)  # type: ignore[arg-type]
+        elif isinstance(value, list):
+            value = tuple(value)
+        elif float in kinds and isinstance(value, int):
+            value = float(value)
+        kwargs[name] = value
+    return cls(**kwargs)
 
 
 def parse_config(raw: dict[str, Any] | None, *, path: str = "spec.trainer",
                  default_tracking_uri: str | None = None) -> TrainerConfig:
-    """Validate `spec.trainer` (camelCase keys) into a TrainerConfig; raise ConfigError naming the key.
-    `default_tracking_uri`: mlflow.trackingUri when unset (the pod's MLFLOW_TRACKING_URI, which the
-    operator sets from the job or from its cluster-wide default)."""
-    raw = dict(raw or {})
-    nested = {k: raw.pop(k) for k in _NESTED if k in raw}
-    unknown = [k for k in raw if k not in _TOP]
-    if unknown:
-        known = ", ".join(sorted(list(_TOP) + list(_NESTED)))
-        raise ConfigError(f"{path}.{unknown[0]}: unknown key (known: {known})")
-    kwargs = _section(raw, _TOP, path)
-    if "checkpoint" in nested:
-        kwargs["checkpoint"] = CheckpointConfig(**_section(nested["checkpoint"], _CHECKPOINT, f"{path}.checkpoint"))
-    if "synthetic" in nested:
-        kwargs["synthetic"] = SyntheticConfig(**_section(nested["synthetic"], _SYNTHETIC, f"{path}.synthetic"))
-    if "ddp" in nested:
-        kwargs["ddp"] = DdpConfig(**_section(nested["ddp"], _DDP, f"{path}.ddp"))
-    if nested.get("mlflow") is not None:
-        ml = _section(nested["mlflow"], _MLFLOW, f"{path}.mlflow")
-        if "tracking_uri" not in ml and default_tracking_uri:
-            ml["tracking_uri"] = default_tracking_uri
-        if "tracking_uri" not in ml:
+    """Validate `spec.trainer` (camelCase keys) against the CRD's schema into a TrainerConfig; raise
+    ConfigError naming the key. `default_tracking_uri`: mlflow.trackingUri when unset (the pod's
+    MLFLOW_TRACKING_URI, which the operator sets from the job or from its cluster-wide default)."""
+    raw = crdschema.pruned(raw or {})
+    found = crdschema.problems(raw, path, crdschema.trainer_schema())
+    if found:
+        raise ConfigError("; ".join(found))
+    mlflow = raw.get("mlflow")
+    if mlflow is not None and "trackingUri" not in mlflow:
+        if not default_tracking_uri:
             raise ConfigError(f"{path}.mlflow.trackingUri: required when mlflow is set and the operator has no "
                               "default tracking URI (chart value mlflow.defaultTrackingUri)")
-        kwargs["mlflow"] = MlflowConfig(**ml)
-    cfg = TrainerConfig(**kwargs)
+        raw = {**raw, "mlflow": {**mlflow, "trackingUri": default_tracking_uri}}
+    cfg: TrainerConfig = _build(TrainerConfig, raw)
     if cfg.dataset == "imagefolder" and not cfg.data_path:
         raise ConfigError(f"{path}.dataPath: required when dataset is imagefolder")
     if cfg.dataset == "digits" and cfg.model in ("resnet18", "resnet50"):
