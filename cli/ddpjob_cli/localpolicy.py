@@ -8,6 +8,7 @@ import datetime as dt
 from dataclasses import dataclass
 
 from ddpjob_operator.api import labels
+from ddpjob_operator.api.group import Group
 from ddpjob_operator.builders.envvars import pod_name
 from ddpjob_operator.decisions.lifecycle import Decision, decide
 from ddpjob_operator.api.phases import Phase
@@ -52,7 +53,7 @@ def after_failure(job: JobSpec, *, tally: Tally, returncodes: dict[int, int | No
     prev = {"phase": Phase.RUNNING.value, "attempt": tally.attempt, "launchedAttempt": tally.attempt,
             "restarts": tally.restarts, "countedRestarts": tally.counted_restarts,
             "startTime": started.isoformat()}
-    return decide(job, pods, now=now, prev_status=prev)
+    return decide(job, Group.of(pods), now=now, prev_status=prev)
 
 
 def next_tally(d: Decision) -> Tally:

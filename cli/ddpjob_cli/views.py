@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Iterator, Mapping
 
 from ddpjob_operator.api import objmeta, podinfo
+from ddpjob_operator.api.group import Group
 from ddpjob_trainer.contract import INPLACE_MARKER_RE, MLFLOW_DEFAULT_EXPERIMENT, public_uri
 from ddpjob_operator.decisions.health import STALLED, STRAGGLER
 from ddpjob_operator.api.phases import Phase
@@ -119,7 +120,7 @@ def current_attempt(job: dict[str, Any], pods: list[dict[str, Any]]) -> int:
     att = status_of(job).get("attempt")
     if att is not None:
         return int(att)
-    return max((podinfo.attempt(p) for p in pods), default=0)
+    return max(Group.of(pods).attempts, default=0)
 
 
 def _named(job: dict[str, Any], kind: str, what: str) -> set[str]:
@@ -169,8 +170,7 @@ def rank_rows(job: dict[str, Any], pods: list[dict[str, Any]]) -> list[RankRow]:
     """One row per node rank 0..spec.nodes-1 of the current attempt (a rank without a pod shows
     phase '-'), then any pod of that attempt with a rank beyond (an elastic job shrinking)."""
     attempt = current_attempt(job, pods)
-    mine = {podinfo.rank(p): p for p in sorted(pods, key=podinfo.name)
-            if podinfo.attempt(p) == attempt and not podinfo.terminating(p)}
+    mine = {podinfo.rank(p): p for p in sorted(Group.of(pods).at(attempt).active, key=podinfo.name)}
     nodes = int((job.get("spec") or {}).get("nodes") or 0)
     rows = []
     for rank in sorted(set(range(nodes)) | set(mine)):
@@ -485,7 +485,7 @@ def log_pods(job: dict[str, Any], pods: list[dict[str, Any]], *, rank: int | Non
     """(rank, pod name) whose logs to show: the given attempt's (default: the current one), every
     rank or one (default rank 0), among the pods that still exist."""
     att = current_attempt(job, pods) if attempt is None else attempt
-    mine = sorted((podinfo.rank(p), podinfo.name(p)) for p in pods if podinfo.attempt(p) == att)
+    mine = sorted((podinfo.rank(p), podinfo.name(p)) for p in Group.of(pods).at(att).pods)
     if all_ranks:
         return mine
     want = 0 if rank is None else rank

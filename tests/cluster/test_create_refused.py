@@ -11,6 +11,7 @@ import yaml
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 
+from ddpjob_operator.api.group import Group
 from ddpjob_operator.builders.pods import render_pod
 from ddpjob_operator.api.spec import from_manifest
 from ddpjob_operator.app.children import refusal
@@ -46,7 +47,7 @@ def test_invalid_pod_fails_the_job_naming_the_field(crd, namespace, api):
     assert "volumeMounts[1].name" in r.message and "data" in r.message
 
     now = dt.datetime.now(dt.timezone.utc)
-    status, _ = job_status(job, [], now=now, prev_status=None)
+    status, _ = job_status(job, Group.of([]), now=now, prev_status=None)
     status, events = create_refused(job, status, [r], now=now)
     client.CustomObjectsApi(api).patch_namespaced_custom_object_status(
         "ddpjob.dev", "v1alpha1", namespace, "ddpjobs", "refused", {"status": status})
@@ -78,7 +79,7 @@ def test_quota_refusal_keeps_the_job_pending_with_the_reason(crd, namespace, api
     r = refusal("quota-0", exc.status, exc.body)
     assert r.reason == "Forbidden" and not r.permanent and "exceeded quota" in r.message
     now = dt.datetime.now(dt.timezone.utc)
-    status, _ = job_status(job, [], now=now, prev_status=None)
+    status, _ = job_status(job, Group.of([]), now=now, prev_status=None)
     status, _ = create_refused(job, status, [r], now=now)
     assert status["phase"] == "Pending" and status["reason"] == "FailedCreatePod"
     assert "exceeded quota" in status["message"]

@@ -7,6 +7,7 @@ import json
 import pytest
 from kubernetes.client.rest import ApiException
 
+from ddpjob_operator.api.group import Group
 from ddpjob_operator.builders import gang
 from ddpjob_operator.builders.pods import render_pod
 from ddpjob_operator.builders.render import render_objects
@@ -142,7 +143,7 @@ def test_gang_waiting_then_placed():
     pods = [bound(make_pod(0, phase="Pending")), waiting(make_pod(1, phase="Pending")),
             waiting(make_pod(2, phase="Pending"))]
     pg = {"status": {"phase": "Scheduling"}}
-    status, events = job_status(job, pods, now=NOW, prev_status={}, podgroup=pg)
+    status, events = job_status(job, Group.of(pods), now=NOW, prev_status={}, podgroup=pg)
     cond = gang_condition(status)
     assert cond["status"] == "False" and cond["reason"] == "Scheduling"
     for part in ("waiting for scheduler-plugins-scheduler to place 3 pods at once (1 bound)",
@@ -151,25 +152,25 @@ def test_gang_waiting_then_placed():
     assert not [e for e in events if e[1] == "GangScheduled"]
 
     placed = [bound(make_pod(r, phase="Pending"), f"n{r}") for r in range(3)]
-    status2, events2 = job_status(job, placed, now=NOW, prev_status=status)
+    status2, events2 = job_status(job, Group.of(placed), now=NOW, prev_status=status)
     cond = gang_condition(status2)
     assert cond["status"] == "True" and cond["reason"] == "Scheduled"
     assert "3/3 pods placed together by scheduler-plugins-scheduler" in cond["message"]
     assert [e[1] for e in events2].count("GangScheduled") == 1
     # Said once: the next pass has nothing new to say.
-    _, events3 = job_status(job, placed, now=NOW, prev_status=status2)
+    _, events3 = job_status(job, Group.of(placed), now=NOW, prev_status=status2)
     assert not [e for e in events3 if e[1] == "GangScheduled"]
 
 
 def test_no_condition_without_gang_and_none_changed_once_finished():
     plain = make_job(nodes=1)
-    status, _ = job_status(plain, [make_pod(0, phase="Pending")], now=NOW, prev_status={})
+    status, _ = job_status(plain, Group.of([make_pod(0, phase="Pending")]), now=NOW, prev_status={})
     assert gang_condition(status) is None
     job = make_job(nodes=1, scheduling=COSCHED)
     done = make_pod(0, phase="Succeeded", exit_code=0)
     prev = {"phase": "Running", "attempt": 0, "conditions": [{"type": "GangScheduled", "status": "True",
                                                               "reason": "Scheduled", "message": "m"}]}
-    status, _ = job_status(job, [done], now=NOW, prev_status=prev)
+    status, _ = job_status(job, Group.of([done]), now=NOW, prev_status=prev)
     assert status["phase"] == "Succeeded" and gang_condition(status)["status"] == "True"
 
 
@@ -297,7 +298,7 @@ def test_min_resources_are_written_as_people_write_them(resources, nodes, want):
 ])
 def test_waiting_reason_from_the_podgroup_phase(podgroup_obj, reason):
     job = make_job(nodes=2, scheduling=COSCHED)
-    state = gang.gang_state(job, [waiting(make_pod(0, phase="Pending")), waiting(make_pod(1, phase="Pending"))],
-                            attempt=0, podgroup=podgroup_obj)
+    group = Group.of([waiting(make_pod(0, phase="Pending")), waiting(make_pod(1, phase="Pending"))])
+    state = gang.gang_state(job, group.at(0), podgroup=podgroup_obj)
     assert not state.placed and state.reason == reason
     assert ("missing or could not be read" in state.message) == (podgroup_obj is None)

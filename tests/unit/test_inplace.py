@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from ddpjob_operator.api.group import Group
 from ddpjob_operator.decisions import inplace
 from ddpjob_operator.decisions.lifecycle import decide
 from ddpjob_operator.decisions.status import job_status
@@ -39,7 +40,7 @@ def failure(t: float, *, code: int = -9, signal: str = "SIGKILL", restart: int =
 
 def step(prev: dict, ranks: dict, *, job=None) -> tuple[dict, list]:
     job = job or make_job(nodes=2, failurePolicy={"maxRestarts": 3})
-    return job_status(job, [make_pod(0), make_pod(1)], now=NOW, prev_status=prev, report=Report(ranks=ranks))
+    return job_status(job, Group.of([make_pod(0), make_pod(1)]), now=NOW, prev_status=prev, report=Report(ranks=ranks))
 
 
 def test_a_killed_worker_is_one_restart_attributed_to_its_rank_pod_and_node_then_its_recovery():
@@ -107,7 +108,7 @@ def test_a_group_restart_ends_an_open_in_place_restart_and_is_recorded_as_group(
     open_entry = {"kind": "InPlace", "attempt": 0, "restart": 0, "rank": 1, "pod": "j-1", "exitCode": -9, "failedAt": T0}
     prev = running_status(restartHistory=[open_entry], inPlaceRestarts=1)
     pods = [make_pod(0), make_pod(1, phase="Failed", exit_code=1)]
-    st, _ = job_status(make_job(nodes=2, failurePolicy={"maxRestarts": 3}), pods, now=NOW, prev_status=prev)
+    st, _ = job_status(make_job(nodes=2, failurePolicy={"maxRestarts": 3}), Group.of(pods), now=NOW, prev_status=prev)
     assert st["phase"] == "Restarting" and st["attempt"] == 1
     first, group = st["restartHistory"]
     assert first["superseded"] is True and "recoverySeconds" not in first
@@ -125,7 +126,7 @@ def test_a_group_restart_ends_an_open_in_place_restart_and_is_recorded_as_group(
 def test_in_place_restarts_share_the_budget_with_group_restarts(counted, in_place, max_restarts, phase):
     job = make_job(nodes=2, failurePolicy={"maxRestarts": max_restarts})
     prev = running_status(countedRestarts=counted, restarts=counted, inPlaceRestarts=in_place)
-    d = decide(job, [make_pod(0), make_pod(1)], now=NOW, prev_status=prev)
+    d = decide(job, Group.of([make_pod(0), make_pod(1)]), now=NOW, prev_status=prev)
     assert d.phase.value == phase
     if phase == "Failed":
         assert d.reason == "RestartLimitExceeded" and "maxRestarts" in d.message
@@ -134,7 +135,7 @@ def test_in_place_restarts_share_the_budget_with_group_restarts(counted, in_plac
 def test_a_pod_failure_after_in_place_restarts_used_the_budget_fails_the_job():
     job = make_job(nodes=2, failurePolicy={"maxRestarts": 2})
     pods = [make_pod(0), make_pod(1, phase="Failed", exit_code=1)]
-    d = decide(job, pods, now=NOW, prev_status=running_status(inPlaceRestarts=2))
+    d = decide(job, Group.of(pods), now=NOW, prev_status=running_status(inPlaceRestarts=2))
     assert (d.phase.value, d.reason) == ("Failed", "RestartLimitExceeded")
     assert "(2 of them in place)" in d.message
 

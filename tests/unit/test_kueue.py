@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import pytest
 
+from ddpjob_operator.api.group import Group
 from ddpjob_operator.builders import kueue
 from ddpjob_operator.decisions.lifecycle import decide
 from ddpjob_operator.api.phases import Phase
@@ -68,27 +69,27 @@ def admitted(status):
 def test_admitted_condition_follows_the_gates():
     job = queued_job(nodes=2)
     waiting = [pod(0, gated=True), pod(1, gated=True)]
-    status, events = job_status(job, waiting, now=NOW, prev_status={})
+    status, events = job_status(job, Group.of(waiting), now=NOW, prev_status={})
     cond = admitted(status)
     assert (cond["status"], cond["reason"]) == ("False", "Queued")
     assert "waiting in Kueue LocalQueue team-a for quota for all 2 pods: 2 gated" in cond["message"]
     assert "Workload j-01234-a0" in cond["message"]
     assert status["phase"] == "Pending"
     assert [e[1] for e in events].count("Queued") == 1
-    _, again = job_status(job, waiting, now=NOW, prev_status=status)
+    _, again = job_status(job, Group.of(waiting), now=NOW, prev_status=status)
     assert not [e for e in again if e[1] == "Queued"]  # still queued: announced once
 
-    status2, events2 = job_status(job, [pod(0), pod(1)], now=NOW, prev_status=status)
+    status2, events2 = job_status(job, Group.of([pod(0), pod(1)]), now=NOW, prev_status=status)
     cond = admitted(status2)
     assert (cond["status"], cond["reason"]) == ("True", "Admitted")
     assert [e[1] for e in events2].count("Admitted") == 1
-    _, events3 = job_status(job, [pod(0), pod(1)], now=NOW, prev_status=status2)
+    _, events3 = job_status(job, Group.of([pod(0), pod(1)]), now=NOW, prev_status=status2)
     assert not [e for e in events3 if e[1] in ("Admitted", "Queued")]
 
 
 def test_pods_kueue_did_not_take_are_named_as_such():
     job = queued_job(nodes=1)
-    status, events = job_status(job, [pod(0, managed=False)], now=NOW, prev_status={})
+    status, events = job_status(job, Group.of([pod(0, managed=False)]), now=NOW, prev_status={})
     cond = admitted(status)
     assert (cond["status"], cond["reason"]) == ("False", "NotManagedByKueue")
     assert "Kueue did not take them" in cond["message"]
@@ -96,8 +97,9 @@ def test_pods_kueue_did_not_take_are_named_as_such():
 
 
 def test_no_condition_without_a_queue_or_before_the_pods():
-    assert admitted(job_status(queued_job(queue=None), [pod(0, gated=True)], now=NOW, prev_status={})[0]) is None
-    assert admitted(job_status(queued_job(), [], now=NOW, prev_status={})[0]) is None
+    assert admitted(job_status(queued_job(queue=None), Group.of([pod(0, gated=True)]), now=NOW,
+                               prev_status={})[0]) is None
+    assert admitted(job_status(queued_job(), Group.of([]), now=NOW, prev_status={})[0]) is None
 
 
 def test_queue_label_among_the_pod_labels_still_makes_one_group():
@@ -115,12 +117,12 @@ def test_queue_label_among_the_pod_labels_still_makes_one_group():
 def test_time_in_the_queue_does_not_count_toward_the_deadline():
     job = queued_job(nodes=2, activeDeadlineSeconds=600)
     prev = {"phase": "Pending", "attempt": 0, "startTime": ago(3600)}
-    d = decide(job, [pod(0, gated=True), pod(1, gated=True)], now=NOW, prev_status=prev)
+    d = decide(job, Group.of([pod(0, gated=True), pod(1, gated=True)]), now=NOW, prev_status=prev)
     assert d.phase is Phase.PENDING and d.start_time == NOW
     # Admitted: the clock runs from then on.
-    d = decide(job, [pod(0), pod(1)], now=NOW, prev_status={**prev, "startTime": ago(599)})
+    d = decide(job, Group.of([pod(0), pod(1)]), now=NOW, prev_status={**prev, "startTime": ago(599)})
     assert d.phase is not Phase.FAILED
-    d = decide(job, [pod(0), pod(1)], now=NOW, prev_status={**prev, "startTime": ago(601)})
+    d = decide(job, Group.of([pod(0), pod(1)]), now=NOW, prev_status={**prev, "startTime": ago(601)})
     assert d.phase is Phase.FAILED and d.reason == "DeadlineExceeded"
 
 
@@ -131,7 +133,7 @@ def test_a_group_kueue_evicts_restarts_without_using_the_budget():
         {"type": "TerminationTarget", "status": "True", "reason": "WorkloadEvictedDueToPreempted",
          "message": "Preempted to accommodate a workload (UID: x) due to prioritization in the ClusterQueue"}],
         "containerStatuses": [{"name": "trainer", "state": {"terminated": {"exitCode": 143}}}]}
-    d = decide(job, [pod(0), evicted], now=NOW,
+    d = decide(job, Group.of([pod(0), evicted]), now=NOW,
                prev_status={"phase": "Running", "attempt": 0, "restarts": 0, "countedRestarts": 0,
                             "startTime": ago(100)})
     assert d.restarted is not None and d.restarted.reason == "PodPreempted"
@@ -141,11 +143,11 @@ def test_a_group_kueue_evicts_restarts_without_using_the_budget():
 
 def test_taking_the_queue_label_off_drops_the_admitted_condition():
     """The next attempt's pods are not queued: an earlier group's admission would be stale."""
-    status, _ = job_status(queued_job(nodes=1), [pod(0)], now=NOW, prev_status={})
+    status, _ = job_status(queued_job(nodes=1), Group.of([pod(0)]), now=NOW, prev_status={})
     assert admitted(status)["reason"] == "Admitted"
     unqueued = queued_job(nodes=1, queue=None)
-    after, events = job_status(unqueued, [pod(0, managed=False)], now=NOW, prev_status=status)
+    after, events = job_status(unqueued, Group.of([pod(0, managed=False)]), now=NOW, prev_status=status)
     assert admitted(after) is None and not [e for e in events if e[1] in ("Admitted", "Queued")]
     # Between attempts (no current pod) a queued job keeps what it had.
-    kept, _ = job_status(queued_job(nodes=1), [], now=NOW, prev_status=status)
+    kept, _ = job_status(queued_job(nodes=1), Group.of([]), now=NOW, prev_status=status)
     assert admitted(kept)["reason"] == "Admitted"

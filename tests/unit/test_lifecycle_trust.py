@@ -6,6 +6,7 @@ import functools
 
 import pytest
 
+from ddpjob_operator.api.group import Group
 from ddpjob_operator.api import labels
 from ddpjob_operator.decisions.lifecycle import Verdict, decide, trusted_counters, verdict
 from ddpjob_operator.api.phases import Phase
@@ -54,23 +55,23 @@ def test_a_lost_node_restarts_the_group_for_free():
     pass sees only the survivors, and the departed record says why the other one left."""
     lost = ended(1, disruption="DeletionByPodGC")
     prev = running_status(countedRestarts=0)
-    d = decide(make_job(nodes=2, failurePolicy={"maxRestarts": 0}), [make_pod(0)], now=NOW, prev_status=prev,
-               departed=[lost])
+    d = decide(make_job(nodes=2, failurePolicy={"maxRestarts": 0}), Group.of([make_pod(0)], departed=[lost]),
+               now=NOW, prev_status=prev)
     assert d.phase is Phase.RESTARTING and d.reason == "NodeLost"
     assert d.restarts == 1 and d.counted_restarts == 0 and d.delete_pods == ["j-0"]
     # Without the record the same disappearance is a deleted pod: charged, here over budget.
-    d = decide(make_job(nodes=2, failurePolicy={"maxRestarts": 0}), [make_pod(0)], now=NOW, prev_status=prev)
+    d = decide(make_job(nodes=2, failurePolicy={"maxRestarts": 0}), Group.of([make_pod(0)]), now=NOW, prev_status=prev)
     assert d.phase is Phase.FAILED and d.reason == "RestartLimitExceeded"
 
 
 def test_departed_records_of_other_attempts_or_reused_names_are_ignored():
     prev = running_status(attempt=1, launchedAttempt=1)
     old = ended(1, disruption="DeletionByPodGC", attempt=0)
-    d = decide(make_job(nodes=2), [make_pod(0, attempt=1)], now=NOW, prev_status=prev, departed=[old])
+    d = decide(make_job(nodes=2), Group.of([make_pod(0, attempt=1)], departed=[old]), now=NOW, prev_status=prev)
     assert d.reason == "PodDeleted" and d.counted_restarts == 1
     # A pod of the same name exists again: its record is history.
-    d = decide(make_job(nodes=2), [make_pod(0), make_pod(1)], now=NOW, prev_status=running_status(),
-               departed=[ended(1, disruption="DeletionByPodGC")])
+    group = Group.of([make_pod(0), make_pod(1)], departed=[ended(1, disruption="DeletionByPodGC")])
+    d = decide(make_job(nodes=2), group, now=NOW, prev_status=running_status())
     assert d.phase is Phase.RUNNING and d.restarts == 0
 
 
@@ -86,7 +87,7 @@ def test_departed_records_of_other_attempts_or_reused_names_are_ignored():
     ({"countedRestarts": 3, "restarts": 1}, [], (0, 3, 3)),           # restarts >= counted restarts
 ])
 def test_trusted_counters(status, pods, expected):
-    c = trusted_counters(status, pods)
+    c = trusted_counters(status, Group.of(pods))
     assert (c.attempt, c.restarts, c.counted_restarts) == expected
 
 
@@ -95,7 +96,7 @@ def test_an_edited_budget_grants_no_restart():
     pods = [ended(0, exit_code=1, attempt=2, restarts=2, counted_restarts=2),
             make_pod(1, attempt=2, restarts=2, counted_restarts=2)]
     edited = running_status(attempt=2, launchedAttempt=2, restarts=0, countedRestarts=0)
-    d = decide(job, pods, now=NOW, prev_status=edited)
+    d = decide(job, Group.of(pods), now=NOW, prev_status=edited)
     assert d.phase is Phase.FAILED and d.reason == "RestartLimitExceeded"
 
 
@@ -111,17 +112,17 @@ def test_pods_carry_the_counters_they_were_created_under():
 @pytest.mark.parametrize("phase", ["Succeeded", "Failed"])
 def test_a_finished_phase_written_over_a_running_group_kills_nothing(phase):
     pods = [make_pod(0), make_pod(1)]
-    d = decide(make_job(nodes=2), pods, now=NOW, prev_status=running_status(phase=phase, reason="Edited"))
+    d = decide(make_job(nodes=2), Group.of(pods), now=NOW, prev_status=running_status(phase=phase, reason="Edited"))
     assert d.phase is Phase.RUNNING and d.delete_pods == [] and d.completion_time is None
 
 
 def test_a_real_finish_is_still_sticky():
     pods = [make_pod(0, phase="Succeeded", exit_code=0), make_pod(1, phase="Succeeded", exit_code=0)]
     prev = running_status(phase="Succeeded", completionTime="2026-11-22T11:00:00Z")
-    assert decide(make_job(nodes=2), pods, now=NOW, prev_status=prev).phase is Phase.SUCCEEDED
+    assert decide(make_job(nodes=2), Group.of(pods), now=NOW, prev_status=prev).phase is Phase.SUCCEEDED
     # Failed with the failed rank still there (cleanPodPolicy Running keeps it): stays failed.
     pods = [ended(0, exit_code=1), make_pod(1)]
-    d = decide(make_job(nodes=2), pods, now=NOW, prev_status=running_status(phase="Failed"))
+    d = decide(make_job(nodes=2), Group.of(pods), now=NOW, prev_status=running_status(phase="Failed"))
     assert d.phase is Phase.FAILED and d.delete_pods == ["j-1"]
 
 

@@ -6,6 +6,7 @@ import datetime as dt
 
 import pytest
 
+from ddpjob_operator.api.group import Group
 from ddpjob_operator.decisions.lifecycle import decide
 from ddpjob_cli.localpolicy import Tally, after_failure, exit_code, node_pod
 from ddpjob_operator.api.phases import Phase
@@ -43,7 +44,7 @@ def test_the_local_runner_decides_as_the_operator_does(tally, codes, spec, phase
     prev = {"phase": "Running", "attempt": tally.attempt, "launchedAttempt": tally.attempt,
             "restarts": tally.restarts, "countedRestarts": tally.counted_restarts,
             "startTime": started.strftime("%Y-%m-%dT%H:%M:%SZ")}
-    operator = decide(j, pods, now=NOW, prev_status=prev)
+    operator = decide(j, Group.of(pods), now=NOW, prev_status=prev)
     for d in (local, operator):
         assert (d.phase, d.reason) == (phase, reason), d.message
         assert Tally(d.attempt, d.restarts, d.counted_restarts) == after

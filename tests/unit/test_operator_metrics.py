@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
+from ddpjob_operator.api.group import Group
 from ddpjob_operator.decisions.lifecycle import decide
 from ddpjob_operator.app.operator_metrics import FAILURE_REASONS, RESTART_REASONS, OperatorMetrics
 from ddpjob_operator.api.phases import Phase
@@ -145,7 +146,7 @@ def test_every_series_has_a_namespace_label_and_none_is_named_job():
 def test_every_restart_the_decisions_make_has_a_series_born_at_zero(pod):
     """The restart counter's series start at zero from the one list of reasons (RestartReason):
     `increase()` in the dashboards and alerts sees even the first restart of each kind."""
-    d = decide(make_job(nodes=2), [make_pod(0), pod], now=NOW, prev_status=running_status())
+    d = decide(make_job(nodes=2), Group.of([make_pod(0), pod]), now=NOW, prev_status=running_status())
     assert d.phase is Phase.RESTARTING, d
     m = OperatorMetrics(CollectorRegistry(), namespaces=["ns"])
     assert value(m, "ddpjob_operator_jobs_restarted_total", namespace="ns", reason=d.reason) == 0, d.reason

@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from ddpjob_operator.api.group import Group
 from ddpjob_operator.decisions.result import parse_result, run_result
 from tests.support.builders import make_pod
 
@@ -50,7 +51,7 @@ def test_non_finite_negative_or_non_numeric_values_are_dropped(bad):
     ([finished(rank=1), finished(message=json.dumps(RESULT))], 0, 359),
 ])
 def test_run_result_reads_rank_0s_pod_of_the_current_attempt_on_success(pods, attempt, want):
-    assert run_result(pods, attempt=attempt).get("evalSamples") == want
+    assert run_result(Group.of(pods).at(attempt)).get("evalSamples") == want
 
 
 def test_the_launcher_reports_the_result_file_as_its_termination_message(termination_log, monkeypatch):

@@ -10,6 +10,7 @@ import logging
 import pytest
 from aiohttp import web
 
+from ddpjob_operator.api.group import Group
 from ddpjob_operator.cluster import scrape
 from ddpjob_operator.api.config import OperatorConfig
 from ddpjob_operator.cluster.monitor import Monitor, SimulatedNodes
@@ -145,9 +146,9 @@ def test_the_status_says_why_and_forgets_it_once_progress_returns():
 
     pods = [make_pod(0), make_pod(1)]
     note = {UNAVAILABLE: "2 pod(s) on simulated (kwok) nodes: ..."}
-    status, _ = job_status(make_job(nodes=2), pods, now=NOW, prev_status=running_status(),
+    status, _ = job_status(make_job(nodes=2), Group.of(pods), now=NOW, prev_status=running_status(),
                            report=MonitorReport(progress=note, conditions=[], events=[], stalled=False))
     assert status["progress"] == {**note, "display": "n/a (not scraped)"}
-    status, _ = job_status(make_job(nodes=2), pods, now=NOW, prev_status=status,
+    status, _ = job_status(make_job(nodes=2), Group.of(pods), now=NOW, prev_status=status,
                            report=MonitorReport(progress={"step": 3}, conditions=[], events=[], stalled=False))
     assert status["progress"] == {"step": 3, "display": "step 3"}

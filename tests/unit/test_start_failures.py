@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from ddpjob_operator.api.group import Group
 from ddpjob_operator.decisions.lifecycle import decide
 from ddpjob_operator.api.phases import Phase
 from ddpjob_operator.app.children import refusal
@@ -39,7 +40,7 @@ def waiting_status(reason, since):
 def test_stuck_container_named_in_reason_condition_and_one_event(reason, init):
     job = make_job(nodes=2)
     pods = [make_pod(0, phase="Pending"), stuck(1, reason, init=init)]
-    status, events = job_status(job, pods, now=NOW, prev_status={"phase": "Pending", "attempt": 0})
+    status, events = job_status(job, Group.of(pods), now=NOW, prev_status={"phase": "Pending", "attempt": 0})
     kind = "init container setup" if init else "container trainer"
     assert status["phase"] == "Pending" and status["reason"] == reason
     assert status["message"].startswith(f"pod j-1 {kind}: {reason}: {PULL_MSG}; waiting")
@@ -47,7 +48,7 @@ def test_stuck_container_named_in_reason_condition_and_one_event(reason, init):
     assert c["status"] == "True" and c["reason"] == reason and f"pod j-1 {kind}: {reason}" in c["message"]
     assert ("Warning", reason, c["message"]) in events
     # The next pass (same pods) keeps the condition and posts nothing new.
-    again, events2 = job_status(job, pods, now=NOW, prev_status=status)
+    again, events2 = job_status(job, Group.of(pods), now=NOW, prev_status=status)
     assert cond(again, "ContainersNotStarting") == c and not [e for e in events2 if e[1] == reason]
 
 
@@ -58,12 +59,12 @@ def test_stuck_container_named_in_reason_condition_and_one_event(reason, init):
     stuck(0, "CrashLoopBackOff"),            # the trainer never loops (restartPolicy Never): not a start error
 ])
 def test_normal_start_is_not_a_start_error(pod):
-    status, _ = job_status(make_job(nodes=1), [pod], now=NOW, prev_status={"phase": "Pending", "attempt": 0})
+    status, _ = job_status(make_job(nodes=1), Group.of([pod]), now=NOW, prev_status={"phase": "Pending", "attempt": 0})
     assert status["reason"] == "Created" and cond(status, "ContainersNotStarting") is None
 
 
 def test_default_policy_keeps_waiting_like_kubeflow_and_jobset():
-    d = decide(make_job(nodes=1), [stuck(0, "ImagePullBackOff")], now=NOW,
+    d = decide(make_job(nodes=1), Group.of([stuck(0, "ImagePullBackOff")]), now=NOW,
                prev_status=waiting_status("ImagePullBackOff", since=86400))
     assert d.phase is Phase.PENDING and d.reason == "ImagePullBackOff" and d.requeue_after is None
     assert "set spec.failurePolicy.podStartTimeoutSeconds to fail instead" in d.message
@@ -75,7 +76,7 @@ def test_pod_start_timeout_fails_the_job_with_the_container_reason(since, phase)
     job = make_job(nodes=2, failurePolicy={"podStartTimeoutSeconds": 300})
     pods = [make_pod(0), stuck(1, "ErrImagePull")]
     prev = waiting_status("ErrImagePull", since) if since else {"phase": "Pending", "attempt": 0}
-    d = decide(job, pods, now=NOW, prev_status=prev)
+    d = decide(job, Group.of(pods), now=NOW, prev_status=prev)
     assert d.phase is phase and d.reason == "ErrImagePull" and "pod j-1 container trainer" in d.message
     if phase is Phase.FAILED:
         assert "podStartTimeoutSeconds=300" in d.message and d.completion_time == NOW
@@ -86,7 +87,7 @@ def test_pod_start_timeout_fails_the_job_with_the_container_reason(since, phase)
 
 def test_condition_clears_once_the_container_starts():
     prev = waiting_status("ImagePullBackOff", since=60)
-    status, _ = job_status(make_job(nodes=1), [make_pod(0)], now=NOW, prev_status=prev)
+    status, _ = job_status(make_job(nodes=1), Group.of([make_pod(0)]), now=NOW, prev_status=prev)
     c = cond(status, "ContainersNotStarting")
     assert status["phase"] == "Running" and c["status"] == "False" and c["reason"] == "Started"
 
@@ -95,7 +96,7 @@ def test_only_the_current_attempt_counts():
     prev = {"phase": "Restarting", "attempt": 1, "launchedAttempt": 0}
     old = stuck(0, "ImagePullBackOff")
     old["metadata"]["deletionTimestamp"] = ago(1)
-    d = decide(make_job(nodes=1), [old], now=NOW, prev_status=prev)
+    d = decide(make_job(nodes=1), Group.of([old]), now=NOW, prev_status=prev)
     assert d.start_errors == []
 
 
@@ -127,7 +128,7 @@ def test_retryable_errors_are_not_refusals(code):
 
 def test_invalid_pod_fails_the_job_with_the_api_message():
     job = make_job(nodes=2)
-    status, _ = job_status(job, [], now=NOW, prev_status=None)      # the pass that creates both ranks
+    status, _ = job_status(job, Group.of([]), now=NOW, prev_status=None)      # the pass that creates both ranks
     new, events = create_refused(job, status, [refusal("j-0", 422, INVALID)], now=NOW)
     assert new["phase"] == "Failed" and new["reason"] == "FailedCreatePod"
     assert "spec.containers[0].env[0].name" in new["message"] and "cannot start" in new["message"]
@@ -137,24 +138,24 @@ def test_invalid_pod_fails_the_job_with_the_api_message():
     assert cond(new, "Created")["status"] == "False" and cond(new, "Failed")["reason"] == "FailedCreatePod"
     assert events == [("Warning", "FailedCreatePod", c["message"])]
     # Failed is final: the next pass creates nothing and keeps the reason.
-    d = decide(job, [], now=NOW, prev_status=new)
+    d = decide(job, Group.of([]), now=NOW, prev_status=new)
     assert d.phase is Phase.FAILED and d.create_ranks == [] and d.reason == "FailedCreatePod"
 
 
 def test_quota_refusal_waits_with_the_reason_until_every_pod_exists():
     job = make_job(nodes=2)
-    status, _ = job_status(job, [make_pod(0, phase="Pending")], now=NOW, prev_status=None)
+    status, _ = job_status(job, Group.of([make_pod(0, phase="Pending")]), now=NOW, prev_status=None)
     new, events = create_refused(job, status, [refusal("j-1", 403, QUOTA)], now=NOW)
     assert new["phase"] == "Pending" and new["reason"] == "FailedCreatePod" and "exceeded quota" in new["message"]
     assert len(events) == 1
     # Next pass, still refused: the status keeps saying so (no flip back to "Created").
-    again, ev = job_status(job, [make_pod(0, phase="Pending")], now=NOW, prev_status=new)
+    again, ev = job_status(job, Group.of([make_pod(0, phase="Pending")]), now=NOW, prev_status=new)
     assert again["reason"] == "FailedCreatePod" and "exceeded quota" in again["message"]
     assert cond(again, "Created")["status"] == "False" and ev == []
     again2, ev2 = create_refused(job, again, [refusal("j-1", 403, QUOTA)], now=NOW)
     assert again2["phase"] == "Pending" and ev2 == []                 # same message: no new event
     # Quota freed: every pod exists, the condition clears and Created is true again.
-    done, _ = job_status(job, [make_pod(0), make_pod(1)], now=NOW, prev_status=again2)
+    done, _ = job_status(job, Group.of([make_pod(0), make_pod(1)]), now=NOW, prev_status=again2)
     assert done["phase"] == "Running" and cond(done, "FailedCreatePod")["status"] == "False"
     assert cond(done, "Created")["status"] == "True"
 
@@ -185,7 +186,7 @@ def killed(rank, code, *, attempt=0, message="", signal=None):
 def test_a_group_restart_keeps_each_failed_rank_in_status():
     tail = "Traceback ...\nRuntimeError: NCCL error: unhandled system error"
     pods = [killed(0, 137), make_pod(1), killed(2, 1, message=tail)]
-    status, _ = job_status(make_job(nodes=3, failurePolicy={"logTailInStatus": True}), pods, now=NOW,
+    status, _ = job_status(make_job(nodes=3, failurePolicy={"logTailInStatus": True}), Group.of(pods), now=NOW,
                            prev_status=running_status())
     assert status["phase"] == "Restarting" and status["attempt"] == 1
     assert status["failures"] == [
@@ -195,18 +196,18 @@ def test_a_group_restart_keeps_each_failed_rank_in_status():
          "node": "gpu-node-2", "finishedAt": ago(3), "logTail": tail},
     ]
     # The next passes (old pods terminating, new ones created) keep it and do not repeat it.
-    nxt, _ = job_status(make_job(nodes=3), [make_pod(0, attempt=1)], now=NOW, prev_status=status)
+    nxt, _ = job_status(make_job(nodes=3), Group.of([make_pod(0, attempt=1)]), now=NOW, prev_status=status)
     assert nxt["failures"] == status["failures"]
 
 
 def test_log_tails_stay_out_of_status_unless_the_job_opts_in():
     tail = "connecting to https://alice:hunter2@mlflow.example/api\nRuntimeError: boom"
     pods = [killed(0, 1, message=tail), make_pod(1)]
-    status, events = job_status(make_job(nodes=2), pods, now=NOW, prev_status=running_status())
+    status, events = job_status(make_job(nodes=2), Group.of(pods), now=NOW, prev_status=running_status())
     assert "logTail" not in status["failures"][0] and "boom" not in status["message"]
     assert status["message"] == "pod j-0 failed with exit code 1 (Error)"
     assert not any("boom" in m for _, _, m in events)
-    opted, events = job_status(make_job(nodes=2, failurePolicy={"logTailInStatus": True}), pods, now=NOW,
+    opted, events = job_status(make_job(nodes=2, failurePolicy={"logTailInStatus": True}), Group.of(pods), now=NOW,
                                prev_status=running_status())
     assert opted["failures"][0]["logTail"].endswith("RuntimeError: boom")
     assert "hunter2" not in opted["failures"][0]["logTail"] and "https://***@mlflow.example" in \
@@ -217,8 +218,8 @@ def test_log_tails_stay_out_of_status_unless_the_job_opts_in():
 def test_the_final_failure_is_kept_too_and_the_list_is_bounded():
     prev = running_status(restarts=3, countedRestarts=3, attempt=3, launchedAttempt=3,
                           failures=[{"attempt": a % 3, "pod": f"j-{a}", "exitCode": 1} for a in range(MAX_FAILURES)])
-    status, _ = job_status(make_job(nodes=1, failurePolicy={"maxRestarts": 3}), [killed(0, 2, attempt=3)], now=NOW,
-                           prev_status=prev)
+    status, _ = job_status(make_job(nodes=1, failurePolicy={"maxRestarts": 3}), Group.of([killed(0, 2, attempt=3)]),
+                           now=NOW, prev_status=prev)
     assert status["phase"] == "Failed" and len(status["failures"]) == MAX_FAILURES
     assert status["failures"][-1]["attempt"] == 3 and status["failures"][-1]["exitCode"] == 2
 
@@ -230,15 +231,15 @@ def test_the_final_failure_is_kept_too_and_the_list_is_bounded():
     ({"gpusPerNode": 8, "command": ["torchrun", "train.py"]}, None),           # a user's script: its own
 ])
 def test_a_failed_gpu_attempt_names_where_its_flight_recorder_dumps_are(spec, where):
-    status, _ = job_status(make_job(nodes=2, **spec), [killed(0, 1), make_pod(1)], now=NOW,
+    status, _ = job_status(make_job(nodes=2, **spec), Group.of([killed(0, 1), make_pod(1)]), now=NOW,
                            prev_status=running_status())
     assert status["failures"][0].get("debugDir") == where
 
 
 def test_evidence_ignores_other_attempts_and_clean_exits():
     pods = [killed(0, 1, attempt=1), make_pod(1, phase="Succeeded", exit_code=0), killed(2, 143, signal=15)]
-    assert [(e["pod"], e.get("signal")) for e in failure_evidence(pods, 0)] == [("j-2", 15)]
-    assert len(failure_evidence(pods, 1)) == 1
+    assert [(e["pod"], e.get("signal")) for e in failure_evidence(Group.of(pods).at(0))] == [("j-2", 15)]
+    assert len(failure_evidence(Group.of(pods).at(1))) == 1
 
 
 def test_split_creates_keeps_refusals_and_raises_the_rest():
@@ -285,7 +286,7 @@ def test_refused_create_names_the_ddpjob_field():
     job = make_job(nodes=1, volumeMounts=[{"name": "data", "mountPath": "/data"}])
     body = json.dumps({"reason": "Invalid", "code": 422, "message": 'Pod "j-0" is invalid: '
                        'spec.containers[0].volumeMounts[1].name: Not found: "data"'})
-    status, _ = job_status(job, [], now=NOW, prev_status=None)
+    status, _ = job_status(job, Group.of([]), now=NOW, prev_status=None)
     new, _ = create_refused(job, status, [refusal("j-0", 422, body)], now=NOW)
     assert ('spec.containers[0].volumeMounts[1].name (DDPJob spec.volumeMounts[0].name): Not found: "data"'
             in new["message"])

@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from ddpjob_operator.api.group import Group
 from ddpjob_operator.api.config import OperatorConfig
 from ddpjob_operator.decisions.status import job_status, mlflow_status, node_counts, progress_display
 from tests.support.status import condition as cond
@@ -12,7 +13,7 @@ from tests.support.builders import NOW, ago, make_job, make_pod, running_status
 
 
 def test_first_pass_status_and_event():
-    status, events = job_status(make_job(nodes=3), [], now=NOW, prev_status=None)
+    status, events = job_status(make_job(nodes=3), Group.of([]), now=NOW, prev_status=None)
     assert status["phase"] == "Pending" and status["restarts"] == 0 and status["attempt"] == 0
     assert status["masterAddr"] == "j-0.j.ns.svc"
     assert status["nodes"] == {"total": 3, "pending": 0, "running": 0, "succeeded": 0, "failed": 0,
@@ -23,7 +24,7 @@ def test_first_pass_status_and_event():
 
 
 def test_cluster_domain_in_master_addr():
-    status, _ = job_status(make_job(nodes=1), [], now=NOW, prev_status=None,
+    status, _ = job_status(make_job(nodes=1), Group.of([]), now=NOW, prev_status=None,
                            config=OperatorConfig(cluster_domain="cluster.local"))
     assert status["masterAddr"] == "j-0.j.ns.svc.cluster.local"
 
@@ -35,24 +36,25 @@ def test_cluster_domain_in_master_addr():
     ([make_pod(0, attempt=1, deleting=True), make_pod(1, attempt=1, phase="Failed")], (0, 0, 0, 1)),
 ])
 def test_node_counts(pods, counts):
-    c = node_counts(make_job(nodes=2), pods, attempt=1 if any(p["metadata"]["labels"]["ddpjob.dev/attempt"] == "1"
-                                                          for p in pods) else 0)
+    attempt = 1 if any(p["metadata"]["labels"]["ddpjob.dev/attempt"] == "1" for p in pods) else 0
+    c = node_counts(make_job(nodes=2), Group.of(pods).at(attempt))
     assert (c["pending"], c["running"], c["succeeded"], c["failed"]) == counts
 
 
 def test_running_transition_emits_one_event_and_is_quiet_after():
     pods = [make_pod(0), make_pod(1)]
-    status, events = job_status(make_job(nodes=2), pods, now=NOW, prev_status={"phase": "Pending", "startTime": ago(5)})
+    status, events = job_status(make_job(nodes=2), Group.of(pods), now=NOW,
+                                prev_status={"phase": "Pending", "startTime": ago(5)})
     assert status["phase"] == "Running" and status["nodes"]["ready"] == "2/2"
     assert cond(status, "Running")["status"] == "True"
     assert events == [("Normal", "Running", "all 2 node(s) running")]
-    again, events2 = job_status(make_job(nodes=2), pods, now=NOW, prev_status=status)
+    again, events2 = job_status(make_job(nodes=2), Group.of(pods), now=NOW, prev_status=status)
     assert again == status and events2 == []  # nothing changed: no write, no event
 
 
 def test_restart_status_conditions_and_event():
     pods = [make_pod(0), make_pod(1, phase="Failed", exit_code=3)]
-    status, events = job_status(make_job(nodes=2), pods, now=NOW, prev_status=running_status())
+    status, events = job_status(make_job(nodes=2), Group.of(pods), now=NOW, prev_status=running_status())
     assert status["phase"] == "Restarting" and status["restarts"] == 1 and status["attempt"] == 1
     assert cond(status, "Restarting")["reason"] == "PodFailed"
     assert "exit code 3" in cond(status, "Restarting")["message"]
@@ -64,7 +66,7 @@ def test_failed_status_has_completion_time_and_reason():
     pods = [make_pod(0, phase="Failed", exit_code=78, message="unknown model"), make_pod(1)]
     prev = running_status(conditions=[{"type": "Running", "status": "True", "reason": "Running",
                                        "lastTransitionTime": ago(60)}])
-    status, events = job_status(make_job(nodes=2), pods, now=NOW, prev_status=prev)
+    status, events = job_status(make_job(nodes=2), Group.of(pods), now=NOW, prev_status=prev)
     assert status["phase"] == "Failed" and status["reason"] == "BadConfiguration"
     assert status["completionTime"] == "2026-11-22T12:00:00Z"
     assert cond(status, "Failed")["status"] == "True"
@@ -74,29 +76,30 @@ def test_failed_status_has_completion_time_and_reason():
 
 def test_condition_transition_time_only_moves_on_flip():
     pods = [make_pod(0), make_pod(1)]
-    first, _ = job_status(make_job(nodes=2), pods, now=NOW, prev_status={"phase": "Pending"})
+    first, _ = job_status(make_job(nodes=2), Group.of(pods), now=NOW, prev_status={"phase": "Pending"})
     later = NOW.replace(hour=13)
-    second, _ = job_status(make_job(nodes=2), pods, now=later, prev_status=first)
+    second, _ = job_status(make_job(nodes=2), Group.of(pods), now=later, prev_status=first)
     assert cond(second, "Running")["lastTransitionTime"] == cond(first, "Running")["lastTransitionTime"]
 
 
 def test_unschedulable_condition_carries_the_scheduler_message():
     pods = [make_pod(0, phase="Pending", unschedulable_for=600), make_pod(1, phase="Pending")]
-    status, events = job_status(make_job(nodes=2), pods, now=NOW, prev_status={"phase": "Pending"},
+    status, events = job_status(make_job(nodes=2), Group.of(pods), now=NOW, prev_status={"phase": "Pending"},
                                 config=OperatorConfig(unschedulable_timeout=300))
     c = cond(status, "Unschedulable")
     assert c["status"] == "True" and "Insufficient nvidia.com/gpu" in c["message"]
     assert ("Warning", "Unschedulable", c["message"]) in events
-    _, again = job_status(make_job(nodes=2), pods, now=NOW, prev_status=status,
+    _, again = job_status(make_job(nodes=2), Group.of(pods), now=NOW, prev_status=status,
                           config=OperatorConfig(unschedulable_timeout=300))
     assert again == []
 
 
 def test_suspended_then_resumed_conditions():
-    status, events = job_status(make_job(nodes=2, suspend=True), [make_pod(0)], now=NOW, prev_status=running_status())
+    status, events = job_status(make_job(nodes=2, suspend=True), Group.of([make_pod(0)]), now=NOW,
+                                prev_status=running_status())
     assert status["phase"] == "Suspended" and cond(status, "Suspended")["status"] == "True"
     assert events[0][1] == "Suspended"
-    resumed, events = job_status(make_job(nodes=2), [], now=NOW, prev_status=status)
+    resumed, events = job_status(make_job(nodes=2), Group.of([]), now=NOW, prev_status=status)
     assert resumed["phase"] == "Pending" and cond(resumed, "Suspended")["status"] == "False"
     assert events[0][1] == "Resumed"
 
@@ -119,7 +122,7 @@ def test_monitor_report_merges_progress_and_conditions_by_type():
     report = Report(progress={"step": 20, "totalSteps": 100, "percent": 20.0},
                     conditions=[{"type": "Stalled", "status": "False", "reason": "Progressing", "message": "ok"},
                                 {"type": "Straggler", "status": "True", "reason": "SlowRank", "message": "rank 3"}])
-    status, _ = job_status(make_job(nodes=2), pods, now=NOW, prev_status=prev, report=report)
+    status, _ = job_status(make_job(nodes=2), Group.of(pods), now=NOW, prev_status=prev, report=report)
     assert status["progress"] == {"step": 20, "loss": 2.0, "totalSteps": 100, "percent": 20.0,
                                   "display": "20% (20/100)"}
     assert cond(status, "Stalled")["lastTransitionTime"] == ago(50)  # unchanged status keeps its time
@@ -129,7 +132,7 @@ def test_monitor_report_merges_progress_and_conditions_by_type():
 
 def test_progress_kept_between_scrapes():
     prev = running_status(progress={"step": 5, "display": "step 5"})
-    status, _ = job_status(make_job(nodes=2), [make_pod(0), make_pod(1)], now=NOW, prev_status=prev)
+    status, _ = job_status(make_job(nodes=2), Group.of([make_pod(0), make_pod(1)]), now=NOW, prev_status=prev)
     assert status["progress"]["step"] == 5
 
 
@@ -204,7 +207,7 @@ def test_a_pod_whose_node_stopped_reporting_is_named_in_a_condition(ready, conta
     p1 = make_pod(1, node_name="node-b")
     p1["status"]["conditions"] += [{"type": "Ready", "status": ready},
                                    {"type": "ContainersReady", "status": containers}]
-    status, events = job_status(make_job(nodes=2), [make_pod(0), p1], now=NOW, prev_status=running_status())
+    status, events = job_status(make_job(nodes=2), Group.of([make_pod(0), p1]), now=NOW, prev_status=running_status())
     c = cond(status, "NodeNotReady")
     assert (c is not None and c["status"] == "True") is shown
     if shown:
@@ -214,10 +217,10 @@ def test_a_pod_whose_node_stopped_reporting_is_named_in_a_condition(ready, conta
 
 def test_node_not_ready_clears_when_the_node_reports_again_and_warns_once():
     pods = [make_pod(0), _node_lost(1)]
-    first, ev1 = job_status(make_job(nodes=2), pods, now=NOW, prev_status=running_status())
-    again, ev2 = job_status(make_job(nodes=2), pods, now=NOW, prev_status=first)
+    first, ev1 = job_status(make_job(nodes=2), Group.of(pods), now=NOW, prev_status=running_status())
+    again, ev2 = job_status(make_job(nodes=2), Group.of(pods), now=NOW, prev_status=first)
     assert [e[1] for e in ev1].count("NodeNotReady") == 1 and not [e for e in ev2 if e[1] == "NodeNotReady"]
-    back, _ = job_status(make_job(nodes=2), [make_pod(0), make_pod(1)], now=NOW, prev_status=again)
+    back, _ = job_status(make_job(nodes=2), Group.of([make_pod(0), make_pod(1)]), now=NOW, prev_status=again)
     assert cond(back, "NodeNotReady")["status"] == "False" and cond(back, "NodeNotReady")["reason"] == "NodesReady"
 
 
@@ -250,8 +253,8 @@ def test_mlflow_status(mlflow, default, prev, run, expected):
 def test_the_run_the_ranks_report_is_written_into_status_once():
     job = make_job(nodes=2, trainer={"mlflow": {"trackingUri": "http://m:5000"}})
     pods = [make_pod(0), make_pod(1)]
-    first, _ = job_status(job, pods, now=NOW, prev_status=running_status(), report=Report(mlflow_run=RUN))
+    first, _ = job_status(job, Group.of(pods), now=NOW, prev_status=running_status(), report=Report(mlflow_run=RUN))
     assert first["mlflow"]["runId"] == RUN[0]
-    again, _ = job_status(job, pods, now=NOW, prev_status=first, report=Report(mlflow_run=RUN))
-    quiet, _ = job_status(job, pods, now=NOW, prev_status=first, report=Report())
+    again, _ = job_status(job, Group.of(pods), now=NOW, prev_status=first, report=Report(mlflow_run=RUN))
+    quiet, _ = job_status(job, Group.of(pods), now=NOW, prev_status=first, report=Report())
     assert again["mlflow"] == quiet["mlflow"] == first["mlflow"]

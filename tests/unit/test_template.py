@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from ddpjob_operator.api.group import Group
 from ddpjob_operator.api import labels, podinfo
 from ddpjob_operator.api.config import OperatorConfig
 from ddpjob_operator.builders.envvars import env_dict
@@ -337,6 +338,6 @@ def test_the_result_is_the_trainers_own_termination_message():
 
     pod = with_statuses(make_pod(phase="Succeeded"), containers=[("aaa", 0), (labels.CONTAINER, 0)])
     pod["status"]["containerStatuses"][0]["state"]["terminated"]["message"] = json.dumps({"steps": 1})
-    assert run_result([pod], attempt=0) == {}
+    assert run_result(Group.of([pod]).at(0)) == {}
     pod["status"]["containerStatuses"][1]["state"]["terminated"]["message"] = json.dumps({"steps": 7})
-    assert run_result([pod], attempt=0) == {"steps": 7}
+    assert run_result(Group.of([pod]).at(0)) == {"steps": 7}

@@ -14,7 +14,7 @@ import dataclasses
 import json
 import logging
 import os
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from kubernetes.client.rest import ApiException
 
@@ -118,7 +118,7 @@ class Children:
         self.services.pop(uid, None)
         self.podgroups.pop(uid, None)
 
-    async def act(self, job, pods: list[dict[str, Any]], decision: Decision) -> list[CreateRefusal]:
+    async def act(self, job, pods: Sequence[dict[str, Any]], decision: Decision) -> list[CreateRefusal]:
         """Delete, create, delete the job, as decided; returns the pod creates the API refused."""
         by_name = {podinfo.name(p): p for p in pods}
         deletes = [self.k8s.delete_pod(job.namespace, n, job=job.name, uid=(by_name[n].get("metadata") or {}).get("uid"))

@@ -23,6 +23,7 @@ from kubernetes.client.rest import ApiException
 
 from ddpjob_operator.api import labels, podinfo
 from ddpjob_operator.api.config import OperatorConfig
+from ddpjob_operator.api.group import Group
 from ddpjob_operator.api.objmeta import owned_by, resource_version
 from ddpjob_operator.api.phases import Phase
 from ddpjob_operator.api.spec import from_manifest
@@ -237,13 +238,13 @@ class Reconciler:
         job = from_manifest(obj)  # built again only when a conflict brings a newer object
         podgroup = await self._read_podgroup(job, namespace, name)
         for _ in range(WRITE_ATTEMPTS):
-            pods = [p for p in self.pods.by_index(namespace, name) if owned_by(p, job.uid)]
+            group = Group.of((p for p in self.pods.by_index(namespace, name) if owned_by(p, job.uid)),
+                             departed=self._departed.get(key, {}).values())
             prev = dict(obj.get("status") or {})
             now = dt.datetime.now(dt.timezone.utc)
-            decision = decide(job, pods, now=now, prev_status=prev, config=self.config,
-                              stalled=report is not None and report.stalled,
-                              departed=list(self._departed.get(key, {}).values()))
-            status, events = job_status(job, pods, now=now, prev_status=prev, config=self.config,
+            decision = decide(job, group, now=now, prev_status=prev, config=self.config,
+                              stalled=report is not None and report.stalled)
+            status, events = job_status(job, group, now=now, prev_status=prev, config=self.config,
                                         decision=decision, report=report, podgroup=podgroup)
             if status == prev:
                 break
@@ -285,14 +286,15 @@ class Reconciler:
             raise RuntimeError(f"status of {namespace}/{name}: {WRITE_ATTEMPTS} conflicting writes in a row")
 
         # Actions only after the status (attempt, counters) is safely stored.
-        refused = await self.children.act(job, pods, decision)
+        refused = await self.children.act(job, group.pods, decision)
         if decision.restarted is not None:
             # The new group is created by a later pass once the old pods' names are free; their
             # DELETED events usually bring it, but a lost node's pods were gone before this pass.
             self.queue.kick(namespace, name)
-        gone = {n: p for n, p in self._departed.pop(key, {}).items() if podinfo.attempt(p) >= decision.attempt}
+        # Older attempts' records are history.
+        gone = Group.of(self._departed.pop(key, {}).values()).between(decision.attempt)
         if gone:
-            self._departed[key] = gone  # older attempts' records are history
+            self._departed[key] = {podinfo.name(p): p for p in gone}
         if refused:
             # The API server refused a pod (a 4xx naming the field): say so in the job.
             new, more = create_refused(job, status, refused, now=now, config=self.config)

@@ -16,7 +16,7 @@ from typing import Any
 
 from kubernetes.utils.quantity import parse_quantity
 
-from ddpjob_operator.api import podinfo
+from ddpjob_operator.api.group import Attempt
 from ddpjob_operator.builders.service import child_metadata
 from ddpjob_operator.api.spec import JobSpec
 
@@ -169,15 +169,14 @@ class GangState:
     message: str
 
 
-def gang_state(job: JobSpec, pods: list[dict[str, Any]], *, attempt: int,
-               podgroup: dict[str, Any] | None) -> GangState | None:
+def gang_state(job: JobSpec, attempt: Attempt, *, podgroup: dict[str, Any] | None) -> GangState | None:
     """Whether the current attempt's gang is placed, from its pods (bound or not) and the
     PodGroup's own status where its scheduler keeps one; None for a job without gang scheduling."""
     api = api_of(job)
     if api is None:
         return None
     need = min_member(job)
-    current = [p for p in pods if podinfo.attempt(p) == attempt and not podinfo.terminating(p)]
+    current = attempt.active
     bound = sum(1 for p in current if (p.get("spec") or {}).get("nodeName"))
     scheduler = next(((p.get("spec") or {}).get("schedulerName") for p in current), None) \
         or default_scheduler_name(job)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ddpjob_operator.api import podinfo
+from ddpjob_operator.api.group import Attempt
 from ddpjob_operator.api.spec import JobSpec
 
 QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
@@ -70,14 +71,13 @@ class Admission:
     message: str
 
 
-def admission(job: JobSpec, pods: list[dict[str, Any]], *, attempt: int) -> Admission | None:
+def admission(job: JobSpec, attempt: Attempt) -> Admission | None:
     """Whether Kueue has admitted the current attempt's group; None when the job names no queue
     or none of its current pods exists yet."""
-    queue = queue_name(job)
-    current = [p for p in pods if podinfo.attempt(p) == attempt and not podinfo.terminating(p)]
+    queue, current = queue_name(job), attempt.active
     if queue is None or not current:
         return None
-    group = group_name(job, attempt)
+    group = group_name(job, attempt.number)
     waiting = sum(1 for p in current if gated(p))
     if waiting:
         return Admission(False, "Queued",

@@ -15,6 +15,7 @@ from typing import Awaitable, Callable
 
 from ddpjob_operator.decisions import health, progress
 from ddpjob_operator.api import podinfo
+from ddpjob_operator.api.group import Group
 from ddpjob_operator.cluster import scrape
 from ddpjob_operator.decisions.samples import MonitorReport, RankSample
 from ddpjob_operator.api.objmeta import format_time
@@ -53,17 +54,6 @@ def scrape_url(template: str, *, pod: dict, port: int, job_name: str, namespace:
         return None
     return tpl.format(pod=meta.get("name", ""), rank=rank, ip=ip, port=port,
                       rank_port=port + rank, namespace=namespace, job=job_name)
-
-
-def _running(pods: list[dict]) -> list[dict]:
-    """Running, not deleting, latest attempt only (older attempts' pods may linger while deleted)."""
-    live = [p for p in pods
-            if (p.get("status") or {}).get("phase") == "Running"
-            and not (p.get("metadata") or {}).get("deletionTimestamp")]
-    if not live:
-        return []
-    top = max(podinfo.attempt(p) for p in live)
-    return [p for p in live if podinfo.attempt(p) == top]
 
 
 class SimulatedNodes:
@@ -162,9 +152,8 @@ class Monitor:
         name, namespace = meta.get("name", ""), meta.get("namespace", "default")
         port = int(spec.get("metricsPort", 9400))
         st = self._state(job)
-        running = _running(pods)
+        attempt, running = Group.of(pods).running()
         if running:
-            attempt = podinfo.attempt(running[0])
             if st.attempt is not None and attempt != st.attempt:
                 # A group restart: fresh processes, fresh counters; judge the new attempt on its own.
                 st.tracker = health.HealthTracker(hang_timeout=spec.get("hangTimeoutSeconds"))

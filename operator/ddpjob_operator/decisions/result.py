@@ -12,6 +12,7 @@ import math
 from typing import Any
 
 from ddpjob_operator.api import podinfo
+from ddpjob_operator.api.group import Attempt
 
 # Trainer result key (ddpjob_trainer.contract.RunResult) -> status.result field (CRD schema).
 RESULT_FIELDS = {
@@ -48,12 +49,12 @@ def parse_result(message: str | None) -> dict[str, Any]:
     return out
 
 
-def run_result(pods: list[dict[str, Any]], *, attempt: int) -> dict[str, Any]:
-    """The result that ATTEMPT's rank 0 reported on success ({} when there is none yet): pod 0's,
+def run_result(attempt: Attempt) -> dict[str, Any]:
+    """The result that this attempt's rank 0 reported on success ({} when there is none yet): pod 0's,
     else another pod's. torchrun's c10d rendezvous numbers the nodes itself (by host name), so
     rank 0 may run in another pod than <job>-0 (docs/restarts.md)."""
-    for pod in sorted(pods, key=podinfo.rank):
-        if podinfo.attempt(pod) != attempt or podinfo.phase(pod) != "Succeeded":
+    for pod in sorted(attempt.pods, key=podinfo.rank):
+        if podinfo.phase(pod) != "Succeeded":
             continue
         state = podinfo.trainer_state(pod) or {}
         result = parse_result(state.get("message")) if state.get("exitCode") == 0 else {}

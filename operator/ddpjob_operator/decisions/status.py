@@ -9,6 +9,7 @@ from ddpjob_trainer.contract import public_uri
 
 from ddpjob_operator.api import podinfo
 from ddpjob_operator.api.config import OperatorConfig
+from ddpjob_operator.api.group import Attempt, Group
 from ddpjob_operator.builders.envvars import master_dns
 from ddpjob_operator.builders.gang import gang_state
 from ddpjob_operator.builders.kueue import admission, queue_name
@@ -49,12 +50,10 @@ def _clear(conditions: list[dict[str, Any]], type: str, reason: str, message: st
                       now=now, generation=generation)
 
 
-def node_counts(job: JobSpec, pods: list[dict[str, Any]], attempt: int) -> dict[str, Any]:
+def node_counts(job: JobSpec, current: Attempt) -> dict[str, Any]:
     """Per-phase counts of the current attempt's pods (terminating pods count as nothing)."""
     counts: dict[str, Any] = {"total": job.nodes, "pending": 0, "running": 0, "succeeded": 0, "failed": 0}
-    for p in pods:
-        if podinfo.attempt(p) != attempt or podinfo.terminating(p):
-            continue
+    for p in current.active:
         ph = podinfo.phase(p).lower()
         if ph in counts and ph != "total":
             counts[ph] += 1
@@ -93,23 +92,20 @@ def debug_dir_of(job: JobSpec, attempt: int) -> str | None:
     return contract.debug_dir(ckpt, attempt)
 
 
-def failure_evidence(pods: list[dict[str, Any]], attempt: int, *, with_log: bool = False,
-                     debug_dir: str | None = None) -> list[dict[str, Any]]:
+def failure_evidence(ended: Attempt, *, with_log: bool = False, debug_dir: str | None = None) -> list[dict[str, Any]]:
     """What a group restart deletes, kept in status.failures: each failed (or killed) container
-    of `attempt` with its exit code, signal, node and finish time, and with `with_log`
+    of the `ended` attempt with its exit code, signal, node and finish time, and with `with_log`
     (spec.failurePolicy.logTailInStatus) its log tail, redacted (the kubelet writes the launcher's
     message, else the log's end, as terminationMessagePolicy FallbackToLogsOnError). With
     `debug_dir`, where that attempt's NCCL flight-recorder dumps are (debug_dir_of)."""
     out: list[dict[str, Any]] = []
-    for pod in sorted(pods, key=podinfo.rank):
-        if podinfo.attempt(pod) != attempt:
-            continue
+    for pod in sorted(ended.pods, key=podinfo.rank):
         for cs in (pod.get("status") or {}).get("containerStatuses") or []:
             term = (cs.get("state") or {}).get("terminated") or {}
             code = term.get("exitCode")
             if code is None or int(code) == 0:
                 continue
-            entry: dict[str, Any] = {"attempt": attempt, "pod": podinfo.name(pod), "rank": podinfo.rank(pod),
+            entry: dict[str, Any] = {"attempt": ended.number, "pod": podinfo.name(pod), "rank": podinfo.rank(pod),
                                      "container": cs.get("name") or "", "exitCode": int(code)}
             signal = term.get("signal") or (int(code) - 128 if 128 < int(code) < 160 else None)
             for key, value in (("signal", signal), ("reason", term.get("reason")),
@@ -190,7 +186,7 @@ def _in_place(conds: list[dict[str, Any]], up: inplace.Update, job: JobSpec, d: 
     return events
 
 
-def job_status(job: JobSpec, pods: list[dict[str, Any]], *, now: dt.datetime,
+def job_status(job: JobSpec, group: Group, *, now: dt.datetime,
                prev_status: dict[str, Any] | None, config: OperatorConfig | None = None,
                decision: Decision | None = None, report: MonitorReport | None = None,
                podgroup: dict[str, Any] | None = None) -> tuple[dict[str, Any], list[Event]]:
@@ -198,7 +194,7 @@ def job_status(job: JobSpec, pods: list[dict[str, Any]], *, now: dt.datetime,
     gang-scheduled job's PodGroup as last read (None: not read)."""
     config = config or OperatorConfig()
     prev = dict(prev_status or {})
-    d = decision or decide(job, pods, now=now, prev_status=prev, config=config,
+    d = decision or decide(job, group, now=now, prev_status=prev, config=config,
                            stalled=report is not None and report.stalled)
     gen = job.generation
     conds: list[dict[str, Any]] = [dict(c) for c in prev.get("conditions") or []]
@@ -208,7 +204,7 @@ def job_status(job: JobSpec, pods: list[dict[str, Any]], *, now: dt.datetime,
     # A refused create (create_refused) holds until every rank exists; until then nothing claims
     # the pods were created.
     refused = bool(d.create_ranks) and condition({"conditions": conds}, Cond.FAILED_CREATE_POD) is not None
-    if not refused and (d.create_ranks or pods or any(c.get("type") == Cond.CREATED for c in conds)):
+    if not refused and (d.create_ranks or group.pods or any(c.get("type") == Cond.CREATED for c in conds)):
         set_condition(conds, type=Cond.CREATED, status=True, reason="Created",
                       message=f"headless service and {job.nodes} pod(s) created", now=now, generation=gen)
     if not d.create_ranks:
@@ -225,7 +221,8 @@ def job_status(job: JobSpec, pods: list[dict[str, Any]], *, now: dt.datetime,
             events.append(("Warning", first.reason, text))
     else:
         _clear(conds, Cond.CONTAINERS_NOT_STARTING, "Started", "", now, gen)
-    stranded = [p for p in pods if podinfo.attempt(p) == d.attempt and podinfo.node_not_ready(p)]
+    current = group.at(d.attempt)
+    stranded = [p for p in current.pods if podinfo.node_not_ready(p)]
     was_stranded = condition({"conditions": conds}, Cond.NODE_NOT_READY)
     if stranded and not d.phase.finished:
         text = "; ".join(f"pod {podinfo.name(p)} on node {(p.get('spec') or {}).get('nodeName', '?')}"
@@ -275,8 +272,8 @@ def job_status(job: JobSpec, pods: list[dict[str, Any]], *, now: dt.datetime,
         _clear(conds, Cond.UNSCHEDULABLE, "Scheduled", "", now, gen)
 
     if d.phase in (Phase.PENDING, Phase.RUNNING, Phase.RESTARTING):
-        events += _gang_condition(conds, gang_state(job, pods, attempt=d.attempt, podgroup=podgroup), now, gen)
-        events += _admission_condition(conds, admission(job, pods, attempt=d.attempt), now, gen,
+        events += _gang_condition(conds, gang_state(job, current, podgroup=podgroup), now, gen)
+        events += _admission_condition(conds, admission(job, current), now, gen,
                                        queue_named=queue_name(job) is not None)
 
     progress = dict(prev.get("progress") or {})
@@ -308,7 +305,7 @@ def job_status(job: JobSpec, pods: list[dict[str, Any]], *, now: dt.datetime,
         "restarts": d.restarts,
         "countedRestarts": d.counted_restarts,
         "masterAddr": master_dns(job, cluster_domain=config.cluster_domain or None),
-        "nodes": node_counts(job, pods, d.attempt),
+        "nodes": node_counts(job, current),
         "conditions": conds,
     }
     if restarts.in_place_restarts:
@@ -328,11 +325,11 @@ def job_status(job: JobSpec, pods: list[dict[str, Any]], *, now: dt.datetime,
     failures = list(prev.get("failures") or [])
     ended = d.attempt - 1 if d.restarted is not None else (d.attempt if d.phase is Phase.FAILED else None)
     if ended is not None and not any(f.get("attempt") == ended for f in failures):
-        failures = (failures + failure_evidence(pods, ended, with_log=job.log_tail_in_status,
+        failures = (failures + failure_evidence(group.at(ended), with_log=job.log_tail_in_status,
                                                 debug_dir=debug_dir_of(job, ended)))[-MAX_FAILURES:]
     if failures:
         status["failures"] = failures
-    result = prev.get("result") or run_result(pods, attempt=d.attempt)
+    result = prev.get("result") or run_result(current)
     if result:
         status["result"] = result
 
