@@ -21,6 +21,7 @@ from ddpjob_operator.decisions.samples import MonitorReport, RankSample
 from ddpjob_operator.api.objmeta import format_time
 from ddpjob_operator.api.podinfo import is_simulated_node
 from ddpjob_operator.api.config import OperatorConfig
+from ddpjob_operator.api.spec import DEFAULT_METRICS_PORT
 
 log = logging.getLogger(__name__)
 
@@ -150,7 +151,7 @@ class Monitor:
         meta = job.get("metadata") or {}
         spec = job.get("spec") or {}
         name, namespace = meta.get("name", ""), meta.get("namespace", "default")
-        port = int(spec.get("metricsPort", 9400))
+        port = int(spec.get("metricsPort", DEFAULT_METRICS_PORT))
         st = self._state(job)
         attempt, running = Group.of(pods).running()
         if running:
