@@ -67,7 +67,7 @@ RUN --mount=type=bind,from=wheel,source=/wheels,target=/wheels \
  && whl="$(echo /wheels/ddpjob-*.whl)" \
  && pip install --no-cache-dir -c /tmp/keep-torch.txt "${whl}[trainer]" mlflow-skinny==3.17.2 \
  && rm /tmp/keep-torch.txt \
- && python -c "import ddpjob_trainer.launch, mlflow, torch; print('torch', torch.__version__)" \
+ && python -c "import ddpjob_trainer.launch.node, mlflow, torch; print('torch', torch.__version__)" \
  && python -c "from ddpjob_trainer.config import parse_config; parse_config({})" \
  && TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-check python -c \
       "import torch; assert torch.compile(lambda x: x.sin() + 1)(torch.ones(4)).shape == (4,)" \

@@ -147,7 +147,7 @@ def local_run(spec: Path, root: Path, **env_extra: str) -> Iterator[types.Simple
 
 def rank_samples(ports: list[int]) -> dict:
     """What the ranks of a local run report now on their loopback metrics ports ({rank:
-    scrape.RankSample}, parsed as the operator parses them; a port that does not answer adds none)."""
+    samples.RankSample}, parsed as the operator parses them; a port that does not answer adds none)."""
     from ddpjob_operator.decisions.samples import merge, parse_metrics
 
     parts = []

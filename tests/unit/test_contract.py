@@ -67,7 +67,7 @@ def test_the_pods_command_is_the_contracts_launcher_and_runs_as_a_module():
 
 @pytest.mark.parametrize("stage", contract.STAGES)
 def test_every_stage_a_rank_may_enter_is_one_the_operator_reads(stage):
-    from ddpjob_operator.cluster.scrape import parse_metrics
+    from ddpjob_operator.decisions.samples import parse_metrics
     from ddpjob_trainer.telemetry import Telemetry
 
     Telemetry(labels={}, enabled=False).set_stage(stage)  # the trainer refuses any other
