@@ -31,10 +31,15 @@ def load_crd_file(path: str) -> dict[str, Any]:
         return yaml.load(fh, Loader=_LOADER)  # a safe loader, C or Python
 
 
+def version_schema(crd: dict[str, Any]) -> dict[str, Any]:
+    """The openAPIV3Schema of the CRD's stored version, the one the API server validates with."""
+    (version,) = (v for v in crd["spec"]["versions"] if v.get("storage"))
+    return version["schema"]["openAPIV3Schema"]
+
+
 def trainer_schema() -> dict[str, Any]:
     """The CRD's `spec.trainer` schema (cached; do not mutate)."""
-    (version,) = (v for v in load_crd_file(str(CRD_FILE))["spec"]["versions"] if v.get("storage"))
-    return version["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]["trainer"]
+    return version_schema(load_crd_file(str(CRD_FILE)))["properties"]["spec"]["properties"]["trainer"]
 
 
 def _is_quantity(value: Any) -> Any:

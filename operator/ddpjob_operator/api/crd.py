@@ -37,10 +37,6 @@ def load_crd(path: str | os.PathLike | None = None) -> dict[str, Any]:
     return crdschema.load_crd_file(str(path or crd_path()))
 
 
-def version_schema(crd: dict[str, Any] | None = None, version: str = "v1alpha1") -> dict[str, Any]:
-    """The openAPIV3Schema of one served version."""
-    crd = crd or load_crd()
-    for ver in crd["spec"]["versions"]:
-        if ver["name"] == version:
-            return ver["schema"]["openAPIV3Schema"]
-    raise KeyError(f"CRD has no version {version}")
+def version_schema(crd: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The openAPIV3Schema of the stored version (of this CRD file unless `crd` is given)."""
+    return crdschema.version_schema(crd or load_crd())
