@@ -96,3 +96,6 @@ def test_the_result_the_trainer_writes_is_what_the_operator_reads_into_status():
                                 eval_dataset_size=40, last_checkpoint="/ckpt/step-10")
     message = json.dumps({**dataclasses.asdict(result), contract.RESULT_MLFLOW_RUN_ID: "r1"})
     assert set(parse_result(message)) == set(status)
+    # An integer of the trainer's is an integer of the status (result.py derives which from RunResult).
+    assert {k: type(v) for k, v in parse_result(message).items()} == \
+        {k: int if s["type"] == "integer" else float for k, s in status.items()}

@@ -127,3 +127,32 @@ def test_the_k8s_facade_queues_requests_per_job():
     finally:
         k8s.close()
     assert made.index("PATCH status") <= 2, made
+
+
+@pytest.mark.parametrize("status, gone", [(404, True), (403, False), (500, False)])
+def test_the_k8s_facade_reads_a_gone_object_as_none(status, gone):
+    """K8s' reads (the job, a child, a node): a 404 is None, any other error the caller's."""
+    from kubernetes.client.rest import ApiException
+
+    from ddpjob_operator.cluster.k8s import K8s
+
+    k8s = K8s(api=object(), workers=1)
+    paths: list[str] = []
+
+    def request(method, path, **kwargs):
+        paths.append(f"{method} {path}")
+        raise ApiException(status=status)
+
+    k8s._request = request
+
+    async def main():
+        reads = (k8s.get_job("ns", "j"), k8s.get_child("Pod", "ns", "j-0", job="j"), k8s.get_node("n1"))
+        return await asyncio.gather(*reads, return_exceptions=True)
+
+    try:
+        got = asyncio.run(main())
+    finally:
+        k8s.close()
+    assert paths == ["GET /apis/ddpjob.dev/v1alpha1/namespaces/ns/ddpjobs/j", "GET /api/v1/namespaces/ns/pods/j-0",
+                     "GET /api/v1/nodes/n1"]
+    assert all(r is None for r in got) if gone else all(isinstance(r, ApiException) and r.status == status for r in got)

@@ -149,7 +149,7 @@ def _crd_rules() -> list[dict]:
 
 
 # One violation per CEL rule of the CRD, keyed by the rule's message: the local validator evaluates
-# the CRD's own rules (validation._cel), and this table keeps a violating example of each, so a rule
+# the CRD's own rules (ddpjob_trainer.crdschema), and this table keeps a violating example of each, so a rule
 # that the CEL library reads differently from the API server shows up here. Transition rules (oldSelf: immutability) need an
 # old object and are the API server's alone (cluster tier: test_immutable_fields_...).
 CEL_VIOLATIONS = {
@@ -264,3 +264,21 @@ def test_a_missing_name_is_named_once():
     m = copy.deepcopy(GOOD)
     del m["metadata"]["name"]
     assert validate_manifest(m) == ["metadata.name: required field is missing"]
+
+
+@pytest.mark.parametrize("change, problems", [
+    # A null reaches no rule (the API server drops it), only the schema's type check.
+    ({"nodes": None}, ["spec.nodes: None is not of type 'integer'"]),
+    # An int-or-string node that also spells out anyOf [integer, string] says so once.
+    ({"resources": {"limits": {"memory": 2.5}}}, ["spec.resources.limits.memory: must be an integer or a string, got 2.5"]),
+    # One line per unknown key, as the API server names them.
+    ({"foo": 1, "bar": 2}, ["spec.bar: unknown field", "spec.foo: unknown field"]),
+])
+def test_each_problem_is_said_once(change, problems):
+    assert validate_manifest(with_spec(**change)) == problems
+
+
+def test_a_rule_that_cannot_be_evaluated_says_why():
+    problems = validate_manifest(with_spec(nodes="four"))
+    assert problems[0] == "spec.nodes: 'four' is not of type 'integer'"
+    assert problems[1].startswith("spec.nodes must be >= 1 (the rule could not be evaluated: "), problems

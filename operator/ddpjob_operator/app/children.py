@@ -71,32 +71,33 @@ def split_creates(objs: list[dict[str, Any]], results: list[Any]) -> tuple[list[
     return created, refused
 
 
+def foreign(job, obj: dict[str, Any] | None, kind: str, harm: str = "") -> CreateRefusal | None:
+    """A refusal naming the object that holds a name of this job's children when it is someone
+    else's (`harm`: what it would do in ours' place); None when it is ours or has gone meanwhile
+    (the next pass creates it)."""
+    if obj is None or owned_by(obj, job.uid):
+        return None
+    name = podinfo.name(obj) or job.name
+    return CreateRefusal(pod=name, code=409, reason=NAME_CONFLICT, kind=kind,
+                         message=f"{kind} {name} exists and is not owned by this DDPJob{harm}")
+
+
 def foreign_service(job, svc: dict[str, Any] | None) -> CreateRefusal | None:
-    """A refusal naming the Service that holds this job's Service name when it is not this job's
-    headless Service; None when it is (or it has gone meanwhile: the next pass creates it)."""
-    if svc is None:
-        return None
-    name = (svc.get("metadata") or {}).get("name") or job.name
-    if not owned_by(svc, job.uid):
-        why = f"service {name} exists and is not owned by this DDPJob"
-    elif (svc.get("spec") or {}).get("clusterIP") != "None":
-        why = f"service {name} is not headless (clusterIP {(svc.get('spec') or {}).get('clusterIP')})"
-    else:
-        return None
+    """The job's Service name held by a Service that is not this job's headless Service: the pods
+    would get a MASTER_ADDR that does not resolve."""
+    harm = ": pods would get a MASTER_ADDR that does not resolve; rename the job or delete that service"
+    ip = ((svc or {}).get("spec") or {}).get("clusterIP")
+    if svc is None or not owned_by(svc, job.uid) or ip == "None":
+        return foreign(job, svc, "service", harm)
+    name = podinfo.name(svc) or job.name
     return CreateRefusal(pod=name, code=409, reason=NAME_CONFLICT, kind="service",
-                         message=f"{why}: pods would get a MASTER_ADDR that does not resolve; "
-                                 "rename the job or delete that service")
+                         message=f"service {name} is not headless (clusterIP {ip}){harm}")
 
 
 def foreign_podgroup(job, pg: dict[str, Any] | None) -> CreateRefusal | None:
-    """A refusal naming the PodGroup that holds this job's PodGroup name when it is not this
-    job's: the gang scheduler would wait for that group's minMember, not ours."""
-    if pg is None or owned_by(pg, job.uid):
-        return None
-    name = (pg.get("metadata") or {}).get("name") or job.name
-    return CreateRefusal(pod=name, code=409, reason=NAME_CONFLICT, kind="podgroup",
-                         message=f"podgroup {name} exists and is not owned by this DDPJob: the gang "
-                                 "scheduler would place the pods by its rules; rename the job or delete it")
+    """The job's PodGroup name held by someone else's: the gang scheduler would wait for that
+    group's minMember, not ours."""
+    return foreign(job, pg, "podgroup", ": the gang scheduler would place the pods by its rules; rename the job or delete it")
 
 
 class Children:
@@ -205,11 +206,9 @@ class Children:
         for pod, res in zip(pods, results):
             if res is not None:
                 continue
-            name = pod["metadata"]["name"]
-            other = await self.k8s.get_child("Pod", job.namespace, name, job=job.name)
-            if other is not None and not owned_by(other, job.uid):
-                refused.append(CreateRefusal(pod=name, code=409, reason=NAME_CONFLICT,
-                                             message=f"pod {name} exists and is not owned by this DDPJob"))
+            conflict = foreign(job, await self.k8s.get_child("Pod", job.namespace, podinfo.name(pod), job=job.name), "pod")
+            if conflict:
+                refused.append(conflict)
         return refused
 
     def _created(self, namespace: str, pods: list[dict[str, Any] | None]) -> None:

@@ -140,6 +140,15 @@ class K8s:
         async with self._slots.slot(job):
             return await loop.run_in_executor(self._pool, partial(self._request, method, path, **kwargs))
 
+    async def _get(self, path: str, *, job: Hashable) -> dict[str, Any] | None:
+        """A consistent read of one object, None when it is gone (404)."""
+        try:
+            return await self._call("GET", path, job=job)
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+
     def close(self) -> None:
         """Stop the thread pool (pending calls finish)."""
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -151,12 +160,7 @@ class K8s:
 
     async def get_job(self, namespace: str, name: str) -> dict[str, Any] | None:
         """The DDPJob (a consistent read), or None when it is gone."""
-        try:
-            return await self._call("GET", self._job_path(namespace, name), job=(namespace, name))
-        except ApiException as exc:
-            if exc.status == 404:
-                return None
-            raise
+        return await self._get(self._job_path(namespace, name), job=(namespace, name))
 
     async def create(self, obj: dict[str, Any]) -> dict[str, Any] | None:
         """Create a child (Pod, Service, PodGroup): the created object, or None when it already
@@ -174,21 +178,11 @@ class K8s:
     async def get_child(self, kind: str, namespace: str, name: str, *, job: str,
                         api_version: str = "v1") -> dict[str, Any] | None:
         """A child of `job` (a consistent read), or None when it is gone."""
-        try:
-            return await self._call("GET", child_path(api_version, kind, namespace, name), job=(namespace, job))
-        except ApiException as exc:
-            if exc.status == 404:
-                return None
-            raise
+        return await self._get(child_path(api_version, kind, namespace, name), job=(namespace, job))
 
     async def get_node(self, name: str) -> dict[str, Any] | None:
         """A Node (the monitor reads its annotations), or None when it is gone."""
-        try:
-            return await self._call("GET", f"/api/v1/nodes/{name}", job=("", "nodes"))
-        except ApiException as exc:
-            if exc.status == 404:
-                return None
-            raise
+        return await self._get(f"/api/v1/nodes/{name}", job=("", "nodes"))
 
     async def delete_pod(self, namespace: str, name: str, *, job: str, uid: str | None = None) -> bool:
         """Delete a pod of `job` (by uid precondition when given); False when already gone."""

@@ -7,28 +7,22 @@ the kubelet keeps up to 4 KiB); the operator copies the known, finite fields int
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from typing import Any
 
+from ddpjob_trainer.contract import RunResult
+
 from ddpjob_operator.api import podinfo
 from ddpjob_operator.api.group import Attempt
 
-# Trainer result key (ddpjob_trainer.contract.RunResult) -> status.result field (CRD schema).
-RESULT_FIELDS = {
-    "steps": "steps",
-    "total_steps": "totalSteps",
-    "epochs_completed": "epochsCompleted",
-    "world_size": "worldSize",
-    "resumed_from_step": "resumedFromStep",
-    "train_samples_per_second": "trainSamplesPerSecond",
-    "eval_accuracy": "evalAccuracy",
-    "eval_loss": "evalLoss",
-    "eval_samples": "evalSamples",
-    "eval_dataset_size": "evalDatasetSize",
-}
-_INTEGER = {"steps", "totalSteps", "epochsCompleted", "worldSize", "resumedFromStep", "evalSamples",
-            "evalDatasetSize"}
+# The numbers of the trainer's result (the contract's RunResult: its fields and their types) are
+# status.result's fields, camelCase (the CRD's; tests/unit/test_contract.py holds the two equal).
+_TYPES = {f.name: str(f.type).split(" |")[0] for f in dataclasses.fields(RunResult)}
+RESULT_FIELDS = {key: key.split("_")[0] + "".join(w.capitalize() for w in key.split("_")[1:])
+                 for key, kind in _TYPES.items() if kind in ("int", "float")}
+_INTEGER = {RESULT_FIELDS[key] for key, kind in _TYPES.items() if kind == "int"}
 
 
 def parse_result(message: str | None) -> dict[str, Any]:

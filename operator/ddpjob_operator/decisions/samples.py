@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Iterable
 
 from ddpjob_trainer.contract import (CHECKPOINT_SECONDS, COMPUTE_SECONDS, DATA_WAIT_SECONDS, EPOCH, EVAL_ACCURACY,
@@ -44,7 +44,6 @@ _GAUGES = {
 }
 # `stage{stage=S} 1` names a rank's stage; a name not in STAGES is dropped, so a pod cannot put
 # text of its choosing into a condition message.
-_INTS = {"step", "epoch", "total_steps", "restart_count", "step_started", "resumed_from_step"}
 # What a worker failure's series says (its value is the failure's time); the operator bounds and
 # redacts each before any reaches status (decisions/inplace.py).
 FAILURE_LABELS = ("restart", "exit_code", "signal", "error", "restarted")
@@ -110,6 +109,10 @@ class RankSample:
         if self.step_seconds_count > 0:
             return self.step_seconds_sum / self.step_seconds_count
         return None
+
+
+# The attributes read as integers (the rest are floats), as RankSample declares them.
+_INTS = {f.name for f in fields(RankSample) if str(f.type).startswith("int")}
 
 
 def _int_or_none(v: str | None) -> int | None:
