@@ -63,6 +63,35 @@ def test_pod_identity_labels_and_dns(rank):
     assert env["DDPJOB_ATTEMPT"] == "2"
 
 
+@pytest.mark.parametrize("nodes,elastic,expected", [
+    (1, None, ["train-0"]),
+    (10, None, [f"train-{r}" for r in range(10)]),       # up to 10 nodes: the names users know
+    (11, None, [f"train-{r:02d}" for r in range(11)]),
+    (4, {"minNodes": 2, "maxNodes": 12}, ["train-00", "train-01", "train-02", "train-03"]),  # room to grow
+    (101, None, [f"train-{r:03d}" for r in range(101)]),
+])
+def test_hostnames_are_padded_to_the_widest_rank(nodes, elastic, expected):
+    j = job(nodes=nodes, **({"elastic": elastic} if elastic else {}))
+    assert [render_pod(j, r)["spec"]["hostname"] for r in range(nodes)] == expected
+    assert env_dict(container(render_pod(j, 1 % nodes))["env"])["MASTER_ADDR"] == f"{expected[0]}.train.ml.svc"
+
+
+@pytest.mark.parametrize("nodes", [2, 11, 12, 64])
+def test_torchrun_numbers_the_pods_as_their_rank(nodes):
+    # c10d's rendezvous gives node ranks in the sorted order of the nodes' descriptors, whose
+    # address is the pod's FQDN (socket.getfqdn(): hostname.subdomain.namespace.svc.<domain>, as
+    # the kubelet writes it into /etc/hosts): torch's own _NodeDesc, sorted as
+    # _mark_rendezvous_complete sorts the participants.
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc
+    j = job(nodes=nodes)
+    descs = {}
+    for r in range(nodes):
+        spec = render_pod(j, r)["spec"]
+        fqdn = f"{spec['hostname']}.{spec['subdomain']}.ml.svc.cluster.local"
+        descs[_NodeDesc(fqdn, 1000 + (r * 7919) % 997, 0)] = int(env_dict(container(render_pod(j, r))["env"])["NODE_RANK"])
+    assert [descs[d] for d in sorted(descs)] == list(range(nodes))
+
+
 @pytest.mark.parametrize("domain,expected", [("", "train-0.train.ml.svc"),
                                              ("cluster.local", "train-0.train.ml.svc.cluster.local")])
 def test_master_addr_cluster_domain(domain, expected):

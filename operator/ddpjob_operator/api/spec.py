@@ -75,6 +75,16 @@ class JobSpec:
         return self.nodes * self.nproc_per_node
 
     @property
+    def min_nodes(self) -> int:
+        """Fewest nodes the rendezvous accepts: spec.elastic.minNodes, else spec.nodes."""
+        return int((self.elastic or {}).get("minNodes", self.nodes))
+
+    @property
+    def max_nodes(self) -> int:
+        """Most nodes that may join the rendezvous: spec.elastic.maxNodes, else spec.nodes."""
+        return int((self.elastic or {}).get("maxNodes", self.nodes))
+
+    @property
     def uses_builtin_trainer(self) -> bool:
         """True when the job runs our trainer rather than the user's command."""
         return not self.command

@@ -34,8 +34,14 @@ def service_name(job: JobSpec) -> str:
 
 def pod_hostname(job: JobSpec, rank: int) -> str:
     """The pod's hostname in every attempt, `<job>-<rank>`: its DNS name under the headless Service
-    (MASTER_ADDR is rank 0's) never changes, whatever the pod is called."""
-    return f"{job.name}-{rank}"
+    (MASTER_ADDR is rank 0's) never changes, whatever the pod is called.
+
+    The rank is zero-padded to the width of the largest one (`<job>-07` in a job of 11 to 100
+    nodes): torchrun's c10d rendezvous numbers the nodes in the sorted order of their addresses,
+    the pods' FQDNs, and `<job>-10` sorts before `<job>-2`, so unpadded names would give pod i
+    another node rank from 11 pods on. Jobs of up to 10 nodes keep `<job>-<rank>`."""
+    width = len(str(max(job.nodes, job.max_nodes) - 1))
+    return f"{job.name}-{rank:0{width}d}"
 
 
 def pod_name(job_name: str, rank: int, attempt: int) -> str:
@@ -49,7 +55,7 @@ def pod_name(job_name: str, rank: int, attempt: int) -> str:
 
 
 def master_dns(job: JobSpec, *, cluster_domain: str | None = None) -> str:
-    """Rank 0's stable DNS name `<job>-0.<svc>.<ns>.svc[.<domain>]`."""
+    """Rank 0's stable DNS name `<job>-0.<svc>.<ns>.svc[.<domain>]` (`<job>-00` from 11 nodes on)."""
     base = f"{pod_hostname(job, 0)}.{service_name(job)}.{job.namespace}.svc"
     return f"{base}.{cluster_domain}" if cluster_domain else base
 
@@ -139,9 +145,7 @@ def pod_env(
     # restart in place: a pod whose worker dies restarts its workers, up to PET_MAX_RESTARTS times,
     # and the other pods' agents see the new round and restart theirs (docs/restarts.md). The id
     # names the attempt, so a group restart never meets an older attempt's round.
-    nnodes = str(job.nodes)
-    if job.elastic:
-        nnodes = f"{job.elastic.get('minNodes', job.nodes)}:{job.elastic.get('maxNodes', job.nodes)}"
+    nnodes = f"{job.min_nodes}:{job.max_nodes}" if job.elastic else str(job.nodes)
     env.update({
         contract.PET_NNODES: nnodes,
         contract.PET_RDZV_BACKEND: "c10d",

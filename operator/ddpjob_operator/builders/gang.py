@@ -76,8 +76,7 @@ def podgroup_name(job: JobSpec) -> str:
 
 def min_member(job: JobSpec) -> int:
     """Pods that must be placed together: every node, or an elastic job's minimum."""
-    lo = (job.elastic or {}).get("minNodes")
-    return int(lo) if lo else job.nodes
+    return job.min_nodes
 
 
 def pod_metadata(job: JobSpec) -> tuple[dict[str, str], dict[str, str]]:
