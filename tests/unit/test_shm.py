@@ -84,3 +84,55 @@ def test_the_trainers_defaults_and_shapes_are_the_ones_mirrored_here():
     assert tuple(SyntheticConfig().shape) == shm.DEFAULT_SYNTHETIC_SHAPE
     assert tuning.IN_MEMORY_DATASETS == shm.IN_MEMORY_DATASETS and tuning.MAX_AUTO_WORKERS == shm.MAX_AUTO_WORKERS
     assert digits().input_shape == shm.DIGITS_SHAPE
+
+
+SNAPSHOTTED = {"checkpoint": {"dir": "/ckpt"}}
+
+
+@pytest.mark.parametrize("trainer", [
+    {}, {"model": "mlp"}, {"dataset": "synthetic", "synthetic": {"shape": [3, 16, 16], "numClasses": 7}},
+    {"model": "mlp", "dataset": "synthetic", "synthetic": {"shape": [1, 28, 28]}},
+    {"model": "resnet18", "dataset": "synthetic"}, {"model": "resnet50", "dataset": "synthetic"},
+    {"model": "resnet18", **IMAGENET},
+])
+def test_model_params_is_what_torch_builds(trainer):
+    from ddpjob_trainer.models import build_model
+    model = build_model(trainer.get("model", "convnet"), shm.sample_shape(trainer), shm.num_classes(trainer))
+    assert shm.model_params(trainer) == sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("trainer", [{}, {"momentum": 0}, {"optimizer": "adamw"}, {"optimizer": "adamw", "momentum": 0}])
+def test_snapshots_hold_the_parameters_and_the_optimizers_state(trainer):
+    # The optimizer the trainer builds, after one step: its per-parameter state is what a
+    # snapshot holds beside the parameters, in every copy kept and the one being written.
+    import torch
+    from ddpjob_trainer import contract
+    from ddpjob_trainer.config import parse_config
+    from ddpjob_trainer.loop import _build_optimizer
+    from ddpjob_trainer.models import build_model
+    model = build_model("convnet", shm.sample_shape({}), shm.num_classes({}))
+    opt = _build_optimizer(parse_config(trainer), model.parameters())
+    model(torch.ones(2, *shm.sample_shape({}))).sum().backward()
+    opt.step()
+    params = sum(p.numel() for p in model.parameters())
+    moments = sum(t.numel() for p, st in opt.state.items() for t in st.values()
+                  if torch.is_tensor(t) and t.shape == p.shape)
+    copies = contract.SNAPSHOTS_KEPT + 1
+    assert shm.snapshot_bytes({**SNAPSHOTTED, **trainer}, ranks=3) == 3 * copies * 4 * (params + moments)
+    # No checkpoint dir, or snapshots off: nothing is written to /dev/shm.
+    assert shm.snapshot_bytes(trainer, ranks=3) == 0
+    assert shm.snapshot_bytes({"checkpoint": {"dir": "/c", "snapshotEverySteps": 0}, **trainer}, ranks=3) == 0
+
+
+@pytest.mark.parametrize("spec, expected", [
+    # 8 ranks of resnet50 (synthetic data, 10 classes: 23,528,522 parameters) with AdamW: 3 copies x
+    # 8 x 4 B x 3 = 6.3 GiB over the floor; with SGD (momentum) 4.2 GiB.
+    ({"gpusPerNode": 8, "trainer": {"model": "resnet50", "dataset": "synthetic", "optimizer": "adamw",
+                                    **SNAPSHOTTED}}, "9Gi"),
+    ({"gpusPerNode": 8, "trainer": {"model": "resnet50", "dataset": "synthetic", **SNAPSHOTTED}}, "7Gi"),
+    # The digits convnet's snapshots are tiny (3.6 MB), yet a GiB more than the floor: sizes are whole GiB.
+    ({"trainer": SNAPSHOTTED}, "3Gi"),
+    ({"shmSize": "4Gi", "gpusPerNode": 8, "trainer": {"model": "resnet50", **SNAPSHOTTED}}, "4Gi"),
+])
+def test_shm_size_counts_the_snapshots(spec, expected):
+    assert shm_size(make_job(**spec)) == expected

@@ -188,6 +188,9 @@ INPLACE_MARKER_RE = re.compile(r"^==> ddpjob: attempt (\d+) restart (\d+) <==$")
 # In-memory snapshots (checkpointing/snapshot.py): under the pod's /dev/shm (a memory-backed
 # emptyDir that outlives a worker restarted in place), or where DDPJOB_SNAPSHOT_DIR says.
 SNAPSHOT_SHM = "/dev/shm"
+# Snapshots a rank keeps (the newest); while the next is written one more is there, as `.part`.
+# The operator sizes the pod's /dev/shm for SNAPSHOTS_KEPT + 1 copies of every rank's state.
+SNAPSHOTS_KEPT = 2
 ENV_SNAPSHOT_DIR = "DDPJOB_SNAPSHOT_DIR"
 # Set by the agent for the workers it starts: the pod's worker start in this attempt (0, 1, ...).
 ENV_RESTART = "DDPJOB_RESTART"

@@ -9,11 +9,19 @@ how much it will hold, so the default is computed from it. `spec.shmSize` still 
 The trainer's defaults and its `numWorkers: auto` rule are the trainer's (ddpjob_trainer.config,
 ddpjob_trainer.tuning), which the operator does not import; the copies below are held equal to
 them by tests/unit/test_shm.py.
+
+The in-memory snapshots live there too (docs/restarts.md): with `checkpoint.dir` and
+`snapshotEverySteps` set, every rank keeps its newest snapshots of the whole state (parameters
+plus the optimizer's moments) in the pod's /dev/shm. That room is memory the pod's limit counts,
+so it is sized from the built-in model's parameter count, computed below from the sample shape
+and the class count as torch builds the model (held equal to it by tests/unit/test_shm.py).
 """
 from __future__ import annotations
 
 import math
 from typing import Any
+
+from ddpjob_trainer import contract
 
 from ddpjob_operator.builders.envvars import cpu_request
 from ddpjob_operator.api.spec import JobSpec
@@ -83,13 +91,67 @@ def loader_bytes(trainer: dict[str, Any], *, ranks: int, cpus: int | None) -> in
     return ranks * workers * prefetch * batch_bytes
 
 
+DEFAULT_MODEL = "convnet"
+DEFAULT_NUM_CLASSES = 10          # digits' classes, and spec.trainer.synthetic.numClasses' default
+# An image folder's classes are counted by the trainer when it reads the folder, not known here:
+# ImageNet's 1000 bound the classifier of most folders (and the body dominates anyway).
+IMAGEFOLDER_CLASSES = 1000
+DEFAULT_OPTIMIZER = "sgd"
+DEFAULT_MOMENTUM = 0.9
+DEFAULT_SNAPSHOT_EVERY = 10
+# torchvision's resnets: parameters before the classifier (3 input channels, whatever the data's)
+# and the classifier's input width.
+RESNETS = {"resnet18": (11_176_512, 512), "resnet50": (23_508_032, 2048)}
+
+
+def _linear(n_in: int, n_out: int) -> int:
+    return n_in * n_out + n_out
+
+
+def num_classes(trainer: dict[str, Any]) -> int:
+    """The classifier's width for the trainer's data set."""
+    dataset = trainer.get("dataset") or DEFAULT_DATASET
+    if dataset == "imagefolder":
+        return IMAGEFOLDER_CLASSES
+    if dataset == "synthetic":
+        return int((trainer.get("synthetic") or {}).get("numClasses") or DEFAULT_NUM_CLASSES)
+    return DEFAULT_NUM_CLASSES
+
+
+def model_params(trainer: dict[str, Any]) -> int:
+    """Parameters of the built-in model (ddpjob_trainer.models) for the trainer's data."""
+    model, shape, classes = trainer.get("model") or DEFAULT_MODEL, sample_shape(trainer), num_classes(trainer)
+    if model in RESNETS:
+        body, width = RESNETS[model]
+        return body + _linear(width, classes)
+    if model == "mlp":
+        return _linear(math.prod(shape), 256) + _linear(256, 256) + _linear(256, classes)
+    return (_linear(shape[0] * 9, 32) + _linear(32 * 9, 64) + _linear(64 * 16, 128)  # convnet
+            + _linear(128, classes))
+
+
+def snapshot_bytes(trainer: dict[str, Any], *, ranks: int) -> int:
+    """Bytes one pod's snapshots hold at most: ranks x (kept + the one being written) x the state,
+    float32 parameters and the optimizer's per-parameter moments (AdamW's two, SGD's momentum)."""
+    ckpt = trainer.get("checkpoint") or {}
+    if not ckpt.get("dir") or not ckpt.get("snapshotEverySteps", DEFAULT_SNAPSHOT_EVERY):
+        return 0
+    if (trainer.get("optimizer") or DEFAULT_OPTIMIZER) == "adamw":
+        moments = 2
+    else:
+        moments = int(float(trainer.get("momentum", DEFAULT_MOMENTUM)) != 0)
+    state = model_params(trainer) * FLOAT32_BYTES * (1 + moments)
+    return ranks * (contract.SNAPSHOTS_KEPT + 1) * state
+
+
 def shm_size(job: JobSpec) -> str:
     """sizeLimit of the pod's /dev/shm: spec.shmSize, else the floor plus what the built-in trainer's
-    loaders hold, in whole GiB (a `command:` job's loader is unknown: the floor)."""
+    loaders and snapshots hold, in whole GiB (a `command:` job's are unknown: the floor)."""
     given = job.spec.get("shmSize")
     if given:
         return str(given)
     held = 0
     if job.uses_builtin_trainer:
-        held = loader_bytes(job.trainer, ranks=job.nproc_per_node, cpus=_cpus(cpu_request(job)))
+        held = (loader_bytes(job.trainer, ranks=job.nproc_per_node, cpus=_cpus(cpu_request(job)))
+                + snapshot_bytes(job.trainer, ranks=job.nproc_per_node))
     return f"{math.ceil((FLOOR_BYTES + held) / GIB)}Gi"

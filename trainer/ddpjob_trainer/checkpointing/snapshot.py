@@ -28,7 +28,7 @@ import torch
 from ddpjob_trainer import contract
 from ddpjob_trainer.checkpointing.checkpoint import _Stager
 
-KEEP = 2
+KEEP = contract.SNAPSHOTS_KEPT
 _FILE = re.compile(r"^rank-(\d+)-step-(\d{8})\.pt$")
 
 
