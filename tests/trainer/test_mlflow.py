@@ -15,6 +15,7 @@ import uuid
 
 import pytest
 
+from ddpjob_trainer import contract
 from tests.support.localrun import free_ports, in_stage, local_run, wait_ranks
 
 from .helpers import DDPJOB, REPO, run_local, run_trainer, write_job
@@ -194,6 +195,11 @@ def test_a_users_script_logs_into_the_jobs_run_through_the_env(tmp_path, mlflow_
                     trainer=mlflow(mlflow_server.uri, exp, runName="script"))
     proc, s = run_local(job, tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    # The user's torchrun ran as ddpjob_trainer.agent: each node's agent marked its workers' start,
+    # so a restart in place of a user's script is counted and attributed like the trainer's.
+    for node in (0, 1):
+        log = (tmp_path / "work" / "logs" / "attempt-0" / f"node-{node}.log").read_text()
+        assert log.count(contract.inplace_marker(0, 0)) == 1, log[-3000:]
     (run,) = mlflow_server.runs(exp)
     # Node 0's launcher made the run (tagged with the job), node 1's found it: both nodes logged there.
     assert run.info.run_name == "script" and run.info.status == "FINISHED"

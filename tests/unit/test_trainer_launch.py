@@ -421,3 +421,27 @@ def test_the_launcher_gives_its_ranks_the_jobs_mlflow_run(monkeypatch, env, node
         assert said == ["WARNING MLflow: no run at http://mlflow:5000 (ConnectionError: refused); training goes on "
                         "without MLFLOW_RUN_ID"]
     assert not any("pw" in line for line in said + [failed or ""])
+
+
+@pytest.mark.parametrize("cmd, runs_as_agent", [
+    (["torchrun", "train.py", "--lr", "0.1"], ["train.py", "--lr", "0.1"]),
+    (["/opt/venv/bin/torchrun", "--nproc-per-node", "2", "-m", "pkg.train"], ["--nproc-per-node", "2", "-m", "pkg.train"]),
+    (["python", "-m", "torch.distributed.run", "train.py"], ["train.py"]),
+    (["python3.12", "-m", "torch.distributed.run", "--standalone", "t.py"], ["--standalone", "t.py"]),
+    # Not torchrun itself: as given (a shell that calls torchrun cannot be rewritten).
+    (["sh", "-c", "pip install x && exec torchrun train.py"], None),
+    (["python", "train.py"], None),
+    (["python", "-m", "torch.distributed.launch", "train.py"], None),
+])
+def test_a_users_torchrun_runs_as_the_counting_agent(cmd, runs_as_agent):
+    from ddpjob_trainer.launch.node import AGENT, counted
+    assert counted(cmd) == ([*AGENT, *runs_as_agent] if runs_as_agent is not None else cmd)
+
+
+def test_a_torchrun_of_another_python_runs_as_given(monkeypatch):
+    # This interpreter has no torch: the user's torchrun belongs to another Python, which has no agent of ours.
+    import importlib.util
+    from ddpjob_trainer.launch import node
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
+    assert node.counted(["torchrun", "train.py"]) == ["torchrun", "train.py"]
+

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import importlib.util
 import json
 import math
 import os
@@ -32,10 +33,29 @@ def with_exit_guard(env: dict[str, str]) -> dict[str, str]:
     return {**env, "PYTHONPATH": os.pathsep.join([EXIT_GUARD, *rest])}
 
 
+AGENT = [sys.executable, "-m", "ddpjob_trainer.agent"]
+
+
 def default_command() -> list[str]:
     """torchrun (as ddpjob_trainer.agent: counted, attributed restarts in place) with the built-in
     trainer; torchrun reads PET_NNODES, PET_RDZV_*, PET_MAX_RESTARTS, ... itself."""
-    return [sys.executable, "-m", "ddpjob_trainer.agent", "-m", "ddpjob_trainer"]
+    return [*AGENT, "-m", "ddpjob_trainer"]
+
+
+def counted(cmd: list[str]) -> list[str]:
+    """A user's own torchrun (`torchrun ARGS`, `python -m torch.distributed.run ARGS`) run as
+    ddpjob_trainer.agent ARGS: torchrun itself, same flags and env, whose restarts in place are
+    then marked, counted and attributed like the built-in trainer's. Anything else (a shell that
+    calls torchrun, a plain script) runs as given, and so does torchrun where this interpreter
+    has no torch (the user's torchrun is then another Python's)."""
+    prog = os.path.basename(cmd[0]) if cmd else ""
+    if prog == "torchrun":
+        args = cmd[1:]
+    elif prog.startswith("python") and cmd[1:3] == ["-m", "torch.distributed.run"]:
+        args = cmd[3:]
+    else:
+        return cmd
+    return [*AGENT, *args] if importlib.util.find_spec("torch") is not None else cmd
 
 
 class _Node:
@@ -138,7 +158,7 @@ def _wait(child: subprocess.Popen, signals: StopSignals, *, poll: float = 1.0) -
 def _launch(args: argparse.Namespace, node: _Node, signals: StopSignals) -> int:
     cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
     builtin = not cmd
-    cmd = cmd or default_command()
+    cmd = counted(cmd) if cmd else default_command()
 
     # Fail in seconds, before any rendezvous, when the config is wrong or the image lacks what
     # it turns on.
