@@ -207,6 +207,10 @@ def test_an_attempt_that_ends_before_stepping_supersedes_the_group_restart_befor
     prev = {"restartHistory": [{"kind": "Group", "attempt": 0, "reason": "PodFailed", "failedAt": T0}]}
     up = inplace.update(prev, attempt=1, ranks=None, with_log=False, group=(1, "PodFailed", "again"), now=NOW)
     assert up.history[0]["superseded"] is True and "failedAt" in up.history[1]
+    # One whose last scrape shows it stepped (no pass came between) recovered before it ended.
+    stepped = {0: Sample("j-0", first_step_timestamp=T0 + 9, resumed_from_step=3)}
+    up = inplace.update(prev, attempt=1, ranks=stepped, with_log=False, group=(1, "PodFailed", "again"), now=NOW)
+    assert "superseded" not in up.history[0] and up.history[0]["recoverySeconds"] == 9
     # A Group entry from before recoveries were measured (no failedAt) is never measured.
     old = inplace.update({"restartHistory": [{"kind": "Group", "attempt": 0}]}, attempt=1,
                          ranks={0: Sample("j-0", first_step_timestamp=T0, resumed_from_step=0)},

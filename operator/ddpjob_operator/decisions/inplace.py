@@ -163,17 +163,19 @@ def update(prev_status: Mapping[str, Any], *, attempt: int, ranks: Mapping[int, 
     for entry in history:
         if not _open(entry, (INPLACE, GROUP)):
             continue
-        # An in-place restart steps again in its own attempt, a group restart in the next one.
-        if entry["attempt"] + (entry["kind"] == GROUP) != attempt or group is not None:
-            entry["superseded"] = True  # that attempt ended (a group restart) before it stepped again
+        # An in-place restart steps again in its own attempt, a group restart in the next one;
+        # the last scrape of an attempt that ends now still counts (passes follow steps lazily).
+        ours = entry["attempt"] + (entry["kind"] == GROUP) == attempt
+        found = recovery(entry, ranks or {}) if ours else None
+        if found is None:
+            if not ours or group is not None:
+                entry["superseded"] = True  # that attempt ended (a group restart) before it stepped again
             continue
-        found = recovery(entry, ranks or {})
-        if found is not None:
-            entry["resumedFromStep"], entry["recoverySeconds"] = found
-            if "stepAtFailure" in entry:
-                entry["stepsLost"] = max(0, entry["stepAtFailure"] - found[0])
-            if entry["kind"] == INPLACE:
-                up.recovered.append(entry)
+        entry["resumedFromStep"], entry["recoverySeconds"] = found
+        if "stepAtFailure" in entry:
+            entry["stepsLost"] = max(0, entry["stepAtFailure"] - found[0])
+        if entry["kind"] == INPLACE:
+            up.recovered.append(entry)
     if group is not None:
         ended, reason, message = group
         history.append({"kind": GROUP, "attempt": ended, "reason": reason, "message": message[:MESSAGE_CHARS],
