@@ -71,7 +71,7 @@ def test_every_trainer_metric_queried_is_exported(exported):
 def test_every_operator_metric_queried_is_exported():
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from ddpjob_operator.app.operator_metrics import OperatorMetrics
+    from ddpjob_operator.app.operator_metrics import RECOVERY_KINDS, OperatorMetrics
 
     m = OperatorMetrics(CollectorRegistry(), namespaces=["ns"])
     m.record_pass(("ns", "j"), prev_status={}, status={"phase": "Failed", "reason": "PodFailed"}, hang_timeout=60)
@@ -81,8 +81,11 @@ def test_every_operator_metric_queried_is_exported():
     text = generate_latest(m.registry).decode()
     exported = {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line and not line.startswith("#")}
     queried = {x for e in exprs() for x in re.findall(r"\bddpjob_operator_\w+", e)}
-    assert {"ddpjob_operator_job_hang_timeout_seconds", "ddpjob_operator_job_failed_timestamp_seconds"} <= queried
+    assert {"ddpjob_operator_job_hang_timeout_seconds", "ddpjob_operator_job_failed_timestamp_seconds",
+            "ddpjob_operator_recovery_seconds_bucket", "ddpjob_operator_recovery_steps_lost_bucket"} <= queried
     assert queried <= exported, f"queried but never exported: {sorted(queried - exported)}"
+    kinds = {k for e in exprs() for k in re.findall(r'ddpjob_operator_recovery_\w+\{kind="(\w+)"', e)}
+    assert kinds == set(RECOVERY_KINDS), kinds  # the kinds of restart the operator observes
 
 
 def test_no_label_named_job_is_used():

@@ -28,12 +28,13 @@ class Sample:
     worker_failures: list = field(default_factory=list)
     first_step_timestamp: float | None = None
     resumed_from_step: int | None = None
+    step: int | None = None
 
 
 def failure(t: float, *, code: int = -9, signal: str = "SIGKILL", restart: int = 0, restarted: bool = True,
-            error: str = "killed by SIGKILL") -> dict:
+            error: str = "killed by SIGKILL", step: str = "") -> dict:
     return {"restart": str(restart), "exit_code": str(code), "signal": signal, "error": error,
-            "restarted": "true" if restarted else "false", "time": t}
+            "restarted": "true" if restarted else "false", "time": t, "step": step}
 
 
 
@@ -154,3 +155,82 @@ def test_only_signal_names_reach_the_status(label, kept):
     (entry,) = inplace.observed({1: Sample("j-1", worker_failures=[failure(T0, signal=label)])}, attempt=0,
                                 with_log=False)
     assert entry.get("signal") == kept
+
+
+@pytest.mark.parametrize("cause_step, casualty_step, resumed, lost", [
+    ("47", "48", 40, 8),   # the newest step any failed rank had finished
+    ("47", "", 40, 7),
+    ("", "", 40, None),    # an agent that could not read the step: no stepsLost, never a guess
+    ("40", "", 40, 0),
+    ("1e99", "", 40, None),  # not a step count
+])
+def test_steps_lost_are_the_step_at_failure_less_the_step_resumed_from(cause_step, casualty_step, resumed, lost):
+    ranks = {0: Sample("j-0", worker_failures=[failure(T0 + 0.4, code=1, step=casualty_step)]),
+             1: Sample("j-1", worker_failures=[failure(T0, step=cause_step)])}
+    st, _ = step(running_status(), ranks)
+    for r in ranks.values():
+        r.first_step_timestamp, r.resumed_from_step = T0 + 5, resumed
+    st, _ = step(st, ranks)
+    (entry,) = st["restartHistory"]
+    assert entry.get("stepsLost") == lost and entry["resumedFromStep"] == resumed
+
+
+def test_a_group_restart_recovers_when_the_next_attempts_ranks_step():
+    """failedAt: the earliest failure an agent reported with its budget spent (else the pass's
+    time); stepAtFailure: the newest step scraped; recovered when attempt 1's ranks all stepped."""
+    job = make_job(nodes=2, failurePolicy={"maxRestarts": 3})
+    t0 = NOW.timestamp() - 20  # the agent's report, before the pass that saw the pod fail
+    ranks = {0: Sample("j-0", step=57), 1: Sample("j-1", step=58, worker_failures=[failure(t0, restarted=False)])}
+    failed = Group.of([make_pod(0), make_pod(1, phase="Failed", exit_code=1)])
+    st, _ = job_status(job, failed, now=NOW, prev_status=running_status(), report=Report(ranks=ranks))
+    (group,) = st["restartHistory"]
+    assert (group["kind"], group["attempt"], group["failedAt"], group["stepAtFailure"]) == ("Group", 0, t0, 58)
+    new = Group.of([make_pod(0, attempt=1), make_pod(1, attempt=1)])
+    waiting = {0: Sample("j-0", first_step_timestamp=t0 + 30, resumed_from_step=50), 1: Sample("j-1")}
+    st, _ = job_status(job, new, now=NOW, prev_status={**st, "phase": "Running"}, report=Report(ranks=waiting))
+    assert "recoverySeconds" not in st["restartHistory"][0]  # rank 1 has not stepped yet
+    waiting[1].first_step_timestamp, waiting[1].resumed_from_step = t0 + 31.5, 50
+    st2, events = job_status(job, new, now=NOW, prev_status=st, report=Report(ranks=waiting))
+    (group,) = st2["restartHistory"]
+    assert (group["recoverySeconds"], group["resumedFromStep"], group["stepsLost"]) == (31.5, 50, 8)
+    assert not [e for e in events if e[1] == "RestartedInPlace"] and cond(st2, "Restarting")["status"] != "True"
+    assert inplace.recoveries(st, st2) == [("Group", 31.5, 8)]
+
+
+def test_a_group_restart_without_a_scrape_fails_now_at_the_last_progress():
+    up = inplace.update({"progress": {"step": 12}}, attempt=0, ranks=None, with_log=False,
+                        group=(0, "PodDeleted", "deleted"), now=NOW)
+    assert (up.history[-1]["failedAt"], up.history[-1]["stepAtFailure"]) == (NOW.timestamp(), 12)
+
+
+def test_an_attempt_that_ends_before_stepping_supersedes_the_group_restart_before_it():
+    prev = {"restartHistory": [{"kind": "Group", "attempt": 0, "reason": "PodFailed", "failedAt": T0}]}
+    up = inplace.update(prev, attempt=1, ranks=None, with_log=False, group=(1, "PodFailed", "again"), now=NOW)
+    assert up.history[0]["superseded"] is True and "failedAt" in up.history[1]
+    # One whose last scrape shows it stepped (no pass came between) recovered before it ended.
+    stepped = {0: Sample("j-0", first_step_timestamp=T0 + 9, resumed_from_step=3)}
+    up = inplace.update(prev, attempt=1, ranks=stepped, with_log=False, group=(1, "PodFailed", "again"), now=NOW)
+    assert "superseded" not in up.history[0] and up.history[0]["recoverySeconds"] == 9
+    # A Group entry from before recoveries were measured (no failedAt) is never measured.
+    old = inplace.update({"restartHistory": [{"kind": "Group", "attempt": 0}]}, attempt=1,
+                         ranks={0: Sample("j-0", first_step_timestamp=T0, resumed_from_step=0)},
+                         with_log=False, group=None, now=NOW)
+    assert old.history == [{"kind": "Group", "attempt": 0}]
+
+
+IN_PLACE = {"kind": "InPlace", "attempt": 0, "restart": 0, "rank": 1, "pod": "j-1", "failedAt": T0}
+RECOVERED = {**IN_PLACE, "resumedFromStep": 40, "recoverySeconds": 4.5, "stepsLost": 7}
+
+
+@pytest.mark.parametrize("prev, new, observed", [
+    ([IN_PLACE], [RECOVERED], [("InPlace", 4.5, 7)]),               # the pass that saw it step again
+    ([RECOVERED], [RECOVERED], []),                                  # a rescrape, a repeated pass
+    ([], [RECOVERED], [("InPlace", 4.5, 7)]),                        # failed and recovered between passes
+    ([RECOVERED], [RECOVERED, {**RECOVERED, "restart": 1, "stepsLost": 0}], [("InPlace", 4.5, 0)]),
+    ([IN_PLACE], [{**IN_PLACE, "superseded": True}], []),            # never stepped again
+    ([], [{**RECOVERED, "stepsLost": None} | {"kind": "Group", "attempt": 3}], [("Group", 4.5, None)]),
+])
+def test_each_recovery_is_observed_once(prev, new, observed):
+    """The operator metrics' observations: a status diff, so an operator restarted with the
+    recovery already in its status (prev) observes nothing again."""
+    assert inplace.recoveries({"restartHistory": prev}, {"restartHistory": new}) == observed

@@ -6,7 +6,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from ddpjob_operator.api.group import Group
 from ddpjob_operator.decisions.lifecycle import decide
-from ddpjob_operator.app.operator_metrics import FAILURE_REASONS, RESTART_REASONS, OperatorMetrics
+from ddpjob_operator.app.operator_metrics import (FAILURE_REASONS, RECOVERY_KINDS, RESTART_REASONS,
+                                                 STEPS_LOST_BUCKETS, OperatorMetrics)
 from ddpjob_operator.api.phases import Phase
 from tests.support.builders import NOW, make_job, make_pod, running_status
 
@@ -150,3 +151,31 @@ def test_every_restart_the_decisions_make_has_a_series_born_at_zero(pod):
     assert d.phase is Phase.RESTARTING, d
     m = OperatorMetrics(CollectorRegistry(), namespaces=["ns"])
     assert value(m, "ddpjob_operator_jobs_restarted_total", namespace="ns", reason=d.reason) == 0, d.reason
+
+
+def test_recovery_histograms_are_born_at_zero_and_observe_each_recovery_once():
+    m = OperatorMetrics(CollectorRegistry(), namespaces=["team-a"])
+    assert RECOVERY_KINDS == ("InPlace", "Group")
+    for kind in RECOVERY_KINDS:
+        assert value(m, "ddpjob_operator_recovery_seconds_count", namespace="team-a", kind=kind) == 0
+        assert value(m, "ddpjob_operator_recovery_steps_lost_bucket", namespace="team-a", kind=kind, le="0.0") == 0
+    failed = {"kind": "InPlace", "attempt": 0, "restart": 0, "rank": 1, "pod": "j-1", "failedAt": 1.0,
+              "stepAtFailure": 47}
+    prev = {"phase": "Running", "restartHistory": [failed]}
+    now = {"phase": "Running", "restartHistory": [{**failed, "resumedFromStep": 40, "recoverySeconds": 4.5,
+                                                  "stepsLost": 7}]}
+    m.record_pass(KEY, prev_status=prev, status=now)
+    m.record_pass(KEY, prev_status=now, status=now)                # the next scrape's pass: nothing new
+    labels = {"namespace": "team-a", "kind": "InPlace"}
+    restarted = OperatorMetrics(CollectorRegistry())               # a new operator process reads the same status
+    restarted.record_pass(KEY, prev_status=now, status=now)
+    assert value(restarted, "ddpjob_operator_recovery_seconds_count", **labels) == 0
+    assert value(m, "ddpjob_operator_recovery_seconds_count", **labels) == 1
+    assert value(m, "ddpjob_operator_recovery_seconds_sum", **labels) == 4.5
+    assert value(m, "ddpjob_operator_recovery_seconds_bucket", **labels, le="5.0") == 1
+    assert value(m, "ddpjob_operator_recovery_seconds_bucket", **labels, le="2.0") == 0
+    assert value(m, "ddpjob_operator_recovery_steps_lost_sum", **labels) == 7
+    assert value(m, "ddpjob_operator_recovery_steps_lost_bucket", **labels, le="10.0") == 1
+    assert value(m, "ddpjob_operator_recovery_steps_lost_bucket", **labels, le="5.0") == 0
+    assert value(m, "ddpjob_operator_recovery_seconds_count", namespace="team-a", kind="Group") == 0
+    assert STEPS_LOST_BUCKETS[0] == 0  # "lost nothing" is a bucket of its own

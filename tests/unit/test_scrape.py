@@ -85,14 +85,15 @@ def test_parse_two_ranks_from_real_exposition(tmp_path):
 
 
 def test_a_worker_failure_the_agent_exports_is_read_with_its_rank_and_time(tmp_path):
-    text = exposition(tmp_path, [{"rank": 0, "steps": 2, "total": 4, "loss": 1.0},
+    text = exposition(tmp_path, [{"rank": 0, "steps": 3, "total": 4, "loss": 1.0},
                                  {"rank": 1, "steps": 2, "total": 4, "loss": 1.0, "failure": [-9, "SIGKILL"],
                                   "resumed": 10}])
     got = parse_metrics(text)
     assert got[0].worker_failures == [] and got[1].resumed_from_step == 10
     (f,) = got[1].worker_failures
-    assert {k: f[k] for k in ("restart", "exit_code", "signal", "error", "restarted")} == {
-        "restart": "0", "exit_code": "-9", "signal": "SIGKILL", "error": "killed by SIGKILL", "restarted": "true"}
+    assert {k: f[k] for k in ("restart", "exit_code", "signal", "error", "restarted", "step")} == {
+        "restart": "0", "exit_code": "-9", "signal": "SIGKILL", "error": "killed by SIGKILL", "restarted": "true",
+        "step": "2"}  # the failed rank's last step, not its peer's (3)
     assert f["time"] > 1.7e9  # a Unix time: the operator measures recovery from it
 
 

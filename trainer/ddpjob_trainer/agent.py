@@ -9,7 +9,8 @@ It is torchrun itself (same flags, same PET_* env, same agent), with two hooks i
   the workers (contract.ENV_RESTART);
 - when a worker fails it exports the failure on the pod's metrics endpoint
   (contract.WORKER_FAILURE: rank, exit code, signal, the error's first line, whether the agent
-  restarts in place), which the operator turns into status.restartHistory.
+  restarts in place, the step the rank had finished), which the operator turns into
+  status.restartHistory.
 
 Why torchrun's agent restarts the workers in place (not a supervisor of ours): it already
 restarts a pod's workers where they are (`--max-restarts`), and through the c10d rendezvous every
@@ -46,6 +47,21 @@ def error_line(status_dir: str | None, rank: int, failure: Any) -> str:
     return text[:ERROR_CHARS]
 
 
+def steps_reached(metrics_dir: str) -> dict[str, int]:
+    """The step each rank of this pod last finished, by rank label: its `step` gauge as the pod's
+    endpoint serves it (mostrecent over every worker process that had the rank, a dead one's file
+    included), read at the failure to the fraction of a second. {} when unreadable: the failure
+    is exported without it, never lost for it."""
+    from prometheus_client.multiprocess import MultiProcessCollector
+
+    name = contract.METRIC_PREFIX + contract.STEP
+    try:
+        return {s.labels.get("rank", ""): int(s.value) for m in MultiProcessCollector(None, path=metrics_dir).collect()
+                if m.name == name for s in m.samples}
+    except Exception:  # noqa: BLE001  (a torn or foreign file in the dir)
+        return {}
+
+
 class Hooks:
     """What the agent's hooks keep: the starts so far and the failure series."""
 
@@ -67,12 +83,13 @@ class Hooks:
 
         status_dir = self.env.get(contract.ENV_STATUS_DIR)
         restart = str(max(0, self.starts - 1))
+        steps = steps_reached(self.env[contract.ENV_METRICS_DIR]) if self._exports else {}
         for rank, failure in sorted(failures.items()):
             code = int(getattr(failure, "exitcode", 1))
             sig = failure.signal_name() if code < 0 else ""
             self._series(rank=rank, local_rank=getattr(failure, "local_rank", 0), restart=restart, exit_code=code,
                          signal=sig if sig != "<N/A>" else "", error=error_line(status_dir, rank, failure),
-                         restarted=will_restart).set(time.time())
+                         restarted=will_restart, step=steps.get(str(rank), "")).set(time.time())
         if will_restart and status_dir and os.path.isdir(status_dir):
             # Consumed: the next failure's record (or the node's final one, for its termination
             # message) must not be this one.
@@ -80,8 +97,12 @@ class Hooks:
                 if name.startswith("failed-rank-"):
                     os.replace(os.path.join(status_dir, name), os.path.join(status_dir, f"restart-{restart}-{name}"))
 
+    @property
+    def _exports(self) -> bool:
+        return self.env.get(contract.ENV_TELEMETRY, "1") != "0" and bool(self.env.get(contract.ENV_METRICS_DIR))
+
     def _series(self, **labels: Any) -> Any:
-        if self.env.get(contract.ENV_TELEMETRY, "1") == "0" or not self.env.get(contract.ENV_METRICS_DIR):
+        if not self._exports:
             return _Null()
         if self._gauge is None:
             from .telemetry import LABELS, _prepare_multiprocess
@@ -89,13 +110,13 @@ class Hooks:
             from prometheus_client import CollectorRegistry, Gauge
             self._gauge = Gauge(contract.METRIC_PREFIX + contract.WORKER_FAILURE,
                                 "Unix time a worker of this pod failed (1 series per failure).",
-                                [*LABELS, "restart", "exit_code", "signal", "error", "restarted"],
+                                [*LABELS, "restart", "exit_code", "signal", "error", "restarted", "step"],
                                 registry=CollectorRegistry(), multiprocess_mode="mostrecent")
         return self._gauge.labels(
             ddpjob=self.env.get(contract.ENV_JOB_NAME, "local"), namespace=self.env.get(contract.ENV_JOB_NAMESPACE, ""),
             rank=str(labels["rank"]), local_rank=str(labels["local_rank"]), node_rank=self.env.get("NODE_RANK", "0"),
             restart=labels["restart"], exit_code=str(labels["exit_code"]), signal=labels["signal"],
-            error=labels["error"], restarted="true" if labels["restarted"] else "false")
+            error=labels["error"], restarted="true" if labels["restarted"] else "false", step=str(labels["step"]))
 
 
 class _Null:

@@ -197,8 +197,9 @@ ENV_RESTART = "DDPJOB_RESTART"
 # 1 per worker failure the agent saw on this pod, valued the failure's Unix time; labels: the
 # failed rank's, `restart` (the pod's worker start that failed), `exit_code`, `signal`, `error`
 # (the first line that names the error), `restarted` ("true": the agent restarted in place;
-# "false": its budget was spent and the pod fails, for a group restart). The operator turns these
-# into status.restartHistory.
+# "false": its budget was spent and the pod fails, for a group restart), `step` (the step the
+# failed rank had finished, read from its STEP gauge at the failure; "" when unknown: the steps an
+# in-place restart lost). The operator turns these into status.restartHistory.
 WORKER_FAILURE = "worker_failure_timestamp_seconds"
 # Per rank, from the worker process that runs now: when it finished its first step, and the step
 # it resumed from (the recovery time of an in-place restart, and the steps it lost).

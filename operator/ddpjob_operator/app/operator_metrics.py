@@ -2,7 +2,8 @@
 
 Every series carries `namespace` (as Kubeflow's `job_namespace`); per-job gauges also carry
 `ddpjob` (one series per existing job, removed with it). Counters' labelled series are born at 0
-(all known reasons, as soon as a namespace is known) so that `increase()` counts the first event.
+(all known reasons, as soon as a namespace is known) so that `increase()` counts the first event;
+so are the recovery histograms' (each kind of restart: decisions/inplace's InPlace and Group).
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typing import Any, Iterable
 
 from prometheus_client import REGISTRY, disable_created_metrics, CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from ddpjob_operator.decisions import inplace
 from ddpjob_operator.decisions.lifecycle import INIT_START_ERRORS
 from ddpjob_operator.api.phases import Cond, Phase, RestartReason
 from ddpjob_operator.api.objmeta import parse_time
@@ -24,6 +26,11 @@ disable_created_metrics()
 FAILURE_REASONS = tuple(sorted({"BadConfiguration", "RestartLimitExceeded", "DeadlineExceeded",
                                 Cond.FAILED_CREATE_POD.value} | INIT_START_ERRORS))
 RESTART_REASONS = tuple(r.value for r in RestartReason)
+RECOVERY_KINDS = (inplace.INPLACE, inplace.GROUP)
+# In place aims at seconds, a group restart takes minutes (pods deleted, scheduled, pulled).
+RECOVERY_BUCKETS = (1, 2, 5, 10, 20, 30, 60, 120, 300, 600, 1800)
+# 0 is a bucket of its own: a resume from the step it failed at lost nothing.
+STEPS_LOST_BUCKETS = (0, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 5000)
 Key = tuple[str, str]   # (namespace, name)
 
 
@@ -59,6 +66,14 @@ class OperatorMetrics:
             "Unix time each Pending DDPJob began waiting for its pods (status.startTime: its start, resume or "
             "Kueue admission); none while Kueue holds it in a queue. The DDPJobPendingTooLong alert",
             ["namespace", "ddpjob"], registry=registry)
+        self.recovery_seconds = Histogram(
+            "ddpjob_operator_recovery_seconds", "Seconds from a worker or pod failure to the first step every rank "
+            "took after it (status.restartHistory's recoverySeconds), by kind of restart (InPlace, Group)",
+            ["namespace", "kind"], buckets=RECOVERY_BUCKETS, registry=registry)
+        self.recovery_steps_lost = Histogram(
+            "ddpjob_operator_recovery_steps_lost", "Steps done again after a restart (the step reached at the failure "
+            "less the step resumed from: status.restartHistory's stepsLost), by kind of restart (InPlace, Group)",
+            ["namespace", "kind"], buckets=STEPS_LOST_BUCKETS, registry=registry)
         self.reconcile_seconds = Histogram(
             "ddpjob_operator_reconcile_seconds", "Duration of one reconcile pass",
             buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10), registry=registry)
@@ -84,6 +99,9 @@ class OperatorMetrics:
             self.jobs_failed.labels(namespace, reason)
         for reason in RESTART_REASONS:
             self.jobs_restarted.labels(namespace, reason)
+        for kind in RECOVERY_KINDS:
+            self.recovery_seconds.labels(namespace, kind)
+            self.recovery_steps_lost.labels(namespace, kind)
 
     def set_phase(self, key: Key, phase: str | None) -> None:
         """Record a job's phase (None forgets the job and its per-job series)."""
@@ -107,7 +125,7 @@ class OperatorMetrics:
     def record_pass(self, key: Key, *, prev_status: dict[str, Any], status: dict[str, Any],
                     restarted: str | None = None, hang_timeout: float | None = None) -> None:
         """Everything one reconcile pass of job `key` tells the metrics: its phase, the counters
-        for what changed (first sight, success, failure, a group restart), its per-job gauges."""
+        for what changed (first sight, success, failure, a group restart, a recovery), its per-job gauges."""
         ns = key[0]
         phase, old = status.get("phase"), prev_status.get("phase")
         self.set_phase(key, phase)
@@ -120,6 +138,10 @@ class OperatorMetrics:
             self.jobs_failed.labels(ns, reason).inc()
         if restarted is not None:
             self.jobs_restarted.labels(ns, restarted).inc()
+        for kind, seconds, lost in inplace.recoveries(prev_status, status):
+            self.recovery_seconds.labels(ns, kind).observe(seconds)
+            if lost is not None:
+                self.recovery_steps_lost.labels(ns, kind).observe(lost)
         if hang_timeout is not None:
             self.hang_timeout.labels(*key).set(float(hang_timeout))
         else:

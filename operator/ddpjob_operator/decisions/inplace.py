@@ -7,12 +7,14 @@ pod's metrics endpoint (contract.WORKER_FAILURE) and each worker process its fir
 
 - `status.restartHistory`: one entry per restart, newest last (HISTORY_LIMIT kept): kind `InPlace`
   (attempt, the pod's worker start that failed, rank, pod, node, exit code, signal, with
-  failurePolicy.logTailInStatus the error's first line; once every rank stepped again,
-  `resumedFromStep` and `recoverySeconds`, failure to the group's first step, on the pods' clocks)
-  or kind `Group` (the attempt that ended, reason);
+  failurePolicy.logTailInStatus the error's first line, the step the rank had finished) or kind
+  `Group` (the attempt that ended, reason, the newest step scraped); once every rank stepped again
+  after it, `resumedFromStep`, `stepsLost` and `recoverySeconds` (failure to the group's first
+  step, on the pods' clocks);
 - `status.inPlaceRestarts`: how many in-place restarts the job made, charged to
   failurePolicy.maxRestarts with the group restarts (lifecycle.budget_used);
-- `Restarting`: True while an in-place restart has not stepped again.
+- `Restarting`: True while an in-place restart has not stepped again;
+- `recoveries`: what the operator's recovery metrics observe, once per restart.
 
 The samples are decisions/samples.RankSample's (read by attribute).
 """
@@ -32,6 +34,7 @@ HISTORY_LIMIT = 20       # status.restartHistory entries kept (newest last)
 MESSAGE_CHARS = 200
 ALSO_LIMIT = 16          # peers' failures kept per in-place restart
 _SIGNAL = re.compile(r"^SIG[A-Z0-9]{2,10}$")
+MAX_STEP = 10**12        # a pod's step label beyond this is not believed (samples' bound)
 # Reasons of the Restarting condition for an in-place restart (a group restart's is its cause).
 RESTARTING_IN_PLACE = "RestartingInPlace"
 RESTARTED_IN_PLACE = "RestartedInPlace"
@@ -44,9 +47,11 @@ def _int(value: Any, default: int = 0) -> int:
         return default
 
 
-def _open(entry: Mapping[str, Any]) -> bool:
-    """An in-place restart that has not stepped again (and whose attempt still runs)."""
-    return entry.get("kind") == INPLACE and "recoverySeconds" not in entry and not entry.get("superseded")
+def _open(entry: Mapping[str, Any], kinds: tuple[str, ...] = (INPLACE,)) -> bool:
+    """A restart (in place unless `kinds` says) that has not stepped again and whose attempt still
+    runs; a Group entry written before group recoveries were measured (no failedAt) never is."""
+    return (entry.get("kind") in kinds and "failedAt" in entry and "recoverySeconds" not in entry
+            and not entry.get("superseded"))
 
 
 def _key(entry: Mapping[str, Any]) -> tuple[Any, ...]:
@@ -69,6 +74,8 @@ def observed(ranks: Mapping[int, Any], *, attempt: int, with_log: bool) -> list[
             }
             if sample.node:
                 entry["node"] = sample.node
+            if 0 <= _int(f.get("step"), -1) <= MAX_STEP:
+                entry["stepAtFailure"] = _int(f.get("step"))
             if _SIGNAL.match(str(f.get("signal") or "")):
                 entry["signal"] = f["signal"]
             error = redact(str(f.get("error") or "")).strip()[:MESSAGE_CHARS]
@@ -86,6 +93,20 @@ def recovery(entry: Mapping[str, Any], ranks: Mapping[int, Any]) -> tuple[int, f
     if not firsts or any(ts is None or ts <= t for ts, _ in firsts):
         return None
     return min(int(step or 0) for _, step in firsts), round(max(ts for ts, _ in firsts) - t, 3)
+
+
+def _group_failure(ranks: Mapping[int, Any], prev_status: Mapping[str, Any], now: dt.datetime) -> dict[str, Any]:
+    """When the ended attempt failed and the step it had reached, as well as this pass knows:
+    the earliest failure an agent reported with its pod's budget spent, else now (the pass that
+    saw the pod fail, was deleted or lost); the newest step its ranks reported, else progress's."""
+    spent = [f for s in ranks.values() for f in getattr(s, "worker_failures", None) or [] if f.get("restarted") == "false"]
+    out: dict[str, Any] = {"failedAt": min([float(f["time"]) for f in spent] + [now.timestamp()])}
+    steps = [s.step for s in ranks.values() if s.step is not None] + [
+        _int(f.get("step"), -1) for f in spent if 0 <= _int(f.get("step"), -1) <= MAX_STEP]
+    step = max(steps, default=(prev_status.get("progress") or {}).get("step"))
+    if step is not None:
+        out["stepAtFailure"] = int(step)
+    return out
 
 
 @dataclass
@@ -134,25 +155,43 @@ def update(prev_status: Mapping[str, Any], *, attempt: int, ranks: Mapping[int, 
                 up.new[up.new.index(head)] = cause
         else:
             cause, other = head, entry
+        if "stepAtFailure" in other:  # the newest step any of them had finished
+            cause["stepAtFailure"] = max(other["stepAtFailure"], cause.get("stepAtFailure", 0))
         also = [a for a in (other.pop("alsoFailed", None) or [])]
         cause["alsoFailed"] = (list(cause.get("alsoFailed") or []) + [
             {k: other[k] for k in ("rank", "pod", "restart", "exitCode", "attempt") if k in other}] + also)[:ALSO_LIMIT]
     for entry in history:
-        if not _open(entry):
+        if not _open(entry, (INPLACE, GROUP)):
             continue
-        if entry.get("attempt") != attempt or group is not None:
-            entry["superseded"] = True  # its attempt ended (a group restart) before it stepped again
+        # An in-place restart steps again in its own attempt, a group restart in the next one;
+        # the last scrape of an attempt that ends now still counts (passes follow steps lazily).
+        ours = entry["attempt"] + (entry["kind"] == GROUP) == attempt
+        found = recovery(entry, ranks or {}) if ours else None
+        if found is None:
+            if not ours or group is not None:
+                entry["superseded"] = True  # that attempt ended (a group restart) before it stepped again
             continue
-        found = recovery(entry, ranks or {})
-        if found is not None:
-            entry["resumedFromStep"], entry["recoverySeconds"] = found
+        entry["resumedFromStep"], entry["recoverySeconds"] = found
+        if "stepAtFailure" in entry:
+            entry["stepsLost"] = max(0, entry["stepAtFailure"] - found[0])
+        if entry["kind"] == INPLACE:
             up.recovered.append(entry)
     if group is not None:
         ended, reason, message = group
         history.append({"kind": GROUP, "attempt": ended, "reason": reason, "message": message[:MESSAGE_CHARS],
-                        "time": format_time(now)})
+                        "time": format_time(now), **_group_failure(ranks or {}, prev_status, now)})
     up.history = history[-HISTORY_LIMIT:]
     return up
+
+
+def recoveries(prev_status: Mapping[str, Any], status: Mapping[str, Any]) -> list[tuple[str, float, int | None]]:
+    """(kind, recoverySeconds, stepsLost or None) of each restart that stepped again between two
+    statuses: in status.restartHistory with its recovery, and not so in prev's. The status is
+    written before the metrics record a pass, so a rescrape, a repeated pass or a restarted
+    operator (its prev already holds the recovery) observes nothing twice."""
+    done = {_key(e) for e in prev_status.get("restartHistory") or [] if "recoverySeconds" in e}
+    return [(str(e["kind"]), float(e["recoverySeconds"]), e.get("stepsLost"))
+            for e in status.get("restartHistory") or [] if "recoverySeconds" in e and _key(e) not in done]
 
 
 def describe(entry: Mapping[str, Any]) -> str:

@@ -46,7 +46,7 @@ _GAUGES = {
 # text of its choosing into a condition message.
 # What a worker failure's series says (its value is the failure's time); the operator bounds and
 # redacts each before any reaches status (decisions/inplace.py).
-FAILURE_LABELS = ("restart", "exit_code", "signal", "error", "restarted")
+FAILURE_LABELS = ("restart", "exit_code", "signal", "error", "restarted", "step")
 # `mlflow_run_info{run_id, experiment_id} 1`: ids go into status and a URL, so only id-shaped ones
 # (MLflow's are hex and digits) are kept.
 _MLFLOW_ID = re.compile(r"^[0-9A-Za-z_-]{1,64}$")
@@ -98,7 +98,7 @@ class RankSample:
     first_step_timestamp: float | None = None  # this worker process's first step (Unix time)
     resumed_from_step: int | None = None
     # The failures of this rank's workers the pod's agent saw (contract.WORKER_FAILURE): label
-    # dicts (restart, exit_code, signal, error, restarted) with "time", the failure's Unix time.
+    # dicts (FAILURE_LABELS) with "time", the failure's Unix time.
     worker_failures: list[dict[str, str | float]] = field(default_factory=list)
     pod: str | None = None       # filled in by the scraper, not the exposition
     node: str | None = None
