@@ -131,7 +131,7 @@ def test_check_manifest_raises_with_every_problem():
 
 def _crd_rules() -> list[dict]:
     """Every x-kubernetes-validations rule of the CRD the operator installs."""
-    from ddpjob_operator.api.crd import load_crd
+    from ddpjob_trainer.crdschema import load_crd
 
     out: list[dict] = []
 
@@ -247,7 +247,7 @@ def test_the_operators_fallbacks_are_the_crds_defaults(spec):
 def test_a_rule_added_to_the_crd_is_enforced_locally_with_no_python_change(tmp_path, monkeypatch):
     import yaml
 
-    from ddpjob_operator.api import crd as crd_mod
+    from ddpjob_trainer import crdschema as crd_mod
 
     doc = copy.deepcopy(crd_mod.load_crd())
     nodes = crd_mod.version_schema(doc)["properties"]["spec"]["properties"]["nodes"]
