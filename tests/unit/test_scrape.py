@@ -123,11 +123,6 @@ def test_parse_edge_cases(text, expected):
     assert {r: (s.step, s.node_rank) for r, s in got.items()} == expected
 
 
-def test_mean_step_seconds():
-    assert RankSample(rank=0).mean_step_seconds is None
-    assert RankSample(rank=0, step_seconds_sum=3.0, step_seconds_count=6).mean_step_seconds == 0.5
-
-
 @pytest.mark.parametrize("lines,expected", [
     (['stage{rank="0",stage="rendezvous"} 1', 'stage{rank="0",stage="training"} 0',
       'stage_start_timestamp_seconds{rank="0"} 1.7e9'], ("rendezvous", 1.7e9)),

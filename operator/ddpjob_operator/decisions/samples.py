@@ -103,13 +103,6 @@ class RankSample:
     pod: str | None = None       # filled in by the scraper, not the exposition
     node: str | None = None
 
-    @property
-    def mean_step_seconds(self) -> float | None:
-        """Mean step wall time since the process started."""
-        if self.step_seconds_count > 0:
-            return self.step_seconds_sum / self.step_seconds_count
-        return None
-
 
 # The attributes read as integers (the rest are floats), as RankSample declares them.
 _INTS = {f.name for f in fields(RankSample) if str(f.type).startswith("int")}
