@@ -528,13 +528,8 @@ def prefixed(rank: int, line: str) -> str:
 
 def _status_body(body: Any) -> dict[str, Any]:
     """An API error's body as its Status dict ({} when it is none: a plain-text 404 page)."""
-    data: Any = body
-    if isinstance(body, (bytes, str)):
-        try:
-            data = json.loads(body)
-        except ValueError:
-            data = None
-    return data if isinstance(data, dict) and data.get("kind") == "Status" else {}
+    data = objmeta.error_body(body)
+    return data if data.get("kind") == "Status" else {}
 
 
 def missing_object(code: int | None, body: Any) -> bool:
