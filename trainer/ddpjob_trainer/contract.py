@@ -28,6 +28,7 @@ ENV_JOB_UID = "DDPJOB_UID"                # the DDPJob's metadata.uid; locally, 
 ENV_ATTEMPT = "DDPJOB_ATTEMPT"            # the group attempt: 0, then +1 per restart
 ENV_IMAGE = "DDPJOB_IMAGE"                # spec.image (the MLflow run's tag ddpjob.image)
 ENV_POD_METRICS_PORT = "DDPJOB_METRICS_PORT"  # the pod's metrics endpoint (not the operator's own)
+DEFAULT_MASTER_PORT = 29500  # MASTER_PORT when the operator set none (spec.masterPort's default; torch's)
 ENV_TRAINER_CONFIG = "DDPJOB_TRAINER_CONFIG"  # spec.trainer as JSON (built-in trainer only)
 ENV_CPUS = "DDPJOB_CPUS"                  # the pod's CPU request, via the downward API
 ENV_LOCAL = "DDPJOB_LOCAL"                # "1" under `ddpjob run --local`

@@ -5,13 +5,14 @@ import copy
 from dataclasses import dataclass, field
 from typing import Any
 
+from ddpjob_trainer import contract
+
 GROUP = "ddpjob.dev"
 VERSION = "v1alpha1"
 KIND = "DDPJob"
 PLURAL = "ddpjobs"
 API_VERSION = f"{GROUP}/{VERSION}"
 
-DEFAULT_MASTER_PORT = 29500
 DEFAULT_METRICS_PORT = 9400
 DEFAULT_KEEP_FAILED_ATTEMPTS = 1
 
@@ -175,7 +176,7 @@ def from_manifest(obj: dict[str, Any]) -> JobSpec:
         args=list(spec["args"]) if spec.get("args") else None,
         trainer=dict(spec.get("trainer") or {}),
         env=list(spec.get("env") or []),
-        master_port=int(spec.get("masterPort", DEFAULT_MASTER_PORT)),
+        master_port=int(spec.get("masterPort", contract.DEFAULT_MASTER_PORT)),
         metrics_port=int(spec.get("metricsPort", DEFAULT_METRICS_PORT)),
         nccl=dict(spec.get("nccl") or {}),
         max_restarts=int(failure.get("maxRestarts", 3)),

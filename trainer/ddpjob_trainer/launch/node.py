@@ -159,7 +159,7 @@ def _launch(args: argparse.Namespace, node: _Node, signals: StopSignals) -> int:
     env[contract.ENV_STOP_GRACE] = f"{args.stop_grace:g}"
     env.setdefault(contract.ENV_TORCHRUN_SHUTDOWN_TIMEOUT, str(math.ceil(args.stop_grace)))
     node_rank = int(env.get("NODE_RANK", "0"))
-    addr, port = env.get("MASTER_ADDR"), int(env.get("MASTER_PORT", "29500"))
+    addr, port = env.get("MASTER_ADDR"), int(env.get("MASTER_PORT", contract.DEFAULT_MASTER_PORT))
     node.scratch = tempfile.mkdtemp(prefix="ddpjob-")
     metrics_dir = env.setdefault(contract.ENV_METRICS_DIR, os.path.join(node.scratch, "metrics"))
     status_dir = env.setdefault(contract.ENV_STATUS_DIR, os.path.join(node.scratch, "status"))
