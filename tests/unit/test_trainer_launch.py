@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from ddpjob_trainer.launch.master import wait_for_master
+from ddpjob_trainer.launch.node import wait_for_master
 from tests.support.stopping import first_child, pid1_prefix
 
 
