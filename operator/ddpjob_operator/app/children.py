@@ -27,7 +27,7 @@ from ddpjob_operator.builders.service import render_service
 from ddpjob_operator.cluster.cache import Store
 from ddpjob_operator.cluster.k8s import K8s
 from ddpjob_operator.decisions.lifecycle import Decision
-from ddpjob_operator.decisions.refusals import NAME_CONFLICT, CreateRefusal
+from ddpjob_operator.decisions.status import NAME_CONFLICT, CreateRefusal
 
 log = logging.getLogger("ddpjob.controller")
 # Test knob: seconds to wait between pod creations (lets a test kill the operator mid-creation).
