@@ -80,6 +80,9 @@ def _cel(validator: Any, rules: list[dict[str, str]], instance: Any, schema: dic
 
     if instance is None:
         return  # the API server drops a null before any rule sees it
+    # Nor does it evaluate a rule on a value of the wrong type: the type error says it all.
+    if not validator.evolve(schema={k: schema[k] for k in ("type", "x-kubernetes-int-or-string") if k in schema}).is_valid(instance):
+        return
     for check in rules:
         if "oldSelf" in check["rule"]:
             continue  # a transition rule compares with the stored object, which only the API server has
