@@ -116,6 +116,13 @@ def test_generation_replaces_only_the_generated_fields(monkeypatch):
     assert gen.generate(out, SCHEMAS) == out                      # idempotent
 
 
+def test_a_change_outside_the_generated_fields_is_an_error(monkeypatch):
+    monkeypatch.setattr(gen, "FIELDS", {("env",): ("Outer", True)})
+    gen.same_outside_generated(CRD_TEXT, CRD_TEXT.replace("Extra env.", "Other env."))  # a generated field
+    with pytest.raises(gen.GenError, match="outside the generated ones"):
+        gen.same_outside_generated(CRD_TEXT, CRD_TEXT.replace("after: {type: string}", "after: {type: integer}"))
+
+
 def test_missing_field_is_an_error(monkeypatch):
     monkeypatch.setattr(gen, "FIELDS", {("volumes",): ("Inner", True)})
     with pytest.raises(gen.GenError, match="CRD has no field .*volumes"):
