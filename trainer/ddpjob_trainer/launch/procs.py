@@ -58,11 +58,6 @@ def _below(root: int) -> list[psutil.Process]:
         return []
 
 
-def descendants(root: int) -> list[int]:
-    """The pids of every process below `root` (children, grandchildren, ..., zombies included)."""
-    return [p.pid for p in _below(root)]
-
-
 def _signal_all(pids, groups, sig: int) -> None:
     """`sig` once to each process: the groups, then the pids outside them. Twice would be a second
     Ctrl-C to a launcher (StopSignals.hurry: SIGKILL at once, no grace for a rank to end its run)."""
