@@ -118,14 +118,12 @@ class JobSpec:
     @property
     def pod_start_timeout(self) -> int | None:
         """Seconds a container may stay in a start error before the job fails (None = keep waiting)."""
-        val = (self.spec.get("failurePolicy") or {}).get("podStartTimeoutSeconds")
-        return None if val is None else int(val)
+        return _int_or_none((self.spec.get("failurePolicy") or {}).get("podStartTimeoutSeconds"))
 
     @property
     def hang_timeout_seconds(self) -> int | None:
         """spec.hangTimeoutSeconds (None = derived by the monitor)."""
-        val = self.spec.get("hangTimeoutSeconds")
-        return None if val is None else int(val)
+        return _int_or_none(self.spec.get("hangTimeoutSeconds"))
 
     @property
     def clean_pod_policy(self) -> str:
@@ -135,19 +133,21 @@ class JobSpec:
     @property
     def active_deadline_seconds(self) -> int | None:
         """Seconds from start after which the job fails (None = no deadline)."""
-        val = self.spec.get("activeDeadlineSeconds")
-        return None if val is None else int(val)
+        return _int_or_none(self.spec.get("activeDeadlineSeconds"))
 
     @property
     def ttl_seconds_after_finished(self) -> int | None:
         """Seconds after completion before the DDPJob is deleted (None = keep)."""
-        val = self.spec.get("ttlSecondsAfterFinished")
-        return None if val is None else int(val)
+        return _int_or_none(self.spec.get("ttlSecondsAfterFinished"))
 
     @property
     def generation(self) -> int:
         """metadata.generation (0 when unknown)."""
         return int((self.raw.get("metadata") or {}).get("generation") or 0)
+
+
+def _int_or_none(value: Any) -> int | None:
+    return None if value is None else int(value)
 
 
 def resolve_nproc(nproc: Any, gpus_per_node: int) -> int:

@@ -16,8 +16,6 @@ from ddpjob_trainer.contract import (CHECKPOINT_SECONDS, COMPUTE_SECONDS, DATA_W
                                     STEP_SECONDS, STEP_STARTED, TOTAL_STEPS, WORKER_FAILURE)
 from prometheus_client.parser import text_string_to_metric_families
 
-PREFIX = METRIC_PREFIX
-
 # metric name (without prefix, as the parser reports the sample) -> RankSample attribute
 _GAUGES = {
     STEP: "step",
@@ -119,10 +117,10 @@ def parse_metrics(text: str) -> dict[int, RankSample]:
     """Prometheus text exposition -> {global rank: RankSample}; non-trainer metrics are ignored."""
     out: dict[int, RankSample] = {}
     for family in text_string_to_metric_families(text):
-        if not family.name.startswith(PREFIX):
+        if not family.name.startswith(METRIC_PREFIX):
             continue
         for s in family.samples:
-            short = s.name[len(PREFIX):]
+            short = s.name[len(METRIC_PREFIX):]
             attr = _GAUGES.get(short)
             mlflow = (short == MLFLOW_RUN_INFO and s.value == 1
                       and all(_MLFLOW_ID.match(s.labels.get(k) or "") for k in ("run_id", "experiment_id")))
