@@ -73,7 +73,9 @@ ENV_TORCH_NO_SHARED_RDZV_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 POD_TERMINATION_GRACE_DEFAULT = 30
 # The launcher's grace where nothing sets ENV_STOP_GRACE (a local run, a launcher run by hand).
 STOP_GRACE_DEFAULT = 5.0
-# After its own SIGKILL the launcher waits this long for the killed processes to vanish.
+# After its own SIGKILL the launcher waits this long for the killed processes to vanish before
+# giving up on them (one stuck in uninterruptible kernel sleep cannot be reaped; waiting longer
+# would only hang the launcher).
 LAUNCHER_KILL_WAIT = 5.0
 # The part of a pod's grace period the launcher keeps for itself after that SIGKILL (its kill wait,
 # then its termination message and exit), so that the kubelet never has to SIGKILL the pod.

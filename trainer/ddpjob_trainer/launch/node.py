@@ -20,7 +20,7 @@ from ..tracking import SYSTEM_METRICS_END_SECONDS
 from . import runs
 from .procs import become_subreaper, die_with_parent, end_child, stop_tree
 from .report import failure_message, rank_messages, recorded_error, report_result, say, write_termination
-from .signals import DEFAULT_STOP_GRACE, Stop, StopSignals, stop_grace_from_env
+from .signals import Stop, StopSignals, stop_grace_from_env
 
 # A sitecustomize that frees a run's process group before interpreter finalization (why: its
 # docstring); first on every child's PYTHONPATH.
@@ -141,7 +141,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                    help="serve this pod's metrics here (0: don't)")
     p.add_argument("--stop-grace", type=float, default=None,
                    help="on SIGTERM/SIGINT, seconds every process of the node gets before SIGKILL "
-                        f"(default: {contract.ENV_STOP_GRACE} or {DEFAULT_STOP_GRACE:g})")
+                        f"(default: {contract.ENV_STOP_GRACE} or {contract.STOP_GRACE_DEFAULT:g})")
     p.add_argument("cmd", nargs=argparse.REMAINDER)
     args = p.parse_args(argv)
     if args.stop_grace is None:
