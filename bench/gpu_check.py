@@ -68,16 +68,13 @@ def _worker(launcher: int) -> int | None:
     """The training worker of local rank 0 under the launcher (`python -m ddpjob_trainer`)."""
     import psutil
 
-    from ddpjob_trainer.launch.procs import descendants
-
-    for pid in descendants(launcher):
+    for proc in psutil.Process(launcher).children(recursive=True):
         try:
-            proc = psutil.Process(pid)
             cmd, env = proc.cmdline(), proc.environ()
         except psutil.Error:  # gone meanwhile
             continue
         if cmd[-2:] == ["-m", "ddpjob_trainer"] and env.get("LOCAL_RANK") == "0":
-            return pid
+            return proc.pid
     return None
 
 

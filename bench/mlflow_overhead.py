@@ -36,6 +36,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import psutil
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(REPO))
@@ -46,18 +48,15 @@ RESULTS = Path(__file__).resolve().parent / "results" / "mlflow_overhead.json"
 
 def group_cpu_seconds(pgid: int) -> float:
     """User + system CPU seconds of the live processes of process group `pgid` (the server's)."""
-    total = 0
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
+    total = 0.0
+    for p in psutil.process_iter():
         try:
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()  # after the command's name, which may hold spaces
-        except OSError:
+            if os.getpgid(p.pid) == pgid:
+                times = p.cpu_times()
+                total += times.user + times.system
+        except (ProcessLookupError, psutil.NoSuchProcess):
             continue  # gone meanwhile
-        if int(fields[2]) == pgid:  # pgrp; utime and stime are the 14th and 15th fields of the line
-            total += int(fields[11]) + int(fields[12])
-    return total / os.sysconf("SC_CLK_TCK")
+    return total
 
 
 def main() -> None:

@@ -250,21 +250,37 @@ def _yaml() -> YAML:
     return rt
 
 
+def _props(doc: Any, path: tuple[str, ...]) -> Any:
+    """The properties of spec that hold the FIELDS entry at `path` ({} when there are none)."""
+    parent = doc["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    for key in path[:-1]:
+        parent = (parent.get("properties") or {}).get(key) or {}
+    return parent.get("properties") or {}
+
+
+def same_outside_generated(before: str, after: str) -> None:
+    """Raise unless the two CRD texts mean the same but for the generated fields (a dump that
+    changed a hand-written value, a quoted "yes" read back as a boolean, would pass no other check)."""
+    docs = [YAML(typ="safe").load(text) for text in (before, after)]
+    for doc in docs:
+        for path in FIELDS:
+            _props(doc, path).pop(path[-1], None)
+    if docs[0] != docs[1]:
+        raise GenError("generation changed fields outside the generated ones")
+
+
 def generate(text: str, schemas: dict[str, Any]) -> str:
     """The CRD text with every FIELDS entry replaced by its generated schema; nothing else changes."""
     rt = _yaml()
     doc = rt.load(text)
-    spec = doc["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
     for path in FIELDS:
-        parent = spec
-        for key in path[:-1]:
-            parent = (parent.get("properties") or {}).get(key) or {}
-        props = parent.get("properties") or {}
+        props = _props(doc, path)
         if path[-1] not in props:
             raise GenError(f"CRD has no field spec.{'.'.join(path)}")
         props[path[-1]] = field_schema(path, schemas, props[path[-1]].get("description"))
     out = io.StringIO()
     rt.dump(doc, out)
+    same_outside_generated(text, out.getvalue())
     return out.getvalue()
 
 

@@ -18,6 +18,7 @@ from ddpjob_operator.api.group import Group
 from ddpjob_trainer.contract import INPLACE_MARKER_RE, MLFLOW_DEFAULT_EXPERIMENT, public_uri
 from ddpjob_operator.decisions.health import STALLED, STRAGGLER
 from ddpjob_operator.api.phases import Phase
+from ddpjob_operator.api.podinfo import meta
 from ddpjob_operator.decisions.progress import human_duration
 from ddpjob_operator.decisions.samples import RankSample
 from ddpjob_operator.api.spec import KIND, PLURAL, from_manifest
@@ -52,10 +53,6 @@ def table(headers: list[str], rows: Iterable[Row]) -> str:
     widths = [max([len(h)] + [len(r[i]) for r in rows if i < len(r)]) for i, h in enumerate(headers)]
     lines = ["   ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in [headers, *rows]]
     return "\n".join(lines) + "\n"
-
-
-def meta(obj: dict[str, Any]) -> dict[str, Any]:
-    return obj.get("metadata") or {}
 
 
 def status_of(job: dict[str, Any]) -> dict[str, Any]:
@@ -528,13 +525,8 @@ def prefixed(rank: int, line: str) -> str:
 
 def _status_body(body: Any) -> dict[str, Any]:
     """An API error's body as its Status dict ({} when it is none: a plain-text 404 page)."""
-    data: Any = body
-    if isinstance(body, (bytes, str)):
-        try:
-            data = json.loads(body)
-        except ValueError:
-            data = None
-    return data if isinstance(data, dict) and data.get("kind") == "Status" else {}
+    data = objmeta.error_body(body)
+    return data if data.get("kind") == "Status" else {}
 
 
 def missing_object(code: int | None, body: Any) -> bool:

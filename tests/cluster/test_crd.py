@@ -6,7 +6,7 @@ import json
 import pytest
 import yaml
 
-from ddpjob_operator.api.crd import crd_path
+from ddpjob_trainer.crdschema import crd_path
 from tests.cluster.conftest import wait_for
 from tests.support.cluster import wait_crd_established
 

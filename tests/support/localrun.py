@@ -11,6 +11,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator
 
+import psutil
 import yaml
 
 from ddpjob_cli import local
@@ -68,16 +69,12 @@ def free_ports(n: int, *, consecutive: bool = False) -> list[int]:
 def pids_with_env(entry: str, *, prefix: bool = False) -> list[int]:
     """Live processes whose environment holds `entry` (e.g. "DDPJOB_NAME=digits"), or an entry
     starting with it when `prefix`."""
-    needle = entry.encode()
+    key, _, value = entry.partition("=")
     pids = []
-    for pid in os.listdir("/proc"):
-        if pid.isdigit():
-            try:
-                entries = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-                if any(e.startswith(needle) if prefix else e == needle for e in entries):
-                    pids.append(int(pid))
-            except OSError:  # gone meanwhile, or not ours to read
-                continue
+    for p in psutil.process_iter(["environ"]):  # None where it is gone meanwhile or not ours to read
+        have = (p.info["environ"] or {}).get(key)
+        if have is not None and (have.startswith(value) if prefix else have == value):
+            pids.append(p.pid)
     return pids
 
 

@@ -227,9 +227,9 @@ class ConnectionWatch:
                     hits[e.inode] = e
         if not hits:
             return
-        from ddpjob_trainer.launch.procs import descendants
+        import psutil
 
-        ours = [self.root, *descendants(self.root)]
+        ours = [self.root, *(p.pid for p in psutil.Process(self.root).children(recursive=True))]
         owners = _socket_owners(set(hits), ours)
         self._judged.update(hits)
         with self._lock:

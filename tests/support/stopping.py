@@ -21,6 +21,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator
 
+import psutil
+
 from tests.support.localrun import pids_with_env
 
 MOMENTS = ("agents", "import", "step", "checkpoint")
@@ -53,30 +55,29 @@ def run_processes(marker: str) -> list[int]:
 
 def _zombie(pid: int) -> bool:
     try:
-        stat = Path(f"/proc/{pid}/stat").read_bytes()
-    except OSError:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
         return True
-    return stat[stat.rfind(b")") + 2:][:1] == b"Z"
 
 
-def _cmdline(pid: int) -> list[bytes]:
+def _cmdline(pid: int) -> list[str]:
     try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-    except OSError:
+        return psutil.Process(pid).cmdline()
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
         return []
 
 
 # torchrun's agent: `python -m ddpjob_trainer.agent` under the launcher, torch's own elsewhere.
-AGENT_MODULES = (b"torch.distributed.run", b"ddpjob_trainer.agent")
+AGENT_MODULES = ("torch.distributed.run", "ddpjob_trainer.agent")
 
 
-def is_agent(cmd: list[bytes]) -> bool:
+def is_agent(cmd: list[str]) -> bool:
     return any(m in cmd for m in AGENT_MODULES)
 
 
-def is_worker(cmd: list[bytes]) -> bool:
+def is_worker(cmd: list[str]) -> bool:
     """A training process of the built-in trainer (not its launcher, not torchrun's agent)."""
-    return b"ddpjob_trainer" in cmd and not is_agent(cmd) and b"ddpjob_trainer.launch" not in cmd
+    return "ddpjob_trainer" in cmd and not is_agent(cmd) and "ddpjob_trainer.launch" not in cmd
 
 
 def agents(marker: str) -> list[int]:
@@ -141,7 +142,7 @@ def wait_gone(marker: str, *, until: float) -> list[int]:
 
 
 def describe(pids: list[int]) -> list[str]:
-    return [f"{p}: {b' '.join(_cmdline(p))[:160].decode(errors='replace')}" for p in pids]
+    return [f"{p}: {' '.join(_cmdline(p))[:160]}" for p in pids]
 
 
 def kill_run(proc: subprocess.Popen, marker: str) -> None:
@@ -178,10 +179,10 @@ def first_child(pid: int, *, timeout: float = 30) -> int:
     deadline = time.monotonic() + timeout
     while True:
         try:
-            kids = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-        except OSError:
+            kids = psutil.Process(pid).children()
+        except psutil.NoSuchProcess:
             kids = []
         if kids:
-            return int(kids[0])
+            return kids[0].pid
         assert time.monotonic() < deadline, f"process {pid} started no child within {timeout:.0f}s"
         time.sleep(0.01)

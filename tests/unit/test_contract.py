@@ -83,7 +83,7 @@ def test_a_stage_outside_the_contract_is_refused_by_the_trainer():
 
 
 def test_the_result_the_trainer_writes_is_what_the_operator_reads_into_status():
-    from ddpjob_operator.api import crd
+    from ddpjob_trainer import crdschema as crd
     from ddpjob_operator.decisions.result import RESULT_FIELDS, parse_result
 
     written = {f.name for f in dataclasses.fields(contract.RunResult)}

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from ddpjob_operator.api import crd
+from ddpjob_trainer import crdschema as crd
 from ddpjob_operator.api.phases import Phase
 
 
@@ -67,9 +67,9 @@ def test_immutable_fields_have_transition_rules(doc, field):
 
 def test_crd_path_env_override(tmp_path, monkeypatch):
     monkeypatch.setenv(crd.CRD_ENV, str(tmp_path / "missing.yaml"))
-    with pytest.raises(crd.CRDNotFound, match="DDPJOB_CRD_PATH"):
+    with pytest.raises(FileNotFoundError, match="DDPJOB_CRD_PATH"):
         crd.crd_path()
     copy = tmp_path / "crd.yaml"
-    copy.write_text(crd.CRD_RELPATH.name)
+    copy.write_text(crd.CRD_FILE.name)
     monkeypatch.setenv(crd.CRD_ENV, str(copy))
     assert crd.crd_path() == copy

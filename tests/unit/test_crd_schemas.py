@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ddpjob_operator.api import crd
+from ddpjob_trainer import crdschema as crd
 
 ROOT = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("gen_crd_schemas", ROOT / "hack/gen-crd-schemas.py")
@@ -114,6 +114,13 @@ def test_generation_replaces_only_the_generated_fields(monkeypatch):
     assert doc["scheduling"]["properties"]["tolerations"]["description"] == "Kubernetes [core/v1 Inner list]"
     assert doc["after"] == {"type": "string"}
     assert gen.generate(out, SCHEMAS) == out                      # idempotent
+
+
+def test_a_change_outside_the_generated_fields_is_an_error(monkeypatch):
+    monkeypatch.setattr(gen, "FIELDS", {("env",): ("Outer", True)})
+    gen.same_outside_generated(CRD_TEXT, CRD_TEXT.replace("Extra env.", "Other env."))  # a generated field
+    with pytest.raises(gen.GenError, match="outside the generated ones"):
+        gen.same_outside_generated(CRD_TEXT, CRD_TEXT.replace("after: {type: string}", "after: {type: integer}"))
 
 
 def test_missing_field_is_an_error(monkeypatch):

@@ -1,11 +1,11 @@
-"""metav1.Time and resourceVersion, the one home every module reads them from."""
+"""metav1.Time, resourceVersion and API error bodies, the one home every module reads them from."""
 from __future__ import annotations
 
 import datetime as dt
 
 import pytest
 
-from ddpjob_operator.api.objmeta import format_time, parse_time, resource_version
+from ddpjob_operator.api.objmeta import error_body, format_time, parse_time, resource_version
 
 UTC = dt.timezone.utc
 
@@ -42,3 +42,14 @@ def test_a_written_time_reads_back():
                                      ({}, ""), (None, "")])
 def test_resource_version(obj, rv):
     assert resource_version(obj) == rv
+
+
+@pytest.mark.parametrize("body, data", [
+    ('{"kind": "Status", "message": "no"}', {"kind": "Status", "message": "no"}),
+    (b'{"kind": "Status", "reason": "Invalid"}', {"kind": "Status", "reason": "Invalid"}),
+    ({"message": "as given"}, {"message": "as given"}),
+    (b"404 page not found\xff", {"message": "404 page not found\ufffd"}),  # a plain page, not JSON
+    ("[1, 2]", {}), (None, {}),
+])
+def test_an_api_error_body_is_read_as_a_dict(body, data):
+    assert error_body(body) == data

@@ -100,7 +100,7 @@ def test_a_worker_failure_the_agent_exports_is_read_with_its_rank_and_time(tmp_p
 def test_every_metric_the_scraper_reads_is_one_a_rank_writes(tmp_path):
     """The scraper's names and the telemetry's are spelled in two modules: a rename on one side
     would leave a status field empty for good, with no error anywhere."""
-    from ddpjob_operator.decisions.samples import _GAUGES, PREFIX
+    from ddpjob_operator.decisions.samples import _GAUGES, METRIC_PREFIX as PREFIX
 
     text = exposition(tmp_path, [{"rank": 0, "steps": 2, "total": 4, "loss": 1.0, "acc": 0.5, "gpu": True}])
     written = {line.split("{")[0].split(" ")[0][len(PREFIX):] for line in text.splitlines()
@@ -122,11 +122,6 @@ def test_every_metric_the_scraper_reads_is_one_a_rank_writes(tmp_path):
 def test_parse_edge_cases(text, expected):
     got = parse_metrics(text)
     assert {r: (s.step, s.node_rank) for r, s in got.items()} == expected
-
-
-def test_mean_step_seconds():
-    assert RankSample(rank=0).mean_step_seconds is None
-    assert RankSample(rank=0, step_seconds_sum=3.0, step_seconds_count=6).mean_step_seconds == 0.5
 
 
 @pytest.mark.parametrize("lines,expected", [

@@ -10,7 +10,7 @@ from ddpjob_operator.api.group import Group
 from ddpjob_operator.decisions.lifecycle import decide
 from ddpjob_operator.api.phases import Phase
 from ddpjob_operator.app.children import refusal
-from ddpjob_operator.decisions.refusals import CreateRefusal
+from ddpjob_operator.decisions.status import CreateRefusal
 from ddpjob_operator.decisions.status import create_refused, job_status
 from tests.support.builders import NOW, ago, make_job, make_pod, running_status
 from tests.unit.test_status import cond

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from ddpjob_trainer.launch.master import wait_for_master
+from ddpjob_trainer.launch.node import wait_for_master
 from tests.support.stopping import first_child, pid1_prefix
 
 
@@ -72,10 +72,11 @@ def test_stop_tree_kills_a_tree_that_ignores_sigterm_across_sessions():
         inner = "import signal, subprocess, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); " \\
                 "subprocess.Popen([sys.executable, '-c', 'import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)'], start_new_session=True); time.sleep(600)"
         child = subprocess.Popen([sys.executable, "-c", inner], start_new_session=True)
-        from ddpjob_trainer.launch.procs import descendants
-        while len(descendants(os.getpid())) < 2:
+        import psutil
+        def descendants(): return [p.pid for p in psutil.Process().children(recursive=True)]
+        while len(descendants()) < 2:
             time.sleep(0.05)
-        tree = sorted(descendants(os.getpid()))
+        tree = sorted(descendants())
         left = stop_tree([child], grace=0.5)
         print(json.dumps({"tree": tree, "left": left, "rc": child.returncode}))
     """)
@@ -88,17 +89,19 @@ def test_stop_tree_kills_a_tree_that_ignores_sigterm_across_sessions():
 def test_orphans_reparented_to_the_subreaper_are_stopped_and_reaped():
     proc = _run_py("""
         import json, os, subprocess, sys, time
-        from ddpjob_trainer.launch.procs import become_subreaper, descendants, stop_tree
+        import psutil
+        from ddpjob_trainer.launch.procs import become_subreaper, stop_tree
+        def descendants(): return [p.pid for p in psutil.Process().children(recursive=True)]
         assert become_subreaper()
         # the middle process starts a grandchild and exits at once: the grandchild is orphaned
         subprocess.run([sys.executable, "-c", "import subprocess, sys; "
                         "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'], start_new_session=True)"])
         deadline = time.monotonic() + 30
-        while not descendants(os.getpid()) and time.monotonic() < deadline:
+        while not descendants() and time.monotonic() < deadline:
             time.sleep(0.05)
-        orphans = sorted(descendants(os.getpid()))
+        orphans = sorted(descendants())
         left = stop_tree([], grace=5)
-        print(json.dumps({"orphans": orphans, "left": left, "after": descendants(os.getpid())}))
+        print(json.dumps({"orphans": orphans, "left": left, "after": descendants()}))
     """)
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)

@@ -131,7 +131,7 @@ def test_check_manifest_raises_with_every_problem():
 
 def _crd_rules() -> list[dict]:
     """Every x-kubernetes-validations rule of the CRD the operator installs."""
-    from ddpjob_operator.api.crd import load_crd
+    from ddpjob_trainer.crdschema import load_crd
 
     out: list[dict] = []
 
@@ -247,7 +247,7 @@ def test_the_operators_fallbacks_are_the_crds_defaults(spec):
 def test_a_rule_added_to_the_crd_is_enforced_locally_with_no_python_change(tmp_path, monkeypatch):
     import yaml
 
-    from ddpjob_operator.api import crd as crd_mod
+    from ddpjob_trainer import crdschema as crd_mod
 
     doc = copy.deepcopy(crd_mod.load_crd())
     nodes = crd_mod.version_schema(doc)["properties"]["spec"]["properties"]["nodes"]
@@ -269,6 +269,9 @@ def test_a_missing_name_is_named_once():
 @pytest.mark.parametrize("change, problems", [
     # A null reaches no rule (the API server drops it), only the schema's type check.
     ({"nodes": None}, ["spec.nodes: None is not of type 'integer'"]),
+    # Nor does a value of the wrong type: its type error alone.
+    ({"nodes": "four"}, ["spec.nodes: 'four' is not of type 'integer'"]),
+    ({"trainer": {"numWorkers": True}}, ["spec.trainer.numWorkers: must be an integer or a string, got True"]),
     # An int-or-string node that also spells out anyOf [integer, string] says so once.
     ({"resources": {"limits": {"memory": 2.5}}}, ["spec.resources.limits.memory: must be an integer or a string, got 2.5"]),
     # One line per unknown key, as the API server names them.
@@ -278,7 +281,16 @@ def test_each_problem_is_said_once(change, problems):
     assert validate_manifest(with_spec(**change)) == problems
 
 
-def test_a_rule_that_cannot_be_evaluated_says_why():
-    problems = validate_manifest(with_spec(nodes="four"))
-    assert problems[0] == "spec.nodes: 'four' is not of type 'integer'"
-    assert problems[1].startswith("spec.nodes must be >= 1 (the rule could not be evaluated: "), problems
+def test_a_rule_that_cannot_be_evaluated_says_why(tmp_path, monkeypatch):
+    import yaml
+
+    from ddpjob_trainer import crdschema as crd_mod
+
+    doc = copy.deepcopy(crd_mod.load_crd())
+    nodes = crd_mod.version_schema(doc)["properties"]["spec"]["properties"]["nodes"]
+    nodes["x-kubernetes-validations"] = [{"rule": "self / 0 == 1", "message": "spec.nodes must divide"}]
+    path = tmp_path / "crd.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    monkeypatch.setenv(crd_mod.CRD_ENV, str(path))
+    (problem,) = validate_manifest(with_spec(nodes=2))
+    assert problem.startswith("spec.nodes must divide (the rule could not be evaluated: "), problem

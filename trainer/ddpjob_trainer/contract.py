@@ -28,6 +28,7 @@ ENV_JOB_UID = "DDPJOB_UID"                # the DDPJob's metadata.uid; locally, 
 ENV_ATTEMPT = "DDPJOB_ATTEMPT"            # the group attempt: 0, then +1 per restart
 ENV_IMAGE = "DDPJOB_IMAGE"                # spec.image (the MLflow run's tag ddpjob.image)
 ENV_POD_METRICS_PORT = "DDPJOB_METRICS_PORT"  # the pod's metrics endpoint (not the operator's own)
+DEFAULT_MASTER_PORT = 29500  # MASTER_PORT when the operator set none (spec.masterPort's default; torch's)
 ENV_TRAINER_CONFIG = "DDPJOB_TRAINER_CONFIG"  # spec.trainer as JSON (built-in trainer only)
 ENV_CPUS = "DDPJOB_CPUS"                  # the pod's CPU request, via the downward API
 ENV_LOCAL = "DDPJOB_LOCAL"                # "1" under `ddpjob run --local`
@@ -72,7 +73,9 @@ ENV_TORCH_NO_SHARED_RDZV_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 POD_TERMINATION_GRACE_DEFAULT = 30
 # The launcher's grace where nothing sets ENV_STOP_GRACE (a local run, a launcher run by hand).
 STOP_GRACE_DEFAULT = 5.0
-# After its own SIGKILL the launcher waits this long for the killed processes to vanish.
+# After its own SIGKILL the launcher waits this long for the killed processes to vanish before
+# giving up on them (one stuck in uninterruptible kernel sleep cannot be reaped; waiting longer
+# would only hang the launcher).
 LAUNCHER_KILL_WAIT = 5.0
 # The part of a pod's grace period the launcher keeps for itself after that SIGKILL (its kill wait,
 # then its termination message and exit), so that the kubelet never has to SIGKILL the pod.

@@ -1,8 +1,9 @@
-"""Kubernetes' own vocabulary, written once: an object's resourceVersion and owner, and metav1.Time
-(RFC 3339 in UTC, whole seconds, a trailing Z) in both directions."""
+"""Kubernetes' own vocabulary, written once: an object's resourceVersion and owner, an API error's
+Status body, and metav1.Time (RFC 3339 in UTC, whole seconds, a trailing Z) in both directions."""
 from __future__ import annotations
 
 import datetime as dt
+import json
 from typing import Any, overload
 
 
@@ -14,6 +15,19 @@ def owned_by(pod: dict[str, Any], uid: str) -> bool:
 def resource_version(obj: dict[str, Any] | None) -> str:
     """metadata.resourceVersion, "" when there is none (an object not read from the API server)."""
     return str(((obj or {}).get("metadata") or {}).get("resourceVersion") or "")
+
+
+def error_body(body: Any) -> dict[str, Any]:
+    """An API error's body (JSON text, bytes or a dict) as a dict: the Status the API server sent,
+    {"message": text} for a body that is no JSON (a proxy's page), {} for anything else."""
+    if isinstance(body, bytes):
+        body = body.decode(errors="replace")
+    if isinstance(body, str):
+        try:
+            body = json.loads(body)
+        except ValueError:
+            return {"message": body}
+    return body if isinstance(body, dict) else {}
 
 
 @overload

@@ -5,13 +5,14 @@ import copy
 from dataclasses import dataclass, field
 from typing import Any
 
+from ddpjob_trainer import contract
+
 GROUP = "ddpjob.dev"
 VERSION = "v1alpha1"
 KIND = "DDPJob"
 PLURAL = "ddpjobs"
 API_VERSION = f"{GROUP}/{VERSION}"
 
-DEFAULT_MASTER_PORT = 29500
 DEFAULT_METRICS_PORT = 9400
 DEFAULT_KEEP_FAILED_ATTEMPTS = 1
 
@@ -127,14 +128,12 @@ class JobSpec:
     @property
     def pod_start_timeout(self) -> int | None:
         """Seconds a container may stay in a start error before the job fails (None = keep waiting)."""
-        val = (self.spec.get("failurePolicy") or {}).get("podStartTimeoutSeconds")
-        return None if val is None else int(val)
+        return _int_or_none((self.spec.get("failurePolicy") or {}).get("podStartTimeoutSeconds"))
 
     @property
     def hang_timeout_seconds(self) -> int | None:
         """spec.hangTimeoutSeconds (None = derived by the monitor)."""
-        val = self.spec.get("hangTimeoutSeconds")
-        return None if val is None else int(val)
+        return _int_or_none(self.spec.get("hangTimeoutSeconds"))
 
     @property
     def clean_pod_policy(self) -> str:
@@ -144,19 +143,21 @@ class JobSpec:
     @property
     def active_deadline_seconds(self) -> int | None:
         """Seconds from start after which the job fails (None = no deadline)."""
-        val = self.spec.get("activeDeadlineSeconds")
-        return None if val is None else int(val)
+        return _int_or_none(self.spec.get("activeDeadlineSeconds"))
 
     @property
     def ttl_seconds_after_finished(self) -> int | None:
         """Seconds after completion before the DDPJob is deleted (None = keep)."""
-        val = self.spec.get("ttlSecondsAfterFinished")
-        return None if val is None else int(val)
+        return _int_or_none(self.spec.get("ttlSecondsAfterFinished"))
 
     @property
     def generation(self) -> int:
         """metadata.generation (0 when unknown)."""
         return int((self.raw.get("metadata") or {}).get("generation") or 0)
+
+
+def _int_or_none(value: Any) -> int | None:
+    return None if value is None else int(value)
 
 
 def resolve_nproc(nproc: Any, gpus_per_node: int) -> int:
@@ -185,7 +186,7 @@ def from_manifest(obj: dict[str, Any]) -> JobSpec:
         args=list(spec["args"]) if spec.get("args") else None,
         trainer=dict(spec.get("trainer") or {}),
         env=list(spec.get("env") or []),
-        master_port=int(spec.get("masterPort", DEFAULT_MASTER_PORT)),
+        master_port=int(spec.get("masterPort", contract.DEFAULT_MASTER_PORT)),
         metrics_port=int(spec.get("metricsPort", DEFAULT_METRICS_PORT)),
         nccl=dict(spec.get("nccl") or {}),
         max_restarts=int(failure.get("maxRestarts", 3)),

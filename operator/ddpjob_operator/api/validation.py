@@ -1,6 +1,6 @@
 """Validate a DDPJob dict the way the API server would: the CRD's schema plus its CEL rules.
 
-The schema is read from the CRD file (crd.py) and checked by the CRD's evaluator, which the trainer
+The schema is read from the CRD file and checked by the CRD's evaluator, which the trainer
 checks `spec.trainer` with too (ddpjob_trainer.crdschema: Kubernetes' keywords on jsonschema); the
 CRD's CEL rules (x-kubernetes-validations) are evaluated as written, by a CEL library, because
 `ddpjob run --local` has no API server to evaluate them. The CRD stays their one home: a rule added
@@ -13,13 +13,12 @@ from typing import Any
 
 import jsonschema
 
-from ddpjob_operator.api import crd as crd_mod
 from ddpjob_operator.api.spec import API_VERSION, KIND
 from ddpjob_trainer import crdschema
 
 
 def _schema() -> dict[str, Any]:
-    return crd_mod.version_schema(crd_mod.load_crd())
+    return crdschema.version_schema()
 
 
 def _defaults(schema: dict, value: Any) -> Any:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import logging
 import os
 from typing import Any, Callable, Sequence
@@ -20,7 +19,7 @@ from kubernetes.client.rest import ApiException
 
 from ddpjob_operator.api import podinfo
 from ddpjob_operator.api.config import OperatorConfig
-from ddpjob_operator.api.objmeta import owned_by
+from ddpjob_operator.api.objmeta import error_body, owned_by
 from ddpjob_operator.app.operator_metrics import OperatorMetrics
 from ddpjob_operator.builders import gang
 from ddpjob_operator.builders.pods import render_pod
@@ -28,7 +27,7 @@ from ddpjob_operator.builders.service import render_service
 from ddpjob_operator.cluster.cache import Store
 from ddpjob_operator.cluster.k8s import K8s
 from ddpjob_operator.decisions.lifecycle import Decision
-from ddpjob_operator.decisions.refusals import NAME_CONFLICT, CreateRefusal
+from ddpjob_operator.decisions.status import NAME_CONFLICT, CreateRefusal
 
 log = logging.getLogger("ddpjob.controller")
 # Test knob: seconds to wait between pod creations (lets a test kill the operator mid-creation).
@@ -43,13 +42,7 @@ def refusal(pod: str, code: int | None, body: Any) -> CreateRefusal | None:
     409 (the pod exists), 429 and 5xx are the pass's to retry."""
     if code is None or not 400 <= code < 500 or code in (409, 429):
         return None
-    data: Any = body
-    if isinstance(body, (str, bytes)):
-        try:
-            data = json.loads(body)
-        except ValueError:
-            data = {"message": body.decode(errors="replace") if isinstance(body, bytes) else body}
-    data = data if isinstance(data, dict) else {}
+    data = error_body(body)
     message = " ".join(str(data.get("message") or f"HTTP {code}").split())
     return CreateRefusal(pod=pod, code=int(code), reason=str(data.get("reason") or code), message=message[:1000])
 

@@ -194,7 +194,7 @@ class Reconciler:
         if self.monitor is None or obj is None or (obj.get("status") or {}).get("phase") != Phase.RUNNING.value:
             return False
         uid = (obj.get("metadata") or {}).get("uid") or ""
-        report = await self._observe(obj, [p for p in self.pods.by_index(namespace, name) if owned_by(p, uid)])
+        report = await self._observe(obj, self._pods(namespace, name, uid))
         if report is None:
             return False
         every = self._scrape_every.get(key, 1)
@@ -212,6 +212,10 @@ class Reconciler:
                                  progress_due=since >= self.progress_interval)
 
     # -- one pass ------------------------------------------------------------------------
+    def _pods(self, namespace: str, name: str, uid: str) -> list[dict[str, Any]]:
+        """The cached pods of the job with this uid (not those of an earlier job of the same name)."""
+        return [p for p in self.pods.by_index(namespace, name) if owned_by(p, uid)]
+
     async def _observe(self, obj: dict[str, Any], pods: list[dict[str, Any]]) -> MonitorReport | None:
         try:
             return await asyncio.wait_for(self.monitor.observe(obj, pods), MONITOR_TIMEOUT)
@@ -238,8 +242,7 @@ class Reconciler:
         job = from_manifest(obj)  # built again only when a conflict brings a newer object
         podgroup = await self._read_podgroup(job, namespace, name)
         for _ in range(WRITE_ATTEMPTS):
-            group = Group.of((p for p in self.pods.by_index(namespace, name) if owned_by(p, job.uid)),
-                             departed=self._departed.get(key, {}).values())
+            group = Group.of(self._pods(namespace, name, job.uid), departed=self._departed.get(key, {}).values())
             prev = dict(obj.get("status") or {})
             now = dt.datetime.now(dt.timezone.utc)
             decision = decide(job, group, now=now, prev_status=prev, config=self.config,
@@ -321,7 +324,7 @@ class Reconciler:
         if api is None or Phase.parse((job.raw.get("status") or {}).get("phase")) in (Phase.SUCCEEDED, Phase.FAILED):
             return None
         # A failed attempt's kept pods (ended, bound) are no part of the gang being placed.
-        pods = [p for p in self.pods.by_index(namespace, name) if owned_by(p, job.uid) and not podinfo.ended(p)]
+        pods = [p for p in self._pods(namespace, name, job.uid) if not podinfo.ended(p)]
         bound = sum(1 for p in pods if (p.get("spec") or {}).get("nodeName"))
         if bound == len(pods) or bound >= gang.min_member(job):  # no pods yet, or the gang is placed
             return None

@@ -40,7 +40,6 @@ _NO_STRAGGLER = ("NoStraggler", "every rank keeps pace with the median")
 class _JobState:
     tracker: health.HealthTracker
     prev: tuple[float, dict[int, RankSample]] | None = None
-    last_progress: dict | None = None
     failing: set[str] = field(default_factory=set)
     attempt: int | None = None
 
@@ -216,8 +215,6 @@ class Monitor:
             st.prev = (now, samples)
             for f in st.tracker.update(samples, now):
                 events.append(_event(f))
-            if prog:
-                st.last_progress = prog
         elif skipped:
             prog = {"unavailable": SIMULATED_UNAVAILABLE.format(n=skipped)}
         # Nothing scraped yet (e.g. endpoints unreachable): claim no health either way, so jobs whose

@@ -16,31 +16,16 @@ from ddpjob_trainer.contract import (CHECKPOINT_SECONDS, COMPUTE_SECONDS, DATA_W
                                     STEP_SECONDS, STEP_STARTED, TOTAL_STEPS, WORKER_FAILURE)
 from prometheus_client.parser import text_string_to_metric_families
 
-PREFIX = METRIC_PREFIX
-
-# metric name (without prefix, as the parser reports the sample) -> RankSample attribute
+# metric name (without prefix, as the parser reports the sample) -> RankSample attribute: the
+# metric's own name (a counter's with _total, a histogram's with _sum and _count), but for times.
 _GAUGES = {
-    STEP: "step",
-    EPOCH: "epoch",
-    TOTAL_STEPS: "total_steps",
-    LOSS: "loss",
-    SAMPLES + "_total": "samples_total",
-    DATA_WAIT_SECONDS + "_total": "data_wait_seconds_total",
+    **{name: name for name in (STEP, EPOCH, TOTAL_STEPS, LOSS, STEP_STARTED, EVAL_ACCURACY, EVAL_LOSS,
+                               CHECKPOINT_SECONDS, RESTART_COUNT, GPU_MEMORY_ALLOCATED, GPU_MEMORY_MAX_ALLOCATED,
+                               RESUMED_FROM_STEP, SAMPLES + "_total", DATA_WAIT_SECONDS + "_total")},
+    **{name + end: name + end for name in (STEP_SECONDS, COMPUTE_SECONDS) for end in ("_sum", "_count")},
     LAST_STEP_TIMESTAMP: "last_step_timestamp",
-    STEP_STARTED: "step_started",
-    EVAL_ACCURACY: "eval_accuracy",
-    EVAL_LOSS: "eval_loss",
-    CHECKPOINT_SECONDS: "checkpoint_seconds",
-    RESTART_COUNT: "restart_count",
-    STEP_SECONDS + "_sum": "step_seconds_sum",
-    STEP_SECONDS + "_count": "step_seconds_count",
-    COMPUTE_SECONDS + "_sum": "compute_seconds_sum",
-    COMPUTE_SECONDS + "_count": "compute_seconds_count",
-    GPU_MEMORY_ALLOCATED: "gpu_memory_allocated_bytes",
-    GPU_MEMORY_MAX_ALLOCATED: "gpu_memory_max_allocated_bytes",
     STAGE_START_TIMESTAMP: "stage_started_at",
     FIRST_STEP_TIMESTAMP: "first_step_timestamp",
-    RESUMED_FROM_STEP: "resumed_from_step",
 }
 # `stage{stage=S} 1` names a rank's stage; a name not in STAGES is dropped, so a pod cannot put
 # text of its choosing into a condition message.
@@ -103,13 +88,6 @@ class RankSample:
     pod: str | None = None       # filled in by the scraper, not the exposition
     node: str | None = None
 
-    @property
-    def mean_step_seconds(self) -> float | None:
-        """Mean step wall time since the process started."""
-        if self.step_seconds_count > 0:
-            return self.step_seconds_sum / self.step_seconds_count
-        return None
-
 
 # The attributes read as integers (the rest are floats), as RankSample declares them.
 _INTS = {f.name for f in fields(RankSample) if str(f.type).startswith("int")}
@@ -126,10 +104,10 @@ def parse_metrics(text: str) -> dict[int, RankSample]:
     """Prometheus text exposition -> {global rank: RankSample}; non-trainer metrics are ignored."""
     out: dict[int, RankSample] = {}
     for family in text_string_to_metric_families(text):
-        if not family.name.startswith(PREFIX):
+        if not family.name.startswith(METRIC_PREFIX):
             continue
         for s in family.samples:
-            short = s.name[len(PREFIX):]
+            short = s.name[len(METRIC_PREFIX):]
             attr = _GAUGES.get(short)
             mlflow = (short == MLFLOW_RUN_INFO and s.value == 1
                       and all(_MLFLOW_ID.match(s.labels.get(k) or "") for k in ("run_id", "experiment_id")))

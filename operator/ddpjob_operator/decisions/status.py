@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import datetime as dt
+from dataclasses import dataclass
 from typing import Any
 
 from ddpjob_trainer import contract
@@ -19,13 +20,36 @@ from ddpjob_operator.api.objmeta import format_time
 from ddpjob_operator.api.phases import Cond, Phase
 from ddpjob_operator.builders.pods import explain_pod_error
 from ddpjob_operator.decisions.redact import redact
-from ddpjob_operator.decisions.refusals import CreateRefusal
 from ddpjob_operator.decisions.result import run_result
 from ddpjob_operator.decisions.samples import MonitorReport
 from ddpjob_operator.api.spec import JobSpec
 
 Event = tuple[str, str, str]  # (Normal|Warning, reason, message)
 
+
+# API status codes of a create the API server refused for good: the pod spec itself is invalid
+# (schema, admission). Anything else in 4xx (quota, PodSecurity, a namespace being deleted) may
+# clear without a spec change: the job waits and the operator retries.
+PERMANENT_REFUSALS = frozenset({400, 422})
+# A pod name already taken by an object this job does not own: retried, as its owner may delete it.
+NAME_CONFLICT = "NameConflict"
+
+
+@dataclass(frozen=True)
+class CreateRefusal:
+    """One pod create the API server answered with a 4xx (other than 409 AlreadyExists / 429), as
+    app/children.py found it at the create; create_refused renders it."""
+
+    pod: str           # the object's name (a pod's, or the job's Service's when kind is "service")
+    code: int
+    reason: str        # the API Status reason: Invalid, Forbidden, BadRequest, ...
+    message: str       # the API's own message (names the field)
+    kind: str = "pod"
+
+    @property
+    def permanent(self) -> bool:
+        """True when only a different spec could be created."""
+        return self.code in PERMANENT_REFUSALS
 
 
 def set_condition(conditions: list[dict[str, Any]], *, type: str, status: bool, reason: str, message: str,

@@ -46,12 +46,12 @@ import xxhash
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystem
 
-from ddpjob_trainer.errors import ConfigError
-from ddpjob_trainer.reporting import NullReporter
-from ddpjob_trainer.checkpointing.parallel import run_each, split_by_size
-from ddpjob_trainer.checkpointing.storage import (INDEX, RawReader, RawWriter, build_state, item_nbytes, load_indexed, path_key, read_index,
+from ..errors import ConfigError
+from ..reporting import NullReporter
+from .parallel import run_each, split_by_size
+from .storage import (INDEX, RawReader, RawWriter, build_state, item_nbytes, load_indexed, path_key, read_index,
                       read_items)
-from ddpjob_trainer.torchapi import load_dcp_state
+from ..torchapi import load_dcp_state
 
 # A single process saves without a group on purpose; DCP would warn about it at every save.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized",

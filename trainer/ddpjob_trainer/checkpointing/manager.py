@@ -11,15 +11,15 @@ from typing import Any, Callable
 
 import torch
 
-from ddpjob_trainer import rng
-from ddpjob_trainer.checkpointing.checkpoint import Checkpointer, check_resumable, optimizer_state, step_dir_name
-from ddpjob_trainer.checkpointing.snapshot import Snapshots, agreed_step, snapshot_root
-from ddpjob_trainer.collectives import Collectives
-from ddpjob_trainer.config import TrainerConfig
-from ddpjob_trainer.dist import DistContext
-from ddpjob_trainer.reporting import NullReporter
-from ddpjob_trainer.shared_dir import check_shared_dir
-from ddpjob_trainer.telemetry import Telemetry
+from .. import rng
+from ..collectives import Collectives
+from ..config import TrainerConfig
+from ..dist import DistContext
+from ..reporting import NullReporter
+from ..shared_dir import check_shared_dir
+from ..telemetry import Telemetry
+from .checkpoint import Checkpointer, check_resumable, optimizer_state, step_dir_name
+from .snapshot import Snapshots, agreed_step, snapshot_root
 
 
 @dataclass

@@ -25,8 +25,8 @@ from typing import Any, Callable
 
 import torch
 
-from ddpjob_trainer import contract
-from ddpjob_trainer.checkpointing.checkpoint import _Stager
+from .. import contract
+from .checkpoint import _Stager
 
 KEEP = contract.SNAPSHOTS_KEPT
 _FILE = re.compile(r"^rank-(\d+)-step-(\d{8})\.pt$")

@@ -36,8 +36,8 @@ from torch.distributed.checkpoint.planner import (LoadItemType, LoadPlan, LoadPl
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from ddpjob_trainer.checkpointing.parallel import run_each, split_by_size
-from ddpjob_trainer.torchapi import StorageInfo
+from .parallel import run_each, split_by_size
+from ..torchapi import StorageInfo
 
 RAW = "raw-tensor-bytes@ddpjob.dev/1"
 INDEX = "INDEX.json"

@@ -2,7 +2,7 @@
 
 What Kubeflow users otherwise bolt on with init containers, done in-process:
 1. non-zero node ranks wait (with a deadline) until the master's DNS name resolves and
-   its port accepts, so a worker never dies because pod 0 is a second late (master.py);
+   its port accepts, so a worker never dies because pod 0 is a second late;
 2. one Prometheus endpoint per pod serves every local rank (a shared multiprocess dir);
 3. CMD (default: `torchrun -m ddpjob_trainer`, configured by the PET_* env) runs; the exit code
    is 78 when any rank failed on bad configuration (preflight.py checks the built-in trainer's

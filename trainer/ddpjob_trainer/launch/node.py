@@ -10,17 +10,18 @@ import os
 import subprocess
 import sys
 import shutil
+import socket
 import tempfile
 import time
+from typing import Callable, cast
 
 from .. import contract
 from ..errors import EXIT_BAD_CONFIG, EXIT_TRAINING_FAILED, ConfigError
 from ..tracking import SYSTEM_METRICS_END_SECONDS
 from . import runs
-from .master import wait_for_master
 from .procs import become_subreaper, die_with_parent, end_child, stop_tree
 from .report import failure_message, rank_messages, recorded_error, report_result, say, write_termination
-from .signals import DEFAULT_STOP_GRACE, Stop, StopSignals, stop_grace_from_env
+from .signals import Stop, StopSignals, stop_grace_from_env
 
 # A sitecustomize that frees a run's process group before interpreter finalization (why: its
 # docstring); first on every child's PYTHONPATH.
@@ -56,6 +57,33 @@ def counted(cmd: list[str]) -> list[str]:
     else:
         return cmd
     return [*AGENT, *args] if importlib.util.find_spec("torch") is not None else cmd
+
+
+# A node other than 0 waits for the master (pod 0, the c10d rendezvous's host) before torchrun.
+def wait_for_master(addr: str, port: int, *, timeout: float, interval: float = 1.0,
+                    check_stop: Callable[[], None] = lambda: None) -> None:
+    """Block until addr resolves and addr:port accepts TCP, or raise TimeoutError saying which failed.
+    `check_stop` runs between tries (StopSignals.raise_if_stopped: a stop that was lost is seen)."""
+    deadline = time.monotonic() + timeout
+    last = "not tried"
+    resolved = False
+    while True:
+        try:
+            infos = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)
+            resolved = True
+            sockaddr = cast("tuple[str, int]", infos[0][4][:2])  # an AF_INET(6) address: host, port
+            with socket.create_connection(sockaddr, timeout=min(5.0, interval * 5)):
+                return
+        except socket.gaierror as exc:
+            last = f"DNS name {addr} does not resolve ({exc.strerror})"
+        except OSError as exc:
+            last = f"{addr}:{port} refuses connections ({exc.strerror or exc})"
+        if time.monotonic() >= deadline:
+            what = "port" if resolved else "DNS name"
+            raise TimeoutError(f"master {addr}:{port} not reachable after {timeout:.0f}s "
+                               f"(waiting for its {what}): {last}")
+        check_stop()
+        time.sleep(interval)
 
 
 class _Node:
@@ -133,7 +161,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                    help="serve this pod's metrics here (0: don't)")
     p.add_argument("--stop-grace", type=float, default=None,
                    help="on SIGTERM/SIGINT, seconds every process of the node gets before SIGKILL "
-                        f"(default: {contract.ENV_STOP_GRACE} or {DEFAULT_STOP_GRACE:g})")
+                        f"(default: {contract.ENV_STOP_GRACE} or {contract.STOP_GRACE_DEFAULT:g})")
     p.add_argument("cmd", nargs=argparse.REMAINDER)
     args = p.parse_args(argv)
     if args.stop_grace is None:
@@ -179,7 +207,7 @@ def _launch(args: argparse.Namespace, node: _Node, signals: StopSignals) -> int:
     env[contract.ENV_STOP_GRACE] = f"{args.stop_grace:g}"
     env.setdefault(contract.ENV_TORCHRUN_SHUTDOWN_TIMEOUT, str(math.ceil(args.stop_grace)))
     node_rank = int(env.get("NODE_RANK", "0"))
-    addr, port = env.get("MASTER_ADDR"), int(env.get("MASTER_PORT", "29500"))
+    addr, port = env.get("MASTER_ADDR"), int(env.get("MASTER_PORT", contract.DEFAULT_MASTER_PORT))
     node.scratch = tempfile.mkdtemp(prefix="ddpjob-")
     metrics_dir = env.setdefault(contract.ENV_METRICS_DIR, os.path.join(node.scratch, "metrics"))
     status_dir = env.setdefault(contract.ENV_STATUS_DIR, os.path.join(node.scratch, "status"))

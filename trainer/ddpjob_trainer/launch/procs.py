@@ -13,9 +13,6 @@ import psutil
 
 from .. import contract
 
-# After SIGKILL, how long to wait for processes to vanish before giving up on them (one stuck
-# in uninterruptible kernel sleep cannot be reaped; waiting longer would only hang the caller).
-KILL_WAIT = contract.LAUNCHER_KILL_WAIT
 _PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
 
@@ -56,11 +53,6 @@ def _below(root: int) -> list[psutil.Process]:
         return psutil.Process(root).children(recursive=True)
     except psutil.NoSuchProcess:
         return []
-
-
-def descendants(root: int) -> list[int]:
-    """The pids of every process below `root` (children, grandchildren, ..., zombies included)."""
-    return [p.pid for p in _below(root)]
 
 
 def _signal_all(pids, groups, sig: int) -> None:
@@ -106,7 +98,7 @@ def _live_below(me: int, keep: set[int], owned: Callable[[int], bool] | None) ->
 
 
 def stop_tree(children: Sequence[subprocess.Popen], *, grace: float, hurry: Callable[[], bool] = lambda: False,
-              owned: Callable[[int], bool] | None = None, kill_wait: float = KILL_WAIT) -> list[int]:
+              owned: Callable[[int], bool] | None = None, kill_wait: float = contract.LAUNCHER_KILL_WAIT) -> list[int]:
     """Stop every process below this one: SIGTERM, up to `grace` seconds to exit, then SIGKILL.
 
     `children` are this process's Popen children, each the leader of its own session: their
@@ -155,6 +147,6 @@ def end_child(child: subprocess.Popen, *, seconds: float) -> None:
         except subprocess.TimeoutExpired:
             os.killpg(child.pid, signal.SIGKILL)
             try:
-                child.wait(timeout=KILL_WAIT)
+                child.wait(timeout=contract.LAUNCHER_KILL_WAIT)
             except subprocess.TimeoutExpired:
                 pass

@@ -9,7 +9,6 @@ from .. import contract
 from ..errors import ConfigError
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
-DEFAULT_STOP_GRACE = contract.STOP_GRACE_DEFAULT
 
 
 class Stop(BaseException):
@@ -66,7 +65,7 @@ def stop_grace_from_env(env=os.environ) -> float:
     terminationGracePeriodSeconds): seconds between SIGTERM and SIGKILL on a stop."""
     raw = env.get(contract.ENV_STOP_GRACE, "")
     try:
-        value = float(raw) if raw else DEFAULT_STOP_GRACE
+        value = float(raw) if raw else contract.STOP_GRACE_DEFAULT
     except ValueError:
         raise ConfigError(f"{contract.ENV_STOP_GRACE}: not a number of seconds: {raw!r}") from None
     if value < 0:
