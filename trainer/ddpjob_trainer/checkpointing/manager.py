@@ -141,8 +141,8 @@ class CheckpointManager:
                 return None
             st = self._restore({**loaded.common, **(loaded.rank_state or {})}, loaded.path, str(loaded.path))
         if snaps is not None:
-            # Snapshots past the resumed step belong to steps this run takes again, at another world
-            # size on other data: one of them must never meet a rank's copy of the new step.
+            # Snapshots past the resumed step are of steps this run takes again (after a resize, on
+            # other data): an old copy must never be agreed on with a rank's copy of the new step.
             snaps.discard_after(st.step)
         return st
 
