@@ -92,18 +92,18 @@ def test_a_deleted_training_pod_is_gone_within_seconds(real_cluster, moment):
         if moment != "training":
             return
         log, _ = follow.communicate(timeout=60)  # ends with the container
-        saved = re.search(r"stop requested \(SIGTERM\): saving a checkpoint at step (\d+) \(epoch 1, batch (\d+)\)", log)
+        saved = re.search(r"stop requested \(SIGTERM\): saving a checkpoint at step (\d+) \(epoch 1, sample (\d+)\)", log)
         assert saved, log[-3000:]
-        step, batch = int(saved.group(1)), int(saved.group(2))
+        step, sample = int(saved.group(1)), int(saved.group(2))
         epoch_end = complete_checkpoints(volume)[0]
-        assert step > epoch_end and batch > 0, (epoch_end, step, batch)
+        assert step > epoch_end and sample > 0, (epoch_end, step, sample)
         assert complete_checkpoints(volume) == [epoch_end, step], log[-3000:]
 
         # The next attempt (what the operator's group restart creates) resumes from that step.
         again = training_pod(ns, name, volume=str(volume), attempt=1)
         pod = again["metadata"]["name"]   # an attempt's own pod name (keepFailedAttempts keeps the last)
         real_cluster.kubectl("apply", "-n", ns, "-f", "-", input=yaml.safe_dump(again))
-        resumed = f"resumed from {CKPT}/step-{step:08d} at step {step} (epoch 1, batch {batch})"
+        resumed = f"resumed from {CKPT}/step-{step:08d} at step {step} (epoch 1, sample {sample} of "
         wait_for(lambda: resumed in real_cluster.kubectl("logs", "-n", ns, pod, check=False).stdout,
                  timeout=300, desc=f"{resumed!r} in the log of {pod}, attempt 1", interval=1)
     finally:

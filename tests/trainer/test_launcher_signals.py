@@ -136,13 +136,14 @@ def test_a_stopped_pod_saves_a_checkpoint_mid_epoch(tmp_path):
         kill_run(proc, marker)
     log = (tmp_path / "pod.log").read_text(errors="replace")
     assert proc.returncode == 143, log[-3000:]
-    saved = re.search(r"stop requested \(SIGTERM\): saving a checkpoint at step (\d+) \(epoch 1, batch (\d+)\)", log)
+    saved = re.search(r"stop requested \(SIGTERM\): saving a checkpoint at step (\d+) \(epoch 1, sample (\d+)\)", log)
     assert saved, log[-3000:]
-    step, batch = int(saved.group(1)), int(saved.group(2))
-    assert step > epoch_end and 0 < batch < epoch_end, (epoch_end, step, batch)  # mid-epoch 1
+    step, sample = int(saved.group(1)), int(saved.group(2))
+    # Mid-epoch 1: each step of epoch 1 took 2 ranks x 8 samples off the front of its order.
+    assert step > epoch_end and sample == (step - epoch_end) * 16 < 1438, (epoch_end, step, sample)
     assert complete_checkpoints(ckpt) == [epoch_end, step], log[-3000:]
     assert f"checkpoint {ckpt}/step-{step:08d} saved in" in log
     path = ckpt / f"step-{step:08d}"
     assert verify(path) is None
     state = load_shared_state(path)
-    assert (state["step"], state["epoch"], state["micro_done"]) == (step, 1, batch)
+    assert (state["step"], state["epoch"], state["samples_done"]) == (step, 1, sample)

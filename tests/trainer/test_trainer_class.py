@@ -33,7 +33,7 @@ SCRIPT = textwrap.dedent("""
         t = Smoothed(cfg, ctx, log=NullReporter(), telemetry=Telemetry.from_env(enabled=False))
         t.sampler.set_epoch(0, start=0)
         out = t.train_step(iter(t.loader))
-        first = {"step": t.state.step, "micro_done": t.state.micro_done, "samples": out.samples,
+        first = {"step": t.state.step, "samples_done": t.state.samples_done, "samples": out.samples,
                  "loss_is_tensor": isinstance(out.loss_sum, torch.Tensor), "calls": Smoothed.calls}
         result = t.fit()
     print(json.dumps({"first": first, "calls": Smoothed.calls, "steps": result.steps,
@@ -50,7 +50,7 @@ def test_a_subclass_changes_the_loss_and_fit_continues_after_a_manual_step(tmp_p
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     # One step = gradAccumSteps micro-batches, each through the subclass's loss.
-    assert got["first"] == {"step": 1, "micro_done": 2, "samples": 128, "loss_is_tensor": True, "calls": 2}
+    assert got["first"] == {"step": 1, "samples_done": 128, "samples": 128, "loss_is_tensor": True, "calls": 2}
     assert got["steps"] == got["total_steps"] > 1
     micro_batches = -(-1438 // 64)  # digits' 1438 training samples at 64 per batch, one epoch
     assert got["calls"] == micro_batches

@@ -1,6 +1,8 @@
-"""Exactness across ranks under real torchrun/gloo: BatchNorm eval, resume with workers, refused resumes."""
+"""Exactness across ranks under real torchrun/gloo: BatchNorm eval, resume with workers, resume at
+another world size."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -78,21 +80,45 @@ def test_resume_at_world_size_2_with_workers_and_augmentation_is_bit_exact(tmp_p
     assert writers == {"0", "1"}
 
 
-def test_resume_at_another_world_size_or_batch_size_is_refused_with_exit_78(tmp_path):
-    # The local runner puts a relative checkpoint dir under its workdir; the single-process runs
-    # below use that same directory.
-    base = {"dataset": "digits", "model": "mlp", "epochs": 1, "batchSize": 32, "maxSteps": 3,
-            "checkpoint": {"dir": str(tmp_path / "work" / "ck"), "everySteps": 2}}
-    first = run_trainer(base)  # world size 1
+def _samples_seen(log_dir: Path, epoch: int) -> list[int]:
+    """Every sample index the ranks trained on in `epoch` (DDPJOB_DEBUG_SAMPLE_LOG's records)."""
+    lines = [line.split() for p in sorted(log_dir.glob("rank-*.log")) for line in p.read_text().splitlines()]
+    return [int(i) for step, e, *indices in lines if int(e) == epoch for i in indices]
+
+
+def test_resume_grows_and_shrinks_the_world_size_mid_epoch_seeing_every_sample_once(tmp_path):
+    """An epoch trained at world size 1, then 2 (grown: rank 1 has no state of its own in the
+    checkpoint), then 1 again (shrunk), each resuming the last one's checkpoint mid-epoch: every
+    sample of the epoch trained on exactly once, the learning rate following the world size, and
+    the run ends. A changed batchSize stays refused (exit 78)."""
+    ck, seen = tmp_path / "work" / "ck", tmp_path / "seen"
+    seen.mkdir()
+    env = {"DDPJOB_DEBUG_SAMPLE_LOG": str(seen), "DDPJOB_SNAPSHOT_DIR": str(tmp_path / "shm")}
+    # digits: 1438 training samples; 32 per rank per step.
+    base = {"dataset": "digits", "model": "mlp", "epochs": 1, "batchSize": 32, "lr": 0.05,
+            "checkpoint": {"dir": str(ck), "everySteps": 2}}
+    first = run_trainer({**base, "maxSteps": 4}, env=env)  # world size 1: samples 0-127 of the order
     assert first.returncode == 0, first.stderr[-2000:]
-    other_batch = run_trainer({**base, "batchSize": 16, "maxSteps": 6})
-    assert other_batch.returncode == 78, other_batch.stderr[-2000:]
-    assert "was written at world size 1, batchSize 32" in other_batch.stderr
-    assert "this run has world size 1, batchSize 16" in other_batch.stderr
-    job = write_job(tmp_path / "wider.yaml", name="wider", nodes=1, nproc=2, max_restarts=2,
-                    trainer={**base, "maxSteps": 6, "checkpoint": {"dir": "ck", "everySteps": 2}})
-    proc, s = run_local(job, tmp_path, timeout=240)
-    assert proc.returncode == 78, proc.stderr[-3000:]
-    assert s["phase"] == "Failed" and s["restarts"] == 0
+    # The local runner puts the relative checkpoint dir under its workdir: the same directory.
+    job = write_job(tmp_path / "grown.yaml", name="grown", nodes=1, nproc=2,
+                    trainer={**base, "maxSteps": 10, "checkpoint": {"dir": "ck", "everySteps": 2}})
+    proc, s = run_local(job, tmp_path, env=env, timeout=300)
+    assert proc.returncode == 0 and s["phase"] == "Succeeded", proc.stderr[-3000:]
+    assert (s["world_size"], s["resumed_from_step"], s["steps"]) == (2, 4, 10)
     log = "".join(p.read_text() for p in sorted((tmp_path / "work" / "logs" / "attempt-0").glob("node-*.log")))
-    assert "was written at world size 1" in log and "this run has world size 2" in log
+    # Linear scaling: the global batch doubled, so did the learning rate.
+    assert "resized from world size 1 to 2: the 1310 samples left of epoch 0 re-split over the new ranks, " \
+           "global batch 32 -> 64, lr 0.1 (lrScaling linear, first world size 1)" in log, log[-3000:]
+    result = tmp_path / "result.json"
+    last = run_trainer(base, env=env, result=result)  # world size 1 again, to the end
+    assert last.returncode == 0, last.stderr[-2000:]
+    assert "resized from world size 2 to 1: the 926 samples left of epoch 0 re-split over the new ranks, " \
+           "global batch 64 -> 32, lr 0.05" in last.stdout, last.stdout[-2000:]
+    done = json.loads(result.read_text())
+    # 4 + 6 steps, then 926 samples at 32 a step.
+    assert (done["resumed_from_step"], done["steps"], done["epochs_completed"]) == (10, 39, 1)
+    assert sorted(_samples_seen(seen, epoch=0)) == list(range(1438))
+
+    other_batch = run_trainer({**base, "batchSize": 16})
+    assert other_batch.returncode == 78, other_batch.stderr[-2000:]
+    assert "was written with batchSize 32, gradAccumSteps 1; this run has batchSize 16" in other_batch.stderr

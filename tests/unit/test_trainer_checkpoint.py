@@ -72,17 +72,17 @@ def test_optimizer_momentum_survives_the_round_trip(tmp_path):
         assert torch.equal(fresh.state[p]["momentum_buffer"], opt.state[p]["momentum_buffer"])
 
 
-def test_a_checkpoint_from_another_world_or_batch_size_is_refused():
-    common = {"world_size": 2, "epoch": 1, "micro_done": 5,
+def test_a_checkpoint_from_another_batch_size_is_refused_at_any_world_size():
+    common = {"world_size": 2, "epoch": 1, "samples_done": 640,
               "config": {"batch_size": 64, "grad_accum_steps": 1}}
-    check_resumable(common, path=Path("/c/step-1"), world_size=2, batch_size=64, grad_accum_steps=1)
-    for kwargs, needle in (({"world_size": 3}, "this run has world size 3"),
-                           ({"batch_size": 32}, "batchSize 32"),
-                           ({"grad_accum_steps": 2}, "gradAccumSteps 2")):
-        args = {"world_size": 2, "batch_size": 64, "grad_accum_steps": 1, **kwargs}
+    check_resumable(common, path=Path("/c/step-1"), batch_size=64, grad_accum_steps=1)  # any world size
+    for kwargs, needle in (({"batch_size": 32}, "this run has batchSize 32, gradAccumSteps 1"),
+                           ({"grad_accum_steps": 2}, "this run has batchSize 64, gradAccumSteps 2")):
+        args = {"batch_size": 64, "grad_accum_steps": 1, **kwargs}
         with pytest.raises(ConfigError) as info:
             check_resumable(common, path=Path("/c/step-1"), **args)
-        assert "spec.trainer.checkpoint.dir: checkpoint /c/step-1 was written at world size 2" in str(info.value)
+        assert "spec.trainer.checkpoint.dir: checkpoint /c/step-1 was written with batchSize 64, gradAccumSteps 1" \
+            in str(info.value)
         assert needle in str(info.value)
 
 

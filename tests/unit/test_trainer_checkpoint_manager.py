@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ddpjob_trainer.checkpointing.manager import CheckpointManager, TrainState
+from ddpjob_trainer.checkpointing.manager import CheckpointManager, TrainState, saved_position
 from ddpjob_trainer.config import parse_config
 from ddpjob_trainer.dist import DistContext
 from ddpjob_trainer.reporting import NullReporter
@@ -37,7 +37,7 @@ def manager(ctx, tmp_path, monkeypatch, *, every=0, snapshot_every=0, seed=0, lo
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
     stages = []
-    m = CheckpointManager(cfg, ctx, model=model, optimizer=opt, scheduler=sched, log=log or NullReporter(),
+    m = CheckpointManager(cfg, ctx, train_size=100, model=model, optimizer=opt, scheduler=sched, log=log or NullReporter(),
                           telemetry=Telemetry.from_env(enabled=False), stage=stages.append,
                           sync_buffers=lambda: stages.append("synced"))
     return m, stages
@@ -80,16 +80,16 @@ def test_resume_loads_the_newest_of_snapshot_and_disk_and_restores_it_exactly(gr
     log = Lines()
     m, _ = manager(group, tmp_path, monkeypatch, every=3, snapshot_every=2, log=log)
     train(m)
-    m.maybe_save(TrainState(step=3, epoch=0, micro_done=3), epoch_end=False)  # disk
+    m.maybe_save(TrainState(step=3, epoch=0, samples_done=24), epoch_end=False)  # disk
     train(m)
-    m.maybe_save(TrainState(step=4, epoch=1, micro_done=1), epoch_end=False)  # snapshot, newer
+    m.maybe_save(TrainState(step=4, epoch=1, samples_done=8), epoch_end=False)  # snapshot, newer
     m.snapshots.wait()
     want = {k: v.clone() for k, v in m.model.state_dict().items()}
     momentum = [m.optimizer.state[p]["momentum_buffer"].clone() for p in m.model.parameters()]
     draw = torch.rand(3)
 
     fresh, _ = manager(group, tmp_path, monkeypatch, every=3, snapshot_every=2, seed=1, log=log)
-    assert fresh.load() == TrainState(step=4, epoch=1, micro_done=1)
+    assert fresh.load() == TrainState(step=4, epoch=1, samples_done=8, first_world_size=1, written_at=1)
     assert all(torch.equal(fresh.model.state_dict()[k], v) for k, v in want.items())
     assert all(torch.equal(fresh.optimizer.state[p]["momentum_buffer"], b)
                for p, b in zip(fresh.model.parameters(), momentum))
@@ -97,9 +97,9 @@ def test_resume_loads_the_newest_of_snapshot_and_disk_and_restores_it_exactly(gr
     assert "resumed from the in-memory snapshot" in log.lines[-1] and "newest disk checkpoint: step 3" in log.lines[-1]
 
     train(fresh)
-    fresh.save(TrainState(step=6, epoch=1, micro_done=3))  # the disk is newer now
+    fresh.save(TrainState(step=6, epoch=1, samples_done=24))  # the disk is newer now
     again, _ = manager(group, tmp_path, monkeypatch, every=3, snapshot_every=2, seed=2, log=log)
-    assert again.load() == TrainState(step=6, epoch=1, micro_done=3)
+    assert again.load() == TrainState(step=6, epoch=1, samples_done=24, first_world_size=1, written_at=1)
     assert log.lines[-1].startswith(f"resumed from {tmp_path / 'ck' / 'step-00000006'} at step 6")
     again.close()
     assert again.snapshots.steps() == []  # the run ended: /dev/shm room given back
@@ -108,3 +108,38 @@ def test_resume_loads_the_newest_of_snapshot_and_disk_and_restores_it_exactly(gr
 def test_nothing_to_resume_from(group, tmp_path, monkeypatch):
     m, _ = manager(group, tmp_path, monkeypatch, snapshot_every=2)
     assert m.load() is None
+
+
+@pytest.mark.parametrize("saved, want", [
+    # Today's checkpoints: the global offset as saved, the first world size carried on.
+    ({"samples_done": 48, "first_world_size": 4, "schedule_from": [30, 0.25]}, (48, 4, (30, 0.25))),
+    # Written before the offset: micro-batches per rank x batchSize x the world size that wrote it,
+    # which was also the first (a resize was refused then).
+    ({"micro_done": 3}, (3 * 8 * 2, 2, None)),
+    ({"micro_done": 7}, (100, 2, None)),  # the epoch's end: 7 x 8 x 2 = 112 samples, the epoch has 100
+])
+def test_a_saved_position_is_a_global_sample_offset(saved, want):
+    state = {"step": 9, "epoch": 1, "world_size": 2, "config": {"batch_size": 8}, **saved}
+    st = saved_position(state, train_size=100)
+    assert (st.step, st.epoch, st.written_at) == (9, 1, 2)
+    assert (st.samples_done, st.first_world_size, st.schedule_from) == want
+
+
+def test_a_resume_discards_the_snapshots_of_later_steps(group, tmp_path, monkeypatch):
+    """Steps after the resumed one are taken again (at a new world size on other data): an old copy
+    of one must never be agreed on with a new one, whichever rank's name it has."""
+    m, _ = manager(group, tmp_path, monkeypatch, every=3, snapshot_every=1)
+    train(m)
+    m.save(TrainState(step=3))
+    for step in (4, 5):
+        m.maybe_save(TrainState(step=step), epoch_end=False)
+        m.snapshots.wait()
+    (tmp_path / "shm" / "rank-1-step-00000005.pt").write_bytes(b"another rank's, at the old world size")
+    fresh, _ = manager(group, tmp_path, monkeypatch, every=3, snapshot_every=1)
+    assert fresh.load().step == 5
+    assert sorted(p.name for p in (tmp_path / "shm").iterdir()) == ["rank-0-step-00000004.pt", "rank-0-step-00000005.pt",
+                                                                 "rank-1-step-00000005.pt"]
+    (tmp_path / "shm" / "rank-0-step-00000005.pt").unlink()  # as if cut short: the newest rank 0 holds is 4
+    again, _ = manager(group, tmp_path, monkeypatch, every=3, snapshot_every=1)
+    assert again.load().step == 4
+    assert sorted(p.name for p in (tmp_path / "shm").iterdir()) == ["rank-0-step-00000004.pt"]

@@ -96,6 +96,9 @@ class TrainerConfig:
     scheduler: str = "cosine"
     warmup_steps: int = 0
     grad_accum_steps: int = 1
+    # linear: lr is the learning rate at the world size the run started at, scaled with the global
+    # batch when the run resumes at another one (an elastic job that shrank or grew); none: kept.
+    lr_scaling: str = "linear"
     max_steps: int = 0            # 0: no cap (benchmarks and tests cap the run)
     # DataLoader worker processes per rank; `auto`: none for in-memory data sets (digits,
     # synthetic: a worker only adds IPC), for imagefolder the CPUs this pod may use divided by

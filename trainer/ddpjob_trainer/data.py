@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator
 
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset, TensorDataset, get_worker_info
+from torch.utils.data import DataLoader, Dataset, Sampler, Subset, TensorDataset, get_worker_info
 
 from .config import TrainerConfig
 from .errors import ConfigError
@@ -101,31 +101,73 @@ def build_data(cfg: TrainerConfig) -> DataBundle:
     return imagefolder(cfg)
 
 
-class ResumableSampler(DistributedSampler):
-    """DistributedSampler that can skip the first `start` samples of this rank's epoch order.
+def epoch_order(n: int, *, seed: int, epoch: int) -> list[int]:
+    """The epoch's order of the n training samples: a pure function of (seed, epoch), the same at
+    every world size (DistributedSampler's permutation, so an unresized run is unchanged)."""
+    return torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
 
-    The order is a pure function of (seed, epoch), so skipping what a checkpoint says was
-    consumed yields exactly the samples an uninterrupted run would still have seen.
+
+def rank_share(order: list[int], *, start: int, rank: int, world_size: int) -> list[int]:
+    """This rank's part of the samples the epoch has left (`order[start:]`, `start` a global offset).
+
+    Strided, padded to a multiple of the world size with the epoch's first samples (as
+    DistributedSampler pads): after every rank took k samples, the group has taken exactly
+    order[start:start + k * world_size], so the position stays one global offset whatever the
+    world size was when a checkpoint recorded it, and the rest re-splits over any new one. At
+    start 0 this is DistributedSampler's split.
+    """
+    rest = order[start:]
+    pad = -len(rest) % world_size
+    if pad:
+        rest = rest + (order * math.ceil(pad / len(order)))[:pad]
+    return rest[rank::world_size]
+
+
+def advance(samples_done: int, *, taken: int, world_size: int, n: int) -> int:
+    """The epoch's global offset once every rank took `taken` more samples (the padding at an epoch's
+    end takes no new sample: the offset stops at n)."""
+    return min(n, samples_done + taken * world_size)
+
+
+def steps_left(n: int, *, epoch: int, samples_done: int, epochs: int, world_size: int, batch_size: int,
+               grad_accum_steps: int) -> int:
+    """Optimizer steps from a position (epoch, its global offset) to the end of `epochs`, at this
+    world size: each rank's share in micro-batches, grad_accum_steps of them per step."""
+    def steps(remaining: int) -> int:
+        micro = math.ceil(math.ceil(remaining / world_size) / batch_size)
+        return math.ceil(micro / grad_accum_steps)
+    if epoch >= epochs:
+        return 0
+    return steps(n - samples_done) + (epochs - epoch - 1) * steps(n)
+
+
+class ResumableSampler(Sampler):
+    """The training sampler: this rank's share of the rest of an epoch (`rank_share`).
+
+    The order is a pure function of (seed, epoch), so skipping what a checkpoint says was consumed
+    yields exactly the samples an uninterrupted run would still have seen, at the world size of
+    that run or at another one (a resized elastic job).
     """
 
-    def __init__(self, dataset: Dataset, *, tag_epoch: bool = False, **kwargs) -> None:
-        super().__init__(dataset, **kwargs)
-        self.start = 0
+    def __init__(self, dataset: Dataset, *, num_replicas: int, rank: int, seed: int, tag_epoch: bool = False) -> None:
+        self.n = len(dataset)  # type: ignore[arg-type]  # torch's Dataset is not Sized; ours are
+        self.num_replicas, self.rank, self.seed = num_replicas, rank, seed
         self.tag_epoch = tag_epoch  # yield (epoch, index) keys for PerSampleSeeded
+        self.set_epoch(0)
 
     def set_epoch(self, epoch: int, start: int = 0) -> None:  # torch's sampler API
-        """Select the epoch's order and where in it to begin."""
-        super().set_epoch(epoch)
-        self.start = start
+        """Select the epoch's order and where in it (a global sample offset) to begin."""
+        self.epoch, self.start = epoch, start
+        self.share = rank_share(epoch_order(self.n, seed=self.seed, epoch=epoch), start=start, rank=self.rank,
+                                world_size=self.num_replicas)
 
     def __iter__(self) -> Iterator[Any]:
-        order = list(super().__iter__())[self.start:]
         if self.tag_epoch:
-            return iter([(self.epoch, i) for i in order])
-        return iter(order)
+            return iter([(self.epoch, i) for i in self.share])
+        return iter(self.share)
 
     def __len__(self) -> int:
-        return self.num_samples - self.start
+        return len(self.share)
 
 
 def eval_shard(n: int, *, rank: int, world_size: int) -> list[int]:

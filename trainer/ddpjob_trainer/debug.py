@@ -7,6 +7,8 @@ DDPJOB_DEBUG_CRASH_RANK="<rank>:<step>"     that rank exits 1 at the step, in th
                                             only (not again after a restart in place or of the group)
 DDPJOB_DEBUG_FREEZE_STAGE="<rank>:<stage>"  that rank freezes on entering the stage (e.g. first_step:
                                             a job that hangs before its first step)
+DDPJOB_DEBUG_SAMPLE_LOG="<dir>"             every rank appends "<step> <epoch> <sample indices...>" for each
+                                            step it took to <dir>/rank-<rank>.log (which samples were seen)
 """
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ class Knobs:
     freeze_at: int | None = None
     crash_at: int | None = None
     freeze_stage: str | None = None
+    sample_log: str | None = None
 
     @classmethod
     def from_env(cls, *, rank: int, env=os.environ) -> "Knobs":
@@ -43,7 +46,9 @@ class Knobs:
         crash = _pair(env.get("DDPJOB_DEBUG_CRASH_RANK"))
         first_attempt = env.get(contract.ENV_ATTEMPT, "0") == "0" and env.get(contract.ENV_RESTART, "0") == "0"
         f_rank, _, f_stage = (env.get("DDPJOB_DEBUG_FREEZE_STAGE") or "").partition(":")
-        return cls(freeze_stage=f_stage if f_stage and f_rank == str(rank) else None,
+        log_dir = env.get("DDPJOB_DEBUG_SAMPLE_LOG")
+        return cls(sample_log=os.path.join(log_dir, f"rank-{rank}.log") if log_dir else None,
+                   freeze_stage=f_stage if f_stage and f_rank == str(rank) else None,
                    sleep=sleep, slow_fetch=slow[1] if slow and slow[0] == rank else 0.0,
                    freeze_at=int(freeze[1]) if freeze and freeze[0] == rank else None,
                    crash_at=int(crash[1]) if crash and crash[0] == rank and first_attempt else None)
@@ -61,6 +66,12 @@ class Knobs:
             os._exit(1)
         if self.freeze_at is not None and step >= self.freeze_at:
             _freeze()
+
+    def record_samples(self, step: int, epoch: int, indices: list[int]) -> None:
+        """Note which samples this rank's step `step` trained on."""
+        if self.sample_log:
+            with open(self.sample_log, "a") as f:
+                f.write(" ".join(map(str, [step, epoch, *indices])) + "\n")
 
     def at_stage(self, stage: str) -> None:
         """Apply the knobs once this rank has entered `stage`."""

@@ -22,7 +22,7 @@ from .checkpointing.manager import CheckpointManager, TrainState
 from .collectives import Collectives
 from .contract import RunResult
 from .config import TrainerConfig
-from .data import PerSampleSeeded, ResumableSampler, build_data, eval_loader, loader_kwargs
+from .data import PerSampleSeeded, ResumableSampler, advance, build_data, eval_loader, loader_kwargs, steps_left
 from .dist import DistContext
 from .errors import PeerStopped
 from .models import build_model
@@ -46,18 +46,39 @@ def _build_optimizer(cfg: TrainerConfig, params) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
 
 
-def _build_scheduler(cfg: TrainerConfig, opt, total_steps: int):
-    warm = cfg.warmup_steps
+@dataclass
+class Schedule:
+    """The learning-rate factor of each optimizer step: linear warmup to lr, then cosine to 0 at the
+    last step (or constant).
 
-    def factor(step: int) -> float:
-        if warm and step < warm:
-            return (step + 1) / warm
-        if cfg.scheduler == "constant":
+    A run resumed at another world size has another number of steps left (data.steps_left): the
+    decay is re-anchored at the resumed step, `anchor` = (step, progress reached there), and goes
+    on from that progress to 1 at the new last step, with no jump. Unanchored it is the plain
+    (step - warmup) / (total - warmup).
+    """
+
+    kind: str
+    warmup: int
+    total: int
+    anchor: tuple[int, float] | None = None
+
+    def progress(self, step: int) -> float:
+        s0, p0 = self.anchor or (self.warmup, 0.0)
+        return p0 + (1.0 - p0) * (step - s0) / max(1, self.total - s0)
+
+    def factor(self, step: int) -> float:
+        if self.warmup and step < self.warmup:
+            return (step + 1) / self.warmup
+        if self.kind == "constant":
             return 1.0
-        progress = (step - warm) / max(1, total_steps - warm)
-        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, self.progress(step))))
 
-    return torch.optim.lr_scheduler.LambdaLR(opt, factor)
+
+def lr_scale(cfg: TrainerConfig, *, world_size: int, first_world_size: int) -> float:
+    """spec.trainer.lrScaling: lr is the learning rate at the world size the run started at; at
+    another one the global batch (batchSize x gradAccumSteps x world size) changed with it, and
+    `linear` scales the learning rate by the same ratio (the linear scaling rule), `none` keeps it."""
+    return world_size / first_world_size if cfg.lr_scaling == "linear" else 1.0
 
 
 def _no_forward_buffer_broadcast() -> dict[str, Any]:
@@ -170,8 +191,9 @@ class Trainer:
             cfg, local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
         io: dict[str, Any] = {"workers": self.workers, "prefetch_factor": cfg.prefetch_factor,
               "pin_memory": ctx.device.type == "cuda"}
-        self.sampler = ResumableSampler(data.train, num_replicas=ctx.world_size, rank=ctx.rank, shuffle=True,
-                                        seed=cfg.seed, tag_epoch=data.random_train_transform)
+        self.train_size = len(data.train)  # type: ignore[arg-type]  # torch's Dataset is not Sized; ours are
+        self.sampler = ResumableSampler(data.train, num_replicas=ctx.world_size, rank=ctx.rank, seed=cfg.seed,
+                                        tag_epoch=data.random_train_transform)
         train_set = PerSampleSeeded(data.train, seed=cfg.seed) if data.random_train_transform else data.train
         # The loader's own generator: creating an iterator must not draw from the global RNG,
         # or a resumed run's dropout stream would differ from an uninterrupted one.
@@ -180,16 +202,15 @@ class Trainer:
                                  generator=self.loader_rng, **loader_kwargs(**io))
         self.val_loader = eval_loader(data.val, rank=ctx.rank, world_size=ctx.world_size,
                                       batch_size=cfg.batch_size, **io)
-        self.micro_per_epoch = math.ceil(self.sampler.num_samples / cfg.batch_size)
-        steps_per_epoch = math.ceil(self.micro_per_epoch / cfg.grad_accum_steps)
-        self.total_steps = cfg.epochs * steps_per_epoch
-        if cfg.max_steps:
-            self.total_steps = min(self.total_steps, cfg.max_steps)
-        self.opt = _build_optimizer(cfg, self.ddp.parameters())
-        self.sched = _build_scheduler(cfg, self.opt, self.total_steps)
+        self.micro_left = math.ceil(len(self.sampler) / cfg.batch_size)  # this rank's, left in the current epoch
         self.state = TrainState()
-        self.ckpt = CheckpointManager(cfg, ctx, model=self.model, optimizer=self.opt, scheduler=self.sched, log=log,
-                                      telemetry=telemetry, stage=self.enter,
+        self.total_steps = self.steps_to_end(self.state, ctx.world_size)
+        self.schedule = Schedule(kind=cfg.scheduler, warmup=cfg.warmup_steps, total=self.total_steps)
+        self.opt = _build_optimizer(cfg, self.ddp.parameters())
+        schedule = self.schedule  # a plain function: LambdaLR would save any other callable's attributes
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda step: schedule.factor(step))
+        self.ckpt = CheckpointManager(cfg, ctx, train_size=self.train_size, model=self.model, optimizer=self.opt,
+                                      scheduler=self.sched, log=log, telemetry=telemetry, stage=self.enter,
                                       sync_buffers=self.sync_buffers) if cfg.checkpoint.dir else None
         self._synced_at: int | None = None
         # A stop (SIGTERM) is acted on at step boundaries only in a run that checkpoints: there
@@ -211,11 +232,55 @@ class Trainer:
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(logits, targets)
 
+    def steps_to_end(self, st: TrainState, world_size: int) -> int:
+        """The run's last step, from `st` on at this world size (maxSteps caps it)."""
+        cfg = self.cfg
+        total = st.step + steps_left(self.train_size, epoch=st.epoch, samples_done=st.samples_done, epochs=cfg.epochs,
+                                     world_size=world_size, batch_size=cfg.batch_size,
+                                     grad_accum_steps=cfg.grad_accum_steps)
+        return min(total, cfg.max_steps) if cfg.max_steps else total
+
     def restore(self) -> int:
-        """Resume from the newest complete checkpoint or snapshot; the step resumed from (0: none)."""
+        """Resume from the newest complete checkpoint or snapshot; the step resumed from (0: none).
+
+        At another world size than the one that wrote it (an elastic job that shrank or grew), the
+        rest of the epoch is re-split over the new ranks (the position is a global sample offset),
+        the steps left are recounted, and the learning rate follows lrScaling (lr_scale)."""
         loaded = self.ckpt.load() if self.ckpt else None
-        self.state = loaded or self.state
-        return loaded.step if loaded else 0
+        if loaded is None:
+            return 0
+        self.state, world = loaded, self.ctx.world_size
+        resized = loaded.written_at != world
+        if resized:
+            loaded.schedule_from = self._progress_kept(loaded)
+        self.total_steps = self.schedule.total = self.steps_to_end(loaded, world)
+        self.schedule.anchor = loaded.schedule_from
+        if resized:
+            self._follow_world_size(loaded)
+        return loaded.step
+
+    def _progress_kept(self, st: TrainState) -> tuple[int, float] | None:
+        """The schedule's anchor after a resize: the decay's progress at the resumed step as the run
+        had it, counted at the world size that wrote `st` (none while still warming up)."""
+        cfg = self.cfg
+        if st.step <= cfg.warmup_steps:
+            return st.schedule_from
+        before = Schedule(kind=cfg.scheduler, warmup=cfg.warmup_steps, total=self.steps_to_end(st, st.written_at),
+                          anchor=st.schedule_from)
+        return st.step, min(1.0, before.progress(st.step))
+
+    def _follow_world_size(self, st: TrainState) -> None:
+        """The learning rate for this world size (lrScaling), from the resumed step on."""
+        cfg, old, new = self.cfg, st.written_at, self.ctx.world_size
+        base = cfg.lr * lr_scale(cfg, world_size=new, first_world_size=st.first_world_size)
+        self.sched.base_lrs = [base for _ in self.opt.param_groups]
+        for group in self.opt.param_groups:
+            group["initial_lr"], group["lr"] = base, base * self.schedule.factor(st.step)
+        batch = cfg.batch_size * cfg.grad_accum_steps
+        self.log.info(f"resized from world size {old} to {new}: the {self.train_size - st.samples_done} samples left "
+                      f"of epoch {st.epoch} re-split over the new ranks, global batch {batch * old} -> {batch * new}, "
+                      f"lr {base:.4g} (lrScaling {cfg.lr_scaling}, first world size {st.first_world_size}), "
+                      f"{self.total_steps - st.step} steps left")
 
     def sync_buffers(self) -> None:
         """BatchNorm statistics made identical on every rank (once per step at most)."""
@@ -241,7 +306,7 @@ class Trainer:
         self.stop_vote.finish()
         save, why = preempt.plan(left=agreed.left, last_save=agreed.last_save, step_seconds=agreed.step_seconds,
                                  saved=ckpt.saved(self.state.step))
-        where = f"step {self.state.step} (epoch {self.state.epoch}, batch {self.state.micro_done})"
+        where = f"step {self.state.step} (epoch {self.state.epoch}, sample {self.state.samples_done})"
         if save:
             self.log.info(f"stop requested (SIGTERM): saving a checkpoint at {where}: {why}")
             self.save()
@@ -269,7 +334,7 @@ class Trainer:
         """One optimizer step over up to grad_accum_steps micro-batches drawn from `batches`."""
         cfg, ddp = self.cfg, self.ddp
         wait = 0.0
-        n_micro = min(cfg.grad_accum_steps, self.micro_per_epoch - self.state.micro_done)
+        n_micro = min(cfg.grad_accum_steps, self.micro_left)
         loss_sum, n_samples = None, 0
         for i in range(n_micro):
             t_wait = time.perf_counter()
@@ -293,7 +358,9 @@ class Trainer:
         self.device_timer.end_step()
         self.knobs.after_step(self.state.step + 1)
         self.state.step += 1
-        self.state.micro_done += n_micro
+        self.micro_left -= n_micro
+        self.state.samples_done = advance(self.state.samples_done, taken=n_samples, world_size=self.ctx.world_size,
+                                          n=self.train_size)
         return StepOutput(loss_sum=loss_sum, micro_batches=n_micro, samples=n_samples, data_wait_seconds=wait)
 
     def _eval_and_log(self) -> EvalResult:
@@ -346,17 +413,21 @@ class Trainer:
         timeout_shortened = not cfg.step_timeout_seconds
         self.ddp.train()
         while st.epoch < cfg.epochs and st.step < self.total_steps:
-            if st.micro_done >= self.micro_per_epoch:  # a checkpoint taken exactly at an epoch's end
-                st.epoch, st.micro_done = st.epoch + 1, 0
+            if st.samples_done >= self.train_size:  # a checkpoint taken exactly at an epoch's end
+                st.epoch, st.samples_done = st.epoch + 1, 0
                 continue
-            self.sampler.set_epoch(st.epoch, start=st.micro_done * cfg.batch_size)
+            self.sampler.set_epoch(st.epoch, start=st.samples_done)
+            self.micro_left = math.ceil(len(self.sampler) / cfg.batch_size)
             self.loader_rng.manual_seed(cfg.seed * 100_003 + st.epoch * 1009 + ctx.rank)
             batches = iter(self.loader)
+            taken = 0  # of this rank's share
             boundary = time.perf_counter()  # step time runs from one step boundary to the next
-            while st.micro_done < self.micro_per_epoch and st.step < self.total_steps:
+            while self.micro_left and st.step < self.total_steps:
                 telemetry.step_started(step=st.step + 1)
                 out = self.train_step(batches)
-                epoch_end = st.micro_done >= self.micro_per_epoch
+                self.knobs.record_samples(st.step, st.epoch, self.sampler.share[taken:taken + out.samples])
+                taken += out.samples
+                epoch_end = not self.micro_left
                 log_step = st.step % cfg.log_every_steps == 0 or st.step == self.total_steps
                 save_step = self.ckpt is not None and self.ckpt.due(st.step)
                 # The host reads the loss (a device sync) only at log steps; elsewhere the GPU runs
@@ -387,7 +458,7 @@ class Trainer:
                 if log_step:
                     telemetry.gpu_memory(torch, ctx.device)
                     telemetry.compute(self.device_timer.read())
-                    lr = self.sched.get_last_lr()[0]
+                    lr = float(self.sched.get_last_lr()[0])
                     log.info(f"epoch {st.epoch} step {st.step}/{self.total_steps} loss {mean_loss:.4f} lr {lr:.4g}")
                     n, secs, wait, samples = interval
                     interval = [0, 0.0, 0.0, 0]
@@ -401,9 +472,9 @@ class Trainer:
                 if self.ckpt and self.ckpt.maybe_save(st, epoch_end=epoch_end):
                     boundary = time.perf_counter()
                 self.check_stop(dt_step)
-            if st.micro_done >= self.micro_per_epoch:
+            if not self.micro_left:
                 last_eval, eval_step = self._eval_and_log(), st.step
-                st.epoch, st.micro_done = st.epoch + 1, 0
+                st.epoch, st.samples_done = st.epoch + 1, 0
                 self.save()
         if last_eval is None or eval_step != st.step:  # stopped by maxSteps mid-epoch, or resumed at the end
             last_eval, eval_step = self.evaluate(), st.step

@@ -217,24 +217,21 @@ def verify(step_dir: Path) -> str | None:
     return None
 
 
-def check_resumable(common: dict[str, Any], *, path: Path, world_size: int, batch_size: int,
-                    grad_accum_steps: int) -> None:
-    """Refuse a checkpoint whose sampler position means other samples in this run.
+def check_resumable(common: dict[str, Any], *, path: Path, batch_size: int, grad_accum_steps: int) -> None:
+    """Refuse a checkpoint written with another batchSize or gradAccumSteps.
 
-    The saved position (epoch, batches done) counts per-rank batches of the old world size and
-    batch size; under another one it would skip or repeat samples silently. Exit 78: retrying
-    cannot help, the job must be resumed with the same sizes or started in a fresh directory.
+    Any world size resumes (the position is a global sample offset, re-split over the new ranks,
+    and the learning rate follows the world size: loop.py), but a batch the user changed has no
+    rule for the learning rate the user set with it. Exit 78: retrying cannot help, the job must
+    be resumed with the same sizes or started in a fresh directory.
     """
     old = common.get("config", {})
-    saved = (common.get("world_size"), old.get("batch_size"), old.get("grad_accum_steps", 1))
-    now = (world_size, batch_size, grad_accum_steps)
-    if saved != now:
+    saved = (old.get("batch_size"), old.get("grad_accum_steps", 1))
+    if saved != (batch_size, grad_accum_steps):
         raise ConfigError(
-            f"spec.trainer.checkpoint.dir: checkpoint {path} was written at world size {saved[0]}, "
-            f"batchSize {saved[1]}, gradAccumSteps {saved[2]}; this run has world size {now[0]}, "
-            f"batchSize {now[1]}, gradAccumSteps {now[2]}. Its data position (epoch "
-            f"{common.get('epoch')}, batch {common.get('micro_done')}) would point at other samples. "
-            "Resume with the same nodes x nprocPerNode and batch sizes, or use a new checkpoint.dir")
+            f"spec.trainer.checkpoint.dir: checkpoint {path} was written with batchSize {saved[0]}, "
+            f"gradAccumSteps {saved[1]}; this run has batchSize {batch_size}, gradAccumSteps {grad_accum_steps}. "
+            "Resume with the same batch sizes (the world size may differ), or use a new checkpoint.dir")
 
 
 def optimizer_state(saved: dict[str, Any]) -> dict[str, Any]:

@@ -28,7 +28,17 @@ class TrainState:
 
     step: int = 0
     epoch: int = 0
-    micro_done: int = 0  # micro-batches of the current epoch already trained on
+    # Samples of the epoch's order (data.epoch_order) already trained on, by the whole group: a
+    # global offset, the same position at any world size (data.rank_share re-splits the rest).
+    samples_done: int = 0
+    # The world size the run started at: the learning rate's reference on a resize (loop.py);
+    # 0 until the first start sets it.
+    first_world_size: int = 0
+    # Where the schedule's decay was re-anchored on the last resize: (step, progress), None: never
+    # (loop.Schedule).
+    schedule_from: tuple[int, float] | None = None
+    # The world size that wrote the state this run resumed from (0: a fresh start).
+    written_at: int = 0
 
 
 class CheckpointManager:
@@ -39,13 +49,14 @@ class CheckpointManager:
     snapshot keeps each rank's own: resuming it is exactly resuming that rank).
     """
 
-    def __init__(self, cfg: TrainerConfig, ctx: DistContext, *, model: torch.nn.Module,
+    def __init__(self, cfg: TrainerConfig, ctx: DistContext, *, train_size: int, model: torch.nn.Module,
                  optimizer: torch.optim.Optimizer, scheduler: Any, log: NullReporter, telemetry: Telemetry,
                  stage: Callable[[str], None], sync_buffers: Callable[[], None]) -> None:
         ck = cfg.checkpoint
         assert ck.dir, "a CheckpointManager needs checkpoint.dir"
         check_shared_dir(Path(ck.dir), rank=ctx.rank, group=ctx.io_group)
         self.cfg, self.ctx, self.log, self.telemetry = cfg, ctx, log, telemetry
+        self.train_size = train_size
         self.stage, self.sync_buffers = stage, sync_buffers
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.comm = Collectives(ctx.device)
@@ -101,7 +112,9 @@ class CheckpointManager:
     def _state(self, st: TrainState) -> dict[str, Any]:
         return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
                 "scheduler": self.scheduler.state_dict(), "step": st.step, "epoch": st.epoch,
-                "micro_done": st.micro_done, "world_size": self.ctx.world_size, "config": self.cfg.to_dict()}
+                "samples_done": st.samples_done, "first_world_size": st.first_world_size or self.ctx.world_size,
+                **({"schedule_from": list(st.schedule_from)} if st.schedule_from else {}),
+                "world_size": self.ctx.world_size, "config": self.cfg.to_dict()}
 
     def wait(self) -> None:
         """The disk write in flight is published (its error raised, if any)."""
@@ -120,12 +133,18 @@ class CheckpointManager:
         if snaps is not None and (agreed := self._agreed_snapshot(snaps)) is not None:
             step, disk = agreed
             path, state = snaps.path(step), snaps.load(step)
-            return self._restore(state, path, f"the in-memory snapshot {path}",
-                                 f"; newest disk checkpoint: step {disk if disk is not None else 'none'}")
-        loaded = self.disk.load_latest()
-        if not loaded:
-            return None
-        return self._restore({**loaded.common, **(loaded.rank_state or {})}, loaded.path, str(loaded.path))
+            st = self._restore(state, path, f"the in-memory snapshot {path}",
+                               f"; newest disk checkpoint: step {disk if disk is not None else 'none'}")
+        else:
+            loaded = self.disk.load_latest()
+            if not loaded:
+                return None
+            st = self._restore({**loaded.common, **(loaded.rank_state or {})}, loaded.path, str(loaded.path))
+        if snaps is not None:
+            # Snapshots past the resumed step are of steps this run takes again (after a resize, on
+            # other data): an old copy must never be agreed on with a rank's copy of the new step.
+            snaps.discard_after(st.step)
+        return st
 
     def _agreed_snapshot(self, snaps: Snapshots) -> tuple[int, int | None] | None:
         """The newest snapshot step every rank holds, when it is newer than the newest disk
@@ -146,16 +165,32 @@ class CheckpointManager:
 
     def _restore(self, state: dict[str, Any], path: Path, what: str, note: str = "") -> TrainState:
         """`state`: a snapshot, or a checkpoint's shared state with this rank's own (its RNG) merged in."""
-        check_resumable(state, path=path, world_size=self.ctx.world_size, batch_size=self.cfg.batch_size,
-                        grad_accum_steps=self.cfg.grad_accum_steps)
+        check_resumable(state, path=path, batch_size=self.cfg.batch_size, grad_accum_steps=self.cfg.grad_accum_steps)
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(optimizer_state(state["optimizer"]))
         self.scheduler.load_state_dict(state["scheduler"])
         if "rng" in state:  # a rank beyond the old world size has no state of its own to restore
             rng.set_state(state["rng"])
-        st = TrainState(step=state["step"], epoch=state["epoch"], micro_done=state["micro_done"])
-        self.log.info(f"resumed from {what} at step {st.step} (epoch {st.epoch}, batch {st.micro_done}{note})")
+        st = saved_position(state, train_size=self.train_size)
+        resized = f", written at world size {st.written_at}" if st.written_at != self.ctx.world_size else ""
+        self.log.info(f"resumed from {what} at step {st.step} (epoch {st.epoch}, sample {st.samples_done} of "
+                      f"{self.train_size}{resized}{note})")
         return st
+
+
+def saved_position(state: dict[str, Any], *, train_size: int) -> TrainState:
+    """Where a saved state stands. A checkpoint written before the position was a global offset holds
+    `micro_done`, per-rank micro-batches: each of its world_size ranks took batch_size samples per
+    micro-batch off the front of the epoch's order, hence the offset (at most the epoch's n)."""
+    if "samples_done" in state:
+        done = state["samples_done"]
+    else:
+        done = min(train_size, state["micro_done"] * state["config"]["batch_size"] * state["world_size"])
+    anchor = state.get("schedule_from")
+    return TrainState(step=state["step"], epoch=state["epoch"], samples_done=done,
+                      first_world_size=state.get("first_world_size", state["world_size"]),
+                      schedule_from=(int(anchor[0]), float(anchor[1])) if anchor else None,
+                      written_at=state["world_size"])
 
 
 def _every(step: int, n: int) -> bool:

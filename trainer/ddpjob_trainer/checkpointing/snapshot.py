@@ -6,7 +6,10 @@ and its memory-backed /dev/shm outlive the worker process. So a restart loses at
 checkpoints stay the durable layer (a lost pod, a group restart: its new pods have a fresh /dev/shm).
 
 Each rank writes its own state (model with its own buffers, optimizer, scheduler, data position,
-RNG), so resuming one is exactly resuming that rank: bit-exact like a disk resume. Written
+RNG), so resuming one is exactly resuming that rank: bit-exact like a disk resume. Under DDP every
+rank's snapshot of a step holds the whole state and the same position, so a group resumed at
+another world size loads them too: each new rank the one its pod holds under its new rank number,
+when every rank holds one of that step (a rank that grew the group holds none: then the disk). Written
 asynchronously: training stands still only for the copy into reused host buffers (the disk
 checkpoint's stager), a thread writes `rank-R-step-S.pt.part` and renames it; the newest KEEP are
 kept, so a write cut short by the kill leaves the one before. manager.py says when, and which to load.
@@ -93,6 +96,23 @@ class Snapshots:
 
     def load(self, step: int) -> dict[str, Any]:
         return torch.load(self.path(step), map_location="cpu", weights_only=True)
+
+    def discard_after(self, step: int) -> None:
+        """On a resume from `step`: delete every rank's snapshots of later steps under this root.
+
+        Those steps are taken again, and after a resize on other ranks' data: a rank that kept its
+        old copy could later agree on that step with another rank's new copy (the other ranks'
+        files too: on one machine every local node shares the root). Every rank does this while
+        resuming, before its first step's gradient all-reduce, so it cannot delete a new
+        snapshot: none is written before every rank has passed that all-reduce.
+        """
+        self.wait()
+        if not self.root.is_dir():
+            return
+        for p in self.root.iterdir():
+            m = _FILE.match(p.name)
+            if m and int(m.group(2)) > step:
+                p.unlink(missing_ok=True)
 
     def clear(self) -> None:
         """The run ended: its snapshots would only hold /dev/shm room."""
