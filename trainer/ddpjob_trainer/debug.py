@@ -7,6 +7,9 @@ DDPJOB_DEBUG_CRASH_RANK="<rank>:<step>"     that rank exits 1 at the step, in th
                                             only (not again after a restart in place or of the group)
 DDPJOB_DEBUG_FREEZE_STAGE="<rank>:<stage>"  that rank freezes on entering the stage (e.g. first_step:
                                             a job that hangs before its first step)
+
+The freezes, like the crash, happen in the first start of attempt 0 only: a restart (in place, by
+failurePolicy.restartOnHang, or of the group) recovers, as from a real one-off hang.
 """
 from __future__ import annotations
 
@@ -43,9 +46,9 @@ class Knobs:
         crash = _pair(env.get("DDPJOB_DEBUG_CRASH_RANK"))
         first_attempt = env.get(contract.ENV_ATTEMPT, "0") == "0" and env.get(contract.ENV_RESTART, "0") == "0"
         f_rank, _, f_stage = (env.get("DDPJOB_DEBUG_FREEZE_STAGE") or "").partition(":")
-        return cls(freeze_stage=f_stage if f_stage and f_rank == str(rank) else None,
+        return cls(freeze_stage=f_stage if f_stage and f_rank == str(rank) and first_attempt else None,
                    sleep=sleep, slow_fetch=slow[1] if slow and slow[0] == rank else 0.0,
-                   freeze_at=int(freeze[1]) if freeze and freeze[0] == rank else None,
+                   freeze_at=int(freeze[1]) if freeze and freeze[0] == rank and first_attempt else None,
                    crash_at=int(crash[1]) if crash and crash[0] == rank and first_attempt else None)
 
     def before_fetch(self) -> None:
