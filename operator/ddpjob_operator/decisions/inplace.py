@@ -7,7 +7,8 @@ pod's metrics endpoint (contract.WORKER_FAILURE) and each worker process its fir
 
 - `status.restartHistory`: one entry per restart, newest last (HISTORY_LIMIT kept): kind `InPlace`
   (attempt, the pod's worker start that failed, rank, pod, node, exit code, signal, with
-  failurePolicy.logTailInStatus the error's first line; once every rank stepped again,
+  failurePolicy.logTailInStatus the error's first line; reason Stalled and the stall's line, always,
+  for a worker its agent killed for a stall (failurePolicy.restartOnHang); once every rank stepped again,
   `resumedFromStep` and `recoverySeconds`, failure to the group's first step, on the pods' clocks)
   or kind `Group` (the attempt that ended, reason);
 - `status.inPlaceRestarts`: how many in-place restarts the job made, charged to
@@ -23,6 +24,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from ddpjob_trainer.contract import STALL_ERROR_RE
+
 from ddpjob_operator.api.objmeta import format_time
 from ddpjob_operator.decisions.redact import redact
 
@@ -35,6 +38,7 @@ _SIGNAL = re.compile(r"^SIG[A-Z0-9]{2,10}$")
 # Reasons of the Restarting condition for an in-place restart (a group restart's is its cause).
 RESTARTING_IN_PLACE = "RestartingInPlace"
 RESTARTED_IN_PLACE = "RestartedInPlace"
+STALLED = "Stalled"   # an entry's reason: the pod's agent killed the worker for a stall
 
 
 def _int(value: Any, default: int = 0) -> int:
@@ -72,7 +76,10 @@ def observed(ranks: Mapping[int, Any], *, attempt: int, with_log: bool) -> list[
             if _SIGNAL.match(str(f.get("signal") or "")):
                 entry["signal"] = f["signal"]
             error = redact(str(f.get("error") or "")).strip()[:MESSAGE_CHARS]
-            if with_log and error:
+            if STALL_ERROR_RE.match(error):
+                # The agent's own words in a fixed form (no user's text): shown without logTailInStatus.
+                entry["reason"], entry["message"] = STALLED, error
+            elif with_log and error:
                 entry["message"] = error
             out.append(entry)
     return out
@@ -159,6 +166,8 @@ def describe(entry: Mapping[str, Any]) -> str:
     """One line naming an in-place restart: rank, pod, node, exit code, signal, error."""
     how = f"exit code {entry.get('exitCode')}" + (f" ({entry['signal']})" if entry.get("signal") else "")
     where = f"pod {entry.get('pod')}" + (f" on node {entry['node']}" if entry.get("node") else "")
+    if entry.get("reason") == STALLED:
+        return f"rank {entry.get('rank')} ({where}) {entry.get('message')}: its agent killed the worker"
     text = f"the worker of rank {entry.get('rank')} ({where}) failed with {how}"
     return text + (f": {entry['message']}" if entry.get("message") else "")
 
