@@ -46,10 +46,10 @@ def test_the_record_names_the_stall_in_the_form_the_operator_recognizes():
     assert contract.STALL_ERROR_RE.match(early)
 
 
-def _telemetry_writes(metrics_dir: str, script: str) -> None:
-    """Run `script` with a Telemetry `tm` of rank 1 in a process of its own (as a worker does)."""
+def _telemetry_writes(metrics_dir: str, script: str, rank: int = 1) -> None:
+    """Run `script` with a Telemetry `tm` of `rank` in a process of its own (as a worker does)."""
     code = ("from ddpjob_trainer.telemetry import Telemetry\n"
-            "tm = Telemetry(labels={'ddpjob': 'j', 'namespace': 'n', 'rank': '1', 'local_rank': '0', "
+            f"tm = Telemetry(labels={{'ddpjob': 'j', 'namespace': 'n', 'rank': '{rank}', 'local_rank': '0', "
             "'node_rank': '1'})\n" + script)
     subprocess.run([sys.executable, "-c", code], check=True,
                    env={**os.environ, contract.ENV_METRICS_DIR: metrics_dir})
@@ -68,13 +68,17 @@ def test_progress_is_read_from_the_ranks_metrics_directory(tmp_path):
 
 def test_the_watchdog_kills_the_stalled_rank_once_and_leaves_its_record(tmp_path):
     metrics, status = tmp_path / "metrics", tmp_path / "status"
-    _telemetry_writes(str(metrics), "tm.set_stage('first_step', timestamp=100.0)\n")
+    for rank in (0, 1):
+        _telemetry_writes(str(metrics), "tm.set_stage('first_step', timestamp=100.0)\n", rank=rank)
     victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    done = subprocess.Popen([sys.executable, "-c", "pass"])  # a rank that finished: never signalled
+    done.wait()
     try:
         now = [100.0 + 29]
         dog = Watchdog({contract.ENV_METRICS_DIR: str(metrics), contract.ENV_STATUS_DIR: str(status),
                         contract.ENV_RESTART_ON_HANG: "1", contract.ENV_HANG_TIMEOUT: "30"}, clock=lambda: now[0])
-        group = types.SimpleNamespace(workers=[types.SimpleNamespace(global_rank=1, id=victim.pid)])
+        group = types.SimpleNamespace(workers=[types.SimpleNamespace(global_rank=1, id=victim.pid),
+                                               types.SimpleNamespace(global_rank=0, id=done.pid)])
         dog.on_monitor(None, group)
         assert victim.poll() is None                       # 29 s < 30 s
         now[0] += 2
@@ -82,7 +86,7 @@ def test_the_watchdog_kills_the_stalled_rank_once_and_leaves_its_record(tmp_path
         assert victim.wait(timeout=10) == -9
         assert (status / "failed-rank-1.txt").read_text() == (
             "stalled: no progress for 31s in first_step (hang timeout 30s)\n")
-        assert dog.killed == {victim.pid}
+        assert dog.killed == {victim.pid} and not (status / "failed-rank-0.txt").exists()
     finally:
         victim.kill()
 

@@ -119,6 +119,18 @@ def read_progress(metrics_dir: str) -> dict[int, Progress]:
     return out
 
 
+def _running_child(pid: int) -> bool:
+    """True while `pid` is a live child of this process: a worker that already exited (its rank done
+    before its peers) is neither judged nor signalled, and its pid may have gone to another process."""
+    import psutil
+
+    try:
+        proc = psutil.Process(pid)
+        return proc.ppid() == os.getpid() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
 class Watchdog:
     """Kills the worker of a stalled rank (`stalled`), so that torchrun restarts the workers in place."""
 
@@ -142,7 +154,8 @@ class Watchdog:
         if not self.enabled or now - self.looked_at < WATCH_SECONDS:
             return
         self.looked_at = now
-        pids = {int(w.global_rank): w.id for w in getattr(group, "workers", []) if isinstance(w.id, int)}
+        pids = {int(w.global_rank): w.id for w in getattr(group, "workers", [])
+                if isinstance(w.id, int) and _running_child(w.id)}
         progress = {r: p for r, p in read_progress(self.metrics_dir).items() if r in pids}
         for rank, why in stalled(progress, configured=self.configured, started_at=self.started_at, now=now).items():
             pid = pids[rank]
@@ -158,7 +171,7 @@ class Watchdog:
                     f.write(why + "\n")
             try:
                 os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
+            except ProcessLookupError:  # it ended since: torchrun sees how
                 pass
 
 
