@@ -91,6 +91,14 @@ def test_the_watchdog_kills_the_stalled_rank_once_and_leaves_its_record(tmp_path
         victim.kill()
 
 
+def test_a_watchdog_that_cannot_read_the_metrics_stops_and_the_agent_goes_on(tmp_path, capsys):
+    (tmp_path / "gauge_mostrecent_1.db").write_bytes(b"not an mmap of prometheus_client's")
+    dog = Watchdog({contract.ENV_METRICS_DIR: str(tmp_path), contract.ENV_RESTART_ON_HANG: "1"})
+    me = types.SimpleNamespace(global_rank=0, id=os.getpid())
+    dog.on_monitor(None, types.SimpleNamespace(workers=[me]))
+    assert not dog.enabled and "the hang watchdog stops" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("env", [{contract.ENV_RESTART_ON_HANG: "0"}, {contract.ENV_TELEMETRY: "0"}, {}])
 def test_the_watchdog_is_off_without_restart_on_hang_or_metrics(tmp_path, env):
     base = {contract.ENV_METRICS_DIR: str(tmp_path), contract.ENV_RESTART_ON_HANG: "1"}

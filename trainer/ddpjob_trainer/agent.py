@@ -156,7 +156,13 @@ class Watchdog:
         self.looked_at = now
         pids = {int(w.global_rank): w.id for w in getattr(group, "workers", [])
                 if isinstance(w.id, int) and _running_child(w.id)}
-        progress = {r: p for r, p in read_progress(self.metrics_dir).items() if r in pids}
+        try:
+            progress = {r: p for r, p in read_progress(self.metrics_dir).items() if r in pids}
+        except Exception as exc:  # noqa: BLE001 - a watchdog that cannot read must not end the training it watches
+            print(f"[ddpjob-agent] WARNING the hang watchdog stops: cannot read the ranks' metrics ({exc})",
+                  file=sys.stderr, flush=True)
+            self.enabled = False
+            return
         for rank, why in stalled(progress, configured=self.configured, started_at=self.started_at, now=now).items():
             pid = pids[rank]
             if pid in self.killed:
