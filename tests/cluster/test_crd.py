@@ -45,7 +45,7 @@ def test_defaults_applied_by_the_api_server(crd, namespace):
     spec = json.loads(crd.kubectl("get", "ddpj", "defaults", "-n", namespace, "-o", "json").stdout)["spec"]
     assert spec["nprocPerNode"] == "auto" and spec["gpusPerNode"] == 0
     assert spec["masterPort"] == 29500 and spec["metricsPort"] == 9400
-    assert spec["failurePolicy"] == {"maxRestarts": 3, "restartOnHang": False, "logTailInStatus": False,
+    assert spec["failurePolicy"] == {"maxRestarts": 3, "restartOnHang": True, "logTailInStatus": False,
                                      "keepFailedAttempts": 1}
     assert spec["cleanPodPolicy"] == "Running" and spec["launcher"] is True and spec["suspend"] is False
 

@@ -22,8 +22,9 @@ URL_TEMPLATE = "http://127.0.0.1:{rank_port}/metrics"
 
 @contextmanager
 def local_training(tmp_path: Path, *, epochs: int = 40, **debug_env: str):
-    """A real 2-node CPU run of examples/digits.yaml serving metrics on base, base+1 (yields .base, .proc)."""
-    with local_run(write_digits_job(tmp_path, epochs=epochs), tmp_path,
+    """A real 2-node CPU run of examples/digits.yaml serving metrics on base, base+1 (yields .base, .proc);
+    its frozen ranks stay frozen (restartOnHang off: no agent restarts them)."""
+    with local_run(write_digits_job(tmp_path, epochs=epochs, restart_on_hang=False), tmp_path,
                    DDPJOB_DEBUG_STEP_SLEEP="0.05", **debug_env) as run:
         yield run
 
@@ -114,7 +115,7 @@ def test_frozen_rank_turns_job_stalled_naming_that_rank(start_operator, k8s, crd
         wait_ranks(run, frozen_after_a_step, f"rank 1 frozen at step {FREEZE_AT}, rank 0 in the next step",
                    timeout=420)
         start_operator(DDPJOB_SCRAPE_URL_TEMPLATE=URL_TEMPLATE)
-        apply_job(k8s, "frozen", run.base, hangTimeoutSeconds=10)
+        apply_job(k8s, "frozen", run.base, hangTimeoutSeconds=10, failurePolicy={"restartOnHang": False})
         k8s.wait_status("frozen", running(2), "both pods Running", timeout=60)
         st = wait_job(k8s, "frozen", run, lambda s: (condition(s, "Stalled") or {}).get("status") == "True",
                       "Stalled condition True", timeout=240)
@@ -123,7 +124,7 @@ def test_frozen_rank_turns_job_stalled_naming_that_rank(start_operator, k8s, crd
         evs = wait_for(lambda: [e for e in k8s.events("frozen") if e[1] == "Stalled"], timeout=30,
                        desc="a Stalled event")
         assert evs[0][0] == "Warning" and "rank 1" in evs[0][2]
-        assert st["phase"] == "Running"   # restartOnHang is opt-in
+        assert st["phase"] == "Running"   # restartOnHang is off here: Stalled is only a condition
 
 
 def test_job_frozen_before_its_first_step_is_stalled_naming_the_stage(start_operator, k8s, crd, tmp_path):
@@ -135,7 +136,7 @@ def test_job_frozen_before_its_first_step_is_stalled_naming_the_stage(start_oper
         # longer than 20 s would otherwise be reported, rightly, as stuck in rendezvous.
         wait_ranks(run, in_stage("first_step"), "both ranks in first_step")
         start_operator(DDPJOB_SCRAPE_URL_TEMPLATE=URL_TEMPLATE)
-        apply_job(k8s, "early", run.base, hangTimeoutSeconds=20)
+        apply_job(k8s, "early", run.base, hangTimeoutSeconds=20, failurePolicy={"restartOnHang": False})
         k8s.wait_status("early", running(2), "both pods Running", timeout=60)
         seen: list[dict] = []
 

@@ -305,7 +305,8 @@ def frozen_before_first_step(tmp_path_factory):
     OperatorMetrics) exporting the job's hangTimeoutSeconds, as an in-cluster operator would."""
     work = tmp_path_factory.mktemp("early")
     with operator_exporter(hang_timeout=EARLY_HANG_TIMEOUT) as operator_port, \
-            local_run(write_digits_job(work, epochs=40), work, DDPJOB_DEBUG_FREEZE_STAGE="1:first_step") as run:
+            local_run(write_digits_job(work, epochs=40, restart_on_hang=False), work,
+                      DDPJOB_DEBUG_FREEZE_STAGE="1:first_step") as run:
         # Prometheus starts once both ranks are in first_step: a cold rendezvous longer than the
         # 20 s timeout would otherwise be the (rightly) pending alert, for stage rendezvous.
         wait_ranks(run, in_stage("first_step"), "both ranks in first_step")

@@ -81,6 +81,7 @@ def _frozen_docs() -> list[dict]:
     spec.pop("volumeMounts", None)
     spec["resources"]["requests"].update(SMALL_REQUESTS)
     spec["hangTimeoutSeconds"] = HANG_TIMEOUT
+    spec["failurePolicy"] = {**(spec.get("failurePolicy") or {}), "restartOnHang": False}  # stays frozen: the alert's case
     spec["env"] = [*(spec.get("env") or []), {"name": "DDPJOB_DEBUG_FREEZE_RANK", "value": f"0:{FREEZE_AT_STEP}"}]
     return [job]
 

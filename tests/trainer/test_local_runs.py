@@ -25,6 +25,8 @@ from tests.support.stopping import (
     wait_gone,
 )
 
+from ddpjob_trainer.contract import STALL_ERROR_RE
+
 from .helpers import DDPJOB, REPO, run_local, single_process_eval, write_job
 
 pytestmark = pytest.mark.timeout(600)
@@ -77,28 +79,56 @@ def _scrape(port: int) -> dict:
         return {}
 
 
-def test_sigkill_of_rank_1_restarts_the_workers_in_place_and_resumes_from_checkpoint(tmp_path):
-    """No group restart: torchrun's agents restart every node's workers where they are (c10d
-    rendezvous), the node's metrics name the failure and each rank's first step after it, the
-    node logs mark each start, and the run still takes exactly its steps."""
-    job = write_job(tmp_path / "killme.yaml", name="killme", max_restarts=2, trainer={
-        "dataset": "digits", "model": "convnet", "epochs": 3, "batchSize": 32, "lr": 0.05,
-        "checkpoint": {"dir": "ckpt", "everySteps": 5, "keep": 2}})
+HANG_TIMEOUT = 30  # above this loaded machine's start-up stages: a slow start is not this test's stall
+FREEZE_AT = 3
+STEPS = 24
+
+
+def _failures(ports: list[int]) -> list[tuple[int, dict]]:
+    """(rank, failure) of every worker failure the nodes' agents export."""
+    return [(r, f) for port in ports for r, s in _scrape(port).items() for f in s.worker_failures]
+
+
+def test_frozen_then_sigkilled_rank_1_restarts_the_workers_in_place_and_resumes_from_checkpoint(tmp_path):
+    """No group restart, twice. First rank 1 freezes (alive, never stepping again: the default
+    failurePolicy.restartOnHang): its node's agent kills its worker once it made no progress for
+    hangTimeoutSeconds, and the failure names the stall. Then its new worker is SIGKILLed. Each
+    time torchrun's agents restart every node's workers where they are (c10d rendezvous), the
+    node's metrics name the failure and each rank's first step after it, the node logs mark each
+    start, and the run still takes exactly its steps. A step lasts DDPJOB_DEBUG_STEP_SLEEP or more,
+    so the frozen rank's last progress is a step older than rank 0's (which waits in the next
+    all-reduce): its agent kills it first, the earliest failure, the one the operator names."""
+    job = write_job(tmp_path / "killme.yaml", name="killme", max_restarts=3, hangTimeoutSeconds=HANG_TIMEOUT,
+                    trainer={"dataset": "digits", "model": "convnet", "epochs": 2, "maxSteps": STEPS, "batchSize": 32,
+                             "lr": 0.05, "checkpoint": {"dir": "ckpt", "everySteps": 1, "keep": 2}})
     summary = tmp_path / "summary.json"
     work = tmp_path / "work"
     ports = free_ports(2, consecutive=True)
     proc = subprocess.Popen(
         [*DDPJOB, "run", str(job), "--local", "--no-progress", "--summary-json", str(summary),
          "--workdir", str(work), "--metrics-port-base", str(ports[0])],
-        env={**os.environ, "DDPJOB_DEBUG_STEP_SLEEP": "0.15"}, cwd=REPO,
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        env={**os.environ, "DDPJOB_DEBUG_STEP_SLEEP": "0.5", "DDPJOB_DEBUG_FREEZE_RANK": f"1:{FREEZE_AT}"},
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        deadline = time.monotonic() + 180
+        deadline = time.monotonic() + 420
+        stall = None
+        while time.monotonic() < deadline and stall is None:
+            assert proc.poll() is None, proc.stdout.read()[-3000:]
+            failures = _failures(ports)
+            stall = next(((r, f) for r, f in failures if f["error"].startswith("stalled:")), None)
+            time.sleep(0.2)
+        assert stall, "rank 1's agent never restarted it for its stall"
+        rank, failure = stall
+        assert rank == 1 and failure["restarted"] == "true" and failure["signal"] == "SIGKILL", failures
+        assert STALL_ERROR_RE.match(failure["error"]), failure  # what the operator shows as reason Stalled
+        assert failure["error"].endswith(f"s in training after step {FREEZE_AT - 1} (hang timeout {HANG_TIMEOUT}s)")
+        # Rank 0, waiting in the next all-reduce, failed after it, if at all.
+        assert all(f["time"] > failure["time"] for r, f in failures if r == 0), failures
         killed = None
         while time.monotonic() < deadline and killed is None:
             assert proc.poll() is None, proc.stdout.read()[-3000:]
             # Any checkpoint of step 10 or later (keep 2 prunes step 10's soon after; a loaded
-            # machine's poll may miss that window).
+            # machine's poll may miss that window), long after the restart for the stall.
             saved = [int(p.name[5:]) for p in (work / "ckpt").glob("step-*") if p.name[5:].isdigit()]
             if saved and max(saved) >= 10:
                 pid = _find_worker("killme", 1)
@@ -107,20 +137,21 @@ def test_sigkill_of_rank_1_restarts_the_workers_in_place_and_resumes_from_checkp
                     killed = pid
             time.sleep(0.2)
         assert killed, "never saw a checkpoint at step 10 and a rank-1 worker to kill"
-        # Node 1's agent reports the failure; then every rank's new worker steps.
-        failure, firsts = None, {}
-        while time.monotonic() < deadline and (failure is None or len(firsts) < 2):
+        # Rank 1's node's agent reports the failure; then every rank's new worker steps.
+        sigkill, firsts = None, {}
+        while time.monotonic() < deadline and (sigkill is None or len(firsts) < 2):
             assert proc.poll() is None, proc.stdout.read()[-3000:]
-            samples = {**_scrape(ports[0]), **_scrape(ports[1])}
-            failures = [f for f in getattr(samples.get(1), "worker_failures", [])]
-            failure = failure or next((f for f in failures if f["signal"] == "SIGKILL"), None)
-            if failure is not None:
+            sigkill = sigkill or next((f for r, f in _failures(ports) if r == 1 and f["signal"] == "SIGKILL"
+                                       and not f["error"].startswith("stalled:")), None)
+            if sigkill is not None:
+                samples = {**_scrape(ports[0]), **_scrape(ports[1])}
                 firsts = {r: s.first_step_timestamp for r, s in samples.items()
-                          if s.first_step_timestamp and s.first_step_timestamp > failure["time"]}
+                          if s.first_step_timestamp and s.first_step_timestamp > sigkill["time"]}
             time.sleep(0.2)
-        assert failure and failure["restarted"] == "true" and failure["exit_code"] == "-9", failure
+        assert sigkill and sigkill["restarted"] == "true" and sigkill["exit_code"] == "-9", sigkill
+        assert sigkill["error"] == "killed by SIGKILL", sigkill
         assert len(firsts) == 2, f"not every rank stepped after the restart: {firsts}"
-        print(f"in place: SIGKILL to every rank's next step in {max(firsts.values()) - failure['time']:.2f}s")
+        print(f"in place: SIGKILL to every rank's next step in {max(firsts.values()) - sigkill['time']:.2f}s")
         out, _ = proc.communicate(timeout=300)
     finally:
         if proc.poll() is None:
@@ -130,11 +161,13 @@ def test_sigkill_of_rank_1_restarts_the_workers_in_place_and_resumes_from_checkp
     assert proc.returncode == 0, out[-3000:]
     assert s["phase"] == "Succeeded"
     assert s["restarts"] == 0 and "restarting the whole group" not in out  # no group restart
-    assert s["resumed_from_step"] >= 5
-    assert s["steps"] == 69  # 3 epochs x ceil(719/32) steps: nothing lost, nothing repeated
-    for node in (0, 1):
-        log = (work / "logs" / "attempt-0" / f"node-{node}.log").read_text()
-        assert "==> ddpjob: attempt 0 restart 0 <==" in log and "==> ddpjob: attempt 0 restart 1 <==" in log, log[-2000:]
+    assert s["resumed_from_step"] >= 9
+    assert s["steps"] == STEPS  # nothing lost, nothing repeated
+    logs = [(work / "logs" / "attempt-0" / f"node-{node}.log").read_text() for node in (0, 1)]
+    assert any("[ddpjob-agent] rank 1 stalled: no progress" in log for log in logs), logs[1][-2000:]
+    for log in logs:
+        for restart in (0, 1, 2):
+            assert f"==> ddpjob: attempt 0 restart {restart} <==" in log, log[-2000:]
 
 
 def test_missing_dataset_is_a_bad_configuration_and_is_not_retried(tmp_path):

@@ -184,3 +184,14 @@ def test_mlflow_credentials_come_only_from_the_named_secret():
     assert not set(SECRET_ENV) & {e["name"] for e in untracked}
     by_default = pod_env(job(trainer={"mlflow": {"credentialsSecret": "c"}}), 0, mlflow_tracking_uri="http://p")
     assert set(SECRET_ENV) <= {e["name"] for e in by_default}
+
+
+@pytest.mark.parametrize("spec,restart,timeout", [
+    ({}, "1", None),                                                  # the default: restart in place
+    ({"hangTimeoutSeconds": 90}, "1", "90"),
+    ({"hangTimeoutSeconds": 90, "failurePolicy": {"restartOnHang": False}}, "0", "90"),
+])
+def test_the_agents_watchdog_gets_restart_on_hang_and_the_hang_timeout(spec, restart, timeout):
+    env = env_dict(pod_env(job(**spec), 0))
+    assert env["DDPJOB_RESTART_ON_HANG"] == restart
+    assert env.get("DDPJOB_HANG_TIMEOUT_SECONDS") == timeout  # unset: the agent derives it as the monitor does

@@ -143,6 +143,21 @@ def test_stall_names_the_rank_behind_and_clears_when_training_resumes():
     assert [(f.kind, f.active) for f in resumed] == [(STALLED, False)]
 
 
+def test_a_stall_is_overdue_for_a_group_restart_after_a_second_timeout_and_not_after_progress():
+    job, h = Job(world=2), HealthTracker(hang_timeout=30)
+    h.update(job.advance(), now=0)
+    frozen = job.advance(frozen=1)
+    h.update(frozen, now=1)
+    h.update(frozen, now=32)
+    assert STALLED in h.active and not h.overdue           # the pods' agents restart in place now
+    h.update(frozen, now=60)
+    assert not h.overdue                                   # 59 s < 2 x 30 s
+    h.update(frozen, now=62)
+    assert h.overdue                                       # no restart in place came
+    h.update(job.advance(), now=63)
+    assert STALLED not in h.active and not h.overdue
+
+
 def test_stall_uses_step_started_when_steps_are_equal():
     job, h = Job(world=2), HealthTracker(hang_timeout=5)
     s = job.advance()
@@ -153,7 +168,7 @@ def test_stall_uses_step_started_when_steps_are_equal():
 
 
 def test_default_hang_timeout_from_observed_step_time():
-    h = HealthTracker(min_hang_timeout=300, hang_step_multiple=20)
+    h = HealthTracker()
     assert h.effective_hang_timeout() == 300
     job = Job(world=2, compute=30.0)                        # 30 s iterations -> 20 x 30 s = 600 s
     for i in range(3):

@@ -44,6 +44,27 @@ def step(prev: dict, ranks: dict, *, job=None) -> tuple[dict, list]:
     return job_status(job, Group.of([make_pod(0), make_pod(1)]), now=NOW, prev_status=prev, report=Report(ranks=ranks))
 
 
+STALL = "stalled: no progress for 31s in training after step 6 (hang timeout 30s)"
+
+
+@pytest.mark.parametrize("error,reason,message", [
+    (STALL, "Stalled", STALL),                          # the agent's own words: shown without logTailInStatus
+    ("stalled: no progress for 31s in training; rm -rf (hang timeout 30s)", None, None),  # not its form
+    ("killed by SIGKILL", None, None),
+])
+def test_a_worker_killed_for_a_stall_is_an_in_place_restart_with_reason_stalled(error, reason, message):
+    ranks = {0: Sample("j-0", "n0"), 1: Sample("j-1", "n1", worker_failures=[failure(T0, error=error)])}
+    st, events = step(running_status(), ranks)
+    (entry,) = st["restartHistory"]
+    assert (entry["rank"], entry["pod"], entry["node"]) == (1, "j-1", "n1")
+    assert (entry.get("reason"), entry.get("message")) == (reason, message)
+    assert st["inPlaceRestarts"] == 1  # counted against failurePolicy.maxRestarts like any failure
+    if reason:
+        c = cond(st, "Restarting")
+        assert f"rank 1 (pod j-1 on node n1) {STALL}: its agent killed the worker" in c["message"]
+        assert f"rank 1 (pod j-1 on node n1) {STALL}" in events[0][2]
+
+
 def test_a_killed_worker_is_one_restart_attributed_to_its_rank_pod_and_node_then_its_recovery():
     ranks = {0: Sample("j-0", "n0"), 1: Sample("j-1", "n1", worker_failures=[failure(T0)])}
     st, events = step(running_status(), ranks)

@@ -194,13 +194,21 @@ def test_suspend_and_resume():
     assert d.start_time == NOW  # the deadline clock restarts on resume
 
 
-def test_stalled_restarts_only_with_restart_on_hang():
+@pytest.mark.parametrize("policy,overdue,restarts", [
+    ({}, False, False),                         # stalled, or not: the pods' agents restart in place first
+    ({}, True, True),                           # still stalled a timeout later: the group (the default)
+    ({"restartOnHang": True}, True, True),      # an old manifest's true: the same
+    ({"restartOnHang": False}, True, False),    # off: Stalled is only a condition
+])
+def test_a_stall_restarts_the_group_only_once_overdue_and_only_with_restart_on_hang(policy, overdue, restarts):
     pods = [make_pod(0), make_pod(1)]
-    assert decide(make_job(nodes=2), Group.of(pods), now=NOW, prev_status=running_status(),
-                  stalled=True).phase is Phase.RUNNING
-    d = decide(make_job(nodes=2, failurePolicy={"restartOnHang": True}), Group.of(pods), now=NOW,
-               prev_status=running_status(), stalled=True)
-    assert d.phase is Phase.RESTARTING and d.reason == "Stalled" and d.counted_restarts == 1
+    d = decide(make_job(nodes=2, failurePolicy=policy), Group.of(pods), now=NOW, prev_status=running_status(),
+               hang_overdue=overdue)
+    if restarts:
+        assert d.phase is Phase.RESTARTING and d.reason == "Stalled" and d.counted_restarts == 1
+        assert "not restarted in place" in d.message
+    else:
+        assert d.phase is Phase.RUNNING and not d.delete_pods
 
 
 @pytest.mark.parametrize("waited,flagged", [(10, False), (400, True)])

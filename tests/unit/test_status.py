@@ -110,6 +110,7 @@ class Report:
     conditions: list = field(default_factory=list)
     events: list = field(default_factory=list)
     stalled: bool = False
+    hang_overdue: bool = False
     mlflow_run: tuple | None = None
     ranks: dict = field(default_factory=dict)
 

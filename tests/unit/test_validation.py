@@ -116,7 +116,7 @@ def test_defaults_come_from_the_crd():
     spec = apply_defaults(GOOD)["spec"]
     assert spec["nprocPerNode"] == "auto" and spec["gpusPerNode"] == 0
     assert spec["masterPort"] == 29500 and spec["metricsPort"] == 9400
-    assert spec["failurePolicy"] == {"maxRestarts": 3, "restartOnHang": False, "logTailInStatus": False,
+    assert spec["failurePolicy"] == {"maxRestarts": 3, "restartOnHang": True, "logTailInStatus": False,
                                      "keepFailedAttempts": 1}
     assert spec["launcher"] is True and spec["cleanPodPolicy"] == "Running" and spec["suspend"] is False
     assert "suspend" not in GOOD["spec"]  # input untouched

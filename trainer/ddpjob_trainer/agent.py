@@ -1,7 +1,7 @@
 """`python -m ddpjob_trainer.agent [torchrun flags] ...`: torchrun, counted and attributed.
 
 The launcher runs the built-in trainer under this instead of `python -m torch.distributed.run`.
-It is torchrun itself (same flags, same PET_* env, same agent), with two hooks into its agent
+It is torchrun itself (same flags, same PET_* env, same agent), with three hooks into its agent
 (torchapi.hook_agent):
 
 - before each start of this pod's workers it prints the marker line (contract.INPLACE_MARKER:
@@ -10,7 +10,11 @@ It is torchrun itself (same flags, same PET_* env, same agent), with two hooks i
 - when a worker fails it exports the failure on the pod's metrics endpoint
   (contract.WORKER_FAILURE: rank, exit code, signal, the error's first line, whether the agent
   restarts in place, the step the rank had finished), which the operator turns into
-  status.restartHistory.
+  status.restartHistory;
+- while the workers run, its watchdog (failurePolicy.restartOnHang) kills the worker of a rank
+  that made no progress for the job's hang timeout (contract.hang_timeout, the operator's Stalled
+  rule), its failure record naming the stall (contract.STALL_ERROR): torchrun then restarts every
+  pod's workers in place as for any failure, counted and attributed the same way.
 
 Why torchrun's agent restarts the workers in place (not a supervisor of ours): it already
 restarts a pod's workers where they are (`--max-restarts`), and through the c10d rendezvous every
@@ -20,13 +24,21 @@ PET_MAX_RESTARTS, the operator's the whole job's (failurePolicy.maxRestarts).
 """
 from __future__ import annotations
 
+import glob
 import os
+import signal
 import sys
-from typing import Any
+import time
+from dataclasses import dataclass
+from typing import Any, Mapping
 
 from . import contract
 
 ERROR_CHARS = 200  # the error's first line as a label: a pod's exposition stays small
+# How often the watchdog reads its ranks' progress (torchrun looks at its workers every 0.1 s).
+# Across pods the earliest kill is named as the cause, and the rank that stopped first reaches its
+# timeout first (its peers made at least one step or stage more), so this is kept short of a step.
+WATCH_SECONDS = 0.1
 
 
 def error_line(status_dir: str | None, rank: int, failure: Any) -> str:
@@ -62,6 +74,129 @@ def steps_reached(metrics_dir: str) -> dict[str, int]:
         return {}
 
 
+@dataclass(frozen=True)
+class Progress:
+    """What one rank last reported (its metrics in the pod's multiprocess directory)."""
+
+    stage: str | None
+    since: float                 # Unix time of its last progress: its last step or its stage's start
+    step: int | None = None      # steps done (None: no step yet)
+    step_seconds: float | None = None  # mean step time
+
+
+def stalled(ranks: Mapping[int, Progress], *, configured: float | None, started_at: float,
+            now: float) -> dict[int, str]:
+    """{rank: the failure record} of the ranks that made no progress for their hang timeout
+    (contract.hang_timeout: the monitor's rule, per rank); `started_at`: when the agent started
+    the workers running now. A rank whose worker reported nothing since then (what it reported
+    before is an earlier worker's) is still starting its interpreter and importing torch: killing
+    it would only start that again, so it is left to the operator, which restarts the group when
+    the job is still Stalled a second hang timeout later."""
+    out = {}
+    for rank, p in sorted(ranks.items()):
+        if p.since < started_at:
+            continue
+        stage = p.stage or "rendezvous"
+        timeout = contract.hang_timeout(configured, stage=None if p.step is None else stage,
+                                        step_seconds=p.step_seconds)
+        idle = now - p.since
+        if idle >= timeout:
+            out[rank] = contract.stall_error(idle=idle, stage=stage, step=p.step, timeout=timeout)
+    return out
+
+
+def read_progress(metrics_dir: str) -> dict[int, Progress]:
+    """Each rank's Progress from the pod's multiprocess metrics directory (what the pod's endpoint
+    serves, read without HTTP)."""
+    from prometheus_client.multiprocess import MultiProcessCollector
+
+    values: dict[int, dict[str, Any]] = {}
+    for family in MultiProcessCollector.merge(glob.glob(os.path.join(metrics_dir, "*.db"))):
+        for s in family.samples:
+            name = s.name[len(contract.METRIC_PREFIX):] if s.name.startswith(contract.METRIC_PREFIX) else ""
+            rank = s.labels.get("rank", "")
+            if not name or not rank.isdigit():
+                continue
+            v = values.setdefault(int(rank), {})
+            if name == contract.STAGE:
+                if s.value == 1:
+                    v["stage"] = s.labels.get("stage")
+            elif name in (contract.STEP, contract.LAST_STEP_TIMESTAMP, contract.STAGE_START_TIMESTAMP,
+                          contract.STEP_SECONDS + "_sum", contract.STEP_SECONDS + "_count"):
+                v[name] = v.get(name, 0.0) + s.value if name.startswith(contract.STEP_SECONDS) else s.value
+    out = {}
+    for rank, v in values.items():
+        count = v.get(contract.STEP_SECONDS + "_count") or 0.0
+        step = v.get(contract.STEP)
+        out[rank] = Progress(stage=v.get("stage"),
+                             since=max(v.get(contract.LAST_STEP_TIMESTAMP, 0.0), v.get(contract.STAGE_START_TIMESTAMP, 0.0)),
+                             step=int(step) if step is not None else None,
+                             step_seconds=v.get(contract.STEP_SECONDS + "_sum", 0.0) / count if count else None)
+    return out
+
+
+def _running_child(pid: int) -> bool:
+    """True while `pid` is a live child of this process: a worker that already exited (its rank done
+    before its peers) is neither judged nor signalled, and its pid may have gone to another process."""
+    import psutil
+
+    try:
+        proc = psutil.Process(pid)
+        return proc.ppid() == os.getpid() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+class Watchdog:
+    """Kills the worker of a stalled rank (`stalled`), so that torchrun restarts the workers in place."""
+
+    def __init__(self, env: Mapping[str, str], clock: Any = time.time) -> None:
+        self.metrics_dir = env.get(contract.ENV_METRICS_DIR, "")
+        self.status_dir = env.get(contract.ENV_STATUS_DIR, "")
+        self.enabled = (env.get(contract.ENV_RESTART_ON_HANG) == "1" and bool(self.metrics_dir)
+                        and env.get(contract.ENV_TELEMETRY, "1") != "0")
+        raw = env.get(contract.ENV_HANG_TIMEOUT, "")
+        self.configured = float(raw) if raw.strip().isdigit() else None
+        self.clock = clock
+        self.started_at = 0.0
+        self.looked_at = 0.0
+        self.killed: set[int] = set()
+
+    def on_start(self) -> None:
+        self.started_at = self.clock()
+
+    def on_monitor(self, _agent: Any, group: Any) -> None:
+        now = self.clock()
+        if not self.enabled or now - self.looked_at < WATCH_SECONDS:
+            return
+        self.looked_at = now
+        pids = {int(w.global_rank): w.id for w in getattr(group, "workers", [])
+                if isinstance(w.id, int) and _running_child(w.id)}
+        try:
+            progress = {r: p for r, p in read_progress(self.metrics_dir).items() if r in pids}
+        except Exception as exc:  # noqa: BLE001 - a watchdog that cannot read must not end the training it watches
+            print(f"[ddpjob-agent] WARNING the hang watchdog stops: cannot read the ranks' metrics ({exc})",
+                  file=sys.stderr, flush=True)
+            self.enabled = False
+            return
+        for rank, why in stalled(progress, configured=self.configured, started_at=self.started_at, now=now).items():
+            pid = pids[rank]
+            if pid in self.killed:
+                continue
+            self.killed.add(pid)
+            print(f"[ddpjob-agent] rank {rank} {why}: killing its worker (pid {pid}) to restart in place",
+                  file=sys.stderr, flush=True)
+            if self.status_dir:
+                # The failure's record: what on_failure exports as its error and the operator shows.
+                os.makedirs(self.status_dir, exist_ok=True)
+                with open(os.path.join(self.status_dir, f"failed-rank-{rank}.txt"), "w") as f:
+                    f.write(why + "\n")
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:  # it ended since: torchrun sees how
+                pass
+
+
 class Hooks:
     """What the agent's hooks keep: the starts so far and the failure series."""
 
@@ -70,8 +205,10 @@ class Hooks:
         self.starts = 0
         self.attempt = env.get(contract.ENV_ATTEMPT, "0")
         self._gauge: Any = None
+        self.watchdog = Watchdog(env)
 
     def on_start(self, _agent: Any, _group: Any) -> None:
+        self.watchdog.on_start()
         restart = self.starts
         self.starts += 1
         # The workers inherit the agent's environment (torchrun adds its own on top).
@@ -130,7 +267,7 @@ def main() -> None:
     from . import torchapi
 
     hooks = Hooks()
-    if not torchapi.hook_agent(hooks.on_start, hooks.on_failure):
+    if not torchapi.hook_agent(hooks.on_start, hooks.on_failure, hooks.watchdog.on_monitor):
         print("[ddpjob-agent] WARNING this torch's agent has no hooks: in-place restarts are not "
               "counted on the metrics endpoint", file=sys.stderr, flush=True)
     run.main()

@@ -140,6 +140,39 @@ STAGES = ("waiting_for_master", "rendezvous", "process_group_init", "first_step"
           "checkpoint")
 STAGE_START_TIMESTAMP = "stage_start_timestamp_seconds"
 
+# Stalled: no progress (a step, or a rank beginning a stage) for the job's hang timeout. One rule
+# for the operator's monitor (decisions/health.py: the Stalled condition, the group restart when
+# nothing else helped) and each pod's agent (agent.py: a stalled rank's workers restarted in place).
+ENV_HANG_TIMEOUT = "DDPJOB_HANG_TIMEOUT_SECONDS"  # spec.hangTimeoutSeconds; unset: hang_timeout derives it
+ENV_RESTART_ON_HANG = "DDPJOB_RESTART_ON_HANG"    # "1": failurePolicy.restartOnHang (the agent's watchdog on)
+MIN_HANG_TIMEOUT = 300.0       # while stepping, at least this
+HANG_STEP_MULTIPLE = 20.0      # ... or this many step times
+STARTUP_HANG_TIMEOUT = 600.0   # before the first step and in eval/checkpoint (the trainer's own start-up limits)
+HANG_PAUSES = ("eval", "checkpoint")  # stages between steps, judged from their own start
+# The error line of a worker the agent killed for a stall (its failure record; the operator matches
+# it, STALL_ERROR_RE, to give the in-place restart the reason Stalled).
+STALL_ERROR = "stalled: no progress for {idle:.0f}s in {stage} (hang timeout {timeout:.0f}s)"
+STALL_ERROR_RE = re.compile(r"^stalled: no progress for \d+s in [a-z_]+( after step \d+)? \(hang timeout \d+s\)$")
+
+
+def hang_timeout(configured: float | None, *, stage: str | None, step_seconds: float | None = None) -> float:
+    """The hang timeout in force for a job (or a rank) in `stage` (None: before its first step):
+    `configured` (spec.hangTimeoutSeconds) when set; else, while stepping, max(MIN_HANG_TIMEOUT,
+    HANG_STEP_MULTIPLE x the step time), and before the first step or in a pause at least
+    STARTUP_HANG_TIMEOUT (a start-up the trainer itself still waits for is no hang)."""
+    if configured:
+        return float(configured)
+    derived = max(MIN_HANG_TIMEOUT, HANG_STEP_MULTIPLE * step_seconds) if step_seconds else MIN_HANG_TIMEOUT
+    if stage is None or stage in HANG_PAUSES:
+        return max(STARTUP_HANG_TIMEOUT, derived)
+    return derived
+
+
+def stall_error(*, idle: float, stage: str, step: int | None, timeout: float) -> str:
+    """The failure record of a worker killed for a stall (STALL_ERROR)."""
+    where = stage + (f" after step {step}" if step is not None else "")
+    return STALL_ERROR.format(idle=idle, stage=where, timeout=timeout)
+
 
 @dataclass
 class RunResult:

@@ -9,6 +9,9 @@ DDPJOB_DEBUG_FREEZE_STAGE="<rank>:<stage>"  that rank freezes on entering the st
                                             a job that hangs before its first step)
 DDPJOB_DEBUG_SAMPLE_LOG="<dir>"             every rank appends "<step> <epoch> <sample indices...>" for each
                                             step it took to <dir>/rank-<rank>.log (which samples were seen)
+
+The freezes, like the crash, happen in the first start of attempt 0 only: a restart (in place, by
+failurePolicy.restartOnHang, or of the group) recovers, as from a real one-off hang.
 """
 from __future__ import annotations
 
@@ -48,9 +51,9 @@ class Knobs:
         f_rank, _, f_stage = (env.get("DDPJOB_DEBUG_FREEZE_STAGE") or "").partition(":")
         log_dir = env.get("DDPJOB_DEBUG_SAMPLE_LOG")
         return cls(sample_log=os.path.join(log_dir, f"rank-{rank}.log") if log_dir else None,
-                   freeze_stage=f_stage if f_stage and f_rank == str(rank) else None,
+                   freeze_stage=f_stage if f_stage and f_rank == str(rank) and first_attempt else None,
                    sleep=sleep, slow_fetch=slow[1] if slow and slow[0] == rank else 0.0,
-                   freeze_at=int(freeze[1]) if freeze and freeze[0] == rank else None,
+                   freeze_at=int(freeze[1]) if freeze and freeze[0] == rank and first_attempt else None,
                    crash_at=int(crash[1]) if crash and crash[0] == rank and first_attempt else None)
 
     def before_fetch(self) -> None:

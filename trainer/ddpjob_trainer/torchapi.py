@@ -75,10 +75,11 @@ def torchrun_shutdown_seconds(env: Mapping[str, str] = os.environ) -> float:
         return default
 
 
-def hook_agent(on_start: Any, on_failure: Any) -> bool:
+def hook_agent(on_start: Any, on_failure: Any, on_monitor: Any = None) -> bool:
     """Have torchrun's agent (LocalElasticAgent, in this process) call `on_start(agent, group)`
-    before each start of its workers and `on_failure(agent, group, failures, will_restart)` when
-    workers failed (failures: {global rank: ProcessFailure}); False where this torch lacks the
+    before each start of its workers, `on_monitor(agent, group)` before each look at them (every
+    --monitor-interval, the workers running) and `on_failure(agent, group, failures, will_restart)`
+    when workers failed (failures: {global rank: ProcessFailure}); False where this torch lacks the
     seams, and torchrun runs unhooked (restarts in place all the same, unattributed).
 
     Both are protected methods (`_start_workers`, `_monitor_workers`) that every torch from the
@@ -95,6 +96,8 @@ def hook_agent(on_start: Any, on_failure: Any) -> bool:
         return start(self, worker_group)
 
     def _monitor_workers(self, worker_group):
+        if on_monitor is not None:
+            on_monitor(self, worker_group)
         result = monitor(self, worker_group)
         if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY) and result.failures:
             on_failure(self, worker_group, dict(result.failures), getattr(self, "_remaining_restarts", 0) > 0)

@@ -109,8 +109,8 @@ class JobSpec:
 
     @property
     def restart_on_hang(self) -> bool:
-        """Restart the group when the monitor reports training stalled."""
-        return bool((self.spec.get("failurePolicy") or {}).get("restartOnHang", False))
+        """Restart a stalled job: in place (each pod's agent), the group when that did not help."""
+        return bool((self.spec.get("failurePolicy") or {}).get("restartOnHang", True))
 
     @property
     def log_tail_in_status(self) -> bool:

@@ -246,7 +246,7 @@ class Reconciler:
             prev = dict(obj.get("status") or {})
             now = dt.datetime.now(dt.timezone.utc)
             decision = decide(job, group, now=now, prev_status=prev, config=self.config,
-                              stalled=report is not None and report.stalled)
+                              hang_overdue=report is not None and report.hang_overdue)
             status, events = job_status(job, group, now=now, prev_status=prev, config=self.config,
                                         decision=decision, report=report, podgroup=podgroup)
             if status == prev:

@@ -153,7 +153,11 @@ def pod_env(
         contract.PET_RDZV_ID: f"{job.uid or job.name}-{attempt}",
         contract.PET_MAX_RESTARTS: str(inplace_budget(job)),
         contract.ENV_TORCH_NO_SHARED_RDZV_STORE: "1",
+        # The agent restarts a stalled rank's workers in place, by the monitor's rule (docs/restarts.md).
+        contract.ENV_RESTART_ON_HANG: "1" if job.restart_on_hang else "0",
     })
+    if job.hang_timeout_seconds is not None:
+        env[contract.ENV_HANG_TIMEOUT] = str(job.hang_timeout_seconds)
     if job.uid:
         env[contract.ENV_JOB_UID] = job.uid
     if stop_grace is not None:

@@ -224,6 +224,7 @@ class Monitor:
                 if s.mlflow_run_id and s.mlflow_experiment_id]
         return MonitorReport(progress=prog, conditions=conditions, events=events,
                              stalled=health.STALLED in st.tracker.active,
+                             hang_overdue=health.STALLED in st.tracker.active and st.tracker.overdue,
                              unreachable=bool(targets) and not samples,
                              mlflow_run=runs[0] if runs else None,
                              ranks=samples)

@@ -42,6 +42,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Mapping
 
+from ddpjob_trainer import contract
 from ddpjob_trainer.contract import STAGES
 
 from ddpjob_operator.api.objmeta import format_time
@@ -50,11 +51,12 @@ from ddpjob_operator.decisions.samples import RankSample
 STRAGGLER = "Straggler"
 STALLED = "Stalled"
 
-DEFAULT_MIN_HANG_TIMEOUT = 300.0
-DEFAULT_HANG_STEP_MULTIPLE = 20.0
-DEFAULT_STARTUP_HANG_TIMEOUT = 600.0
 TRAINING = "training"
-_PAUSES = ("eval", "checkpoint")   # stages between steps that are judged from their own start
+_PAUSES = contract.HANG_PAUSES   # stages between steps that are judged from their own start
+# A stall still there this many hang timeouts after it began: the pods' agents, which restart a
+# stalled rank's workers in place at one timeout, could not (a user's own torchrun, an agent stuck
+# in its rendezvous, ...); failurePolicy.restartOnHang then restarts the group.
+GROUP_RESTART_TIMEOUTS = 2
 
 
 @dataclass(frozen=True)
@@ -87,9 +89,6 @@ class HealthTracker:
     straggler_ratio: float = 1.5
     straggler_windows: int = 3
     min_excess_seconds: float = 0.02
-    min_hang_timeout: float = DEFAULT_MIN_HANG_TIMEOUT
-    hang_step_multiple: float = DEFAULT_HANG_STEP_MULTIPLE
-    startup_hang_timeout: float = DEFAULT_STARTUP_HANG_TIMEOUT
     _prev: dict[int, _RankState] = field(default_factory=dict, repr=False)
     _streak: dict[int, int] = field(default_factory=dict, repr=False)
     _calm: dict[int, int] = field(default_factory=dict, repr=False)
@@ -98,19 +97,14 @@ class HealthTracker:
     _advanced_at: float | None = field(default=None, repr=False)
     _stages: dict[int, tuple[str, float | None]] = field(default_factory=dict, repr=False)
     active: dict[str, Finding] = field(default_factory=dict)
+    # Stalled for GROUP_RESTART_TIMEOUTS hang timeouts (as of the last update): no in-place restart came.
+    overdue: bool = False
 
     # ---- public -------------------------------------------------------------------------
     def effective_hang_timeout(self, stage: str | None = TRAINING) -> float:
         """The hang timeout in force now for a job in `stage` (None: before its first step)."""
-        if self.hang_timeout:
-            return float(self.hang_timeout)
-        derived = self.min_hang_timeout
-        if self._iterations:
-            p50 = statistics.median(self._iterations[-50:])
-            derived = max(self.min_hang_timeout, self.hang_step_multiple * p50)
-        if stage is None or stage in _PAUSES:
-            return max(self.startup_hang_timeout, derived)
-        return derived
+        p50 = statistics.median(self._iterations[-50:]) if self._iterations else None
+        return contract.hang_timeout(self.hang_timeout, stage=stage, step_seconds=p50)
 
     def stage(self) -> str | None:
         """The job's stage as last seen: the earliest stage of any rank before the first step,
@@ -194,6 +188,7 @@ class HealthTracker:
         if top != self._max_step or moved:
             self._max_step = top
             self._advanced_at = now
+            self.overdue = False
             if STALLED in self.active:
                 old = self.active.pop(STALLED)
                 what = f"step {top}" if top is not None else f"stage {self.stage()}"
@@ -202,6 +197,7 @@ class HealthTracker:
         idle = now - self._advanced_at
         stage = self.stage()
         timeout = self.effective_hang_timeout(None if top is None else stage)
+        self.overdue = idle >= GROUP_RESTART_TIMEOUTS * timeout
         if idle < timeout or STALLED in self.active:
             return []
         if top is None or stage in _PAUSES:

@@ -7,10 +7,11 @@ pod's metrics endpoint (contract.WORKER_FAILURE) and each worker process its fir
 
 - `status.restartHistory`: one entry per restart, newest last (HISTORY_LIMIT kept): kind `InPlace`
   (attempt, the pod's worker start that failed, rank, pod, node, exit code, signal, with
-  failurePolicy.logTailInStatus the error's first line, the step the rank had finished) or kind
-  `Group` (the attempt that ended, reason, the newest step scraped); once every rank stepped again
-  after it, `resumedFromStep`, `stepsLost` and `recoverySeconds` (failure to the group's first
-  step, on the pods' clocks);
+  failurePolicy.logTailInStatus the error's first line, the step the rank had finished; reason
+  Stalled and the stall's line, always, for a worker its agent killed for a stall
+  (failurePolicy.restartOnHang)) or kind `Group` (the attempt that ended, reason, the newest step
+  scraped); once every rank stepped again after it, `resumedFromStep`, `stepsLost` and
+  `recoverySeconds` (failure to the group's first step, on the pods' clocks);
 - `status.inPlaceRestarts`: how many in-place restarts the job made, charged to
   failurePolicy.maxRestarts with the group restarts (lifecycle.budget_used);
 - `Restarting`: True while an in-place restart has not stepped again;
@@ -25,6 +26,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from ddpjob_trainer.contract import STALL_ERROR_RE
+
 from ddpjob_operator.api.objmeta import format_time
 from ddpjob_operator.decisions.redact import redact
 
@@ -38,6 +41,7 @@ MAX_STEP = 10**12        # a pod's step label beyond this is not believed (sampl
 # Reasons of the Restarting condition for an in-place restart (a group restart's is its cause).
 RESTARTING_IN_PLACE = "RestartingInPlace"
 RESTARTED_IN_PLACE = "RestartedInPlace"
+STALLED = "Stalled"   # an entry's reason: the pod's agent killed the worker for a stall
 
 
 def _int(value: Any, default: int = 0) -> int:
@@ -79,7 +83,10 @@ def observed(ranks: Mapping[int, Any], *, attempt: int, with_log: bool) -> list[
             if _SIGNAL.match(str(f.get("signal") or "")):
                 entry["signal"] = f["signal"]
             error = redact(str(f.get("error") or "")).strip()[:MESSAGE_CHARS]
-            if with_log and error:
+            if STALL_ERROR_RE.match(error):
+                # The agent's own words in a fixed form (no user's text): shown without logTailInStatus.
+                entry["reason"], entry["message"] = STALLED, error
+            elif with_log and error:
                 entry["message"] = error
             out.append(entry)
     return out
@@ -198,6 +205,8 @@ def describe(entry: Mapping[str, Any]) -> str:
     """One line naming an in-place restart: rank, pod, node, exit code, signal, error."""
     how = f"exit code {entry.get('exitCode')}" + (f" ({entry['signal']})" if entry.get("signal") else "")
     where = f"pod {entry.get('pod')}" + (f" on node {entry['node']}" if entry.get("node") else "")
+    if entry.get("reason") == STALLED:
+        return f"rank {entry.get('rank')} ({where}) {entry.get('message')}: its agent killed the worker"
     text = f"the worker of rank {entry.get('rank')} ({where}) failed with {how}"
     return text + (f": {entry['message']}" if entry.get("message") else "")
 

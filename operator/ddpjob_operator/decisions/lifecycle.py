@@ -278,12 +278,13 @@ def finished_claim_holds(job: JobSpec, prev_phase: Phase | None, group: Group, a
 
 
 def decide(job: JobSpec, group: Group, *, now: dt.datetime, prev_status: dict[str, Any] | None,
-           config: OperatorConfig | None = None, stalled: bool = False) -> Decision:
+           config: OperatorConfig | None = None, hang_overdue: bool = False) -> Decision:
     """The next step for `job` given its pods (all attempts) and the previous status.
 
     The group's departed pods (the last state seen of those that vanished: a pod force-deleted by
     PodGC after its node went away is Failed with a DisruptionTarget condition just before) tell a
-    lost node apart from a deleted pod."""
+    lost node apart from a deleted pod. `hang_overdue`: the job has been Stalled for
+    health.GROUP_RESTART_TIMEOUTS hang timeouts (MonitorReport.hang_overdue)."""
     config = config or OperatorConfig()
     prev = prev_status or {}
     prev_phase = Phase.parse(prev.get("phase"))
@@ -332,9 +333,12 @@ def decide(job: JobSpec, group: Group, *, now: dt.datetime, prev_status: dict[st
     current_names = {podinfo.name(c) for c in current.values()}
     stale = [p for p in group.live if podinfo.name(p) not in current_names]
     failures = _failures(job, current, d.attempt, launched=d.launched_attempt == d.attempt, departed=this.departed)
-    if stalled and job.restart_on_hang and prev_phase is Phase.RUNNING:
-        failures.append(Failure(R.STALLED.value, "training stalled (no step progress); failurePolicy.restartOnHang",
-                                counted=True))
+    if hang_overdue and job.restart_on_hang and prev_phase is Phase.RUNNING:
+        # The pods' agents restart a stalled rank's workers in place at one hang timeout; still
+        # stalled a timeout later, that did not work (a user's own torchrun, an agent stuck in its
+        # rendezvous): the group restart is what is left.
+        failures.append(Failure(R.STALLED.value, "training stalled (no progress for twice the hang timeout) and "
+                                "not restarted in place; failurePolicy.restartOnHang", counted=True))
 
     in_place = in_place_restarts(prev)
     fatal = next((f for f in failures if f.fatal), None)

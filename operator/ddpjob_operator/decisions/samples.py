@@ -171,8 +171,11 @@ class MonitorReport:
     progress: dict | None      # status.progress; None = nothing scraped this time (keep the old one)
     conditions: list[dict]     # Straggler / Stalled, metav1.Condition style, merge by type
     events: list[tuple[str, str, str]]   # (Normal|Warning, reason, message) new since the last report
-    stalled: bool              # True -> restart the group when spec.failurePolicy.restartOnHang
+    stalled: bool              # the Stalled condition holds
     unreachable: bool = False  # running pods, none answered: the caller may scrape this job less often
     mlflow_run: tuple[str, str] | None = None  # (run id, experiment id) the ranks report (status.mlflow)
     # This scrape's samples by rank (their worker failures and first steps: decisions/inplace.py).
     ranks: dict[int, RankSample] = field(default_factory=dict)
+    # Stalled for health.GROUP_RESTART_TIMEOUTS hang timeouts: no pod's agent restarted it in place,
+    # so failurePolicy.restartOnHang restarts the group (decisions/lifecycle.py).
+    hang_overdue: bool = False

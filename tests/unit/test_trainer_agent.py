@@ -1,0 +1,106 @@
+"""The agent's watchdog (ddpjob_trainer.agent): which ranks it kills for a stall, read from the
+pod's real multiprocess metrics directory, and what it leaves as the failure's record."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import types
+
+import pytest
+
+from ddpjob_trainer import contract
+from ddpjob_trainer.agent import Progress, Watchdog, read_progress, stalled
+
+NOW = 10_000.0
+
+
+@pytest.mark.parametrize("ranks,configured,started_at,killed", [
+    # stepping: 30 s timeout; rank 1's last step 31 s ago, rank 0's 29 s ago
+    ({0: Progress("training", NOW - 29, step=7), 1: Progress("training", NOW - 31, step=6)}, 30, 0.0, {1}),
+    # the workers started 10 s ago: what ranks reported before is an earlier worker's
+    ({1: Progress("training", NOW - 100, step=6)}, 30, NOW - 10, set()),
+    # ... and 100 s ago, a worker that reported nothing since is still importing: not the agent's to judge
+    ({1: Progress("training", NOW - 200, step=6)}, 30, NOW - 100, set()),
+    ({1: Progress("process_group_init", NOW - 31)}, 30, NOW - 40, {1}),
+    # before the first step, a stage's start is its progress (any stage, the launcher's included)
+    ({0: Progress("first_step", NOW - 31), 1: Progress(None, NOW - 31)}, 30, 0.0, {0, 1}),
+    ({0: Progress("process_group_init", NOW - 29)}, 30, 0.0, set()),
+    # derived timeouts (no hangTimeoutSeconds): 600 s before the first step, max(300, 20 x step) after
+    ({0: Progress("first_step", NOW - 599)}, None, 0.0, set()),
+    ({0: Progress("first_step", NOW - 601)}, None, 0.0, {0}),
+    ({0: Progress("training", NOW - 301, step=3, step_seconds=1.0)}, None, 0.0, {0}),
+    ({0: Progress("training", NOW - 301, step=3, step_seconds=20.0)}, None, 0.0, set()),   # 400 s
+    ({0: Progress("eval", NOW - 301, step=3, step_seconds=1.0)}, None, 0.0, set()),        # a pause: 600 s
+])
+def test_a_rank_without_progress_for_its_hang_timeout_is_stalled(ranks, configured, started_at, killed):
+    assert set(stalled(ranks, configured=configured, started_at=started_at, now=NOW)) == killed
+
+
+def test_the_record_names_the_stall_in_the_form_the_operator_recognizes():
+    (why,) = stalled({1: Progress("training", NOW - 31.4, step=6)}, configured=30, started_at=0.0, now=NOW).values()
+    assert why == "stalled: no progress for 31s in training after step 6 (hang timeout 30s)"
+    assert contract.STALL_ERROR_RE.match(why)
+    (early,) = stalled({0: Progress(None, NOW - 40)}, configured=30, started_at=0.0, now=NOW).values()
+    assert early == "stalled: no progress for 40s in rendezvous (hang timeout 30s)"
+    assert contract.STALL_ERROR_RE.match(early)
+
+
+def _telemetry_writes(metrics_dir: str, script: str, rank: int = 1) -> None:
+    """Run `script` with a Telemetry `tm` of `rank` in a process of its own (as a worker does)."""
+    code = ("from ddpjob_trainer.telemetry import Telemetry\n"
+            f"tm = Telemetry(labels={{'ddpjob': 'j', 'namespace': 'n', 'rank': '{rank}', 'local_rank': '0', "
+            "'node_rank': '1'})\n" + script)
+    subprocess.run([sys.executable, "-c", code], check=True,
+                   env={**os.environ, contract.ENV_METRICS_DIR: metrics_dir})
+
+
+def test_progress_is_read_from_the_ranks_metrics_directory(tmp_path):
+    _telemetry_writes(str(tmp_path), "tm.set_stage('first_step', timestamp=100.0)\n"
+                      "tm.step(step=5, epoch=0, loss=1.0, samples=8, step_seconds=0.5, data_wait_seconds=0.0, "
+                      "timestamp=200.0)\n"
+                      "tm.step(step=6, epoch=0, loss=1.0, samples=8, step_seconds=1.5, data_wait_seconds=0.0, "
+                      "timestamp=210.0)\n")
+    (rank, p), = read_progress(str(tmp_path)).items()
+    assert rank == 1 and p.stage == "training" and p.step == 6 and p.step_seconds == pytest.approx(1.0)
+    assert p.since >= 210.0  # the last step (training began, at the first step, on its own clock)
+
+
+def test_the_watchdog_kills_the_stalled_rank_once_and_leaves_its_record(tmp_path):
+    metrics, status = tmp_path / "metrics", tmp_path / "status"
+    for rank in (0, 1):
+        _telemetry_writes(str(metrics), "tm.set_stage('first_step', timestamp=100.0)\n", rank=rank)
+    victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    done = subprocess.Popen([sys.executable, "-c", "pass"])  # a rank that finished: never signalled
+    done.wait()
+    try:
+        now = [100.0 + 29]
+        dog = Watchdog({contract.ENV_METRICS_DIR: str(metrics), contract.ENV_STATUS_DIR: str(status),
+                        contract.ENV_RESTART_ON_HANG: "1", contract.ENV_HANG_TIMEOUT: "30"}, clock=lambda: now[0])
+        group = types.SimpleNamespace(workers=[types.SimpleNamespace(global_rank=1, id=victim.pid),
+                                               types.SimpleNamespace(global_rank=0, id=done.pid)])
+        dog.on_monitor(None, group)
+        assert victim.poll() is None                       # 29 s < 30 s
+        now[0] += 2
+        dog.on_monitor(None, group)
+        assert victim.wait(timeout=10) == -9
+        assert (status / "failed-rank-1.txt").read_text() == (
+            "stalled: no progress for 31s in first_step (hang timeout 30s)\n")
+        assert dog.killed == {victim.pid} and not (status / "failed-rank-0.txt").exists()
+    finally:
+        victim.kill()
+
+
+def test_a_watchdog_that_cannot_read_the_metrics_stops_and_the_agent_goes_on(tmp_path, capsys):
+    (tmp_path / "gauge_mostrecent_1.db").write_bytes(b"not an mmap of prometheus_client's")
+    dog = Watchdog({contract.ENV_METRICS_DIR: str(tmp_path), contract.ENV_RESTART_ON_HANG: "1"})
+    me = types.SimpleNamespace(global_rank=0, id=os.getpid())
+    dog.on_monitor(None, types.SimpleNamespace(workers=[me]))
+    assert not dog.enabled and "the hang watchdog stops" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("env", [{contract.ENV_RESTART_ON_HANG: "0"}, {contract.ENV_TELEMETRY: "0"}, {}])
+def test_the_watchdog_is_off_without_restart_on_hang_or_metrics(tmp_path, env):
+    base = {contract.ENV_METRICS_DIR: str(tmp_path), contract.ENV_RESTART_ON_HANG: "1"}
+    assert Watchdog(base).enabled
+    assert not Watchdog({**base, **env} if env else {contract.ENV_RESTART_ON_HANG: "1"}).enabled
