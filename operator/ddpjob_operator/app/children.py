@@ -2,10 +2,10 @@
 deleted and created as a pass decided (the Kueue workload is Kueue's, made from the pods' labels).
 
 Creates are idempotent: a 409 is the object already there, ours after an operator restart, or
-someone else's, which is refused. A large group goes out in batches of CREATE_BATCH. What a refused
-create means is decided here, where it happens: `refusal` turns the API's 4xx into a
-`CreateRefusal` that the status only renders (decisions/status.create_refused); anything else (5xx,
-429, a lost connection) is raised for the pass to retry.
+someone else's, which is refused. A group is created in one pass, in slow-start batches
+(`slow_start`). What a refused create means is decided here, where it happens: `refusal` turns the
+API's 4xx into a `CreateRefusal` that the status only renders (decisions/status.create_refused);
+anything else (5xx, 429, a lost connection) is raised for the pass to retry.
 """
 from __future__ import annotations
 
@@ -26,16 +26,29 @@ from ddpjob_operator.builders import gang
 from ddpjob_operator.builders.pods import render_pod
 from ddpjob_operator.builders.service import render_service
 from ddpjob_operator.cluster.cache import Store
-from ddpjob_operator.cluster.k8s import K8s
+from ddpjob_operator.cluster.k8s import IN_FLIGHT, K8s
 from ddpjob_operator.decisions.lifecycle import Decision
 from ddpjob_operator.decisions.refusals import NAME_CONFLICT, CreateRefusal
 
 log = logging.getLogger("ddpjob.controller")
 # Test knob: seconds to wait between pod creations (lets a test kill the operator mid-creation).
 CREATE_DELAY_ENV = "DDPJOB_DEBUG_CREATE_DELAY"
-# Pods POSTed per pass: a larger group is created over several passes (the job kicks itself), so
-# another job's requests queue behind at most one batch in the K8s facade's pool, not a whole group.
-CREATE_BATCH = 32
+
+
+def slow_start(n: int, *, cap: int = IN_FLIGHT) -> list[int]:
+    """Sizes of the batches that create `n` pods, as Kubernetes' Job controller sends them: 1, then
+    doubling up to `cap` (the requests in flight). A template the API server refuses costs one
+    request, not a group's, and a large group soon has every request slot busy; other jobs' requests
+    still get their turn, since the K8s facade hands its slots out round-robin between jobs."""
+    if cap < 1:
+        raise ValueError(f"cap must be >= 1, got {cap}")
+    sizes: list[int] = []
+    size = 1
+    while n > 0:
+        sizes.append(min(size, n))
+        n -= sizes[-1]
+        size = min(size * 2, cap)
+    return sizes
 
 
 def refusal(pod: str, code: int | None, body: Any) -> CreateRefusal | None:
@@ -104,12 +117,12 @@ class Children:
     """Creates and deletes one operator's DDPJob children; remembers which jobs' shared children exist."""
 
     def __init__(self, config: OperatorConfig, k8s: K8s, metrics: OperatorMetrics, pods: Store, *,
-                 kick: Callable[..., None]):
+                 current: Callable[[Any], bool]):
         self.config = config
         self.k8s = k8s
         self.metrics = metrics
         self.pods = pods
-        self._kick = kick    # asks for the job's next pass (the next batch of a large group)
+        self._current = current  # is the job still as decided on: a deleted or edited job's creation stops
         self.create_delay = float(os.environ.get(CREATE_DELAY_ENV) or 0)
         self.services: dict[str, int] = {}         # job uid -> attempt its Service was last seen in
         self.podgroups: dict[str, int] = {}        # job uid -> attempt its PodGroup was last seen in
@@ -180,22 +193,26 @@ class Children:
             pod = render_pod(job, 0, attempt=decision.attempt, config=self.config)
             shared.append((gang.render_podgroup(job, pod), self.podgroups, foreign_podgroup))
         for obj, seen, conflict in shared:
-            refused = await self._ensure_shared(job, obj, attempt=decision.attempt, seen=seen, conflict=conflict)
-            if refused:
-                return [refused]
+            shared_refused = await self._ensure_shared(job, obj, attempt=decision.attempt, seen=seen,
+                                                       conflict=conflict)
+            if shared_refused:
+                return [shared_refused]
+        # The whole group in this pass (its status, the attempt, is stored already), batch after
+        # batch; a refused batch ends it, as in the Job controller: the rest would be refused alike.
         ranks = list(decision.create_ranks)
-        if len(ranks) > CREATE_BATCH:
-            ranks = ranks[:CREATE_BATCH]
-            self._kick(job.namespace, job.name, at_once=True)  # the rest in later passes, other jobs' between
-        pods = [render_pod(job, r, attempt=decision.attempt, config=self.config, restarts=decision.restarts,
-                           counted_restarts=decision.counted_restarts) for r in ranks]
-        if self.create_delay > 0:
-            refusals: list[CreateRefusal] = []
-            for pod in pods:
-                refusals += await self.create_pods(job, [pod])
+        for size in slow_start(len(ranks), cap=1 if self.create_delay > 0 else IN_FLIGHT):
+            if not self._current(job):
+                log.info("%s/%s was deleted or changed: its creation stops", job.namespace, job.name)
+                return []
+            batch, ranks = ranks[:size], ranks[size:]
+            pods = [render_pod(job, r, attempt=decision.attempt, config=self.config, restarts=decision.restarts,
+                               counted_restarts=decision.counted_restarts) for r in batch]
+            refused = await self.create_pods(job, pods)
+            if refused:
+                return refused
+            if self.create_delay > 0:
                 await asyncio.sleep(self.create_delay)
-            return refusals
-        return await self.create_pods(job, pods)
+        return []
 
     async def create_pods(self, job, pods: list[dict[str, Any]]) -> list[CreateRefusal]:
         results = await asyncio.gather(*(self.k8s.create(p) for p in pods), return_exceptions=True)
