@@ -627,22 +627,19 @@ def test_our_own_headless_service_found_by_a_409_is_used():
     assert k8s.jobs["j"]["status"].get("reason") != "FailedCreatePod"
 
 
-@pytest.mark.parametrize("n, cap, want", [
-    (0, 64, []),
-    (1, 64, [1]),
-    (2, 64, [1, 1]),
-    (7, 64, [1, 2, 4]),
-    (8, 64, [1, 2, 4, 1]),
-    (64, 64, [1, 2, 4, 8, 16, 32, 1]),
-    (300, 64, [1, 2, 4, 8, 16, 32, 64, 64, 64, 45]),
-    (10, 4, [1, 2, 4, 3]),
-    (3, 1, [1, 1, 1]),     # DDPJOB_DEBUG_CREATE_DELAY: one pod at a time
+@pytest.mark.parametrize("created, cap, want", [
+    (0, 64, 1),      # the first create alone: a refused template costs one request
+    (1, 64, 2),
+    (3, 64, 4),      # one more per success: 1, 2, 4, 8, ... per round trip
+    (7, 64, 8),
+    (63, 64, 64),
+    (500, 64, 64),
+    (5, 1, 1),       # DDPJOB_DEBUG_CREATE_DELAY: one pod at a time
 ])
-def test_slow_start_doubles_from_one_pod_up_to_the_cap(n, cap, want):
+def test_slow_start_opens_one_more_create_per_success_up_to_the_cap(created, cap, want):
     from ddpjob_operator.app.children import slow_start
 
-    assert slow_start(n, cap=cap) == want
-    assert sum(want) == n
+    assert slow_start(created, cap=cap) == want
 
 
 class SlottedK8s(FakeK8s):
@@ -659,6 +656,8 @@ class SlottedK8s(FakeK8s):
         self.waited: dict[str, list[int]] = {}
         self.busy: dict[str, int] = {}
         self.peak: dict[str, int] = {}
+        self.finished: dict[str, int] = {}
+        self.starts: dict[str, list[tuple[int, int]]] = {}   # (in flight, creates done) as each starts
         self.refuse_pods = False    # every pod create answers 422
 
     async def create(self, obj):
@@ -669,6 +668,7 @@ class SlottedK8s(FakeK8s):
             self.order.append(job)
             self.busy[job] = self.busy.get(job, 0) + 1
             self.peak[job] = max(self.peak.get(job, 0), self.busy[job])
+            self.starts.setdefault(job, []).append((self.busy[job], self.finished.get(job, 0)))
             try:
                 await asyncio.sleep(0)
                 await asyncio.sleep(0)
@@ -678,32 +678,25 @@ class SlottedK8s(FakeK8s):
                 return await super().create(obj)
             finally:
                 self.busy[job] -= 1
+                self.finished[job] = self.finished.get(job, 0) + 1
 
 
-def create_big_and_small(slots: int):
-    """A big job's group created through `slots` request slots; a small job arrives when the big
-    one's largest batch starts. (k8s, the big job's batch sizes, its most creates in flight during
-    each batch)."""
+def create_big_and_small(slots: int) -> SlottedK8s:
+    """A big job's group created through `slots` request slots; a small job arrives as the big
+    one's IN_FLIGHT-th pod create starts."""
     from ddpjob_operator.cluster.k8s import IN_FLIGHT
 
     k8s = SlottedK8s(slots=slots)
     rec = reconciler(k8s, queue=True)
     big = 2 * IN_FLIGHT + 5
-    batches: list[int] = []
-    peaks: list[int] = []
+    calls = []
     create_pods = rec.children.create_pods
 
     async def record(job, pods):
-        if job.name == "big":
-            batches.append(len(pods))
-            if len(pods) == IN_FLIGHT:
-                rec.job_event(k8s.add_job(make_manifest("s", nodes=2)))
-            k8s.peak.pop(job.name, None)
-        try:
-            return await create_pods(job, pods)
-        finally:
-            if job.name == "big":
-                peaks.append(k8s.peak[job.name])
+        calls.append(job.name)
+        if calls.count("big") == IN_FLIGHT and job.name == "big":
+            rec.job_event(k8s.add_job(make_manifest("s", nodes=2)))
+        return await create_pods(job, pods)
     rec.children.create_pods = record  # type: ignore[method-assign]
 
     async def main():
@@ -712,7 +705,7 @@ def create_big_and_small(slots: int):
         await rec.shutdown()
     run(main())
     assert len(set(c[2] for c in k8s.calls if c[:2] == ("create", "Pod"))) == big + 2  # nothing twice
-    return k8s, batches, peaks
+    return k8s
 
 
 def created(k8s: FakeK8s, job: str) -> list[int]:
@@ -720,33 +713,36 @@ def created(k8s: FakeK8s, job: str) -> list[int]:
     return [i for i, c in enumerate(k8s.calls) if c[:2] == ("create", "Pod") and c[2].startswith(f"{job}-")]
 
 
-def test_a_large_group_is_created_in_one_pass_in_slow_start_batches_with_one_status_write():
+def test_a_large_group_is_created_in_one_pass_with_slow_start_and_one_status_write():
     from ddpjob_operator.app.children import slow_start
     from ddpjob_operator.cluster.k8s import IN_FLIGHT
 
-    k8s, batches, peaks = create_big_and_small(IN_FLIGHT)
-    # One pass: batches of 1, 2, 4, ... IN_FLIGHT pods, each wholly in flight at once ...
-    assert batches == slow_start(2 * IN_FLIGHT + 5) and peaks == batches and max(peaks) == IN_FLIGHT
-    # ... after one status write (the attempt, before any pod) and none between batches.
+    k8s = create_big_and_small(IN_FLIGHT)
+    starts = k8s.starts["big"][1:]   # after the Service's create
+    # The first pod create alone, then never more in flight than one more per create done, up to
+    # IN_FLIGHT, which the group reaches ...
+    assert starts[0] == (1, 1) and starts[1][0] == 1, starts[:3]
+    assert all(busy <= slow_start(done - 1) for busy, done in starts), starts
+    assert k8s.peak["big"] == IN_FLIGHT
+    # ... in one pass, after one status write (the attempt, before any pod) and none in between.
     writes = [i for i, c in enumerate(k8s.calls) if c[:2] == ("patch_status", "big")]
     assert len(writes) == 1 and writes[0] < min(created(k8s, "big"))
     # The Service is read back once per attempt, not once per batch.
     assert not [c for c in k8s.calls if c[:2] == ("get_child", "Service")]
 
 
-def test_another_job_is_not_queued_behind_a_large_groups_batch():
-    # Fewer slots than the big job's batch: the small job, arriving as that batch starts, gets its
-    # Service and pods made in turn with the big job's requests (FairSlots), not behind them.
+def test_another_job_is_not_queued_behind_a_large_groups_creates():
+    # Fewer slots than the big job has creates in flight: the small job, arriving meanwhile, gets
+    # its Service and pods made in turn with the big job's requests (FairSlots), not behind them.
     from ddpjob_operator.cluster.k8s import IN_FLIGHT
 
     slots = 8
-    k8s, _, peaks = create_big_and_small(slots)
-    assert max(peaks) == slots
+    k8s = create_big_and_small(slots)
+    assert k8s.peak["big"] == slots
     # Each of its requests (the Service's create, two pods') saw at most the slots already handed
-    # out when it asked and one more of the big job's get a slot first, while up to IN_FLIGHT - slots
-    # of those were queued.
+    # out when it asked and one more of the big job's get a slot first, while many of those queued.
     assert len(k8s.waited["s"]) == 3 and max(k8s.waited["s"]) <= slots + 1, k8s.waited["s"]
-    assert max(k8s.waited["big"]) > IN_FLIGHT // 2    # the big job's own requests did queue
+    assert max(k8s.waited["big"]) > IN_FLIGHT // 2
     assert max(created(k8s, "s")) < max(created(k8s, "big"))
 
 
@@ -786,8 +782,7 @@ def test_a_job_deleted_or_edited_mid_creation_stops_its_creation(change):
 
     async def record(job, pods):
         made = await create_pods(job, pods)
-        if len(pods) == 2:   # the second batch is done
-            change(k8s, rec, job.name)
+        change(k8s, rec, job.name)   # as the first create (alone in flight) is done
         return made
     rec.children.create_pods = record  # type: ignore[method-assign]
 
@@ -796,4 +791,4 @@ def test_a_job_deleted_or_edited_mid_creation_stops_its_creation(change):
         await rec.reconcile(NS, "j")
         await rec.shutdown()
     run(main())
-    assert len([c for c in k8s.calls if c[:2] == ("create", "Pod")]) == 3   # batches 1 and 2, no more
+    assert len([c for c in k8s.calls if c[:2] == ("create", "Pod")]) == 1   # no more after the change

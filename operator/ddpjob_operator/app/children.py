@@ -2,7 +2,7 @@
 deleted and created as a pass decided (the Kueue workload is Kueue's, made from the pods' labels).
 
 Creates are idempotent: a 409 is the object already there, ours after an operator restart, or
-someone else's, which is refused. A group is created in one pass, in slow-start batches
+someone else's, which is refused. A group is created in one pass, with slow start
 (`slow_start`). What a refused create means is decided here, where it happens: `refusal` turns the
 API's 4xx into a `CreateRefusal` that the status only renders (decisions/status.create_refused);
 anything else (5xx, 429, a lost connection) is raised for the pass to retry.
@@ -35,20 +35,16 @@ log = logging.getLogger("ddpjob.controller")
 CREATE_DELAY_ENV = "DDPJOB_DEBUG_CREATE_DELAY"
 
 
-def slow_start(n: int, *, cap: int = IN_FLIGHT) -> list[int]:
-    """Sizes of the batches that create `n` pods, as Kubernetes' Job controller sends them: 1, then
-    doubling up to `cap` (the requests in flight). A template the API server refuses costs one
-    request, not a group's, and a large group soon has every request slot busy; other jobs' requests
-    still get their turn, since the K8s facade hands its slots out round-robin between jobs."""
+def slow_start(created: int, *, cap: int = IN_FLIGHT) -> int:
+    """Pod creates a pass may have in flight once `created` of its creates went through: TCP's
+    slow start, one more per success, so 1, 2, 4, ... per round trip up to `cap`. The Job
+    controller's batches (1, 2, 4, ...) grow the same way, but here a slow request holds up only its
+    own slot, not the next batch. A template the API server refuses costs one request, not a
+    group's; other jobs' requests still get their turn, as the K8s facade hands its slots out
+    round-robin between jobs."""
     if cap < 1:
         raise ValueError(f"cap must be >= 1, got {cap}")
-    sizes: list[int] = []
-    size = 1
-    while n > 0:
-        sizes.append(min(size, n))
-        n -= sizes[-1]
-        size = min(size * 2, cap)
-    return sizes
+    return min(1 + max(created, 0), cap)
 
 
 def refusal(pod: str, code: int | None, body: Any) -> CreateRefusal | None:
@@ -197,22 +193,51 @@ class Children:
                                                        conflict=conflict)
             if shared_refused:
                 return [shared_refused]
-        # The whole group in this pass (its status, the attempt, is stored already), batch after
-        # batch; a refused batch ends it, as in the Job controller: the rest would be refused alike.
-        ranks = list(decision.create_ranks)
-        for size in slow_start(len(ranks), cap=1 if self.create_delay > 0 else IN_FLIGHT):
-            if not self._current(job):
-                log.info("%s/%s was deleted or changed: its creation stops", job.namespace, job.name)
-                return []
-            batch, ranks = ranks[:size], ranks[size:]
-            pods = [render_pod(job, r, attempt=decision.attempt, config=self.config, restarts=decision.restarts,
-                               counted_restarts=decision.counted_restarts) for r in batch]
-            refused = await self.create_pods(job, pods)
-            if refused:
-                return refused
-            if self.create_delay > 0:
-                await asyncio.sleep(self.create_delay)
-        return []
+        # The whole group in this pass (its status, the attempt, is stored already).
+        return await self._create_group(job, decision)
+
+    async def _create_group(self, job, decision: Decision) -> list[CreateRefusal]:
+        """Create the decided ranks' pods, at most `slow_start(created)` at a time. A refusal ends
+        it, as in the Job controller (the rest would be refused alike), and so does a job deleted or
+        edited meanwhile (the next pass decides again); another error is raised once the creates in
+        flight are done, for the pass to retry."""
+        cap = 1 if self.create_delay > 0 else IN_FLIGHT
+        ranks = iter(decision.create_ranks)
+        flying: set[asyncio.Task[list[CreateRefusal]]] = set()
+        created, stop = 0, False
+        refused: list[CreateRefusal] = []
+        error: BaseException | None = None
+        try:
+            while True:
+                while not stop and len(flying) < slow_start(created, cap=cap):
+                    rank = next(ranks, None)
+                    if rank is None:
+                        break
+                    if not self._current(job):
+                        log.info("%s/%s was deleted or changed: its creation stops", job.namespace, job.name)
+                        stop = True
+                        break
+                    pod = render_pod(job, rank, attempt=decision.attempt, config=self.config,
+                                     restarts=decision.restarts, counted_restarts=decision.counted_restarts)
+                    flying.add(asyncio.ensure_future(self.create_pods(job, [pod])))
+                if not flying:
+                    break
+                done, flying = await asyncio.wait(flying, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    if task.exception() is not None:
+                        error, stop = error or task.exception(), True
+                    elif task.result():
+                        refused, stop = refused + task.result(), True
+                    else:
+                        created += 1
+                if self.create_delay > 0:
+                    await asyncio.sleep(self.create_delay)
+        finally:
+            for task in flying:   # the pass was cancelled (the operator stops)
+                task.cancel()
+        if error is not None:
+            raise error
+        return refused
 
     async def create_pods(self, job, pods: list[dict[str, Any]]) -> list[CreateRefusal]:
         results = await asyncio.gather(*(self.k8s.create(p) for p in pods), return_exceptions=True)
