@@ -610,6 +610,25 @@ def test_service_name_taken_by_another_service_is_named_and_no_pod_is_created(ow
     assert not [c for c in k8s.calls if c[:2] == ("create", "Pod")]
 
 
+def test_a_foreign_service_deleted_between_our_post_and_its_read_back_is_posted_again():
+    # Its 409 answered our POST, then its owner deleted it before our read: ours is made before any
+    # pod (pods made without it would rendezvous at a MASTER_ADDR that never resolves).
+    class Vanishing(FakeK8s):
+        async def get_child(self, kind, namespace, name, *, job, api_version="v1"):
+            if kind == "Service":
+                self.objects.pop(("Service", name), None)   # deleted just now
+            return await super().get_child(kind, namespace, name, job=job, api_version=api_version)
+
+    k8s = Vanishing()
+    k8s.objects[("Service", "j")] = {"kind": "Service", "metadata": {"name": "j", "namespace": NS, "uid": "x"},
+                                     "spec": {"clusterIP": "10.0.0.1"}}
+    rec = reconciler(k8s)
+    first_pass(k8s, rec)
+    assert [c[:2] for c in k8s.calls if c[0] in ("create", "get_child")] == [
+        ("create", "Service"), ("get_child", "Service"), ("create", "Service"), ("create", "Pod"), ("create", "Pod")]
+    assert k8s.objects[("Service", "j")]["spec"]["clusterIP"] == "None"
+
+
 def test_our_own_headless_service_found_by_a_409_is_used():
     # An operator restart: the Service exists and is this job's; pods are created as usual.
     k8s = FakeK8s()

@@ -31,6 +31,8 @@ from ddpjob_operator.decisions.lifecycle import Decision
 from ddpjob_operator.decisions.refusals import NAME_CONFLICT, CreateRefusal
 
 log = logging.getLogger("ddpjob.controller")
+# POSTs of a shared child (Service, PodGroup) answered 409 by one that is gone when read back.
+SHARED_TRIES = 3
 # Test knob: seconds to wait between pod creations (lets a test kill the operator mid-creation).
 CREATE_DELAY_ENV = "DDPJOB_DEBUG_CREATE_DELAY"
 
@@ -159,23 +161,31 @@ class Children:
                 seen[job.uid] = attempt
         if job.uid in seen:
             return None
-        try:
-            created = await self.k8s.create(obj)
-        except ApiException as exc:
-            refused = refusal(name, exc.status, exc.body)
-            if refused is None:
-                raise
-            if exc.status == 404 and kind == gang.KIND:  # the API group is not served: no scheduler CRD
-                refused = dataclasses.replace(refused, message=(
-                    f"this cluster does not serve {api_version} {kind}s: install the scheduler that "
-                    f"spec.scheduling.gang names (or remove spec.scheduling.gang)"))
-            return dataclasses.replace(refused, kind=kind.lower())
-        if created is None:
+        for _ in range(SHARED_TRIES):
+            try:
+                created = await self.k8s.create(obj)
+            except ApiException as exc:
+                refused = refusal(name, exc.status, exc.body)
+                if refused is None:
+                    raise
+                if exc.status == 404 and kind == gang.KIND:  # the API group is not served: no scheduler CRD
+                    refused = dataclasses.replace(refused, message=(
+                        f"this cluster does not serve {api_version} {kind}s: install the scheduler that "
+                        f"spec.scheduling.gang names (or remove spec.scheduling.gang)"))
+                return dataclasses.replace(refused, kind=kind.lower())
+            if created is not None:
+                break
             # 409: after an operator restart it is ours; anyone else's would stand in for ours.
-            found = conflict(job, await self.k8s.get_child(kind, job.namespace, name, job=job.name,
-                                                           api_version=api_version))
-            if found:
-                return found
+            held = await self.k8s.get_child(kind, job.namespace, name, job=job.name, api_version=api_version)
+            if held is not None:
+                found = conflict(job, held)
+                if found:
+                    return found
+                break
+            # Deleted between our POST and this read (someone else's, just removed): POST again,
+            # as pods made now would wait for it forever.
+        else:
+            raise RuntimeError(f"{kind} {name} was there and gone {SHARED_TRIES} times in a row")
         seen[job.uid] = attempt
         return None
 
