@@ -2,7 +2,8 @@
 
 A kick marks a job dirty and starts its worker unless one runs; the worker pauses `debounce`
 seconds (a 64-pod group emits hundreds of pod events), unless the kick was `at_once` (a new job,
-a job's own kick: no burst to fold), runs one pass, and goes on while kicks came in meanwhile. A failed pass is retried with a doubling backoff and never ends the operator.
+a job's own kick: no burst to fold), runs one pass, and goes on while kicks came in meanwhile.
+A failed pass is retried with a doubling backoff and never ends the operator.
 While a live higher-priority peer exists (kopf's peering, `cluster/cache.PeerGate`) passes are held
 back until that peer would be presumed dead, or until the peering object changes. One timer per job
 keeps its soonest delayed pass. Runs on one event loop.
