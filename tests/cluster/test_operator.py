@@ -411,9 +411,13 @@ def test_operator_killed_mid_creation_leaves_no_duplicates(start_operator, k8s):
     slow = start_operator(DDPJOB_DEBUG_CREATE_DELAY="0.3")
     k8s.apply("big", nodes=16, scheduling={"onePodPerNode": False})  # 16 pods on the 4 fake nodes
     wait_for(lambda: len(k8s.pods("big")) >= 3, timeout=30, desc="some pods created")
+    # The group is created in one pass, after the one status write that stores its attempt, and
+    # with none between its batches.
+    mid = api_requests(slow)
     slow.kill()
     created = len(k8s.pods("big"))
     assert 0 < created < 16, f"the kill came too late ({created} pods)"
+    assert mid.get("PATCH ddpjobs/status") == 1 and mid.get("POST pods", 0) >= 3, mid
     start_operator()
     status = k8s.wait_status("big", running(16), "Running 16/16", timeout=60)
     pods = k8s.pods("big")

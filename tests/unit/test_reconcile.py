@@ -115,9 +115,16 @@ class FakeK8s:
         return [c for c in self.calls if c[0] != "event"]
 
 
-def reconciler(k8s: FakeK8s, *, monitor=None, **kw) -> Reconciler:
+def reconciler(k8s: FakeK8s, *, monitor=None, queue: bool = False, **kw) -> Reconciler:
+    """A Reconciler on the fake. Without `queue` the test drives the passes: kicks are recorded in
+    `rec.kicked`, not run (a new job's pass runs at once, and would race the test's own)."""
     cfg = OperatorConfig(namespaces=(NS,), peering="")
-    return Reconciler(cfg, k8s, OperatorMetrics(CollectorRegistry()), monitor=monitor, **kw)
+    rec = Reconciler(cfg, k8s, OperatorMetrics(CollectorRegistry()), monitor=monitor, **kw)
+    if not queue:
+        kicked: list[tuple[str, str]] = []
+        rec.kicked = kicked  # type: ignore[attr-defined]
+        rec.queue.kick = lambda namespace, name, **_: kicked.append((namespace, name))  # type: ignore[method-assign]
+    return rec
 
 
 def set_phase(rec: Reconciler, k8s: FakeK8s, phase: str, *, name: str | None = None, code: int | None = None):
@@ -223,7 +230,7 @@ def test_pods_of_a_lost_node_vanish_and_the_new_group_is_created_without_another
     """PodGC marks a lost node's pods Failed + DisruptionTarget and force-deletes them: the watch
     delivers nothing after the DELETED events, so the restart's own pass must lead to the creates."""
     k8s = FakeK8s()
-    rec = reconciler(k8s)
+    rec = reconciler(k8s, queue=True)
 
     async def main():
         await start_running(k8s, rec)
@@ -315,7 +322,7 @@ def test_status_refused_with_the_monitor_report_is_written_without_it(code):
 
 def test_own_status_write_echo_does_not_trigger_a_pass_but_a_foreign_change_does():
     k8s = FakeK8s()
-    rec = reconciler(k8s)
+    rec = reconciler(k8s, queue=True)
 
     async def main():
         rec.job_event(k8s.add_job(make_manifest()))
@@ -332,7 +339,7 @@ def test_own_status_write_echo_does_not_trigger_a_pass_but_a_foreign_change_does
 
 def test_failed_pass_is_retried_with_backoff():
     k8s = FakeK8s()
-    rec = reconciler(k8s)
+    rec = reconciler(k8s, queue=True)
 
     async def main():
         k8s.fail_status = [500]
@@ -348,7 +355,7 @@ def test_failed_pass_is_retried_with_backoff():
 
 def test_pod_count_changes_coalesce_into_one_later_write():
     k8s = FakeK8s()
-    rec = reconciler(k8s, coalesce=0.5)
+    rec = reconciler(k8s, queue=True, coalesce=0.5)
 
     async def main():
         rec.job_event(k8s.add_job(make_manifest(nodes=2)))
@@ -370,7 +377,7 @@ def test_pod_count_changes_coalesce_into_one_later_write():
 
 def test_forget_leaves_no_state_behind():
     k8s = FakeK8s()
-    rec = reconciler(k8s)
+    rec = reconciler(k8s, queue=True)
 
     async def main():
         await start_running(k8s, rec, nodes=2)
@@ -402,7 +409,7 @@ def test_passes_wait_for_the_pod_cache_to_sync():
     k8s = FakeK8s()
     pods = Store(index_label=labels.JOB_NAME)
     pods.informers = 1   # one informer feeds it and has not listed yet
-    rec = reconciler(k8s, pods=pods)
+    rec = reconciler(k8s, queue=True, pods=pods)
 
     async def main():
         rec.job_event(k8s.add_job(make_manifest()))
@@ -432,7 +439,7 @@ def test_peer_gate_from_the_cached_peering_object(peer_specs, acts):
     k8s = FakeK8s()
     store = Store()
     store.upsert({"metadata": {"name": "ddpjob", "namespace": NS, "resourceVersion": "1"}, "status": peers})
-    rec = reconciler(k8s, gate=PeerGate(store, identity="me", priority=5))
+    rec = reconciler(k8s, queue=True, gate=PeerGate(store, identity="me", priority=5))
 
     async def main():
         rec.job_event(k8s.add_job(make_manifest()))
@@ -603,6 +610,25 @@ def test_service_name_taken_by_another_service_is_named_and_no_pod_is_created(ow
     assert not [c for c in k8s.calls if c[:2] == ("create", "Pod")]
 
 
+def test_a_foreign_service_deleted_between_our_post_and_its_read_back_is_posted_again():
+    # Its 409 answered our POST, then its owner deleted it before our read: ours is made before any
+    # pod (pods made without it would rendezvous at a MASTER_ADDR that never resolves).
+    class Vanishing(FakeK8s):
+        async def get_child(self, kind, namespace, name, *, job, api_version="v1"):
+            if kind == "Service":
+                self.objects.pop(("Service", name), None)   # deleted just now
+            return await super().get_child(kind, namespace, name, job=job, api_version=api_version)
+
+    k8s = Vanishing()
+    k8s.objects[("Service", "j")] = {"kind": "Service", "metadata": {"name": "j", "namespace": NS, "uid": "x"},
+                                     "spec": {"clusterIP": "10.0.0.1"}}
+    rec = reconciler(k8s)
+    first_pass(k8s, rec)
+    assert [c[:2] for c in k8s.calls if c[0] in ("create", "get_child")] == [
+        ("create", "Service"), ("get_child", "Service"), ("create", "Service"), ("create", "Pod"), ("create", "Pod")]
+    assert k8s.objects[("Service", "j")]["spec"]["clusterIP"] == "None"
+
+
 def test_our_own_headless_service_found_by_a_409_is_used():
     # An operator restart: the Service exists and is this job's; pods are created as usual.
     k8s = FakeK8s()
@@ -620,41 +646,168 @@ def test_our_own_headless_service_found_by_a_409_is_used():
     assert k8s.jobs["j"]["status"].get("reason") != "FailedCreatePod"
 
 
-def test_a_large_group_is_created_in_batches_with_another_jobs_pass_between():
-    from ddpjob_operator.app.children import CREATE_BATCH
+@pytest.mark.parametrize("created, cap, want", [
+    (0, 64, 1),      # the first create alone: a refused template costs one request
+    (1, 64, 2),
+    (3, 64, 4),      # one more per success: 1, 2, 4, 8, ... per round trip
+    (7, 64, 8),
+    (63, 64, 64),
+    (500, 64, 64),
+    (5, 1, 1),       # DDPJOB_DEBUG_CREATE_DELAY: one pod at a time
+])
+def test_slow_start_opens_one_more_create_per_success_up_to_the_cap(created, cap, want):
+    from ddpjob_operator.app.children import slow_start
 
-    k8s = FakeK8s()
-    rec = reconciler(k8s)
-    rec.queue.debounce = 0.0   # no pause before a pass: the order below is the queue's, not the clock's
-    big = 3 * CREATE_BATCH + 5
-    batches: list[tuple[str, int]] = []   # (job, pods) of each pass's creates
+    assert slow_start(created, cap=cap) == want
+
+
+class SlottedK8s(FakeK8s):
+    """Creates take a turn in the facade's real FairSlots, as cluster/k8s's do, and hold it across
+    two loop turns; `order` records which job's create got a slot, `waited` how many others got one
+    while it waited for its own, `peak` each job's most in flight."""
+
+    def __init__(self, slots: int) -> None:
+        super().__init__()
+        from ddpjob_operator.cluster.fairqueue import FairSlots
+
+        self.slots = FairSlots(slots)
+        self.order: list[str] = []
+        self.waited: dict[str, list[int]] = {}
+        self.busy: dict[str, int] = {}
+        self.peak: dict[str, int] = {}
+        self.finished: dict[str, int] = {}
+        self.starts: dict[str, list[tuple[int, int]]] = {}   # (in flight, creates done) as each starts
+        self.refuse_pods = False    # every pod create answers 422
+
+    async def create(self, obj):
+        job = obj["metadata"]["labels"].get(labels.JOB_NAME) or obj["metadata"]["name"]
+        asked = len(self.order)
+        async with self.slots.slot(job):
+            self.waited.setdefault(job, []).append(len(self.order) - asked)
+            self.order.append(job)
+            self.busy[job] = self.busy.get(job, 0) + 1
+            self.peak[job] = max(self.peak.get(job, 0), self.busy[job])
+            self.starts.setdefault(job, []).append((self.busy[job], self.finished.get(job, 0)))
+            try:
+                await asyncio.sleep(0)
+                await asyncio.sleep(0)
+                if self.refuse_pods and obj["kind"] == "Pod":
+                    self.calls.append(("create", "Pod", obj["metadata"]["name"]))
+                    raise ApiException(status=422, reason="Invalid")
+                return await super().create(obj)
+            finally:
+                self.busy[job] -= 1
+                self.finished[job] = self.finished.get(job, 0) + 1
+
+
+def create_big_and_small(slots: int) -> SlottedK8s:
+    """A big job's group created through `slots` request slots; a small job arrives as the big
+    one's IN_FLIGHT-th pod create starts."""
+    from ddpjob_operator.cluster.k8s import IN_FLIGHT
+
+    k8s = SlottedK8s(slots=slots)
+    rec = reconciler(k8s, queue=True)
+    big = 2 * IN_FLIGHT + 5
+    calls = []
     create_pods = rec.children.create_pods
 
     async def record(job, pods):
-        batches.append((job.name, len(pods)))
-        if len(batches) == 1:   # the big job's first pass is under way: the small job arrives
+        calls.append(job.name)
+        if calls.count("big") == IN_FLIGHT and job.name == "big":
             rec.job_event(k8s.add_job(make_manifest("s", nodes=2)))
         return await create_pods(job, pods)
     rec.children.create_pods = record  # type: ignore[method-assign]
 
-    def created(job: str) -> list[int]:
-        """Indexes in the call record of this job's pod creates."""
-        return [i for i, c in enumerate(k8s.calls) if c[:2] == ("create", "Pod") and c[2].startswith(f"{job}-")]
-
     async def main():
         rec.job_event(k8s.add_job(make_manifest("big", nodes=big)))
-        await until(lambda: len(created("big")) == big and len(created("s")) == 2, desc="both jobs' pods")
+        await until(lambda: len(created(k8s, "big")) == big and len(created(k8s, "s")) == 2, desc="both jobs' pods")
         await rec.shutdown()
     run(main())
-    big_creates, small_creates = created("big"), created("s")
-    assert len(big_creates) == big and len(small_creates) == 2
-    # The big group went out over several passes, at most CREATE_BATCH pods each, with one status
-    # write (the attempt, before any pod) and not one per batch ...
-    runs = [n for job, n in batches if job == "big"]
-    assert len(runs) >= 4 and max(runs) <= CREATE_BATCH, runs
-    assert len([c for c in k8s.calls[:max(big_creates)] if c[:2] == ("patch_status", "big")]) == 1
-    # ... and the small job, kicked after the big one started, got its pods before the big one was done.
-    assert max(small_creates) < max(big_creates)
     assert len(set(c[2] for c in k8s.calls if c[:2] == ("create", "Pod"))) == big + 2  # nothing twice
+    return k8s
+
+
+def created(k8s: FakeK8s, job: str) -> list[int]:
+    """Indexes in the call record of this job's pod creates."""
+    return [i for i, c in enumerate(k8s.calls) if c[:2] == ("create", "Pod") and c[2].startswith(f"{job}-")]
+
+
+def test_a_large_group_is_created_in_one_pass_with_slow_start_and_one_status_write():
+    from ddpjob_operator.app.children import slow_start
+    from ddpjob_operator.cluster.k8s import IN_FLIGHT
+
+    k8s = create_big_and_small(IN_FLIGHT)
+    starts = k8s.starts["big"][1:]   # after the Service's create
+    # The first pod create alone, then never more in flight than one more per create done, up to
+    # IN_FLIGHT, which the group reaches ...
+    assert starts[0] == (1, 1) and starts[1][0] == 1, starts[:3]
+    assert all(busy <= slow_start(done - 1) for busy, done in starts), starts
+    assert k8s.peak["big"] == IN_FLIGHT
+    # ... in one pass, after one status write (the attempt, before any pod) and none in between.
+    writes = [i for i, c in enumerate(k8s.calls) if c[:2] == ("patch_status", "big")]
+    assert len(writes) == 1 and writes[0] < min(created(k8s, "big"))
     # The Service is read back once per attempt, not once per batch.
     assert not [c for c in k8s.calls if c[:2] == ("get_child", "Service")]
+
+
+def test_another_job_is_not_queued_behind_a_large_groups_creates():
+    # Fewer slots than the big job has creates in flight: the small job, arriving meanwhile, gets
+    # its Service and pods made in turn with the big job's requests (FairSlots), not behind them.
+    from ddpjob_operator.cluster.k8s import IN_FLIGHT
+
+    slots = 8
+    k8s = create_big_and_small(slots)
+    assert k8s.peak["big"] == slots
+    # Each of its requests (the Service's create, two pods') saw at most the slots already handed
+    # out when it asked and one more of the big job's get a slot first, while many of those queued.
+    assert len(k8s.waited["s"]) == 3 and max(k8s.waited["s"]) <= slots + 1, k8s.waited["s"]
+    assert max(k8s.waited["big"]) > IN_FLIGHT // 2
+    assert max(created(k8s, "s")) < max(created(k8s, "big"))
+
+
+def test_a_refused_template_costs_one_pod_create():
+    # The first batch is one pod: a template the API server refuses fails the job after one request.
+    k8s = SlottedK8s(slots=4)
+    k8s.refuse_pods = True
+    rec = reconciler(k8s)
+
+    async def main():
+        rec.job_event(k8s.add_job(make_manifest(nodes=16)))
+        await rec.reconcile(NS, "j")
+        await rec.shutdown()
+    run(main())
+    assert [c for c in k8s.calls if c[:2] == ("create", "Pod")] == [("create", "Pod", "j-0")]
+    status = k8s.jobs["j"]["status"]
+    assert status["phase"] == "Failed" and status["reason"] == "FailedCreatePod", status
+
+
+def suspend(k8s: FakeK8s, rec: Reconciler, name: str) -> None:
+    """The user sets spec.suspend (a new generation); the watch brings it."""
+    obj = k8s.jobs[name]
+    obj["spec"]["suspend"] = True
+    obj["metadata"]["generation"] += 1
+    k8s._bump(obj)
+    rec.job_event(copy.deepcopy(obj))
+
+
+@pytest.mark.parametrize("change", [
+    lambda k8s, rec, name: rec.job_deleted(k8s.jobs.pop(name)),
+    suspend,
+], ids=["deleted", "edited"])
+def test_a_job_deleted_or_edited_mid_creation_stops_its_creation(change):
+    k8s = SlottedK8s(slots=4)
+    rec = reconciler(k8s)
+    create_pods = rec.children.create_pods
+
+    async def record(job, pods):
+        made = await create_pods(job, pods)
+        change(k8s, rec, job.name)   # as the first create (alone in flight) is done
+        return made
+    rec.children.create_pods = record  # type: ignore[method-assign]
+
+    async def main():
+        rec.job_event(k8s.add_job(make_manifest(nodes=16)))
+        await rec.reconcile(NS, "j")
+        await rec.shutdown()
+    run(main())
+    assert len([c for c in k8s.calls if c[:2] == ("create", "Pod")]) == 1   # no more after the change

@@ -2,10 +2,10 @@
 deleted and created as a pass decided (the Kueue workload is Kueue's, made from the pods' labels).
 
 Creates are idempotent: a 409 is the object already there, ours after an operator restart, or
-someone else's, which is refused. A large group goes out in batches of CREATE_BATCH. What a refused
-create means is decided here, where it happens: `refusal` turns the API's 4xx into a
-`CreateRefusal` that the status only renders (decisions/status.create_refused); anything else (5xx,
-429, a lost connection) is raised for the pass to retry.
+someone else's, which is refused. A group is created in one pass, with slow start
+(`slow_start`). What a refused create means is decided here, where it happens: `refusal` turns the
+API's 4xx into a `CreateRefusal` that the status only renders (decisions/status.create_refused);
+anything else (5xx, 429, a lost connection) is raised for the pass to retry.
 """
 from __future__ import annotations
 
@@ -25,16 +25,27 @@ from ddpjob_operator.builders import gang
 from ddpjob_operator.builders.pods import render_pod
 from ddpjob_operator.builders.service import render_service
 from ddpjob_operator.cluster.cache import Store
-from ddpjob_operator.cluster.k8s import K8s
+from ddpjob_operator.cluster.k8s import IN_FLIGHT, K8s
 from ddpjob_operator.decisions.lifecycle import Decision
 from ddpjob_operator.decisions.status import NAME_CONFLICT, CreateRefusal
 
 log = logging.getLogger("ddpjob.controller")
+# POSTs of a shared child (Service, PodGroup) answered 409 by one that is gone when read back.
+SHARED_TRIES = 3
 # Test knob: seconds to wait between pod creations (lets a test kill the operator mid-creation).
 CREATE_DELAY_ENV = "DDPJOB_DEBUG_CREATE_DELAY"
-# Pods POSTed per pass: a larger group is created over several passes (the job kicks itself), so
-# another job's requests queue behind at most one batch in the K8s facade's pool, not a whole group.
-CREATE_BATCH = 32
+
+
+def slow_start(created: int, *, cap: int = IN_FLIGHT) -> int:
+    """Pod creates a pass may have in flight once `created` of its creates went through: TCP's
+    slow start, one more per success, so 1, 2, 4, ... per round trip up to `cap`. The Job
+    controller's batches (1, 2, 4, ...) grow the same way, but here a slow request holds up only its
+    own slot, not the next batch. A template the API server refuses costs one request, not a
+    group's; other jobs' requests still get their turn, as the K8s facade hands its slots out
+    round-robin between jobs."""
+    if cap < 1:
+        raise ValueError(f"cap must be >= 1, got {cap}")
+    return min(1 + max(created, 0), cap)
 
 
 def refusal(pod: str, code: int | None, body: Any) -> CreateRefusal | None:
@@ -97,12 +108,12 @@ class Children:
     """Creates and deletes one operator's DDPJob children; remembers which jobs' shared children exist."""
 
     def __init__(self, config: OperatorConfig, k8s: K8s, metrics: OperatorMetrics, pods: Store, *,
-                 kick: Callable[..., None]):
+                 current: Callable[[Any], bool]):
         self.config = config
         self.k8s = k8s
         self.metrics = metrics
         self.pods = pods
-        self._kick = kick    # asks for the job's next pass (the next batch of a large group)
+        self._current = current  # is the job still as decided on: a deleted or edited job's creation stops
         self.create_delay = float(os.environ.get(CREATE_DELAY_ENV) or 0)
         self.services: dict[str, int] = {}         # job uid -> attempt its Service was last seen in
         self.podgroups: dict[str, int] = {}        # job uid -> attempt its PodGroup was last seen in
@@ -143,23 +154,31 @@ class Children:
                 seen[job.uid] = attempt
         if job.uid in seen:
             return None
-        try:
-            created = await self.k8s.create(obj)
-        except ApiException as exc:
-            refused = refusal(name, exc.status, exc.body)
-            if refused is None:
-                raise
-            if exc.status == 404 and kind == gang.KIND:  # the API group is not served: no scheduler CRD
-                refused = dataclasses.replace(refused, message=(
-                    f"this cluster does not serve {api_version} {kind}s: install the scheduler that "
-                    f"spec.scheduling.gang names (or remove spec.scheduling.gang)"))
-            return dataclasses.replace(refused, kind=kind.lower())
-        if created is None:
+        for _ in range(SHARED_TRIES):
+            try:
+                created = await self.k8s.create(obj)
+            except ApiException as exc:
+                refused = refusal(name, exc.status, exc.body)
+                if refused is None:
+                    raise
+                if exc.status == 404 and kind == gang.KIND:  # the API group is not served: no scheduler CRD
+                    refused = dataclasses.replace(refused, message=(
+                        f"this cluster does not serve {api_version} {kind}s: install the scheduler that "
+                        f"spec.scheduling.gang names (or remove spec.scheduling.gang)"))
+                return dataclasses.replace(refused, kind=kind.lower())
+            if created is not None:
+                break
             # 409: after an operator restart it is ours; anyone else's would stand in for ours.
-            found = conflict(job, await self.k8s.get_child(kind, job.namespace, name, job=job.name,
-                                                           api_version=api_version))
-            if found:
-                return found
+            held = await self.k8s.get_child(kind, job.namespace, name, job=job.name, api_version=api_version)
+            if held is not None:
+                found = conflict(job, held)
+                if found:
+                    return found
+                break
+            # Deleted between our POST and this read (someone else's, just removed): POST again,
+            # as pods made now would wait for it forever.
+        else:
+            raise RuntimeError(f"{kind} {name} was there and gone {SHARED_TRIES} times in a row")
         seen[job.uid] = attempt
         return None
 
@@ -173,22 +192,55 @@ class Children:
             pod = render_pod(job, 0, attempt=decision.attempt, config=self.config)
             shared.append((gang.render_podgroup(job, pod), self.podgroups, foreign_podgroup))
         for obj, seen, conflict in shared:
-            refused = await self._ensure_shared(job, obj, attempt=decision.attempt, seen=seen, conflict=conflict)
-            if refused:
-                return [refused]
-        ranks = list(decision.create_ranks)
-        if len(ranks) > CREATE_BATCH:
-            ranks = ranks[:CREATE_BATCH]
-            self._kick(job.namespace, job.name, at_once=True)  # the rest in later passes, other jobs' between
-        pods = [render_pod(job, r, attempt=decision.attempt, config=self.config, restarts=decision.restarts,
-                           counted_restarts=decision.counted_restarts) for r in ranks]
-        if self.create_delay > 0:
-            refusals: list[CreateRefusal] = []
-            for pod in pods:
-                refusals += await self.create_pods(job, [pod])
-                await asyncio.sleep(self.create_delay)
-            return refusals
-        return await self.create_pods(job, pods)
+            shared_refused = await self._ensure_shared(job, obj, attempt=decision.attempt, seen=seen,
+                                                       conflict=conflict)
+            if shared_refused:
+                return [shared_refused]
+        # The whole group in this pass (its status, the attempt, is stored already).
+        return await self._create_group(job, decision)
+
+    async def _create_group(self, job, decision: Decision) -> list[CreateRefusal]:
+        """Create the decided ranks' pods, at most `slow_start(created)` at a time. A refusal ends
+        it, as in the Job controller (the rest would be refused alike), and so does a job deleted or
+        edited meanwhile (the next pass decides again); another error is raised once the creates in
+        flight are done, for the pass to retry."""
+        cap = 1 if self.create_delay > 0 else IN_FLIGHT
+        ranks = iter(decision.create_ranks)
+        flying: set[asyncio.Task[list[CreateRefusal]]] = set()
+        created, stop = 0, False
+        refused: list[CreateRefusal] = []
+        error: BaseException | None = None
+        try:
+            while True:
+                while not stop and len(flying) < slow_start(created, cap=cap):
+                    rank = next(ranks, None)
+                    if rank is None:
+                        break
+                    if not self._current(job):
+                        log.info("%s/%s was deleted or changed: its creation stops", job.namespace, job.name)
+                        stop = True
+                        break
+                    pod = render_pod(job, rank, attempt=decision.attempt, config=self.config,
+                                     restarts=decision.restarts, counted_restarts=decision.counted_restarts)
+                    flying.add(asyncio.ensure_future(self.create_pods(job, [pod])))
+                if not flying:
+                    break
+                done, flying = await asyncio.wait(flying, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    if task.exception() is not None:
+                        error, stop = error or task.exception(), True
+                    elif task.result():
+                        refused, stop = refused + task.result(), True
+                    else:
+                        created += 1
+                if self.create_delay > 0:
+                    await asyncio.sleep(self.create_delay)
+        finally:
+            for task in flying:   # the pass was cancelled (the operator stops)
+                task.cancel()
+        if error is not None:
+            raise error
+        return refused
 
     async def create_pods(self, job, pods: list[dict[str, Any]]) -> list[CreateRefusal]:
         results = await asyncio.gather(*(self.k8s.create(p) for p in pods), return_exceptions=True)

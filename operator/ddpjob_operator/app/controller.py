@@ -83,10 +83,12 @@ class Reconciler:
         self.jobs = jobs if jobs is not None else Store()
         self.pods = pods if pods is not None else Store(index_label=labels.JOB_NAME)
         self.pods.listeners.append(self._pod_changed)
-        # A short pause before each pass folds a burst of pod events into one pass.
+        # A short pause before a pass that pod events asked for folds their burst into one pass (a
+        # 64-pod group's pods each move three times within a second); a new job and a job's own
+        # kick run at once.
         self.queue = WorkQueue(lambda key, scrape: self.reconcile(*key, scrape=scrape), ready=self.pods.wait_synced,
                                failed=self.metrics.reconcile_errors.inc, gate=gate, debounce=0.1)
-        self.children = Children(config, k8s, metrics, self.pods, kick=self.queue.kick)
+        self.children = Children(config, k8s, metrics, self.pods, current=self._current)
         self.scrape_interval = max(float(config.scrape_interval), 1.0)
         self.progress_interval = max(float(config.progress_interval), 0.0)
         self.coalesce = coalesce
@@ -106,15 +108,22 @@ class Reconciler:
     def job_event(self, obj: dict[str, Any]) -> None:
         """A DDPJob watch event: cache it; pass over it unless it is the echo of our own write."""
         key = key_of(obj)
+        new = self.jobs.get(*key) is None
         self.jobs.upsert(obj, notify=False)
         if resource_version(obj) and self._written_rv.get(key) == resource_version(obj):
             return
-        self.queue.kick(*key)
+        self.queue.kick(*key, at_once=new)  # a new job has no burst to wait for
 
     def job_deleted(self, obj: dict[str, Any]) -> None:
         """A DDPJob is gone (its watch said so)."""
         self.jobs.delete(obj, notify=False)
         self.forget(*key_of(obj), uid=(obj.get("metadata") or {}).get("uid"))
+
+    def _current(self, job) -> bool:
+        """The cache still holds this job as decided on: not deleted, replaced by a namesake or its
+        spec edited (suspended, say); else a creation in progress stops and a pass decides again."""
+        meta = (self.jobs.get(job.namespace, job.name) or {}).get("metadata") or {}
+        return meta.get("uid") == job.uid and int(meta.get("generation") or 0) == job.generation
 
     def _pod_changed(self, etype: str, pod: dict[str, Any]) -> None:
         job_name = ((pod.get("metadata") or {}).get("labels") or {}).get(labels.JOB_NAME)
@@ -293,7 +302,7 @@ class Reconciler:
         if decision.restarted is not None:
             # The new group is created by a later pass once the old pods' names are free; their
             # DELETED events usually bring it, but a lost node's pods were gone before this pass.
-            self.queue.kick(namespace, name)
+            self.queue.kick(namespace, name, at_once=True)
         # Older attempts' records are history.
         gone = Group.of(self._departed.pop(key, {}).values()).between(decision.attempt)
         if gone:

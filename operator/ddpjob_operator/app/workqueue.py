@@ -1,8 +1,9 @@
 """The Reconciler's queue: passes of one job never overlap, bursts fold into one, failures retry.
 
 A kick marks a job dirty and starts its worker unless one runs; the worker pauses `debounce`
-seconds (a 64-pod group emits hundreds of pod events), runs one pass, and goes on while kicks
-came in meanwhile. A failed pass is retried with a doubling backoff and never ends the operator.
+seconds (a 64-pod group emits hundreds of pod events), unless the kick was `at_once` (a new job,
+a job's own kick: no burst to fold), runs one pass, and goes on while kicks came in meanwhile.
+A failed pass is retried with a doubling backoff and never ends the operator.
 While a live higher-priority peer exists (kopf's peering, `cluster/cache.PeerGate`) passes are held
 back until that peer would be presumed dead, or until the peering object changes. One timer per job
 keeps its soonest delayed pass. Runs on one event loop.
@@ -41,7 +42,7 @@ class WorkQueue:
 
     def kick(self, namespace: str, name: str, *, scrape: bool = False, at_once: bool = False) -> None:
         """Ask for a pass over this job (coalesced with any pass already pending); `at_once`: no
-        pause to fold a burst of events in (the next batch of a group being created)."""
+        pause to fold a burst of events in (a new job, the pass after a group restart)."""
         key = (namespace, name)
         self.dirty[key] = self.dirty.get(key, False) or scrape
         if at_once:

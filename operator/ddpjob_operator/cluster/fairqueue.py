@@ -1,7 +1,7 @@
 """Fair sharing of the operator's API-request slots between jobs (issue 12 item 7).
 
-A 3,000-node job creates its pods in batches of 32 requests; with one first-come queue a small
-job's restart waited behind every request of the batch in flight. Here each job (the key) has
+A 3,000-node job creates its pods with up to 64 requests in flight; with one first-come queue a
+small job's restart waited behind every one of them. Here each job (the key) has
 its own queue and free slots are handed out round-robin over the jobs that are waiting, so a
 request waits for at most one request per other busy job, whatever their backlog.
 """

@@ -25,6 +25,9 @@ from ddpjob_operator.api.spec import GROUP, KIND, PLURAL, VERSION, API_VERSION
 
 log = logging.getLogger("ddpjob.k8s")
 COMPONENT = "ddpjob-operator"
+# Requests the facade runs at once, all jobs together (its threads and fair slots): a creation
+# pass never has more pods in flight than this (app/children's slow start stops doubling here).
+IN_FLIGHT = 64
 
 
 def load_api_client(*, pool: int = 32) -> client.ApiClient:
@@ -78,7 +81,7 @@ class K8s:
     Requests are shared out fairly between jobs (`fairqueue`): a job creating thousands of pods
     does not hold up another job's restart behind its backlog."""
 
-    def __init__(self, api: client.ApiClient | None = None, *, workers: int = 16,
+    def __init__(self, api: client.ApiClient | None = None, *, workers: int = IN_FLIGHT,
                  on_request: Callable[[str, str], None] | None = None):
         self.api = api or load_api_client(pool=workers * 2)
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="k8s")

@@ -50,7 +50,7 @@ def urgent(prev: dict[str, Any], status: dict[str, Any], *, events: int) -> bool
     """True when the write must happen in this pass: it announces a transition (`events`) or
     changes what users or the pods act on (the attempt and counters the pods carry are among them,
     so they are stored before the pods they describe are created or deleted). Progress, node
-    counts and the monitor conditions' wording wait, also in a pass that creates the next batch."""
+    counts and the monitor conditions' wording wait."""
     if events:
         return True
     for key in changed_fields(prev, status) - QUIET_FIELDS - PROGRESS_FIELDS:
