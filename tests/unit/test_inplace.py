@@ -112,6 +112,25 @@ def test_peers_that_fail_with_it_are_one_restart_whose_cause_is_the_earliest(fir
     assert st["inPlaceRestarts"] == 1
 
 
+@pytest.mark.parametrize("first_seen", ["together", "casualty first"])
+def test_a_killed_worker_is_the_cause_even_when_its_peers_exception_was_seen_first(first_seen):
+    # Each time is when that pod's agent saw the failure: the peer's "connection closed" can be seen
+    # before the SIGKILLed worker's death (seen on real pods). A collective never ends a worker by a
+    # signal, so the killed one is the cause; the restart began at the first failure seen.
+    killed = failure(T0 + 0.3)
+    casualty = failure(T0, code=1, signal="", error="RuntimeError: Connection closed by peer")
+    ranks = {0: Sample("j-0", "n0", worker_failures=[casualty]), 1: Sample("j-1", "n1", worker_failures=[killed])}
+    prev = running_status()
+    if first_seen == "casualty first":
+        prev, _ = step(prev, {0: ranks[0]})
+    st, _ = step(prev, ranks)
+    (entry,) = st["restartHistory"]
+    assert (entry["rank"], entry["pod"], entry["exitCode"], entry["signal"]) == (1, "j-1", -9, "SIGKILL")
+    assert entry["failedAt"] == T0
+    assert entry["alsoFailed"] == [{"rank": 0, "pod": "j-0", "restart": 0, "exitCode": 1, "attempt": 0}]
+    assert st["inPlaceRestarts"] == 1
+
+
 def test_a_failure_with_the_pods_budget_spent_is_no_restart_in_place():
     st, events = step(running_status(), {1: Sample("j-1", worker_failures=[failure(T0, restarted=False)])})
     assert "restartHistory" not in st and "inPlaceRestarts" not in st and events == []

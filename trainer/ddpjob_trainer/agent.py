@@ -218,6 +218,7 @@ class Hooks:
     def on_failure(self, _agent: Any, group: Any, failures: dict[int, Any], will_restart: bool) -> None:
         import time
 
+        seen = time.time()  # before the reads below: the earliest failure seen is the group's
         status_dir = self.env.get(contract.ENV_STATUS_DIR)
         restart = str(max(0, self.starts - 1))
         steps = steps_reached(self.env[contract.ENV_METRICS_DIR]) if self._exports else {}
@@ -226,7 +227,7 @@ class Hooks:
             sig = failure.signal_name() if code < 0 else ""
             self._series(rank=rank, local_rank=getattr(failure, "local_rank", 0), restart=restart, exit_code=code,
                          signal=sig if sig != "<N/A>" else "", error=error_line(status_dir, rank, failure),
-                         restarted=will_restart, step=steps.get(str(rank), "")).set(time.time())
+                         restarted=will_restart, step=steps.get(str(rank), "")).set(seen)
         if will_restart and status_dir and os.path.isdir(status_dir):
             # Consumed: the next failure's record (or the node's final one, for its termination
             # message) must not be this one.

@@ -131,6 +131,11 @@ class Update:
         return next((e for e in reversed(self.history) if _open(e)), None)
 
 
+def _precedes(entry: Mapping[str, Any], head: Mapping[str, Any]) -> bool:
+    """True when `entry` rather than `head` is the cause of their one in-place restart."""
+    return ("signal" not in entry, entry["failedAt"]) < ("signal" not in head, head["failedAt"])
+
+
 def update(prev_status: Mapping[str, Any], *, attempt: int, ranks: Mapping[int, Any] | None, with_log: bool,
            group: tuple[int, str, str] | None, now: dt.datetime) -> Update:
     """The restart history and count after this pass. `ranks`: this scrape's samples (None: no
@@ -154,14 +159,18 @@ def update(prev_status: Mapping[str, Any], *, attempt: int, ranks: Mapping[int, 
             up.new.append(entry)
             continue
         # One restart until every rank steps again: its peers' workers fail with it (a collective
-        # with a dead peer), and their agents report those too. The earliest failure is the cause.
-        if entry["failedAt"] < head["failedAt"]:
+        # with a dead peer), and their agents report those too. The cause is a worker a signal
+        # ended (an OOM kill, a segfault, the watchdog's kill of a stalled rank: a peer's collective
+        # never ends its worker so), else the earliest failure. Each time is when that pod's agent
+        # saw the failure, so a peer's exception may be seen before the killed worker's death.
+        if _precedes(entry, head):
             cause, other = entry, head
             history[history.index(head)] = cause
             if head in up.new:
                 up.new[up.new.index(head)] = cause
         else:
             cause, other = head, entry
+        cause["failedAt"] = min(cause["failedAt"], other["failedAt"])  # the group failed at the first one seen
         if "stepAtFailure" in other:  # the newest step any of them had finished
             cause["stepAtFailure"] = max(other["stepAtFailure"], cause.get("stepAtFailure", 0))
         also = [a for a in (other.pop("alsoFailed", None) or [])]
