@@ -60,7 +60,7 @@ def _zombie(pid: int) -> bool:
         return True
 
 
-def _cmdline(pid: int) -> list[str]:
+def cmdline(pid: int) -> list[str]:
     try:
         return psutil.Process(pid).cmdline()
     except (psutil.NoSuchProcess, psutil.AccessDenied):
@@ -84,14 +84,14 @@ def agents(marker: str) -> list[int]:
     """torchrun's agents. (Not the launchers: one signalled in the first milliseconds of its life,
     before Python has run a line of it, dies of the signal's default action, or as a container's
     PID 1 never sees it; the kubelet's SIGKILL at the end of the grace period bounds that case.)"""
-    return [p for p in run_processes(marker) if is_agent(_cmdline(p))]
+    return [p for p in run_processes(marker) if is_agent(cmdline(p))]
 
 
 def workers(marker: str) -> list[int]:
     """The training processes (not launchers, not torchrun agents)."""
     out = []
     for p in run_processes(marker):
-        if is_worker(_cmdline(p)):
+        if is_worker(cmdline(p)):
             out.append(p)
     return out
 
@@ -142,7 +142,7 @@ def wait_gone(marker: str, *, until: float) -> list[int]:
 
 
 def describe(pids: list[int]) -> list[str]:
-    return [f"{p}: {' '.join(_cmdline(p))[:160]}" for p in pids]
+    return [f"{p}: {' '.join(cmdline(p))[:160]}" for p in pids]
 
 
 def kill_run(proc: subprocess.Popen, marker: str) -> None:

@@ -32,6 +32,11 @@ NOW = 10_000.0
     ({0: Progress("training", NOW - 301, step=3, step_seconds=1.0)}, None, 0.0, {0}),
     ({0: Progress("training", NOW - 301, step=3, step_seconds=20.0)}, None, 0.0, set()),   # 400 s
     ({0: Progress("eval", NOW - 301, step=3, step_seconds=1.0)}, None, 0.0, set()),        # a pause: 600 s
+    # a worker an in-place restart started, restoring: the rank stepped before (an earlier worker's
+    # step), yet a start-up stage gets the start-up timeout
+    ({0: Progress("process_group_init", NOW - 301, step=6, step_seconds=1.0)}, None, NOW - 400, set()),
+    ({0: Progress("first_step", NOW - 599, step=6, step_seconds=1.0)}, None, NOW - 700, set()),
+    ({0: Progress("first_step", NOW - 601, step=6, step_seconds=1.0)}, None, NOW - 700, {0}),
 ])
 def test_a_rank_without_progress_for_its_hang_timeout_is_stalled(ranks, configured, started_at, killed):
     assert set(stalled(ranks, configured=configured, started_at=started_at, now=NOW)) == killed

@@ -426,25 +426,35 @@ def test_the_launcher_gives_its_ranks_the_jobs_mlflow_run(monkeypatch, env, node
     assert not any("pw" in line for line in said + [failed or ""])
 
 
-@pytest.mark.parametrize("cmd, runs_as_agent", [
-    (["torchrun", "train.py", "--lr", "0.1"], ["train.py", "--lr", "0.1"]),
-    (["/opt/venv/bin/torchrun", "--nproc-per-node", "2", "-m", "pkg.train"], ["--nproc-per-node", "2", "-m", "pkg.train"]),
-    (["python", "-m", "torch.distributed.run", "train.py"], ["train.py"]),
-    (["python3.12", "-m", "torch.distributed.run", "--standalone", "t.py"], ["--standalone", "t.py"]),
-    # Not torchrun itself: as given (a shell that calls torchrun cannot be rewritten).
-    (["sh", "-c", "pip install x && exec torchrun train.py"], None),
-    (["python", "train.py"], None),
-    (["python", "-m", "torch.distributed.launch", "train.py"], None),
+def _bin(tmp_path, venv: str, shebang: str) -> str:
+    """A torchrun console script in `venv`/bin whose shebang is `shebang`."""
+    d = tmp_path / venv / "bin"
+    d.mkdir(parents=True, exist_ok=True)
+    script = d / "torchrun"
+    script.write_text(f"#!{shebang}\nimport sys\n")
+    return str(script)
+
+
+@pytest.mark.parametrize("cmd, found, runs_as_agent", [
+    # torchrun of this launcher's environment (its console script names this interpreter)
+    (["torchrun", "train.py", "--lr", "0.1"], "ours", ["train.py", "--lr", "0.1"]),
+    (["torchrun", "--nproc-per-node", "2", "-m", "pkg.train"], "ours-env", ["--nproc-per-node", "2", "-m", "pkg.train"]),
+    (["python", "-m", "torch.distributed.run", "train.py"], "ours", ["train.py"]),
+    # another environment's torchrun or Python: its own packages and torch, as given
+    (["/opt/venv/bin/torchrun", "train.py"], "other", None),
+    (["python3.12", "-m", "torch.distributed.run", "t.py"], "other", None),
+    (["torchrun", "train.py"], "missing", None),
+    # not torchrun itself: as given (a shell that calls torchrun cannot be rewritten)
+    (["sh", "-c", "pip install x && exec torchrun train.py"], "ours", None),
+    (["python", "train.py"], "ours", None),
+    (["python", "-m", "torch.distributed.launch", "train.py"], "ours", None),
 ])
-def test_a_users_torchrun_runs_as_the_counting_agent(cmd, runs_as_agent):
+def test_a_users_torchrun_of_this_environment_runs_as_the_counting_agent(tmp_path, cmd, found, runs_as_agent):
     from ddpjob_trainer.launch.node import AGENT, counted
-    assert counted(cmd) == ([*AGENT, *runs_as_agent] if runs_as_agent is not None else cmd)
-
-
-def test_a_torchrun_of_another_python_runs_as_given(monkeypatch):
-    # This interpreter has no torch: the user's torchrun belongs to another Python, which has no agent of ours.
-    import importlib.util
-    from ddpjob_trainer.launch import node
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
-    assert node.counted(["torchrun", "train.py"]) == ["torchrun", "train.py"]
-
+    python = os.path.join(os.path.dirname(os.path.abspath(sys.executable)), "python3")
+    paths = {"ours": {"torchrun": _bin(tmp_path, "a", sys.executable), "python": python},
+             "ours-env": {"torchrun": _bin(tmp_path, "b", "/usr/bin/env python3"), "python3": python},
+             "other": {"/opt/venv/bin/torchrun": _bin(tmp_path, "opt/venv", "/opt/venv/bin/python"),
+                       "python3.12": "/opt/venv/bin/python3.12"},
+             "missing": {}}[found]
+    assert counted(cmd, which=paths.get) == ([*AGENT, *runs_as_agent] if runs_as_agent is not None else cmd)

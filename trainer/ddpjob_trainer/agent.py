@@ -188,9 +188,13 @@ class Watchdog:
                   file=sys.stderr, flush=True)
             if self.status_dir:
                 # The failure's record: what on_failure exports as its error and the operator shows.
-                os.makedirs(self.status_dir, exist_ok=True)
-                with open(os.path.join(self.status_dir, f"failed-rank-{rank}.txt"), "w") as f:
-                    f.write(why + "\n")
+                try:
+                    os.makedirs(self.status_dir, exist_ok=True)
+                    with open(os.path.join(self.status_dir, f"failed-rank-{rank}.txt"), "w") as f:
+                        f.write(why + "\n")
+                except OSError as exc:  # a full disk: the kill still restarts it, unnamed
+                    print(f"[ddpjob-agent] WARNING cannot record the stall of rank {rank} ({exc})",
+                          file=sys.stderr, flush=True)
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:  # it ended since: torchrun sees how

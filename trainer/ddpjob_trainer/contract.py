@@ -156,14 +156,17 @@ STALL_ERROR_RE = re.compile(r"^stalled: no progress for \d+s in [a-z_]+( after s
 
 
 def hang_timeout(configured: float | None, *, stage: str | None, step_seconds: float | None = None) -> float:
-    """The hang timeout in force for a job (or a rank) in `stage` (None: before its first step):
+    """The hang timeout in force for a job (or a rank) in `stage` (None: before its first step; a
+    start-up stage is judged as that, whatever steps an earlier worker of the rank took):
     `configured` (spec.hangTimeoutSeconds) when set; else, while stepping, max(MIN_HANG_TIMEOUT,
     HANG_STEP_MULTIPLE x the step time), and before the first step or in a pause at least
     STARTUP_HANG_TIMEOUT (a start-up the trainer itself still waits for is no hang)."""
     if configured:
         return float(configured)
     derived = max(MIN_HANG_TIMEOUT, HANG_STEP_MULTIPLE * step_seconds) if step_seconds else MIN_HANG_TIMEOUT
-    if stage is None or stage in HANG_PAUSES:
+    # A start-up stage counts as before the first step even when the rank stepped before: the
+    # worker an in-place restart started restores and meets its peers again first.
+    if stage is None or stage in HANG_PAUSES or stage in STAGES[:STAGES.index("training")]:
         return max(STARTUP_HANG_TIMEOUT, derived)
     return derived
 

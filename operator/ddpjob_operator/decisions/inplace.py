@@ -29,7 +29,9 @@ from typing import Any, Mapping
 from ddpjob_trainer.contract import STALL_ERROR_RE
 
 from ddpjob_operator.api.objmeta import format_time
+from ddpjob_operator.api.phases import RestartReason
 from ddpjob_operator.decisions.redact import redact
+from ddpjob_operator.decisions.samples import ABSURD as MAX_STEP  # a step label beyond it is not believed
 
 INPLACE = "InPlace"
 GROUP = "Group"
@@ -37,11 +39,10 @@ HISTORY_LIMIT = 20       # status.restartHistory entries kept (newest last)
 MESSAGE_CHARS = 200
 ALSO_LIMIT = 16          # peers' failures kept per in-place restart
 _SIGNAL = re.compile(r"^SIG[A-Z0-9]{2,10}$")
-MAX_STEP = 10**12        # a pod's step label beyond this is not believed (samples' bound)
 # Reasons of the Restarting condition for an in-place restart (a group restart's is its cause).
 RESTARTING_IN_PLACE = "RestartingInPlace"
 RESTARTED_IN_PLACE = "RestartedInPlace"
-STALLED = "Stalled"   # an entry's reason: the pod's agent killed the worker for a stall
+STALLED = RestartReason.STALLED.value  # an entry's reason: the pod's agent killed the worker for a stall
 
 
 def _int(value: Any, default: int = 0) -> int:

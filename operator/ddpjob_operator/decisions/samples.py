@@ -39,15 +39,15 @@ _MLFLOW_ID = re.compile(r"^[0-9A-Za-z_-]{1,64}$")
 # A pod controls its exposition, so every value is bounded before it can reach status: a value
 # outside these ranges (or NaN/±Inf) is dropped as if the rank had not reported it. 1e12 steps or
 # seconds is far beyond any real run yet keeps every derived number a plain finite JSON float.
-_ABSURD = 1e12
+ABSURD = 1e12
 _BOUNDS: dict[str, tuple[float, float]] = {
-    "loss": (-_ABSURD, _ABSURD),
-    "eval_loss": (-_ABSURD, _ABSURD),
+    "loss": (-ABSURD, ABSURD),
+    "eval_loss": (-ABSURD, ABSURD),
     "eval_accuracy": (0.0, 100.0),
     "gpu_memory_allocated_bytes": (0.0, 1e18),
     "gpu_memory_max_allocated_bytes": (0.0, 1e18),
 }
-_DEFAULT_BOUNDS = (0.0, _ABSURD)
+_DEFAULT_BOUNDS = (0.0, ABSURD)
 
 @dataclass
 class RankSample:

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import importlib.util
 import json
 import math
 import os
@@ -43,20 +42,35 @@ def default_command() -> list[str]:
     return [*AGENT, "-m", "ddpjob_trainer"]
 
 
-def counted(cmd: list[str]) -> list[str]:
+def counted(cmd: list[str], *, which: Callable[[str], str | None] = shutil.which) -> list[str]:
     """A user's own torchrun (`torchrun ARGS`, `python -m torch.distributed.run ARGS`) run as
     ddpjob_trainer.agent ARGS: torchrun itself, same flags and env, whose restarts in place are
-    then marked, counted and attributed like the built-in trainer's. Anything else (a shell that
-    calls torchrun, a plain script) runs as given, and so does torchrun where this interpreter
-    has no torch (the user's torchrun is then another Python's)."""
+    then marked, counted and attributed like the built-in trainer's. Only a torchrun of this
+    launcher's own environment (its interpreter's directory): another venv's has its own packages
+    and torch, which the agent must not replace. Anything else (a shell that calls torchrun, a
+    plain script) runs as given."""
     prog = os.path.basename(cmd[0]) if cmd else ""
     if prog == "torchrun":
-        args = cmd[1:]
+        args, python = cmd[1:], _interpreter(which(cmd[0]), which)
     elif prog.startswith("python") and cmd[1:3] == ["-m", "torch.distributed.run"]:
-        args = cmd[3:]
+        args, python = cmd[3:], which(cmd[0])
     else:
         return cmd
-    return [*AGENT, *args] if importlib.util.find_spec("torch") is not None else cmd
+    ours = os.path.dirname(os.path.abspath(sys.executable))
+    return [*AGENT, *args] if python and os.path.dirname(os.path.abspath(python)) == ours else cmd
+
+
+def _interpreter(script: str | None, which: Callable[[str], str | None]) -> str | None:
+    """The Python a console script's shebang names (`#!/usr/bin/env python3` looked up), else None."""
+    try:
+        with open(script or "", "rb") as f:
+            line = f.readline(512).decode(errors="replace")
+    except OSError:
+        return None
+    words = line[2:].split() if line.startswith("#!") else []
+    if words[:1] and os.path.basename(words[0]) == "env":
+        return which(words[1]) if len(words) > 1 else None
+    return words[0] if words else None
 
 
 # A node other than 0 waits for the master (pod 0, the c10d rendezvous's host) before torchrun.
