@@ -29,6 +29,17 @@ def test_every_job_rendezvouses_through_c10d_at_pod_0_so_workers_restart_in_plac
     assert env["WORLD_SIZE"] == "32"
     assert json.loads(env["DDPJOB_TRAINER_CONFIG"]) == {"epochs": 2}
     assert env["DDPJOB_IMAGE"] == "img"  # spec.image: the MLflow run's tag ddpjob.image
+    # Pod 0 hosts the c10d store, by the config torchrun reads (--rdzv-conf), not by its guess from DNS.
+    from torch.distributed.elastic.rendezvous.api import RendezvousParameters
+    from torch.distributed.elastic.rendezvous.utils import _parse_rendezvous_config
+    conf = _parse_rendezvous_config(env["PET_RDZV_CONF"])
+    params = RendezvousParameters("c10d", env["PET_RDZV_ENDPOINT"], "u-1-2", 4, 4, **conf)
+    assert params.get_as_bool("is_host") is (rank == 0)
+
+
+def test_a_users_own_rendezvous_endpoint_gets_no_host_of_ours():
+    env = env_dict(pod_env(job(env=[{"name": "PET_RDZV_ENDPOINT", "value": "etcd:2379"}]), 0))
+    assert env["PET_RDZV_ENDPOINT"] == "etcd:2379" and "PET_RDZV_CONF" not in env
 
 
 @pytest.mark.parametrize("nproc, gpus, expected", [

@@ -177,6 +177,12 @@ def pod_env(
             "containerName": labels.CONTAINER, "resource": "requests.cpu", "divisor": "1"}}})
     user = template.user_env(job)
     user_names = {e.get("name") for e in user}
+    if contract.PET_RDZV_ENDPOINT not in user_names:
+        # Which pod hosts the c10d store, said rather than guessed: torchrun's guess resolves the
+        # endpoint's name and compares it with the pod's own addresses, and pod 0, starting before
+        # its DNS record is served, took itself for a client of the store it should host and failed
+        # after the connect timeout (seen: a group restart before the first step).
+        ours.append({"name": contract.PET_RDZV_CONF, "value": f"is_host={'true' if rank == 0 else 'false'}"})
     return [e for e in ours if e["name"] not in user_names] + user
 
 
