@@ -62,14 +62,10 @@ def error_line(status_dir: str | None, rank: int, failure: Any) -> str:
 def steps_reached(metrics_dir: str) -> dict[str, int]:
     """The step each rank of this pod last finished, by rank label: its `step` gauge as the pod's
     endpoint serves it (mostrecent over every worker process that had the rank, a dead one's file
-    included), read at the failure to the fraction of a second. {} when unreadable: the failure
-    is exported without it, never lost for it."""
-    from prometheus_client.multiprocess import MultiProcessCollector
-
-    name = contract.METRIC_PREFIX + contract.STEP
+    included; read_progress), read at the failure to the fraction of a second. {} when unreadable:
+    the failure is exported without it, never lost for it."""
     try:
-        return {s.labels.get("rank", ""): int(s.value) for m in MultiProcessCollector(None, path=metrics_dir).collect()
-                if m.name == name for s in m.samples}
+        return {str(rank): p.step for rank, p in read_progress(metrics_dir).items() if p.step is not None}
     except Exception:  # noqa: BLE001  (a torn or foreign file in the dir)
         return {}
 
