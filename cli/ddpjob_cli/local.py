@@ -280,7 +280,7 @@ class Display:
         self.tty = enabled and sys.stderr.isatty()
         self.bar = None
         self.job = job
-        self.health = HealthTracker(hang_timeout=job.spec.get("hangTimeoutSeconds"))
+        self.health = HealthTracker.for_spec(job.spec)
         self.prev = None
         self.last_line = 0.0
 

@@ -270,3 +270,14 @@ def test_a_rank_missing_from_one_scrape_is_no_progress():
     h.update({0: both[0]}, now=1015)                        # rank 1's scrape failed once
     assert h.update(both, now=1025) == []
     assert h.update(both, now=1031)[0].active
+
+
+@pytest.mark.parametrize("trainer, startup", [
+    (None, 600), ({}, 600), ({"timeoutSeconds": 300}, 600),        # never below the default
+    ({"timeoutSeconds": 1800}, 1800), ({"timeoutSeconds": "x"}, 600),
+])
+def test_a_trainer_start_up_limit_past_600s_raises_the_start_up_hang_timeout(trainer, startup):
+    h = HealthTracker.for_spec({"trainer": trainer} if trainer is not None else {})
+    assert h.effective_hang_timeout(None) == startup
+    assert h.effective_hang_timeout("eval") == startup and h.effective_hang_timeout() == 300
+    assert HealthTracker.for_spec({"trainer": trainer, "hangTimeoutSeconds": 45}).effective_hang_timeout(None) == 45

@@ -2,6 +2,7 @@
 pod's real multiprocess metrics directory, and what it leaves as the failure's record."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -109,3 +110,14 @@ def test_the_watchdog_is_off_without_restart_on_hang_or_metrics(tmp_path, env):
     base = {contract.ENV_METRICS_DIR: str(tmp_path), contract.ENV_RESTART_ON_HANG: "1"}
     assert Watchdog(base).enabled
     assert not Watchdog({**base, **env} if env else {contract.ENV_RESTART_ON_HANG: "1"}).enabled
+
+
+def test_the_watchdog_gives_a_start_up_the_trainer_still_waits_for_its_own_limit():
+    """spec.trainer.timeoutSeconds past 600 s (a slow dataset load): the watchdog must not kill
+    the start-up the trainer's own process group still waits for."""
+    base = {contract.ENV_RESTART_ON_HANG: "1", contract.ENV_METRICS_DIR: "/nonexistent"}
+    slow = Watchdog({**base, contract.ENV_TRAINER_CONFIG: json.dumps({"timeoutSeconds": 1800})})
+    assert (slow.startup, Watchdog(base).startup) == (1800, 600)
+    loading = {0: Progress("process_group_init", NOW - 900)}
+    assert stalled(loading, configured=None, started_at=0.0, now=NOW, startup=slow.startup) == {}
+    assert set(stalled(loading, configured=None, started_at=0.0, now=NOW)) == {0}

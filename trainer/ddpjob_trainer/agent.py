@@ -25,6 +25,7 @@ PET_MAX_RESTARTS, the operator's the whole job's (failurePolicy.maxRestarts).
 from __future__ import annotations
 
 import glob
+import json
 import os
 import signal
 import sys
@@ -81,7 +82,7 @@ class Progress:
 
 
 def stalled(ranks: Mapping[int, Progress], *, configured: float | None, started_at: float,
-            now: float) -> dict[int, str]:
+            now: float, startup: float = contract.STARTUP_HANG_TIMEOUT) -> dict[int, str]:
     """{rank: the failure record} of the ranks that made no progress for their hang timeout
     (contract.hang_timeout: the monitor's rule, per rank); `started_at`: when the agent started
     the workers running now. A rank whose worker reported nothing since then (what it reported
@@ -94,7 +95,7 @@ def stalled(ranks: Mapping[int, Progress], *, configured: float | None, started_
             continue
         stage = p.stage or "rendezvous"
         timeout = contract.hang_timeout(configured, stage=None if p.step is None else stage,
-                                        step_seconds=p.step_seconds)
+                                        step_seconds=p.step_seconds, startup=startup)
         idle = now - p.since
         if idle >= timeout:
             out[rank] = contract.stall_error(idle=idle, stage=stage, step=p.step, timeout=timeout)
@@ -153,6 +154,11 @@ class Watchdog:
                         and env.get(contract.ENV_TELEMETRY, "1") != "0")
         raw = env.get(contract.ENV_HANG_TIMEOUT, "")
         self.configured = float(raw) if raw.strip().isdigit() else None
+        try:
+            trainer = json.loads(env.get(contract.ENV_TRAINER_CONFIG) or "{}")
+        except ValueError:  # the trainer refuses it with its own error; judge by the default
+            trainer = {}
+        self.startup = contract.startup_hang_timeout(trainer if isinstance(trainer, dict) else None)
         self.clock = clock
         self.started_at = 0.0
         self.looked_at = 0.0
@@ -175,7 +181,8 @@ class Watchdog:
                   file=sys.stderr, flush=True)
             self.enabled = False
             return
-        for rank, why in stalled(progress, configured=self.configured, started_at=self.started_at, now=now).items():
+        for rank, why in stalled(progress, configured=self.configured, started_at=self.started_at, now=now,
+                                 startup=self.startup).items():
             pid = pids[rank]
             if pid in self.killed:
                 continue

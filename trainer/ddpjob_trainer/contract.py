@@ -3,12 +3,13 @@ once: the pod's command, the environment a pod gets, the exit codes a node repor
 rank exports and the operator reads, and the run's result.
 
 It lives in the trainer package because that is the one package every side has (the operator's
-image installs the same wheel); it imports nothing but the standard library's `re` and
-`dataclasses`, so the operator pays nothing for it.
+image installs the same wheel); it imports nothing but the standard library's `re`,
+`typing` and `dataclasses`, so the operator pays nothing for it.
 """
 from __future__ import annotations
 
 import re
+from typing import Any, Mapping
 from dataclasses import dataclass
 
 # A pod's command before the user's (the operator's pods, the trainer image's ENTRYPOINT, the
@@ -156,19 +157,32 @@ STALL_ERROR = "stalled: no progress for {idle:.0f}s in {stage} (hang timeout {ti
 STALL_ERROR_RE = re.compile(r"^stalled: no progress for \d+s in [a-z_]+( after step \d+)? \(hang timeout \d+s\)$")
 
 
-def hang_timeout(configured: float | None, *, stage: str | None, step_seconds: float | None = None) -> float:
+def startup_hang_timeout(trainer: Mapping[str, Any] | None) -> float:
+    """The least hang timeout before the first step and in a pause, for a job whose spec.trainer is
+    `trainer`: STARTUP_HANG_TIMEOUT, or the built-in trainer's own start-up limit
+    (spec.trainer.timeoutSeconds, the process group's timeout until the first step) where a user
+    raised it past that: a start-up the trainer itself still waits for is no hang."""
+    try:
+        own = float((trainer or {}).get("timeoutSeconds") or 0)
+    except (TypeError, ValueError, AttributeError):
+        own = 0.0
+    return max(STARTUP_HANG_TIMEOUT, own)
+
+
+def hang_timeout(configured: float | None, *, stage: str | None, step_seconds: float | None = None,
+                 startup: float = STARTUP_HANG_TIMEOUT) -> float:
     """The hang timeout in force for a job (or a rank) in `stage` (None: before its first step; a
     start-up stage is judged as that, whatever steps an earlier worker of the rank took):
     `configured` (spec.hangTimeoutSeconds) when set; else, while stepping, max(MIN_HANG_TIMEOUT,
     HANG_STEP_MULTIPLE x the step time), and before the first step or in a pause at least
-    STARTUP_HANG_TIMEOUT (a start-up the trainer itself still waits for is no hang)."""
+    `startup` (startup_hang_timeout)."""
     if configured:
         return float(configured)
     derived = max(MIN_HANG_TIMEOUT, HANG_STEP_MULTIPLE * step_seconds) if step_seconds else MIN_HANG_TIMEOUT
     # A start-up stage counts as before the first step even when the rank stepped before: the
     # worker an in-place restart started restores and meets its peers again first.
     if stage is None or stage in HANG_PAUSES or stage in STAGES[:STAGES.index("training")]:
-        return max(STARTUP_HANG_TIMEOUT, derived)
+        return max(startup, derived)
     return derived
 
 

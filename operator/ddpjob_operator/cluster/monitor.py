@@ -134,15 +134,14 @@ class Monitor:
         uid = meta.get("uid") or f"{meta.get('namespace')}/{meta.get('name')}"
         st = self._jobs.get(uid)
         spec = job.get("spec") or {}
-        hang = spec.get("hangTimeoutSeconds")
         if st is None:
-            st = self._jobs[uid] = _JobState(tracker=health.HealthTracker(hang_timeout=hang))
+            st = self._jobs[uid] = _JobState(tracker=health.HealthTracker.for_spec(spec))
             # After an operator restart keep a reported hang until steps move again.
             for c in (job.get("status") or {}).get("conditions") or []:
                 if c.get("type") == health.STALLED and c.get("status") == "True":
                     st.tracker.active[health.STALLED] = health.Finding(
                         health.STALLED, True, (), c.get("reason", "NoProgress"), c.get("message", ""))
-        st.tracker.hang_timeout = hang  # the spec field may be edited while the job runs
+        st.tracker.configure(spec)
         return st
 
     async def observe(self, job: dict, pods: list[dict]) -> MonitorReport:
@@ -156,7 +155,7 @@ class Monitor:
         if running:
             if st.attempt is not None and attempt != st.attempt:
                 # A group restart: fresh processes, fresh counters; judge the new attempt on its own.
-                st.tracker = health.HealthTracker(hang_timeout=spec.get("hangTimeoutSeconds"))
+                st.tracker = health.HealthTracker.for_spec(spec)
                 st.prev = None
             st.attempt = attempt
         targets: list[tuple[str, dict]] = []

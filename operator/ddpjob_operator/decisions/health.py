@@ -25,9 +25,10 @@ waiting_for_master and rendezvous, the trainer's process_group_init, first_step,
 eval, checkpoint; see ddpjob_trainer.telemetry), so a job frozen before its first step is
 caught, and a long eval or checkpoint is judged from its own start. The timeout is
 `hang_timeout` when given (spec.hangTimeoutSeconds), in every stage. Without it: before the
-first step, and in eval or checkpoint, `startup_hang_timeout` (600 s: the trainer's own
+first step, and in eval or checkpoint, `contract.startup_hang_timeout` (600 s: the trainer's own
 start-up limits, the launcher's wait for the master and the process-group timeout until the
-first step, are 600 s too, so a start-up the trainer itself still waits for is no hang); while
+first step, are 600 s too, so a start-up the trainer itself still waits for is no hang; longer
+where spec.trainer.timeoutSeconds is); while
 stepping, max(`min_hang_timeout`, `hang_step_multiple` x the median iteration time).
 Idle time runs on the operator's clock from the change it saw, except before the first step,
 where it starts at the reported stage start (the operator's first look does not reset it).
@@ -40,7 +41,7 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Any, Mapping
 
 from ddpjob_trainer import contract
 from ddpjob_trainer.contract import STAGES
@@ -86,6 +87,7 @@ class HealthTracker:
     """Feed it every scrape of one job with `update`; it returns the transitions."""
 
     hang_timeout: float | None = None
+    startup_timeout: float = contract.STARTUP_HANG_TIMEOUT  # contract.startup_hang_timeout of the spec
     straggler_ratio: float = 1.5
     straggler_windows: int = 3
     min_excess_seconds: float = 0.02
@@ -101,10 +103,22 @@ class HealthTracker:
     overdue: bool = False
 
     # ---- public -------------------------------------------------------------------------
+    @classmethod
+    def for_spec(cls, spec: Mapping[str, Any]) -> HealthTracker:
+        """A tracker judging by a DDPJob spec's hang timeouts."""
+        tracker = cls()
+        tracker.configure(spec)
+        return tracker
+
+    def configure(self, spec: Mapping[str, Any]) -> None:
+        """Take the spec's hang timeouts (they may be edited while the job runs)."""
+        self.hang_timeout = spec.get("hangTimeoutSeconds")
+        self.startup_timeout = contract.startup_hang_timeout(spec.get("trainer"))
+
     def effective_hang_timeout(self, stage: str | None = TRAINING) -> float:
         """The hang timeout in force now for a job in `stage` (None: before its first step)."""
         p50 = statistics.median(self._iterations[-50:]) if self._iterations else None
-        return contract.hang_timeout(self.hang_timeout, stage=stage, step_seconds=p50)
+        return contract.hang_timeout(self.hang_timeout, stage=stage, step_seconds=p50, startup=self.startup_timeout)
 
     def stage(self) -> str | None:
         """The job's stage as last seen: the earliest stage of any rank before the first step,
