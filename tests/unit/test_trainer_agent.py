@@ -11,7 +11,7 @@ import types
 import pytest
 
 from ddpjob_trainer import contract
-from ddpjob_trainer.agent import Progress, Watchdog, read_progress, stalled
+from ddpjob_trainer.agent import Progress, Watchdog, read_progress, stalled, steps_reached
 
 NOW = 10_000.0
 
@@ -70,6 +70,11 @@ def test_progress_is_read_from_the_ranks_metrics_directory(tmp_path):
     (rank, p), = read_progress(str(tmp_path)).items()
     assert rank == 1 and p.stage == "training" and p.step == 6 and p.step_seconds == pytest.approx(1.0)
     assert p.since >= 210.0  # the last step (training began, at the first step, on its own clock)
+    assert p.stepped_at == 210.0
+    # The step at a failure is the workers' own: a worker started after the last step (restarted
+    # in place, failed before stepping) reached none, and its predecessor's would be lost twice.
+    assert steps_reached(str(tmp_path), since=205.0) == {"1": 6}
+    assert steps_reached(str(tmp_path), since=211.0) == {}
 
 
 def test_the_watchdog_kills_the_stalled_rank_once_and_leaves_its_record(tmp_path):

@@ -60,13 +60,17 @@ def error_line(status_dir: str | None, rank: int, failure: Any) -> str:
     return text[:ERROR_CHARS]
 
 
-def steps_reached(metrics_dir: str) -> dict[str, int]:
+def steps_reached(metrics_dir: str, *, since: float = 0.0) -> dict[str, int]:
     """The step each rank of this pod last finished, by rank label: its `step` gauge as the pod's
     endpoint serves it (mostrecent over every worker process that had the rank, a dead one's file
-    included; read_progress), read at the failure to the fraction of a second. {} when unreadable:
-    the failure is exported without it, never lost for it."""
+    included; read_progress), read at the failure to the fraction of a second. Only a step taken
+    at `since` or later (the start of the workers running now) counts: a worker that failed
+    before its first step reached nothing, and its predecessor's step would count the steps the
+    previous restart lost a second time. {} when unreadable: the failure is exported without it,
+    never lost for it."""
     try:
-        return {str(rank): p.step for rank, p in read_progress(metrics_dir).items() if p.step is not None}
+        return {str(rank): p.step for rank, p in read_progress(metrics_dir).items()
+                if p.step is not None and p.stepped_at >= since}
     except Exception:  # noqa: BLE001  (a torn or foreign file in the dir)
         return {}
 
@@ -79,6 +83,7 @@ class Progress:
     since: float                 # Unix time of its last progress: its last step or its stage's start
     step: int | None = None      # steps done (None: no step yet)
     step_seconds: float | None = None  # mean step time
+    stepped_at: float = 0.0      # Unix time of its last step (0: none)
 
 
 def stalled(ranks: Mapping[int, Progress], *, configured: float | None, started_at: float,
@@ -128,7 +133,8 @@ def read_progress(metrics_dir: str) -> dict[int, Progress]:
         out[rank] = Progress(stage=v.get("stage"),
                              since=max(v.get(contract.LAST_STEP_TIMESTAMP, 0.0), v.get(contract.STAGE_START_TIMESTAMP, 0.0)),
                              step=int(step) if step is not None else None,
-                             step_seconds=v.get(contract.STEP_SECONDS + "_sum", 0.0) / count if count else None)
+                             step_seconds=v.get(contract.STEP_SECONDS + "_sum", 0.0) / count if count else None,
+                             stepped_at=v.get(contract.LAST_STEP_TIMESTAMP, 0.0))
     return out
 
 
@@ -228,7 +234,8 @@ class Hooks:
         seen = time.time()  # before the reads below: the earliest failure seen is the group's
         status_dir = self.env.get(contract.ENV_STATUS_DIR)
         restart = str(max(0, self.starts - 1))
-        steps = steps_reached(self.env[contract.ENV_METRICS_DIR]) if self._exports else {}
+        steps = (steps_reached(self.env[contract.ENV_METRICS_DIR], since=self.watchdog.started_at)
+                 if self._exports else {})
         for rank, failure in sorted(failures.items()):
             code = int(getattr(failure, "exitcode", 1))
             sig = failure.signal_name() if code < 0 else ""
