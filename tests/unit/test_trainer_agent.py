@@ -11,7 +11,7 @@ import types
 import pytest
 
 from ddpjob_trainer import contract
-from ddpjob_trainer.agent import Progress, Watchdog, read_progress, stalled, steps_reached
+from ddpjob_trainer.agent import Progress, StepWindow, Watchdog, read_progress, stalled, steps_reached
 
 NOW = 10_000.0
 
@@ -126,3 +126,22 @@ def test_the_watchdog_gives_a_start_up_the_trainer_still_waits_for_its_own_limit
     loading = {0: Progress("process_group_init", NOW - 900)}
     assert stalled(loading, configured=None, started_at=0.0, now=NOW, startup=slow.startup) == {}
     assert set(stalled(loading, configured=None, started_at=0.0, now=NOW)) == {0}
+
+
+def test_the_watchdog_judges_the_step_time_by_the_recent_steps_not_a_slow_first_one():
+    """A 600 s first step (compilation) then 20 s steps: the cumulative mean keeps the timeout
+    above the monitor's (median of recent steps) for hundreds of steps; the window forgets it."""
+    window, seen = StepWindow(), None
+    for count in range(1, 121):
+        seen = window.recent(0, Progress("training", NOW, step=count, steps_timed=count,
+                                         seconds_timed=600.0 + 20.0 * (count - 1)))
+    assert seen is not None and seen.step_seconds == pytest.approx(20.0)
+    assert contract.hang_timeout(None, stage="training", step_seconds=seen.step_seconds) == 400
+    # One look, or a first look that already spans more than the window: the cumulative mean.
+    fresh = Progress("training", NOW, step=3, step_seconds=2.0, steps_timed=3, seconds_timed=6.0)
+    assert StepWindow().recent(0, fresh).step_seconds == 2.0
+    # Looks that saw no new step keep the window; another rank has its own.
+    w = StepWindow()
+    for count, total in ((10, 10.0), (10, 10.0), (20, 30.0)):
+        last = w.recent(1, Progress("training", NOW, step=count, steps_timed=count, seconds_timed=total))
+    assert last.step_seconds == 2.0 and w.recent(2, fresh).step_seconds == 2.0

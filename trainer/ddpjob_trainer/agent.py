@@ -24,13 +24,14 @@ PET_MAX_RESTARTS, the operator's the whole job's (failurePolicy.maxRestarts).
 """
 from __future__ import annotations
 
+import collections
 import glob
 import json
 import os
 import signal
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Mapping
 
 from . import contract
@@ -82,8 +83,37 @@ class Progress:
     stage: str | None
     since: float                 # Unix time of its last progress: its last step or its stage's start
     step: int | None = None      # steps done (None: no step yet)
-    step_seconds: float | None = None  # mean step time
+    step_seconds: float | None = None  # mean step time (read_progress: of every step so far)
     stepped_at: float = 0.0      # Unix time of its last step (0: none)
+    steps_timed: float = 0.0     # steps in step_seconds' histogram (every worker of the rank)
+    seconds_timed: float = 0.0   # their seconds
+
+
+# The monitor judges the step time by its recent median (decisions/health.py); the agent by the
+# mean of about as many recent steps, so that a slow first step (compilation, a cold cache) long
+# past does not lift the agent's timeout above the monitor's, whose group restart would then come
+# before the in-place restart it is the fallback of.
+RECENT_STEPS = 50
+
+
+class StepWindow:
+    """Each rank's mean step time over its last RECENT_STEPS steps, from the cumulative histogram
+    read_progress sees at each look."""
+
+    def __init__(self) -> None:
+        self._seen: dict[int, collections.deque[tuple[float, float]]] = {}
+
+    def recent(self, rank: int, p: Progress) -> Progress:
+        seen = self._seen.setdefault(rank, collections.deque(maxlen=RECENT_STEPS + 1))
+        if p.steps_timed and (not seen or p.steps_timed > seen[-1][0]):
+            seen.append((p.steps_timed, p.seconds_timed))
+        if not seen:
+            return p
+        count, total = seen[-1]
+        base = next(((c, t) for c, t in seen if c < count and count - c <= RECENT_STEPS), None)
+        if base is None:  # one look so far, or one look holds more than the window
+            return p
+        return replace(p, step_seconds=(total - base[1]) / (count - base[0]))
 
 
 def stalled(ranks: Mapping[int, Progress], *, configured: float | None, started_at: float,
@@ -134,7 +164,8 @@ def read_progress(metrics_dir: str) -> dict[int, Progress]:
                              since=max(v.get(contract.LAST_STEP_TIMESTAMP, 0.0), v.get(contract.STAGE_START_TIMESTAMP, 0.0)),
                              step=int(step) if step is not None else None,
                              step_seconds=v.get(contract.STEP_SECONDS + "_sum", 0.0) / count if count else None,
-                             stepped_at=v.get(contract.LAST_STEP_TIMESTAMP, 0.0))
+                             stepped_at=v.get(contract.LAST_STEP_TIMESTAMP, 0.0),
+                             steps_timed=count, seconds_timed=v.get(contract.STEP_SECONDS + "_sum", 0.0))
     return out
 
 
@@ -169,6 +200,7 @@ class Watchdog:
         self.started_at = 0.0
         self.looked_at = 0.0
         self.killed: set[int] = set()
+        self.window = StepWindow()
 
     def on_start(self) -> None:
         self.started_at = self.clock()
@@ -181,7 +213,7 @@ class Watchdog:
         pids = {int(w.global_rank): w.id for w in getattr(group, "workers", [])
                 if isinstance(w.id, int) and _running_child(w.id)}
         try:
-            progress = {r: p for r, p in read_progress(self.metrics_dir).items() if r in pids}
+            progress = {r: self.window.recent(r, p) for r, p in read_progress(self.metrics_dir).items() if r in pids}
         except Exception as exc:  # noqa: BLE001 - a watchdog that cannot read must not end the training it watches
             print(f"[ddpjob-agent] WARNING the hang watchdog stops: cannot read the ranks' metrics ({exc})",
                   file=sys.stderr, flush=True)
