@@ -2,9 +2,13 @@
 from __future__ import annotations
 
 import math
+import os
+import resource
 import statistics
 import subprocess
+import time
 from pathlib import Path
+from typing import Callable, TypeVar
 
 from scipy import stats
 
@@ -18,6 +22,39 @@ def ratio_interval(ratios: list[float]) -> dict[str, float]:
     half = float(stats.t.ppf(0.975, len(logs) - 1)) * sd / math.sqrt(len(logs))
     return {"ratio": math.exp(mean), "low": math.exp(mean - half), "high": math.exp(mean + half),
             "pairs": len(ratios)}
+
+
+T = TypeVar("T")
+
+
+def mean_interval(values: list[float]) -> dict[str, float]:
+    """Arithmetic mean and its 95 % t-interval (for quantities that may be near 0, e.g. a cost share)."""
+    if len(values) < 2:
+        raise ValueError("need at least 2 values for an interval")
+    mean, sd = statistics.mean(values), statistics.stdev(values)
+    half = float(stats.t.ppf(0.975, len(values) - 1)) * sd / math.sqrt(len(values))
+    return {"mean": mean, "low": mean - half, "high": mean + half, "n": len(values)}
+
+
+def _busy_cpu_seconds() -> float:
+    """CPU seconds the whole machine spent busy since boot (/proc/stat: all but idle and iowait)."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
+
+
+def others_load(fn: Callable[[], T]) -> tuple[T, float]:
+    """fn()'s result and how many cores the rest of the machine kept busy meanwhile, on average:
+    the machine's busy CPU time less fn's children's (waited-for processes: fn must run its work
+    as subprocesses and wait for them). On a shared machine this is what competed with the run."""
+    busy0, ours0, t0 = _busy_cpu_seconds(), _children_cpu_seconds(), time.monotonic()
+    out = fn()
+    busy1, ours1, t1 = _busy_cpu_seconds(), _children_cpu_seconds(), time.monotonic()
+    return out, max(0.0, (busy1 - busy0) - (ours1 - ours0)) / max(t1 - t0, 1e-9)
+
+
+def _children_cpu_seconds() -> float:
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
 
 
 def verdict(ci: dict[str, float], *, what: str, above_one: str = "faster", below_one: str = "slower") -> str:

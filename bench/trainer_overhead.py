@@ -12,7 +12,15 @@ Method (what makes the ratio mean something on a shared machine):
 - ours runs through the in-pod launcher with telemetry on (a multiprocess metrics dir), as in a pod.
 With --snapshot-every N the arms are instead the built-in trainer with in-memory snapshots every N
 steps and without (both with a checkpoint dir, disk checkpoints only at the epoch's end, outside
-the window): what the snapshots cost training (bench/results/trainer_snapshot_overhead.json).
+the window), on SNAPSHOT_TRAIN_SIZE samples: what the snapshots cost training
+(bench/results/trainer_snapshot_overhead.json). Besides the throughput ratio it reports the cost
+each run with snapshots measured itself (checkpointing/snapshot.Cost, rank 0): the seconds training
+stood still for them plus their writer thread's CPU seconds (all of it counted as taken from
+training: on this CPU-only machine the ranks use every core), as a share of the run's training
+time, mean and 95 % interval over the runs. That share resolves 1 % where the throughput ratio
+cannot: on a shared machine two runs' throughputs differ by far more than 1 %.
+Every run records how many cores the rest of the machine kept busy meanwhile (stats.others_load);
+the result says "loaded" when that exceeded LOADED_CORES in any run.
 Prints the geometric-mean ratio ours/plain with a 95 % interval, worded "no difference
 detectable within ±x %" when the interval holds 1.0; writes bench/results/trainer_overhead.json.
 """
@@ -31,13 +39,22 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from stats import git_head, ratio_interval, verdict  # noqa: E402
+from stats import git_head, mean_interval, others_load, ratio_interval, verdict  # noqa: E402
+
+from ddpjob_trainer.checkpointing.snapshot import read_cost  # noqa: E402
 
 # A constant learning rate: the plain loop has no scheduler, and the arms must do the same math
 # (different weights can mean different speed on a CPU, e.g. through denormal floats).
 CONFIG = {"dataset": "synthetic", "model": "convnet", "epochs": 1, "batchSize": 64, "lr": 0.01,
           "scheduler": "constant", "seed": 0, "logEverySteps": 20, "numWorkers": 0,
           "synthetic": {"trainSize": 4096, "valSize": 256, "shape": [3, 32, 32], "numClasses": 10, "seed": 1}}
+
+
+# The snapshot runs train 4x longer (128 steps a rank, 12 snapshots every 10 steps): more snapshots
+# per run, and start-up noise a smaller share of the window.
+SNAPSHOT_TRAIN_SIZE = 16384
+# Cores the rest of the machine may keep busy during a run (on average) before the result says loaded.
+LOADED_CORES = 0.25
 
 
 def _port() -> int:
@@ -54,29 +71,44 @@ def _env(nproc: int) -> dict[str, str]:
     return env
 
 
-def run_ours(nproc: int, snapshot_every: int | None = None) -> float:
-    """Built-in trainer via the launcher; throughput from its result file. With `snapshot_every`
-    (0: none) it checkpoints into a temp dir and snapshots into another."""
+def run_ours(nproc: int, snapshot_every: int | None = None) -> dict:
+    """Built-in trainer via the launcher: its throughput (result file), with `snapshot_every` (0:
+    none) checkpointing into a temp dir and snapshotting into another, and then also the cost its
+    snapshots reported (rank 0's log) and the run's training seconds."""
     with tempfile.TemporaryDirectory() as d:
         env = _env(nproc)
         config = dict(CONFIG)
         if snapshot_every is not None:
+            config["synthetic"] = {**CONFIG["synthetic"], "trainSize": SNAPSHOT_TRAIN_SIZE}  # type: ignore[dict-item]
             config["checkpoint"] = {"dir": f"{d}/ckpt", "snapshotEverySteps": snapshot_every}
             env["DDPJOB_SNAPSHOT_DIR"] = f"/dev/shm/ddpjob-bench-{os.getpid()}"
         env.update({"DDPJOB_TRAINER_CONFIG": json.dumps(config), "DDPJOB_RESULT_FILE": f"{d}/r.json",
                     "DDPJOB_NAME": "bench", "DDPJOB_METRICS_DIR": f"{d}/metrics"})
-        subprocess.run([sys.executable, "-m", "ddpjob_trainer.launch", "--metrics-port", "0", "--"],
-                       env=env, check=True, capture_output=True, timeout=600)
-        return json.loads(Path(f"{d}/r.json").read_text())["train_samples_per_second"]
+        out, others = others_load(lambda: subprocess.run(
+            [sys.executable, "-m", "ddpjob_trainer.launch", "--metrics-port", "0", "--"],
+            env=env, check=True, capture_output=True, text=True, timeout=600))
+        rate = json.loads(Path(f"{d}/r.json").read_text())["train_samples_per_second"]
+        run = {"samples_per_second": rate, "others_cores": others}
+        cost = read_cost(out.stdout)
+        if snapshot_every and cost is None:
+            raise RuntimeError(f"the run with snapshots every {snapshot_every} steps reported no snapshot cost")
+        if cost is not None:
+            # Per-rank training seconds: the result's throughput is global samples / per-rank seconds.
+            train_seconds = config["synthetic"]["trainSize"] / rate  # type: ignore[index]
+            run.update(snapshots=cost.taken, paused_seconds=cost.paused, writer_cpu_seconds=cost.writer_cpu,
+                       train_seconds=train_seconds, cost_share=(cost.paused + cost.writer_cpu) / train_seconds)
+        return run
 
 
-def run_plain(nproc: int) -> float:
+def run_plain(nproc: int) -> dict:
     """The peer loop under torchrun."""
     env = _env(nproc)
     env["BENCH_CONFIG"] = json.dumps(CONFIG)
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", str(HERE / "plain_ddp.py")],
-                         env=env, check=True, capture_output=True, text=True, timeout=600).stdout
-    return json.loads(out.strip().splitlines()[-1])["train_samples_per_second"]
+    out, others = others_load(lambda: subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", str(HERE / "plain_ddp.py")],
+        env=env, check=True, capture_output=True, text=True, timeout=600))
+    rate = json.loads(out.stdout.strip().splitlines()[-1])["train_samples_per_second"]
+    return {"samples_per_second": rate, "others_cores": others}
 
 
 def main() -> int:
@@ -95,16 +127,16 @@ def main() -> int:
     name = "trainer_overhead" if args.snapshot_every is None else "trainer_snapshot_overhead"
     args.out = args.out or str(HERE / "results" / f"{name}.json")
     if args.snapshot_every is None:
-        def first() -> float:
+        def first() -> dict:
             return run_ours(args.nproc)
 
-        def peer() -> float:
+        def peer() -> dict:
             return run_plain(args.nproc)
     else:
-        def first() -> float:
+        def first() -> dict:
             return run_ours(args.nproc, args.snapshot_every)
 
-        def peer() -> float:
+        def peer() -> dict:
             return run_ours(args.nproc, 0)
     first()
     peer()
@@ -117,23 +149,42 @@ def main() -> int:
         order.append("ours,plain" if i % 2 == 0 else "plain,ours")
         ours.append(a)
         plain.append(b)
-        ratios.append(a / b)
-        print(f"pair {i + 1}/{args.pairs} ({order[-1]}): ours {a:8.1f}  plain {b:8.1f} samples/s  "
-              f"ratio {a / b:.3f}", flush=True)
+        ratios.append(a["samples_per_second"] / b["samples_per_second"])
+        cost = f"  snapshots {100 * a['cost_share']:.3f} % of training" if "cost_share" in a else ""
+        print(f"pair {i + 1}/{args.pairs} ({order[-1]}): ours {a['samples_per_second']:8.1f}  plain "
+              f"{b['samples_per_second']:8.1f} samples/s  ratio {ratios[-1]:.3f}{cost}  others' load "
+              f"{a['others_cores']:.2f}/{b['others_cores']:.2f} cores", flush=True)
     ci = ratio_interval(ratios)
-    line = verdict(ci, what="throughput ours/plain" if args.snapshot_every is None
-                   else f"throughput with snapshots every {args.snapshot_every} steps / without")
+    lines = [verdict(ci, what="throughput ours/plain" if args.snapshot_every is None
+                     else f"throughput with snapshots every {args.snapshot_every} steps / without")]
+    others = [run["others_cores"] for run in ours + plain]
+    loaded = max(others) > LOADED_CORES
     result = {
         "benchmark": name, "snapshot_every": args.snapshot_every, "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "git_head": git_head(), "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
         "config": CONFIG, "nproc": args.nproc, "backend": "gloo", "method": "rotated pairs, both warmed",
-        "order": order, "ours_samples_per_second": ours, "plain_samples_per_second": plain,
+        "order": order, "ours_samples_per_second": [run["samples_per_second"] for run in ours],
+        "plain_samples_per_second": [run["samples_per_second"] for run in plain],
         "pair_ratios": ratios, "ratio": ci["ratio"], "ratio_95ci": [ci["low"], ci["high"]],
-        "verdict": line,
+        "others_cores": {"ours": [run["others_cores"] for run in ours], "plain": [run["others_cores"] for run in plain],
+                         "max": max(others), "loaded_above": LOADED_CORES},
+        "loaded": loaded,
     }
+    if args.snapshot_every is not None:
+        share = mean_interval([run["cost_share"] for run in ours])
+        result["config"] = {**CONFIG, "synthetic": {**CONFIG["synthetic"], "trainSize": SNAPSHOT_TRAIN_SIZE}}  # type: ignore[dict-item]
+        result["snapshot_runs"] = [{k: run[k] for k in ("snapshots", "paused_seconds", "writer_cpu_seconds",
+                                                        "train_seconds", "cost_share")} for run in ours]
+        result["cost_share"] = share
+        lines.append(f"snapshot cost measured in the runs (pause + writer CPU) / training time: "
+                     f"{100 * share['mean']:.3f} % (95 % interval {100 * share['low']:.3f}-{100 * share['high']:.3f} %, "
+                     f"{share['n']} runs): {'under' if share['high'] < 0.01 else 'not shown under'} 1 %")
+    lines.append(f"{'loaded' if loaded else 'not loaded'}: the rest of the machine kept up to {max(others):.2f} "
+                 f"of {os.cpu_count()} cores busy during a run")
+    result["verdict"] = "; ".join(lines)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    print(line)
+    print("\n".join(lines))
     return 0
 
 

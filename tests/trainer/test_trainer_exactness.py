@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from ddpjob_trainer.checkpointing.checkpoint import load_shared_state
+from ddpjob_trainer.checkpointing.snapshot import read_cost
 
 from .helpers import run_local, run_trainer, single_process_eval, write_job
 
@@ -69,6 +70,9 @@ def test_resume_at_world_size_2_with_workers_and_augmentation_is_bit_exact(tmp_p
     # Rank 0 logs it, on whichever node c10d gave rank 0.
     log = "".join(p.read_text() for p in sorted((tmp_path / "work" / "logs" / "attempt-0").glob("node-*.log")))
     assert "resumed from the in-memory snapshot" in log and "newest disk checkpoint: step 3" in log, log[-3000:]
+    # The resumed run's one snapshot (step 8; steps 6 and 9 end epochs), what it cost reported at the end.
+    cost = read_cost(log)
+    assert cost is not None and cost.taken == 1 and cost.paused > 0, log[-3000:]
     assert a["steps"] == b["steps"] == 9
     assert b["eval_loss"] == a["eval_loss"] and b["eval_accuracy"] == a["eval_accuracy"]
     wa = load_shared_state(tmp_path / "work" / "ck-a" / "step-00000009")["model"]

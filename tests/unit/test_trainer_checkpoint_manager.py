@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 
 from ddpjob_trainer.checkpointing.manager import CheckpointManager, TrainState, saved_position
+from ddpjob_trainer.checkpointing.snapshot import read_cost
 from ddpjob_trainer.config import parse_config
 from ddpjob_trainer.dist import DistContext
 from ddpjob_trainer.reporting import NullReporter
@@ -62,7 +63,7 @@ def test_a_step_boundary_writes_the_layer_that_is_due(group, tmp_path, monkeypat
                                                       epoch_end, want):
     m, stages = manager(group, tmp_path, monkeypatch, every=every, snapshot_every=snapshot_every)
     took_disk = m.maybe_save(TrainState(step=step), epoch_end=epoch_end)
-    m.close() if want != "snapshot" else m.snapshots.wait()
+    m.close(train_seconds=1.0) if want != "snapshot" else m.snapshots.wait()
     wrote_disk = (tmp_path / "ck" / f"step-{step:08d}").is_dir()
     wrote_snapshot = bool(m.snapshots and m.snapshots.steps())
     assert (wrote_disk, wrote_snapshot) == (want == "disk", want == "snapshot")
@@ -101,8 +102,25 @@ def test_resume_loads_the_newest_of_snapshot_and_disk_and_restores_it_exactly(gr
     again, _ = manager(group, tmp_path, monkeypatch, every=3, snapshot_every=2, seed=2, log=log)
     assert again.load() == TrainState(step=6, epoch=1, samples_done=24, first_world_size=1, written_at=1)
     assert log.lines[-1].startswith(f"resumed from {tmp_path / 'ck' / 'step-00000006'} at step 6")
-    again.close()
+    again.close(train_seconds=1.0)
     assert again.snapshots.steps() == []  # the run ended: /dev/shm room given back
+
+
+def test_the_run_reports_what_its_snapshots_cost(group, tmp_path, monkeypatch):
+    log = Lines()
+    m, _ = manager(group, tmp_path, monkeypatch, snapshot_every=2, log=log)
+    for step in (2, 4):
+        train(m)
+        m.maybe_save(TrainState(step=step), epoch_end=False)
+    m.close(train_seconds=10.0)
+    cost = read_cost(log.lines[-1])
+    assert cost is not None and cost.taken == 2 and cost.paused > 0
+    assert log.lines[-1].endswith("of 10.000 s of training")
+
+    quiet = Lines()
+    none, _ = manager(group, tmp_path, monkeypatch, snapshot_every=2, log=quiet)
+    none.close(train_seconds=10.0)  # no snapshot was due: nothing to report
+    assert quiet.lines == []
 
 
 def test_nothing_to_resume_from(group, tmp_path, monkeypatch):

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ddpjob_trainer.checkpointing.snapshot import KEEP, Snapshots, agreed_step, snapshot_root
+from ddpjob_trainer.checkpointing import checkpoint
+from ddpjob_trainer.checkpointing.snapshot import KEEP, Cost, Snapshots, agreed_step, read_cost, snapshot_root
 
 
 @pytest.mark.parametrize("candidates, holders, want", [
@@ -49,3 +50,30 @@ def test_a_failed_write_is_a_warning_and_ends_snapshots_not_training(tmp_path):
 def test_the_snapshots_live_in_the_pods_shm_under_the_job():
     assert str(snapshot_root({"DDPJOB_UID": "u-1/x"})) == "/dev/shm/ddpjob-u-1_x"
     assert str(snapshot_root({"DDPJOB_SNAPSHOT_DIR": "/tmp/s", "DDPJOB_UID": "u"})) == "/tmp/s"
+
+
+def test_a_rank_measures_what_its_snapshots_cost_and_the_run_reports_it_readably(tmp_path):
+    snaps = Snapshots(tmp_path, rank=0, warn=pytest.fail)
+    for step in (10, 20):
+        snaps.save(step, {"w": torch.randn(1000, 100)})
+    snaps.wait()
+    cost = snaps.cost
+    assert cost.taken == 2 and cost.paused > 0 and cost.writer_cpu > 0
+    line = cost.line(train_seconds=8.0)
+    assert read_cost(f"[12:00:00] step 5\n[12:00:01] {line}\n") == Cost(
+        taken=2, paused=pytest.approx(cost.paused, abs=1e-6), writer_cpu=pytest.approx(cost.writer_cpu, abs=1e-6))
+    assert f"{100 * (cost.paused + cost.writer_cpu) / 8.0:.3f} % of 8.000 s of training" in line
+    assert read_cost("[12:00:00] step 5\n") is None
+
+
+def test_a_small_state_is_copied_on_the_callers_thread_a_large_one_split(monkeypatch):
+    parts = []
+    real = checkpoint.run_each
+    monkeypatch.setattr(checkpoint, "run_each", lambda fn, p: parts.append(len(p)) or real(fn, p))
+    stager = checkpoint._Stager()
+    small = {"a": torch.randn(1000), "b": torch.randn(1000)}
+    large = {"a": torch.randn(checkpoint.PARALLEL_COPY_BYTES // 8), "b": torch.randn(checkpoint.PARALLEL_COPY_BYTES // 8)}
+    for state in (small, large):
+        staged = stager.stage(state)
+        assert all(torch.equal(staged[k], v) for k, v in state.items())
+    assert parts == [1, checkpoint.COPY_THREADS]

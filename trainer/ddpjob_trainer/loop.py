@@ -481,7 +481,7 @@ class Trainer:
             log.metrics({"eval_accuracy": last_eval.accuracy, "eval_loss": last_eval.loss}, step=st.step)
             self.save()
         if self.ckpt:
-            self.ckpt.close()
+            self.ckpt.close(train_seconds=train_seconds)
         # Global throughput: every rank processed about the same number of samples in the same time.
         total_samples, total_seconds = self.comm.sum([samples_seen, train_seconds]).tolist()
         throughput = total_samples / (total_seconds / ctx.world_size) if total_seconds > 0 else 0.0

@@ -120,11 +120,14 @@ class CheckpointManager:
         """The disk write in flight is published (its error raised, if any)."""
         self.disk.wait()
 
-    def close(self) -> None:
-        """The run ended: the last disk write published; the snapshots would only hold /dev/shm room."""
+    def close(self, *, train_seconds: float) -> None:
+        """The run ended: the last disk write published; the snapshots would only hold /dev/shm room.
+        What they cost this rank in its `train_seconds` of training is reported (rank 0's log)."""
         self.disk.wait()
         if self.snapshots is not None:
             self.snapshots.clear()
+            if self.snapshots.cost.taken:
+                self.log.info(self.snapshots.cost.line(train_seconds))
 
     def load(self) -> TrainState | None:
         """Restore model, optimizer, scheduler and RNG from the newest snapshot or disk checkpoint;

@@ -14,6 +14,11 @@ asynchronously: training stands still only for the copy into reused host buffers
 checkpoint's stager), a thread writes `rank-R-step-S.pt.part` and renames it; the newest KEEP are
 kept, so a write cut short by the kill leaves the one before. manager.py says when, and which to load.
 
+Each rank measures what they cost it (`Cost`): the time training stood still in `save` (the
+copy, and waiting for the previous write when it was not done) and the writer thread's CPU time,
+which on a busy CPU is taken from training. Rank 0 reports it when the run ends (manager.py); the
+benchmark reads it (bench/trainer_overhead.py --snapshot-every).
+
 It costs /dev/shm room: KEEP copies of the state per local rank (the pod's memory limit counts
 them). A write that fails (the room ran out) is a warning and ends snapshots for the run; it never
 stops training.
@@ -23,6 +28,8 @@ from __future__ import annotations
 import os
 import re
 import threading
+import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -33,6 +40,37 @@ from .checkpoint import _Stager
 
 KEEP = contract.SNAPSHOTS_KEPT
 _FILE = re.compile(r"^rank-(\d+)-step-(\d{8})\.pt$")
+
+
+@dataclass
+class Cost:
+    """What one rank's snapshots cost it so far: `paused` seconds of training stood still in `save`,
+    `writer_cpu` seconds of CPU its writer thread used, over `taken` snapshots."""
+
+    taken: int = 0
+    paused: float = 0.0
+    writer_cpu: float = 0.0
+
+    def line(self, train_seconds: float) -> str:
+        """The report of a run that trained `train_seconds` (COST_LINE reads it back)."""
+        share = 100 * (self.paused + self.writer_cpu) / train_seconds if train_seconds > 0 else 0.0
+        each = 1000 / max(1, self.taken)
+        return (f"in-memory snapshots: {self.taken} taken; training paused {self.paused:.6f} s "
+                f"({self.paused * each:.2f} ms each), their writer used {self.writer_cpu:.6f} s of CPU "
+                f"({self.writer_cpu * each:.2f} ms each): {share:.3f} % of {train_seconds:.3f} s of training")
+
+
+COST_LINE = re.compile(r"in-memory snapshots: (?P<taken>\d+) taken; training paused (?P<paused>[\d.]+) s .*"
+                       r"their writer used (?P<writer_cpu>[\d.]+) s of CPU")
+
+
+def read_cost(text: str) -> Cost | None:
+    """The Cost a run's log reports (the last line of it), None when it reports none."""
+    found = list(COST_LINE.finditer(text))
+    if not found:
+        return None
+    m = found[-1]
+    return Cost(taken=int(m["taken"]), paused=float(m["paused"]), writer_cpu=float(m["writer_cpu"]))
 
 
 def snapshot_root(env=os.environ) -> Path:
@@ -51,6 +89,7 @@ class Snapshots:
         self._stager = _Stager()
         self._writer: threading.Thread | None = None
         self.failed = False  # a write failed: no more snapshots this run
+        self.cost = Cost()
 
     def path(self, step: int) -> Path:
         return self.root / f"rank-{self.rank}-step-{step:08d}.pt"
@@ -64,16 +103,20 @@ class Snapshots:
 
     def save(self, step: int, state: dict[str, Any]) -> None:
         """Copy `state` now; write it on a thread (waiting first for the previous write)."""
+        t0 = time.perf_counter()
         self.wait()
         if self.failed:
             return
         staged = self._stager.stage(state)
         self._writer = threading.Thread(target=self._write, args=(step, staged), name="snapshot", daemon=True)
         self._writer.start()
+        self.cost.taken += 1
+        self.cost.paused += time.perf_counter() - t0
 
     def _write(self, step: int, state: dict[str, Any]) -> None:
         final = self.path(step)
         tmp = final.with_name(final.name + ".part")
+        cpu0 = time.thread_time()
         try:
             self.root.mkdir(parents=True, exist_ok=True)
             torch.save(state, tmp)
@@ -88,6 +131,8 @@ class Snapshots:
                 pass  # nothing was written there
             self.warn(f"in-memory snapshot to {final} failed ({type(exc).__name__}: {exc}); no more snapshots "
                       "this run (disk checkpoints go on)")
+        finally:
+            self.cost.writer_cpu += time.thread_time() - cpu0  # read by the trainer after wait()
 
     def wait(self) -> None:
         if self._writer is not None:
