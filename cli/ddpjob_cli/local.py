@@ -24,6 +24,7 @@ import json
 import os
 import random
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -381,6 +382,11 @@ def run_attempt(job: JobSpec, *, attempt: int, workdir: Path, cwd: Path, metrics
         return Attempt(ok=False, exit_code=128 + stop.signum, interrupted=True)
     finally:
         _stop_nodes(nodes, workdir=workdir, signals=signals, grace=grace, display=display)
+        # An attempt's pods take their /dev/shm, the snapshots in it, with them. A local attempt's
+        # nodes share this machine's: removed here, the next attempt (a group restart) resumes
+        # from disk as new pods do, and no run, ended or failed, leaves its snapshots in memory.
+        shutil.rmtree(contract.snapshot_root({contract.ENV_JOB_UID: job.uid or local_uid(job, workdir)}),
+                      ignore_errors=True)
 
 
 def _give_up(job: JobSpec, reason: str) -> str:

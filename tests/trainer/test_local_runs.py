@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import time
@@ -218,8 +219,12 @@ def _job_processes(job_name: str) -> list[int]:
 
 
 def test_failing_rank_error_is_printed_and_the_job_fails(tmp_path):
+    # Node 1 leaves a snapshot in this job's /dev/shm, as a trainer's would be when it fails.
     script = ("import os, sys, time\n"
-              "if os.environ['NODE_RANK'] == '1': sys.exit('boom on node ' + os.environ['NODE_RANK'])\n"
+              "from ddpjob_trainer.contract import snapshot_root\n"
+              "if os.environ['NODE_RANK'] == '1':\n"
+              "    d = snapshot_root(); d.mkdir(exist_ok=True); (d / 'rank-1-step-00000001.pt').write_bytes(b'x')\n"
+              "    sys.exit(f'boom on node 1; snapshots in {d}')\n"
               "time.sleep(60)\n")
     # launcher: false runs the command verbatim (no wait for a master this script never opens).
     job = write_job(tmp_path / "boom.yaml", name="boom", trainer={}, max_restarts=1,
@@ -230,6 +235,10 @@ def test_failing_rank_error_is_printed_and_the_job_fails(tmp_path):
     assert "boom on node 1" in proc.stderr and "restart budget exhausted" in proc.stderr
     left = _job_processes("boom")
     assert not left, [Path(f"/proc/{p}/cmdline").read_bytes() for p in left]  # node 0 was stopped
+    # Each attempt's "pods" take their /dev/shm with them: nothing left in memory, nor for the
+    # second attempt (a group restart resumes from disk, as new pods do).
+    shm = re.findall(r"snapshots in (\S+)", proc.stderr)
+    assert len(shm) == 2 and not Path(shm[0]).exists(), shm
 
 
 STOP_CASES = [(signal.SIGTERM, m) for m in MOMENTS] + [(signal.SIGINT, "import"), (signal.SIGINT, "step")]

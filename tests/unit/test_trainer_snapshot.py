@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from ddpjob_trainer.checkpointing import checkpoint
-from ddpjob_trainer.checkpointing.snapshot import KEEP, Cost, Snapshots, agreed_step, read_cost, snapshot_root
+from ddpjob_trainer.checkpointing.snapshot import KEEP, Cost, Snapshots, agreed_step, read_cost
+from ddpjob_trainer.contract import snapshot_root
 
 
 @pytest.mark.parametrize("candidates, holders, want", [

@@ -3,12 +3,14 @@ once: the pod's command, the environment a pod gets, the exit codes a node repor
 rank exports and the operator reads, and the run's result.
 
 It lives in the trainer package because that is the one package every side has (the operator's
-image installs the same wheel); it imports nothing but the standard library's `re`,
-`typing` and `dataclasses`, so the operator pays nothing for it.
+image installs the same wheel); it imports nothing but the standard library (`os`, `re`,
+`pathlib`, `typing`, `dataclasses`), so the operator pays nothing for it.
 """
 from __future__ import annotations
 
+import os
 import re
+from pathlib import Path
 from typing import Any, Mapping
 from dataclasses import dataclass
 
@@ -246,6 +248,16 @@ SNAPSHOT_SHM = "/dev/shm"
 # The operator sizes the pod's /dev/shm for SNAPSHOTS_KEPT + 1 copies of every rank's state.
 SNAPSHOTS_KEPT = 2
 ENV_SNAPSHOT_DIR = "DDPJOB_SNAPSHOT_DIR"
+
+
+def snapshot_root(env: Mapping[str, str] = os.environ) -> Path:
+    """Where a job's snapshots live: DDPJOB_SNAPSHOT_DIR, else /dev/shm/ddpjob-<uid or name>."""
+    if env.get(ENV_SNAPSHOT_DIR):
+        return Path(env[ENV_SNAPSHOT_DIR])
+    key = env.get(ENV_JOB_UID) or env.get(ENV_JOB_NAME) or "local"
+    return Path(SNAPSHOT_SHM) / f"ddpjob-{re.sub(r'[^A-Za-z0-9_.-]', '_', key)}"
+
+
 # Set by the agent for the workers it starts: the pod's worker start in this attempt (0, 1, ...).
 ENV_RESTART = "DDPJOB_RESTART"
 # 1 per worker failure the agent saw on this pod, valued the failure's Unix time; labels: the

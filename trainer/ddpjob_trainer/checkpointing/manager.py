@@ -19,7 +19,8 @@ from ..reporting import NullReporter
 from ..shared_dir import check_shared_dir
 from ..telemetry import Telemetry
 from .checkpoint import Checkpointer, check_resumable, optimizer_state, step_dir_name
-from .snapshot import Snapshots, agreed_step, snapshot_root
+from ..contract import snapshot_root
+from .snapshot import Snapshots, agreed_step
 
 
 @dataclass

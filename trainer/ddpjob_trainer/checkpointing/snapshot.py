@@ -73,14 +73,6 @@ def read_cost(text: str) -> Cost | None:
     return Cost(taken=int(m["taken"]), paused=float(m["paused"]), writer_cpu=float(m["writer_cpu"]))
 
 
-def snapshot_root(env=os.environ) -> Path:
-    """Where this job's snapshots live: DDPJOB_SNAPSHOT_DIR, else /dev/shm/ddpjob-<uid or name>."""
-    if env.get(contract.ENV_SNAPSHOT_DIR):
-        return Path(env[contract.ENV_SNAPSHOT_DIR])
-    key = env.get(contract.ENV_JOB_UID) or env.get(contract.ENV_JOB_NAME) or "local"
-    return Path(contract.SNAPSHOT_SHM) / f"ddpjob-{re.sub(r'[^A-Za-z0-9_.-]', '_', key)}"
-
-
 class Snapshots:
     """One rank's snapshots: `save` (async), `steps` and `load` on resume (manager.py says when)."""
 
