@@ -102,6 +102,7 @@ def _int_or_none(v: str | None) -> int | None:
 # The samples read (their names without METRIC_PREFIX); a pod's other series, a histogram's buckets
 # (most of a trainer's lines) and HELP/TYPE comments are skipped before their labels are parsed.
 _READ = frozenset(_GAUGES) | {STAGE, MLFLOW_RUN_INFO, WORKER_FAILURE}
+_ONLY_AT_ONE = frozenset({STAGE, MLFLOW_RUN_INFO})   # info-style series: only those at 1 say anything
 # A sample line of the Prometheus text format: name{labels} value [timestamp]. A label value may
 # hold any character, braces too, but no unescaped quote; the labels end at the line's last brace.
 _SAMPLE = re.compile(r"([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?[ \t]+(\S+)(?:[ \t]+-?[0-9]+)?[ \t]*")
@@ -128,7 +129,9 @@ def _labels(text: str) -> dict[str, str]:
 def _samples(text: str) -> Iterator[tuple[str, dict[str, str], float]]:
     """(name without METRIC_PREFIX, labels, value) of each trainer sample the scraper reads.
     Not prometheus_client's parser: that reads every line of every family into objects, about 7 ms
-    per 8-rank pod, a 256-rank job's scrape 0.2 CPU-s; this reads only these lines' labels."""
+    per 8-rank pod, a 256-rank job's scrape 0.2 CPU-s; this reads only these lines' labels, and
+    each distinct label set once (a rank's gauges all carry the same: the returned dicts are shared)."""
+    seen: dict[str, dict[str, str]] = {}
     for line in text.splitlines():
         if not line.startswith(METRIC_PREFIX):
             continue  # comments, blank lines, other metrics
@@ -136,8 +139,16 @@ def _samples(text: str) -> Iterator[tuple[str, dict[str, str], float]]:
         if m is None:
             raise ValueError(f"unreadable metrics line: {line[:200]!r}")
         short = m.group(1)[len(METRIC_PREFIX):]
-        if short in _READ:
-            yield short, _labels(m.group(2) or ""), float(m.group(3))
+        if short not in _READ:
+            continue
+        value = float(m.group(3))
+        if short in _ONLY_AT_ONE and value != 1:
+            continue  # a stage the rank is not in (6 of every rank's 7 stage lines)
+        text_labels = m.group(2) or ""
+        labels = seen.get(text_labels)
+        if labels is None:
+            labels = seen[text_labels] = _labels(text_labels)
+        yield short, labels, value
 
 
 def parse_metrics(text: str) -> dict[int, RankSample]:
