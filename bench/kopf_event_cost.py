@@ -27,7 +27,6 @@ import asyncio
 import gc
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -48,7 +47,7 @@ from ddpjob_operator.api.spec import GROUP, KIND, PLURAL, VERSION  # noqa: E402
 from ddpjob_operator.app.handlers import register  # noqa: E402
 from ddpjob_operator.app.operator_main import operator_settings  # noqa: E402
 from ddpjob_operator.cluster.cache import Store  # noqa: E402
-from stats import git_head, ratio_interval, verdict  # noqa: E402
+from stats import git_head, machine, ratio_interval, verdict  # noqa: E402
 
 RESULTS = REPO / "bench" / "results" / "kopf_event_cost.json"
 RANKS = 256
@@ -191,13 +190,9 @@ def main() -> int:
     args = ap.parse_args()
     load_before = os.getloadavg()
     res = asyncio.run(run(args.blocks, args.events))
-    load_after = os.getloadavg()
     res.update({"benchmark": "kopf_event_cost", "git_head": git_head(), "kopf": kopf.__version__ if hasattr(kopf, "__version__") else None,
                 "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "command": " ".join(sys.argv),
-                "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
-                            "load_avg_before": [round(x, 2) for x in load_before],
-                            "load_avg_after": [round(x, 2) for x in load_after],
-                            "loaded": max(load_before[0], load_after[0]) > (os.cpu_count() or 1)}})
+                "machine": machine(load_before)})
     for k, v in res["cpu_us_per_event"].items():
         print(f"{k:14s} {v['median']:8.1f} us/event [{v['min']}-{v['max']}]")
     print(f"json decode    {res['json_decode_us_per_event']:8.1f} us/event ({res['body_bytes']} bytes)")

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -35,7 +34,7 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 
 from ddpjob_operator.decisions.samples import parse_metrics  # noqa: E402
 from metrics_overhead import RANK_WRITER, _env  # noqa: E402
-from stats import git_head, ratio_interval, verdict  # noqa: E402
+from stats import git_head, machine, ratio_interval, verdict  # noqa: E402
 
 RESULTS = REPO / "bench" / "results" / "scrape_parse_cost.json"
 LOCAL_RANKS = 8
@@ -76,7 +75,6 @@ def main() -> int:
                 arms[name](text)
             per[name].append((time.process_time() - t0) / args.reads)
     ci = ratio_interval([o / t for o, t in zip(per["ours"], per["prometheus_client"])])
-    load_after = os.getloadavg()
     res = {"benchmark": "scrape_parse_cost", "git_head": git_head(), "command": " ".join(sys.argv),
            "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
            "body": {"local_ranks": LOCAL_RANKS, "bytes": len(text), "lines": text.count("\n")},
@@ -87,10 +85,7 @@ def main() -> int:
                                        for k, v in per.items()},
            "ratio_ours_prometheus_client": {k: round(v, 3) if isinstance(v, float) else v for k, v in ci.items()},
            "verdict": verdict(ci, what="parse CPU, ours/prometheus_client", above_one="costlier", below_one="cheaper"),
-           "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
-                       "load_avg_before": [round(x, 2) for x in load_before],
-                       "load_avg_after": [round(x, 2) for x in load_after],
-                       "loaded": max(load_before[0], load_after[0]) > (os.cpu_count() or 1)}}
+           "machine": machine(load_before)}
     for k, v in res["ms_per_pod_body"].items():
         print(f"{k:18s} {v['median']:7.3f} ms per 8-rank body [{v['min']}-{v['max']}]; a 256-rank job's scrapes: "
               f"{res['cpu_s_per_min_256_ranks'][k]} CPU-s/min")
