@@ -1,12 +1,13 @@
 """ddpjob_operator_* Prometheus metrics, served on --metrics-port.
 
 Every series carries `namespace` (as Kubeflow's `job_namespace`); per-job gauges also carry
-`ddpjob` (one series per existing job, removed with it). The scrape gauges (`ddpjob_operator_job_*`
-of SCRAPE_GAUGES) hold each Running job's latest scrape, fresher than status.progress (written once
-per progress interval) at no write; one series per Running job whatever its rank count, removed
-when it stops running: per-rank series are the ranks' own (`ddpjob_trainer_*`). Counters' labelled series are born at 0
+`ddpjob` (one series per existing job, removed with it). Counters' labelled series are born at 0
 (all known reasons, as soon as a namespace is known) so that `increase()` counts the first event;
 so are the recovery histograms' (each kind of restart: decisions/inplace's InPlace and Group).
+The scrape gauges (SCRAPE_GAUGES) say what the latest scrape of each Running job read, fresher than
+status.progress (written once per progress interval) and at no write: one series per Running job
+whatever its rank count (100 jobs of 256 ranks: 100 per gauge), removed when it stops running;
+per-rank series are the ranks' own (`ddpjob_trainer_*`, scraped from the pods).
 """
 from __future__ import annotations
 
