@@ -15,7 +15,7 @@ Measured per run:
   and watches; kopf's own DDPJob list/watch is not counted, one of each per namespace), the peer
   client-go's `rest_client_requests_total` (every request, watches included);
 - controller CPU-s (utime+stime from /proc) and RSS (idle before, after);
-- at rest (--rest scenario, default 100x8), over --idle-seconds each: (a) every job Running with
+- at rest (--rest scenarios, default 100x8; --ranks-per-pod ranks behind each pod's endpoint), over --idle-seconds each: (a) every job Running with
   its ranks' metrics served on loopback by this script (an exposition whose steps advance, so
   our operator scrapes, computes progress and writes status at its progress interval; kwok pod
   addresses are fictitious and never contacted), (b) every job finished (kwok ends the pods with
@@ -57,6 +57,8 @@ from kubernetes.client.rest import ApiException  # noqa: E402
 import kubeflow_peer  # noqa: E402
 import stats  # noqa: E402
 from ddpjob_operator.cluster.k8s import K8s  # noqa: E402
+from ddpjob_trainer.contract import STAGES  # noqa: E402
+from ddpjob_trainer.telemetry import STEP_BUCKETS  # noqa: E402
 from tests.support.cluster import (create_namespace, delete_namespace, ensure_cluster,  # noqa: E402
                                    set_pod_exit, wait_crd_established, wait_for)
 
@@ -159,26 +161,38 @@ class PodTracker:
 
 class FakeRanks:
     """The ranks' metrics endpoints, served on loopback by this script: our operator's scrape URL
-    template points here (`/{namespace}/{job}/{rank}`), never at a kwok pod's address. Steps advance
+    template points here (`/{namespace}/{job}/{pod's node rank}`), never at a kwok pod's address.
+    Each pod serves `ranks_per_pod` ranks with a trainer's series (the step-time histogram's buckets
+    and every stage's line included, as the real exposition has: docs/health.md). Steps advance
     with time, so every scrape finds new progress, as a training job's does. HTTP/1.1 keep-alive."""
 
-    def __init__(self) -> None:
+    def __init__(self, ranks_per_pod: int = 1) -> None:
         t0 = time.time()
+        per_pod = ranks_per_pod
+
+        def rank_lines(job: str, ns: str, node: int, local: int, now: float) -> str:
+            rank = node * per_pod + local
+            step = int((now - t0) * 2)
+            lab = f'ddpjob="{job}",namespace="{ns}",rank="{rank}",local_rank="{local}",node_rank="{node}"'
+            lines = [f"ddpjob_trainer_{k}{{{lab}}} {v}\n" for k, v in (
+                ("step", step), ("step_started", step + 1), ("epoch", step // 100), ("total_steps", 10_000_000),
+                ("loss", 1 / (1 + step)), ("samples_total", 32 * step), ("data_wait_seconds_total", 0.01 * step),
+                ("step_seconds_sum", 0.5 * step), ("step_seconds_count", step), ("restart_count", 0),
+                ("last_step_timestamp_seconds", now), ("first_step_timestamp_seconds", t0),
+                ("stage_start_timestamp_seconds", t0))]
+            lines += [f'ddpjob_trainer_step_seconds_bucket{{{lab},le="{le}"}} {step if le != 0.25 else 0}\n'
+                      for le in STEP_BUCKETS] + [f'ddpjob_trainer_step_seconds_bucket{{{lab},le="+Inf"}} {step}\n']
+            lines += [f'ddpjob_trainer_stage{{{lab},stage="{st}"}} {int(st == "training")}\n' for st in STAGES]
+            return "".join(lines)
 
         class Handler(http.server.BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
 
             def do_GET(self) -> None:
                 parts = self.path.strip("/").split("/")
-                ns, job, rank = (parts + ["", "", "0"])[:3]
+                ns, job, node = (parts + ["", "", "0"])[:3]
                 now = time.time()
-                step = int((now - t0) * 2)
-                lab = f'ddpjob="{job}",namespace="{ns}",rank="{rank}",local_rank="0",node_rank="{rank}"'
-                body = "".join(f"ddpjob_trainer_{k}{{{lab}}} {v}\n" for k, v in (
-                    ("step", step), ("epoch", step // 100), ("total_steps", 10_000_000), ("loss", 1 / (1 + step)),
-                    ("samples_total", 32 * step), ("step_seconds_sum", 0.5 * step), ("step_seconds_count", step),
-                    ("last_step_timestamp_seconds", now))) + f'ddpjob_trainer_stage{{{lab},stage="training"}} 1\n'
-                data = body.encode()
+                data = "".join(rank_lines(job, ns, int(node), local, now) for local in range(per_pod)).encode()
                 self.send_response(200)
                 self.send_header("Content-Type", "text/plain; version=0.0.4")
                 self.send_header("Content-Length", str(len(data)))
@@ -420,7 +434,10 @@ def main() -> int:
     ap.add_argument("--before", default=None, metavar="REV",
                     help="git revision whose operator runs as variant ddpjob-before (added to the variants)")
     ap.add_argument("--repeat", type=int, default=3, help="interleaved runs per scenario and variant")
-    ap.add_argument("--rest", default="100x8", help="the scenario (JOBSxNODES) whose jobs are also measured at rest")
+    ap.add_argument("--rest", default="100x8", help="comma list of the scenarios (JOBSxNODES) whose jobs are also "
+                                                     "measured at rest")
+    ap.add_argument("--ranks-per-pod", type=int, default=1,
+                    help="ranks each pod's metrics endpoint serves (8: a pod of 8 GPUs; 1x32 is then 256 ranks)")
     ap.add_argument("--idle-seconds", type=float, default=60.0,
                     help="the at-rest window of Running jobs (0 = skip both windows); a multiple of the "
                          "operator's 30 s progress interval, or a window sees 0 or 2x its writes")
@@ -434,7 +451,7 @@ def main() -> int:
     too_big = [f"{j}x{n}" for j, n in scenarios if j * n > MAX_PODS]
     if too_big:
         ap.error(f"--scenarios: {', '.join(too_big)} over {MAX_PODS} pods")
-    rest = tuple(int(x) for x in args.rest.split("x"))
+    rest = {tuple(int(x) for x in r.split("x")) for r in args.rest.split(",") if r}
     variants = [v for v in args.variants.split(",") if v]
     unknown = set(variants) - set(ALL_VARIANTS)
     if unknown:
@@ -461,7 +478,7 @@ def main() -> int:
         kubeflow_peer.ensure_binary()
         kubeflow_peer.install(cluster, webhook_port=webhook_port)
     bench_nodes(core, node_count, create=True)
-    ranks = FakeRanks()
+    ranks = FakeRanks(args.ranks_per_pod)
     logs = Path(tempfile.mkdtemp(prefix="operator-scale-"))
     runs: list[dict] = []
     load_start = os.getloadavg()
@@ -470,7 +487,7 @@ def main() -> int:
             order = variants[rep % len(variants):] + variants[:rep % len(variants)]
             for jobs, nodes in scenarios:
                 for variant in order:
-                    idle = args.idle_seconds if (jobs, nodes) == rest else 0
+                    idle = args.idle_seconds if (jobs, nodes) in rest else 0
                     finished_s = args.idle_seconds if args.finished_seconds is None else args.finished_seconds
                     res = run_one(cluster, api, k8s, variant, jobs, nodes, idle_seconds=idle, finished_seconds=finished_s,
                                   webhook_port=webhook_port, logs=logs, before_source=before_source,
@@ -500,7 +517,7 @@ def main() -> int:
     lines = [f"{'':52s}" + "".join(f"{v:>{width}s}" for v in variants) + f"{'ours/tuned [95% CI]':>24s}"]
     for jobs, nodes in scenarios:
         for label, key, rest_only in ROWS:
-            if rest_only and (jobs, nodes) != rest:
+            if rest_only and (jobs, nodes) not in rest:
                 continue
             mine = [r for r in runs if (r["jobs"], r["nodes_per_job"]) == (jobs, nodes)]
             cells = {v: summarize([value(r, key) for r in mine if r["variant"] == v]) for v in variants}
@@ -517,7 +534,7 @@ def main() -> int:
     out = {"machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
                        "load_avg_at_start": load_start, "load_avg_at_end": os.getloadavg(),
                        "max_load": args.max_load, "loaded_runs": loaded, "runs": len(runs)},
-           "commit": stats.git_head(),
+           "commit": stats.git_head(), "ranks_per_pod": args.ranks_per_pod,
            "command": " ".join(sys.argv),
            "peer": f"kubeflow training-operator {kubeflow_peer.VERSION} (PyTorchJob); tuned = "
                    + " ".join(kubeflow_peer.TUNED_FLAGS),

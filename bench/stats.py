@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 import os
+import platform
 import resource
 import statistics
 import subprocess
@@ -75,3 +76,12 @@ def git_head() -> str | None:
                               text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return None
+
+
+def machine(load_before: tuple[float, ...]) -> dict:
+    """The machine a micro-benchmark ran on and its load before and now; `loaded` when a 1-minute
+    load passed the CPU count (its numbers are indications then)."""
+    load_after = os.getloadavg()
+    return {"cpus": os.cpu_count(), "python": platform.python_version(),
+            "load_avg_before": [round(x, 2) for x in load_before], "load_avg_after": [round(x, 2) for x in load_after],
+            "loaded": max(load_before[0], load_after[0]) > (os.cpu_count() or 1)}

@@ -179,3 +179,38 @@ def test_recovery_histograms_are_born_at_zero_and_observe_each_recovery_once():
     assert value(m, "ddpjob_operator_recovery_steps_lost_bucket", **labels, le="5.0") == 0
     assert value(m, "ddpjob_operator_recovery_seconds_count", namespace="team-a", kind="Group") == 0
     assert STEPS_LOST_BUCKETS[0] == 0  # "lost nothing" is a bucket of its own
+
+
+def _exposition(steps: dict[int, int]) -> str:
+    """What ranks' endpoints serve (the scrape parses it as the monitor does)."""
+    return "".join(f'ddpjob_trainer_step{{ddpjob="mnist",namespace="team-a",rank="{r}"}} {s}\n'
+                   for r, s in steps.items())
+
+
+@pytest.mark.parametrize("steps, slowest, behind", [
+    ({0: 10, 1: 10}, 0, 0),                       # a tie: the lowest rank
+    ({0: 12, 1: 9, 2: 11}, 1, 3),
+    ({r: 500 - (r == 201) * 7 for r in range(256)}, 201, 7),   # a 256-rank job: one series, not 256
+])
+def test_scrape_gauges_say_the_latest_scrape_and_the_rank_behind(steps, slowest, behind):
+    from ddpjob_operator.decisions.progress import compute_progress
+    from ddpjob_operator.decisions.samples import MonitorReport, parse_metrics
+
+    m = OperatorMetrics(CollectorRegistry())
+    ranks = parse_metrics(_exposition(steps))
+    prog = compute_progress(ranks, now=100.0)
+    m.record_scrape(KEY, MonitorReport(progress=prog, conditions=[], events=[], stalled=False, ranks=ranks), when=100.0)
+    labels = {"namespace": "team-a", "ddpjob": "mnist"}
+    assert value(m, "ddpjob_operator_job_step", **labels) == min(steps.values())
+    assert value(m, "ddpjob_operator_job_slowest_rank", **labels) == slowest
+    assert value(m, "ddpjob_operator_job_steps_behind", **labels) == behind
+    assert value(m, "ddpjob_operator_job_ranks_reporting", **labels) == len(steps)
+    assert value(m, "ddpjob_operator_job_scrape_timestamp_seconds", **labels) == 100.0
+    assert value(m, "ddpjob_operator_job_samples_per_second", **labels) is None   # no rate from one scrape
+    text = generate_latest(m.registry).decode()
+    assert sum(line.startswith("ddpjob_operator_job_step{") for line in text.splitlines()) == 1
+    # A scrape that read no rank keeps what the last one said (its timestamp ages).
+    m.record_scrape(KEY, MonitorReport(progress=None, conditions=[], events=[], stalled=False), when=130.0)
+    assert value(m, "ddpjob_operator_job_scrape_timestamp_seconds", **labels) == 100.0
+    m.set_phase(KEY, None)                                   # the job is gone
+    assert not [line for line in generate_latest(m.registry).decode().splitlines() if 'ddpjob="mnist"' in line]

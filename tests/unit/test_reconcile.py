@@ -19,7 +19,7 @@ from ddpjob_operator.api import labels
 from ddpjob_operator.cluster.cache import PeerGate, Store
 from ddpjob_operator.api.config import OperatorConfig
 from ddpjob_operator.app.controller import Reconciler
-from ddpjob_operator.decisions.samples import MonitorReport
+from ddpjob_operator.decisions.samples import MonitorReport, RankSample
 from ddpjob_operator.app.operator_metrics import OperatorMetrics
 from ddpjob_operator.builders.service import render_service
 from ddpjob_operator.api.spec import from_manifest
@@ -506,7 +506,8 @@ class SteppingMonitor:
 
     async def observe(self, job, pods):
         self.step += 1
-        return MonitorReport(progress={"step": self.step}, conditions=[], events=[], stalled=False)
+        return MonitorReport(progress={"step": self.step}, conditions=[], events=[], stalled=False,
+                             ranks={0: RankSample(rank=0, step=self.step)})
 
     def forget(self, uid):
         pass
@@ -545,6 +546,7 @@ def test_finished_job_is_not_scraped_and_leaves_no_scrape_state():
     async def main():
         await start_running(k8s, rec)
         assert await rec.scrape(NS, "j")
+        assert rec.metrics.registry.get_sample_value("ddpjob_operator_job_step", {"namespace": NS, "ddpjob": "j"}) == 1
         set_phase(rec, k8s, "Succeeded", code=0)
         await rec.reconcile(NS, "j")
         assert k8s.jobs["j"]["status"]["phase"] == "Succeeded"
@@ -559,6 +561,7 @@ def test_finished_job_is_not_scraped_and_leaves_no_scrape_state():
     # The last scrape's progress went out with the transition.
     assert k8s.jobs["j"]["status"]["progress"]["step"] == observed
     assert key not in rec._reports and key not in rec._scrape_every
+    assert rec.metrics.registry.get_sample_value("ddpjob_operator_job_step", {"namespace": NS, "ddpjob": "j"}) is None
 
 
 def test_service_deleted_while_running_is_created_again_on_the_restart_pass():

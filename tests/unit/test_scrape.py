@@ -149,3 +149,44 @@ def test_parse_stage(lines, expected):
 def test_parse_mlflow_run(line, expected):
     s = parse_metrics(f"ddpjob_trainer_{line}\n").get(0) or RankSample(rank=0)
     assert (s.mlflow_run_id, s.mlflow_experiment_id) == expected
+
+
+# Text-format corners a pod may serve: escapes, braces and commas in values, spaces, a trailing
+# comma, a timestamp, non-finite values, no labels, other metrics.
+_CORNERS = "\n".join([
+    '# HELP ddpjob_trainer_step x',
+    'other_metric{rank="0"} 7',
+    'ddpjob_trainer_step{rank="0", node_rank="1",} 5 1700000000000',
+    'ddpjob_trainer_loss{rank="0",ddpjob="a\\"b\\\\c\\nd{e},f"} NaN',
+    'ddpjob_trainer_epoch{rank="1"}\t+Inf',
+    'ddpjob_trainer_epoch 3',
+    'ddpjob_trainer_worker_failure_timestamp_seconds{rank="1",error="RuntimeError: \\"x\\" } {",step="2"} 1.7e9',
+    'ddpjob_trainer_stage{rank="1",stage="training"} 1.0',
+    '',
+])
+
+
+def test_the_scrapers_reading_is_prometheus_clients(tmp_path):
+    """The scraper reads its samples itself (prometheus_client's parser costs ~15x more): it reads
+    what prometheus_client reads (but a stage or MLflow line at 0, which says nothing), on a real
+    endpoint and on the corners."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from ddpjob_operator.decisions.samples import _ONLY_AT_ONE, _READ, METRIC_PREFIX as PREFIX, _samples
+
+    real = exposition(tmp_path, [{"rank": 0, "steps": 2, "total": 4, "loss": 1.0, "acc": 0.5, "gpu": True,
+                                  "mlflow": ["abc", "1"]},
+                                 {"rank": 1, "steps": 2, "total": 4, "loss": 1.0, "failure": [1, ""]}])
+    for text in (real, _CORNERS):
+        theirs = [(s.name[len(PREFIX):], s.labels, float(s.value)) for f in text_string_to_metric_families(text)
+                  for s in f.samples if s.name.startswith(PREFIX) and s.name[len(PREFIX):] in _READ
+                  and (s.value == 1 or s.name[len(PREFIX):] not in _ONLY_AT_ONE)]
+        assert len(theirs) >= 6
+        assert sorted(map(repr, _samples(text))) == sorted(map(repr, theirs))
+
+
+@pytest.mark.parametrize("line", ['ddpjob_trainer_step{rank="0"} five', 'ddpjob_trainer_step{rank="0" 5',
+                                  'ddpjob_trainer_step{rank=0} 5', 'ddpjob_trainer_step{rank="0"}'])
+def test_an_unreadable_trainer_line_is_a_bad_exposition(line):
+    with pytest.raises(ValueError):
+        parse_metrics(line + "\n")

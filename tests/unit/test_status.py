@@ -178,6 +178,64 @@ def test_handlers_never_need_finalizers():
     assert any((h.selector.group, h.selector.any_name) == ("ddpjob.dev", "ddpjobs") for h in handlers)
     assert not any(getattr(h, "requires_finalizer", None) for h in handlers)
     assert not list(registry._spawning.get_all_handlers())  # no per-object timers/daemons
+    # No handler reads kopf's diffs (the operator's settings give kopf a diff base that keeps nothing).
+    assert not list(registry._changing.get_all_handlers())
+
+
+def test_kopf_copies_no_ddpjob_body_per_event(monkeypatch):
+    """kopf hands each DDPJob event to our handler without deep-copying the body to build a diff
+    (its default copies status, managedFields and all, for every event)."""
+    import asyncio
+    import copy
+
+    import kopf
+    from kopf._cogs.structs import ephemera, references
+    from kopf._core.actions import lifecycles
+    from kopf._core.engines import indexing
+    from kopf._core.reactor import inventory, processing
+
+    from ddpjob_operator.api.config import OperatorConfig
+    from ddpjob_operator.app.handlers import register
+    from ddpjob_operator.app.operator_main import operator_settings
+
+    class Seen:
+        def __init__(self):
+            self.events = []
+
+        def job_event(self, obj):
+            self.events.append(obj)
+
+        job_deleted = job_event
+
+    copied, deepcopy = [], copy.deepcopy
+
+    def spy(x, memo=None, _nil=[]):  # noqa: B006  (copy.deepcopy's own signature)
+        copied.append(x)
+        return deepcopy(x, memo)
+
+    monkeypatch.setattr(copy, "deepcopy", spy)
+    seen = Seen()
+    registry = kopf.OperatorRegistry()
+    register(registry, seen)
+    obj = {"apiVersion": "ddpjob.dev/v1alpha1", "kind": "DDPJob",
+           "metadata": {"name": "j", "namespace": "ns", "uid": "u1", "resourceVersion": "7",
+                        "managedFields": [{"manager": "ddpjob-operator", "fieldsV1": {"f:status": {}}}]},
+           "spec": {"image": "x", "nodes": 2},
+           "status": {"phase": "Running", "restartHistory": [{"restart": 1}], "progress": {"step": 3}}}
+    resource = references.Resource("ddpjob.dev", "v1alpha1", "ddpjobs", kind="DDPJob", namespaced=True,
+                                   verbs=["list", "watch", "patch"])
+    asyncio.run(processing.process_resource_event(
+        lifecycle=lifecycles.all_at_once, indexers=indexing.OperatorIndexers(), registry=registry,
+        settings=operator_settings(OperatorConfig()), memories=inventory.ResourceMemories(), memobase=ephemera.Memo(),
+        resource=resource, raw_event={"type": "MODIFIED", "object": obj}, event_queue=asyncio.Queue(),
+        no_throttling=True))
+    assert [e["metadata"]["uid"] for e in seen.events] == ["u1"]
+
+    def holds(x, part):  # `part` itself, or inside the copied container
+        return x is part or (isinstance(x, (dict, list)) and any(
+            holds(v, part) for v in (x.values() if isinstance(x, dict) else x)))
+
+    assert not any(holds(x, obj["status"]) or holds(x, obj["metadata"]["managedFields"]) for x in copied)
 
 
 def test_operator_settings_bound_watches_and_peering():

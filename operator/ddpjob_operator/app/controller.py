@@ -153,6 +153,7 @@ class Reconciler:
         """Drop what the scrape schedule keeps about a job (gone, or no longer running)."""
         self._scrape_every.pop(key, None)
         self._reports.pop(key, None)
+        self.metrics.forget_scrape(key)
         if uid and self.monitor is not None:
             try:
                 self.monitor.forget(uid)
@@ -206,6 +207,8 @@ class Reconciler:
         report = await self._observe(obj, self._pods(namespace, name, uid))
         if report is None:
             return False
+        if (self.jobs.get(namespace, name) or {}).get("status", {}).get("phase") == Phase.RUNNING.value:
+            self.metrics.record_scrape(key, report, when=time.time())  # not for a job that ended meanwhile
         every = self._scrape_every.get(key, 1)
         if report.unreachable:
             self._scrape_every[key] = min(every * 2, MAX_SCRAPE_BACKOFF)

@@ -15,7 +15,7 @@ from ddpjob_operator.api import labels
 from ddpjob_operator.cluster.cache import PeerGate, Store, peering_informers, pod_informers
 from ddpjob_operator.api.config import OperatorConfig
 from ddpjob_operator.app.controller import Reconciler
-from ddpjob_operator.app.handlers import register
+from ddpjob_operator.app.handlers import WatchOnlyDiffBase, register
 from ddpjob_operator.cluster.k8s import COMPONENT, K8s
 from ddpjob_operator.app.operator_metrics import OperatorMetrics
 
@@ -36,6 +36,8 @@ def operator_settings(cfg: OperatorConfig) -> kopf.OperatorSettings:
     settings.posting.reporting_component = COMPONENT
     # No CRD/namespace scanning: fewer RBAC rules; the namespaces are given explicitly.
     settings.scanning.disabled = True
+    # Our handlers read no diffs: kopf need not copy each event's body to build one.
+    settings.persistence.diffbase_storage = WatchOnlyDiffBase()
     settings.peering.standalone = not cfg.peering
     if cfg.peering:
         settings.peering.name = cfg.peering

@@ -4,6 +4,10 @@ Every series carries `namespace` (as Kubeflow's `job_namespace`); per-job gauges
 `ddpjob` (one series per existing job, removed with it). Counters' labelled series are born at 0
 (all known reasons, as soon as a namespace is known) so that `increase()` counts the first event;
 so are the recovery histograms' (each kind of restart: decisions/inplace's InPlace and Group).
+The scrape gauges (SCRAPE_GAUGES) say what the latest scrape of each Running job read, fresher than
+status.progress (written once per progress interval) and at no write: one series per Running job
+whatever its rank count (100 jobs of 256 ranks: 100 per gauge), removed when it stops running;
+per-rank series are the ranks' own (`ddpjob_trainer_*`, scraped from the pods).
 """
 from __future__ import annotations
 
@@ -13,10 +17,11 @@ from typing import Any, Iterable
 
 from prometheus_client import REGISTRY, disable_created_metrics, CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from ddpjob_operator.decisions import inplace
+from ddpjob_operator.decisions import inplace, progress
 from ddpjob_operator.decisions.lifecycle import INIT_START_ERRORS
 from ddpjob_operator.api.phases import Cond, Phase, RestartReason
 from ddpjob_operator.api.objmeta import parse_time
+from ddpjob_operator.decisions.samples import MonitorReport
 
 # The *_created series only double the output; nothing here reads them.
 disable_created_metrics()
@@ -32,6 +37,15 @@ RECOVERY_BUCKETS = (1, 2, 5, 10, 20, 30, 60, 120, 300, 600, 1800)
 # 0 is a bucket of its own: a resume from the step it failed at lost nothing.
 STEPS_LOST_BUCKETS = (0, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 5000)
 Key = tuple[str, str]   # (namespace, name)
+# What the latest scrape of a Running job found: gauge suffix -> help.
+SCRAPE_GAUGES = {
+    "step": "The slowest rank's step at the operator's latest scrape of each Running DDPJob",
+    "slowest_rank": "The rank furthest behind at that scrape (the lowest on ties)",
+    "steps_behind": "Steps the slowest rank is behind the rank furthest ahead, at that scrape",
+    "samples_per_second": "Samples per second of all ranks together, at that scrape",
+    "ranks_reporting": "Ranks whose metrics that scrape read",
+    "scrape_timestamp_seconds": "Unix time of the operator's latest scrape that read any rank (its age: time() - this)",
+}
 
 
 class OperatorMetrics:
@@ -79,6 +93,8 @@ class OperatorMetrics:
             buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10), registry=registry)
         self.reconcile_errors = Counter("ddpjob_operator_reconcile_errors_total", "Failed reconcile passes",
                                         registry=registry)
+        self.scraped = {name: Gauge(f"ddpjob_operator_job_{name}", text, ["namespace", "ddpjob"], registry=registry)
+                        for name, text in SCRAPE_GAUGES.items()}
         self._phases: dict[Key, str] = {}
         self._failed: dict[Key, str] = {}
         self._pending: dict[Key, float] = {}
@@ -117,7 +133,29 @@ class OperatorMetrics:
         for (ns, value), count in counts.items():
             self.jobs.labels(ns, value).set(count)
 
+    def record_scrape(self, key: Key, report: MonitorReport, *, when: float) -> None:
+        """A Running job's scrape: its gauges now say what it read (a scrape that read no rank
+        leaves them as they were; the timestamp tells how old they are)."""
+        lag = progress.laggard(report.ranks)
+        if lag is None:
+            return
+        prog = report.progress or {}
+        values = {"step": prog.get("step"), "slowest_rank": lag[0], "steps_behind": lag[1],
+                  "samples_per_second": prog.get("samplesPerSecond"), "ranks_reporting": len(report.ranks),
+                  "scrape_timestamp_seconds": when}
+        for name, value in values.items():
+            if value is None:
+                self._remove(self.scraped[name], key)
+            else:
+                self.scraped[name].labels(*key).set(float(value))
+
+    def forget_scrape(self, key: Key) -> None:
+        """The job stopped running or is gone: no scrape gauges for it."""
+        for gauge in self.scraped.values():
+            self._remove(gauge, key)
+
     def _forget_job(self, key: Key) -> None:
+        self.forget_scrape(key)
         self._forget_pending(key)
         self._remove(self.hang_timeout, key)
         self._remove(self.failed_at, key + (self._failed.pop(key, ""),))

@@ -49,6 +49,16 @@ def _rate_from_step_time(samples: Mapping[int, RankSample]) -> float | None:
     return total if seen else None
 
 
+def laggard(samples: Mapping[int, RankSample]) -> tuple[int, int] | None:
+    """(the rank furthest behind, lowest on ties; steps it is behind the furthest ahead), or None
+    when no rank reported a step."""
+    steps = {r: s.step for r, s in samples.items() if s.step is not None}
+    if not steps:
+        return None
+    slowest = min(steps, key=lambda r: (steps[r], r))
+    return slowest, max(steps.values()) - steps[slowest]
+
+
 def compute_progress(samples: Mapping[int, RankSample], *, now: float,
                      prev: Prev | None = None) -> dict:
     """status.progress from one scrape of every rank; prev=(prev_now, prev_samples) gives rates.
