@@ -175,3 +175,10 @@ def test_a_deletion_with_the_budget_spent_fails_the_job():
     d = decide(make_job(nodes=2, failurePolicy={"maxRestarts": 2}),
                Group.of([make_pod(0), make_pod(1, phase="Failed", exit_code=137, evicted=True)]), now=NOW, prev_status=prev)
     assert [r.new_pod for r in d.replaced] == ["j-1-r1"] and d.counted_restarts == 2
+
+
+def test_a_status_edit_naming_a_live_pod_as_replaced_gets_nothing_deleted():
+    prev = running_status(restartHistory=[{"kind": "Replace", "attempt": 0, "rank": 1, "pod": "j-1", "replacement": 1,
+                                           "newPod": "j-1-r1", "reason": "PodDeleted", "failedAt": 1.0}])
+    d = decide(make_job(nodes=2), Group.of([make_pod(0), make_pod(1)]), now=NOW, prev_status=prev)
+    assert d.phase is Phase.RUNNING and d.delete_pods == [] and d.create_ranks == [] and d.replaced == []

@@ -400,7 +400,9 @@ def decide(job: JobSpec, group: Group, *, now: dt.datetime, prev_status: dict[st
     for e in replacing.values():
         numbers[inplace.as_int(e.get("rank"))] = max(numbers.get(inplace.as_int(e.get("rank")), 0),
                                                    inplace.as_int(e.get("replacement")))
-    current = {r: p for r, p in this.by_rank.items() if r < job.nodes and podinfo.name(p) not in replacing}
+    # (Only a pod that did end or is being deleted: a status edit naming a live pod must not get it deleted.)
+    current = {r: p for r, p in this.by_rank.items()
+               if r < job.nodes and not (podinfo.name(p) in replacing and verdict(p) is not None)}
     lost = _failures(job, current, d.attempt, launched=d.launched_attempt == d.attempt, departed=this.departed,
                      numbers=numbers)
     failures = [f for _, _, f in lost]
