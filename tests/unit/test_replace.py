@@ -182,3 +182,37 @@ def test_a_status_edit_naming_a_live_pod_as_replaced_gets_nothing_deleted():
                                            "newPod": "j-1-r1", "reason": "PodDeleted", "failedAt": 1.0}])
     d = decide(make_job(nodes=2), Group.of([make_pod(0), make_pod(1)]), now=NOW, prev_status=prev)
     assert d.phase is Phase.RUNNING and d.delete_pods == [] and d.create_ranks == [] and d.replaced == []
+
+
+def test_an_elastic_job_trains_on_fewer_nodes_while_the_replacement_cannot_start_and_grows_back():
+    job = make_job(nodes=3, elastic={"minNodes": 2, "maxNodes": 3})
+    survivors = [make_pod(0), make_pod(1)]
+    d0 = decide(job, Group.of([*survivors, make_pod(2, deleting=True)]), now=NOW, prev_status=running_status())
+    st, _ = job_status(job, Group.of([*survivors, make_pod(2, deleting=True)]), now=NOW, prev_status=running_status(),
+                       decision=d0)
+    # The replacement is pending (unschedulable); the survivors' round completed after its last call.
+    pending = replacement_pod(2, 1, phase="Pending", unschedulable_for=600)
+    ranks = {r: Sample(f"j-{r}", first_step_timestamp=T0 + 40, resumed_from_step=40) for r in (0, 1)}
+    group = Group.of([*survivors, pending])
+    d = decide(job, group, now=NOW, prev_status=st)
+    st2, events = job_status(job, group, now=NOW, prev_status=st, decision=d, report=Report(ranks=ranks))
+    assert (st2["phase"], st2["attempt"], d.delete_pods, d.create_ranks) == ("Running", 0, [], [])
+    resized = cond(st2, "Resized")
+    assert (resized["status"], resized["reason"]) == ("True", "FewerNodes") and "on 2 of 3 nodes" in resized["message"]
+    assert [e[1] for e in events] == ["FewerNodes", "Unschedulable"]
+    assert "recoverySeconds" not in st2["restartHistory"][0]  # not recovered: it runs short of a node
+    # The same in a job that cannot shrink: the survivors wait for it (no Resized).
+    rigid = make_job(nodes=3)
+    st3, _ = job_status(rigid, group, now=NOW, prev_status=st, decision=decide(rigid, group, now=NOW, prev_status=st),
+                        report=Report(ranks=ranks))
+    assert cond(st3, "Resized") is None
+    # It starts and steps: every node trains again.
+    running = replacement_pod(2, 1)
+    ranks[2] = Sample("j-2-r1", first_step_timestamp=T0 + 90, resumed_from_step=60)
+    for r in (0, 1):
+        ranks[r].first_step_timestamp = T0 + 89
+    group = Group.of([*survivors, running])
+    st4, events = job_status(job, group, now=NOW, prev_status=st2, decision=decide(job, group, now=NOW, prev_status=st2),
+                             report=Report(ranks=ranks))
+    assert (cond(st4, "Resized")["status"], cond(st4, "Resized")["reason"]) == ("False", "AllNodes")
+    assert st4["restartHistory"][0]["recoverySeconds"] == 90.0 and {"AllNodes", "PodReplaced"} <= {e[1] for e in events}

@@ -146,6 +146,19 @@ def _precedes(entry: Mapping[str, Any], head: Mapping[str, Any]) -> bool:
     return ("signal" not in entry, entry["failedAt"]) < ("signal" not in head, head["failedAt"])
 
 
+def training_without(entry: Mapping[str, Any], ranks: Mapping[int, Any]) -> set[str] | None:
+    """The pods training again without a replacement not yet among them (an elastic job's
+    rendezvous completed with fewer nodes after its last call): every rank reporting, the new
+    pod's aside, stepped after the loss. None while that is not so (they wait for it, or it joined)."""
+    t = float(entry.get("failedAt") or 0)
+    others = [s for s in ranks.values() if getattr(s, "pod", None) != entry.get("newPod")]
+    if entry.get("kind") != REPLACE or len(others) < len(ranks) or not others:
+        return None
+    if any(s.first_step_timestamp is None or s.first_step_timestamp <= t for s in others):
+        return None
+    return {str(s.pod) for s in others}
+
+
 def replace_entry(replacement: Any, *, attempt: int, ranks: Mapping[int, Any] | None,
                   prev_status: Mapping[str, Any], now: dt.datetime) -> dict[str, Any]:
     """The history entry of a lost pod replaced alone (a lifecycle.Replacement, read by attribute)."""

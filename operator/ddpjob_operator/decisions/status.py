@@ -215,6 +215,28 @@ def _in_place(conds: list[dict[str, Any]], up: inplace.Update, job: JobSpec, d: 
     return events
 
 
+def _resized(conds: list[dict[str, Any]], up: inplace.Update, job: JobSpec, ranks: Any, now: dt.datetime,
+             gen: int) -> list[Event]:
+    """`Resized` while an elastic job trains on fewer nodes (spec.elastic.minNodes) because a lost
+    pod's replacement is not running (unschedulable, pulling): torchrun's rendezvous completed
+    without it; False once every node trains again (the agents restart the workers when its agent
+    joins). The scrape tells: None (no scrape) leaves it as it was."""
+    pending = up.pending
+    if pending is not None and pending.get("kind") == inplace.REPLACE and ranks is not None:
+        pods = inplace.training_without(pending, ranks)
+        if pods is not None and job.min_nodes < job.nodes:
+            was = condition({"conditions": conds}, Cond.RESIZED)
+            text = (f"running on {len(pods)} of {job.nodes} nodes (spec.elastic.minNodes={job.min_nodes}) while "
+                    f"pod {pending.get('newPod')}, which replaces {pending.get('pod')}, is not running; it joins when it starts")
+            set_condition(conds, type=Cond.RESIZED, status=True, reason="FewerNodes", message=text, now=now, generation=gen)
+            return [] if was else [("Warning", "FewerNodes", text)]
+    if pending is None and condition({"conditions": conds}, Cond.RESIZED):
+        text = f"running on all {job.nodes} nodes again"
+        _clear(conds, Cond.RESIZED, "AllNodes", text, now, gen)
+        return [("Normal", "AllNodes", text)]
+    return []
+
+
 def job_status(job: JobSpec, group: Group, *, now: dt.datetime,
                prev_status: dict[str, Any] | None, config: OperatorConfig | None = None,
                decision: Decision | None = None, report: MonitorReport | None = None,
@@ -282,6 +304,7 @@ def job_status(job: JobSpec, group: Group, *, now: dt.datetime,
                               replaced=[inplace.replace_entry(r, attempt=d.attempt, ranks=report.ranks if report else None,
                                                               prev_status=prev, now=now) for r in d.replaced])
     events += _in_place(conds, restarts, job, d, now, gen)
+    events += _resized(conds, restarts, job, report.ranks if report is not None else None, now, gen)
     if d.phase is Phase.SUSPENDED:
         set_condition(conds, type=Cond.SUSPENDED, status=True, reason="Suspended", message=d.message,
                       now=now, generation=gen)
