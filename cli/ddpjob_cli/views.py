@@ -167,7 +167,9 @@ def rank_rows(job: dict[str, Any], pods: list[dict[str, Any]]) -> list[RankRow]:
     """One row per node rank 0..spec.nodes-1 of the current attempt (a rank without a pod shows
     phase '-'), then any pod of that attempt with a rank beyond (an elastic job shrinking)."""
     attempt = current_attempt(job, pods)
-    mine = {podinfo.rank(p): p for p in sorted(Group.of(pods).at(attempt).active, key=podinfo.name)}
+    at = Group.of(pods).at(attempt)
+    # Each rank's newest pod (a lost pod's replacement), while it is not being deleted.
+    mine = {r: p for r, p in at.by_rank.items() if not podinfo.terminating(p)}
     nodes = int((job.get("spec") or {}).get("nodes") or 0)
     rows = []
     for rank in sorted(set(range(nodes)) | set(mine)):

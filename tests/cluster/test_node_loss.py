@@ -1,4 +1,4 @@
-"""A node that goes away is not the job's fault: the group restarts without using the budget.
+"""A node that goes away is not the job's fault: the group restarts (pod 0 is among the lost) without using the budget.
 
 The job runs on a kwok node of its own (labelled and tainted for this test only: the fake GPU
 nodes are shared). Deleting that Node object leaves its pods orphaned; the controller-manager's

@@ -278,11 +278,28 @@ def test_pod_failure_and_deletion_restart_the_group(start_operator, k8s):
     k8s.patch("grp", {"failurePolicy": {"keepFailedAttempts": 0}})
     wait_for(lambda: [n for n, _, _ in pod_table(k8s, "grp")] == [f"grp-{r}-a2" for r in range(3)], timeout=30,
              desc=f"no kept pod ({pod_table(k8s, 'grp')})")
-    # Deleting a pod (as a user would) also restarts the whole group.
+    # Deleting pod 0 (as a user would) also restarts the whole group: it hosts the rendezvous.
     k8s.core.delete_namespaced_pod("grp-0-a2", k8s.ns)
     k8s.wait_status("grp", lambda s: s.get("restarts") == 3 and running(3)(s), "restarted three times")
     wait_for(lambda: pod_table(k8s, "grp") == [(f"grp-{r}-a3", "3", "Running") for r in range(3)], timeout=30,
              desc=f"attempt 3 alone ({pod_table(k8s, 'grp')})")
+    # Another rank's pod deleted: that pod alone is replaced, in the same attempt, under its own
+    # name; the others keep theirs (their workers restart in place: docs/restarts.md).
+    k8s.patch("grp", {"failurePolicy": {"keepFailedAttempts": 0, "maxRestarts": 5}})  # 3 of 3 used: room for a 4th
+    uids = {p.metadata.name: p.metadata.uid for p in k8s.pods("grp")}
+    k8s.core.delete_namespaced_pod("grp-1-a3", k8s.ns)
+    status = k8s.wait_status("grp", lambda s: s.get("restarts") == 4 and running(3)(s), "rank 1 replaced")
+    assert (status["attempt"], status["countedRestarts"]) == (3, 4), status
+    replaced = [e for e in status["restartHistory"] if e["kind"] == "Replace"]
+    assert [(e["rank"], e["pod"], e["newPod"], e["reason"]) for e in replaced] == [(1, "grp-1-a3", "grp-1-a3-r1",
+                                                                                  "PodDeleted")], replaced
+    wait_for(lambda: pod_table(k8s, "grp") == [("grp-0-a3", "3", "Running"), ("grp-1-a3-r1", "3", "Running"),
+                                               ("grp-2-a3", "3", "Running")], timeout=30,
+             desc=f"rank 1 replaced alone ({pod_table(k8s, 'grp')})")
+    now = {p.metadata.name: p.metadata.uid for p in k8s.pods("grp")}
+    assert {n: now[n] for n in ("grp-0-a3", "grp-2-a3")} == {n: uids[n] for n in ("grp-0-a3", "grp-2-a3")}
+    assert k8s.core.read_namespaced_pod("grp-1-a3-r1", k8s.ns).spec.hostname == "grp-1"
+    assert any(r == "ReplacingPod" and "grp-1-a3-r1" in m for _, r, m in k8s.events("grp"))
     # The Service outlives group restarts: created once, never re-POSTed.
     assert api_requests(op)["POST services"] == 1
 
@@ -331,13 +348,20 @@ def test_restart_budget_exhausted_fails(start_operator, k8s):
     assert [p.metadata.name for p in k8s.pods("budget")] == failed
 
 
-def test_eviction_does_not_count_against_the_budget(start_operator, k8s):
+@pytest.mark.parametrize("budget, pods", [
+    # No in-place restarts: the other pods' workers cannot wait for a new peer: the group restarts.
+    (0, [("evict-0-a1", "1", "Running"), ("evict-1", "0", "Failed"), ("evict-1-a1", "1", "Running")]),
+    # Rank 1 replaced alone; the evicted pod is kept for its logs.
+    (3, [("evict-0", "0", "Running"), ("evict-1", "0", "Failed"), ("evict-1-r1", "0", "Running")]),
+])
+def test_eviction_does_not_count_against_the_budget(start_operator, k8s, budget, pods):
     start_operator()
-    k8s.apply("evict", nodes=2, failurePolicy={"maxRestarts": 0})
+    k8s.apply("evict", nodes=2, failurePolicy={"maxRestarts": budget})
     k8s.wait_status("evict", running(2), "Running")
     evict_pod(k8s.core.api_client, k8s.ns, "evict-1")
     status = k8s.wait_status("evict", lambda s: s.get("restarts") == 1 and running(2)(s), "free restart")
     assert status["countedRestarts"] == 0 and status["reason"] == "Running"
+    wait_for(lambda: pod_table(k8s, "evict") == pods, timeout=30, desc=f"pods {pod_table(k8s, 'evict')}")
 
 
 def test_bad_configuration_exit_fails_without_restart(start_operator, k8s):

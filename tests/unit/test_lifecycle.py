@@ -31,9 +31,10 @@ def test_all_running():
 
 @pytest.mark.parametrize("pods,reason,counted", [
     ([make_pod(0), make_pod(1, phase="Failed", exit_code=1)], "PodFailed", 1),
-    ([make_pod(0), make_pod(1, deleting=True)], "PodDeleted", 1),
-    ([make_pod(0)], "PodDeleted", 1),                                          # vanished after launch
-    ([make_pod(0), make_pod(1, phase="Failed", exit_code=137, evicted=True)], "PodEvicted", 0),  # free
+    # Rank 0 lost: it hosts the c10d store (a lost pod of another rank is replaced alone: test_replace.py).
+    ([make_pod(0, deleting=True), make_pod(1)], "PodDeleted", 1),
+    ([make_pod(1)], "PodDeleted", 1),                                          # vanished after launch
+    ([make_pod(0, phase="Failed", exit_code=137, evicted=True), make_pod(1)], "PodEvicted", 0),  # free
 ])
 def test_failure_restarts_the_whole_group(pods, reason, counted):
     d = decide(make_job(nodes=2), Group.of(pods), now=NOW, prev_status=running_status())
@@ -135,7 +136,7 @@ def test_restart_budget_exhausted_fails_and_cleans_running_pods():
 def test_evictions_do_not_use_the_budget():
     prev = running_status(restarts=5, countedRestarts=3)
     d = decide(make_job(nodes=2, failurePolicy={"maxRestarts": 3}),
-               Group.of([make_pod(0), make_pod(1, phase="Failed", exit_code=137, evicted=True)]), now=NOW,
+               Group.of([make_pod(0, phase="Failed", exit_code=137, evicted=True), make_pod(1)]), now=NOW,
                prev_status=prev)
     assert d.phase is Phase.RESTARTING and d.restarts == 6 and d.counted_restarts == 3
 

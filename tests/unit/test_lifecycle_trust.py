@@ -66,11 +66,11 @@ def test_a_lost_node_restarts_the_group_for_free():
 
 def test_departed_records_of_other_attempts_or_reused_names_are_ignored():
     prev = running_status(attempt=1, launchedAttempt=1)
-    old = ended(1, disruption="DeletionByPodGC", attempt=0)
-    d = decide(make_job(nodes=2), Group.of([make_pod(0, attempt=1)], departed=[old]), now=NOW, prev_status=prev)
+    old = ended(0, disruption="DeletionByPodGC", attempt=0)
+    d = decide(make_job(nodes=2), Group.of([make_pod(1, attempt=1)], departed=[old]), now=NOW, prev_status=prev)
     assert d.reason == "PodDeleted" and d.counted_restarts == 1
     # A pod of the same name exists again: its record is history.
-    group = Group.of([make_pod(0), make_pod(1)], departed=[ended(1, disruption="DeletionByPodGC")])
+    group = Group.of([make_pod(0), make_pod(1)], departed=[ended(0, disruption="DeletionByPodGC")])
     d = decide(make_job(nodes=2), group, now=NOW, prev_status=running_status())
     assert d.phase is Phase.RUNNING and d.restarts == 0
 

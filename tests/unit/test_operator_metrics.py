@@ -136,18 +136,18 @@ def test_every_series_has_a_namespace_label_and_none_is_named_job():
                 assert sample.labels.get("namespace") == "n", sample
 
 
-@pytest.mark.parametrize("pod", [
-    make_pod(1, phase="Failed", exit_code=1),
-    make_pod(1, phase="Failed", exit_code=137, evicted=True),
-    make_pod(1, phase="Failed", exit_code=137, disruption="PreemptionByScheduler"),
-    make_pod(1, phase="Failed", exit_code=137, disruption="DeletionByPodGC"),
-    make_pod(1, phase="Failed", exit_code=137, reason="NodeLost"),
-    make_pod(1, deleting=True),
+@pytest.mark.parametrize("pod", [   # rank 0's: a lost pod of another rank is replaced alone
+    make_pod(0, phase="Failed", exit_code=1),
+    make_pod(0, phase="Failed", exit_code=137, evicted=True),
+    make_pod(0, phase="Failed", exit_code=137, disruption="PreemptionByScheduler"),
+    make_pod(0, phase="Failed", exit_code=137, disruption="DeletionByPodGC"),
+    make_pod(0, phase="Failed", exit_code=137, reason="NodeLost"),
+    make_pod(0, deleting=True),
 ], ids=["failed", "evicted", "preempted", "node-gone", "node-lost", "deleted"])
 def test_every_restart_the_decisions_make_has_a_series_born_at_zero(pod):
     """The restart counter's series start at zero from the one list of reasons (RestartReason):
     `increase()` in the dashboards and alerts sees even the first restart of each kind."""
-    d = decide(make_job(nodes=2), Group.of([make_pod(0), pod]), now=NOW, prev_status=running_status())
+    d = decide(make_job(nodes=2), Group.of([pod, make_pod(1)]), now=NOW, prev_status=running_status())
     assert d.phase is Phase.RESTARTING, d
     m = OperatorMetrics(CollectorRegistry(), namespaces=["ns"])
     assert value(m, "ddpjob_operator_jobs_restarted_total", namespace="ns", reason=d.reason) == 0, d.reason
@@ -155,7 +155,7 @@ def test_every_restart_the_decisions_make_has_a_series_born_at_zero(pod):
 
 def test_recovery_histograms_are_born_at_zero_and_observe_each_recovery_once():
     m = OperatorMetrics(CollectorRegistry(), namespaces=["team-a"])
-    assert RECOVERY_KINDS == ("InPlace", "Group")
+    assert RECOVERY_KINDS == ("InPlace", "Group", "Replace")
     for kind in RECOVERY_KINDS:
         assert value(m, "ddpjob_operator_recovery_seconds_count", namespace="team-a", kind=kind) == 0
         assert value(m, "ddpjob_operator_recovery_steps_lost_bucket", namespace="team-a", kind=kind, le="0.0") == 0

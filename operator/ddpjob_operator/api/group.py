@@ -21,7 +21,7 @@ class Attempt:
 
     number: int
     pods: tuple[Pod, ...] = ()                                   # as listed, terminating ones too
-    by_rank: Mapping[int, Pod] = field(default_factory=dict)     # the first pod listed of each rank >= 0
+    by_rank: Mapping[int, Pod] = field(default_factory=dict)     # each rank's (>= 0) newest replacement
     active: tuple[Pod, ...] = ()                                 # not being deleted
     departed: Mapping[str, Pod] = field(default_factory=dict)    # last state of those that vanished
 
@@ -52,8 +52,11 @@ class Group:
             mine = tuple(listed.get(n, ()))
             by_rank: dict[int, Pod] = {}
             for p in mine:
-                if podinfo.rank(p) >= 0:
-                    by_rank.setdefault(podinfo.rank(p), p)
+                # A lost pod's replacement stands for its rank; the old one may still be listed
+                # (terminating, or Failed and kept for its logs). Else the first listed.
+                r = podinfo.rank(p)
+                if r >= 0 and (r not in by_rank or podinfo.replacement(p) > podinfo.replacement(by_rank[r])):
+                    by_rank[r] = p
             attempts[n] = Attempt(n, mine, by_rank, tuple(p for p in mine if not podinfo.terminating(p)),
                                   gone.get(n, {}))
         return cls(pods, names, tuple(p for p in pods if not podinfo.terminating(p)), attempts)

@@ -4,6 +4,8 @@ from __future__ import annotations
 JOB_NAME = "ddpjob.dev/job-name"
 NODE_RANK = "ddpjob.dev/node-rank"
 ATTEMPT = "ddpjob.dev/attempt"
+# A pod that replaced a lost one of its rank within the attempt: the how-manyth (absent: the first pod).
+REPLACEMENT = "ddpjob.dev/replacement"
 # Pod annotations: the restart counters before the pod's attempt, the operator's own record of
 # them (lifecycle.trusted_counters), out of reach of whoever may edit the DDPJob's status.
 RESTARTS = "ddpjob.dev/restarts"

@@ -53,5 +53,6 @@ class Cond(str, enum.Enum):
     CONTAINERS_NOT_STARTING = "ContainersNotStarting"
     FAILED_CREATE_POD = "FailedCreatePod"
     NODE_NOT_READY = "NodeNotReady"
+    RESIZED = "Resized"   # an elastic job trains on fewer nodes while a lost pod's replacement is not running
     GANG_SCHEDULED = "GangScheduled"
     ADMITTED = "Admitted"

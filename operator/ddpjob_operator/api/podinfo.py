@@ -35,6 +35,11 @@ def attempt(pod: dict[str, Any]) -> int:
     return _int_label(pod, labels.ATTEMPT)
 
 
+def replacement(pod: dict[str, Any]) -> int:
+    """Which replacement of its rank within the attempt the pod is (0: the attempt's own pod)."""
+    return max(0, _int_label(pod, labels.REPLACEMENT))
+
+
 def phase(pod: dict[str, Any]) -> str:
     return str((pod.get("status") or {}).get("phase") or "Pending")
 

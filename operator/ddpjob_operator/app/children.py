@@ -221,7 +221,8 @@ class Children:
                         stop = True
                         break
                     pod = render_pod(job, rank, attempt=decision.attempt, config=self.config,
-                                     restarts=decision.restarts, counted_restarts=decision.counted_restarts)
+                                     restarts=decision.restarts, counted_restarts=decision.counted_restarts,
+                                     replacement=decision.replacement.get(rank, 0))
                     flying.add(asyncio.ensure_future(self.create_pods(job, [pod])))
                 if not flying:
                     break

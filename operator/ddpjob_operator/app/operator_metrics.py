@@ -3,7 +3,7 @@
 Every series carries `namespace` (as Kubeflow's `job_namespace`); per-job gauges also carry
 `ddpjob` (one series per existing job, removed with it). Counters' labelled series are born at 0
 (all known reasons, as soon as a namespace is known) so that `increase()` counts the first event;
-so are the recovery histograms' (each kind of restart: decisions/inplace's InPlace and Group).
+so are the recovery histograms' (each kind of restart: decisions/inplace's InPlace, Group and Replace).
 The scrape gauges (SCRAPE_GAUGES) say what the latest scrape of each Running job read, fresher than
 status.progress (written once per progress interval) and at no write: one series per Running job
 whatever its rank count (100 jobs of 256 ranks: 100 per gauge), removed when it stops running;
@@ -31,7 +31,7 @@ disable_created_metrics()
 FAILURE_REASONS = tuple(sorted({"BadConfiguration", "RestartLimitExceeded", "DeadlineExceeded",
                                 Cond.FAILED_CREATE_POD.value} | INIT_START_ERRORS))
 RESTART_REASONS = tuple(r.value for r in RestartReason)
-RECOVERY_KINDS = (inplace.INPLACE, inplace.GROUP)
+RECOVERY_KINDS = (inplace.INPLACE, inplace.GROUP, inplace.REPLACE)
 # In place aims at seconds, a group restart takes minutes (pods deleted, scheduled, pulled).
 RECOVERY_BUCKETS = (1, 2, 5, 10, 20, 30, 60, 120, 300, 600, 1800)
 # 0 is a bucket of its own: a resume from the step it failed at lost nothing.
@@ -82,11 +82,11 @@ class OperatorMetrics:
             ["namespace", "ddpjob"], registry=registry)
         self.recovery_seconds = Histogram(
             "ddpjob_operator_recovery_seconds", "Seconds from a worker or pod failure to the first step every rank "
-            "took after it (status.restartHistory's recoverySeconds), by kind of restart (InPlace, Group)",
+            "took after it (status.restartHistory's recoverySeconds), by kind of restart (InPlace, Group, Replace)",
             ["namespace", "kind"], buckets=RECOVERY_BUCKETS, registry=registry)
         self.recovery_steps_lost = Histogram(
             "ddpjob_operator_recovery_steps_lost", "Steps done again after a restart (the step reached at the failure "
-            "less the step resumed from: status.restartHistory's stepsLost), by kind of restart (InPlace, Group)",
+            "less the step resumed from: status.restartHistory's stepsLost), by kind of restart (InPlace, Group, Replace)",
             ["namespace", "kind"], buckets=STEPS_LOST_BUCKETS, registry=registry)
         self.reconcile_seconds = Histogram(
             "ddpjob_operator_reconcile_seconds", "Duration of one reconcile pass",

@@ -44,14 +44,16 @@ def pod_hostname(job: JobSpec, rank: int) -> str:
     return f"{job.name}-{rank:0{width}d}"
 
 
-def pod_name(job_name: str, rank: int, attempt: int) -> str:
+def pod_name(job_name: str, rank: int, attempt: int, replacement: int = 0) -> str:
     """The pod of one rank in one attempt: `<job>-<rank>` in attempt 0 (the names most jobs, which
     never restart, show), `<job>-<rank>-a<K>` after: a failed attempt's pods are kept for their
-    logs (spec.failurePolicy.keepFailedAttempts), so the next attempt cannot reuse their names. A
-    pod name may be 253 characters, so the suffix fits any job name the CRD accepts; only the
-    hostname must fit a 63-character DNS label, and it carries no suffix."""
-    base = f"{job_name}-{rank}"
-    return f"{base}-a{attempt}" if attempt > 0 else base
+    logs (spec.failurePolicy.keepFailedAttempts), so the next attempt cannot reuse their names.
+    The n-th replacement of a lost pod within the attempt adds `-r<n>`: the pod it replaces may
+    still exist (terminating, or an evicted pod kept Failed for its logs). A pod name may be 253
+    characters, so the suffixes fit any job name the CRD accepts; only the hostname must fit a
+    63-character DNS label, and it carries none."""
+    base = f"{job_name}-{rank}" + (f"-a{attempt}" if attempt > 0 else "")
+    return f"{base}-r{replacement}" if replacement > 0 else base
 
 
 def master_dns(job: JobSpec, *, cluster_domain: str | None = None) -> str:

@@ -117,9 +117,11 @@ def container_env(job: JobSpec, rank: int, *, attempt: int = 0, cluster_domain: 
 
 
 def render_pod(job: JobSpec, rank: int, *, attempt: int = 0, config: OperatorConfig | None = None,
-               restarts: int | None = None, counted_restarts: int | None = None) -> dict[str, Any]:
+               restarts: int | None = None, counted_restarts: int | None = None,
+               replacement: int = 0) -> dict[str, Any]:
     """Pod `envvars.pod_name` (hostname `<job>-<rank>`) for one attempt of the group: spec.template under the flat fields under
-    what the operator owns (template.merge_template)."""
+    what the operator owns (template.merge_template). `replacement`: the n-th pod that replaces a
+    lost one of this rank in the attempt (lifecycle.Replacement): its own name, the same hostname."""
     config = config or OperatorConfig()
     spec = job.spec
     command, args = container_command(job)
@@ -166,8 +168,9 @@ def render_pod(job: JobSpec, rank: int, *, attempt: int = 0, config: OperatorCon
     gang_labels, gang_annotations = gang.pod_metadata(job)
     queue_labels, queue_annotations = kueue.pod_metadata(job, attempt)
     extra = {**template.user_metadata(job, "labels", "podLabels"), **gang_labels, **queue_labels,
-             labels.NODE_RANK: str(rank), labels.ATTEMPT: str(attempt)}
-    meta = child_metadata(job, pod_name(job.name, rank, attempt), extra)
+             labels.NODE_RANK: str(rank), labels.ATTEMPT: str(attempt),
+             **({labels.REPLACEMENT: str(replacement)} if replacement > 0 else {})}
+    meta = child_metadata(job, pod_name(job.name, rank, attempt, replacement), extra)
     total, counted = restart_counters(job, restarts, counted_restarts)
     meta["annotations"] = {**template.user_metadata(job, "annotations", "podAnnotations"), **gang_annotations, **queue_annotations,
                            labels.RESTARTS: str(total), labels.COUNTED_RESTARTS: str(counted)}

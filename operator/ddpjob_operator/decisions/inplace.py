@@ -9,8 +9,10 @@ pod's metrics endpoint (contract.WORKER_FAILURE) and each worker process its fir
   (attempt, the pod's worker start that failed, rank, pod, node, exit code, signal, with
   failurePolicy.logTailInStatus the error's first line, the step the rank had finished; reason
   Stalled and the stall's line, always, for a worker its agent killed for a stall
-  (failurePolicy.restartOnHang)) or kind `Group` (the attempt that ended, reason, the newest step
-  scraped); once every rank stepped again after it, `resumedFromStep`, `stepsLost` and
+  (failurePolicy.restartOnHang)), kind `Replace` (a lost pod of a rank recreated alone: rank, the
+  lost pod, its node, the new pod, reason; the survivors' in-place restarts it causes are its
+  `alsoFailed`, not restarts of their own) or kind `Group` (the attempt that ended, reason, the
+  newest step scraped); once every rank stepped again after it, `resumedFromStep`, `stepsLost` and
   `recoverySeconds` (failure to the group's first step, on the pods' clocks);
 - `status.inPlaceRestarts`: how many in-place restarts the job made, charged to
   failurePolicy.maxRestarts with the group restarts (lifecycle.budget_used);
@@ -35,6 +37,7 @@ from ddpjob_operator.decisions.samples import ABSURD as MAX_STEP  # a step label
 
 INPLACE = "InPlace"
 GROUP = "Group"
+REPLACE = "Replace"      # a lost pod recreated alone (decisions/lifecycle.Replacement)
 HISTORY_LIMIT = 20       # status.restartHistory entries kept (newest last)
 MESSAGE_CHARS = 200
 ALSO_LIMIT = 16          # peers' failures kept per in-place restart
@@ -42,10 +45,13 @@ _SIGNAL = re.compile(r"^SIG[A-Z0-9]{2,10}$")
 # Reasons of the Restarting condition for an in-place restart (a group restart's is its cause).
 RESTARTING_IN_PLACE = "RestartingInPlace"
 RESTARTED_IN_PLACE = "RestartedInPlace"
+# ... and for a lost pod replaced alone (the job's reason too, until the replacement runs).
+REPLACING = "ReplacingPod"
+REPLACED = "PodReplaced"
 STALLED = RestartReason.STALLED.value  # an entry's reason: the pod's agent killed the worker for a stall
 
 
-def _int(value: Any, default: int = 0) -> int:
+def as_int(value: Any, default: int = 0) -> int:
     try:
         return int(str(value))
     except ValueError:
@@ -72,15 +78,15 @@ def observed(ranks: Mapping[int, Any], *, attempt: int, with_log: bool) -> list[
             if f.get("restarted") != "true":
                 continue
             entry: dict[str, Any] = {
-                "kind": INPLACE, "attempt": attempt, "restart": _int(f.get("restart")), "rank": rank,
-                "pod": sample.pod or "", "exitCode": _int(f.get("exit_code"), -1),
+                "kind": INPLACE, "attempt": attempt, "restart": as_int(f.get("restart")), "rank": rank,
+                "pod": sample.pod or "", "exitCode": as_int(f.get("exit_code"), -1),
                 "time": format_time(dt.datetime.fromtimestamp(float(f["time"]), dt.timezone.utc)),
                 "failedAt": float(f["time"]),
             }
             if sample.node:
                 entry["node"] = sample.node
-            if 0 <= _int(f.get("step"), -1) <= MAX_STEP:
-                entry["stepAtFailure"] = _int(f.get("step"))
+            if 0 <= as_int(f.get("step"), -1) <= MAX_STEP:
+                entry["stepAtFailure"] = as_int(f.get("step"))
             if _SIGNAL.match(str(f.get("signal") or "")):
                 entry["signal"] = f["signal"]
             error = redact(str(f.get("error") or "")).strip()[:MESSAGE_CHARS]
@@ -95,8 +101,11 @@ def observed(ranks: Mapping[int, Any], *, attempt: int, with_log: bool) -> list[
 
 def recovery(entry: Mapping[str, Any], ranks: Mapping[int, Any]) -> tuple[int, float] | None:
     """(step resumed from, seconds from the failure to the group's first step) once every rank
-    reporting has a worker that stepped after the failure; None before."""
+    reporting has a worker that stepped after the failure (a replacement: its new pod's among
+    them); None before."""
     t = float(entry.get("failedAt") or 0)
+    if entry.get("kind") == REPLACE and not any(getattr(s, "pod", None) == entry.get("newPod") for s in ranks.values()):
+        return None
     firsts = [(s.first_step_timestamp, s.resumed_from_step) for s in ranks.values()]
     if not firsts or any(ts is None or ts <= t for ts, _ in firsts):
         return None
@@ -110,7 +119,7 @@ def _group_failure(ranks: Mapping[int, Any], prev_status: Mapping[str, Any], now
     spent = [f for s in ranks.values() for f in getattr(s, "worker_failures", None) or [] if f.get("restarted") == "false"]
     out: dict[str, Any] = {"failedAt": min([float(f["time"]) for f in spent] + [now.timestamp()])}
     steps = [s.step for s in ranks.values() if s.step is not None] + [
-        _int(f.get("step"), -1) for f in spent if 0 <= _int(f.get("step"), -1) <= MAX_STEP]
+        as_int(f.get("step"), -1) for f in spent if 0 <= as_int(f.get("step"), -1) <= MAX_STEP]
     step = max(steps, default=(prev_status.get("progress") or {}).get("step"))
     if step is not None:
         out["stepAtFailure"] = int(step)
@@ -128,8 +137,8 @@ class Update:
 
     @property
     def pending(self) -> dict[str, Any] | None:
-        """The newest in-place restart that has not stepped again (None: none)."""
-        return next((e for e in reversed(self.history) if _open(e)), None)
+        """The newest in-place restart or replacement that has not stepped again (None: none)."""
+        return next((e for e in reversed(self.history) if _open(e, (INPLACE, REPLACE))), None)
 
 
 def _precedes(entry: Mapping[str, Any], head: Mapping[str, Any]) -> bool:
@@ -137,14 +146,58 @@ def _precedes(entry: Mapping[str, Any], head: Mapping[str, Any]) -> bool:
     return ("signal" not in entry, entry["failedAt"]) < ("signal" not in head, head["failedAt"])
 
 
+def training_without(entry: Mapping[str, Any], ranks: Mapping[int, Any]) -> set[str] | None:
+    """The pods training again without a replacement not yet among them (an elastic job's
+    rendezvous completed with fewer nodes after its last call): every rank reporting, the new
+    pod's aside, stepped after the loss. None while that is not so (they wait for it, or it joined)."""
+    t = float(entry.get("failedAt") or 0)
+    others = [s for s in ranks.values() if getattr(s, "pod", None) != entry.get("newPod")]
+    if entry.get("kind") != REPLACE or len(others) < len(ranks) or not others:
+        return None
+    if any(s.first_step_timestamp is None or s.first_step_timestamp <= t for s in others):
+        return None
+    return {str(s.pod) for s in others}
+
+
+def replace_entry(replacement: Any, *, attempt: int, ranks: Mapping[int, Any] | None,
+                  prev_status: Mapping[str, Any], now: dt.datetime) -> dict[str, Any]:
+    """The history entry of a lost pod replaced alone (a lifecycle.Replacement, read by attribute)."""
+    entry = {"kind": REPLACE, "attempt": attempt, "rank": replacement.rank, "pod": replacement.old_pod,
+             "replacement": replacement.number, "newPod": replacement.new_pod, "reason": replacement.failure.reason,
+             "message": replacement.failure.message[:MESSAGE_CHARS], "time": format_time(now),
+             **_group_failure(ranks or {}, prev_status, now)}
+    if replacement.node:
+        entry["node"] = replacement.node
+    return entry
+
+
+def _absorb(head: dict[str, Any], other: dict[str, Any]) -> None:
+    """`other` failed in `head`'s restart: the earliest time, the newest step, its rank among alsoFailed."""
+    head["failedAt"] = min(head["failedAt"], other["failedAt"])  # the group failed at the first one seen
+    if "stepAtFailure" in other:  # the newest step any of them had finished
+        head["stepAtFailure"] = max(other["stepAtFailure"], head.get("stepAtFailure", 0))
+    also = [a for a in (other.pop("alsoFailed", None) or [])]
+    head["alsoFailed"] = (list(head.get("alsoFailed") or []) + [
+        {k: other[k] for k in ("rank", "pod", "restart", "exitCode", "attempt") if k in other}] + also)[:ALSO_LIMIT]
+
+
 def update(prev_status: Mapping[str, Any], *, attempt: int, ranks: Mapping[int, Any] | None, with_log: bool,
-           group: tuple[int, str, str] | None, now: dt.datetime) -> Update:
+           group: tuple[int, str, str] | None, now: dt.datetime, replaced: list[dict[str, Any]] = ()) -> Update:  # type: ignore[assignment]
     """The restart history and count after this pass. `ranks`: this scrape's samples (None: no
-    scrape); `group`: (the attempt that ended, reason, message) when this pass restarts the group."""
+    scrape); `group`: (the attempt that ended, reason, message) when this pass restarts the group;
+    `replaced`: replace_entry's of the lost pods this pass replaces alone."""
     history = [dict(e) for e in prev_status.get("restartHistory") or []]
-    count = _int(prev_status.get("inPlaceRestarts"))
+    count = as_int(prev_status.get("inPlaceRestarts"))
     known = {_key(e) for e in history} | {_key({**a, "kind": INPLACE}) for e in history for a in e.get("alsoFailed") or []}
     up = Update(history=history, in_place_restarts=count)
+    for entry in map(dict, replaced):
+        # The survivors' workers fail on their lost peer; an in-place restart seen before the loss
+        # was (the scrape came first) is that, not a restart of its own: folded in, uncharged.
+        for earlier in [e for e in history if _open(e) and e.get("attempt") == attempt]:
+            history.remove(earlier)
+            up.in_place_restarts = max(0, up.in_place_restarts - 1)
+            _absorb(entry, earlier)
+        history.append(entry)
     # A pod's agent reports its failures for as long as it lives; those before this attempt's last
     # recovery are settled, whether or not their entries are still kept.
     settled = max((float(e.get("failedAt") or 0) + float(e["recoverySeconds"]) for e in history
@@ -153,7 +206,8 @@ def update(prev_status: Mapping[str, Any], *, attempt: int, ranks: Mapping[int, 
              if _key(e) not in known and e["failedAt"] > settled]
     for entry in sorted(fresh, key=lambda e: e["failedAt"]):
         known.add(_key(entry))
-        head = next((e for e in reversed(history) if _open(e) and e.get("attempt") == attempt), None)
+        head: dict[str, Any] | None = next(
+            (e for e in reversed(history) if _open(e, (INPLACE, REPLACE)) and e.get("attempt") == attempt), None)
         if head is None:
             up.in_place_restarts += 1
             history.append(entry)
@@ -164,21 +218,16 @@ def update(prev_status: Mapping[str, Any], *, attempt: int, ranks: Mapping[int, 
         # ended (an OOM kill, a segfault, the watchdog's kill of a stalled rank: a peer's collective
         # never ends its worker so), else the earliest failure. Each time is when that pod's agent
         # saw the failure, so a peer's exception may be seen before the killed worker's death.
-        if _precedes(entry, head):
+        if head["kind"] == INPLACE and _precedes(entry, head):
             cause, other = entry, head
             history[history.index(head)] = cause
             if head in up.new:
                 up.new[up.new.index(head)] = cause
         else:
             cause, other = head, entry
-        cause["failedAt"] = min(cause["failedAt"], other["failedAt"])  # the group failed at the first one seen
-        if "stepAtFailure" in other:  # the newest step any of them had finished
-            cause["stepAtFailure"] = max(other["stepAtFailure"], cause.get("stepAtFailure", 0))
-        also = [a for a in (other.pop("alsoFailed", None) or [])]
-        cause["alsoFailed"] = (list(cause.get("alsoFailed") or []) + [
-            {k: other[k] for k in ("rank", "pod", "restart", "exitCode", "attempt") if k in other}] + also)[:ALSO_LIMIT]
+        _absorb(cause, other)
     for entry in history:
-        if not _open(entry, (INPLACE, GROUP)):
+        if not _open(entry, (INPLACE, GROUP, REPLACE)):
             continue
         # An in-place restart steps again in its own attempt, a group restart in the next one;
         # the last scrape of an attempt that ends now still counts (passes follow steps lazily).
@@ -191,7 +240,7 @@ def update(prev_status: Mapping[str, Any], *, attempt: int, ranks: Mapping[int, 
         entry["resumedFromStep"], entry["recoverySeconds"] = found
         if "stepAtFailure" in entry:
             entry["stepsLost"] = max(0, entry["stepAtFailure"] - found[0])
-        if entry["kind"] == INPLACE:
+        if entry["kind"] in (INPLACE, REPLACE):
             up.recovered.append(entry)
     if group is not None:
         ended, reason, message = group
@@ -212,7 +261,10 @@ def recoveries(prev_status: Mapping[str, Any], status: Mapping[str, Any]) -> lis
 
 
 def describe(entry: Mapping[str, Any]) -> str:
-    """One line naming an in-place restart: rank, pod, node, exit code, signal, error."""
+    """One line naming an in-place restart (rank, pod, node, exit code, signal, error) or a replacement."""
+    if entry.get("kind") == REPLACE:
+        where = f"pod {entry.get('pod')}" + (f" on node {entry['node']}" if entry.get("node") else "")
+        return f"rank {entry.get('rank')} ({where}) was lost ({entry.get('reason')}): replaced alone by pod {entry.get('newPod')}"
     how = f"exit code {entry.get('exitCode')}" + (f" ({entry['signal']})" if entry.get("signal") else "")
     where = f"pod {entry.get('pod')}" + (f" on node {entry['node']}" if entry.get("node") else "")
     if entry.get("reason") == STALLED:
@@ -225,11 +277,14 @@ def restarting(up: Update, *, budget_used: int, max_restarts: int) -> tuple[bool
     """The `Restarting` condition for in-place restarts: (status, reason, message); None when
     this job never restarted in place (the group restart's condition stands alone)."""
     pending = up.pending
+    budget = f"({budget_used}/{max_restarts} of failurePolicy.maxRestarts used)"
+    if pending is not None and pending["kind"] == REPLACE:
+        return True, REPLACING, f"{describe(pending)}; the other pods' workers restart in place and wait for it {budget}"
     if pending is not None:
-        return True, RESTARTING_IN_PLACE, (f"{describe(pending)}; restarting every pod's workers in place "
-                                           f"({budget_used}/{max_restarts} of failurePolicy.maxRestarts used)")
-    done = next((e for e in reversed(up.history) if e.get("kind") == INPLACE and "recoverySeconds" in e), None)
+        return True, RESTARTING_IN_PLACE, f"{describe(pending)}; restarting every pod's workers in place {budget}"
+    done = next((e for e in reversed(up.history) if e.get("kind") in (INPLACE, REPLACE) and "recoverySeconds" in e), None)
     if done is None:
         return None
-    return False, RESTARTED_IN_PLACE, (f"restarted in place: stepping again from step {done['resumedFromStep']} "
-                                       f"{done['recoverySeconds']:g}s after {describe(done)}")
+    return False, REPLACED if done["kind"] == REPLACE else RESTARTED_IN_PLACE, (
+        f"{'replaced' if done['kind'] == REPLACE else 'restarted in place'}: stepping again from step "
+        f"{done['resumedFromStep']} {done['recoverySeconds']:g}s after {describe(done)}")

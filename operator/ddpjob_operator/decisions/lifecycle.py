@@ -16,8 +16,11 @@ from ddpjob_operator.builders import kueue
 from ddpjob_operator.api import labels, objmeta, podinfo
 from ddpjob_operator.api.config import OperatorConfig
 from ddpjob_operator.api.group import Group
-from ddpjob_operator.builders.envvars import pod_name
+from ddpjob_operator.builders import template
+from ddpjob_operator.builders.envvars import inplace_budget, pod_name
+from ddpjob_trainer import contract
 from ddpjob_operator.api.phases import Cond, Phase, RestartReason
+from ddpjob_operator.decisions import inplace
 from ddpjob_operator.decisions.redact import redact
 from ddpjob_operator.api.spec import JobSpec
 
@@ -165,6 +168,44 @@ def condition(status: dict[str, Any] | None, type: str) -> dict[str, Any] | None
                  if c.get("type") == type and c.get("status") == "True"), None)
 
 
+# What a pod of rank > 0 may be lost to and be replaced alone (the cluster took it, or someone
+# deleted it): its launcher did not fail, so its peers' agents restart their workers in place and
+# wait in the attempt's rendezvous for the replacement's (docs/restarts.md).
+REPLACEABLE = frozenset({R.POD_DELETED.value, R.POD_EVICTED.value, R.POD_PREEMPTED.value, R.NODE_LOST.value})
+
+
+@dataclass(frozen=True)
+class Replacement:
+    """A lost pod of one rank, recreated alone in the same attempt (its peers keep their pods)."""
+
+    rank: int
+    old_pod: str
+    number: int          # the n-th replacement of this rank in the attempt: the new pod's `-r<n>`
+    new_pod: str
+    node: str            # the lost pod's node ('' when never scheduled)
+    failure: Failure
+
+
+def group_only(job: JobSpec) -> str | None:
+    """Why a lost pod of this job restarts the whole group (None: it is replaced alone). The
+    survivors' agents must restart their workers in place (an in-place budget) and meet the
+    replacement in pod 0's c10d store (the operator's rendezvous, not a user's own endpoint); a
+    Kueue pod group is admitted whole, and a new pod of it would wait for an admission of its own."""
+    if inplace_budget(job) <= 0:
+        return "no in-place restarts (PET_MAX_RESTARTS=0): the other pods' workers cannot wait for a new peer"
+    if kueue.queue_name(job) is not None:
+        return "a Kueue pod group is admitted as a whole"
+    if any(e.get("name") == contract.PET_RDZV_ENDPOINT for e in template.user_env(job)):
+        return "the job's own PET_RDZV_ENDPOINT: which pod hosts its rendezvous is not the operator's to know"
+    return None
+
+
+def replacements_of(prev: Mapping[str, Any], attempt: int) -> dict[str, Mapping[str, Any]]:
+    """This attempt's replacements so far (status.restartHistory), by the lost pod's name."""
+    return {str(e.get("pod")): e for e in prev.get("restartHistory") or []
+            if e.get("kind") == inplace.REPLACE and e.get("attempt") == attempt}
+
+
 @dataclass
 class Decision:
     """The outcome of one pass: target phase, counters, and the actions to take."""
@@ -179,6 +220,8 @@ class Decision:
     start_time: dt.datetime | None
     completion_time: dt.datetime | None
     create_ranks: list[int] = field(default_factory=list)
+    replacement: dict[int, int] = field(default_factory=dict)   # rank -> n: create_ranks' `-r<n>` pods
+    replaced: list[Replacement] = field(default_factory=list)   # lost pods this pass replaces alone
     delete_pods: list[str] = field(default_factory=list)
     delete_job: bool = False
     unschedulable: str | None = None          # scheduler message once past the timeout
@@ -205,19 +248,42 @@ def _finished_deletes(job: JobSpec, group: Group) -> list[str]:
 
 
 def _failures(job: JobSpec, current: dict[int, dict], attempt: int, launched: bool,
-              departed: Mapping[str, dict[str, Any]]) -> list[Failure]:
-    out: list[Failure] = []
-    for _r, pod in sorted(current.items()):
+              departed: Mapping[str, dict[str, Any]], numbers: Mapping[int, int],
+              ) -> list[tuple[int, dict[str, Any], Failure]]:
+    """(rank, the pod's last state, what its end means) of each rank whose pod ended or vanished.
+    `numbers`: each rank's newest replacement decided in this attempt: a rank whose replacement
+    is not created yet is not lost (it is about to be), one whose replacement vanished is."""
+    out: list[tuple[int, dict[str, Any], Failure]] = []
+    for r, pod in sorted(current.items()):
         f = verdict(pod, with_log=job.log_tail_in_status)
         if f is not None:
-            out.append(f)
+            out.append((r, pod, f))
     if launched:
         for r in range(job.nodes):
             if r not in current:
-                name = pod_name(job.name, r, attempt)
+                name = pod_name(job.name, r, attempt, numbers.get(r, 0))
+                if numbers.get(r) and name not in departed:
+                    continue
                 last = departed.get(name) or {"metadata": {"name": name}}
                 # never None with gone=True: the table's last rule matches every departed pod
-                out.append(verdict(last, gone=True, with_log=job.log_tail_in_status))  # type: ignore[arg-type]
+                out.append((r, last, verdict(last, gone=True, with_log=job.log_tail_in_status)))  # type: ignore[arg-type]
+    return out
+
+
+def _replacements(job: JobSpec, this: Any, lost: list[tuple[int, dict[str, Any], Failure]],
+                  numbers: Mapping[int, int]) -> list[Replacement] | None:
+    """The lost pods to recreate alone, or None when the group must restart: a pod that failed
+    (its launcher or agent, or a spent in-place budget: its peers' agents may be failing too), rank 0
+    lost (it hosts the c10d store every agent's rendezvous goes through), or a job group_only names."""
+    if not lost or group_only(job) is not None:
+        return None
+    if any(r == 0 or f.fatal or f.reason not in REPLACEABLE for r, _, f in lost):
+        return None
+    out = []
+    for r, pod, f in lost:
+        n = max([numbers.get(r, 0)] + [podinfo.replacement(p) for p in this.pods if podinfo.rank(p) == r]) + 1
+        out.append(Replacement(rank=r, old_pod=podinfo.name(pod), number=n, new_pod=pod_name(job.name, r, this.number, n),
+                               node=str((pod.get("spec") or {}).get("nodeName") or ""), failure=f))
     return out
 
 
@@ -328,11 +394,18 @@ def decide(job: JobSpec, group: Group, *, now: dt.datetime, prev_status: dict[st
             return _finish(job, d, group, now)
         d.requeue_after = left
 
-    current = {r: p for r, p in this.by_rank.items() if r < job.nodes}
-    # A set built once: a 10,000-pod job made this quadratic (9 s per pass at 5,000 pods).
-    current_names = {podinfo.name(c) for c in current.values()}
-    stale = [p for p in group.live if podinfo.name(p) not in current_names]
-    failures = _failures(job, current, d.attempt, launched=d.launched_attempt == d.attempt, departed=this.departed)
+    # A lost pod being replaced stands for its rank no more: its replacement is created once it is gone.
+    replacing = replacements_of(prev, d.attempt)
+    numbers: dict[int, int] = {}
+    for e in replacing.values():
+        numbers[inplace.as_int(e.get("rank"))] = max(numbers.get(inplace.as_int(e.get("rank")), 0),
+                                                   inplace.as_int(e.get("replacement")))
+    # (Only a pod that did end or is being deleted: a status edit naming a live pod must not get it deleted.)
+    current = {r: p for r, p in this.by_rank.items()
+               if r < job.nodes and not (podinfo.name(p) in replacing and verdict(p) is not None)}
+    lost = _failures(job, current, d.attempt, launched=d.launched_attempt == d.attempt, departed=this.departed,
+                     numbers=numbers)
+    failures = [f for _, _, f in lost]
     if hang_overdue and job.restart_on_hang and prev_phase is Phase.RUNNING:
         # The pods' agents restart a stalled rank's workers in place at one hang timeout; still
         # stalled a timeout later, that did not work (a user's own torchrun, an agent stuck in its
@@ -359,6 +432,17 @@ def decide(job: JobSpec, group: Group, *, now: dt.datetime, prev_status: dict[st
             d.message = (f"{cause.message}; failurePolicy.maxRestarts={job.max_restarts} "
                          f"restart(s) already used" + (f" ({in_place} of them in place)" if in_place else ""))
             return _finish(job, d, group, now)
+    alone = _replacements(job, this, lost, numbers)
+    if alone:
+        # Charged as the group restart would have been (a deletion counts, the cluster's doing is
+        # free); the survivors' in-place restart it causes is part of it (inplace.update), not another.
+        d.replaced = alone
+        d.restarts += len(alone)
+        d.counted_restarts += sum(a.failure.counted for a in alone)
+        for a in alone:
+            numbers[a.rank] = a.number
+            current.pop(a.rank, None)
+    elif failures:
         d.attempt += 1
         d.restarts += 1
         d.counted_restarts += int(cause.counted)
@@ -373,7 +457,13 @@ def decide(job: JobSpec, group: Group, *, now: dt.datetime, prev_status: dict[st
     # store on the job's DNS name, and a new worker that reaches it joins the old attempt (seen:
     # a new rank 1 "finished" with the dying master while the new master waited in rendezvous).
     # A failed attempt's ended pods stay for their logs (kept_pods); ended, they hold up nothing.
-    kept = kept_pods(job, group, d.attempt)
+    # So do this attempt's replaced pods that ended Failed (an evicted pod); a lost one still
+    # terminating holds up its replacement: while it exists the headless Service (it publishes
+    # not-ready addresses) may resolve its hostname, which its replacement takes over.
+    # A set built once: a 10,000-pod job made this quadratic (9 s per pass at 5,000 pods).
+    current_names = {podinfo.name(c) for c in current.values()}
+    stale = [p for p in group.live if podinfo.name(p) not in current_names]
+    kept = kept_pods(job, group, d.attempt) | {podinfo.name(p) for p in this.pods if podinfo.phase(p) == "Failed"}
     d.delete_pods = [podinfo.name(p) for p in stale if podinfo.name(p) not in kept]
     blocking = [when for when in (_leftover_until(p, now) for p in group.pods if podinfo.name(p) not in current_names)
                 if when is not None]
@@ -381,7 +471,8 @@ def decide(job: JobSpec, group: Group, *, now: dt.datetime, prev_status: dict[st
         d.requeue_after = _sooner(d.requeue_after, max(0.1, (min(blocking) - now).total_seconds()))
     else:
         d.create_ranks = [r for r in range(job.nodes)
-                          if r not in current and pod_name(job.name, r, d.attempt) not in group.names]
+                          if r not in current and pod_name(job.name, r, d.attempt, numbers.get(r, 0)) not in group.names]
+        d.replacement = {r: numbers[r] for r in d.create_ranks if numbers.get(r)}
     if len(current) == job.nodes:
         d.launched_attempt = d.attempt
     phases = [podinfo.phase(current[r]) for r in sorted(current)]
@@ -390,6 +481,11 @@ def decide(job: JobSpec, group: Group, *, now: dt.datetime, prev_status: dict[st
         return _finish(job, d, group, now)
     if len(current) == job.nodes and all(ph in ("Running", "Succeeded") for ph in phases):
         d.phase, d.reason, d.message = Phase.RUNNING, "Running", f"all {job.nodes} node(s) running"
+    elif d.phase is Phase.RUNNING and (waiting := [r for r in sorted(numbers) if podinfo.phase(current.get(r) or {})
+                                                   != "Running"]):
+        # The others keep their pods and wait in the rendezvous: the job still runs.
+        names = ", ".join(pod_name(job.name, r, d.attempt, numbers[r]) for r in waiting)
+        d.reason, d.message = inplace.REPLACING, f"replacing the lost pod(s) of rank(s) {waiting} with {names}"
     elif d.phase is Phase.RUNNING:
         d.phase = Phase.PENDING  # cannot really happen (pods never go back to Pending); stay honest
     elif d.phase not in (Phase.RESTARTING,) and d.reason != "Resumed":

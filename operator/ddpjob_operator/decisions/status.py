@@ -75,9 +75,10 @@ def _clear(conditions: list[dict[str, Any]], type: str, reason: str, message: st
 
 
 def node_counts(job: JobSpec, current: Attempt) -> dict[str, Any]:
-    """Per-phase counts of the current attempt's pods (terminating pods count as nothing)."""
+    """Per-phase counts of the current attempt's pods, each rank's newest (a replaced pod kept
+    Failed for its logs counts as nothing, nor does a terminating one)."""
     counts: dict[str, Any] = {"total": job.nodes, "pending": 0, "running": 0, "succeeded": 0, "failed": 0}
-    for p in current.active:
+    for p in (p for p in current.by_rank.values() if not podinfo.terminating(p)):
         ph = podinfo.phase(p).lower()
         if ph in counts and ph != "total":
             counts[ph] += 1
@@ -204,10 +205,36 @@ def _in_place(conds: list[dict[str, Any]], up: inplace.Update, job: JobSpec, d: 
     events: list[Event] = [("Warning", inplace.RESTARTING_IN_PLACE,
                             f"{inplace.describe(e)}; restarting in place ({used}/{job.max_restarts} of "
                             "failurePolicy.maxRestarts used)") for e in up.new]
-    events += [("Normal", inplace.RESTARTED_IN_PLACE,
-                f"stepping again from step {e['resumedFromStep']} {e['recoverySeconds']:g}s after the worker of "
-                f"rank {e['rank']} (pod {e['pod']}) failed") for e in up.recovered]
+    events += [("Warning", inplace.REPLACING, f"{inplace.describe(e)}; the other pods keep theirs "
+                f"({used}/{job.max_restarts} of failurePolicy.maxRestarts used)")
+               for e in up.history if e.get("kind") == inplace.REPLACE and e.get("newPod") in {r.new_pod for r in d.replaced}]
+    events += [("Normal", inplace.REPLACED if e["kind"] == inplace.REPLACE else inplace.RESTARTED_IN_PLACE,
+                f"stepping again from step {e['resumedFromStep']} {e['recoverySeconds']:g}s after "
+                + (f"rank {e['rank']}'s pod {e['pod']} was replaced by {e['newPod']}" if e["kind"] == inplace.REPLACE
+                   else f"the worker of rank {e['rank']} (pod {e['pod']}) failed")) for e in up.recovered]
     return events
+
+
+def _resized(conds: list[dict[str, Any]], up: inplace.Update, job: JobSpec, ranks: Any, now: dt.datetime,
+             gen: int) -> list[Event]:
+    """`Resized` while an elastic job trains on fewer nodes (spec.elastic.minNodes) because a lost
+    pod's replacement is not running (unschedulable, pulling): torchrun's rendezvous completed
+    without it; False once every node trains again (the agents restart the workers when its agent
+    joins). The scrape tells: None (no scrape) leaves it as it was."""
+    pending = up.pending
+    if pending is not None and pending.get("kind") == inplace.REPLACE and ranks is not None:
+        pods = inplace.training_without(pending, ranks)
+        if pods is not None and job.min_nodes < job.nodes:
+            was = condition({"conditions": conds}, Cond.RESIZED)
+            text = (f"running on {len(pods)} of {job.nodes} nodes (spec.elastic.minNodes={job.min_nodes}) while "
+                    f"pod {pending.get('newPod')}, which replaces {pending.get('pod')}, is not running; it joins when it starts")
+            set_condition(conds, type=Cond.RESIZED, status=True, reason="FewerNodes", message=text, now=now, generation=gen)
+            return [] if was else [("Warning", "FewerNodes", text)]
+    if pending is None and condition({"conditions": conds}, Cond.RESIZED):
+        text = f"running on all {job.nodes} nodes again"
+        _clear(conds, Cond.RESIZED, "AllNodes", text, now, gen)
+        return [("Normal", "AllNodes", text)]
+    return []
 
 
 def job_status(job: JobSpec, group: Group, *, now: dt.datetime,
@@ -253,7 +280,7 @@ def job_status(job: JobSpec, group: Group, *, now: dt.datetime,
                          for p in stranded[:5])
         text += (": the node stopped reporting (NotReady). Training may go on; if Kubernetes evicts "
                  "the pod (after its node.kubernetes.io/unreachable toleration, 300 s by default) the "
-                 "group restarts without using the restart budget")
+                 "pod is replaced (pod 0: the group restarts) without using the restart budget")
         set_condition(conds, type=Cond.NODE_NOT_READY, status=True, reason="NodeNotReady", message=text,
                       now=now, generation=gen)
         if not was_stranded or was_stranded.get("status") != "True":
@@ -273,8 +300,11 @@ def job_status(job: JobSpec, group: Group, *, now: dt.datetime,
                "", now, gen)
     restarts = inplace.update(prev, attempt=d.attempt - 1 if d.restarted is not None else d.attempt,
                               ranks=report.ranks if report is not None else None, with_log=job.log_tail_in_status,
-                              group=(d.attempt - 1, d.reason, d.message) if d.restarted is not None else None, now=now)
+                              group=(d.attempt - 1, d.reason, d.message) if d.restarted is not None else None, now=now,
+                              replaced=[inplace.replace_entry(r, attempt=d.attempt, ranks=report.ranks if report else None,
+                                                              prev_status=prev, now=now) for r in d.replaced])
     events += _in_place(conds, restarts, job, d, now, gen)
+    events += _resized(conds, restarts, job, report.ranks if report is not None else None, now, gen)
     if d.phase is Phase.SUSPENDED:
         set_condition(conds, type=Cond.SUSPENDED, status=True, reason="Suspended", message=d.message,
                       now=now, generation=gen)
