@@ -14,9 +14,8 @@ def ratio_interval(ratios: list[float]) -> dict[str, float]:
     if len(ratios) < 2:
         raise ValueError("need at least 2 pairs for an interval")
     logs = [math.log(r) for r in ratios]
-    mean, sd = statistics.mean(logs), statistics.stdev(logs)
-    half = float(stats.t.ppf(0.975, len(logs) - 1)) * sd / math.sqrt(len(logs))
-    return {"ratio": math.exp(mean), "low": math.exp(mean - half), "high": math.exp(mean + half),
+    low, high = mean_interval(logs)
+    return {"ratio": math.exp(statistics.mean(logs)), "low": math.exp(low), "high": math.exp(high),
             "pairs": len(ratios)}
 
 
@@ -38,3 +37,12 @@ def git_head() -> str | None:
                               text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return None
+
+
+def mean_interval(values: list[float]) -> tuple[float, float]:
+    """The 95 % t-interval of the mean of `values` (at least 2)."""
+    if len(values) < 2:
+        raise ValueError("need at least 2 values for an interval")
+    mean, sd = statistics.mean(values), statistics.stdev(values)
+    half = float(stats.t.ppf(0.975, len(values) - 1)) * sd / math.sqrt(len(values))
+    return mean - half, mean + half
