@@ -330,60 +330,9 @@ def summary(values: list[float]) -> dict[str, Any]:
     return out
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--arms", default=",".join(ARMS))
-    ap.add_argument("--kill-at", type=int, default=37,
-                    help="kill once both ranks finished this step (examples/digits.yaml: disk checkpoints at "
-                         "steps 23 (epoch end) and 46; snapshots every 10)")
-    ap.add_argument("--poll", type=float, default=0.25, help="seconds between scrapes of the pods")
-    ap.add_argument("--max-load", type=float, default=float(os.cpu_count() or 1))
-    ap.add_argument("--out", default=str(REPO / "bench" / "results" / "recovery.json"))
-    args = ap.parse_args()
-    arms = [a for a in args.arms.split(",") if a]
-    cluster = Cluster()
-    if not cluster.healthy():
-        print("the local cluster is not up (make cluster-up); this bench does not start it", file=sys.stderr)
-        return 2
-    from kubernetes import client
-    api = cluster.api()
-    core = client.CoreV1Api(api)
-    logs_dir = Path(args.out).with_suffix("").parent / (Path(args.out).stem + "_logs")
-    logs_dir.mkdir(parents=True, exist_ok=True)
-    for old in logs_dir.glob("*.log"):  # this run's logs only
-        old.unlink()
-    tmp = Path(tempfile.mkdtemp(prefix="recovery-bench-"))
-    op_ns, release = f"ddpjob-op-{uuid.uuid4().hex[:6]}", f"op{uuid.uuid4().hex[:6]}"
-    runs: list[dict[str, Any]] = []
-    load_start = os.getloadavg()
-    with cluster_lock():
-        print(f"images: {images()}", flush=True)
-        ns = create_namespace(api, prefix="bench-recovery-")
-        helm_install_operator(cluster, namespace=op_ns, watch=[ns], name=release)
-    try:
-        for i in range(args.repeats):
-            order = arms if i % 2 == 0 else arms[::-1]
-            with cluster_lock():
-                images()  # another session may have imported its own trainer:dev since
-                for arm in order:
-                    res = run_arm(cluster, core, ns, arm, f"rec-{arm}-{i}", tmp, args, logs_dir)
-                    res["repeat"] = i
-                    runs.append(res)
-                    print(f"repeat {i} {arm}: kill -> every rank stepping {res['kill_to_step_s']}s "
-                          f"(agent failure -> step {res['failure_to_step_s']}s; status {res.get('status_recovery_s')}s), "
-                          f"steps lost {res['steps_lost']} (step {res['step_at_failure']} -> "
-                          f"{res['resumed_from_step']}), pods recreated {res['pods_recreated']}, "
-                          f"load {res['load_avg_before'][0]}->{res['load_avg_after'][0]}"
-                          + (" LOADED" if res["loaded"] else "") + (f"; phases {res['phases']}" if "phases" in res else ""),
-                          flush=True)
-    finally:
-        with cluster_lock():
-            cluster.helm("uninstall", release, "-n", op_ns, "--wait", "--timeout", "60s", check=False, timeout=90)
-            for n in (ns, op_ns):
-                with contextlib.suppress(Exception):
-                    delete_namespace(api, n)
-        api.close()
+def report(runs: list[dict[str, Any]], arms: list[str], args: argparse.Namespace, load_start: tuple[float, ...],
+           *, final: bool) -> None:
+    """Write the results so far (after each repeat: a run cut short keeps what it measured); print them at the end."""
     by_arm = {a: [r for r in runs if r["arm"] == a] for a in arms}
     result: dict[str, Any] = {
         "benchmark": "recovery", "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -393,7 +342,8 @@ def main() -> int:
         "kill": f"SIGKILL of rank 1's worker once both ranks finished step {args.kill_at}",
         "arms": {"inplace": "the example as is: torchrun's agents restart the workers in place",
                  "group": "spec.elastic.maxRestarts 0: the pod fails, the operator restarts the group"},
-        "repeats": args.repeats, "poll_seconds": args.poll, "load_avg_at_start": load_start,
+        "repeats": args.repeats, "repeats_done": len({r["repeat"] for r in runs}),
+        "lock": "held for the whole run" if args.hold_lock else "held per repeat", "poll_seconds": args.poll, "load_avg_at_start": load_start,
         "load_avg_at_end": os.getloadavg(), "max_load": args.max_load,
         "loaded_runs": sum(1 for r in runs if r["loaded"]), "runs": runs,
     }
@@ -413,6 +363,8 @@ def main() -> int:
             result.setdefault(f"{key}_median_s", {})[a] = {
                 k: round(statistics.median(vs), 3) for k in names if (vs := [p[k] for p in seen if p.get(k) is not None])}
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    if not final:
+        return
     for metric in ("kill_to_step_s", "failure_to_step_s", "status_recovery_s", "steps_lost"):
         for a, s in result.get(metric, {}).items():
             print(f"{metric:18} {a:8} median {s['median']} [{s['min']}-{s['max']}] n={s['n']}"
@@ -422,7 +374,77 @@ def main() -> int:
         print(f"in-place / group (kill -> every rank stepping): {ci['ratio']:.3f} "
               f"(95 % interval {ci['low']:.3f}-{ci['high']:.3f}, {ci['pairs']} pairs)")
     print(f"{result['loaded_runs']} of {len(runs)} runs on a loaded machine (1-min load > {args.max_load:g})")
+
+
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--arms", default=",".join(ARMS))
+    ap.add_argument("--kill-at", type=int, default=37,
+                    help="kill once both ranks finished this step (examples/digits.yaml: disk checkpoints at "
+                         "steps 23 (epoch end) and 46; snapshots every 10)")
+    ap.add_argument("--poll", type=float, default=0.25, help="seconds between scrapes of the pods")
+    ap.add_argument("--max-load", type=float, default=float(os.cpu_count() or 1))
+    ap.add_argument("--out", default=str(REPO / "bench" / "results" / "recovery.json"))
+    ap.add_argument("--hold-lock", action="store_true",
+                    help="hold the cluster lock for the whole run, not per repeat (where others hold it for long)")
+    args = ap.parse_args()
+    arms = [a for a in args.arms.split(",") if a]
+    cluster = Cluster()
+    if not cluster.healthy():
+        print("the local cluster is not up (make cluster-up); this bench does not start it", file=sys.stderr)
+        return 2
+    api = cluster.api()
+    load_start = os.getloadavg()
+    logs_dir = Path(args.out).with_suffix("").parent / (Path(args.out).stem + "_logs")
+    logs_dir.mkdir(parents=True, exist_ok=True)
+    for old in logs_dir.glob("*.log"):  # this run's logs only
+        old.unlink()
+    with cluster_lock() if args.hold_lock else contextlib.nullcontext():
+        runs = repeats(cluster, api, arms, args, logs_dir, load_start,
+                       lock=contextlib.nullcontext if args.hold_lock else cluster_lock)
+    report(runs, arms, args, load_start, final=True)
     return 0
+
+
+def repeats(cluster: Cluster, api: Any, arms: list[str], args: argparse.Namespace, logs_dir: Path,
+            load_start: tuple[float, ...], *, lock: Any) -> list[dict[str, Any]]:
+    """Install the operator, run every repeat (each under `lock()`), uninstall; the runs."""
+    from kubernetes import client
+    core = client.CoreV1Api(api)
+    tmp = Path(tempfile.mkdtemp(prefix="recovery-bench-"))
+    op_ns, release = f"ddpjob-op-{uuid.uuid4().hex[:6]}", f"op{uuid.uuid4().hex[:6]}"
+    runs: list[dict[str, Any]] = []
+    with lock():
+        print(f"images: {images()}", flush=True)
+        ns = create_namespace(api, prefix="bench-recovery-")
+        helm_install_operator(cluster, namespace=op_ns, watch=[ns], name=release)
+    try:
+        for i in range(args.repeats):
+            order = arms if i % 2 == 0 else arms[::-1]
+            with lock():
+                images()  # another session may have imported its own trainer:dev since
+                for arm in order:
+                    res = run_arm(cluster, core, ns, arm, f"rec-{arm}-{i}", tmp, args, logs_dir)
+                    res["repeat"] = i
+                    runs.append(res)
+                    print(f"repeat {i} {arm}: kill -> every rank stepping {res['kill_to_step_s']}s "
+                          f"(agent failure -> step {res['failure_to_step_s']}s; status {res.get('status_recovery_s')}s), "
+                          f"steps lost {res['steps_lost']} (step {res['step_at_failure']} -> "
+                          f"{res['resumed_from_step']}), pods recreated {res['pods_recreated']}, "
+                          f"load {res['load_avg_before'][0]}->{res['load_avg_after'][0]}"
+                          + (" LOADED" if res["loaded"] else "") + f"; phases {res['phases']}", flush=True)
+            report(runs, arms, args, load_start, final=False)
+    finally:
+        with lock():
+            cluster.helm("uninstall", release, "-n", op_ns, "--wait", "--timeout", "60s", check=False, timeout=90)
+            for n in (ns, op_ns):
+                with contextlib.suppress(Exception):
+                    delete_namespace(api, n)
+        api.close()
+    return runs
 
 
 if __name__ == "__main__":
