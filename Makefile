@@ -110,6 +110,7 @@ bench: install ## benchmarks (ratios, JSON under bench/results/)
 	$(MAKE) cluster-up
 	$(PY) bench/operator_scale.py
 	$(PY) bench/fairness.py
+	$(PY) bench/recovery.py
 
 # Needs NVIDIA GPUs, no cluster (docs/development.md); exits 2 where torch sees none. On the image's
 # torch: make gpu-check PY=.venv-floor/bin/python. GPU_CHECK_ARGS=--cpu: the same plumbing on gloo.

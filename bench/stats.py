@@ -19,9 +19,8 @@ def ratio_interval(ratios: list[float]) -> dict[str, float]:
     if len(ratios) < 2:
         raise ValueError("need at least 2 pairs for an interval")
     logs = [math.log(r) for r in ratios]
-    mean, sd = statistics.mean(logs), statistics.stdev(logs)
-    half = float(stats.t.ppf(0.975, len(logs) - 1)) * sd / math.sqrt(len(logs))
-    return {"ratio": math.exp(mean), "low": math.exp(mean - half), "high": math.exp(mean + half),
+    mean = mean_interval(logs)
+    return {"ratio": math.exp(mean["mean"]), "low": math.exp(mean["low"]), "high": math.exp(mean["high"]),
             "pairs": len(ratios)}
 
 

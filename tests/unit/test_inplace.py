@@ -11,7 +11,7 @@ import pytest
 
 from ddpjob_operator.api.group import Group
 from ddpjob_operator.decisions import inplace
-from ddpjob_operator.decisions.lifecycle import decide
+from ddpjob_operator.decisions.lifecycle import MAX_ATTEMPT, decide
 from ddpjob_operator.decisions.status import job_status
 from tests.support.builders import NOW, make_job, make_pod, running_status
 from tests.support.status import condition as cond
@@ -179,6 +179,63 @@ def test_a_pod_failure_after_in_place_restarts_used_the_budget_fails_the_job():
     d = decide(job, Group.of(pods), now=NOW, prev_status=running_status(inPlaceRestarts=2))
     assert (d.phase.value, d.reason) == ("Failed", "RestartLimitExceeded")
     assert "(2 of them in place)" in d.message
+
+
+@pytest.mark.parametrize("failures, proven", [
+    ({}, 0),
+    ({1: [failure(T0)]}, 1),                                          # restarted after start 0: one round
+    ({0: [failure(T0 + 1, restart=1)], 1: [failure(T0), failure(T0 + 60, restart=1)]}, 2),  # the newest round counts
+    ({1: [failure(T0, restarted=False)]}, 0),                         # budget spent: the pod failed, no restart
+    ({1: [{**failure(T0), "restart": "x"}]}, 0),                      # not a number
+    ({1: [{**failure(T0), "restart": str(10**13)}]}, 0),              # beyond belief, as a step label
+])
+def test_the_agents_prove_the_rounds_they_restarted_in_place(failures, proven):
+    ranks = {r: Sample(f"j-{r}", worker_failures=fs) for r, fs in failures.items()}
+    assert inplace.proven(ranks) == proven
+
+
+@pytest.mark.parametrize("edited, proven_rounds, phase", [
+    (0, 2, "Running"),   # lowered from 2: still 2 of 2 used, the job runs on
+    (0, 3, "Failed"),    # lowered from 3: the pods prove 3 > 2, the edit grants nothing
+    (2, 3, "Failed"),
+    (10**12, 0, "Failed"),  # raised: bounded (MAX_ATTEMPT), it only fails the editor's own job
+    ("lots", 3, "Failed"),  # not a number: what the pods prove
+])
+def test_an_edit_lowering_in_place_restarts_grants_no_restart(edited, proven_rounds, phase):
+    job = make_job(nodes=2, failurePolicy={"maxRestarts": 2})
+    fails = [failure(T0 + 60 * r, restart=r) for r in range(proven_rounds)]
+    ranks = {0: Sample("j-0"), 1: Sample("j-1", worker_failures=fails)}
+    d = decide(job, Group.of([make_pod(0), make_pod(1)]), now=NOW, prev_status=running_status(inPlaceRestarts=edited),
+               ranks=ranks)
+    assert d.phase.value == phase
+    if phase == "Failed":
+        assert d.reason == "RestartLimitExceeded" and "maxRestarts" in d.message
+        assert str(min(max(proven_rounds, edited if isinstance(edited, int) else 0), MAX_ATTEMPT)) in d.message
+
+
+def test_a_pod_failure_after_an_edit_lowered_in_place_restarts_fails_the_job():
+    job = make_job(nodes=2, failurePolicy={"maxRestarts": 2})
+    pods = [make_pod(0), make_pod(1, phase="Failed", exit_code=1)]
+    ranks = {1: Sample("j-1", worker_failures=[failure(T0), failure(T0 + 60, restart=1)])}
+    d = decide(job, Group.of(pods), now=NOW, prev_status=running_status(inPlaceRestarts=0), ranks=ranks)
+    assert (d.phase.value, d.reason) == ("Failed", "RestartLimitExceeded")  # not a group restart granted
+    assert "(2 of them in place)" in d.message
+
+
+@pytest.mark.parametrize("prev_count, history, written", [
+    (1, True, 1),    # as the operator wrote it: counted once, not again for the agents' proof
+    (0, True, 1),    # edited down, the entry kept (so not counted afresh): the agents' proof stands
+    (0, False, 1),   # edited down and the history dropped: the failure counts once, fresh
+    (None, False, 1),
+])
+def test_the_written_count_is_not_below_the_agents_proof_and_counts_once(prev_count, history, written):
+    done = {"kind": "InPlace", "attempt": 0, "restart": 0, "rank": 1, "pod": "j-1", "exitCode": -9, "failedAt": T0,
+            "resumedFromStep": 40, "recoverySeconds": 4.0}
+    ranks = {0: Sample("j-0"), 1: Sample("j-1", worker_failures=[failure(T0)])}
+    prev = running_status(**({"restartHistory": [done]} if history else {}),
+                          **({"inPlaceRestarts": prev_count} if prev_count is not None else {}))
+    st, _ = step(prev, ranks)
+    assert st["inPlaceRestarts"] == written
 
 
 def test_history_keeps_the_newest_entries():

@@ -258,7 +258,8 @@ class Reconciler:
             prev = dict(obj.get("status") or {})
             now = dt.datetime.now(dt.timezone.utc)
             decision = decide(job, group, now=now, prev_status=prev, config=self.config,
-                              hang_overdue=report is not None and report.hang_overdue)
+                              hang_overdue=report is not None and report.hang_overdue,
+                              ranks=report.ranks if report is not None else None)
             status, events = job_status(job, group, now=now, prev_status=prev, config=self.config,
                                         decision=decision, report=report, podgroup=podgroup)
             if status == prev:

@@ -15,7 +15,8 @@ pod's metrics endpoint (contract.WORKER_FAILURE) and each worker process its fir
   newest step scraped); once every rank stepped again after it, `resumedFromStep`, `stepsLost` and
   `recoverySeconds` (failure to the group's first step, on the pods' clocks);
 - `status.inPlaceRestarts`: how many in-place restarts the job made, charged to
-  failurePolicy.maxRestarts with the group restarts (lifecycle.budget_used);
+  failurePolicy.maxRestarts with the group restarts, never fewer than the pods' agents prove
+  (`proven`: a status edit cannot grant restarts);
 - `Restarting`: True while an in-place restart has not stepped again;
 - `recoveries`: what the operator's recovery metrics observe, once per restart.
 
@@ -97,6 +98,18 @@ def observed(ranks: Mapping[int, Any], *, attempt: int, with_log: bool) -> list[
                 entry["message"] = error
             out.append(entry)
     return out
+
+
+def proven(ranks: Mapping[int, Any] | None) -> int:
+    """The in-place restarts the pods' own agents prove, which a status edit cannot change: an
+    agent that restarted its pod's workers after their start R (the failure's `restart` label, the
+    marker's R) went through R+1 rendezvous rounds, and in each every pod of the attempt restarted
+    its workers. A lower bound of status.inPlaceRestarts (which also counts earlier attempts'); a
+    label beyond MAX_STEP is not believed."""
+    starts = [_int(f.get("restart"), -1) + 1 for s in (ranks or {}).values()
+              for f in getattr(s, "worker_failures", None) or []
+              if f.get("restarted") == "true" and _int(f.get("restart"), -1) < MAX_STEP]
+    return max(starts, default=0)
 
 
 def recovery(entry: Mapping[str, Any], ranks: Mapping[int, Any]) -> tuple[int, float] | None:
@@ -242,6 +255,9 @@ def update(prev_status: Mapping[str, Any], *, attempt: int, ranks: Mapping[int, 
             entry["stepsLost"] = max(0, entry["stepAtFailure"] - found[0])
         if entry["kind"] in (INPLACE, REPLACE):
             up.recovered.append(entry)
+    # Not below what the agents prove: an edit that lowered the count (or dropped the history
+    # whose entries are counted once) grants no restart.
+    up.in_place_restarts = max(up.in_place_restarts, proven(ranks))
     if group is not None:
         ended, reason, message = group
         history.append({"kind": GROUP, "attempt": ended, "reason": reason, "message": message[:MESSAGE_CHARS],

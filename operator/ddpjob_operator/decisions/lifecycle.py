@@ -326,10 +326,12 @@ def trusted_counters(prev: dict[str, Any], group: Group) -> Counters:
     return Counters(attempt=attempt, restarts=max(restarts, counted), counted_restarts=counted)
 
 
-def in_place_restarts(prev: dict[str, Any]) -> int:
+def in_place_restarts(prev: dict[str, Any], ranks: Mapping[int, Any] | None = None) -> int:
     """Restarts in place so far (status.inPlaceRestarts, decisions/inplace.py): charged to
-    failurePolicy.maxRestarts with the counted group restarts."""
-    return _count(prev.get("inPlaceRestarts"))
+    failurePolicy.maxRestarts with the counted group restarts. Never below what the pods' agents
+    prove in `ranks` (the latest scrape's samples, inplace.proven): a status edit that lowers it
+    grants no restart; one that raises it is bounded as the other counters are."""
+    return _count(max(_count(prev.get("inPlaceRestarts")), inplace.proven(ranks)))
 
 
 def finished_claim_holds(job: JobSpec, prev_phase: Phase | None, group: Group, attempt: int) -> bool:
@@ -344,13 +346,15 @@ def finished_claim_holds(job: JobSpec, prev_phase: Phase | None, group: Group, a
 
 
 def decide(job: JobSpec, group: Group, *, now: dt.datetime, prev_status: dict[str, Any] | None,
-           config: OperatorConfig | None = None, hang_overdue: bool = False) -> Decision:
+           config: OperatorConfig | None = None, hang_overdue: bool = False,
+           ranks: Mapping[int, Any] | None = None) -> Decision:
     """The next step for `job` given its pods (all attempts) and the previous status.
 
     The group's departed pods (the last state seen of those that vanished: a pod force-deleted by
     PodGC after its node went away is Failed with a DisruptionTarget condition just before) tell a
     lost node apart from a deleted pod. `hang_overdue`: the job has been Stalled for
-    health.GROUP_RESTART_TIMEOUTS hang timeouts (MonitorReport.hang_overdue)."""
+    health.GROUP_RESTART_TIMEOUTS hang timeouts (MonitorReport.hang_overdue); `ranks`: the latest
+    scrape's samples (MonitorReport.ranks), whose agents' failures bound the in-place restarts."""
     config = config or OperatorConfig()
     prev = prev_status or {}
     prev_phase = Phase.parse(prev.get("phase"))
@@ -413,7 +417,7 @@ def decide(job: JobSpec, group: Group, *, now: dt.datetime, prev_status: dict[st
         failures.append(Failure(R.STALLED.value, "training stalled (no progress for twice the hang timeout) and "
                                 "not restarted in place; failurePolicy.restartOnHang", counted=True))
 
-    in_place = in_place_restarts(prev)
+    in_place = in_place_restarts(prev, ranks)
     fatal = next((f for f in failures if f.fatal), None)
     if not failures and d.counted_restarts + in_place > job.max_restarts:
         # Each pod's agent restarts in place within its own budget; the job's is spent when they

@@ -246,7 +246,8 @@ def job_status(job: JobSpec, group: Group, *, now: dt.datetime,
     config = config or OperatorConfig()
     prev = dict(prev_status or {})
     d = decision or decide(job, group, now=now, prev_status=prev, config=config,
-                           hang_overdue=report is not None and report.hang_overdue)
+                           hang_overdue=report is not None and report.hang_overdue,
+                           ranks=report.ranks if report is not None else None)
     gen = job.generation
     conds: list[dict[str, Any]] = [dict(c) for c in prev.get("conditions") or []]
     events: list[Event] = []
