@@ -216,3 +216,23 @@ def test_an_elastic_job_trains_on_fewer_nodes_while_the_replacement_cannot_start
                              report=Report(ranks=ranks))
     assert (cond(st4, "Resized")["status"], cond(st4, "Resized")["reason"]) == ("False", "AllNodes")
     assert st4["restartHistory"][0]["recoverySeconds"] == 90.0 and {"AllNodes", "PodReplaced"} <= {e[1] for e in events}
+
+
+@pytest.mark.parametrize("survivor_rounds, lost_now, counted, phase", [
+    (1, False, 1, "Running"),  # the survivors' round for the replacement its pods show: the replacement's
+    (2, False, 1, "Failed"),   # one more round: an in-place restart of its own, proven by the agent
+    (1, True, 0, "Running"),   # the round for a pod lost in this very pass: what replaces it answers it
+])
+def test_the_survivors_round_for_a_replacement_is_not_charged_in_place(survivor_rounds, lost_now, counted, phase):
+    """The in-place count is never below what the agents prove (inplace.proven), but a round a lost
+    pod took the survivors through is its replacement's (or group restart's), charged as that."""
+    job = make_job(nodes=3, failurePolicy={"maxRestarts": 1})
+    pods = [make_pod(0), replacement_pod(1, 1), make_pod(2, deleting=True) if lost_now else make_pod(2)]
+    ranks = {0: Sample("j-0", worker_failures=[failure(T0 + 60 * r, restart=r) for r in range(survivor_rounds)])}
+    d = decide(job, Group.of(pods), now=NOW, prev_status=running_status(restarts=1, countedRestarts=counted),
+               ranks=ranks)
+    assert d.phase.value == phase, (d.reason, d.message)
+    if phase == "Failed":
+        assert d.reason == "RestartLimitExceeded" and "1 restart(s) in place" in d.message, d.message
+    if lost_now:
+        assert [r.new_pod for r in d.replaced] == ["j-2-r1"]

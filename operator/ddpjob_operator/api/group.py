@@ -25,6 +25,14 @@ class Attempt:
     active: tuple[Pod, ...] = ()                                 # not being deleted
     departed: Mapping[str, Pod] = field(default_factory=dict)    # last state of those that vanished
 
+    @property
+    def replacements(self) -> int:
+        """Lost pods replaced alone in this attempt, as its pods show (each rank's newest `-r<n>`)."""
+        newest: dict[int, int] = {}
+        for p in self.pods:
+            newest[podinfo.rank(p)] = max(newest.get(podinfo.rank(p), 0), podinfo.replacement(p))
+        return sum(newest.values())
+
 
 @dataclass(frozen=True)
 class Group:

@@ -100,16 +100,18 @@ def observed(ranks: Mapping[int, Any], *, attempt: int, with_log: bool) -> list[
     return out
 
 
-def proven(ranks: Mapping[int, Any] | None) -> int:
+def proven(ranks: Mapping[int, Any] | None, *, replaced: int = 0) -> int:
     """The in-place restarts the pods' own agents prove, which a status edit cannot change: an
     agent that restarted its pod's workers after their start R (the failure's `restart` label, the
     marker's R) went through R+1 rendezvous rounds, and in each every pod of the attempt restarted
-    its workers. A lower bound of status.inPlaceRestarts (which also counts earlier attempts'); a
-    label beyond MAX_STEP is not believed."""
-    starts = [_int(f.get("restart"), -1) + 1 for s in (ranks or {}).values()
+    its workers. `replaced`: the lost pods replaced alone in the attempt, each of which took the
+    survivors through a round too (charged as its replacement, not in place). A lower bound of
+    status.inPlaceRestarts (which also counts earlier attempts'); a label beyond MAX_STEP is not
+    believed."""
+    starts = [as_int(f.get("restart"), -1) + 1 for s in (ranks or {}).values()
               for f in getattr(s, "worker_failures", None) or []
-              if f.get("restarted") == "true" and _int(f.get("restart"), -1) < MAX_STEP]
-    return max(starts, default=0)
+              if f.get("restarted") == "true" and as_int(f.get("restart"), -1) < MAX_STEP]
+    return max(0, max(starts, default=0) - replaced)
 
 
 def recovery(entry: Mapping[str, Any], ranks: Mapping[int, Any]) -> tuple[int, float] | None:
@@ -195,10 +197,12 @@ def _absorb(head: dict[str, Any], other: dict[str, Any]) -> None:
 
 
 def update(prev_status: Mapping[str, Any], *, attempt: int, ranks: Mapping[int, Any] | None, with_log: bool,
-           group: tuple[int, str, str] | None, now: dt.datetime, replaced: list[dict[str, Any]] = ()) -> Update:  # type: ignore[assignment]
+           group: tuple[int, str, str] | None, now: dt.datetime, replaced: list[dict[str, Any]] = (),  # type: ignore[assignment]
+           replaced_before: int = 0) -> Update:
     """The restart history and count after this pass. `ranks`: this scrape's samples (None: no
     scrape); `group`: (the attempt that ended, reason, message) when this pass restarts the group;
-    `replaced`: replace_entry's of the lost pods this pass replaces alone."""
+    `replaced`: replace_entry's of the lost pods this pass replaces alone; `replaced_before`: those
+    the attempt's pods show replaced already (Attempt.replacements)."""
     history = [dict(e) for e in prev_status.get("restartHistory") or []]
     count = as_int(prev_status.get("inPlaceRestarts"))
     known = {_key(e) for e in history} | {_key({**a, "kind": INPLACE}) for e in history for a in e.get("alsoFailed") or []}
@@ -257,7 +261,7 @@ def update(prev_status: Mapping[str, Any], *, attempt: int, ranks: Mapping[int, 
             up.recovered.append(entry)
     # Not below what the agents prove: an edit that lowered the count (or dropped the history
     # whose entries are counted once) grants no restart.
-    up.in_place_restarts = max(up.in_place_restarts, proven(ranks))
+    up.in_place_restarts = max(up.in_place_restarts, proven(ranks, replaced=replaced_before + len(replaced)))
     if group is not None:
         ended, reason, message = group
         history.append({"kind": GROUP, "attempt": ended, "reason": reason, "message": message[:MESSAGE_CHARS],

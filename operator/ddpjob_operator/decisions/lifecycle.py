@@ -326,12 +326,12 @@ def trusted_counters(prev: dict[str, Any], group: Group) -> Counters:
     return Counters(attempt=attempt, restarts=max(restarts, counted), counted_restarts=counted)
 
 
-def in_place_restarts(prev: dict[str, Any], ranks: Mapping[int, Any] | None = None) -> int:
+def in_place_restarts(prev: dict[str, Any], ranks: Mapping[int, Any] | None = None, *, replaced: int = 0) -> int:
     """Restarts in place so far (status.inPlaceRestarts, decisions/inplace.py): charged to
     failurePolicy.maxRestarts with the counted group restarts. Never below what the pods' agents
     prove in `ranks` (the latest scrape's samples, inplace.proven): a status edit that lowers it
     grants no restart; one that raises it is bounded as the other counters are."""
-    return _count(max(_count(prev.get("inPlaceRestarts")), inplace.proven(ranks)))
+    return _count(max(_count(prev.get("inPlaceRestarts")), inplace.proven(ranks, replaced=replaced)))
 
 
 def finished_claim_holds(job: JobSpec, prev_phase: Phase | None, group: Group, attempt: int) -> bool:
@@ -417,7 +417,10 @@ def decide(job: JobSpec, group: Group, *, now: dt.datetime, prev_status: dict[st
         failures.append(Failure(R.STALLED.value, "training stalled (no progress for twice the hang timeout) and "
                                 "not restarted in place; failurePolicy.restartOnHang", counted=True))
 
-    in_place = in_place_restarts(prev, ranks)
+    # The survivors' round for a pod the cluster or a user took now is part of what answers that
+    # loss (its replacement or the group restart), not an in-place restart of its own.
+    taken = sum(1 for _, _, f in lost if f.reason in REPLACEABLE)
+    in_place = in_place_restarts(prev, ranks, replaced=this.replacements + taken)
     fatal = next((f for f in failures if f.fatal), None)
     if not failures and d.counted_restarts + in_place > job.max_restarts:
         # Each pod's agent restarts in place within its own budget; the job's is spent when they
