@@ -81,4 +81,6 @@ def test_two_gangs_that_do_not_fit_together_run_one_after_the_other(start_operat
     k8s.wait_status(second, running(3), "Running 3/3 after the first finished", timeout=120)
     cond = gang_cond(k8s.status(second))
     assert cond["status"] == "True" and "3/3 pods placed together" in cond["message"]
-    assert ("Normal", "GangScheduled") in [e[:2] for e in k8s.events(second)]
+    # Events follow the status write they announce.
+    wait_for(lambda: ("Normal", "GangScheduled") in [e[:2] for e in k8s.events(second)], timeout=30,
+             desc=f"the GangScheduled event of {second}")

@@ -55,7 +55,9 @@ def test_second_job_waits_in_the_queue_holding_nothing_then_runs(start_operator,
     k8s.wait_status(first, lambda s: s.get("phase") == "Succeeded", "Succeeded", timeout=60)
     status = k8s.wait_status(second, running(3), "Running 3/3 once admitted", timeout=120)
     assert admitted(status)["status"] == "True"
-    assert ("Normal", "Admitted") in [e[:2] for e in k8s.events(second)]
+    # Events follow the status write they announce (a pass writes the status, then posts them).
+    wait_for(lambda: ("Normal", "Admitted") in [e[:2] for e in k8s.events(second)], timeout=30,
+             desc=f"the Admitted event of {second}")
 
 
 def test_a_restarted_job_queues_again_as_a_new_group(start_operator, k8s, api):

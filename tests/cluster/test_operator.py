@@ -170,7 +170,9 @@ def test_creates_headless_service_and_gpu_pods(start_operator, k8s):
         assert env["WORLD_SIZE"] == "12"
         (ref,) = pod.metadata.owner_references
         assert ref.uid == uid and ref.controller is True
-    assert ("Normal", "Running", "all 3 node(s) running") in k8s.events("resnet")
+    # Events follow the status write they announce (a pass writes the status, then posts them).
+    wait_for(lambda: ("Normal", "Running", "all 3 node(s) running") in k8s.events("resnet"), timeout=30,
+             desc="the Running event")
     text = op.metrics()
     assert f'ddpjob_operator_pods_created_total{{namespace="{k8s.ns}"}} 3.0' in text
     assert f'ddpjob_operator_jobs{{namespace="{k8s.ns}",phase="Running"}} 1.0' in text
@@ -264,7 +266,8 @@ def test_pod_failure_and_deletion_restart_the_group(start_operator, k8s):
     new = [(f"grp-{r}-a1", "1", "Running") for r in range(3)]
     wait_for(lambda: pod_table(k8s, "grp") == sorted([("grp-1", "0", "Failed"), *new]), timeout=30,
              desc=f"the failed pod kept beside attempt 1 ({pod_table(k8s, 'grp')})")
-    assert any(r == "Restarting" and "grp-1 failed with exit code 1" in m for _, r, m in k8s.events("grp"))
+    wait_for(lambda: any(r == "Restarting" and "grp-1 failed with exit code 1" in m for _, r, m in k8s.events("grp")),
+             timeout=30, desc="the Restarting event")
     # DNS and MASTER_ADDR stay: the Service lists only the running pods, not the kept one.
     wait_for(lambda: endpoint_pods(k8s.core.api_client, k8s.ns, "grp") == [n for n, _, _ in new], timeout=30,
              desc=f"endpoints of attempt 1 only ({endpoint_pods(k8s.core.api_client, k8s.ns, 'grp')})")
@@ -299,7 +302,8 @@ def test_pod_failure_and_deletion_restart_the_group(start_operator, k8s):
     now = {p.metadata.name: p.metadata.uid for p in k8s.pods("grp")}
     assert {n: now[n] for n in ("grp-0-a3", "grp-2-a3")} == {n: uids[n] for n in ("grp-0-a3", "grp-2-a3")}
     assert k8s.core.read_namespaced_pod("grp-1-a3-r1", k8s.ns).spec.hostname == "grp-1"
-    assert any(r == "ReplacingPod" and "grp-1-a3-r1" in m for _, r, m in k8s.events("grp"))
+    wait_for(lambda: any(r == "ReplacingPod" and "grp-1-a3-r1" in m for _, r, m in k8s.events("grp")),
+             timeout=30, desc="the ReplacingPod event")
     # The Service outlives group restarts: created once, never re-POSTed.
     assert api_requests(op)["POST services"] == 1
 
@@ -407,8 +411,8 @@ def test_suspend_and_resume(start_operator, k8s):
     k8s.patch("sus", {"suspend": False})
     status = k8s.wait_status("sus", running(2), "Running again")
     assert status["restarts"] == 0 and status["attempt"] == 1
-    reasons = [r for _, r, _ in k8s.events("sus")]
-    assert "Suspended" in reasons and "Resumed" in reasons
+    wait_for(lambda: {"Suspended", "Resumed"} <= {r for _, r, _ in k8s.events("sus")}, timeout=30,
+             desc="the Suspended and Resumed events")
 
 
 def test_active_deadline_fails_the_job(start_operator, k8s):
