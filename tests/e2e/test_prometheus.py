@@ -170,24 +170,36 @@ def training(tmp_path_factory):
             _stop(gpu)
 
 
+# The operator's metrics endpoint, in a process of its own as the operator's is: served from a
+# thread of the test process, its scrapes timed out for seconds at a time on a loaded machine
+# (the test process's other work held it), and each miss reset the alert's `for`.
+OPERATOR_EXPORTER = textwrap.dedent("""
+    import sys, time
+    from prometheus_client import CollectorRegistry, start_http_server
+    from ddpjob_operator.app.operator_metrics import OperatorMetrics
+    registry = CollectorRegistry()
+    hang = float(sys.argv[2]) if sys.argv[2] else None
+    OperatorMetrics(registry).record_pass((sys.argv[3], sys.argv[4]), prev_status={}, status={"phase": "Running"},
+                                          hang_timeout=hang)
+    start_http_server(int(sys.argv[1]), addr="127.0.0.1", registry=registry)
+    print("ready", flush=True)
+    time.sleep(3600)
+""")
+
+
 @contextlib.contextmanager
 def operator_exporter(hang_timeout: float | None = None):
     """The operator's metrics (the real OperatorMetrics) on a loopback port, the run's job Running in
     them, as an in-cluster operator would export it; yields the port."""
-    from prometheus_client import CollectorRegistry, start_http_server
-
-    from ddpjob_operator.app.operator_metrics import OperatorMetrics
-
-    registry = CollectorRegistry()
-    OperatorMetrics(registry).record_pass((NAMESPACE, JOB), prev_status={}, status={"phase": "Running"},
-                                          hang_timeout=hang_timeout)
     port = free_ports(1)[0]
-    server, _thread = start_http_server(port, addr="127.0.0.1", registry=registry)
+    proc = subprocess.Popen([sys.executable, "-c", OPERATOR_EXPORTER, str(port),
+                             "" if hang_timeout is None else f"{hang_timeout:g}", NAMESPACE, JOB],
+                            stdout=subprocess.PIPE, text=True, start_new_session=True)
     try:
+        assert proc.stdout.readline().strip() == "ready"
         yield port
     finally:
-        server.shutdown()
-        server.server_close()
+        _stop(proc)
 
 
 @pytest.fixture(scope="module")
