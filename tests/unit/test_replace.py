@@ -236,3 +236,29 @@ def test_the_survivors_round_for_a_replacement_is_not_charged_in_place(survivor_
         assert d.reason == "RestartLimitExceeded" and "1 restart(s) in place" in d.message, d.message
     if lost_now:
         assert [r.new_pod for r in d.replaced] == ["j-2-r1"]
+
+
+def test_the_survivors_round_is_not_charged_while_the_replacement_is_not_created_yet():
+    """Between the pass that decided a replacement and the new pod (the old one still going),
+    neither the pods nor the pass show it: the history's pending replacement does (seen on the
+    real nodes: an in-place restart, then a deletion, failed the job with RestartLimitExceeded)."""
+    job = make_job(nodes=2, failurePolicy={"maxRestarts": 2})
+    # What the passes before wrote: rank 0's in-place restart, then the replacement its second
+    # failure belongs to.
+    history = [{"kind": inplace.INPLACE, "attempt": 0, "rank": 0, "pod": "j-0", "restart": 0, "time": "2026-01-01T00:00:00Z"},
+               {"kind": inplace.REPLACE, "attempt": 0, "rank": 1, "pod": "j-1", "replacement": 1,
+                "newPod": "j-1-r1", "reason": "PodDeleted", "time": "2026-01-01T00:01:00Z",
+                "alsoFailed": [{"attempt": 0, "pod": "j-0", "rank": 0, "restart": 1}]}]
+    prev = running_status(restarts=1, countedRestarts=1, inPlaceRestarts=1, restartHistory=history)
+    # j-0's agent: restarted once in place (restart 0), once for the replacement (restart 1).
+    ranks = {0: Sample("j-0", worker_failures=[failure(T0, restart=0), failure(T0 + 60, restart=1)])}
+    for pods in ([make_pod(0), make_pod(1, deleting=True)], [make_pod(0)]):
+        d = decide(job, Group.of(pods), now=NOW, prev_status=prev, ranks=ranks)
+        assert d.phase is Phase.RUNNING and d.reason == inplace.REPLACING, (d.reason, d.message)
+        st, _ = job_status(job, Group.of(pods), now=NOW, prev_status=prev, decision=d, report=Report(ranks=ranks))
+        assert st["inPlaceRestarts"] == 1 and st["phase"] == "Running", st
+    # An edited history naming a replacement for a rank whose pod still stands counts nothing.
+    forged = running_status(restarts=1, countedRestarts=1, inPlaceRestarts=0, restartHistory=[
+        {**history[1], "pod": "j-0", "rank": 0}])
+    d = decide(job, Group.of([make_pod(0), make_pod(1)]), now=NOW, prev_status=forged, ranks=ranks)
+    assert d.replacement_rounds == 0

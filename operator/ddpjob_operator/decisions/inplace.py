@@ -198,11 +198,11 @@ def _absorb(head: dict[str, Any], other: dict[str, Any]) -> None:
 
 def update(prev_status: Mapping[str, Any], *, attempt: int, ranks: Mapping[int, Any] | None, with_log: bool,
            group: tuple[int, str, str] | None, now: dt.datetime, replaced: list[dict[str, Any]] = (),  # type: ignore[assignment]
-           replaced_before: int = 0) -> Update:
+           replacement_rounds: int = 0) -> Update:
     """The restart history and count after this pass. `ranks`: this scrape's samples (None: no
     scrape); `group`: (the attempt that ended, reason, message) when this pass restarts the group;
-    `replaced`: replace_entry's of the lost pods this pass replaces alone; `replaced_before`: those
-    the attempt's pods show replaced already (Attempt.replacements)."""
+    `replaced`: replace_entry's of the lost pods this pass replaces alone; `replacement_rounds`: the
+    rounds lost pods took the survivors through (Decision.replacement_rounds), left out of `proven`."""
     history = [dict(e) for e in prev_status.get("restartHistory") or []]
     count = as_int(prev_status.get("inPlaceRestarts"))
     known = {_key(e) for e in history} | {_key({**a, "kind": INPLACE}) for e in history for a in e.get("alsoFailed") or []}
@@ -261,7 +261,7 @@ def update(prev_status: Mapping[str, Any], *, attempt: int, ranks: Mapping[int, 
             up.recovered.append(entry)
     # Not below what the agents prove: an edit that lowered the count (or dropped the history
     # whose entries are counted once) grants no restart.
-    up.in_place_restarts = max(up.in_place_restarts, proven(ranks, replaced=replaced_before + len(replaced)))
+    up.in_place_restarts = max(up.in_place_restarts, proven(ranks, replaced=replacement_rounds))
     if group is not None:
         ended, reason, message = group
         history.append({"kind": GROUP, "attempt": ended, "reason": reason, "message": message[:MESSAGE_CHARS],

@@ -228,6 +228,8 @@ class Decision:
     requeue_after: float | None = None        # seconds until a deadline needs another pass
     restarted: Failure | None = None          # set in the pass that starts a group restart
     start_errors: list[StartError] = field(default_factory=list)   # containers that cannot start
+    # Rounds of the attempt's rendezvous that lost pods took the survivors through (not in place).
+    replacement_rounds: int = 0
 
 
 def _iso(value: Any) -> dt.datetime | None:
@@ -419,8 +421,12 @@ def decide(job: JobSpec, group: Group, *, now: dt.datetime, prev_status: dict[st
 
     # The survivors' round for a pod the cluster or a user took now is part of what answers that
     # loss (its replacement or the group restart), not an in-place restart of its own.
+    # Counted: the replacements the attempt's pods show, those decided and not created yet (their
+    # rank has no pod standing for it: at most one per rank, so an edited history cannot inflate
+    # it), and pods taken in this pass.
     taken = sum(1 for _, _, f in lost if f.reason in REPLACEABLE)
-    in_place = in_place_restarts(prev, ranks, replaced=this.replacements + taken)
+    d.replacement_rounds = this.replacements + sum(1 for r in numbers if r not in current) + taken
+    in_place = in_place_restarts(prev, ranks, replaced=d.replacement_rounds)
     fatal = next((f for f in failures if f.fatal), None)
     if not failures and d.counted_restarts + in_place > job.max_restarts:
         # Each pod's agent restarts in place within its own budget; the job's is spent when they

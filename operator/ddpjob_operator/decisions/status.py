@@ -304,7 +304,7 @@ def job_status(job: JobSpec, group: Group, *, now: dt.datetime,
                               group=(d.attempt - 1, d.reason, d.message) if d.restarted is not None else None, now=now,
                               replaced=[inplace.replace_entry(r, attempt=d.attempt, ranks=report.ranks if report else None,
                                                               prev_status=prev, now=now) for r in d.replaced],
-                              replaced_before=group.at(d.attempt).replacements)
+                              replacement_rounds=d.replacement_rounds)
     events += _in_place(conds, restarts, job, d, now, gen)
     events += _resized(conds, restarts, job, report.ranks if report is not None else None, now, gen)
     if d.phase is Phase.SUSPENDED:
