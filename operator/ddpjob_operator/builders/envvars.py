@@ -56,6 +56,11 @@ def pod_name(job_name: str, rank: int, attempt: int, replacement: int = 0) -> st
     return f"{base}-r{replacement}" if replacement > 0 else base
 
 
+def own_rendezvous(job: JobSpec) -> bool:
+    """The job sets its own PET_RDZV_ENDPOINT: which pod hosts that rendezvous is not ours to know."""
+    return any(e.get("name") == contract.PET_RDZV_ENDPOINT for e in template.user_env(job))
+
+
 def master_dns(job: JobSpec, *, cluster_domain: str | None = None) -> str:
     """Rank 0's stable DNS name `<job>-0.<svc>.<ns>.svc[.<domain>]` (`<job>-00` from 11 nodes on)."""
     base = f"{pod_hostname(job, 0)}.{service_name(job)}.{job.namespace}.svc"
@@ -179,7 +184,7 @@ def pod_env(
             "containerName": labels.CONTAINER, "resource": "requests.cpu", "divisor": "1"}}})
     user = template.user_env(job)
     user_names = {e.get("name") for e in user}
-    if contract.PET_RDZV_ENDPOINT not in user_names:
+    if not own_rendezvous(job):
         # Which pod hosts the c10d store, said rather than guessed: torchrun's guess resolves the
         # endpoint's name and compares it with the pod's own addresses, and pod 0, starting before
         # its DNS record is served, took itself for a client of the store it should host and failed

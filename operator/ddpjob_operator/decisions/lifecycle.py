@@ -16,9 +16,7 @@ from ddpjob_operator.builders import kueue
 from ddpjob_operator.api import labels, objmeta, podinfo
 from ddpjob_operator.api.config import OperatorConfig
 from ddpjob_operator.api.group import Group
-from ddpjob_operator.builders import template
-from ddpjob_operator.builders.envvars import inplace_budget, pod_name
-from ddpjob_trainer import contract
+from ddpjob_operator.builders.envvars import inplace_budget, own_rendezvous, pod_name
 from ddpjob_operator.api.phases import Cond, Phase, RestartReason
 from ddpjob_operator.decisions import inplace
 from ddpjob_operator.decisions.redact import redact
@@ -195,7 +193,7 @@ def group_only(job: JobSpec) -> str | None:
         return "no in-place restarts (PET_MAX_RESTARTS=0): the other pods' workers cannot wait for a new peer"
     if kueue.queue_name(job) is not None:
         return "a Kueue pod group is admitted as a whole"
-    if any(e.get("name") == contract.PET_RDZV_ENDPOINT for e in template.user_env(job)):
+    if own_rendezvous(job):
         return "the job's own PET_RDZV_ENDPOINT: which pod hosts its rendezvous is not the operator's to know"
     return None
 
