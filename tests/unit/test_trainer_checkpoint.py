@@ -226,3 +226,27 @@ def test_async_save_stages_every_dtype_and_layout_before_returning(tmp_path):
         got = back.common[k]
         assert all(torch.equal(a, b) for a, b in zip(got, v)) if isinstance(v, list) else torch.equal(got, v), k
     assert torch.equal(back.rank_state["rng"], rng_saved)
+
+
+def test_finding_and_loading_a_checkpoint_imports_no_dcp(tmp_path):
+    """A worker restarted in place imports the trainer, finds the newest checkpoint and reads it
+    (or its snapshot) without importing torch.distributed.checkpoint, whose import takes as long
+    as torch's (checkpointing/storage.py): only a save, or an unindexed checkpoint, imports it."""
+    import subprocess
+    import sys
+
+    save(make(tmp_path), 5)
+    code = f"""
+import sys, torch
+import ddpjob_trainer.loop
+from ddpjob_trainer.checkpointing.checkpoint import Checkpointer
+from ddpjob_trainer.reporting import NullReporter
+ck = Checkpointer({str(tmp_path)!r}, keep=3, rank=0, group=None, barrier=lambda: None,
+                  broadcast=lambda v: v, log=NullReporter(), async_save=False)
+loaded = ck.load_latest()
+assert loaded is not None and torch.equal(loaded.common["w"], torch.full((4,), 5.0)), loaded
+print(sorted(m for m in sys.modules if m.startswith("torch.distributed.checkpoint")))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip() == "[]", out.stdout

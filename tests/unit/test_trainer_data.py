@@ -99,3 +99,27 @@ def test_each_epoch_has_a_different_order():
     e0 = list(s)
     s.set_epoch(1)
     assert list(s) != e0
+
+
+def test_digits_are_load_digits_own_arrays_read_without_importing_scikit_learn():
+    """The worker reads the digits CSV that scikit-learn ships, without its import (as long as
+    torch's, on every restart's path): the same arrays as `load_digits`, and no sklearn module."""
+    import subprocess
+    import sys
+
+    code = """
+import sys
+from ddpjob_trainer.data import digits
+b = digits()
+print(sorted(m for m in sys.modules if m.split(".")[0] in ("sklearn", "scipy")))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip() == "[]", out.stdout
+    import numpy as np
+    from sklearn.datasets import load_digits
+
+    from ddpjob_trainer.data import _digits_arrays
+    want, (images, target) = load_digits(), _digits_arrays()
+    assert images.dtype == want.images.dtype and target.dtype == want.target.dtype
+    assert np.array_equal(images, want.images) and np.array_equal(target, want.target)

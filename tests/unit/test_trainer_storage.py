@@ -7,7 +7,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from ddpjob_trainer.checkpointing.storage import INDEX, RAW, RawReader, RawWriter, load_indexed, read_index
+from ddpjob_trainer.checkpointing.dcp_storage import RawReader, RawWriter
+from ddpjob_trainer.checkpointing.storage import INDEX, RAW, load_indexed, read_index
 from ddpjob_trainer.torchapi import load_dcp_state
 
 

@@ -6,6 +6,7 @@ import os
 import random
 import signal
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Iterator
 
 import torch
@@ -35,13 +36,36 @@ def _split(n: int, val_fraction: float) -> tuple[list[int], list[int]]:
     return perm[n_val:], perm[:n_val]
 
 
+def _digits_arrays():
+    """(images 1797x8x8, labels) of scikit-learn's bundled digits, as `load_digits` returns them.
+
+    Read from the CSV scikit-learn ships, without importing scikit-learn: `sklearn.datasets` pulls
+    in scipy, 2.7 s on the 2-core CI machine, as long as torch's own import, on every start of a
+    worker, so on every in-place restart's path (docs/restarts.md). The file's layout (64 pixel
+    columns, then the label) is what `load_digits` reads; tests/unit hold the two equal. Where the
+    file is not where it was, `load_digits` itself.
+    """
+    import gzip
+    from importlib.util import find_spec
+
+    import numpy as np
+
+    spec = find_spec("sklearn")  # finds the package without running it
+    csv = Path(spec.origin).parent / "datasets" / "data" / "digits.csv.gz" if spec and spec.origin else None
+    if csv is None or not csv.is_file():
+        from sklearn.datasets import load_digits
+        d = load_digits()
+        return d.images, d.target
+    with gzip.open(csv, "rt") as f:
+        table = np.loadtxt(f, delimiter=",")
+    return table[:, :-1].reshape(-1, 8, 8), table[:, -1].astype(int)
+
+
 def digits() -> DataBundle:
     """scikit-learn's bundled 8x8 digits (1797 images, no download): 1438 train / 359 val."""
-    from sklearn.datasets import load_digits
-
-    d = load_digits()
-    x = torch.tensor(d.images, dtype=torch.float32).unsqueeze(1) / 16.0
-    y = torch.tensor(d.target, dtype=torch.long)
+    images, target = _digits_arrays()
+    x = torch.tensor(images, dtype=torch.float32).unsqueeze(1) / 16.0
+    y = torch.tensor(target, dtype=torch.long)
     train_idx, val_idx = _split(len(y), DIGITS_VAL_FRACTION)
     full = TensorDataset(x, y)
     return DataBundle(Subset(full, train_idx), Subset(full, val_idx), (1, 8, 8), 10)

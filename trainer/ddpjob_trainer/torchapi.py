@@ -13,14 +13,22 @@ import os
 from typing import Any, Mapping
 
 import torch.distributed as dist
-# Where a shard's item lives (file, offset, length, transform descriptors): DCP's FileSystemReader
-# requires this class in a checkpoint's `.metadata`, and has no public name for it.
-from torch.distributed.checkpoint.filesystem import _StorageInfo as StorageInfo
 
 from . import contract
 
-__all__ = ["StorageInfo", "TIMEOUT_SETTABLE_FOR_GLOO", "hook_agent", "load_dcp_state", "set_timeout",
+__all__ = ["TIMEOUT_SETTABLE_FOR_GLOO", "hook_agent", "load_dcp_state", "set_timeout",
            "torchrun_shutdown_seconds"]
+
+
+def __getattr__(name: str) -> Any:
+    """`StorageInfo`, imported on first use: importing DCP costs as much as importing torch, and a
+    worker restarted in place that resumes from its snapshot needs none of it (checkpointing/storage.py)."""
+    if name == "StorageInfo":
+        # Where a shard's item lives (file, offset, length, transform descriptors): DCP's
+        # FileSystemReader requires this class in a checkpoint's `.metadata`, and has no public name for it.
+        from torch.distributed.checkpoint.filesystem import _StorageInfo
+        return _StorageInfo
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # Whether this torch can change a live group's timeout for every backend, gloo included.

@@ -25,7 +25,6 @@ gloo group of their own, off the training path.
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import pickle
@@ -41,17 +40,12 @@ from typing import Any, Callable
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 import xxhash
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.filesystem import FileSystem
 
 from ..errors import ConfigError
 from ..reporting import NullReporter
 from .parallel import run_each, split_by_size
-from .storage import (INDEX, RawReader, RawWriter, build_state, item_nbytes, load_indexed, path_key, read_index,
-                      read_items)
-from ..torchapi import load_dcp_state
+from .storage import HASH, INDEX, HashingWriter, build_state, item_nbytes, load_indexed, path_key, read_index, read_items
 
 # A single process saves without a group on purpose; DCP would warn about it at every save.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized",
@@ -60,10 +54,6 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavai
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
 MANIFEST = "MANIFEST.json"
 DCP_METADATA = ".metadata"
-# The manifest's checksum. It guards against torn and corrupted writes, not against someone who
-# can write the directory (who could as well change the manifest); xxh3-128 does that at memory
-# speed (7 ms for resnet18's 94 MB here, sha256 64 ms: a third of the whole save).
-HASH = "xxh3_128"
 # Files per rank written by parallel threads: checksumming and writing overlap across threads
 # (both release the GIL). Measured on 2 cores, resnet18's state, one rank, raw storage, medians of
 # 11: 0.076 s with 1 thread, 0.067 s with 2, 0.064 s with 4 (dd of the bytes: 0.067 s). More threads
@@ -111,78 +101,12 @@ def _digest(path: Path) -> str:
     return h.hexdigest()
 
 
-@contextlib.contextmanager
-def _dcp_errors(what: str):
-    """DCP's CheckpointException as a RuntimeError naming the first failure.
-
-    It derives from BaseException: as raised, the trainer's `except Exception` would miss it and
-    the job's status would get no reason for the failure.
-    """
-    try:
-        yield
-    except CheckpointException as exc:
-        failures = getattr(exc, "failures", None) or {}
-        first = next(iter(failures.values()), None)
-        cause = first[0] if isinstance(first, tuple) and first else exc
-        raise RuntimeError(f"{what} failed: {type(cause).__name__}: {cause}") from exc
-
-
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-class _HashingWriter:
-    """A write-only file wrapper that hashes and counts the bytes passing through."""
-
-    def __init__(self, f) -> None:
-        self._f = f
-        self.hash = xxhash.xxh3_128()
-        self.size = 0
-
-    def write(self, data) -> int:
-        self.hash.update(data)
-        self.size += memoryview(data).nbytes
-        return self._f.write(data)
-
-    def flush(self) -> None:
-        self._f.flush()
-
-    # DCP records offsets, fsyncs and closes the streams it writes.
-    def tell(self) -> int:
-        return self._f.tell()
-
-    def fileno(self) -> int:
-        return self._f.fileno()
-
-    def close(self) -> None:
-        self._f.close()
-
-    def entry(self) -> dict[str, Any]:
-        return {"size": self.size, HASH: self.hash.hexdigest()}
-
-
-class _HashingFileSystem(FileSystem):
-    """DCP's local file system, with every file it writes hashed on the way: the manifest's entries."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.files: dict[str, dict[str, Any]] = {}
-
-    @contextlib.contextmanager
-    def create_stream(self, path, mode):
-        if "w" not in mode:
-            with super().create_stream(path, mode) as stream:
-                yield stream
-            return
-        with open(path, mode) as f:
-            w = _HashingWriter(f)
-            yield w
-        # `.metadata` is written as `.metadata.tmp` and renamed; name the entry after the result.
-        self.files[Path(path).name.removesuffix(".tmp")] = w.entry()
 
 
 def atomic_torch_save(obj: Any, path: Path) -> dict[str, Any]:
@@ -192,7 +116,7 @@ def atomic_torch_save(obj: Any, path: Path) -> dict[str, Any]:
     """
     tmp = path.with_name(path.name + ".part")
     with open(tmp, "wb") as f:
-        w = _HashingWriter(f)
+        w = HashingWriter(f)
         torch.save(obj, w)  # type: ignore[arg-type]  # torch.save needs only write()
         f.flush()
         os.fsync(f.fileno())
@@ -448,15 +372,8 @@ class Checkpointer:
     def _write(self, common: dict[str, Any], rank_state: dict[str, Any], tmp: Path, final: Path, step: int) -> None:
         """Every rank: its rank file and DCP share; then rank 0, holding every rank's file list, publishes."""
         own = {rank_file(self.rank): atomic_torch_save(rank_state, tmp / rank_file(self.rank))}
-        fs = _HashingFileSystem()
-        writer = RawWriter(tmp, sync_files=True, thread_count=self.io_threads)
-        writer.fs = fs
-        writer.json_paths = True
-        with _dcp_errors(f"writing checkpoint {tmp}"):
-            # Flat (share_of): DCP must not flatten again, and holds no key twice, so it dedups nothing.
-            dcp.save(common, storage_writer=writer, process_group=self.group, no_dist=self.group is None,
-                     planner=dcp.DefaultSavePlanner(flatten_state_dict=False))
-        files = {**own, **fs.files}
+        from .dcp_storage import save_shared  # on this writer thread: off the training path
+        files = {**own, **save_shared(common, tmp, group=self.group, io_threads=self.io_threads)}
         if self.group is not None:
             # Also the barrier that makes publishing safe: every rank has written all its files.
             gathered: list[Any] | None = [None] * dist.get_world_size(self.group) if self.rank == 0 else None
@@ -523,7 +440,11 @@ class Checkpointer:
             if problem is None:
                 indexed = (path / INDEX).is_file()
                 try:
-                    read_index(path) if indexed else RawReader(path).read_metadata()
+                    if indexed:
+                        read_index(path)
+                    else:
+                        from .dcp_storage import read_metadata
+                        read_metadata(path)
                 except Exception as exc:  # noqa: BLE001 - whatever it is, this checkpoint cannot be read
                     problem = f"{INDEX if indexed else DCP_METADATA}: {exc}"
             if problem is not None:
@@ -599,5 +520,5 @@ def load_shared_state(path: Path) -> dict[str, Any]:
     """
     if (path / INDEX).is_file():
         return load_indexed(path, read_index(path))
-    with _dcp_errors(f"reading checkpoint {path}"):
-        return load_dcp_state(path, RawReader(path))
+    from .dcp_storage import load_unindexed
+    return load_unindexed(path)
