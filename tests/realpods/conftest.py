@@ -104,7 +104,7 @@ def apply_digits_as_the_readme_does(cluster: Cluster, namespace: str) -> Path:
 
 
 # One namespace per test that runs a job; one in-cluster operator (session-wide) watches them all.
-JOB_NAMESPACES = ("digits", "restart", "custom", "nodeloss", "template", "features")
+JOB_NAMESPACES = ("digits", "restart", "elastic", "custom", "nodeloss", "template", "features")
 
 
 @pytest.fixture(scope="session")

@@ -3,6 +3,8 @@ rendezvous through MASTER_ADDR resolved by CoreDNS, checkpoints on a volume both
 operator in-cluster (Helm, its own image and ServiceAccount) scraping the pods' own addresses."""
 from __future__ import annotations
 
+import time
+
 from tests.realpods.conftest import (
     EXAMPLES,
     apply_digits_as_the_readme_does,
@@ -10,13 +12,19 @@ from tests.realpods.conftest import (
     example_docs,
     exec_kill_trainer,
     pod_nodes,
+    real_nodes,
     shared_checkpoint_pv,
     stalled,
     wait_job,
     wait_phase,
 )
+from tests.support.status import condition
 
 DIGITS_VAL_SAMPLES = 359  # scikit-learn's digits: 1797 samples, 20 % held out
+# The frozen rank's hang timeout: each start-up stage of a worker on a loaded CI machine (a rank in
+# process-group set-up waiting for its peer still importing torch) stays far below it.
+HANG_TIMEOUT = 60
+FREEZE_AT = 5
 
 
 def _digits_claim() -> str:
@@ -79,20 +87,50 @@ def _pod_uids(cluster, namespace: str, job: str) -> dict[str, str]:
     return dict(line.split("=", 1) for line in out.stdout.split())
 
 
-def test_killed_worker_restarts_in_place_counted_and_resumes_from_the_shared_checkpoint(real_cluster, namespaces,
-                                                                                         tmp_path):
-    """A worker SIGKILLed mid-training (an OOM kill, a segfault): every pod's workers restart where
-    they are (torchrun's agents through the c10d rendezvous), no pod is recreated, the status
-    names the restart (rank, pod, node, exit code, signal) and when training stepped again.
-    Then rank 1's pod is deleted: that pod alone is replaced (pod 0 keeps its pod, its workers
-    restart in place and wait in the rendezvous for the new pod), and the job still Succeeds."""
+def test_frozen_then_killed_worker_restart_in_place_counted_and_a_deleted_pod_is_replaced_alone(
+        real_cluster, namespaces, tmp_path):
+    """A rank that freezes (alive, never stepping again: a hung collective), then a worker
+    SIGKILLed mid-training (an OOM kill, a segfault): each time every pod's workers restart where
+    they are (torchrun's agents through the c10d rendezvous), no pod is recreated, the status names
+    the restart (rank, pod, node; the stall, or the exit code and signal) and when training
+    stepped again. Then rank 1's pod is deleted: that pod alone is replaced (pod 0 keeps its pod,
+    its workers restart in place and wait in the rendezvous for the new pod), and the job still
+    Succeeds."""
     ns = namespaces["restart"]
     ckpt = shared_checkpoint_pv(real_cluster, claim=_digits_claim(), namespace=ns, tmp=tmp_path)
     docs = example_docs("digits.yaml")
+    spec = next(d for d in docs if d["kind"] == "DDPJob")["spec"]
     # An in-memory snapshot after every step: the restart resumes from the step before the kill
     # (unless that step was a disk checkpoint's, everySteps 50 and each epoch's end).
-    next(d for d in docs if d["kind"] == "DDPJob")["spec"]["trainer"]["checkpoint"]["snapshotEverySteps"] = 1
+    spec["trainer"]["checkpoint"]["snapshotEverySteps"] = 1
+    # Rank 1 freezes after its step FREEZE_AT in its first start (debug.py): restartOnHang's
+    # default restarts it in place once it made no progress for the hang timeout.
+    spec["hangTimeoutSeconds"] = HANG_TIMEOUT
+    spec["env"] = [*(spec.get("env") or []), {"name": "DDPJOB_DEBUG_FREEZE_RANK", "value": f"1:{FREEZE_AT}"}]
+    # The stall and the kill (in place), and the deletion (charged as a group restart).
+    spec["failurePolicy"]["maxRestarts"] = 3
     apply_docs(real_cluster, docs, ns)
+
+    # The stall: rank 1's agent kills its frozen worker, and every rank steps again.
+    st = wait_job(real_cluster, ns, "digits",
+                  lambda st: any("recoverySeconds" in e for e in st.get("restartHistory") or []),
+                  give_up=lambda st: st.get("phase") in ("Succeeded", "Failed"),
+                  desc="the stalled rank's in-place restart and its recovery", timeout=600)
+    (stall,) = [e for e in st["restartHistory"] if e["kind"] == "InPlace"]
+    # Rank 1 took one step fewer than rank 0 (which waits in the next all-reduce): it is named,
+    # whether its agent's kill came first or rank 0's did (decisions/inplace._precedes: of two
+    # stall kills, the older last step). Only where rank 1's agent, delayed on a loaded machine,
+    # was still short of its timeout when rank 0's kill restarted the round (its worker stopped,
+    # not killed for a stall) is rank 0 named, for its own stall one step later.
+    assert (stall["reason"], stall["signal"]) == ("Stalled", "SIGKILL"), stall
+    assert (stall["pod"], stall["rank"]) in {("digits-1", 1), ("digits-0", 0)}, stall
+    assert stall["message"].startswith("stalled: no progress for "), stall
+    last = FREEZE_AT - 1 if stall["rank"] == 1 else FREEZE_AT
+    assert stall["message"].endswith(f"s in training after step {last} (hang timeout {HANG_TIMEOUT}s)"), stall
+    # From the newest in-memory snapshot (every step): at most the step rank 0 took beyond rank 1.
+    assert stall["resumedFromStep"] >= FREEZE_AT - 1 and stall["stepsLost"] <= 1, stall
+    print(f"in-place restart of a frozen rank (rank {stall['rank']} named): its stall to every rank's next step in {stall['recoverySeconds']}s "
+          f"(pods' clocks), resumed from step {stall['resumedFromStep']}")
 
     # Once the first complete checkpoint (everySteps 50 in the example) is on the shared volume,
     # kill rank 1's worker. A job that ends first fails here, with its pods' story printed.
@@ -104,10 +142,10 @@ def test_killed_worker_restarts_in_place_counted_and_resumes_from_the_shared_che
 
     # Seen while the job runs: the restart, attributed, then its recovery (every rank stepped again).
     st = wait_job(real_cluster, ns, "digits",
-                  lambda st: any("recoverySeconds" in e for e in st.get("restartHistory") or []),
+                  lambda st: sum("recoverySeconds" in e for e in st.get("restartHistory") or []) == 2,
                   give_up=lambda st: st.get("phase") in ("Succeeded", "Failed"),
-                  desc="the in-place restart's recovery in status.restartHistory", timeout=600)
-    (entry,) = [e for e in st["restartHistory"] if e["kind"] == "InPlace"]
+                  desc="the kill's in-place restart and its recovery in status.restartHistory", timeout=600)
+    (_, entry) = [e for e in st["restartHistory"] if e["kind"] == "InPlace"]
     assert (entry["pod"], entry["rank"], entry["exitCode"], entry["signal"]) == ("digits-1", 1, -9, "SIGKILL"), entry
     assert entry["node"] == pod_nodes(real_cluster, ns, "digits")["digits-1"], entry
     assert entry["resumedFromStep"] > 0, entry  # a disk checkpoint or a newer snapshot, not step 0
@@ -116,7 +154,7 @@ def test_killed_worker_restarts_in_place_counted_and_resumes_from_the_shared_che
     print(f"in-place restart: SIGKILL to every rank's next step in {entry['recoverySeconds']}s "
           f"(pods' clocks), resumed from step {entry['resumedFromStep']}, {entry['stepsLost']} step(s) lost")
 
-    assert _pod_uids(real_cluster, ns, "digits") == uids  # no pod recreated
+    assert _pod_uids(real_cluster, ns, "digits") == uids  # no pod recreated, for the stall or the kill
 
     # A deleted pod of rank 1: replaced alone, in the same attempt, under its own name.
     real_cluster.kubectl("delete", "pod", "digits-1", "-n", ns, "--wait=false")
@@ -139,22 +177,96 @@ def test_killed_worker_restarts_in_place_counted_and_resumes_from_the_shared_che
     st = wait_phase(real_cluster, ns, "digits", {"Succeeded", "Failed"}, timeout=900)
     assert st["phase"] == "Succeeded", st
     assert _pod_uids(real_cluster, ns, "digits") == now  # nothing else recreated
-    # One in-place restart (the kill; pod 0's restart for the replacement is part of it, not
-    # another) and the replacement, a deletion, charged as a group restart would have been.
-    assert (st.get("restarts"), st.get("countedRestarts"), st.get("inPlaceRestarts"), st["attempt"]) == (1, 1, 1, 0), st
+    # Two in-place restarts (the stall, the kill; pod 0's restart for the replacement is part of
+    # it, not another) and the replacement, a deletion, charged as a group restart would have been.
+    assert (st.get("restarts"), st.get("countedRestarts"), st.get("inPlaceRestarts"), st["attempt"]) == (1, 1, 2, 0), st
     assert (st.get("result") or {}).get("evalSamples") == DIGITS_VAL_SAMPLES, st
     assert st["result"]["evalAccuracy"] >= 0.95, st  # as an undisturbed run (the walkthrough's test)
     # The pod's log marks each start of its workers (`ddpjob logs --attempt` filters on it).
     log0 = real_cluster.kubectl("logs", "-n", ns, "digits-0").stdout
-    assert "==> ddpjob: attempt 0 restart 0 <==" in log0 and "==> ddpjob: attempt 0 restart 2 <==" in log0, log0[-3000:]
-    logs = log0  # rank 0 logs the resume
-    resumed = [ln for ln in logs.splitlines() if "resumed from" in ln]
-    assert resumed and f"at step {entry['resumedFromStep']} " in resumed[0], resumed or logs[-3000:]
+    for restart in (0, 1, 2, 3):  # the first start, after the stall, the kill, the replacement
+        assert f"==> ddpjob: attempt 0 restart {restart} <==" in log0, log0[-3000:]
+    # Rank 0 logs each resume: after the stall, then after the kill.
+    resumed = [ln for ln in log0.splitlines() if "resumed from" in ln][1:2]
+    assert resumed and f"at step {entry['resumedFromStep']} " in resumed[0], resumed or log0[-3000:]
     # The newer of the two: the snapshot in the pods' /dev/shm (which the disk's lags), or the
     # disk checkpoint when the kill came right after one.
     from_memory = "in-memory snapshot /dev/shm/" in resumed[0]
     assert from_memory or f"/ckpt/step-{entry['resumedFromStep']:08d}" in resumed[0], resumed
     print(f"resumed from {'the in-memory snapshot' if from_memory else 'the disk checkpoint'}: {resumed[0]}")
+
+
+# Each step of the elastic job sleeps at least this long (no CPU: the floor holds on an idle
+# machine too), so that at one node the job outlasts what growing back takes once the test sees it
+# shrunk (uncordon, the replacement's start and its agent's join, about 20 s) several times over:
+# after the deletion at step 10, 2 x 266 steps at world size 1, at least 80 s. The shrink itself
+# (keep-alive, then torchrun's 30 s last call) takes no steps.
+ELASTIC_STEP_SLEEP = "0.15"
+
+
+def test_an_elastic_job_trains_on_fewer_nodes_while_a_replacement_cannot_start_and_grows_back(
+        real_cluster, namespaces, tmp_path):
+    """spec.elastic minNodes 1 of 2: rank 1's pod is deleted while no node can take its
+    replacement (both real nodes cordoned). The survivor does not wait for it: torchrun's round
+    completes with one node and training goes on at world size 1 (condition Resized, FewerNodes).
+    Once the nodes take pods again the replacement starts, its agent joins, and the job trains on
+    both nodes again (AllNodes); pod 0 is never recreated, and the job Succeeds as an undisturbed
+    run does."""
+    ns = namespaces["elastic"]
+    shared_checkpoint_pv(real_cluster, claim=_digits_claim(), namespace=ns, tmp=tmp_path)
+    docs = example_docs("digits.yaml")
+    spec = next(d for d in docs if d["kind"] == "DDPJob")["spec"]
+    spec["elastic"] = {"minNodes": 1, "maxNodes": 2}
+    spec["trainer"]["checkpoint"]["snapshotEverySteps"] = 5
+    spec["env"] = [*(spec.get("env") or []), {"name": "DDPJOB_DEBUG_STEP_SLEEP", "value": ELASTIC_STEP_SLEEP}]
+    apply_docs(real_cluster, docs, ns)
+    wait_job(real_cluster, ns, "digits", lambda st: (st.get("progress") or {}).get("step", 0) >= 10,
+             give_up=lambda st: st.get("phase") in ("Succeeded", "Failed"), desc="training on both nodes", timeout=600)
+    uids = _pod_uids(real_cluster, ns, "digits")
+    nodes = real_nodes(real_cluster)
+    try:
+        for node in nodes:
+            real_cluster.kubectl("cordon", node)
+        deleted = time.monotonic()
+        real_cluster.kubectl("delete", "pod", "digits-1", "-n", ns, "--wait=false")
+
+        def fewer(st):
+            c = condition(st, "Resized")
+            return c is not None and (c["status"], c["reason"]) == ("True", "FewerNodes")
+        st = wait_job(real_cluster, ns, "digits", fewer, give_up=lambda st: st.get("phase") in ("Succeeded", "Failed"),
+                      desc="Resized: FewerNodes (training at world size 1)", timeout=600)
+        shrunk = time.monotonic() - deleted
+        assert st["phase"] == "Running", st
+        assert "running on 1 of 2 nodes" in condition(st, "Resized")["message"], st
+        pods = real_cluster.kubectl("get", "pods", "-n", ns, "-l", "ddpjob.dev/job-name=digits", "-o",
+                                    "jsonpath={range .items[*]}{.metadata.name}={.status.phase}{\"\\n\"}{end}").stdout
+        assert dict(line.split("=", 1) for line in pods.split()) == {"digits-0": "Running", "digits-1-r1": "Pending"}, pods
+        step = (st.get("progress") or {}).get("step", 0)
+        print(f"elastic: rank 1's pod deleted, its replacement unschedulable; training on 1 node "
+              f"{shrunk:.1f}s later (seen by the test through the status), at step {step}")
+    finally:
+        for node in nodes:
+            real_cluster.kubectl("uncordon", node, check=False)
+
+    def grown(st):
+        c = condition(st, "Resized")
+        return c is not None and (c["status"], c["reason"]) == ("False", "AllNodes")
+    st = wait_job(real_cluster, ns, "digits", grown, give_up=lambda st: st.get("phase") in ("Succeeded", "Failed"),
+                  desc="Resized: AllNodes (the replacement joined)", timeout=600)
+    (replaced,) = [e for e in st["restartHistory"] if e["kind"] == "Replace"]
+    assert (replaced["rank"], replaced["pod"], replaced["newPod"], replaced["reason"]) == (
+        1, "digits-1", "digits-1-r1", "PodDeleted"), replaced
+    print(f"elastic: both nodes train again, {time.monotonic() - deleted:.1f}s after the deletion "
+          f"(replacement's recovery {replaced.get('recoverySeconds')}s on the status)")
+
+    st = wait_phase(real_cluster, ns, "digits", {"Succeeded", "Failed"}, timeout=900)
+    assert st["phase"] == "Succeeded", st
+    now = _pod_uids(real_cluster, ns, "digits")
+    assert now["digits-0"] == uids["digits-0"] and set(now) == {"digits-0", "digits-1-r1"}, (uids, now)
+    # The deletion is charged as the group restart it replaced; shrinking and growing are not restarts.
+    assert (st.get("restarts"), st.get("inPlaceRestarts", 0), st["attempt"]) == (1, 0, 0), st
+    assert (st.get("result") or {}).get("evalSamples") == DIGITS_VAL_SAMPLES, st
+    assert st["result"]["evalAccuracy"] >= 0.95, st  # as an undisturbed run (the walkthrough's test)
 
 
 def test_custom_script_example_runs_unchanged_with_its_script_from_a_configmap(real_cluster, namespaces):

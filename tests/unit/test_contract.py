@@ -99,3 +99,25 @@ def test_the_result_the_trainer_writes_is_what_the_operator_reads_into_status():
     # An integer of the trainer's is an integer of the status (result.py derives which from RunResult).
     assert {k: type(v) for k, v in parse_result(message).items()} == \
         {k: int if s["type"] == "integer" else float for k, s in status.items()}
+
+
+@pytest.mark.parametrize("code, step, head", [
+    (1, 43, "training exited with code 1 at step 43"),
+    (-9, None, "training exited with code -9"),
+    (2, 0, "training exited with code 2 at step 0"),
+])
+def test_a_failed_nodes_step_goes_out_on_its_termination_message_and_comes_back(code, step, head):
+    from ddpjob_trainer import contract
+    from ddpjob_trainer.launch.report import failure_message
+
+    assert contract.failure_head(code, step) == head
+    msg = failure_message(code, ["rank 1 failed:\nTraceback ...\nRuntimeError: boom"], step=step)
+    assert msg.startswith(head + "\n") and contract.failure_step(msg) == step
+
+
+@pytest.mark.parametrize("message", [None, "", "rank 1 failed", "training exited with code 1 at step x",
+                                     "Traceback\ntraining exited with code 1 at step 5"])
+def test_a_message_without_the_head_names_no_step(message):
+    from ddpjob_trainer import contract
+
+    assert contract.failure_step(message) is None

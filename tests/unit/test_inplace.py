@@ -65,6 +65,28 @@ def test_a_worker_killed_for_a_stall_is_an_in_place_restart_with_reason_stalled(
         assert f"rank 1 (pod j-1 on node n1) {STALL}" in events[0][2]
 
 
+@pytest.mark.parametrize("order", ["peer killed first", "frozen killed first"])
+def test_of_two_ranks_killed_for_a_stall_the_one_that_stopped_first_is_named(order):
+    """Rank 1 froze after step 4; rank 0 took step 5 and waited in the next collective. On a loaded
+    node rank 0's agent may reach its timeout first: the cause is still rank 1, whose last step is
+    older, whichever kill came first and whichever scrape saw it first."""
+    frozen = failure(T0 + (1 if order == "peer killed first" else 0), step="4",
+                     error="stalled: no progress for 60s in training after step 4 (hang timeout 60s)")
+    peer = failure(T0 + (0 if order == "peer killed first" else 1), step="5",
+                   error="stalled: no progress for 60s in training after step 5 (hang timeout 60s)")
+    ranks = {0: Sample("j-0", "n0", worker_failures=[peer]), 1: Sample("j-1", "n1", worker_failures=[frozen])}
+    st, _ = step(running_status(), ranks)
+    (entry,) = st["restartHistory"]
+    assert (entry["rank"], entry["reason"], entry["message"]) == (1, "Stalled", frozen["error"]), entry
+    assert [a["rank"] for a in entry["alsoFailed"]] == [0] and entry["failedAt"] == T0
+    assert st["inPlaceRestarts"] == 1
+    # Seen one scrape apart (the peer's first): the same cause.
+    first, _ = step(running_status(), {0: Sample("j-0", "n0", worker_failures=[peer]), 1: Sample("j-1", "n1")})
+    st, _ = step(first, ranks)
+    (entry,) = st["restartHistory"]
+    assert (entry["rank"], st["inPlaceRestarts"]) == (1, 1), entry
+
+
 def test_a_killed_worker_is_one_restart_attributed_to_its_rank_pod_and_node_then_its_recovery():
     ranks = {0: Sample("j-0", "n0"), 1: Sample("j-1", "n1", worker_failures=[failure(T0)])}
     st, events = step(running_status(), ranks)
@@ -298,6 +320,24 @@ def test_a_group_restart_without_a_scrape_fails_now_at_the_last_progress():
     up = inplace.update({"progress": {"step": 12}}, attempt=0, ranks=None, with_log=False,
                         group=(0, "PodDeleted", "deleted"), now=NOW)
     assert (up.history[-1]["failedAt"], up.history[-1]["stepAtFailure"]) == (NOW.timestamp(), 12)
+
+
+def test_a_group_restarts_step_at_failure_comes_from_the_failed_pods_termination_message():
+    """The failed pod is no longer scraped and the status' progress is older than its failure:
+    the step its launcher wrote on the termination message's first line is the newest known."""
+    job = make_job(nodes=2, failurePolicy={"maxRestarts": 3})
+    failed = Group.of([make_pod(0, phase="Failed", exit_code=1,
+                                message="training exited with code 1 at step 43\nrank 0 failed:\nRuntimeError: peer"),
+                       make_pod(1, phase="Failed", exit_code=137, message="")])
+    prev = {**running_status(), "progress": {"step": 1}}
+    st, _ = job_status(job, failed, now=NOW, prev_status=prev, report=Report(ranks={}))
+    (group,) = st["restartHistory"]
+    assert (group["kind"], group["stepAtFailure"]) == ("Group", 43), group
+    # Without the step on the message: the last progress, as before.
+    failed = Group.of([make_pod(0, phase="Failed", exit_code=1, message="training exited with code 1\nboom"),
+                       make_pod(1, phase="Failed", exit_code=137)])
+    st, _ = job_status(job, failed, now=NOW, prev_status=prev, report=Report(ranks={}))
+    assert st["restartHistory"][0]["stepAtFailure"] == 1
 
 
 def test_an_attempt_that_ends_before_stepping_supersedes_the_group_restart_before_it():

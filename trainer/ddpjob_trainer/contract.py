@@ -156,7 +156,13 @@ HANG_PAUSES = ("eval", "checkpoint")  # stages between steps, judged from their 
 # The error line of a worker the agent killed for a stall (its failure record; the operator matches
 # it, STALL_ERROR_RE, to give the in-place restart the reason Stalled).
 STALL_ERROR = "stalled: no progress for {idle:.0f}s in {stage} (hang timeout {timeout:.0f}s)"
-STALL_ERROR_RE = re.compile(r"^stalled: no progress for \d+s in [a-z_]+( after step \d+)? \(hang timeout \d+s\)$")
+STALL_ERROR_RE = re.compile(r"^stalled: no progress for \d+s in [a-z_]+( after step (\d+))? \(hang timeout \d+s\)$")
+
+
+def stall_step(error: str | None) -> int | None:
+    """The last step of a rank its agent killed for a stall (STALL_ERROR's "after step N"), else None."""
+    m = STALL_ERROR_RE.match(error or "")
+    return int(m.group(2)) if m and m.group(2) else None
 
 
 def startup_hang_timeout(trainer: Mapping[str, Any] | None) -> float:
@@ -186,6 +192,24 @@ def hang_timeout(configured: float | None, *, stage: str | None, step_seconds: f
     if stage is None or stage in HANG_PAUSES or stage in STAGES[:STAGES.index("training")]:
         return max(startup, derived)
     return derived
+
+
+def failure_head(code: int, step: int | None) -> str:
+    """The first line of a failed node's termination message (launch/report.failure_message): the
+    exit code, and the newest step its ranks finished where they took one. The operator reads the
+    step back (failure_step) for a group restart's stepAtFailure: the failed pod's last scrape may
+    be a scrape interval or more older than its failure, and once the pod has ended it is not
+    scraped again."""
+    return f"training exited with code {code}" + (f" at step {step}" if step is not None else "")
+
+
+_FAILURE_HEAD = re.compile(r"training exited with code -?\d+(?: at step (\d+))?")
+
+
+def failure_step(message: str | None) -> int | None:
+    """The step failure_head wrote on the first line of a termination message, else None."""
+    m = _FAILURE_HEAD.fullmatch((message or "").lstrip().split("\n", 1)[0].strip())
+    return int(m.group(1)) if m and m.group(1) else None
 
 
 def stall_error(*, idle: float, stage: str, step: int | None, timeout: float) -> str:

@@ -1,7 +1,9 @@
 """Test knobs that make one rank slow or frozen, so straggler and hang detection can be shown.
 
 DDPJOB_DEBUG_SLOW_RANK="<rank>:<seconds>"   that rank's data loader takes this much longer per step
-DDPJOB_DEBUG_FREEZE_RANK="<rank>:<step>"    that rank stops advancing once it reaches the step
+DDPJOB_DEBUG_FREEZE_RANK="<rank>:<step>"    that rank stops advancing once it takes that very step (a
+                                            start that resumed past it does not: a replacement pod's,
+                                            whose first start is its own)
 DDPJOB_DEBUG_STEP_SLEEP="<seconds>"         every rank sleeps this long after every step
 DDPJOB_DEBUG_CRASH_RANK="<rank>:<step>"     that rank exits 1 at the step, in the first start of attempt 0
                                             only (not again after a restart in place or of the group)
@@ -67,7 +69,7 @@ class Knobs:
             time.sleep(self.sleep)
         if self.crash_at is not None and step >= self.crash_at:
             os._exit(1)
-        if self.freeze_at is not None and step >= self.freeze_at:
+        if self.freeze_at is not None and step == self.freeze_at:
             _freeze()
 
     def record_samples(self, step: int, epoch: int, indices: list[int]) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import datetime as dt
 from typing import Any
 
+from ddpjob_trainer import contract
 from ddpjob_trainer.contract import EXIT_BAD_CONFIG  # never retried
 
 from ddpjob_operator.api import labels
@@ -82,6 +83,12 @@ def trainer_state(pod: dict[str, Any]) -> dict[str, Any] | None:
         if cs.get("name") == labels.CONTAINER:
             return (cs.get("state") or {}).get("terminated")
     return None
+
+
+def failure_step(pod: dict[str, Any]) -> int | None:
+    """The newest step the pod's ranks finished before its training failed, as its launcher wrote
+    it in the trainer container's termination message (contract.failure_head); None without one."""
+    return contract.failure_step((trainer_state(pod) or {}).get("message"))
 
 
 def exit_code(pod: dict[str, Any]) -> int | None:

@@ -27,8 +27,9 @@ from __future__ import annotations
 import datetime as dt
 import re
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
+from ddpjob_trainer import contract
 from ddpjob_trainer.contract import STALL_ERROR_RE
 
 from ddpjob_operator.api.objmeta import format_time
@@ -127,14 +128,17 @@ def recovery(entry: Mapping[str, Any], ranks: Mapping[int, Any]) -> tuple[int, f
     return min(int(step or 0) for _, step in firsts), round(max(ts for ts, _ in firsts) - t, 3)
 
 
-def _group_failure(ranks: Mapping[int, Any], prev_status: Mapping[str, Any], now: dt.datetime) -> dict[str, Any]:
+def _group_failure(ranks: Mapping[int, Any], prev_status: Mapping[str, Any], now: dt.datetime,
+                   pod_steps: Sequence[int] = ()) -> dict[str, Any]:
     """When the ended attempt failed and the step it had reached, as well as this pass knows:
     the earliest failure an agent reported with its pod's budget spent, else now (the pass that
-    saw the pod fail, was deleted or lost); the newest step its ranks reported, else progress's."""
+    saw the pod fail, was deleted or lost); the newest step its ranks reported (this scrape, the
+    failed pods' termination messages: `pod_steps`), else progress's."""
     spent = [f for s in ranks.values() for f in getattr(s, "worker_failures", None) or [] if f.get("restarted") == "false"]
     out: dict[str, Any] = {"failedAt": min([float(f["time"]) for f in spent] + [now.timestamp()])}
     steps = [s.step for s in ranks.values() if s.step is not None] + [
-        as_int(f.get("step"), -1) for f in spent if 0 <= as_int(f.get("step"), -1) <= MAX_STEP]
+        as_int(f.get("step"), -1) for f in spent if 0 <= as_int(f.get("step"), -1) <= MAX_STEP] + [
+        step for step in pod_steps if 0 <= step <= MAX_STEP]
     step = max(steps, default=(prev_status.get("progress") or {}).get("step"))
     if step is not None:
         out["stepAtFailure"] = int(step)
@@ -157,8 +161,17 @@ class Update:
 
 
 def _precedes(entry: Mapping[str, Any], head: Mapping[str, Any]) -> bool:
-    """True when `entry` rather than `head` is the cause of their one in-place restart."""
-    return ("signal" not in entry, entry["failedAt"]) < ("signal" not in head, head["failedAt"])
+    """True when `entry` rather than `head` is the cause of their one in-place restart: a worker a
+    signal ended before one that failed by itself; of two ranks their agents killed for a stall,
+    the one whose last step is older (it stopped first, its peers went on to the next collective;
+    on a loaded node its agent may still kill later than theirs); else the earlier failure."""
+    if ("signal" in entry) != ("signal" in head):
+        return "signal" in entry
+    mine, theirs = (contract.stall_step(e.get("message")) if e.get("reason") == STALLED else None
+                    for e in (entry, head))
+    if mine is not None and theirs is not None and mine != theirs:
+        return mine < theirs
+    return entry["failedAt"] < head["failedAt"]
 
 
 def training_without(entry: Mapping[str, Any], ranks: Mapping[int, Any]) -> set[str] | None:
@@ -198,11 +211,13 @@ def _absorb(head: dict[str, Any], other: dict[str, Any]) -> None:
 
 def update(prev_status: Mapping[str, Any], *, attempt: int, ranks: Mapping[int, Any] | None, with_log: bool,
            group: tuple[int, str, str] | None, now: dt.datetime, replaced: list[dict[str, Any]] = (),  # type: ignore[assignment]
-           replacement_rounds: int = 0) -> Update:
+           replacement_rounds: int = 0, group_steps: Sequence[int] = ()) -> Update:
     """The restart history and count after this pass. `ranks`: this scrape's samples (None: no
     scrape); `group`: (the attempt that ended, reason, message) when this pass restarts the group;
     `replaced`: replace_entry's of the lost pods this pass replaces alone; `replacement_rounds`: the
-    rounds lost pods took the survivors through (Decision.replacement_rounds), left out of `proven`."""
+    rounds lost pods took the survivors through (Decision.replacement_rounds), left out of `proven`;
+    `group_steps`: the steps the ended attempt's failed pods wrote in their termination messages
+    (contract.failure_step), which outlive the pods' last scrape."""
     history = [dict(e) for e in prev_status.get("restartHistory") or []]
     count = as_int(prev_status.get("inPlaceRestarts"))
     known = {_key(e) for e in history} | {_key({**a, "kind": INPLACE}) for e in history for a in e.get("alsoFailed") or []}
@@ -265,7 +280,7 @@ def update(prev_status: Mapping[str, Any], *, attempt: int, ranks: Mapping[int, 
     if group is not None:
         ended, reason, message = group
         history.append({"kind": GROUP, "attempt": ended, "reason": reason, "message": message[:MESSAGE_CHARS],
-                        "time": format_time(now), **_group_failure(ranks or {}, prev_status, now)})
+                        "time": format_time(now), **_group_failure(ranks or {}, prev_status, now, group_steps)})
     up.history = history[-HISTORY_LIMIT:]
     return up
 

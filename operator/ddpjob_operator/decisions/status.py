@@ -215,6 +215,11 @@ def _in_place(conds: list[dict[str, Any]], up: inplace.Update, job: JobSpec, d: 
     return events
 
 
+def _failure_steps(attempt: Attempt) -> list[int]:
+    """The steps the attempt's failed pods wrote in their termination messages (podinfo.failure_step)."""
+    return [step for p in [*attempt.pods, *attempt.departed.values()] if (step := podinfo.failure_step(p)) is not None]
+
+
 def _resized(conds: list[dict[str, Any]], up: inplace.Update, job: JobSpec, ranks: Any, now: dt.datetime,
              gen: int) -> list[Event]:
     """`Resized` while an elastic job trains on fewer nodes (spec.elastic.minNodes) because a lost
@@ -304,7 +309,8 @@ def job_status(job: JobSpec, group: Group, *, now: dt.datetime,
                               group=(d.attempt - 1, d.reason, d.message) if d.restarted is not None else None, now=now,
                               replaced=[inplace.replace_entry(r, attempt=d.attempt, ranks=report.ranks if report else None,
                                                               prev_status=prev, now=now) for r in d.replaced],
-                              replacement_rounds=d.replacement_rounds)
+                              replacement_rounds=d.replacement_rounds,
+                              group_steps=_failure_steps(group.at(d.attempt - 1)) if d.restarted is not None else ())
     events += _in_place(conds, restarts, job, d, now, gen)
     events += _resized(conds, restarts, job, report.ranks if report is not None else None, now, gen)
     if d.phase is Phase.SUSPENDED:

@@ -15,6 +15,7 @@ import time
 from typing import Callable, cast
 
 from .. import contract
+from ..agent import steps_reached
 from ..errors import EXIT_BAD_CONFIG, EXIT_TRAINING_FAILED, ConfigError
 from ..tracking import SYSTEM_METRICS_END_SECONDS
 from . import runs
@@ -279,7 +280,9 @@ def _launch(args: argparse.Namespace, node: _Node, signals: StopSignals) -> int:
         return EXIT_BAD_CONFIG
     if code != 0:
         # The built-in trainer records its ranks' failures itself; a user's script may use @record.
-        why = failure_message(code, rank_messages(status_dir, "failed") or recorded_error(error_file))
+        reached = steps_reached(metrics_dir).values()
+        why = failure_message(code, rank_messages(status_dir, "failed") or recorded_error(error_file),
+                              step=max(reached) if reached else None)
         if why:
             write_termination(why)
         return code if code > 0 else EXIT_TRAINING_FAILED

@@ -6,6 +6,8 @@ import json
 import os
 import sys
 
+from .. import contract
+
 TERMINATION_LOG = "/dev/termination-log"
 TERMINATION_LIMIT = 4000  # characters; the kubelet truncates a termination message at 4096 bytes
 
@@ -55,15 +57,17 @@ def recorded_error(path: str) -> list[str]:
     return [str(detail).strip()] if detail and str(detail).strip() else []
 
 
-def failure_message(code: int, failed: list[str], *, limit: int = TERMINATION_LIMIT) -> str | None:
+def failure_message(code: int, failed: list[str], *, step: int | None = None,
+                    limit: int = TERMINATION_LIMIT) -> str | None:
     """The termination message of a node whose training exited with `code`: the first line says
-    so, the rest is the end of the first failed rank's traceback (its last line names the error),
+    so, with the newest `step` its ranks finished (contract.failure_head), the rest is the end of
+    the first failed rank's traceback (its last line names the error),
     cut to `limit` characters — the kubelet keeps 4 KiB, and the start of a traceback matters least.
     None when no rank recorded why (a user's script without @record, a crash, torchrun itself): the pod's
     terminationMessagePolicy (FallbackToLogsOnError) then has the kubelet keep the log's tail."""
     if not failed:
         return None
-    head = f"training exited with code {code}"
+    head = contract.failure_head(code, step)
     detail = failed[0]
     room = limit - len(head) - len("\n...")
     return head + "\n" + (detail if len(detail) <= room else "..." + detail[-room:])

@@ -1,0 +1,34 @@
+"""The test knobs: a freeze happens once, in the job's first start of the rank, at its step."""
+from __future__ import annotations
+
+import pytest
+
+from ddpjob_trainer import debug
+
+
+class Frozen(Exception):
+    pass
+
+
+def _raise() -> None:
+    raise Frozen
+
+
+@pytest.mark.parametrize("env, rank, step, frozen", [
+    ({"DDPJOB_DEBUG_FREEZE_RANK": "1:5"}, 1, 5, True),
+    ({"DDPJOB_DEBUG_FREEZE_RANK": "1:5"}, 1, 4, False),
+    ({"DDPJOB_DEBUG_FREEZE_RANK": "1:5"}, 0, 5, False),                          # another rank's
+    ({"DDPJOB_DEBUG_FREEZE_RANK": "1:5", "DDPJOB_RESTART": "1"}, 1, 5, False),   # restarted in place
+    ({"DDPJOB_DEBUG_FREEZE_RANK": "1:5", "DDPJOB_ATTEMPT": "1"}, 1, 5, False),   # restarted as a group
+    # A first start that resumed past the step (a replacement pod's: its agent's first start, in
+    # attempt 0) takes steps 24, 25, ... and never freezes: the hang was a one-off.
+    ({"DDPJOB_DEBUG_FREEZE_RANK": "1:5"}, 1, 24, False),
+])
+def test_a_freeze_happens_at_its_step_in_the_ranks_first_start_only(monkeypatch, env, rank, step, frozen):
+    monkeypatch.setattr(debug, "_freeze", _raise)
+    knobs = debug.Knobs.from_env(rank=rank, env=env)
+    if frozen:
+        with pytest.raises(Frozen):
+            knobs.after_step(step)
+    else:
+        knobs.after_step(step)
