@@ -22,7 +22,7 @@ __all__ = ["TIMEOUT_SETTABLE_FOR_GLOO", "hook_agent", "load_dcp_state", "set_tim
 
 def __getattr__(name: str) -> Any:
     """`StorageInfo`, imported on first use: importing DCP costs as much as importing torch, and a
-    worker restarted in place that resumes from its snapshot needs none of it (checkpointing/storage.py)."""
+    worker restarted in place that resumes from its snapshot needs none of it (checkpointing/storage.py says why)."""
     if name == "StorageInfo":
         # Where a shard's item lives (file, offset, length, transform descriptors): DCP's
         # FileSystemReader requires this class in a checkpoint's `.metadata`, and has no public name for it.

@@ -3,7 +3,8 @@
 Layout under `dir`: `step-00000120/{.metadata, INDEX.json, __0_0.distcp, __1_0.distcp, ...,
 rank-00000.pt, ..., MANIFEST.json}`.
 - The state every rank shares (model, optimizer, scheduler, step, epoch, sampler position,
-  config) is saved with DCP, through our raw-bytes storage layer (storage.py). Under DDP it is
+  config) is saved with DCP, through our raw-bytes storage layer (dcp_storage.py, imported by
+  the first save: a resume needs none of DCP). Under DDP it is
   replicated; share_of gives each tensor to one rank (split by bytes, the same split on every
   rank), so N ranks stage and write about 1/N of the bytes each, in parallel, into the shared
   directory, and rank 0 writes `.metadata` and INDEX.json (where each item lives; storage.py).
