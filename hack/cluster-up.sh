@@ -320,8 +320,15 @@ start kube-controller-manager "$KUBE_DIR/kube-controller-manager" \
 start kube-scheduler "$KUBE_DIR/kube-scheduler" \
   --kubeconfig "$STATE/scheduler.kubeconfig" \
   --bind-address 127.0.0.1 --secure-port "$P_SCHED" --leader-elect=false
+# --pod-max-in-unschedulable-pods-duration: Coscheduling requeues a pod it turned away (a gang
+# member released at its Permit timeout, or rejected because a sibling did not fit) only when a
+# pod is added or a PodGroup changes, never when a bound pod is deleted. A gang that waited for
+# another's GPUs can then sit unschedulable after they are free until the queue's leftover flush
+# (every 30 s) takes pods older than this: 5 min by default, 10 s here (kube-scheduler's
+# deprecated flag, "the only workaround", kubernetes/kubernetes#110175).
 start scheduler-plugins "$SP_DIR/kube-scheduler" \
-  --config "$STATE/scheduler-plugins.yaml" --bind-address 127.0.0.1 --secure-port "$P_SP"
+  --config "$STATE/scheduler-plugins.yaml" --bind-address 127.0.0.1 --secure-port "$P_SP" \
+  --pod-max-in-unschedulable-pods-duration 10s
 # It writes PodGroups' status (phase Pending, Scheduling, Running, Finished, Failed; counts of
 # running/succeeded/failed pods), which the scheduler never does. Metrics off; probes on loopback
 # (both listen on every address by default).
