@@ -30,7 +30,15 @@ def test_step_is_min_loss_is_mean_percent_and_time():
     assert p["evalAccuracy"] == pytest.approx(0.85)
     assert p["lastStepTime"] == rfc3339(1_800_000_005.0) == "2027-01-15T08:00:05Z"
     assert p["ranksReporting"] == 2
+    assert p["slowestRank"] == 1
     assert set(p) <= set(PROGRESS_FIELDS)
+
+
+def test_slowest_rank_is_named_only_when_a_rank_is_behind():
+    level = {r: rs(r, 40) for r in range(3)}
+    assert "slowestRank" not in compute_progress(level, now=0)
+    behind = {**level, 2: rs(2, 37), 1: rs(1, 37)}
+    assert compute_progress(behind, now=0)["slowestRank"] == 1  # the lowest of the ranks tied behind
 
 
 def test_rate_and_eta_from_step_time_without_prev():

@@ -2,7 +2,7 @@
 
 Field names (declared in the CRD; also listed in PROGRESS_FIELDS):
   epoch, step, totalSteps, percent, loss, samplesPerSecond, eta, etaSeconds,
-  lastStepTime, evalAccuracy, ranksReporting
+  lastStepTime, evalAccuracy, ranksReporting, slowestRank
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from ddpjob_operator.decisions.samples import RankSample
 
 PROGRESS_FIELDS = (
     "epoch", "step", "totalSteps", "percent", "loss", "samplesPerSecond",
-    "eta", "etaSeconds", "lastStepTime", "evalAccuracy", "ranksReporting",
+    "eta", "etaSeconds", "lastStepTime", "evalAccuracy", "ranksReporting", "slowestRank",
 )
 
 Prev = tuple[float, Mapping[int, RankSample]]
@@ -72,6 +72,9 @@ def compute_progress(samples: Mapping[int, RankSample], *, now: float,
     out: dict = {"ranksReporting": len(ranks)}
     step = min(s.step for s in ranks)
     out["step"] = step
+    lag = laggard(samples)
+    if lag is not None and lag[1] > 0:  # none is named while every rank is at the same step
+        out["slowestRank"] = lag[0]
     epochs = [s.epoch for s in ranks if s.epoch is not None]
     if epochs:
         out["epoch"] = min(epochs)
