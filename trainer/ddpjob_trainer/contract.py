@@ -194,16 +194,20 @@ def hang_timeout(configured: float | None, *, stage: str | None, step_seconds: f
     return derived
 
 
+# The words of failure_head, which failure_step parses back.
+_EXITED, _AT_STEP = "training exited with code ", " at step "
+
+
 def failure_head(code: int, step: int | None) -> str:
     """The first line of a failed node's termination message (launch/report.failure_message): the
     exit code, and the newest step its ranks finished where they took one. The operator reads the
     step back (failure_step) for a group restart's stepAtFailure: the failed pod's last scrape may
     be a scrape interval or more older than its failure, and once the pod has ended it is not
     scraped again."""
-    return f"training exited with code {code}" + (f" at step {step}" if step is not None else "")
+    return f"{_EXITED}{code}" + (f"{_AT_STEP}{step}" if step is not None else "")
 
 
-_FAILURE_HEAD = re.compile(r"training exited with code -?\d+(?: at step (\d+))?")
+_FAILURE_HEAD = re.compile(re.escape(_EXITED) + r"-?\d+(?:" + re.escape(_AT_STEP) + r"(\d+))?")
 
 
 def failure_step(message: str | None) -> int | None:
