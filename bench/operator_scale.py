@@ -6,6 +6,8 @@ Scenarios (the same pod counts for every controller): 1 job x 64 nodes, 100 jobs
 (bounded: --scenarios 1000x10) 10,000 pods. Each controller runs alone, freshly started for each run,
 serving only that run's namespace. Every cell is --repeat runs (default 3), interleaved: each repeat
 runs every scenario with every variant, the variants' order rotating from one repeat to the next.
+Variant `floor` has no controller: the script creates the very pods our operator would (render_pod),
+FLOOR_IN_FLIGHT at a time, so its times are what this machine's control plane allows any controller.
 Measured per run:
 - seconds from the first create request until all pods exist / all are Running (kwok), from a
   label-free watch of the namespace (no polling LISTs that would load the API server);
@@ -56,6 +58,8 @@ from kubernetes.client.rest import ApiException  # noqa: E402
 
 import kubeflow_peer  # noqa: E402
 import stats  # noqa: E402
+from ddpjob_operator.api.spec import from_manifest  # noqa: E402
+from ddpjob_operator.builders.pods import render_pod  # noqa: E402
 from ddpjob_operator.cluster.k8s import K8s  # noqa: E402
 from ddpjob_trainer.contract import STAGES  # noqa: E402
 from ddpjob_trainer.telemetry import STEP_BUCKETS  # noqa: E402
@@ -64,12 +68,16 @@ from tests.support.cluster import (create_namespace, delete_namespace, ensure_cl
 
 BENCH_LABEL = "kwok-bench"
 PODS_PER_NODE = 500
-TIMEOUT = 400            # seconds for one scenario's pods to be Running (the 10,000-pod row included)
+TIMEOUT = 400            # default seconds for one scenario's pods to be Running (--running-timeout)
 MAX_PODS = 10_000        # the largest scenario this script runs (only on its own kwok nodes)
 FINISH_TIMEOUT = 300
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 VARIANTS = ("ddpjob", "pytorchjob-default", "pytorchjob-tuned")
-ALL_VARIANTS = VARIANTS + ("ddpjob-before",)
+# "floor": no controller. This script creates our very pods itself (render_pod, no owner),
+# FLOOR_IN_FLIGHT at a time, as fast as the control plane takes them: what this machine's API
+# server, scheduler and kwok allow any controller.
+ALL_VARIANTS = VARIANTS + ("ddpjob-before", "floor")
+FLOOR_IN_FLIGHT = 64
 # Bench pods only go to the bench nodes (taint + selector), away from concurrent test traffic.
 PLACEMENT = {"nodeSelector": {"type": BENCH_LABEL},
              "tolerations": [{"key": "ddpjob.dev/bench", "operator": "Exists", "effect": "NoSchedule"}]}
@@ -154,9 +162,14 @@ class PodTracker:
                 if self.done.is_set():
                     return
 
-    def wait(self) -> dict:
-        self.done.wait(TIMEOUT)
-        return {"all_pods_exist_s": _r(self.exist_at), "all_pods_running_s": _r(self.running_at)}
+    def wait(self, timeout: float = TIMEOUT) -> dict:
+        self.done.wait(timeout)
+        out = {"all_pods_exist_s": _r(self.exist_at), "all_pods_running_s": _r(self.running_at)}
+        if self.running_at is None:  # how far it got
+            phases = list(self.phases.values())
+            out["at_timeout"] = {"seconds": timeout, "pods": len(phases),
+                                 "running": sum(ph in ("Running", "Succeeded") for ph in phases)}
+        return out
 
 
 class FakeRanks:
@@ -220,12 +233,16 @@ def _r(x: float | None, n: int = 2) -> float | None:
     return None if x is None else round(x, n)
 
 
-def cpu_seconds(pid: int) -> float:
+def cpu_seconds(pid: int | None) -> float:
+    if pid is None:
+        return 0.0
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / CLK_TCK
 
 
-def rss_mib(pid: int) -> float:
+def rss_mib(pid: int | None) -> float | None:
+    if pid is None:
+        return None
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
             return round(int(line.split()[1]) / 1024, 1)
@@ -271,6 +288,40 @@ class Ours:
         self.log.close()
 
 
+class Floor:
+    """The floor variant's stand-in for a controller: a thread that creates every pod of the
+    run's jobs, FLOOR_IN_FLIGHT requests in flight. No process of its own: no CPU or RSS."""
+
+    pid = None
+
+    def __init__(self, api, ns: str) -> None:
+        self.core, self.ns, self.created = client.CoreV1Api(api), ns, 0
+        self.thread: threading.Thread | None = None
+
+    def wait_ready(self) -> None:
+        pass
+
+    def start(self, jobs: int, nodes: int) -> None:
+        pods = [render_pod(from_manifest({**ddpjob(f"b{j}", nodes), "metadata": {"name": f"b{j}", "namespace": self.ns}}),
+                           rank) for j in range(jobs) for rank in range(nodes)]
+
+        def create_all() -> None:
+            def one(pod: dict) -> None:
+                self.core.create_namespaced_pod(self.ns, pod)
+                self.created += 1
+            with ThreadPoolExecutor(FLOOR_IN_FLIGHT) as pool:
+                list(pool.map(one, pods))
+        self.thread = threading.Thread(target=create_all, daemon=True)
+        self.thread.start()
+
+    def requests(self) -> dict[str, float]:
+        return {"POST pods": float(self.created)}
+
+    def stop(self) -> None:
+        if self.thread is not None:
+            self.thread.join()
+
+
 def _delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
     return {k: v - before.get(k, 0.0) for k, v in after.items() if v - before.get(k, 0.0) > 0}
 
@@ -314,15 +365,33 @@ def at_rest(ctrl, seconds: float, jobs: int) -> dict:
             "cpu_s_per_min": round((cpu_seconds(ctrl.pid) - c0) * per_min, 3)}
 
 
+def clear_pods(core, ns: str, *, timeout: float = 900) -> None:
+    """Every pod of the namespace deleted at once (no controller is left to recreate them): a
+    namespace deletion alone takes the 10,000-pod row's pods one graceful deletion at a time, past
+    any timeout. The API server cuts a collection delete at its 60 s request timeout and goes on
+    deleting; a cut one is sent again until no pod is left."""
+    deadline = time.monotonic() + timeout
+    while core.list_namespaced_pod(ns, limit=1).items:
+        try:
+            core.delete_collection_namespaced_pod(ns, grace_period_seconds=0)
+        except ApiException as exc:
+            if exc.status not in (500, 503, 504) or time.monotonic() > deadline:
+                raise
+
+
 def run_one(cluster, api, k8s: K8s, variant: str, jobs: int, nodes: int, *, idle_seconds: float,
             finished_seconds: float, webhook_port: int, logs: Path, before_source: Path | None,
-            ranks: FakeRanks, max_load: float) -> dict:
+            ranks: FakeRanks, max_load: float, running_timeout: float = TIMEOUT) -> dict:
     ns = create_namespace(api, prefix=f"bench-{variant[:3]}{'t' if variant.endswith('tuned') else ''}-")
     log_path = logs / f"{variant}-{jobs}x{nodes}-{ns}.log"
     load_before = os.getloadavg()
+    ctrl: Ours | Floor | kubeflow_peer.Peer
     if variant.startswith("ddpjob"):
         ctrl = Ours(cluster, ns, log_path, scrape_url=ranks.template,
                     source=before_source if variant == "ddpjob-before" else None)
+    elif variant == "floor":
+        ctrl = Floor(api, ns)
+        idle_seconds = 0  # nothing to keep at rest
     else:
         ctrl = kubeflow_peer.Peer(cluster, namespace=ns, tuned=variant.endswith("tuned"),
                                   metrics_port=free_port(), probe_port=free_port(),
@@ -336,16 +405,19 @@ def run_one(cluster, api, k8s: K8s, variant: str, jobs: int, nodes: int, *, idle
         rss_idle, before, cpu0 = rss_mib(ctrl.pid), ctrl.requests(), cpu_seconds(ctrl.pid)
         t0 = time.monotonic()
         tracker = PodTracker(k8s, ns, jobs * nodes, t0)
-        for j in range(jobs):
+        if isinstance(ctrl, Floor):
+            ctrl.start(jobs, nodes)
+        for j in range(jobs if not isinstance(ctrl, Floor) else 0):
             if variant.startswith("ddpjob"):
                 custom.create_namespaced_custom_object("ddpjob.dev", "v1alpha1", ns, "ddpjobs", ddpjob(f"b{j}", nodes))
             else:
                 custom.create_namespaced_custom_object("kubeflow.org", "v1", ns, "pytorchjobs",
                                                        kubeflow_peer.pytorchjob(f"b{j}", nodes, PLACEMENT))
-        times = tracker.wait()
+        times = tracker.wait(running_timeout)
         delta = _delta(settle(ctrl), before)
         res.update({**times, "requests": sum(delta.values()), "requests_per_job": round(sum(delta.values()) / jobs, 1),
-                    "request_breakdown": delta, "cpu_s": round(cpu_seconds(ctrl.pid) - cpu0, 2),
+                    "request_breakdown": delta,
+                    "cpu_s": None if ctrl.pid is None else round(cpu_seconds(ctrl.pid) - cpu0, 2),
                     "rss_idle_mib": rss_idle, "rss_after_mib": rss_mib(ctrl.pid)})
         if idle_seconds > 0 and times["all_pods_running_s"] is not None:
             res["rest_running"] = at_rest(ctrl, idle_seconds, jobs)
@@ -367,7 +439,8 @@ def run_one(cluster, api, k8s: K8s, variant: str, jobs: int, nodes: int, *, idle
         res.update({"load_avg_before": [round(x, 2) for x in load_before],
                     "load_avg_after": [round(x, 2) for x in load_after],
                     "loaded": max(load_before[0], load_after[0]) > max_load})
-        delete_namespace(api, ns, wait=True, timeout=300)
+        clear_pods(core, ns)
+        delete_namespace(api, ns, wait=True, timeout=600)
     return res
 
 
@@ -427,6 +500,45 @@ def fmt_ratio(r: dict | None) -> str:
     return f"{r['ratio']:.2f} [{r['low']:.2f}-{r['high']:.2f}]"
 
 
+def report(args, runs: list[dict], scenarios, rest, variants, load_start, logs: Path) -> list[str]:
+    """The table of the runs so far, written to --out: after every run, so that a bench that dies
+    (a 10,000-pod namespace deletion that times out) keeps what it measured."""
+    table: dict = {}
+    width = 28
+    peers = {"pytorchjob-tuned": "ratio_ours_tuned", "floor": "ratio_ours_floor"}
+    peers = {v: key for v, key in peers.items() if v in variants} or {"pytorchjob-tuned": "ratio_ours_tuned"}
+    lines = [f"{'':52s}" + "".join(f"{v:>{width}s}" for v in variants)
+             + "".join(f"{'ours/' + v.split('-')[-1] + ' [95% CI]':>24s}" for v in peers)]
+    for jobs, nodes in scenarios:
+        for label, key, rest_only in ROWS:
+            if rest_only and (jobs, nodes) not in rest:
+                continue
+            mine = [r for r in runs if (r["jobs"], r["nodes_per_job"]) == (jobs, nodes)]
+            cells = {v: summarize([value(r, key) for r in mine if r["variant"] == v]) for v in variants}
+            ratios = {name: paired_ratio([value(r, key) for r in mine if r["variant"] == "ddpjob"],
+                                         [value(r, key) for r in mine if r["variant"] == v]) for v, name in peers.items()}
+            table[f"{jobs}x{nodes} {label}"] = {**cells, **ratios}
+            lines.append(f"{f'{jobs}x{nodes} {label}':52s}" + "".join(f"{fmt(cells[v]):>{width}s}" for v in variants)
+                         + "".join(f"{fmt_ratio(r):>24s}" for r in ratios.values()))
+    loaded = sum(1 for r in runs if r.get("loaded"))
+    lines.append(f"{loaded} of {len(runs)} runs on a loaded machine (1-min load > {args.max_load:g}); "
+                 f"load at start {tuple(round(x, 2) for x in load_start)}, at end "
+                 f"{tuple(round(x, 2) for x in os.getloadavg())}")
+    out = {"machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
+                       "load_avg_at_start": load_start, "load_avg_at_end": os.getloadavg(),
+                       "max_load": args.max_load, "loaded_runs": loaded, "runs": len(runs)},
+           "commit": stats.git_head(), "ranks_per_pod": args.ranks_per_pod,
+           "command": " ".join(sys.argv),
+           "peer": f"kubeflow training-operator {kubeflow_peer.VERSION} (PyTorchJob); tuned = "
+                   + " ".join(kubeflow_peer.TUNED_FLAGS),
+           "request_counting": "client-side, each controller's own counter (see the module docstring)",
+           "table": table, "runs": runs, "logs": str(logs),
+           "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=2))
+    return lines
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--scenarios", default="1x64,100x8", help="comma list of JOBSxNODES (at most 10,000 pods each)")
@@ -445,6 +557,8 @@ def main() -> int:
                     help="the at-rest window of finished jobs (default: --idle-seconds; 0 = skip)")
     ap.add_argument("--max-load", type=float, default=float(os.cpu_count() or 1),
                     help="1-minute load average above which a run is flagged loaded")
+    ap.add_argument("--running-timeout", type=float, default=TIMEOUT,
+                    help="seconds a run waits for all its pods Running before it reports none")
     ap.add_argument("--out", default=str(REPO / "bench/results/operator_scale.json"))
     args = ap.parse_args()
     scenarios = [tuple(int(x) for x in s.split("x")) for s in args.scenarios.split(",")]
@@ -491,7 +605,7 @@ def main() -> int:
                     finished_s = args.idle_seconds if args.finished_seconds is None else args.finished_seconds
                     res = run_one(cluster, api, k8s, variant, jobs, nodes, idle_seconds=idle, finished_seconds=finished_s,
                                   webhook_port=webhook_port, logs=logs, before_source=before_source,
-                                  ranks=ranks, max_load=args.max_load)
+                                  ranks=ranks, max_load=args.max_load, running_timeout=args.running_timeout)
                     res["repeat"] = rep
                     runs.append(res)
                     rr, rf = res.get("rest_running") or {}, res.get("rest_finished") or {}
@@ -505,6 +619,7 @@ def main() -> int:
                              if rr else "")
                           + (f"; finished {rf.get('requests_per_min')} req/min {rf.get('cpu_s_per_min')} CPU-s/min"
                              if rf else ""), flush=True)
+                    report(args, runs, scenarios, rest, variants, load_start, logs)
     finally:
         ranks.close()
         bench_nodes(core, node_count, create=False)
@@ -512,37 +627,7 @@ def main() -> int:
             kubeflow_peer.uninstall(cluster)
         k8s.close()
 
-    table: dict = {}
-    width = 28
-    lines = [f"{'':52s}" + "".join(f"{v:>{width}s}" for v in variants) + f"{'ours/tuned [95% CI]':>24s}"]
-    for jobs, nodes in scenarios:
-        for label, key, rest_only in ROWS:
-            if rest_only and (jobs, nodes) not in rest:
-                continue
-            mine = [r for r in runs if (r["jobs"], r["nodes_per_job"]) == (jobs, nodes)]
-            cells = {v: summarize([value(r, key) for r in mine if r["variant"] == v]) for v in variants}
-            ratio = paired_ratio([value(r, key) for r in mine if r["variant"] == "ddpjob"],
-                                 [value(r, key) for r in mine if r["variant"] == "pytorchjob-tuned"])
-            table[f"{jobs}x{nodes} {label}"] = {**cells, "ratio_ours_tuned": ratio}
-            lines.append(f"{f'{jobs}x{nodes} {label}':52s}" + "".join(f"{fmt(cells[v]):>{width}s}" for v in variants)
-                         + f"{fmt_ratio(ratio):>24s}")
-    loaded = sum(1 for r in runs if r.get("loaded"))
-    lines.append(f"{loaded} of {len(runs)} runs on a loaded machine (1-min load > {args.max_load:g}); "
-                 f"load at start {tuple(round(x, 2) for x in load_start)}, at end "
-                 f"{tuple(round(x, 2) for x in os.getloadavg())}")
-    print("\n".join(lines))
-    out = {"machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
-                       "load_avg_at_start": load_start, "load_avg_at_end": os.getloadavg(),
-                       "max_load": args.max_load, "loaded_runs": loaded, "runs": len(runs)},
-           "commit": stats.git_head(), "ranks_per_pod": args.ranks_per_pod,
-           "command": " ".join(sys.argv),
-           "peer": f"kubeflow training-operator {kubeflow_peer.VERSION} (PyTorchJob); tuned = "
-                   + " ".join(kubeflow_peer.TUNED_FLAGS),
-           "request_counting": "client-side, each controller's own counter (see the module docstring)",
-           "table": table, "runs": runs, "logs": str(logs),
-           "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=2))
+    print("\n".join(report(args, runs, scenarios, rest, variants, load_start, logs)))
     print(f"wrote {args.out} (controller logs: {logs})")
     return 0
 
