@@ -164,7 +164,7 @@ class PodTracker:
 
     def wait(self, timeout: float = TIMEOUT) -> dict:
         self.done.wait(timeout)
-        out = {"all_pods_exist_s": _r(self.exist_at), "all_pods_running_s": _r(self.running_at)}
+        out: dict = {"all_pods_exist_s": _r(self.exist_at), "all_pods_running_s": _r(self.running_at)}
         if self.running_at is None:  # how far it got
             phases = list(self.phases.values())
             out["at_timeout"] = {"seconds": timeout, "pods": len(phases),
@@ -296,6 +296,7 @@ class Floor:
 
     def __init__(self, api, ns: str) -> None:
         self.core, self.ns, self.created = client.CoreV1Api(api), ns, 0
+        self.lock = threading.Lock()  # the count is bumped from FLOOR_IN_FLIGHT threads
         self.thread: threading.Thread | None = None
 
     def wait_ready(self) -> None:
@@ -308,7 +309,8 @@ class Floor:
         def create_all() -> None:
             def one(pod: dict) -> None:
                 self.core.create_namespaced_pod(self.ns, pod)
-                self.created += 1
+                with self.lock:
+                    self.created += 1
             with ThreadPoolExecutor(FLOOR_IN_FLIGHT) as pool:
                 list(pool.map(one, pods))
         self.thread = threading.Thread(target=create_all, daemon=True)
@@ -407,12 +409,13 @@ def run_one(cluster, api, k8s: K8s, variant: str, jobs: int, nodes: int, *, idle
         tracker = PodTracker(k8s, ns, jobs * nodes, t0)
         if isinstance(ctrl, Floor):
             ctrl.start(jobs, nodes)
-        for j in range(jobs if not isinstance(ctrl, Floor) else 0):
-            if variant.startswith("ddpjob"):
-                custom.create_namespaced_custom_object("ddpjob.dev", "v1alpha1", ns, "ddpjobs", ddpjob(f"b{j}", nodes))
-            else:
-                custom.create_namespaced_custom_object("kubeflow.org", "v1", ns, "pytorchjobs",
-                                                       kubeflow_peer.pytorchjob(f"b{j}", nodes, PLACEMENT))
+        else:
+            for j in range(jobs):
+                if variant.startswith("ddpjob"):
+                    custom.create_namespaced_custom_object("ddpjob.dev", "v1alpha1", ns, "ddpjobs", ddpjob(f"b{j}", nodes))
+                else:
+                    custom.create_namespaced_custom_object("kubeflow.org", "v1", ns, "pytorchjobs",
+                                                           kubeflow_peer.pytorchjob(f"b{j}", nodes, PLACEMENT))
         times = tracker.wait(running_timeout)
         delta = _delta(settle(ctrl), before)
         res.update({**times, "requests": sum(delta.values()), "requests_per_job": round(sum(delta.values()) / jobs, 1),
