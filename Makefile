@@ -19,7 +19,7 @@ FLOOR_PINS := $(shell . hack/versions.env && echo "torch==$$TORCH_VERSION torchv
 PYTEST_ARGS ?=
 
 .PHONY: help install install-floor demo test test-floor test-unit test-trainer test-cluster test-e2e test-realpods cluster-up \
-        cluster-down build-cluster images manifests bench lint clean
+        cluster-down build-cluster images manifests bench lint clean release test-oldest cluster-up-oldest cluster-down-oldest
 
 help: ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-14s %s\n", $$1, $$2}'
@@ -42,7 +42,7 @@ install-floor: $(FLOOR_STAMP) ## create .venv-floor: the project on the trainer 
 demo: install ## train examples/digits.yaml on 2 simulated nodes with a progress bar
 	$(DDPJOB) run examples/digits.yaml --local
 
-test: install install-floor cluster-up images ## every tier (cluster tiers beside the CPU tiers, hack/test.sh), the trainer's again on the image's torch; CI runs exactly this
+test: install install-floor cluster-up images cluster-up-oldest ## every tier (cluster tiers beside the CPU tiers, hack/test.sh), the trainer's again on the image's torch, the versioned ones on the oldest Kubernetes; CI runs exactly this
 	PY=$(PY) PYTEST_ARGS="$(PYTEST_ARGS)" hack/test.sh
 
 # What depends on torch's version: local multi-process runs (convergence, a killed rank, the
@@ -76,9 +76,35 @@ test-e2e: install cluster-up ## Helm + Prometheus end to end
 test-realpods: install cluster-up images ## DDPJobs that really train in pods on the real nodes
 	$(PY) -m pytest -ra $(PYTEST_ARGS) tests/realpods
 
-lint: install ## ruff and mypy ([tool.ruff], [tool.mypy] in pyproject.toml); CI runs it before make test
+# The tests that touch API whose shape or behaviour depends on the Kubernetes version, run again on
+# a second control plane at the oldest version the chart allows (hack/versions.env
+# KUBE_OLDEST_VERSION; Chart.yaml's kubeVersion), with kwok nodes (no real nodes, no Kueue):
+# - the CRD: structural schema, CEL rules (the CEL library each version has), printer columns,
+#   server-side apply of manifests/ (test_crd, test_chart_manifests' apply);
+# - the tenant policy: ValidatingAdmissionPolicy with the authorizer (test_tenant_policy);
+# - the pods the operator creates: the full template with native sidecars, topology spread with
+#   minDomains, Pod Security admission (test_crd's pod dry runs, test_placement, test_pod_security);
+# - gang scheduling with scheduler-plugins' Coscheduling (test_gang, test_gang_scheduler);
+# - eviction and node loss: the DisruptionTarget condition (test_node_loss);
+# - the Helm install and its kubeVersion check (tests/e2e/test_helm.py);
+# - a pod field newer than the API server: refused naming the field and the server's version (test_operator's).
+VERSIONED_TESTS := $(addprefix tests/cluster/,test_crd.py test_tenant_policy.py test_pod_security.py test_placement.py \
+                   test_gang.py test_gang_scheduler.py test_node_loss.py test_create_refused.py) \
+                   tests/cluster/test_operator.py::test_a_pod_field_newer_than_the_api_server_is_refused_naming_it_and_the_servers_version \
+                   tests/e2e/test_helm.py
+test-oldest: install cluster-up-oldest ## the versioned tests on the oldest Kubernetes the chart allows (a second control plane)
+	DDPJOB_CLUSTER=oldest $(PY) -m pytest -ra $(PYTEST_ARGS) $(VERSIONED_TESTS)
+
+cluster-up-oldest: build-cluster ## the second control plane, at the oldest Kubernetes the chart allows (.cache/cluster-oldest)
+	DDPJOB_CLUSTER=oldest hack/cluster-up.sh
+
+cluster-down-oldest: ## stop the second control plane
+	DDPJOB_CLUSTER=oldest hack/cluster-down.sh
+
+lint: install ## ruff, mypy ([tool.ruff], [tool.mypy] in pyproject.toml) and actionlint (.github/workflows/); CI runs it before make test
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
+	"$$(hack/build.sh actionlint)" -color=never
 
 images: install cluster-up ## build localhost/ddpjob/{operator,trainer}:dev with buildah; import into the real nodes
 	hack/images.sh all
@@ -89,8 +115,9 @@ build-cluster: ## build (or reuse cached) the control plane, kwok, helm, kubelet
 cluster-up: build-cluster ## control plane + kwok GPU nodes + 2 real nodes (DDPJOB_REAL_NODES=0: none)
 	hack/cluster-up.sh
 
-cluster-down: ## stop the local control plane and remove its state
+cluster-down: ## stop the local control plane(s) and remove their state
 	hack/cluster-down.sh
+	DDPJOB_CLUSTER=oldest hack/cluster-down.sh
 
 manifests: install ## regenerate manifests/ from the Helm chart (a test fails when they drift)
 	hack/build.sh helm
@@ -117,6 +144,11 @@ bench: install ## benchmarks (ratios, JSON under bench/results/)
 .PHONY: gpu-check
 gpu-check: install ## GPU acceptance run: NCCL, bf16, channels_last, compile, async checkpoint + resume; one table
 	$(PY) bench/gpu_check.py $(GPU_CHECK_ARGS)
+
+# VERSION must be pyproject's and have a CHANGELOG.md entry; REGISTRY a repository prefix
+# (ghcr.io/ddpjob). RELEASE_INSECURE=1: a plain-HTTP registry (loopback). docs/install.md, Releases.
+release: install build-cluster ## publish release VERSION to REGISTRY: images, the chart (OCI), wheel and sdist
+	hack/release.sh "$(VERSION)" "$(REGISTRY)"
 
 clean: cluster-down ## remove the venv and local caches of this clone
 	rm -rf $(VENV) .cache .pytest_cache

@@ -18,9 +18,12 @@ SP_DIR="$CACHE/bin/scheduler-plugins-$SCHEDULER_PLUGINS_VERSION"
 SP_SCRATCH="$CACHE/src/scheduler-plugins-$SCHEDULER_PLUGINS_VERSION"
 KUEUE_DIR="$CACHE/bin/kueue-$KUEUE_VERSION"
 PROM_OP_DIR="$CACHE/bin/prometheus-operator-$PROMETHEUS_OPERATOR_VERSION"
+ACTIONLINT_DIR="$CACHE/bin/actionlint-$ACTIONLINT_VERSION"
 SCRATCH="$CACHE/src/kube-$KUBE_VERSION-etcd-$ETCD_VERSION"
+KUBE_OLDEST_DIR="$CACHE/bin/kube-$KUBE_OLDEST_VERSION"
+OLDEST_SCRATCH="$CACHE/src/kube-$KUBE_OLDEST_VERSION"
 LOGS="$CACHE/build-logs"
-mkdir -p "$KUBE_DIR" "$KWOK_DIR" "$HELM_DIR" "$COREDNS_DIR" "$SP_DIR" "$KUEUE_DIR" "$PROM_OP_DIR" "$LOGS"
+mkdir -p "$KUBE_DIR" "$KWOK_DIR" "$HELM_DIR" "$COREDNS_DIR" "$SP_DIR" "$KUEUE_DIR" "$PROM_OP_DIR" "$ACTIONLINT_DIR" "$LOGS"
 exec 8>"$CACHE/build.lock"
 flock 8
 
@@ -52,51 +55,75 @@ recipe_write() { printf '%s' "$2" >"$(dirname "$1")/.$(basename "$1").recipe"; }
 
 # Every k8s.io module that k8s.io/kubernetes replaces with ./staging/src/...: these are
 # published as v0.X.Y; k8s.io/utils and k8s.io/kube-openapi are not, and must not be replaced.
-staging_modules() {
+staging_modules() {  # staging_modules VERSION SCRATCH
   local gomod
-  gomod="$(go env GOMODCACHE)/cache/download/k8s.io/kubernetes/@v/$KUBE_VERSION.mod"
-  [ -f "$gomod" ] || (cd "$SCRATCH" && go mod download -json "k8s.io/kubernetes@$KUBE_VERSION" >/dev/null)
+  gomod="$(go env GOMODCACHE)/cache/download/k8s.io/kubernetes/@v/$1.mod"
+  [ -f "$gomod" ] || (cd "$2" && go mod download -json "k8s.io/kubernetes@$1" >/dev/null)
   grep -E '^\s*k8s.io/[a-z0-9-]+ => \./staging/src/' "$gomod" | awk '{print $1}' | sort -u
 }
 
-build_kube() {
-  local want=(kube-apiserver kube-controller-manager kube-scheduler kubectl) missing=0 b
-  for b in "${want[@]}"; do recipe_ok "$KUBE_DIR/$b" "$KUBE_LDFLAGS" || missing=1; done
-  [ -x "$KUBE_DIR/etcd" ] || missing=1
-  if [ "$missing" = 0 ]; then log "kubernetes $KUBE_VERSION + etcd $ETCD_VERSION: cached in $KUBE_DIR"; return; fi
-  log "kubernetes $KUBE_VERSION + etcd $ETCD_VERSION: building (cold: ~7 min on 2 cores)"
-  mkdir -p "$SCRATCH"
-  cd "$SCRATCH"
+# build_kube_at VERSION STAGING_VERSION OUT_DIR SCRATCH [ETCD_VERSION] -- BINARY...: the named
+# k8s.io/kubernetes commands of VERSION (and etcd when ETCD_VERSION is given) into OUT_DIR, in a
+# scratch module of their own whose staging modules are pinned to STAGING_VERSION.
+build_kube_at() {
+  local version="$1" staging="$2" out="$3" scratch="$4" etcd="" ldflags b missing=0
+  shift 4
+  if [ "$1" != "--" ]; then etcd="$1"; shift; fi
+  shift  # --
+  local want=("$@")
+  ldflags="$(kube_ldflags "$version")"
+  for b in "${want[@]}"; do recipe_ok "$out/$b" "$ldflags" || missing=1; done
+  [ -z "$etcd" ] || [ -x "$out/etcd" ] || missing=1
+  if [ "$missing" = 0 ]; then log "kubernetes $version${etcd:+ + etcd $etcd}: cached in $out"; return; fi
+  log "kubernetes $version${etcd:+ + etcd $etcd}: building ${want[*]} (cold: ~7 min on 2 cores)"
+  mkdir -p "$out" "$scratch"
+  cd "$scratch"
   if [ ! -f go.mod ]; then
     go mod init ddpjob.dev/hack/kube >/dev/null 2>&1
   fi
   local mods
-  mods="$(staging_modules)" || die "kubernetes: could not read k8s.io/kubernetes@$KUBE_VERSION go.mod"
-  [ -n "$mods" ] || die "kubernetes: no staging modules found in k8s.io/kubernetes@$KUBE_VERSION go.mod"
+  mods="$(staging_modules "$version" "$scratch")" || die "kubernetes: could not read k8s.io/kubernetes@$version go.mod"
+  [ -n "$mods" ] || die "kubernetes: no staging modules found in k8s.io/kubernetes@$version go.mod"
   local m args=()
-  for m in $mods; do args+=("-replace=$m=$m@$KUBE_STAGING_VERSION"); done
+  for m in $mods; do args+=("-replace=$m=$m@$staging"); done
   go mod edit "${args[@]}"
-  log "pinned $(echo "$mods" | wc -l) staging modules to $KUBE_STAGING_VERSION"
+  log "pinned $(echo "$mods" | wc -l) staging modules to $staging"
   for b in "${want[@]}"; do
-    go get "k8s.io/kubernetes/cmd/$b@$KUBE_VERSION" >>"$LOGS/go-get.log" 2>&1 \
-      || die "$b: go get k8s.io/kubernetes/cmd/$b@$KUBE_VERSION failed (see $LOGS/go-get.log)"
+    go get "k8s.io/kubernetes/cmd/$b@$version" >>"$LOGS/go-get.log" 2>&1 \
+      || die "$b: go get k8s.io/kubernetes/cmd/$b@$version failed (see $LOGS/go-get.log)"
   done
-  go get "go.etcd.io/etcd/server/v3@$ETCD_VERSION" >>"$LOGS/go-get.log" 2>&1 \
-    || die "etcd: go get go.etcd.io/etcd/server/v3@$ETCD_VERSION failed (see $LOGS/go-get.log)"
-  for b in "${want[@]}"; do
-    recipe_ok "$KUBE_DIR/$b" "$KUBE_LDFLAGS" && continue
-    log "building $b"
-    go build -ldflags "$KUBE_LDFLAGS" -o "$KUBE_DIR/$b.tmp" "k8s.io/kubernetes/cmd/$b" >"$LOGS/$b.log" 2>&1 \
-      || die "$b: go build failed (see $LOGS/$b.log): $(tail -3 "$LOGS/$b.log")"
-    mv "$KUBE_DIR/$b.tmp" "$KUBE_DIR/$b"
-    recipe_write "$KUBE_DIR/$b" "$KUBE_LDFLAGS"
-  done
-  if [ ! -x "$KUBE_DIR/etcd" ]; then
-    log "building etcd"
-    go build -o "$KUBE_DIR/etcd.tmp" go.etcd.io/etcd/server/v3 >"$LOGS/etcd.log" 2>&1 \
-      || die "etcd: go build failed (see $LOGS/etcd.log): $(tail -3 "$LOGS/etcd.log")"
-    mv "$KUBE_DIR/etcd.tmp" "$KUBE_DIR/etcd"
+  if [ -n "$etcd" ]; then
+    go get "go.etcd.io/etcd/server/v3@$etcd" >>"$LOGS/go-get.log" 2>&1 \
+      || die "etcd: go get go.etcd.io/etcd/server/v3@$etcd failed (see $LOGS/go-get.log)"
   fi
+  for b in "${want[@]}"; do
+    recipe_ok "$out/$b" "$ldflags" && continue
+    log "building $b $version"
+    go build -ldflags "$ldflags" -o "$out/$b.tmp" "k8s.io/kubernetes/cmd/$b" >"$LOGS/$b-$version.log" 2>&1 \
+      || die "$b: go build failed (see $LOGS/$b-$version.log): $(tail -3 "$LOGS/$b-$version.log")"
+    mv "$out/$b.tmp" "$out/$b"
+    recipe_write "$out/$b" "$ldflags"
+  done
+  if [ -n "$etcd" ] && [ ! -x "$out/etcd" ]; then
+    log "building etcd"
+    go build -o "$out/etcd.tmp" go.etcd.io/etcd/server/v3 >"$LOGS/etcd.log" 2>&1 \
+      || die "etcd: go build failed (see $LOGS/etcd.log): $(tail -3 "$LOGS/etcd.log")"
+    mv "$out/etcd.tmp" "$out/etcd"
+  fi
+}
+
+# The control plane the project runs on, with etcd and kubectl.
+build_kube() {
+  build_kube_at "$KUBE_VERSION" "$KUBE_STAGING_VERSION" "$KUBE_DIR" "$SCRATCH" "$ETCD_VERSION" -- \
+    kube-apiserver kube-controller-manager kube-scheduler kubectl
+}
+
+# The oldest Kubernetes the chart allows: the three components whose API and behaviour the
+# `versioned` tests check (DDPJOB_CLUSTER=oldest). etcd (its wire API is stable) and kubectl (the
+# newest client works against older servers) are the newest's.
+build_kube_oldest() {
+  build_kube_at "$KUBE_OLDEST_VERSION" "$KUBE_OLDEST_STAGING_VERSION" "$KUBE_OLDEST_DIR" "$OLDEST_SCRATCH" -- \
+    kube-apiserver kube-controller-manager kube-scheduler
 }
 
 # scheduler-plugins' kube-scheduler (Coscheduling, for gang scheduling), a second scheduler beside
@@ -277,11 +304,15 @@ build_prometheus_operator() {
 start=$(date +%s)
 case "${1:-all}" in
   kube) build_kube ;;
+  oldest) build_kube_oldest ;;
   scheduler-plugins) build_scheduler_plugins ;;
   kwok) build_simple kwok "$KWOK_DIR" sigs.k8s.io/kwok/cmd/kwok "$KWOK_VERSION" ;;
   nodes) build_node_binaries ;;
   kueue) build_kueue ;;
   prometheus-operator) build_prometheus_operator ;;
+  # make lint: prints the binary's path.
+  actionlint) build_simple actionlint "$ACTIONLINT_DIR" github.com/rhysd/actionlint/cmd/actionlint "$ACTIONLINT_VERSION" \
+                "-s -w -X github.com/rhysd/actionlint.version=$ACTIONLINT_VERSION"; echo "$ACTIONLINT_DIR/actionlint" ;;
   helm) HELM_LDFLAGS="$(helm_ldflags)"; build_simple helm "$HELM_DIR" helm.sh/helm/v3/cmd/helm "$HELM_VERSION" "$HELM_LDFLAGS" ;;
   all)
     build_kube
@@ -295,6 +326,6 @@ case "${1:-all}" in
     # The e2e tier's monitors test needs it (cold: about 4 CPU-min, once per machine).
     build_prometheus_operator
     ;;
-  *) die "unknown target '$1' (kube | scheduler-plugins | kwok | helm | nodes | kueue | prometheus-operator | all)" ;;
+  *) die "unknown target '$1' (kube | oldest | actionlint | scheduler-plugins | kwok | helm | nodes | kueue | prometheus-operator | all)" ;;
 esac
 log "done in $(( $(date +%s) - start ))s"

@@ -13,7 +13,10 @@
 # integration, its webhooks served on 127.0.0.1; only pods in namespaces labelled
 # ddpjob.dev/kueue=true are Kueue's (.cache/cluster/kueue.env says so for tests).
 # Env: DDPJOB_CACHE (binary cache root), DDPJOB_FAKE_NODES (default 4), DDPJOB_REAL_NODES (default 2),
-#      DDPJOB_KUEUE (default 1; 0: no Kueue), DDPJOB_CLUSTER_TIMEOUT (seconds per component, default 90).
+#      DDPJOB_KUEUE (default 1; 0: no Kueue), DDPJOB_CLUSTER_TIMEOUT (seconds per component, default 90),
+#      DDPJOB_CLUSTER=oldest: a second control plane beside the first, at KUBE_OLDEST_VERSION (the
+#      chart's floor; state in .cache/cluster-oldest/, kwok nodes only, no Kueue): the `versioned`
+#      tests run against it (hack/test.sh).
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 ROOT="$(cd "$HERE/.." && pwd)"
@@ -22,11 +25,21 @@ source "$HERE/versions.env"
 
 CACHE="${DDPJOB_CACHE:-$HOME/.cache/ddpjob}"
 KUBE_DIR="$CACHE/bin/kube-$KUBE_VERSION-etcd-$ETCD_VERSION"
+# The control plane's own binaries (API server, controller-manager, scheduler) and the version its
+# nodes report: the newest, or with DDPJOB_CLUSTER=oldest the floor's. etcd, kubectl and the rest
+# are always the newest's.
+CLUSTER_KIND="${DDPJOB_CLUSTER:-}"
+case "$CLUSTER_KIND" in
+  "") CP_DIR="$KUBE_DIR"; CP_VERSION="$KUBE_VERSION"; BUILD_TARGETS=(all) ;;
+  oldest) CP_DIR="$CACHE/bin/kube-$KUBE_OLDEST_VERSION"; CP_VERSION="$KUBE_OLDEST_VERSION"; BUILD_TARGETS=(all oldest)
+          export DDPJOB_REAL_NODES="${DDPJOB_REAL_NODES:-0}" DDPJOB_KUEUE="${DDPJOB_KUEUE:-0}" ;;
+  *) echo "DDPJOB_CLUSTER=$CLUSTER_KIND: unknown (empty for the main cluster, or oldest)" >&2; exit 2 ;;
+esac
 KWOK_DIR="$CACHE/bin/kwok-$KWOK_VERSION"
 HELM_DIR="$CACHE/bin/helm-$HELM_VERSION"
 SP_DIR="$CACHE/bin/scheduler-plugins-$SCHEDULER_PLUGINS_VERSION"
 KUEUE_DIR="$CACHE/bin/kueue-$KUEUE_VERSION"
-STATE="$ROOT/.cache/cluster"
+STATE="$ROOT/.cache/cluster${CLUSTER_KIND:+-$CLUSTER_KIND}"
 PIDS="$STATE/pids"
 LOGS="$STATE/logs"
 PKI="$STATE/pki"
@@ -39,6 +52,7 @@ KUEUE="${DDPJOB_KUEUE:-1}"
 KUEUE_NS_LABEL=ddpjob.dev/kueue
 COMPONENTS=(etcd kube-apiserver kube-controller-manager kube-scheduler scheduler-plugins scheduler-plugins-controller kwok)
 [ "$KUEUE" = 0 ] || COMPONENTS+=(kueue)
+[ "$REAL_NODES" = 0 ] || COMPONENTS+=(registry)
 T0=$SECONDS
 # kwok's fictitious address ranges have one home: the guard that makes them unreachable.
 { read -r KWOK_POD_CIDR; read -r KWOK_NODE_CIDR; } < <("$HERE/kwok-guard.sh" ranges)
@@ -93,8 +107,8 @@ healthy() {
 
 # One cluster-up/cluster-down at a time per clone (parallel test sessions may all call this).
 mkdir -p "$ROOT/.cache"
-exec 9>"$ROOT/.cache/cluster.lock"
-flock -w 900 9 || { log "FAILED: another hack/cluster-up.sh holds $ROOT/.cache/cluster.lock"; exit 1; }
+exec 9>"$STATE.lock"
+flock -w 900 9 || { log "FAILED: another hack/cluster-up.sh holds $STATE.lock"; exit 1; }
 export DDPJOB_CLUSTER_LOCKED=1
 
 # link_binaries: .cache/bin/ -> the machine-level cache; kubectl is the one built with the
@@ -102,6 +116,7 @@ export DDPJOB_CLUSTER_LOCKED=1
 link_binaries() {
   local b kubectl_src
   mkdir -p "$BIN"
+  # The main cluster's binaries only: a second cluster starts its own by their paths.
   for b in "$KUBE_DIR"/{kube-apiserver,kube-controller-manager,kube-scheduler,etcd} "$KWOK_DIR/kwok" "$HELM_DIR/helm" "$KUEUE_DIR/kueue"; do
     [ -x "$b" ] && ln -sfn "$b" "$BIN/$(basename "$b")"
   done
@@ -121,7 +136,9 @@ if [ -x "$KUBECTL" ] && healthy; then
 fi
 
 # --- binaries (cached machine-wide; built from Go modules when missing) ----------------------
-"$HERE/build.sh" all >&2 || { log "FAILED: building the control plane (hack/build.sh all)"; exit 1; }
+for target in "${BUILD_TARGETS[@]}"; do
+  "$HERE/build.sh" "$target" >&2 || { log "FAILED: building the control plane (hack/build.sh $target)"; exit 1; }
+done
 link_binaries
 [ -x "$KUBECTL" ] || { log "FAILED: kubectl: neither built in $KUBE_DIR nor on PATH"; exit 1; }
 command -v openssl >/dev/null || { log "FAILED: openssl is not installed (needed for the cluster's certificates)"; exit 1; }
@@ -223,7 +240,7 @@ wait_healthy etcd "GET /health on :$P_ETCD" etcd_ok
 # the API server reaches them (logs, exec) at their InternalIP, not by resolving node names.
 API_BIND=127.0.0.1
 [ "$REAL_NODES" -gt 0 ] && API_BIND=0.0.0.0
-start kube-apiserver "$KUBE_DIR/kube-apiserver" \
+start kube-apiserver "$CP_DIR/kube-apiserver" \
   --etcd-servers "http://127.0.0.1:$P_ETCD" \
   --bind-address "$API_BIND" --advertise-address 127.0.0.1 --secure-port "$P_API" \
   --tls-cert-file "$PKI/apiserver.crt" --tls-private-key-file "$PKI/apiserver.key" \
@@ -310,14 +327,14 @@ profiles:
       permitWaitingTimeSeconds: 10
 EOF
 
-start kube-controller-manager "$KUBE_DIR/kube-controller-manager" \
+start kube-controller-manager "$CP_DIR/kube-controller-manager" \
   --kubeconfig "$STATE/controller-manager.kubeconfig" \
   --bind-address 127.0.0.1 --secure-port "$P_KCM" \
   --controllers '*' --use-service-account-credentials \
   --service-account-private-key-file "$PKI/sa.key" --root-ca-file "$PKI/ca.crt" \
   --cluster-signing-cert-file "$PKI/ca.crt" --cluster-signing-key-file "$PKI/ca.key" \
   --cluster-name ddpjob-local --leader-elect=false
-start kube-scheduler "$KUBE_DIR/kube-scheduler" \
+start kube-scheduler "$CP_DIR/kube-scheduler" \
   --kubeconfig "$STATE/scheduler.kubeconfig" \
   --bind-address 127.0.0.1 --secure-port "$P_SCHED" --leader-elect=false
 # --pod-max-in-unschedulable-pods-duration: Coscheduling requeues a pod it turned away (a gang
@@ -326,9 +343,14 @@ start kube-scheduler "$KUBE_DIR/kube-scheduler" \
 # another's GPUs can then sit unschedulable after they are free until the queue's leftover flush
 # (every 30 s) takes pods older than this: 5 min by default, 10 s here (kube-scheduler's
 # deprecated flag, "the only workaround", kubernetes/kubernetes#110175).
+# Built on Kubernetes 1.34, where dynamic resource allocation is GA and its scheduler watches
+# resource.k8s.io/v1, which 1.32 does not serve (beta there, off by default): the scheduler would
+# wait for those caches forever and bind nothing. Off on the oldest control plane, as on 1.32's own.
+SP_FLAGS=()
+[ "$CLUSTER_KIND" = oldest ] && SP_FLAGS+=(--feature-gates=DynamicResourceAllocation=false)
 start scheduler-plugins "$SP_DIR/kube-scheduler" \
   --config "$STATE/scheduler-plugins.yaml" --bind-address 127.0.0.1 --secure-port "$P_SP" \
-  --pod-max-in-unschedulable-pods-duration 10s
+  --pod-max-in-unschedulable-pods-duration 10s "${SP_FLAGS[@]}"
 # It writes PodGroups' status (phase Pending, Scheduling, Running, Finished, Failed; counts of
 # running/succeeded/failed pods), which the scheduler never does. Metrics off; probes on loopback
 # (both listen on every address by default).
@@ -383,7 +405,7 @@ status:
   nodeInfo:
     architecture: amd64
     operatingSystem: linux
-    kubeletVersion: $KUBE_VERSION
+    kubeletVersion: $CP_VERSION
 EOF
   done
   cat <<EOF
@@ -501,8 +523,10 @@ EOF
 fi
 
 if [ "$REAL_NODES" -gt 0 ]; then
+  # The registry the nodes pull our images from: before them, since their containerd are told where.
+  "$HERE/registry.sh" up || fail registry "the local registry did not start (hack/registry.sh)"
   "$HERE/nodes-up.sh" || fail kube-apiserver "real nodes did not come up (hack/nodes-up.sh; DDPJOB_REAL_NODES=0 skips them)"
 fi
 
-log "up in $((SECONDS - T0))s: API server https://127.0.0.1:$P_API, $NODES fake nodes x 8 nvidia.com/gpu, $REAL_NODES real nodes$([ "$KUEUE" = 0 ] || echo ", Kueue $KUEUE_VERSION")"
+log "up in $((SECONDS - T0))s: Kubernetes $CP_VERSION, API server https://127.0.0.1:$P_API, $NODES fake nodes x 8 nvidia.com/gpu, $REAL_NODES real nodes$([ "$KUEUE" = 0 ] || echo ", Kueue $KUEUE_VERSION")"
 log "export KUBECONFIG=$KUBECONFIG_FILE   (binaries: $BIN)"

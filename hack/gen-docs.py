@@ -105,8 +105,8 @@ def chart_readme() -> str:
            "Installing, images, GPU nodes and tenancy: [docs/install.md](../../docs/install.md). The DDPJob "
            "fields: [docs/crd-reference.md](../../docs/crd-reference.md). Alerts: "
            "[docs/runbook.md](../../docs/runbook.md).\n",
-           "```sh\nhelm install ddpjob charts/ddpjob-operator -n ddpjob-system --create-namespace \\\n"
-           "  --set image.repository=<registry>/operator --set image.tag=" + chart["appVersion"] + "\n```\n",
+           "```sh\nhelm install ddpjob oci://ghcr.io/ddpjob/charts/ddpjob-operator --version " + chart["version"]
+           + " \\\n  -n ddpjob-system --create-namespace\n```\n",
            "## Values\n",
            "`values.schema.json` rejects unknown or mistyped keys.\n"]
     # Top-level settings first, then one table per top-level map, in values.yaml's order.

@@ -1,17 +1,19 @@
 #!/usr/bin/env bash
 # `make images`: build the Dockerfile's `operator` and `trainer` targets, unchanged, with buildah
-# (no Docker engine, no registry here), on bases made locally, and import them into every real node.
+# (no Docker engine here), on bases made locally, push them to the local registry (hack/registry.sh)
+# and have every real node pull them from it.
 #   localhost/ddpjob/python:3.11-bookworm   debootstrap'd Debian bookworm + python3 (the PYTHON_IMAGE)
 #   localhost/ddpjob/torch:<ver>            that + versions.env's torch/torchvision from PyPI (the TORCH_IMAGE)
 #   localhost/ddpjob/pause:<kube ver>       the pod sandbox: Kubernetes' pause.c, static, FROM scratch
 #   localhost/ddpjob/operator:dev, localhost/ddpjob/trainer:dev   the product images
 # Cached machine-wide: buildah's storage keeps the images, each tagged with a hash of its inputs
-# (`:in-<hash>`), so an unchanged tree builds nothing; exported archives live in
-# ${DDPJOB_CACHE}/images and each node records what it imported.
+# (`:in-<hash>`), so an unchanged tree builds nothing; the registry's storage and each node record
+# what they were given.
 # Env: DDPJOB_BUILD_CA — a CA bundle that pip inside the build must trust (users behind a
 #      TLS-intercepting proxy; defaults to $SSL_CERT_FILE when set). Empty: pip's own CAs.
-# Usage: hack/images.sh [build|import|pause|all]   (default all; import needs running real nodes;
+# Usage: hack/images.sh [build|publish|pause|all]   (default all; publish needs running real nodes;
 #        pause: only the sandbox image, which hack/nodes-up.sh needs before any pod can start)
+#        hack/images.sh release SRC VERSION REPO [--insecure]   (make release: see release_images)
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 ROOT="$(cd "$HERE/.." && pwd)"
@@ -44,9 +46,15 @@ if [ -n "$CA" ]; then
   build_volumes+=(-v "$CA:/etc/ssl/certs/ddpjob-build-ca.crt:ro" -v "$IMG_CACHE/pip.conf:/etc/pip.conf:ro")
 fi
 
-# inputs_hash FILES...: what a product image is built from (tracked and untracked, not ignored).
+# The tree the product images are built from: this checkout, or with `release SRC ...` another
+# (an earlier release's source).
+SRC="$ROOT"
+
+# inputs_hash FILES...: what a product image is built from (tracked and untracked, not ignored;
+# every file when SRC is not a git checkout).
 inputs_hash() {
-  (cd "$ROOT" && git ls-files -co --exclude-standard -z -- "$@" | sort -z | while IFS= read -r -d '' f; do
+  (cd "$SRC" && if [ -e .git ]; then git ls-files -co --exclude-standard -z -- "$@"; else find "$@" \( -type f -o -type l \) -print0; fi \
+    | sort -z | while IFS= read -r -d '' f; do
     if [ -L "$f" ]; then echo "link $f -> $(readlink "$f")"; elif [ -f "$f" ]; then sha256sum "$f"; fi
   done) | sha256sum | cut -c1-16
 }
@@ -108,7 +116,7 @@ build_target() {
     log "$image: cached (inputs $hash)"; return
   fi
   log "$image: buildah bud --target $target (inputs $hash)"
-  (cd "$ROOT" && buildah bud --isolation chroot --format docker --target "$target" \
+  (cd "$SRC" && buildah bud --isolation chroot --format docker --target "$target" \
     --build-arg PYTHON_IMAGE="$PYTHON_BASE" --build-arg TORCH_IMAGE="${TORCH_BASE:-}" \
     "${build_volumes[@]}" -t "$image" -t "${image%:*}:in-$hash" -f Dockerfile . ) >"$LOGS/$target.log" 2>&1 \
     || die "$image failed (see $LOGS/$target.log): $(tail -5 "$LOGS/$target.log")"
@@ -129,43 +137,70 @@ build_all() {
   log "images ready in $((SECONDS - t0))s"
 }
 
-# import_all: every image into every running real node's containerd (skipped when the node
-# already has that image id).
-import_images() {  # import_images IMAGE...
-  local nodes_env="$STATE/nodes.env" sock node img id archive mark
-  [ -f "$nodes_env" ] || { log "no real nodes running ($nodes_env missing): nothing to import"; return; }
+# release SRC VERSION REPO [--insecure]: the operator and trainer images of the tree in SRC, built
+# as build_all builds ours, pushed as REPO/operator:VERSION and REPO/trainer:VERSION (make release;
+# the upgrade test's earlier release). --insecure: REPO is plain HTTP (a registry on loopback).
+release_images() {
+  local src="$1" version="$2" repo="$3" tls=true target image
+  [ "${4:-}" = --insecure ] && tls=false
+  [ -f "$src/Dockerfile" ] || die "release: $src has no Dockerfile"
+  SRC="$(cd "$src" && pwd)"
+  build_python_base
+  build_torch_base
+  for target in operator trainer; do
+    # Another tree's images get local names of their own: they must not move :dev, nor evict its
+    # cached build (build_target keeps one build per repository).
+    image="localhost/ddpjob-release/$target:$version"
+    [ "$SRC" = "$ROOT" ] && image="localhost/ddpjob/$target:dev"
+    build_target "$target" "$image"
+    log "$image: pushing to $repo/$target:$version"
+    buildah push -q --tls-verify="$tls" --disable-compression --format oci "$image" "docker://$repo/$target:$version" \
+      >"$LOGS/push.log" 2>&1 || die "pushing $image to $repo/$target:$version failed (see $LOGS/push.log): $(tail -3 "$LOGS/push.log")"
+  done
+}
+
+# publish_images IMAGE...: push each image to the local registry (hack/registry.sh), then have every
+# running real node's containerd pull it from there, as a cluster gets its images (skipped where the
+# registry or the node already has that image id). Layers go uncompressed: on loopback gzip would
+# cost minutes of CPU for the multi-GB trainer image and save nothing, and an uncompressed layer's
+# digest is its content's, so a node pulls only the layers it lacks.
+publish_images() {
+  local nodes_env="$STATE/nodes.env" reg_env="$STATE/registry.env" sock hosts node img id mark
+  [ -f "$nodes_env" ] || { log "no real nodes running ($nodes_env missing): nothing to publish"; return; }
+  [ -f "$reg_env" ] || die "no local registry ($reg_env missing): hack/registry.sh up"
   # shellcheck disable=SC1090
   source "$nodes_env"
+  # shellcheck disable=SC1090
+  source "$reg_env"
   for img in "$@"; do
     has_image "$img" || die "$img: not built (hack/images.sh build)"
     id="$(buildah inspect --type image --format '{{.FromImageID}}' "$img")"
-    archive="$IMG_CACHE/$(echo "${img#localhost/}" | tr '/:' '__')-${id:0:16}.tar"
+    push_image "$img" "$REGISTRY/${img#localhost/}" "$id"
     for node in $REAL_NODE_NAMES; do
       sock="$(eval echo "\$CONTAINERD_SOCK_${node//-/_}")"
-      mark="$(eval echo "\$CONTAINERD_ROOT_${node//-/_}")/.ddpjob-imported-$(echo "$img" | tr '/:' '__')"
+      hosts="$(eval echo "\$CONTAINERD_HOSTS_${node//-/_}")"
+      mark="$(eval echo "\$CONTAINERD_ROOT_${node//-/_}")/.ddpjob-pulled-$(echo "$img" | tr '/:' '__')"
       [ "$(cat "$mark" 2>/dev/null)" = "$id" ] && continue
-      if [ ! -f "$archive" ]; then
-        rm -f "$IMG_CACHE/$(echo "${img#localhost/}" | tr '/:' '__')"-*.tar
-        log "$img: exporting to $archive"
-        rm -f "$archive.tmp"  # a killed earlier export: docker-archive refuses to add to it
-        buildah push -q "$img" "docker-archive:$archive.tmp:$img" >/dev/null 2>"$LOGS/push.log" \
-          || die "exporting $img failed (see $LOGS/push.log)"
-        mv "$archive.tmp" "$archive"
-      fi
-      log "$img: importing into $node"
-      # A layer whose blob the node holds may have lost its unpacked snapshot (containerd's GC
-      # collects snapshots no image references, e.g. while the name moves to the new build):
-      # then the unpack fails with "parent snapshot ... does not exist"; every layer is sent again.
-      python3 "$HERE/ctr-import-thin.py" --address "$sock" --name "$img" "$archive" >"$LOGS/ctr-import.log" 2>&1 \
-        || { log "  thin import failed ($(tail -1 "$LOGS/ctr-import.log" | cut -c1-160)); sending every layer"
-             python3 "$HERE/ctr-import-thin.py" --all-layers --address "$sock" --name "$img" "$archive" \
-               >"$LOGS/ctr-import.log" 2>&1; } \
-        || die "importing $img into $node failed (see $LOGS/ctr-import.log): $(tail -3 "$LOGS/ctr-import.log")"
-      log "  $(tail -1 "$LOGS/ctr-import.log")"
+      log "$img: $node pulls it from $REGISTRY"
+      ctr -a "$sock" -n k8s.io images pull --hosts-dir "$hosts" "$img" >"$LOGS/pull-$node.log" 2>&1 \
+        || die "$node could not pull $img from $REGISTRY (see $LOGS/pull-$node.log): $(tail -3 "$LOGS/pull-$node.log")"
       echo "$id" >"$mark"
       prune_node_images "$sock"
     done
   done
+}
+
+# push_image IMAGE REF [ID]: IMAGE to the registry as REF (unless the registry's storage records that
+# it holds ID there already).
+push_image() {
+  local img="$1" ref="$2" id="${3:-}" mark
+  # The mark names the repository without the registry's address (a new port at each cluster-up).
+  mark="$CACHE/registry/.ddpjob-pushed-$(echo "${ref#*/}" | tr '/:' '__')"
+  if [ -n "$id" ] && [ "$(cat "$mark" 2>/dev/null)" = "$id" ]; then return; fi
+  log "$img: pushing to $ref"
+  buildah push -q --tls-verify=false --disable-compression --format oci "$img" "docker://$ref" \
+    >"$LOGS/push.log" 2>&1 || die "pushing $img to $ref failed (see $LOGS/push.log): $(tail -3 "$LOGS/push.log")"
+  [ -z "$id" ] || echo "$id" >"$mark"
 }
 
 # prune_node_images SOCK: the CRI plugin keeps an image-id reference ("sha256:<config>") for every
@@ -182,8 +217,9 @@ prune_node_images() {
 
 case "${1:-all}" in
   build) build_all ;;
-  import) import_images "$PAUSE_IMAGE" "$OPERATOR_IMAGE" "$TRAINER_IMAGE" ;;
-  pause) build_pause; import_images "$PAUSE_IMAGE" ;;
-  all) build_all; import_images "$PAUSE_IMAGE" "$OPERATOR_IMAGE" "$TRAINER_IMAGE" ;;
-  *) die "unknown command '$1' (build | import | pause | all)" ;;
+  publish) publish_images "$PAUSE_IMAGE" "$OPERATOR_IMAGE" "$TRAINER_IMAGE" ;;
+  pause) build_pause; publish_images "$PAUSE_IMAGE" ;;
+  all) build_all; publish_images "$PAUSE_IMAGE" "$OPERATOR_IMAGE" "$TRAINER_IMAGE" ;;
+  release) shift; [ "$#" -ge 3 ] || die "usage: hack/images.sh release SRC VERSION REPO [--insecure]"; release_images "$@" ;;
+  *) die "unknown command '$1' (build | publish | pause | all | release)" ;;
 esac

@@ -4,7 +4,9 @@ CACHE="${DDPJOB_CACHE:-$HOME/.cache/ddpjob}"
 KUBE_DIR="$CACHE/bin/kube-$KUBE_VERSION-etcd-$ETCD_VERSION"
 KUBELET_BIN="$KUBE_DIR/kubelet"
 COREDNS_BIN="$CACHE/bin/coredns-$COREDNS_VERSION/coredns"
-STATE="$ROOT/.cache/cluster"
+# The main cluster's state, or the second control plane's (DDPJOB_CLUSTER=oldest, hack/cluster-up.sh):
+# cluster-up sources this file for write_kubeconfig, and must keep its own cluster's paths.
+STATE="$ROOT/.cache/cluster${DDPJOB_CLUSTER:+-$DDPJOB_CLUSTER}"
 PIDS="$STATE/pids"
 LOGS="$STATE/logs"
 PKI="$STATE/pki"

@@ -87,10 +87,25 @@ iptables -t nat -C PREROUTING -s "$POD_RANGE" -d 10.96.0.1/32 -p tcp --dport 443
   || iptables -t nat -A PREROUTING -s "$POD_RANGE" -d 10.96.0.1/32 -p tcp --dport 443 -m comment --comment "$IPT_TAG" \
     -j DNAT --to-destination "$DNS_IP:$APISERVER_PORT"
 
+# write_registry_hosts DIR: containerd's hosts.toml for the local registry, under its own
+# address and under `localhost` (the development images' registry name, localhost/ddpjob/*).
+[ -f "$STATE/registry.env" ] || fail nodes "no local registry ($STATE/registry.env missing: hack/registry.sh up)"
+source "$STATE/registry.env"
+write_registry_hosts() {
+  local host
+  rm -rf "$1" && mkdir -p "$1"
+  for host in localhost "$REGISTRY"; do
+    mkdir -p "$1/$host"
+    printf 'server = "http://%s"\n\n[host."http://%s"]\n  capabilities = ["pull", "resolve"]\n' \
+      "$REGISTRY" "$REGISTRY" >"$1/$host/hosts.toml"
+  done
+}
+
 names=()
 {
   echo "REAL_NODE_COUNT=$COUNT"
   echo "CLUSTER_DNS=$DNS_IP"
+  echo "REGISTRY=$REGISTRY"
 } >"$STATE/nodes.env.tmp"
 for i in $(seq 0 $((COUNT - 1))); do
   node="ddpjob-node-$i"; names+=("$node")
@@ -135,16 +150,22 @@ state = "$run/state"
   [plugins."io.containerd.grpc.v1.cri".cni]
     bin_dir = "/usr/lib/cni"
     conf_dir = "$run/net.d"
+  # Where images come from: the local registry (hack/registry.sh), plain HTTP on loopback, under
+  # its own address and as the registry of our localhost/ddpjob/* development images.
+  [plugins."io.containerd.grpc.v1.cri".registry]
+    config_path = "$run/certs.d"
   [plugins."io.containerd.grpc.v1.cri".containerd]
     snapshotter = "overlayfs"
     default_runtime_name = "runc"
     [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
       runtime_type = "io.containerd.runc.v2"
 TOML
+  write_registry_hosts "$run/certs.d"
   start "containerd-$i" containerd --config "$run/containerd.toml"
   {
     echo "CONTAINERD_SOCK_${node//-/_}=$run/containerd.sock"
     echo "CONTAINERD_ROOT_${node//-/_}=$croot"
+    echo "CONTAINERD_HOSTS_${node//-/_}=$run/certs.d"
   } >>"$STATE/nodes.env.tmp"
 done
 echo "REAL_NODE_NAMES=\"${names[*]}\"" >>"$STATE/nodes.env.tmp"
@@ -217,7 +238,7 @@ authentication:
 authorization: {mode: AlwaysAllow}
 registerWithTaints:
 - {key: ddpjob.dev/real-node, value: "true", effect: NoSchedule}
-# Never garbage-collect the imported images (there is no registry to pull them back from) and do
+# Never garbage-collect images (a pull of the multi-GB trainer image costs minutes on this VM) and do
 # not evict on this shared VM's disk or memory levels.
 imageGCHighThresholdPercent: 100
 imageGCLowThresholdPercent: 99

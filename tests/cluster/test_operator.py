@@ -435,6 +435,29 @@ def test_unschedulable_condition_has_the_scheduler_message(start_operator, k8s):
     assert status["phase"] == "Pending"
 
 
+def test_a_pod_field_newer_than_the_api_server_is_refused_naming_it_and_the_servers_version(start_operator, k8s, api):
+    """The CRD embeds the newest Kubernetes' pod schema, so a DDPJob may carry a field an older
+    cluster lacks (a container's lifecycle.stopSignal: Kubernetes 1.33). The operator creates
+    pods with strict field validation: there the job fails naming the field, the DDPJob field and
+    the API server's version, where the default would drop the field and run the pod without it.
+    On a server that has the field the pods are created (make test-oldest runs both)."""
+    version = client.VersionApi(api).get_code().git_version
+    minor = int(version.lstrip("v").split(".")[1])
+    start_operator()
+    k8s.apply("stopsig", nodes=1, gpusPerNode=1, template={"spec": {
+        "os": {"name": "linux"},
+        "containers": [{"name": "trainer", "lifecycle": {"stopSignal": "SIGUSR1"}}]}})
+    if minor >= 33:
+        k8s.wait_status("stopsig", lambda s: s.get("phase") == "Running", "Running: its pod created", timeout=60)
+        return
+    status = k8s.wait_status("stopsig", lambda s: s.get("phase") == "Failed", "Failed", timeout=60)
+    cond = next(c for c in status["conditions"] if c["type"] == "FailedCreatePod")
+    assert 'unknown field "spec.containers[0].lifecycle.stopSignal' in cond["message"], cond
+    assert "(DDPJob spec.template.spec.containers[0].lifecycle.stopSignal)" in cond["message"], cond
+    assert f"the API server is Kubernetes {version}, which does not have that field" in cond["message"], cond
+    assert k8s.pods("stopsig") == []
+
+
 def test_operator_killed_mid_creation_leaves_no_duplicates(start_operator, k8s):
     slow = start_operator(DDPJOB_DEBUG_CREATE_DELAY="0.3")
     k8s.apply("big", nodes=16, scheduling={"onePodPerNode": False})  # 16 pods on the 4 fake nodes

@@ -67,6 +67,23 @@ def real_cluster(cluster) -> Cluster:
     return cluster
 
 
+@pytest.fixture(scope="session")
+def checkout_release(real_cluster):
+    """This checkout released (`make release`) into the local registry, once per session."""
+    from tests.realpods.releases import publish_checkout
+
+    return publish_checkout(real_cluster)
+
+
+@pytest.fixture(scope="session")
+def previous_release(real_cluster, tmp_path_factory):
+    """The previous release (hack/versions.env PREVIOUS_RELEASE), built from its source and
+    published to the local registry, once per session."""
+    from tests.realpods.releases import publish_previous
+
+    return publish_previous(real_cluster, tmp_path_factory.mktemp("previous-release"))
+
+
 # The README's real-pod walkthrough: the tier installs the operator and applies digits with its lines.
 README_BLOCK = ("make images", "examples/local-cluster")
 

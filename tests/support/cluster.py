@@ -50,12 +50,15 @@ from pathlib import Path
 from typing import Any, Callable, TypeVar
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-CLUSTER_DIR = REPO_ROOT / ".cache" / "cluster"
+# DDPJOB_CLUSTER=oldest: the second control plane, at the oldest Kubernetes the chart allows
+# (hack/cluster-up.sh; make test-oldest runs the Makefile's VERSIONED_TESTS against it).
+CLUSTER_KIND = os.environ.get("DDPJOB_CLUSTER", "")
+CLUSTER_DIR = REPO_ROOT / ".cache" / ("cluster" + (f"-{CLUSTER_KIND}" if CLUSTER_KIND else ""))
 KUBECONFIG = CLUSTER_DIR / "kubeconfig"
 BIN_DIR = REPO_ROOT / ".cache" / "bin"
 CLUSTER_UP = REPO_ROOT / "hack" / "cluster-up.sh"
-# The operator image every chart render and install of the tests names (the chart has no default:
-# no release publishes one yet). `make images` builds it; kwok's pods never pull it.
+# The operator image every chart render and install of the tests names: this checkout's, which
+# `make images` builds (the chart's default is the release's own); kwok's pods never pull it.
 OPERATOR_IMAGE_VALUES = ("image.repository=localhost/ddpjob/operator", "image.tag=dev")
 
 TEST_EXIT_CODE_ANNOTATION = "ddpjob.dev/test-exit-code"

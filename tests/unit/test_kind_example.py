@@ -1,5 +1,5 @@
 """docs/install.md's kind block, as far as this machine allows (no Docker, no kind): its `helm install`
-line rendered as written, the images it loads being the ones the chart and the example then use,
+line rendered as written (the checkout's chart for the OCI one), the images being the release's,
 and examples/digits-kind.yaml fitting a stock kind cluster (one node; ReadWriteOnce volumes only)
 while staying examples/digits.yaml's job."""
 from __future__ import annotations
@@ -26,21 +26,23 @@ def ddpjob(name: str) -> dict:
 
 
 @pytest.mark.skipif(HELM is None, reason="no helm binary: `make build-cluster` builds it")
-def test_the_kind_blocks_helm_install_renders_the_image_it_loads():
+def test_the_kind_blocks_helm_install_renders_the_releases_images():
+    """The block installs this checkout's release from its OCI chart: rendered from the checkout's
+    chart (the same chart make release packages, its default image the release's), the operator
+    and the example's trainer are that release's images, which a kind node pulls."""
     block = readme_block(*BLOCK, doc="docs/install.md")
     argv = shlex.split(readme_line(block, "helm install"))
-    assert argv[:4] == ["helm", "install", "ddpjob", "charts/ddpjob-operator"], argv
+    assert argv[:4] == ["helm", "install", "ddpjob", "oci://ghcr.io/ddpjob/charts/ddpjob-operator"], argv
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    assert argv[argv.index("--version") + 1] == chart["version"], argv
     # helm install's flags that template lacks or that need a cluster
     args = [a for a in argv[4:] if a not in ("--create-namespace", "--wait")]
     rendered = [d for d in yaml.safe_load_all(helm("template", "ddpjob", str(CHART), "--kube-version", KUBE_VERSION,
                                                    *args).stdout) if d]
     (deployment,) = [d for d in rendered if d["kind"] == "Deployment"]
     (container,) = deployment["spec"]["template"]["spec"]["containers"]
-    loaded = shlex.split(readme_line(block, "kind load docker-image"))[3:]
-    assert container["image"] in loaded and container["imagePullPolicy"] == "IfNotPresent"
-    assert ddpjob("digits-kind.yaml")["spec"]["image"] in loaded
-    built = [shlex.split(line)[-2] for line in block if line.startswith("docker build")]
-    assert sorted(built) == sorted(loaded)
+    assert container["image"] == f"ghcr.io/ddpjob/operator:{chart['appVersion']}"
+    assert ddpjob("digits-kind.yaml")["spec"]["image"] == f"ghcr.io/ddpjob/trainer:{chart['appVersion']}"
     assert readme_line(block, "kubectl apply") == "kubectl apply -f examples/digits-kind.yaml"
 
 

@@ -121,6 +121,36 @@ def test_refusal_from_api_error(code, body, reason, permanent):
     assert r.reason == reason and r.permanent is permanent and r.message
 
 
+# What a 1.32 API server answers a strict create of a pod with a 1.33 field.
+UNKNOWN = json.dumps({"kind": "Status", "reason": "BadRequest", "code": 400,
+                      "message": 'Pod in version "v1" cannot be handled as a Pod: strict decoding error: '
+                                 'unknown field "spec.containers[0].lifecycle.stopSignal"'})
+
+
+def test_a_field_the_api_server_lacks_is_refused_naming_it_and_the_servers_version():
+    from ddpjob_operator.app.children import split_creates, unknown_field
+    from kubernetes.client.rest import ApiException
+
+    r = refusal("j-0", 400, UNKNOWN, server="v1.32.9")
+    assert r.permanent and "spec.containers[0].lifecycle.stopSignal" in r.message
+    assert "Kubernetes v1.32.9, which does not have that field" in r.message
+    assert "Kubernetes" not in refusal("j-0", 422, INVALID, server="v1.32.9").message  # other errors: as they were
+    exc = ApiException(status=400, reason="BadRequest")
+    exc.body = UNKNOWN
+    assert unknown_field(exc) and not unknown_field(ValueError("unknown field"))
+    _, refused = split_creates([make_pod(0)], [exc], server="v1.32.9")
+    assert "v1.32.9" in refused[0].message
+    job = make_job(nodes=1, template={"spec": {"containers": [{"name": "trainer", "lifecycle": {"stopSignal": "SIGUSR1"}}]}})
+    status, _ = job_status(job, Group.of([]), now=NOW, prev_status=None)      # the pass that creates rank 0
+    new, _ = create_refused(job, status, [r], now=NOW)
+    assert new["phase"] == "Failed" and "(DDPJob spec.template.spec.containers[0].lifecycle.stopSignal)" in new["message"], new
+    # The passes after it keep saying so: no pod was ever created.
+    after, _ = job_status(job, Group.of([]), now=NOW, prev_status=new)
+    assert after["phase"] == "Failed"
+    assert cond(after, "FailedCreatePod")["status"] == "True" and "stopSignal" in cond(after, "FailedCreatePod")["message"]
+    assert cond(after, "Created")["status"] == "False", after["conditions"]
+
+
 @pytest.mark.parametrize("code", [409, 429, 500, 503, None, 200])
 def test_retryable_errors_are_not_refusals(code):
     assert refusal("j-0", code, "{}") is None
@@ -290,3 +320,25 @@ def test_refused_create_names_the_ddpjob_field():
     new, _ = create_refused(job, status, [refusal("j-0", 422, body)], now=NOW)
     assert ('spec.containers[0].volumeMounts[1].name (DDPJob spec.volumeMounts[0].name): Not found: "data"'
             in new["message"])
+
+
+PSA = ('pods "j-0" is forbidden: violates PodSecurity "restricted:latest": unrestricted capabilities '
+       '(container "trainer" must not include "IPC_LOCK" in securityContext.capabilities.add)')
+
+
+@pytest.mark.parametrize("fields,named", [
+    ({"rdma": {"resource": "rdma/ib"}}, "spec.rdma (the IPC_LOCK capability it adds)"),
+    ({"template": {"spec": {"hostNetwork": True}}}, "spec.template.spec.hostNetwork"),
+    ({}, None),                                    # the job's own securityContext: the refusal names it
+])
+def test_a_pod_security_refusal_names_the_jobs_fields_that_need_privileged(fields, named):
+    from ddpjob_operator.builders.pods import explain_pod_error
+
+    text = explain_pod_error(PSA, make_job(nodes=1, **fields))
+    if named is None:
+        assert text == PSA
+    else:
+        assert text.startswith(PSA) and f"{named} needs Pod Security level privileged" in text, text
+    # Only after a Pod Security refusal.
+    assert "privileged" not in explain_pod_error("Pod is invalid: spec.containers[0].image: Required value",
+                                                 make_job(nodes=1, **fields))

@@ -57,10 +57,29 @@ def test_the_operators_floors_are_the_versions_its_image_pins():
         assert floors()[name] == pinned[name], name
 
 
-def test_the_charts_kubernetes_floor_is_the_minor_ci_runs():
+def test_the_charts_kubernetes_floor_is_the_oldest_minor_ci_runs():
     chart = (REPO / "charts" / "ddpjob-operator" / "Chart.yaml").read_text()
     floor = re.search(r'^kubeVersion: ">=(\S+?)(-0)?"$', chart, re.M).group(1)
-    assert minor(floor) == minor(pins()["KUBE_VERSION"])
+    assert minor(floor) == minor(pins()["KUBE_OLDEST_VERSION"])
+    assert pins()["KUBE_OLDEST_STAGING_VERSION"] == "v0." + pins()["KUBE_OLDEST_VERSION"].split(".", 1)[1]
+    # make test runs the versioned tests on it: a second control plane at that version.
+    makefile = (REPO / "Makefile").read_text()
+    assert re.search(r"^test:.* cluster-up-oldest", makefile, re.M)
+    assert re.search(r"^\s*[^#\n]*\bmake .*test-oldest", (REPO / "hack" / "test.sh").read_text(), re.M)
+
+
+def test_the_readme_states_both_ends_of_the_kubernetes_range_ci_runs():
+    readme = (REPO / "README.md").read_text()
+    row = f"| Kubernetes | {minor(pins()['KUBE_OLDEST_VERSION'])} to {minor(pins()['KUBE_VERSION'])} "
+    assert row in readme, row
+
+
+def test_the_examples_name_this_releases_trainer_image():
+    version = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
+    chart = (REPO / "charts" / "ddpjob-operator" / "Chart.yaml").read_text()
+    assert f"\nversion: {version}\n" in chart and f'\nappVersion: "{version}"\n' in chart
+    named = {m for f in (REPO / "examples").glob("*.yaml") for m in re.findall(r"ghcr\.io/ddpjob/trainer:(\S+)", f.read_text())}
+    assert named == {version}, named
 
 
 def test_the_readme_states_the_supported_torch_range_from_the_pin():

@@ -61,7 +61,7 @@ Fail early on value combinations that would install a broken or unsafe operator.
 */}}
 {{- define "ddpjob-operator.validate" -}}
 {{- if not .Values.image.repository }}
-{{- fail (printf `image.repository is not set: no release publishes the operator image yet, so build it from this repository and name it. With a registry: docker build --target operator -t <registry>/operator:%[1]s . && docker push <registry>/operator:%[1]s, then --set image.repository=<registry>/operator. On kind: build it the same way, kind load docker-image <registry>/operator:%[1]s, and add --set image.pullPolicy=IfNotPresent. See docs/install.md, "1. Images".` .Chart.AppVersion) }}
+{{- fail "image.repository is empty: name the operator image (the chart's default is the release's own; see docs/install.md)" }}
 {{- end }}
 {{- if and .Values.rbac.namespaced (empty .Values.operator.watchNamespaces) }}
 {{- fail "rbac.namespaced=true needs operator.watchNamespaces: the namespaces to create Roles in" }}

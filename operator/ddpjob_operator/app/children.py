@@ -48,17 +48,32 @@ def slow_start(created: int, *, cap: int = IN_FLIGHT) -> int:
     return min(1 + max(created, 0), cap)
 
 
-def refusal(pod: str, code: int | None, body: Any) -> CreateRefusal | None:
+# What strict field validation says of a field this API server's schema lacks ("strict decoding
+# error: unknown field \"spec.containers[0].stopSignal\"").
+UNKNOWN_FIELD = "unknown field"
+
+
+def unknown_field(exc: object) -> bool:
+    """The API server refused a create for a field it does not know (strict field validation)."""
+    return isinstance(exc, ApiException) and exc.status == 400 and UNKNOWN_FIELD in str(exc.body or "")
+
+
+def refusal(pod: str, code: int | None, body: Any, *, server: str = "") -> CreateRefusal | None:
     """A CreateRefusal from an API error (code + JSON Status body), None when it is not one:
-    409 (the pod exists), 429 and 5xx are the pass's to retry."""
+    409 (the pod exists), 429 and 5xx are the pass's to retry. `server`: the API server's version,
+    named when it refused a field it does not know (one newer than the cluster)."""
     if code is None or not 400 <= code < 500 or code in (409, 429):
         return None
     data = error_body(body)
     message = " ".join(str(data.get("message") or f"HTTP {code}").split())
+    if server and UNKNOWN_FIELD in message:
+        message = (f"{message[:800]} (the API server is Kubernetes {server}, which does not have that field: "
+                   f"it is newer than this cluster; upgrade the cluster or leave the field out)")
     return CreateRefusal(pod=pod, code=int(code), reason=str(data.get("reason") or code), message=message[:1000])
 
 
-def split_creates(objs: list[dict[str, Any]], results: list[Any]) -> tuple[list[Any], list[CreateRefusal]]:
+def split_creates(objs: list[dict[str, Any]], results: list[Any], *,
+                  server: str = "") -> tuple[list[Any], list[CreateRefusal]]:
     """(created results, refusals) from `asyncio.gather(*creates, return_exceptions=True)` over
     `objs`; any other exception (5xx, 429, a lost connection) is raised for the pass to retry."""
     created: list[Any] = []
@@ -66,7 +81,7 @@ def split_creates(objs: list[dict[str, Any]], results: list[Any]) -> tuple[list[
     for obj, res in zip(objs, results):
         if isinstance(res, BaseException):
             r = refusal(str((obj.get("metadata") or {}).get("name") or ""), getattr(res, "status", None),
-                        getattr(res, "body", None))
+                        getattr(res, "body", None), server=server)
             if r is None:
                 raise res
             refused.append(r)
@@ -158,7 +173,8 @@ class Children:
             try:
                 created = await self.k8s.create(obj)
             except ApiException as exc:
-                refused = refusal(name, exc.status, exc.body)
+                refused = refusal(name, exc.status, exc.body,
+                                  server=await self.k8s.server_version() if unknown_field(exc) else "")
                 if refused is None:
                     raise
                 if exc.status == 404 and kind == gang.KIND:  # the API group is not served: no scheduler CRD
@@ -245,7 +261,8 @@ class Children:
 
     async def create_pods(self, job, pods: list[dict[str, Any]]) -> list[CreateRefusal]:
         results = await asyncio.gather(*(self.k8s.create(p) for p in pods), return_exceptions=True)
-        made, refused = split_creates(pods, results)
+        server = await self.k8s.server_version() if any(unknown_field(r) for r in results) else ""
+        made, refused = split_creates(pods, results, server=server)
         self._created(job.namespace, made)
         # A 409 is usually our own pod the cache has not shown yet; a pod of that name made by
         # someone else would keep the job waiting forever without a word, so look at its owner.

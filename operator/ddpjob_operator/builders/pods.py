@@ -261,9 +261,32 @@ def job_field(pod_path: str, job: JobSpec, *, rank: int = 0, config: OperatorCon
                    lists=_CONTAINER_LISTS, shorthands=_CONTAINER_SHORTHANDS)
 
 
+# What Pod Security admission says when a namespace's level refuses a pod.
+POD_SECURITY_REFUSAL = "violates PodSecurity"
+
+
+def pod_security_needs(job: JobSpec) -> list[str]:
+    """The job's fields that need Pod Security level `privileged` (baseline and restricted refuse
+    them): spec.rdma's IPC_LOCK, the template's host namespaces."""
+    needs = [f"spec.rdma (the {rdma.CAPABILITY} capability it adds)"] if rdma.capabilities(job) else []
+    tpl = template.pod_template(job).get("spec") or {}
+    needs += [f"spec.template.spec.{k}" for k in ("hostNetwork", "hostPID", "hostIPC") if tpl.get(k)]
+    return needs
+
+
+def pod_security_hint(message: str, job: JobSpec) -> str:
+    """After a Pod Security refusal: which of the job's fields need which level, "" when none
+    does (the refusal names the field of the job's own securityContext itself)."""
+    needs = pod_security_needs(job) if POD_SECURITY_REFUSAL in message else []
+    if not needs:
+        return ""
+    return (f" ({', '.join(needs)} needs Pod Security level privileged: the namespace must be labelled "
+            f"pod-security.kubernetes.io/enforce=privileged, docs/install.md)")
+
+
 def explain_pod_error(message: str, job: JobSpec, *, rank: int = 0, config: OperatorConfig | None = None) -> str:
     """An API error about a rendered Pod, with the DDPJob field named after each Pod field path."""
     def name(m: re.Match) -> str:
         field = job_field(m.group(0), job, rank=rank, config=config)
         return f"{m.group(0)} (DDPJob {field})" if field else m.group(0)
-    return _PATH.sub(name, message)
+    return _PATH.sub(name, message) + pod_security_hint(message, job)

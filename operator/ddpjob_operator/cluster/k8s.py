@@ -94,6 +94,7 @@ class K8s:
         self._slots = FairSlots(workers)
         self._instance = os.environ.get("POD_NAME") or os.uname().nodename
         self.on_request = on_request  # (verb, resource): counts what we ask of the API server
+        self._server_version = ""
 
     def _count(self, method: str, path: str, *, watch: bool = False) -> None:
         if self.on_request is None:
@@ -171,12 +172,15 @@ class K8s:
 
     async def create(self, obj: dict[str, Any]) -> dict[str, Any] | None:
         """Create a child (Pod, Service, PodGroup): the created object, or None when it already
-        exists (409), so retries are harmless."""
+        exists (409), so retries are harmless. Strict field validation: a field this API server
+        does not know (a DDPJob's field newer than the cluster) is refused naming it, where the
+        default would drop it silently and run a pod without it."""
         meta = obj["metadata"]
         ns = meta["namespace"]
         job = (ns, (meta.get("labels") or {}).get(labels.JOB_NAME) or meta["name"])
         try:
-            return await self._call("POST", child_path(obj["apiVersion"], obj["kind"], ns), body=obj, job=job) or {}
+            return await self._call("POST", child_path(obj["apiVersion"], obj["kind"], ns), body=obj, job=job,
+                                    query=[("fieldValidation", "Strict")]) or {}
         except ApiException as exc:
             if exc.status == 409:
                 return None
@@ -186,6 +190,13 @@ class K8s:
                         api_version: str = "v1") -> dict[str, Any] | None:
         """A child of `job` (a consistent read), or None when it is gone."""
         return await self._get(child_path(api_version, kind, namespace, name), job=(namespace, job))
+
+    async def server_version(self) -> str:
+        """The API server's Kubernetes version (gitVersion, e.g. v1.32.9), read once."""
+        if not self._server_version:
+            info = await self._call("GET", "/version", job=("", "version")) or {}
+            self._server_version = str(info.get("gitVersion") or "")
+        return self._server_version
 
     async def get_node(self, name: str) -> dict[str, Any] | None:
         """A Node (the monitor reads its annotations), or None when it is gone."""

@@ -258,13 +258,15 @@ def job_status(job: JobSpec, group: Group, *, now: dt.datetime,
     events: list[Event] = []
     prev_phase = Phase.parse(prev.get("phase"))
 
-    # A refused create (create_refused) holds until every rank exists; until then nothing claims
-    # the pods were created.
-    refused = bool(d.create_ranks) and condition({"conditions": conds}, Cond.FAILED_CREATE_POD) is not None
+    # A refused create (create_refused) holds until every rank exists, and for good once the job
+    # failed for it (a pod the API server can never accept); until then nothing claims the pods
+    # were created.
+    refused = condition({"conditions": conds}, Cond.FAILED_CREATE_POD) is not None and (
+        bool(d.create_ranks) or (d.phase is Phase.FAILED and not group.pods))
     if not refused and (d.create_ranks or group.pods or any(c.get("type") == Cond.CREATED for c in conds)):
         set_condition(conds, type=Cond.CREATED, status=True, reason="Created",
                       message=f"headless service and {job.nodes} pod(s) created", now=now, generation=gen)
-    if not d.create_ranks:
+    if not d.create_ranks and not refused:
         _clear(conds, Cond.FAILED_CREATE_POD, "Created", f"all {job.nodes} pod(s) created", now, gen)
     was_stuck = condition({"conditions": conds}, Cond.CONTAINERS_NOT_STARTING)
     if d.start_errors:
