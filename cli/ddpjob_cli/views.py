@@ -19,10 +19,9 @@ from ddpjob_trainer.contract import INPLACE_MARKER_RE, MLFLOW_DEFAULT_EXPERIMENT
 from ddpjob_operator.decisions.health import STALLED, STRAGGLER
 from ddpjob_operator.api.phases import Phase
 from ddpjob_operator.api.podinfo import meta
-from ddpjob_operator.decisions.progress import human_duration
+from ddpjob_operator.decisions.progress import UNAVAILABLE, human_duration
 from ddpjob_operator.decisions.samples import RankSample
 from ddpjob_operator.api.spec import KIND, PLURAL, from_manifest
-from ddpjob_operator.decisions.status import UNAVAILABLE
 
 Row = list[str]
 NONE = "-"

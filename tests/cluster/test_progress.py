@@ -15,7 +15,7 @@ from pathlib import Path
 from tests.cluster.conftest import wait_for
 from tests.cluster.test_operator import crd, k8s, running, start_operator  # noqa: F401  (fixtures)
 from tests.support.localrun import in_stage, local_run, rank_samples, wait_ranks, write_digits_job, write_slow_input_job
-from tests.support.status import condition
+from tests.support.status import condition, table_row
 
 URL_TEMPLATE = "http://127.0.0.1:{rank_port}/metrics"
 
@@ -33,15 +33,6 @@ def pod_of_rank(run, job: str, rank: int) -> str:
     """The pod whose node holds a global rank: c10d, not the node's index, decides that (each
     local node serves its metrics for the pod of its index, as a pod does)."""
     return f"{job}-{rank_samples(run.ports)[rank].node_rank}"
-
-
-def table_row(header: str, row: str) -> dict[str, str]:
-    """A `kubectl get` row by column, cut at the header's offsets (values may contain spaces)."""
-    import re
-
-    starts = [(m.start(), m.group()) for m in re.finditer(r"\S+", header)]
-    bounds = [s for s, _ in starts[1:]] + [None]
-    return {name: row[start:end].strip() for (start, name), end in zip(starts, bounds)}
 
 
 def wait_job(k8s, name: str, run, pred, desc: str, timeout: float) -> dict:

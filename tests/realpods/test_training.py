@@ -3,7 +3,10 @@ rendezvous through MASTER_ADDR resolved by CoreDNS, checkpoints on a volume both
 operator in-cluster (Helm, its own image and ServiceAccount) scraping the pods' own addresses."""
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 from tests.realpods.conftest import (
     EXAMPLES,
@@ -18,13 +21,18 @@ from tests.realpods.conftest import (
     wait_job,
     wait_phase,
 )
-from tests.support.status import condition
+from tests.support.status import condition, table_row
 
+DDPJOB = str(Path(sys.executable).parent / "ddpjob")  # the CLI as a user runs it
 DIGITS_VAL_SAMPLES = 359  # scikit-learn's digits: 1797 samples, 20 % held out
 # The frozen rank's hang timeout: each start-up stage of a worker on a loaded CI machine (a rank in
 # process-group set-up waiting for its peer still importing torch) stays far below it.
 HANG_TIMEOUT = 60
 FREEZE_AT = 5
+
+
+def _first_row(table: str) -> dict[str, str]:
+    return table_row(*table.splitlines()[:2])
 
 
 def _digits_claim() -> str:
@@ -61,11 +69,22 @@ def test_digits_example_trains_across_two_real_nodes(real_cluster, namespaces):
     assert result.get("evalSamples") == result.get("evalDatasetSize") == DIGITS_VAL_SAMPLES, st
     assert st["masterAddr"] == f"digits-0.digits.{ns}.svc", st
     # What a user sees first: `kubectl get ddpj digits` shows the outcome and its accuracy.
-    head, row = real_cluster.kubectl("get", "ddpj", "digits", "-n", ns).stdout.splitlines()[:2]
-    # Columns by the header's offsets: PROGRESS ("96% (265/276)") holds a space.
-    starts = [head.index(h) for h in head.split()] + [None]
-    cols = {h: row[a:b].strip() for h, a, b in zip(head.split(), starts, starts[1:])}
-    assert cols["PHASE"] == "Succeeded" and float(cols["ACCURACY"]) >= 0.95, (head, row)
+    cols = _first_row(real_cluster.kubectl("get", "ddpj", "digits", "-n", ns).stdout)
+    assert cols["PHASE"] == "Succeeded" and float(cols["ACCURACY"]) >= 0.95, cols
+    # The terminal write carries where the run ended (the result's last step, written after the
+    # last scrape), with no ETA: in the status, `kubectl get ddpj -o wide` and `ddpjob list -o wide`.
+    prog = st.get("progress") or {}
+    assert prog.get("step") == result["steps"] == result["totalSteps"], st
+    assert (prog.get("percent"), prog.get("evalAccuracy")) == (100.0, result["evalAccuracy"]), st
+    assert "eta" not in prog and "etaSeconds" not in prog, st
+    final = f"100% ({result['steps']}/{result['totalSteps']})"
+    cols = _first_row(real_cluster.kubectl("get", "ddpj", "digits", "-n", ns, "-o", "wide").stdout)
+    assert cols["PROGRESS"] == final and cols["ETA"] in ("", "<none>"), cols  # kubectl leaves an absent field blank
+    listed = subprocess.run([DDPJOB, "list", "-n", ns, "-o", "wide"], env=real_cluster.env(), capture_output=True,
+                            text=True, timeout=60)
+    assert listed.returncode == 0, listed.stderr
+    cols = _first_row(listed.stdout)
+    assert (cols["PHASE"], cols["PROGRESS"], cols["ETA"]) == ("Succeeded", final, "-"), cols
 
     # The operator scraped the real pods while they trained (no URL template in this tier).
     assert max(reporting) == 2, (reporting, st)

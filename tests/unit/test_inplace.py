@@ -119,6 +119,21 @@ def test_a_killed_worker_is_one_restart_attributed_to_its_rank_pod_and_node_then
     assert st4["restartHistory"] == st3["restartHistory"] and st4["inPlaceRestarts"] == 1 and events4 == []
 
 
+def test_no_eta_while_a_worker_restarts_in_place_until_its_attempt_steps_again():
+    job = make_job(nodes=2, failurePolicy={"maxRestarts": 3})
+    pods = Group.of([make_pod(0), make_pod(1)])
+    eta = {"step": 50, "totalSteps": 100, "eta": "25s", "etaSeconds": 25}
+    ranks = {0: Sample("j-0", "n0"), 1: Sample("j-1", "n1", worker_failures=[failure(T0)])}
+    # The survivors still report the old pace: its forecast is not shown while rank 1 restarts.
+    st, _ = job_status(job, pods, now=NOW, prev_status=running_status(progress=eta),
+                       report=Report(ranks=ranks, progress=eta))
+    assert cond(st, "Restarting")["status"] == "True" and "eta" not in st["progress"]
+    for r in ranks.values():
+        r.first_step_timestamp, r.resumed_from_step = T0 + 4.5, 40
+    st, _ = job_status(job, pods, now=NOW, prev_status=st, report=Report(ranks=ranks, progress={**eta, "step": 41}))
+    assert cond(st, "Restarting")["status"] == "False" and st["progress"]["eta"] == "25s"
+
+
 @pytest.mark.parametrize("first_seen", ["together", "casualty first"])
 def test_peers_that_fail_with_it_are_one_restart_whose_cause_is_the_earliest(first_seen):
     cause = failure(T0, code=1, signal="", error="RuntimeError: boom")

@@ -1,6 +1,7 @@
 """job_status: phase, conditions, node counts, events, progress merge (one pure function)."""
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 import pytest
@@ -137,6 +138,66 @@ def test_progress_kept_between_scrapes():
     assert status["progress"]["step"] == 5
 
 
+# The last periodic write of a run that then ends, and the result its rank 0 reports (issue 51).
+LAST_WRITE = {"step": 183, "totalSteps": 276, "percent": 66.3, "loss": 0.21, "samplesPerSecond": 812.0,
+              "eta": "3s", "etaSeconds": 3, "evalAccuracy": 0.935933, "display": "66% (183/276)"}
+RESULT = {"steps": 276, "total_steps": 276, "epochs_completed": 12, "world_size": 2, "resumed_from_step": 0,
+          "train_samples_per_second": 790.5, "eval_accuracy": 0.969359, "eval_loss": 0.11, "eval_samples": 359,
+          "eval_dataset_size": 359, "last_checkpoint": None}
+
+
+def _failed(rank, step):
+    from ddpjob_trainer.contract import failure_head
+
+    return make_pod(rank, phase="Failed", exit_code=1, message=failure_head(1, step) + "\nRuntimeError: boom")
+
+
+@pytest.mark.parametrize("spec, pods, phase, progress", [
+    # Succeeded: the last step, 100 %, the final evaluation and throughput from the result; no ETA.
+    ({}, [make_pod(0, phase="Succeeded", exit_code=0, message=json.dumps(RESULT)),
+          make_pod(1, phase="Succeeded", exit_code=0)], "Succeeded",
+     {"step": 276, "totalSteps": 276, "percent": 100.0, "loss": 0.21, "samplesPerSecond": 790.5,
+      "evalAccuracy": 0.969359, "evalLoss": 0.11, "display": "100% (276/276)"}),
+    # Failed: where it stopped (a failed pod's termination message is newer than the last scrape).
+    ({"failurePolicy": {"maxRestarts": 0}}, [_failed(0, 191), make_pod(1)], "Failed",
+     {**{k: v for k, v in LAST_WRITE.items() if k not in ("eta", "etaSeconds")}, "step": 191, "percent": 69.2,
+      "display": "69% (191/276)"}),
+    # Suspended, and a group restart: as far as it came, no ETA (a new attempt measures its own).
+    ({"suspend": True}, [make_pod(0), make_pod(1)], "Suspended",
+     {k: v for k, v in LAST_WRITE.items() if k not in ("eta", "etaSeconds")}),
+    ({"failurePolicy": {"maxRestarts": 3}}, [_failed(0, 180), make_pod(1)], "Restarting",
+     {k: v for k, v in LAST_WRITE.items() if k not in ("eta", "etaSeconds")}),
+])
+def test_the_phase_change_writes_where_the_job_ended_and_no_eta(spec, pods, phase, progress):
+    job = make_job(nodes=2, **spec)
+    # The pass that sees it end still holds the running job's last scrape, ETA and all.
+    last_scrape = Report(progress={k: v for k, v in LAST_WRITE.items() if k != "display"})
+    status, events = job_status(job, Group.of(pods), now=NOW, prev_status=running_status(progress=LAST_WRITE),
+                                report=last_scrape)
+    assert status["phase"] == phase and status["progress"] == progress
+    assert len(events) == 1  # the phase change's own write: the progress rides in it
+    if phase == "Succeeded":
+        assert status["progress"]["step"] == status["result"]["steps"]
+    again, events = job_status(job, Group.of(pods), now=NOW, prev_status=status)
+    assert again == status and events == []  # settled: the passes after it write nothing
+
+
+def test_a_running_jobs_eta_is_its_latest_scrapes():
+    pods = [make_pod(0), make_pod(1)]
+    prev = running_status(progress=LAST_WRITE)
+    # A scrape of a (new) attempt that has no rate yet: blank, not the old attempt's forecast.
+    status, _ = job_status(make_job(nodes=2), Group.of(pods), now=NOW, prev_status=prev,
+                           report=Report(progress={"step": 10, "totalSteps": 276, "percent": 3.6}))
+    assert "eta" not in status["progress"] and "etaSeconds" not in status["progress"]
+    assert status["progress"]["evalAccuracy"] == LAST_WRITE["evalAccuracy"]  # the last known stays
+    status, _ = job_status(make_job(nodes=2), Group.of(pods), now=NOW, prev_status=status,
+                           report=Report(progress={"step": 12, "eta": "1m", "etaSeconds": 60}))
+    assert (status["progress"]["eta"], status["progress"]["etaSeconds"]) == ("1m", 60)
+    # A pass with no scrape keeps what the last one said.
+    again, _ = job_status(make_job(nodes=2), Group.of(pods), now=NOW, prev_status=status)
+    assert again["progress"] == status["progress"]
+
+
 @pytest.mark.parametrize("progress,text", [
     (None, None), ({}, None), ({"step": 7}, "step 7"), ({"step": 7, "totalSteps": 10}, "step 7/10"),
     ({"percent": 42.4, "step": 424, "totalSteps": 1000}, "42% (424/1000)"),
@@ -151,6 +212,31 @@ def test_status_patch_nulls_removed_keys():
     assert status_patch({"phase": "Failed", "completionTime": "t", "restarts": 1},
                         {"phase": "Pending", "restarts": 1}) == {"phase": "Pending", "restarts": 1,
                                                                  "completionTime": None}
+
+
+def test_status_patch_nulls_keys_removed_inside_objects_so_the_api_server_drops_them():
+    """A merge patch merges objects: the ETA a finished job's progress leaves out is deleted only
+    by a null (as the API server applies it, here by the RFC 7386 algorithm)."""
+    from ddpjob_operator.app.controller import status_patch
+
+    def apply(target, patch):  # RFC 7386 MergePatch
+        if not isinstance(patch, dict):
+            return patch
+        out = dict(target) if isinstance(target, dict) else {}
+        for k, v in patch.items():
+            if v is None:
+                out.pop(k, None)
+            else:
+                out[k] = apply(out.get(k), v)
+        return out
+
+    prev = {"phase": "Running", "progress": {"step": 183, "eta": "3s", "etaSeconds": 3, "slowestRank": 1},
+            "conditions": [{"type": "Running"}, {"type": "Stalled"}], "nodes": {"running": 2}}
+    new = {"phase": "Succeeded", "progress": {"step": 276, "percent": 100.0}, "conditions": [{"type": "Running"}],
+           "nodes": {"running": 0}, "result": {"steps": 276}}
+    patch = status_patch(prev, new)
+    assert patch["progress"] == {"step": 276, "percent": 100.0, "eta": None, "etaSeconds": None, "slowestRank": None}
+    assert apply(prev, patch) == new
 
 
 @pytest.mark.parametrize("refs,owned", [([{"uid": "u1"}], True), ([{"uid": "other"}], False), (None, False)])

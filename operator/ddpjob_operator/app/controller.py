@@ -61,11 +61,15 @@ def _load_monitor(config: OperatorConfig, k8s: K8s) -> Monitor | None:
 
 
 def status_patch(prev: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
-    """Merge patch turning prev into new (keys that disappeared become null)."""
+    """Merge patch (RFC 7386) turning prev into new: a key that disappeared becomes null, inside
+    an object that both hold too (a merge patch merges objects: progress.eta left out of the new
+    progress would stay), while lists are replaced whole."""
     patch = dict(new)
-    for key in prev:
+    for key, old in prev.items():
         if key not in new:
             patch[key] = None
+        elif isinstance(old, dict) and isinstance(new[key], dict):
+            patch[key] = status_patch(old, new[key])
     return patch
 
 

@@ -1,22 +1,38 @@
-"""Fold per-rank samples into `status.progress` (pure; the local runner's progress bar uses it too).
+"""Fold per-rank samples into `status.progress` (pure; the local runner's progress bar uses it too),
+and settle it when no attempt is stepping: a finished job's progress tells where it ended, and no
+ETA outlives the attempt whose pace it came from.
 
 Field names (declared in the CRD; also listed in PROGRESS_FIELDS):
   epoch, step, totalSteps, percent, loss, samplesPerSecond, eta, etaSeconds,
-  lastStepTime, evalAccuracy, ranksReporting, slowestRank
+  lastStepTime, evalAccuracy, evalLoss, ranksReporting, slowestRank
 """
 from __future__ import annotations
 
 import math
 import statistics
-from typing import Mapping
+from typing import Any, Iterable, Mapping
 
 from ddpjob_operator.api.objmeta import format_time
-from ddpjob_operator.decisions.samples import RankSample
+from ddpjob_operator.decisions.samples import ABSURD, RankSample
 
 PROGRESS_FIELDS = (
     "epoch", "step", "totalSteps", "percent", "loss", "samplesPerSecond",
-    "eta", "etaSeconds", "lastStepTime", "evalAccuracy", "ranksReporting", "slowestRank",
+    "eta", "etaSeconds", "lastStepTime", "evalAccuracy", "evalLoss", "ranksReporting", "slowestRank",
 )
+# status.progress.unavailable: why no progress can be read (e.g. every pod is on a simulated node).
+UNAVAILABLE = "unavailable"
+# The ETA is a forecast from the pace of the attempt that is stepping now: it is taken from the
+# latest scrape alone (a scrape without one, as a new attempt's before it has a rate, blanks it)
+# and it is dropped whenever no attempt steps (job_status: every phase but Running, and a Running
+# job whose in-place restart or replaced pod has not stepped again).
+ETA_FIELDS = ("eta", "etaSeconds")
+# What holds only at the moment of one scrape, taken from the latest alone: a kept value would
+# outlive its truth (slowestRank is absent while every rank is at the same step).
+OF_THE_SCRAPE = (*ETA_FIELDS, "slowestRank")
+# status.result field -> status.progress field that a succeeded job's progress takes from it: the
+# final evaluation, and the final attempt's throughput over its whole run.
+RESULT_TO_PROGRESS = {"evalAccuracy": "evalAccuracy", "evalLoss": "evalLoss",
+                      "trainSamplesPerSecond": "samplesPerSecond"}
 
 Prev = tuple[float, Mapping[int, RankSample]]
 MAX_ETA_SECONDS = 10 * 365 * 86400  # ten years: past this no ETA is shown
@@ -32,6 +48,11 @@ def human_duration(seconds: float) -> str:
     if m:
         return f"{m}m{sec:02d}s"
     return f"{sec}s"
+
+
+def percent(step: int, total: int) -> float:
+    """step of total in percent, one decimal, at most 100."""
+    return round(min(100.0, 100.0 * step / total), 1)
 
 
 def _finite(x: float | None) -> bool:
@@ -82,13 +103,13 @@ def compute_progress(samples: Mapping[int, RankSample], *, now: float,
     total = max(totals) if totals else None
     if total:
         out["totalSteps"] = total
-        out["percent"] = round(min(100.0, 100.0 * step / total), 1)
+        out["percent"] = percent(step, total)
     losses = [s.loss for s in ranks if _finite(s.loss)]
     if losses:
         out["loss"] = round(statistics.fmean(losses), 6)
-    accs = [s.eval_accuracy for s in ranks if _finite(s.eval_accuracy)]
-    if accs:
-        out["evalAccuracy"] = round(statistics.fmean(accs), 6)
+    for field, values in (("evalAccuracy", [s.eval_accuracy for s in ranks]), ("evalLoss", [s.eval_loss for s in ranks])):
+        if finite := [v for v in values if _finite(v)]:
+            out[field] = round(statistics.fmean(finite), 6)
     stamps = [s.last_step_timestamp for s in ranks if _finite(s.last_step_timestamp) and s.last_step_timestamp > 0]
     if stamps:
         out["lastStepTime"] = format_time(max(stamps))
@@ -126,3 +147,54 @@ def compute_progress(samples: Mapping[int, RankSample], *, now: float,
             out["etaSeconds"] = int(round(remaining))
             out["eta"] = human_duration(remaining)
     return out
+
+
+def without_eta(progress: Mapping[str, Any]) -> dict[str, Any]:
+    """progress with no ETA (ETA_FIELDS)."""
+    return {k: v for k, v in progress.items() if k not in ETA_FIELDS}
+
+
+def _lasting(progress: Mapping[str, Any]) -> dict[str, Any]:
+    """progress without what held only at the moment of its scrape (OF_THE_SCRAPE)."""
+    return {k: v for k, v in progress.items() if k not in OF_THE_SCRAPE}
+
+
+def merge_scrape(kept: Mapping[str, Any], scraped: Mapping[str, Any]) -> dict[str, Any]:
+    """status.progress after a scrape: the scrape's fields over the kept ones (a rank that restarted
+    reports no loss or evaluation until it has one again: the last known stay), but those
+    OF_THE_SCRAPE only from the scrape."""
+    return {**_lasting(kept), **scraped}
+
+
+def _at_step(progress: Mapping[str, Any], step: int, total: int | None) -> dict[str, Any]:
+    """progress at `step` (of `total`, else of its own totalSteps), its percent to match."""
+    out = {**progress, "step": step}
+    total = total or out.get("totalSteps")
+    if total:
+        out["totalSteps"] = total
+        out["percent"] = percent(step, total)
+    return out
+
+
+def succeeded(progress: Mapping[str, Any], result: Mapping[str, Any]) -> dict[str, Any]:
+    """The progress of a job that succeeded, from its status.result (the trainer's own numbers,
+    written after the last scrape): the last step (100 % of totalSteps), the final evaluation's
+    accuracy and loss, the final attempt's throughput; no ETA, and no rank behind (all ended).
+    Without a result (a command that writes none) the last scraped step stays, for lack of a
+    truer one, without an ETA. `loss` (training) stays the last scraped: the result has none."""
+    out = _lasting(progress)
+    if result.get("steps") is not None:
+        out = _at_step(out, int(result["steps"]), result.get("totalSteps"))
+        out.pop(UNAVAILABLE, None)  # the result tells what no scrape could
+    out.update({field: result[key] for key, field in RESULT_TO_PROGRESS.items() if result.get(key) is not None})
+    return out
+
+
+def stopped(progress: Mapping[str, Any], failure_steps: Iterable[int]) -> dict[str, Any]:
+    """The progress of a job that failed: where it stopped, the newest of the last scraped step and
+    the steps its failed pods wrote in their termination messages (which outlive the last scrape);
+    no ETA."""
+    out = without_eta(progress)
+    last = int(out.get("step", -1))
+    newer = [s for s in failure_steps if last < s <= ABSURD]
+    return _at_step(out, max(newer), None) if newer else out

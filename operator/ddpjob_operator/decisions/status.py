@@ -16,6 +16,7 @@ from ddpjob_operator.builders.gang import gang_state
 from ddpjob_operator.builders.kueue import admission, queue_name
 from ddpjob_operator.decisions import inplace
 from ddpjob_operator.decisions.lifecycle import Decision, condition, decide
+from ddpjob_operator.decisions.progress import UNAVAILABLE, merge_scrape, stopped, succeeded, without_eta
 from ddpjob_operator.api.objmeta import format_time
 from ddpjob_operator.api.phases import Cond, Phase
 from ddpjob_operator.builders.pods import explain_pod_error
@@ -84,10 +85,6 @@ def node_counts(job: JobSpec, current: Attempt) -> dict[str, Any]:
             counts[ph] += 1
     counts["ready"] = f"{counts['running']}/{job.nodes}"
     return counts
-
-
-# status.progress.unavailable: why no progress can be read (e.g. every pod is on a simulated node).
-UNAVAILABLE = "unavailable"
 
 
 def progress_display(progress: dict[str, Any] | None) -> str | None:
@@ -340,10 +337,11 @@ def job_status(job: JobSpec, group: Group, *, now: dt.datetime,
         events += _admission_condition(conds, admission(job, current), now, gen,
                                        queue_named=queue_name(job) is not None)
 
+    result = prev.get("result") or run_result(current)
     progress = dict(prev.get("progress") or {})
     if report is not None:
         if report.progress:
-            progress.update(report.progress)
+            progress = merge_scrape(progress, report.progress)
             if UNAVAILABLE not in report.progress:
                 progress.pop(UNAVAILABLE, None)
         by_type = {c.get("type"): c for c in conds}
@@ -355,6 +353,13 @@ def job_status(job: JobSpec, group: Group, *, now: dt.datetime,
                 conds[conds.index(old)] = {"lastTransitionTime": format_time(now), **cond}
             else:
                 conds.append({"lastTransitionTime": format_time(now), **cond})
+    # A terminal write carries where the job ended; no ETA outlives the attempt it was measured on.
+    if d.phase is Phase.SUCCEEDED:
+        progress = succeeded(progress, result)
+    elif d.phase is Phase.FAILED:
+        progress = stopped(progress, _failure_steps(current))
+    elif d.phase is not Phase.RUNNING or restarts.pending is not None:
+        progress = without_eta(progress)
     display = progress_display(progress)
     if display:
         progress["display"] = display
@@ -393,7 +398,6 @@ def job_status(job: JobSpec, group: Group, *, now: dt.datetime,
                                                 debug_dir=debug_dir_of(job, ended)))[-MAX_FAILURES:]
     if failures:
         status["failures"] = failures
-    result = prev.get("result") or run_result(current)
     if result:
         status["result"] = result
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from ddpjob_operator.decisions.health import STALLED, STRAGGLER
-from ddpjob_operator.decisions.status import UNAVAILABLE
+from ddpjob_operator.decisions.progress import UNAVAILABLE
 
 # Status fields that only mirror pods (nobody acts on them): their changes may wait and coalesce.
 QUIET_FIELDS = frozenset({"nodes", "launchedAttempt"})
