@@ -76,13 +76,19 @@ EXTRA: dict[tuple[str, ...], dict[str, Any]] = {
 # otherwise is refused with the reason rather than silently overridden. (A port of the trainer
 # container named master or metrics is left to the Pod's validation: a rule over each
 # container's ports costs more than a CRD may spend.)
-_RESERVED_KEYS = "self.all(k, !k.matches('^([^/]*[.])?ddpjob[.]dev/'))"
+# The same patterns as ddpjob_operator/api/labels.py (RESERVED_KEY_PATTERN, RESERVED_LABEL_PATTERN;
+# tests/unit/test_pod_hardening.py holds them equal): a label key Prometheus would read as one of
+# the operator's (ddpjob-dev/job-name, ddpjob_dev_job_name) is the operator's too.
+_RESERVED = {"annotations": ("^([^/]*[.])?ddpjob[.]dev/", "ddpjob.dev/ keys (the operator's own annotations)"),
+             "labels": ("^(([^/]*[.])?ddpjob[.]dev/|ddpjob[^a-zA-Z0-9]dev[^a-zA-Z0-9])",
+                        "ddpjob.dev/ keys, nor keys that Prometheus reads as one of them (ddpjob-dev/..., "
+                        "ddpjob_dev_...): the operator's own labels")}
 TEMPLATE_RULES: dict[str, Any] = {"properties": {
     "metadata": {"properties": {
         key: {"x-kubernetes-validations": [{
-            "rule": _RESERVED_KEYS,
-            "message": f"spec.template.metadata.{key} must not use ddpjob.dev/ keys (the operator's own {key})"}]}
-        for key in ("labels", "annotations")}},
+            "rule": f"self.all(k, !k.matches('{pattern}'))",
+            "message": f"spec.template.metadata.{key} must not use {what}"}]}
+        for key, (pattern, what) in _RESERVED.items()}},
     "spec": {"x-kubernetes-validations": [
         {"rule": "!has(self.restartPolicy) || self.restartPolicy in ['Never', '']",
          "message": "spec.template.spec.restartPolicy must be Never: the operator restarts the whole group "

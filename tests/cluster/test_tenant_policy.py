@@ -4,12 +4,13 @@ A Secret, in every place a DDPJob can name one, is refused for that user and acc
 may get it.
 
 The policy is the chart's own template and default profile, rendered by helm; only its namespace
-selector is narrowed to this test's namespace (the control plane is shared with other tests).
+selector is narrowed to this test's namespace (the control plane is shared with other tests). This
+module's profile also allows every volume type and ephemeral containers (volumeTypes, podFields):
+the Secret check must hold in every place a pod names a Secret, whatever the field allow-list lets
+through. The seven classes of issue 50, against the default lists: tests/cluster/test_tenant_attacks.py.
 """
 from __future__ import annotations
 
-import contextlib
-import copy
 import json
 import uuid
 
@@ -17,14 +18,21 @@ import pytest
 import yaml
 
 from tests.cluster.test_crd import install_crd
-from tests.support.cluster import OPERATOR_IMAGE_VALUES, REPO_ROOT, create_namespace, delete_namespace, wait_for
+from tests.support.cluster import create_namespace, delete_namespace, wait_for
+from tests.support.tenancy import CHART, binding, bound_profile, job, policy_cluster, role
 
-CHART = REPO_ROOT / "charts" / "ddpjob-operator"
 ALLOWED_SA = "trainer"
 ALLOWED_PC = "team-batch"
 CLOUD_SA = "s3-reader"       # allowed by tenantPolicy.serviceAccounts, for every profile
 SECRET = "team-token"        # the reader may get it; the plain user may not
-MAX_SECRETS = 20             # distinct Secrets one request may add (tenant-policy.yaml's budget)
+MAX_SECRETS = 20             # distinct objects one request may add (tenant-policy.yaml's budget)
+MAX_CONFIGMAPS = 10          # of them ConfigMaps (refKinds)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """The control plane the policy is tested on (tests/support/tenancy.py: DDPJOB_POLICY_KUBECONFIG)."""
+    return policy_cluster()
 
 
 @pytest.fixture(scope="module")
@@ -33,78 +41,30 @@ def tenant(cluster, tmp_path_factory):
     only right there is on DDPJobs."""
     install_crd(cluster)
     tag = uuid.uuid4().hex[:8]
-    with bound_profile(cluster, tmp_path_factory, f"tenant-{tag}", {"serviceAccounts": [CLOUD_SA]},
-                       serviceAccounts=[ALLOWED_SA], priorityClasses=[ALLOWED_PC]) as ns:
+    with bound_profile(cluster, tmp_path_factory.mktemp("tenant"), f"tenant-{tag}", {"serviceAccounts": [CLOUD_SA]},
+                       serviceAccounts=[ALLOWED_SA], priorityClasses=[ALLOWED_PC], volumeTypes=["*"],
+                       podFields=["ephemeralContainers"]) as ns:
         yield ns, f"tenant-{tag}"
-
-
-@contextlib.contextmanager
-def bound_profile(cluster, tmp_path_factory, user, global_values, **profile_values):
-    """A fresh namespace under the chart's default profile (its values.yaml, with these global
-    tenantPolicy values and profile keys on top), where `user` may only use DDPJobs."""
-    tag = uuid.uuid4().hex[:8]
-    api = cluster.api()
-    # A profile label of its own: the chart's default profile (a release that e2e tests may have
-    # installed meanwhile) skips labelled namespaces, as docs/install.md tells admins to do.
-    ns = create_namespace(api, prefix="tenant-", labels={"ddpjob.dev/tenant-profile": f"test-{tag}"})
-    values = yaml.safe_load((CHART / "values.yaml").read_text())["tenantPolicy"]
-    profile = copy.deepcopy(values["profiles"][0])
-    profile["namespaceSelector"] = {"matchLabels": {"ddpjob.dev/tenant-profile": f"test-{tag}"}}
-    profile.update(profile_values)
-    vfile = tmp_path_factory.mktemp("tenant") / "values.yaml"
-    vfile.write_text(yaml.safe_dump({"tenantPolicy": {**values, **global_values, "profiles": [profile]}}))
-    policy = cluster.helm("template", f"tp-{tag}", str(CHART), "--kube-version", "v1.36.3", "-f", str(vfile),
-                          *[a for s in OPERATOR_IMAGE_VALUES for a in ("--set", s)],
-                          "--show-only", "templates/tenant-policy.yaml").stdout
-    rbac = [role(ns, "ddpjobs-only", {"apiGroups": ["ddpjob.dev"], "resources": ["ddpjobs"],
-                                      "verbs": ["create", "get", "list", "patch", "delete"]}),
-            binding(ns, "ddpjobs-only", "ddpjobs-only", user)]
-    cluster.kubectl("apply", "-f", "-", input=policy)
-    cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(rbac))
-    try:
-        # The policy reaches the API server's admission through an informer: wait until it bites.
-        wait_for(lambda: create(cluster, ns, user, job("probe", securityContext={"privileged": True})).returncode != 0,
-                 timeout=30, desc="tenant policy in force")
-        yield ns
-    finally:
-        cluster.kubectl("delete", "-f", "-", "--ignore-not-found", input=policy, check=False)
-        delete_namespace(api, ns)
-        api.close()
 
 
 @pytest.fixture(scope="module")
 def readers(cluster, tenant):
-    """(reader, all_reader): users who, besides DDPJobs, may get SECRET and s0..s19, or every
-    Secret of the namespace."""
+    """(reader, all_reader): users who, besides DDPJobs, may get SECRET, s0..s19 and ConfigMaps
+    c0..c10, or every Secret and ConfigMap of the namespace."""
     ns, user = tenant
     reader, all_reader = f"{user}-reader", f"{user}-all"
     some = [SECRET] + [f"s{i}" for i in range(MAX_SECRETS)]
+    configs = [f"c{i}" for i in range(MAX_CONFIGMAPS + 1)]
     rbac = []
-    for who, names in ((reader, {"resourceNames": some}), (all_reader, {})):
-        rbac += [role(ns, who, {"apiGroups": [""], "resources": ["secrets"], "verbs": ["get"], **names}),
+    for who, names, config_names in ((reader, {"resourceNames": some}, {"resourceNames": configs}), (all_reader, {}, {})):
+        rbac += [role(ns, who, {"apiGroups": [""], "resources": ["secrets"], "verbs": ["get"], **names},
+                      {"apiGroups": [""], "resources": ["configmaps"], "verbs": ["get"], **config_names}),
                  binding(ns, who, who, who), binding(ns, f"ddpjobs-{who}", "ddpjobs-only", who)]
     cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(rbac))
     for who in (reader, all_reader):
         wait_for(lambda: cluster.kubectl("auth", "can-i", "get", f"secret/{SECRET}", "-n", ns, "--as", who,
                                          check=False).stdout.strip() == "yes", timeout=30, desc=f"{who}'s RBAC")
     return reader, all_reader
-
-
-def role(ns, name, rule):
-    return {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
-            "metadata": {"name": name, "namespace": ns}, "rules": [rule]}
-
-
-def binding(ns, name, role_name, user):
-    return {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
-            "metadata": {"name": name, "namespace": ns},
-            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": role_name},
-            "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": user}]}
-
-
-def job(name="job", **spec):
-    return {"apiVersion": "ddpjob.dev/v1alpha1", "kind": "DDPJob", "metadata": {"name": name},
-            "spec": {"image": "reg/trainer:1", "nodes": 1, **spec}}
 
 
 def create(cluster, ns, user, obj, *, dry_run=True):
@@ -329,6 +289,14 @@ def test_the_number_of_secrets_is_bounded_unless_the_user_may_get_them_all(clust
     assert proc.returncode != 0 and f"at most {MAX_SECRETS} distinct Secrets" in proc.stderr, proc.stderr
     proc = create(cluster, ns, all_reader, many([f"x{i}" for i in range(3 * MAX_SECRETS)]))
     assert proc.returncode == 0, proc.stderr
+    # A kind of its own has its own, smaller bound within the 20, on the same terms.
+    configs = [f"c{i}" for i in range(MAX_CONFIGMAPS + 1)]
+    proc = create(cluster, ns, reader, job(envFrom=[{"configMapRef": {"name": n}} for n in configs[:-1]]))
+    assert proc.returncode == 0, proc.stderr
+    proc = create(cluster, ns, reader, job(envFrom=[{"configMapRef": {"name": n}} for n in configs]))
+    assert proc.returncode != 0 and f"at most {MAX_CONFIGMAPS} ConfigMaps" in proc.stderr, proc.stderr
+    proc = create(cluster, ns, all_reader, job(envFrom=[{"configMapRef": {"name": f"x{i}"}} for i in range(30)]))
+    assert proc.returncode == 0, proc.stderr
 
 
 def test_other_namespaces_are_not_bound(cluster, tenant, api):
@@ -353,7 +321,7 @@ RDMA_RESOURCE = "rdma/ib"
 def rdma_tenant(cluster, tenant, tmp_path_factory):
     """(namespace, user): the default profile with tenantPolicy.rdmaResources=[rdma/ib]."""
     user = f"{tenant[1]}-rdma"
-    with bound_profile(cluster, tmp_path_factory, user, {"rdmaResources": [RDMA_RESOURCE]}) as ns:
+    with bound_profile(cluster, tmp_path_factory.mktemp("rdma"), user, {"rdmaResources": [RDMA_RESOURCE]}) as ns:
         yield ns, user
 
 

@@ -223,7 +223,8 @@ CLUSTER_SCOPED = ("ClusterRole", "ClusterRoleBinding", "ValidatingAdmissionPolic
 def test_defaults_render_a_recreate_deployment_with_cluster_rbac():
     docs = render()
     assert kinds(docs) == ["ClusterRole", "ClusterRoleBinding", "Deployment", "Service", "ServiceAccount",
-                           "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"]
+                           "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding",
+                           "ValidatingAdmissionPolicyBinding"]
     dep = one(docs, "Deployment")
     assert dep["spec"]["replicas"] == 1
     assert dep["spec"]["strategy"] == {"type": "Recreate"}
@@ -461,29 +462,73 @@ def test_helm_package_holds_the_chart_and_nothing_else(tmp_path):
     assert not [n for n in names if "__pycache__" in n or n.endswith((".pyc", ".swp", "~"))]
 
 
-# --- tenant policy (ValidatingAdmissionPolicy per profile) ----------------------------------------
+# --- tenant policy (two ValidatingAdmissionPolicies per profile) --------------------------------
 
-def test_tenant_policy_default_profile_is_baseline_with_empty_allow_lists():
+def policies(docs: list[dict]) -> tuple[dict[str, dict], dict[str, dict]]:
+    """({profile: fields policy spec}, {profile: refs policy spec}) of the rendered documents."""
+    fields, refs = {}, {}
+    prefix = f"{RELEASE}-ddpjob-operator-"
+    for d in docs:
+        if d["kind"] == "ValidatingAdmissionPolicy":
+            name = d["metadata"]["name"].removeprefix(prefix)
+            if name.endswith("-refs"):
+                refs[name.removesuffix("-refs")] = d["spec"]
+            else:
+                fields[name] = d["spec"]
+    return fields, refs
+
+
+def lists_of(spec: dict) -> dict[str, object]:
+    """The policy's variables that are plain JSON lists (the allow-lists), parsed."""
+    out = {}
+    for v in spec["variables"]:
+        try:
+            out[v["name"]] = json.loads(v["expression"])
+        except ValueError:
+            pass
+    return out
+
+
+def test_tenant_policy_default_profile_is_baseline_with_its_allow_lists():
     docs = render()
-    vap = one(docs, "ValidatingAdmissionPolicy")
-    binding = one(docs, "ValidatingAdmissionPolicyBinding")
-    assert binding["spec"]["policyName"] == vap["metadata"]["name"]
-    assert binding["spec"]["validationActions"] == ["Deny"]
-    # Namespaces that carry a profile label of their own are left to that profile.
-    assert binding["spec"]["matchResources"]["namespaceSelector"] == {
-        "matchExpressions": [{"key": "ddpjob.dev/tenant-profile", "operator": "DoesNotExist"}]}
-    assert vap["spec"]["failurePolicy"] == "Fail"
-    assert vap["spec"]["matchConstraints"]["resourceRules"][0]["resources"] == ["ddpjobs"]
-    lists = ("allowedCapabilities", "serviceAccounts", "priorityClasses")
-    variables = {v["name"]: json.loads(v["expression"]) for v in vap["spec"]["variables"] if v["name"] in lists}
-    assert variables["serviceAccounts"] == [] and variables["priorityClasses"] == []
-    assert "SYS_ADMIN" not in variables["allowedCapabilities"] and "CHOWN" in variables["allowedCapabilities"]
-    text = json.dumps(vap["spec"]["validations"])
+    vaps = {d["metadata"]["name"]: d for d in docs if d["kind"] == "ValidatingAdmissionPolicy"}
+    binds = {d["metadata"]["name"]: d for d in docs if d["kind"] == "ValidatingAdmissionPolicyBinding"}
+    assert set(vaps) == set(binds) == {f"{RELEASE}-ddpjob-operator-baseline", f"{RELEASE}-ddpjob-operator-baseline-refs"}
+    for name, binding in binds.items():
+        assert binding["spec"]["policyName"] == name
+        assert binding["spec"]["validationActions"] == ["Deny"]
+        # Namespaces that carry a profile label of their own are left to that profile.
+        assert binding["spec"]["matchResources"]["namespaceSelector"] == {
+            "matchExpressions": [{"key": "ddpjob.dev/tenant-profile", "operator": "DoesNotExist"}]}
+        vap = vaps[name]["spec"]
+        assert vap["failurePolicy"] == "Fail"
+        assert vap["matchConstraints"]["resourceRules"][0]["resources"] == ["ddpjobs"]
+        # UPDATE is checked when the spec changes (a tenant's patch), not on the operator's metadata updates.
+        assert vap["matchConstraints"]["resourceRules"][0]["operations"] == ["CREATE", "UPDATE"]
+        assert [m["expression"] for m in vap["matchConditions"]] == [
+            "request.operation == 'CREATE' || object.spec != oldObject.spec"]
+    fields, _ = policies(docs)
+    lists = lists_of(fields["baseline"])
+    assert lists["serviceAccounts"] == [] and lists["priorityClasses"] == [] and lists["runtimeClasses"] == []
+    assert lists["schedulers"] == [] and lists["tolerations"] == ["nvidia.com/gpu"]
+    assert "nvidia.com/*" in lists["nodeSelectorKeys"] and "kubernetes.io/hostname" not in lists["nodeSelectorKeys"]
+    assert "SYS_ADMIN" not in lists["allowedCapabilities"] and "CHOWN" in lists["allowedCapabilities"]
+    # Allow, don't deny: what a training pod needs, by name; nodeName and friends are not in it.
+    assert {"containers", "initContainers", "volumes", "affinity", "tolerations"} <= set(lists["podFields"])
+    assert not {"nodeName", "schedulingGates", "ephemeralContainers", "overhead", "priority"} & set(lists["podFields"])
+    assert not {"stdin", "tty"} & set(lists["containerFields"])
+    assert not {"hostPath", "nfs", "gitRepo", "clusterTrustBundle", "podCertificate"} & set(lists["volumeTypes"])
+    assert lists["nvidiaEnv"][:2] == ["NVIDIA_VISIBLE_DEVICES", "NVIDIA_DRIVER_CAPABILITIES"]
+    text = json.dumps(fields["baseline"]["validations"])
     for field in ("privileged", "hostPath", "capabilities.add", "hostProcess", "procMount", "seccompProfile",
-                  "appArmorProfile", "seLinuxOptions", "sysctls", "serviceAccountName", "priorityClassName"):
+                  "appArmorProfile", "seLinuxOptions", "sysctls", "serviceAccountName", "priorityClassName",
+                  "podFieldsRefused", "containerFieldsRefused", "volumeTypesRefused", "tokensRefused",
+                  "nvidiaEnvRefused", "runtimeClassRefused", "tolerationsRefused", "schedulerRefused",
+                  "nodeSelectionRefused", "schedulingKeysRefused", "dataSourcesRefused", "securityAnnotationsRefused",
+                  "probeHostsRefused", "object.spec.nodes <= 256"):
         assert field in text, field
     # spec.template can say all of it again, for any of its containers, and host namespaces and ports too.
-    template = [v["message"] for v in vap["spec"]["validations"] if v["message"].startswith("spec.template")]
+    template = [v["message"] for v in fields["baseline"]["validations"] if v["message"].startswith("spec.template")]
     for field in ("hostNetwork", "hostPort", "hostPath", "privileged", "capabilities.add", "hostProcess", "procMount",
                   "seccompProfile", "appArmorProfile", "seLinuxOptions", "sysctls", "serviceAccountName",
                   "priorityClassName"):
@@ -499,32 +544,64 @@ def test_tenant_policy_profiles_per_namespace_label(tmp_path):
                   tmp_path=tmp_path)
     vaps = {d["metadata"]["name"]: d for d in docs if d["kind"] == "ValidatingAdmissionPolicy"}
     binds = {d["metadata"]["name"]: d for d in docs if d["kind"] == "ValidatingAdmissionPolicyBinding"}
-    assert set(vaps) == set(binds) == {f"{RELEASE}-ddpjob-operator-strict", f"{RELEASE}-ddpjob-operator-trusted"}
-    trusted = json.dumps(vaps[f"{RELEASE}-ddpjob-operator-trusted"]["spec"]["validations"])
-    assert "privileged" not in trusted and "serviceAccountName" not in trusted  # "*": any account
-    assert "hostNetwork" not in trusted
+    assert set(vaps) == set(binds) == {f"{RELEASE}-ddpjob-operator-{p}{s}" for p in ("strict", "trusted")
+                                       for s in ("", "-refs")}
+    fields, _ = policies(docs)
+    trusted = json.dumps(fields["trusted"]["validations"])
+    sa_check = "object.spec.serviceAccountName in variables.serviceAccounts"
+    assert "privileged" not in trusted and sa_check not in trusted  # "*": any account
+    assert "hostNetwork" not in trusted and "probeHostsRefused" not in trusted
     assert "priorityClassName" in trusted
+    # The allow-list and the classes that are not Pod Security's hold in every profile.
+    assert "podFieldsRefused" in trusted and "tokensRefused" in trusted and "schedulingKeysRefused" in trusted
     assert binds[f"{RELEASE}-ddpjob-operator-trusted"]["spec"]["validationActions"] == ["Warn", "Audit"]
+    assert binds[f"{RELEASE}-ddpjob-operator-trusted-refs"]["spec"]["validationActions"] == ["Warn", "Audit"]
 
 
 def test_tenant_policy_allow_lists_for_every_profile(tmp_path):
-    """tenantPolicy.serviceAccounts / priorityClasses (an IRSA or Workload Identity account, say)
-    join each profile's own lists; a profile that allows any ("*") still does."""
-    profiles = [{"name": "team", "serviceAccounts": ["trainer"],
+    """tenantPolicy.serviceAccounts / priorityClasses / runtimeClasses / schedulers / tolerations /
+    nodeSelectorKeys (a cloud identity's account, a platform's node pool) join each profile's own
+    lists; a profile that allows any ("*") still does, and loses that validation."""
+    profiles = [{"name": "team", "serviceAccounts": ["trainer"], "tolerations": ["nvidia.com/gpu"],
                  "namespaceSelector": {"matchLabels": {"ddpjob.dev/tenant-profile": "team"}}},
-                {"name": "trusted", "serviceAccounts": ["*"],
+                {"name": "trusted", "serviceAccounts": ["*"], "tolerations": ["*"], "schedulers": ["*"],
+                 "nodeSelectorKeys": ["*"], "podFields": ["*"], "containerFields": ["*"], "volumeTypes": ["*"],
                  "namespaceSelector": {"matchLabels": {"ddpjob.dev/tenant-profile": "trusted"}}}]
     # --set as docs/install.md and docs/shared-cluster.md write it
     docs = render("tenantPolicy.serviceAccounts={s3-reader,trainer}", "tenantPolicy.priorityClasses={research-high}",
+                  "tenantPolicy.runtimeClasses={nvidia-cdi}", "tenantPolicy.schedulers={volcano}",
+                  "tenantPolicy.tolerations={dedicated:NoSchedule}", "tenantPolicy.nodeSelectorKeys={pool}",
                   values={"tenantPolicy": {"profiles": profiles}}, tmp_path=tmp_path)
-    vaps = {d["metadata"]["name"]: d["spec"] for d in docs if d["kind"] == "ValidatingAdmissionPolicy"}
-    lists = {name: {v["name"]: json.loads(v["expression"]) for v in spec["variables"]
-                    if v["name"] in ("serviceAccounts", "priorityClasses")} for name, spec in vaps.items()}
-    assert lists[f"{RELEASE}-ddpjob-operator-team"] == {"serviceAccounts": ["s3-reader", "trainer"],
-                                                        "priorityClasses": ["research-high"]}
-    trusted = vaps[f"{RELEASE}-ddpjob-operator-trusted"]
-    assert "serviceAccountName" not in json.dumps(trusted["validations"])
-    assert "priorityClassName" in json.dumps(trusted["validations"])
+    fields, _ = policies(docs)
+    team = lists_of(fields["team"])
+    assert {k: team[k] for k in ("serviceAccounts", "priorityClasses", "runtimeClasses", "schedulers", "tolerations",
+                                 "nodeSelectorKeys")} == {
+        "serviceAccounts": ["s3-reader", "trainer"], "priorityClasses": ["research-high"],
+        "runtimeClasses": ["nvidia-cdi"], "schedulers": ["volcano"],
+        "tolerations": ["dedicated:NoSchedule", "nvidia.com/gpu"], "nodeSelectorKeys": ["pool"]}
+    trusted = json.dumps(fields["trusted"]["validations"])
+    for gone in ("object.spec.serviceAccountName in variables.serviceAccounts", "tolerationsRefused", "schedulerRefused", "nodeSelectionRefused",
+                 "podFieldsRefused", "containerFieldsRefused", "volumeTypesRefused"):
+        assert gone not in trusted, gone
+    # Tokens need a named account whatever the list says; a runtime class needs GPUs even with "*".
+    assert "tokensRefused" in trusted and "runtimeClassRefused" in trusted
+    assert "priorityClassName" in trusted
+
+
+def test_tenant_policy_profile_openings(tmp_path):
+    """A profile opens a class deliberately: nvidiaEnv names toolkit variables it allows, hostNetwork
+    lets a baseline profile's template use the host's network, podFields add PodSpec fields,
+    maxNodes bounds a job (unset: only the CRD's 10000)."""
+    profiles = [{"name": "video", "baseline": True, "nvidiaEnv": ["NVIDIA_DRIVER_CAPABILITIES"], "hostNetwork": True,
+                 "podFields": ["nodeName"], "namespaceSelector": {}}]
+    fields, _ = policies(render(values={"tenantPolicy": {"profiles": profiles}}, tmp_path=tmp_path))
+    spec = fields["video"]
+    lists = lists_of(spec)
+    assert "NVIDIA_DRIVER_CAPABILITIES" not in lists["nvidiaEnv"] and "NVIDIA_VISIBLE_DEVICES" in lists["nvidiaEnv"]
+    assert "nodeName" in lists["podFields"]
+    host = [v for v in spec["validations"] if "hostPID" in v["expression"]]
+    assert len(host) == 1 and "hostNetwork" not in host[0]["expression"]
+    assert "object.spec.nodes <=" not in json.dumps(spec["validations"])
 
 
 def test_tenant_policy_rdma_resources_per_profile_and_for_all(tmp_path):
@@ -534,37 +611,59 @@ def test_tenant_policy_rdma_resources_per_profile_and_for_all(tmp_path):
     def rdma_check(spec):
         return [v for v in spec["validations"] if "object.spec.rdma" in v["expression"]]
 
-    default = one(render(), "ValidatingAdmissionPolicy")["spec"]
+    default = policies(render())[0]["baseline"]
     (check,) = rdma_check(default)
     assert "tenantPolicy.rdmaResources" in check["message"] and "tenantPolicy.rdmaResources" in check["messageExpression"]
-    assert {v["name"]: v["expression"] for v in default["variables"]}["rdmaResources"] == "[]"
+    assert lists_of(default)["rdmaResources"] == []
     profiles = [{"name": "team", "baseline": True, "rdmaResources": ["rdma/hca_shared_devices_a"],
                  "namespaceSelector": {"matchLabels": {"ddpjob.dev/tenant-profile": "team"}}},
                 {"name": "any", "baseline": True, "rdmaResources": ["*"],
                  "namespaceSelector": {"matchLabels": {"ddpjob.dev/tenant-profile": "any"}}},
                 {"name": "trusted", "baseline": False,
                  "namespaceSelector": {"matchLabels": {"ddpjob.dev/tenant-profile": "trusted"}}}]
-    docs = render("tenantPolicy.rdmaResources={rdma/ib}", values={"tenantPolicy": {"profiles": profiles}},
-                  tmp_path=tmp_path)
-    vaps = {d["metadata"]["name"].rsplit("-", 1)[-1]: d["spec"] for d in docs if d["kind"] == "ValidatingAdmissionPolicy"}
-    team = {v["name"]: v["expression"] for v in vaps["team"]["variables"]}
-    assert json.loads(team["rdmaResources"]) == ["rdma/ib", "rdma/hca_shared_devices_a"]
+    vaps, _ = policies(render("tenantPolicy.rdmaResources={rdma/ib}", values={"tenantPolicy": {"profiles": profiles}},
+                              tmp_path=tmp_path))
+    assert lists_of(vaps["team"])["rdmaResources"] == ["rdma/ib", "rdma/hca_shared_devices_a"]
     assert rdma_check(vaps["team"]) and not rdma_check(vaps["any"]) and not rdma_check(vaps["trusted"])
 
 
-def test_tenant_policy_checks_secrets_in_every_profile(tmp_path):
-    """The Secret check is about the user, not the namespace: a profile without baseline has it too.
-    An authorization check costs 350000 of the API server's 1000000 per expression, so none of
-    the policy's expressions may make more than one. (Where a pod names a Secret, and whether the
-    API server agrees: tests/cluster/test_tenant_policy.py.)"""
+def test_tenant_policy_checks_objects_in_every_profile_within_the_cel_budget(tmp_path):
+    """The objects check is about the user, not the namespace: a profile without baseline has it too,
+    in a policy of its own (each policy has its own CEL budget). An authorization check costs 350000
+    of the API server's 1000000 per expression and 10000000 per policy and request, so no expression
+    makes more than one, and one request at most 6 (one per kind: may the user get them all?) + 20."""
     profiles = [{"name": "open", "baseline": False, "serviceAccounts": ["*"], "priorityClasses": ["*"],
                  "namespaceSelector": {}}]
-    spec = one(render(values={"tenantPolicy": {"profiles": profiles}}, tmp_path=tmp_path),
-               "ValidatingAdmissionPolicy")["spec"]
-    checks = [v for v in spec["validations"] if "resource('secrets')" in v["expression"]]
-    assert checks and all("secretsToCheck" in v["messageExpression"] for v in checks)
+    fields, refs = policies(render(values={"tenantPolicy": {"profiles": profiles}}, tmp_path=tmp_path))
+    spec = refs["open"]
+    assert ".check(" not in json.dumps(fields["open"])
+    kinds_checked = {v["name"] for v in spec["variables"] if ".check(" in v["expression"]}
+    assert kinds_checked == {f"readsAll{k}" for k in ("Secret", "ConfigMap", "PersistentVolumeClaim", "VolumeSnapshot",
+                                                      "ResourceClaim", "ResourceClaimTemplate")}
+    # A validation per object that a request may add, per kind (a message expression may read no
+    # variable that asks the authorizer: each names its object from that kind's plain list) ...
+    per_object = [v for v in spec["validations"] if ".check(" in v["expression"]]
+    assert len(per_object) == 20 + 10 + 10 + 4 + 4 + 4
+    assert all("variables.toCheck" in v["messageExpression"] and "unread" not in v["messageExpression"]
+               for v in per_object)
     exprs = [v["expression"] for v in spec["variables"] + spec["validations"]]
     assert all(e.count(".check(") <= 1 for e in exprs)
+    # ... but each asks only within the budget: 20 objects whose kind the user may not read whole.
+    budget = next(v["expression"] for v in spec["variables"] if v["name"] == "withinBudget")
+    assert "size(variables.unread) <= 20" in budget and all("!variables.withinBudget" in v["expression"] for v in per_object)
+    assert len(kinds_checked) + 20 <= 10_000_000 // 350_000
+
+
+def test_tenant_quota_is_off_by_default_and_one_per_tenant_namespace():
+    assert "ResourceQuota" not in kinds(render())
+    docs = render("tenantQuota.enabled=true", "operator.watchNamespaces={team-a,team-b}")
+    quotas = {d["metadata"]["namespace"]: d for d in docs if d["kind"] == "ResourceQuota"}
+    assert set(quotas) == {"team-a", "team-b"}
+    assert quotas["team-a"]["spec"]["hard"] == {"count/pods": "256", "requests.nvidia.com/gpu": "64"}
+    docs = render("tenantQuota.enabled=true", "tenantQuota.namespaces={ml}", "tenantQuota.hard.count/pods=32")
+    (quota,) = [d for d in docs if d["kind"] == "ResourceQuota"]
+    assert quota["metadata"]["namespace"] == "ml" and quota["spec"]["hard"]["count/pods"] == "32"
+    assert "tenantQuota.namespaces" in render_error("tenantQuota.enabled=true")
 
 
 def test_tenant_policy_can_be_switched_off():

@@ -39,7 +39,8 @@ def test_operator_yaml_is_namespace_rbac_deployment_service():
                                                "pod-security.kubernetes.io/enforce": "restricted"}}}
     assert sorted(d["kind"] for d in docs[1:]) == \
         ["ClusterRole", "ClusterRoleBinding", "Deployment", "Service", "ServiceAccount",
-         "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"]
+         "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding",
+         "ValidatingAdmissionPolicyBinding"]
     for d in docs[1:]:
         if d["kind"] not in ("ClusterRole", "ClusterRoleBinding", "ValidatingAdmissionPolicy",
                              "ValidatingAdmissionPolicyBinding"):

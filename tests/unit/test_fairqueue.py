@@ -156,3 +156,79 @@ def test_the_k8s_facade_reads_a_gone_object_as_none(status, gone):
     assert paths == ["GET /apis/ddpjob.dev/v1alpha1/namespaces/ns/ddpjobs/j", "GET /api/v1/namespaces/ns/pods/j-0",
                      "GET /api/v1/nodes/n1"]
     assert all(r is None for r in got) if gone else all(isinstance(r, ApiException) and r.status == status for r in got)
+
+
+# --- tenants first: (namespace, job) keys ------------------------------------------------------
+
+@pytest.mark.parametrize("slots, requests, want", [
+    # Tenant a floods with three jobs, b has one: b gets every other slot, not every fourth.
+    (1, [("a", "1")] * 2 + [("a", "2")] * 2 + [("a", "3")] * 2 + [("b", "x")] * 3,
+     ["a/1", "a/1", "b/x", "a/2", "b/x", "a/3", "b/x", "a/2", "a/3"]),
+    # Within a tenant, its jobs take turns as before.
+    (1, [("a", "1")] * 3 + [("a", "2")] * 2, ["a/1", "a/1", "a/2", "a/1", "a/2"]),
+    # Three tenants, one job each: round-robin.
+    (1, [("a", "1")] * 3 + [("b", "1")] + [("c", "1")] * 2, ["a/1", "a/1", "b/1", "c/1", "a/1", "c/1"]),
+])
+def test_waiting_requests_are_served_one_tenant_at_a_time_then_one_job_at_a_time(slots, requests, want):
+    async def main():
+        fair, order = FairSlots(slots), []
+
+        async def one(key):
+            async with fair.slot(key):
+                order.append("/".join(key))
+                await asyncio.sleep(0.001)
+
+        await asyncio.gather(*(one(k) for k in requests))
+        return order
+
+    assert asyncio.run(main()) == want
+
+
+def test_a_tenant_with_many_jobs_gets_one_tenants_share():
+    """Ten busy jobs in one namespace against one job in another: the lone tenant's requests are
+    served at least as fast as the other tenant's all together (half the slots), while a per-job
+    rotation would give it one in eleven."""
+    async def main():
+        fair, order = FairSlots(2), []
+
+        async def one(key):
+            async with fair.slot(key):
+                order.append(key[0])
+                await asyncio.sleep(0.001)
+
+        flood = [("crowd", f"j{i}") for i in range(10) for _ in range(10)]
+        lone = [("lone", "j")] * 20
+        await asyncio.gather(*(one(k) for k in flood + lone))
+        return order
+
+    order = asyncio.run(main())
+    first_forty = order[:40]
+    assert first_forty.count("lone") >= 19, first_forty
+
+
+def test_a_cancelled_waiter_of_a_tenant_leaves_no_empty_turn():
+    async def main():
+        slots = FairSlots(1)
+        gate = asyncio.Event()
+
+        async def holder():
+            async with slots.slot(("a", "h")):
+                await gate.wait()
+
+        async def waiter(key):
+            async with slots.slot(key):
+                return key
+
+        h = asyncio.create_task(holder())
+        await asyncio.sleep(0)
+        gone = asyncio.create_task(waiter(("b", "1")))
+        served = asyncio.create_task(waiter(("c", "1")))
+        await asyncio.sleep(0)
+        gone.cancel()
+        await asyncio.sleep(0)
+        waiting = slots.waiting()
+        gate.set()
+        await h
+        return waiting, await served, slots.free, slots.waiting()
+
+    assert asyncio.run(main()) == (1, ("c", "1"), 1, 0)

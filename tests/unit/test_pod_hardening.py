@@ -101,3 +101,48 @@ def test_reserved_label_keys_never_reach_the_pod(key):
 def test_look_alike_keys_are_the_users():
     assert not labels.reserved("notddpjob.dev/x") and not labels.reserved("ddpjob.dev")
     assert labels.reserved("ddpjob.dev/x") and labels.reserved("a.ddpjob.dev/x")
+
+
+# What Prometheus' Kubernetes discovery makes of a pod label's key (__meta_kubernetes_pod_label_<this>).
+def prometheus_name(key: str) -> str:
+    import re
+
+    return re.sub(r"[^a-zA-Z0-9_]", "_", key)
+
+
+OURS = {prometheus_name(k) for k in (labels.JOB_NAME, labels.NODE_RANK, labels.ATTEMPT, labels.REPLACEMENT)}
+
+
+@pytest.mark.parametrize("key", ["ddpjob-dev/job-name", "ddpjob_dev_job_name", "ddpjob.dev.job-name",
+                                 "ddpjob-dev/node-rank", "ddpjob_dev/attempt", "ddpjob.dev_replacement"])
+def test_label_keys_prometheus_reads_as_ours_are_reserved_and_never_reach_the_pod(key):
+    """A look-alike label would land on the same meta label as the operator's own (which the
+    PodMonitor relabels into `ddpjob`, `node_rank`), and which one wins is arbitrary."""
+    assert prometheus_name(key) in OURS and labels.reserved_label(key)
+    pod = pod_of(podLabels={key: "victim", "team": "ml"}, template={"metadata": {"labels": {key: "victim"}}})
+    assert key not in pod["metadata"]["labels"] and pod["metadata"]["labels"]["team"] == "ml"
+    assert {prometheus_name(k) for k in pod["metadata"]["labels"]} & OURS == OURS - {prometheus_name(labels.REPLACEMENT)}
+
+
+@pytest.mark.parametrize("key", ["ddpjob-devx/job-name", "ddpjobdev/job-name", "team.ddpjob-dev.io/x", "DDPJOB_DEV_x",
+                                 "app.kubernetes.io/name", "ddpjob"])
+def test_other_label_keys_stay_the_users(key):
+    assert not labels.reserved_label(key)
+    assert pod_of(podLabels={key: "v"})["metadata"]["labels"][key] == "v"
+
+
+def test_the_crds_reserved_key_rules_are_the_operators_own_patterns():
+    """One home: the CRD's CEL rules for podLabels/podAnnotations and the template's labels and
+    annotations use exactly labels.RESERVED_LABEL_PATTERN / RESERVED_KEY_PATTERN (which
+    ddpjob render and --local filter with)."""
+    from ddpjob_trainer.crdschema import load_crd
+
+    spec = load_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
+    tpl = spec["template"]["properties"]["metadata"]["properties"]
+
+    def pattern(node):
+        (rule,) = node["x-kubernetes-validations"]
+        return rule["rule"].split("matches('", 1)[1].rsplit("')", 1)[0]
+
+    assert pattern(spec["podLabels"]) == pattern(tpl["labels"]) == labels.RESERVED_LABEL_PATTERN
+    assert pattern(spec["podAnnotations"]) == pattern(tpl["annotations"]) == labels.RESERVED_KEY_PATTERN

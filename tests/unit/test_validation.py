@@ -178,8 +178,8 @@ CEL_VIOLATIONS = {
     "spec.masterPort must be between 1 and 65535": {"spec": {"masterPort": 70000}},
     "spec.metricsPort must be between 1 and 65535": {"spec": {"metricsPort": 0}},
     "spec.shmSize must be a quantity such as 16Gi": {"spec": {"shmSize": "lots"}},
-    "spec.podLabels must not use ddpjob.dev/ keys (the operator's own labels)":
-        {"spec": {"podLabels": {"ddpjob.dev/job-name": "other"}}},
+    "spec.podLabels must not use ddpjob.dev/ keys, nor keys that Prometheus reads as one of them (ddpjob-dev/..., "
+    "ddpjob_dev_...): the operator's own labels": {"spec": {"podLabels": {"ddpjob-dev/job-name": "other"}}},
     "spec.podAnnotations must not use ddpjob.dev/ keys (the operator's own annotations)":
         {"spec": {"podAnnotations": {"x.ddpjob.dev/attempt": "9"}}},
     "spec.failurePolicy.maxRestarts must be >= 0": {"spec": {"failurePolicy": {"maxRestarts": -1}}},
@@ -201,8 +201,9 @@ CEL_VIOLATIONS = {
     "spec.template.spec.containers: the trainer container's image, command, args and terminationMessagePolicy "
     "are the operator's (spec.image, spec.command, spec.args; the launcher's termination message)":
         {"spec": {"template": {"spec": {"containers": [{"name": "trainer", "image": "other"}]}}}},
-    "spec.template.metadata.labels must not use ddpjob.dev/ keys (the operator's own labels)":
-        {"spec": {"template": {"metadata": {"labels": {"ddpjob.dev/node-rank": "0"}}}}},
+    "spec.template.metadata.labels must not use ddpjob.dev/ keys, nor keys that Prometheus reads as one of them "
+    "(ddpjob-dev/..., ddpjob_dev_...): the operator's own labels":
+        {"spec": {"template": {"metadata": {"labels": {"ddpjob_dev_node_rank": "0"}}}}},
     "spec.template.metadata.annotations must not use ddpjob.dev/ keys (the operator's own annotations)":
         {"spec": {"template": {"metadata": {"annotations": {"ddpjob.dev/restarts": "0"}}}}},
 }

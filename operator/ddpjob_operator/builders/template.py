@@ -143,7 +143,8 @@ def user_metadata(job: JobSpec, key: str, flat: str) -> dict[str, str]:
     """The template's labels or annotations (`key`) under the flat shorthand's (`flat`), without
     the operator's reserved keys: the operator's own labels and annotations go on top."""
     tpl = (pod_template(job).get("metadata") or {}).get(key)
-    return {**labels.user_keys(tpl), **labels.user_keys(job.spec.get(flat))}
+    label = key == "labels"
+    return {**labels.user_keys(tpl, label=label), **labels.user_keys(job.spec.get(flat), label=label)}
 
 
 def _merge(fields: dict[str, Layers], rules: dict[str, Rule], tpl: dict[str, Any],

@@ -82,8 +82,9 @@ def child_path(api_version: str, kind: str, namespace: str, name: str = "") -> s
 class K8s:
     """Async facade: raw JSON requests through the client's auth and connection pool,
     each run in a bounded thread pool (no model classes, so pass-through fields survive).
-    Requests are shared out fairly between jobs (`fairqueue`): a job creating thousands of pods
-    does not hold up another job's restart behind its backlog."""
+    Requests are shared out fairly between namespaces, then between each namespace's jobs
+    (`fairqueue`): a job creating thousands of pods does not hold up another job's restart behind
+    its backlog, nor a tenant with many jobs another tenant's."""
 
     def __init__(self, api: client.ApiClient | None = None, *, workers: int = IN_FLIGHT,
                  on_request: Callable[[str, str], None] | None = None):
