@@ -114,36 +114,74 @@ def complete_checkpoints(ckpt: Path) -> list[int]:
     return sorted(int(p.name.split("-")[1]) for p in ckpt.glob("step-*") if (p / MANIFEST).is_file())
 
 
-def test_a_stopped_pod_saves_a_checkpoint_mid_epoch(tmp_path):
-    """SIGTERM mid-epoch (a pod deleted or preempted): the ranks agree at the next step boundary,
-    the save fits in the grace (the epoch-end save measured it), so they save that step, a
-    complete checkpoint the next attempt loads (its resume in a pod: tests/realpods/test_pod_stop),
-    and end 143. Checkpoints only at epoch ends (everySteps 0), steps slowed a little so the
-    signal lands well inside epoch 1."""
-    from ddpjob_trainer.checkpointing.checkpoint import load_shared_state, verify
+def stop_at(tmp_path, step: int, *, after=None, env_extra: dict[str, str] | None = None):
+    """A pod's launcher (checkpoints every 5 steps) whose ranks wait for SIGTERM at `step`'s boundary
+    (DDPJOB_DEBUG_AWAIT_SIGTERM), before their stop ballot: SIGTERM is sent once rank 0 waits there
+    and `after(checkpoint dir)` holds, so the stop lands at a known step, never by a race. Their
+    vote, one step behind, decides at the next boundary, `step` + 1. (exit code, log, checkpoint dir)."""
+    from ddpjob_trainer.debug import AWAIT_LINE
 
     port = free_ports(1)[0]
-    proc, target, work = start_pod_launcher(tmp_path, metrics_port=port, every_steps=0,
-                                            env_extra={"DDPJOB_DEBUG_STEP_SLEEP": "0.05"})
-    marker, ckpt = f"{work}/", work / "ckpt"
+    proc, target, work = start_pod_launcher(tmp_path, metrics_port=port, every_steps=5,
+                                            env_extra={"DDPJOB_DEBUG_AWAIT_SIGTERM": str(step), **(env_extra or {})})
+    marker, ckpt, log = f"{work}/", work / "ckpt", tmp_path / "pod.log"
+    waiting = AWAIT_LINE.format(rank=0, step=step)
     try:
-        wait_for_moment(lambda: bool(complete_checkpoints(ckpt)), alive=lambda: proc.poll() is None,
-                        timeout=300, what="the first epoch's checkpoint")
-        (epoch_end,) = complete_checkpoints(ckpt)
+        wait_for_moment(lambda: waiting in log.read_text(errors="replace") and (after is None or after(ckpt)),
+                        alive=lambda: proc.poll() is None, timeout=300, what=f"the ranks waiting at step {step}")
         os.kill(target, signal.SIGTERM)
         proc.wait(timeout=120)
     finally:
         kill_run(proc, marker)
-    log = (tmp_path / "pod.log").read_text(errors="replace")
-    assert proc.returncode == 143, log[-3000:]
-    saved = re.search(r"stop requested \(SIGTERM\): saving a checkpoint at step (\d+) \(epoch 1, sample (\d+)\)", log)
-    assert saved, log[-3000:]
-    step, sample = int(saved.group(1)), int(saved.group(2))
-    # Mid-epoch 1: each step of epoch 1 took 2 ranks x 8 samples off the front of its order.
-    assert step > epoch_end and sample == (step - epoch_end) * 16 < 1438, (epoch_end, step, sample)
-    assert complete_checkpoints(ckpt) == [epoch_end, step], log[-3000:]
-    assert f"checkpoint {ckpt}/step-{step:08d} saved in" in log
+    return proc.returncode, log.read_text(errors="replace"), ckpt
+
+
+def saved_at(log: str, ckpt: Path, step: int) -> str:
+    """Why the stop saved `step` (epoch 0: 2 ranks x 8 samples a step), after asserting it did, into a
+    complete checkpoint of that position (what the next attempt loads: tests/realpods/test_pod_stop)."""
+    from ddpjob_trainer.checkpointing.checkpoint import load_shared_state, verify
+
+    sample = step * 16
+    saving = re.search(rf"stop requested \(SIGTERM\): saving a checkpoint at step {step} \(epoch 0, sample {sample}\): "
+                       r"(.*)", log)
+    assert saving, log[-3000:]
+    assert f"checkpoint {ckpt}/step-{step:08d} saved in" in log, log[-3000:]
     path = ckpt / f"step-{step:08d}"
     assert verify(path) is None
     state = load_shared_state(path)
-    assert (state["step"], state["epoch"], state["samples_done"]) == (step, 1, sample)
+    assert (state["step"], state["epoch"], state["samples_done"]) == (step, 0, sample)
+    return saving.group(1)
+
+
+def test_a_pod_stopped_before_its_first_checkpoint_saves_by_the_estimate(tmp_path):
+    """Nothing saved yet in the attempt (checkpoints every 5 steps, SIGTERM at step 2): the save is
+    judged by the state's bytes over the write speed measured at start, fits the grace, and step 3
+    is saved rather than everything since the start lost."""
+    code, log, ckpt = stop_at(tmp_path, 2)
+    assert code == 143, log[-3000:]
+    assert re.match(r"a save estimated at [\d.]+s \(.* at .*/s, .*\), [\d.]+s of the stop grace left$",
+                    saved_at(log, ckpt, 3))
+    assert complete_checkpoints(ckpt) == [3]
+
+
+def test_a_pod_stopped_just_after_a_save_saves_by_its_measured_time(tmp_path):
+    """SIGTERM once step 5's checkpoint is complete on disk, at step 6: its time is already the
+    vote's (recorded before its manifest), so step 7, the next boundary, is saved by the measured
+    time, whatever the background writer still does after publishing."""
+    code, log, ckpt = stop_at(tmp_path, 6, after=lambda ckpt: complete_checkpoints(ckpt) == [5])
+    assert code == 143, log[-3000:]
+    assert re.match(r"the last save took [\d.]+s \(measured\), [\d.]+s of the stop grace left$", saved_at(log, ckpt, 7))
+    assert complete_checkpoints(ckpt) == [5, 7]
+
+
+def test_a_pod_whose_save_cannot_fit_in_the_grace_does_not_save_and_says_why(tmp_path):
+    """Storage far too slow for the grace (DDPJOB_DEBUG_WRITE_BANDWIDTH: 1000 B/s, so the model's
+    ~0.7 MB would take minutes): no save is started, the log names the estimate and the time left,
+    and the pod still ends 143."""
+    code, log, ckpt = stop_at(tmp_path, 2, env_extra={"DDPJOB_DEBUG_WRITE_BANDWIDTH": "1000"})
+    assert code == 143, log[-3000:]
+    why = re.search(r"stop requested \(SIGTERM\) at step 3 \(epoch 0, sample 48\): no checkpoint saved: a save "
+                    r"estimated at ([\d.]+)s \(.* at 0.001 MB/s, .*\) and ([\d.]+)s of the stop grace is left", log)
+    assert why, log[-3000:]
+    assert float(why.group(1)) * 1.5 > float(why.group(2)) > 0
+    assert complete_checkpoints(ckpt) == [] and not list(ckpt.glob(".tmp-*"))

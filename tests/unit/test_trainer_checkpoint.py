@@ -8,8 +8,8 @@ import pytest
 import torch
 import xxhash
 
-from ddpjob_trainer.checkpointing.checkpoint import (Checkpointer, CheckpointUnreadable, check_resumable, load_shared_state,
-                                       optimizer_state, verify)
+from ddpjob_trainer.checkpointing.checkpoint import (MANIFEST, Checkpointer, CheckpointUnreadable, check_resumable,
+                                                    load_shared_state, optimizer_state, probe_write_bandwidth, verify)
 from ddpjob_trainer.errors import ConfigError
 from ddpjob_trainer.reporting import NullReporter
 
@@ -185,6 +185,32 @@ def test_async_save_writes_the_state_as_it_was_when_save_returned(tmp_path):
     assert verify(path) is None
     assert torch.equal(load_shared_state(path)["w"], torch.zeros(1000))
     assert not list(tmp_path.glob(".tmp-*"))
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_saves_time_is_recorded_before_its_manifest_can_be_seen(tmp_path, monkeypatch, async_save):
+    """The stop vote shares the last save's time (preempt.plan): a SIGTERM sent once a checkpoint is
+    complete on disk must find its time recorded, never race the writer for it (issue 52)."""
+    import os
+    ck = make(tmp_path, async_save=async_save)
+    at_publish = []
+    replace = os.replace
+
+    def watched(src, dst):
+        if Path(dst).name in (MANIFEST, "step-00000006"):  # the manifest written, the directory published
+            at_publish.append(ck.last_seconds)
+        return replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", watched)
+    save(ck, 6)
+    ck.wait()
+    assert len(at_publish) == 2 and all(s is not None and s > 0 for s in at_publish), at_publish
+    assert ck.last_seconds == at_publish[0]
+
+
+def test_the_write_probe_measures_the_directory_and_leaves_nothing(tmp_path):
+    assert probe_write_bandwidth(tmp_path / "new") > 0
+    assert list((tmp_path / "new").iterdir()) == []
 
 
 def test_async_save_failure_is_raised_by_the_next_wait(tmp_path):

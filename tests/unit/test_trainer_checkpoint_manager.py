@@ -8,6 +8,7 @@ import torch.distributed as dist
 
 from ddpjob_trainer.checkpointing.manager import CheckpointManager, TrainState, saved_position
 from ddpjob_trainer.checkpointing.snapshot import read_cost
+from ddpjob_trainer.checkpointing.storage import item_nbytes, read_index
 from ddpjob_trainer.config import parse_config
 from ddpjob_trainer.dist import DistContext
 from ddpjob_trainer.reporting import NullReporter
@@ -29,7 +30,7 @@ def group():
     dist.destroy_process_group()
 
 
-def manager(ctx, tmp_path, monkeypatch, *, every=0, snapshot_every=0, seed=0, log=None):
+def manager(ctx, tmp_path, monkeypatch, *, every=0, snapshot_every=0, seed=0, log=None, write_bandwidth=None):
     monkeypatch.setenv("DDPJOB_SNAPSHOT_DIR", str(tmp_path / "shm"))
     cfg = parse_config({"batchSize": 8, "checkpoint": {"dir": str(tmp_path / "ck"), "everySteps": every,
                                                        "snapshotEverySteps": snapshot_every, "asyncSave": False}})
@@ -40,7 +41,7 @@ def manager(ctx, tmp_path, monkeypatch, *, every=0, snapshot_every=0, seed=0, lo
     stages = []
     m = CheckpointManager(cfg, ctx, train_size=100, model=model, optimizer=opt, scheduler=sched, log=log or NullReporter(),
                           telemetry=Telemetry.from_env(enabled=False), stage=stages.append,
-                          sync_buffers=lambda: stages.append("synced"))
+                          sync_buffers=lambda: stages.append("synced"), write_bandwidth=write_bandwidth)
     return m, stages
 
 
@@ -75,6 +76,26 @@ def test_a_step_is_saved_to_disk_once(group, tmp_path, monkeypatch):
     m, stages = manager(group, tmp_path, monkeypatch, every=5)
     assert m.maybe_save(TrainState(step=5), epoch_end=True)
     assert not m.save(TrainState(step=5)) and m.saved(5) and stages == ["checkpoint", "synced", "training"]
+
+
+def test_a_save_is_estimated_from_the_bytes_a_checkpoint_writes_over_the_measured_write_speed(group, tmp_path,
+                                                                                             monkeypatch):
+    """Before the attempt measured a save, a stop judges one by this estimate (preempt.plan): its
+    bytes are the tensors' that the checkpoint's shards then hold (model, momentum), its speed
+    the probe's at start, or the debug knob's stand-in."""
+    m, _ = manager(group, tmp_path, monkeypatch)
+    train(m)  # the optimizer's momentum exists from the first step on
+    st = TrainState(step=1)
+    est = m.estimate_save(st)
+    assert est.bandwidth == m.write_bandwidth > 0
+    m.save(st)
+    m.close(train_seconds=1.0)
+    items = read_index(tmp_path / "ck" / "step-00000001")["items"]
+    written = sum(item_nbytes(item) for item in items)  # the tensors' (pickled values, the config: 0)
+    assert est.nbytes == written == 2 * (3 * 2 + 2) * 4  # weight and bias, and their momentum, float32
+    slow, _ = manager(group, tmp_path / "slow", monkeypatch, write_bandwidth=1000.0)
+    train(slow)
+    assert slow.estimate_save(st).seconds == est.nbytes / 1000.0
 
 
 def test_resume_loads_the_newest_of_snapshot_and_disk_and_restores_it_exactly(group, tmp_path, monkeypatch):

@@ -32,3 +32,25 @@ def test_a_freeze_happens_at_its_step_in_the_ranks_first_start_only(monkeypatch,
             knobs.after_step(step)
     else:
         knobs.after_step(step)
+
+
+@pytest.mark.parametrize("env, step, waits", [
+    ({"DDPJOB_DEBUG_AWAIT_SIGTERM": "4"}, 4, True),
+    ({"DDPJOB_DEBUG_AWAIT_SIGTERM": "4"}, 3, False),
+    ({"DDPJOB_DEBUG_AWAIT_SIGTERM": "4", "DDPJOB_ATTEMPT": "1"}, 4, False),   # the next attempt goes on
+    ({}, 4, False),
+])
+def test_a_rank_waits_for_sigterm_at_its_step_in_the_first_start_only(capsys, env, step, waits):
+    """Until SIGTERM is noted (here: the third look), announced on stderr for a test to wait on."""
+    looks = []
+    knobs = debug.Knobs.from_env(rank=1, env=env)
+    knobs.before_stop_vote(step, sigterm_noted=lambda: looks.append(1) or len(looks) >= 3)
+    assert len(looks) == (3 if waits else 0)
+    line = debug.AWAIT_LINE.format(rank=1, step=4)
+    assert (line in capsys.readouterr().err) is waits
+
+
+def test_the_write_bandwidth_stand_in_is_read_on_every_start():
+    assert debug.Knobs.from_env(rank=0, env={"DDPJOB_DEBUG_WRITE_BANDWIDTH": "1000",
+                                             "DDPJOB_ATTEMPT": "2"}).write_bandwidth == 1000.0
+    assert debug.Knobs.from_env(rank=0, env={}).write_bandwidth is None

@@ -1,4 +1,4 @@
-"""preempt.py's pure parts: the save-or-skip rule, the ballot's encoding, the stop budget, and the
+"""preempt.py's pure parts: the save-or-skip rule (measured or estimated), the ballot's encoding, the stop budget, and the
 SIGTERM note. The whole path (real torchrun ranks, a save on SIGTERM, the resume) is in
 tests/trainer/test_launcher_signals.py and tests/realpods/test_pod_stop.py."""
 from __future__ import annotations
@@ -12,16 +12,29 @@ import pytest
 from ddpjob_trainer import preempt, torchapi
 
 
-@pytest.mark.parametrize("left, last_save, step, saved, save, why", [
-    (20.0, 2.0, 0.5, False, True, "the last save took 2.0s, 19.5s of the stop grace left"),
-    (20.0, 2.0, 0.5, True, False, "already saved"),
-    (20.0, None, 0.5, False, False, "no checkpoint was saved yet in this attempt"),
-    (4.0, 2.0, 1.5, False, False, "the last save took 2.0s and 2.5s of the stop grace is left"),   # 3.0 > 2.5
-    (4.5, 2.0, 1.5, False, True, "3.0s of the stop grace left"),                                  # 3.0 fits 3.0
-    (1.0, 2.0, 5.0, False, False, "0.0s of the stop grace is left"),                              # past SIGKILL
+FAST = preempt.SaveEstimate(nbytes=1_000_000, bandwidth=100e6)  # 0.01 s
+SLOW = preempt.SaveEstimate(nbytes=4_000_000_000, bandwidth=200e6)  # 20 s
+
+
+@pytest.mark.parametrize("left, last_save, estimate, step, saved, save, why", [
+    (20.0, 2.0, FAST, 0.5, False, True, "the last save took 2.00s (measured), 19.5s of the stop grace left"),
+    (20.0, 2.0, FAST, 0.5, True, False, "already saved"),
+    (4.0, 2.0, FAST, 1.5, False, False,
+     "the last save took 2.00s (measured) and 2.5s of the stop grace is left"),                   # 3.0 > 2.5
+    (4.5, 2.0, FAST, 1.5, False, True, "3.0s of the stop grace left"),                            # 3.0 fits 3.0
+    (1.0, 2.0, FAST, 5.0, False, False, "0.0s of the stop grace is left"),                        # past SIGKILL
+    (20.0, 2.0, SLOW, 0.5, False, True, "the last save took 2.00s (measured)"),  # a measured save wins
+    # Before the attempt's first measured save: the estimate, bytes over the directory's write speed.
+    (20.0, None, FAST, 0.5, False, True, "a save estimated at 0.01s (1 MB at 100 MB/s, the checkpoint "
+     "directory's write speed; no save measured yet in this attempt), 19.5s of the stop grace left"),
+    (30.5, None, SLOW, 0.5, False, True, "a save estimated at 20.00s"),                           # 30.0 fits 30.0
+    (30.0, None, SLOW, 0.5, False, False, "a save estimated at 20.00s (4 GB at 200 MB/s, the checkpoint "
+     "directory's write speed; no save measured yet in this attempt) and 29.5s of the stop grace is left"),
+    (20.0, None, FAST, 0.5, True, False, "already saved"),
 ])
-def test_a_stop_saves_only_when_the_last_measured_save_fits_in_what_is_left(left, last_save, step, saved, save, why):
-    got, reason = preempt.plan(left=left, last_save=last_save, step_seconds=step, saved=saved)
+def test_a_stop_saves_when_the_measured_or_else_the_estimated_save_fits_in_what_is_left(
+        left, last_save, estimate, step, saved, save, why):
+    got, reason = preempt.plan(left=left, last_save=last_save, estimate=estimate, step_seconds=step, saved=saved)
     assert got is save and why in reason, reason
 
 

@@ -11,17 +11,27 @@ DDPJOB_DEBUG_FREEZE_STAGE="<rank>:<stage>"  that rank freezes on entering the st
                                             a job that hangs before its first step)
 DDPJOB_DEBUG_SAMPLE_LOG="<dir>"             every rank appends "<step> <epoch> <sample indices...>" for each
                                             step it took to <dir>/rank-<rank>.log (which samples were seen)
+DDPJOB_DEBUG_AWAIT_SIGTERM="<step>"         every rank, at that step's boundary, prints AWAIT_LINE and waits
+                                            until it has been sent SIGTERM, then casts its stop ballot: a
+                                            test places a stop at a known step without racing the training
+DDPJOB_DEBUG_WRITE_BANDWIDTH="<bytes/s>"    the checkpoint directory's write speed is taken to be this, not
+                                            measured (storage too slow for a stop's save, preempt.plan)
 
-The freezes, like the crash, happen in the first start of attempt 0 only: a restart (in place, by
-failurePolicy.restartOnHang, or of the group) recovers, as from a real one-off hang.
+The freezes, like the crash and the wait for SIGTERM, happen in the first start of attempt 0 only: a
+restart (in place, by failurePolicy.restartOnHang, or of the group) recovers, as from a real one-off hang.
 """
 from __future__ import annotations
 
 import os
+import sys
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 from . import contract
+
+# What a rank prints when it starts waiting for SIGTERM (a test waits for it): format with rank, step.
+AWAIT_LINE = "debug: rank {rank} at step {step} waits for SIGTERM"
 
 
 def _pair(value: str | None) -> tuple[int, float] | None:
@@ -41,6 +51,9 @@ class Knobs:
     crash_at: int | None = None
     freeze_stage: str | None = None
     sample_log: str | None = None
+    await_sigterm_at: int | None = None
+    write_bandwidth: float | None = None
+    rank: int = 0
 
     @classmethod
     def from_env(cls, *, rank: int, env=os.environ) -> "Knobs":
@@ -52,7 +65,10 @@ class Knobs:
         first_attempt = env.get(contract.ENV_ATTEMPT, "0") == "0" and env.get(contract.ENV_RESTART, "0") == "0"
         f_rank, _, f_stage = (env.get("DDPJOB_DEBUG_FREEZE_STAGE") or "").partition(":")
         log_dir = env.get("DDPJOB_DEBUG_SAMPLE_LOG")
-        return cls(sample_log=os.path.join(log_dir, f"rank-{rank}.log") if log_dir else None,
+        await_at = env.get("DDPJOB_DEBUG_AWAIT_SIGTERM")
+        return cls(sample_log=os.path.join(log_dir, f"rank-{rank}.log") if log_dir else None, rank=rank,
+                   await_sigterm_at=int(await_at) if await_at and first_attempt else None,
+                   write_bandwidth=float(env.get("DDPJOB_DEBUG_WRITE_BANDWIDTH") or 0) or None,
                    freeze_stage=f_stage if f_stage and f_rank == str(rank) and first_attempt else None,
                    sleep=sleep, slow_fetch=slow[1] if slow and slow[0] == rank else 0.0,
                    freeze_at=int(freeze[1]) if freeze and freeze[0] == rank and first_attempt else None,
@@ -77,6 +93,14 @@ class Knobs:
         if self.sample_log:
             with open(self.sample_log, "a") as f:
                 f.write(" ".join(map(str, [step, epoch, *indices])) + "\n")
+
+    def before_stop_vote(self, step: int, *, sigterm_noted: Callable[[], bool]) -> None:
+        """At `step`'s boundary, before this rank's stop ballot: wait there for SIGTERM when asked."""
+        if step != self.await_sigterm_at:
+            return
+        print(AWAIT_LINE.format(rank=self.rank, step=step), file=sys.stderr, flush=True)
+        while not sigterm_noted():
+            time.sleep(0.01)  # SIGTERM's handler runs on this thread, mid-sleep
 
     def at_stage(self, stage: str) -> None:
         """Apply the knobs once this rank has entered `stage`."""

@@ -209,9 +209,10 @@ class Trainer:
         self.opt = _build_optimizer(cfg, self.ddp.parameters())
         schedule = self.schedule  # a plain function: LambdaLR would save any other callable's attributes
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda step: schedule.factor(step))
-        self.ckpt = CheckpointManager(cfg, ctx, train_size=self.train_size, model=self.model, optimizer=self.opt,
-                                      scheduler=self.sched, log=log, telemetry=telemetry, stage=self.enter,
-                                      sync_buffers=self.sync_buffers) if cfg.checkpoint.dir else None
+        self.ckpt = CheckpointManager(
+            cfg, ctx, train_size=self.train_size, model=self.model, optimizer=self.opt, scheduler=self.sched, log=log,
+            telemetry=telemetry, stage=self.enter, sync_buffers=self.sync_buffers,
+            write_bandwidth=self.knobs.write_bandwidth) if cfg.checkpoint.dir else None
         self._synced_at: int | None = None
         # A stop (SIGTERM) is acted on at step boundaries only in a run that checkpoints: there
         # is nothing to save otherwise, and SIGTERM keeps its plain meaning.
@@ -296,16 +297,17 @@ class Trainer:
     def check_stop(self, step_seconds: float) -> None:
         """At a step boundary: when a rank was sent SIGTERM, save if the save fits in its grace
         (preempt.plan), then end this rank (preempt's docstring)."""
-        ckpt = self.ckpt
-        if self.stop_request is None or self.stop_vote is None or ckpt is None:
+        ckpt, request = self.ckpt, self.stop_request
+        if request is None or self.stop_vote is None or ckpt is None:
             return
-        agreed = self.stop_vote.cast(left=self.stop_request.left(), last_save=ckpt.last_seconds,
+        self.knobs.before_stop_vote(self.state.step, sigterm_noted=lambda: request.at is not None)
+        agreed = self.stop_vote.cast(left=request.left(), last_save=ckpt.last_seconds,
                                      step_seconds=step_seconds)
         if agreed is None or math.isinf(agreed.left):
             return
         self.stop_vote.finish()
-        save, why = preempt.plan(left=agreed.left, last_save=agreed.last_save, step_seconds=agreed.step_seconds,
-                                 saved=ckpt.saved(self.state.step))
+        save, why = preempt.plan(left=agreed.left, last_save=agreed.last_save, estimate=ckpt.estimate_save(self.state),
+                                 step_seconds=agreed.step_seconds, saved=ckpt.saved(self.state.step))
         where = f"step {self.state.step} (epoch {self.state.epoch}, sample {self.state.samples_done})"
         if save:
             self.log.info(f"stop requested (SIGTERM): saving a checkpoint at {where}: {why}")
@@ -316,7 +318,7 @@ class Trainer:
                           f"{ckpt.last_seconds:.2f}s; the next attempt resumes from it")
         else:
             self.log.info(f"stop requested (SIGTERM) at {where}: no checkpoint saved: {why}")
-        if self.stop_request.at is not None:
+        if request.at is not None:
             raise Terminated(signal.SIGTERM)
         raise PeerStopped(f"rank {self.ctx.rank} stops with its group: a rank on another node was sent SIGTERM "
                           f"at {where}" + (" (checkpoint saved)" if save else ""))

@@ -7,7 +7,9 @@ a collective, and a checkpoint is a collective of every rank, most of which (on 
 no signal. So at every step boundary the ranks share, over a gloo group of their own and one step
 behind (the all-reduce runs while the next step does), the least time any rank has left, the
 longest last save and the longest step (`StopVote`). Every rank then decides alike (`plan`):
-save when the last measured save, with a margin, fits in what is left; otherwise say why not.
+save when the last measured save, with a margin, fits in what is left; before the attempt has
+measured one, when the estimate from the state's bytes and the checkpoint directory's write speed
+(`SaveEstimate`, the same on every rank) does; otherwise say why not, with both numbers.
 Then the signalled ranks end as stopped (143) and the others fail (errors.PeerStopped) to be restarted
 with the group; the next attempt resumes from the newest complete checkpoint, this one.
 """
@@ -26,8 +28,9 @@ import torch.distributed as dist
 
 from . import contract, torchapi
 
-# A save estimated from the last one must fit this many times over in what is left: a write to
-# shared storage varies, and a checkpoint cut off by SIGKILL is lost (the previous one is used).
+# A save, judged by the last one's time or by SaveEstimate, must fit this many times over in what
+# is left: a write to shared storage varies, and a checkpoint cut off by SIGKILL is lost (the
+# previous one is used).
 SAVE_MARGIN = 1.5
 
 
@@ -42,23 +45,50 @@ def stop_budget(env: Mapping[str, str] = os.environ) -> float:
     return min(grace, torchapi.torchrun_shutdown_seconds(env))
 
 
-def plan(*, left: float, last_save: float | None, step_seconds: float, saved: bool) -> tuple[bool, str]:
+@dataclass(frozen=True)
+class SaveEstimate:
+    """A save's time before the attempt measured one: the state's bytes (model, optimizer and
+    scheduler, as the host copy holds them) over the write speed measured when the checkpoint
+    directory was opened (checkpointing/manager.py). Every rank's share counted at one writer's
+    speed: right where the ranks share the storage's bandwidth, long where it grows with writers.
+    It leaves out fixed costs, chiefly the first save's import of torch's DCP (1.8 s on a busy
+    2-core machine): a grace of a few seconds holds them."""
+
+    nbytes: int
+    bandwidth: float  # bytes per second
+
+    @property
+    def seconds(self) -> float:
+        return self.nbytes / self.bandwidth
+
+    def __str__(self) -> str:
+        return (f"a save estimated at {self.seconds:.2f}s ({_size(self.nbytes)} at {_size(self.bandwidth)}/s, the "
+                "checkpoint directory's write speed; no save measured yet in this attempt)")
+
+
+def _size(n: float) -> str:
+    return f"{n / 1e9:.3g} GB" if n >= 1e9 else f"{n / 1e6:.3g} MB"
+
+
+def plan(*, left: float, last_save: float | None, estimate: SaveEstimate, step_seconds: float,
+         saved: bool) -> tuple[bool, str]:
     """Whether to save on a stop, and why (the same inputs on every rank: the same answer).
 
     `left`: the least time any rank had left when the vote was cast, a step ago (`step_seconds`,
     the longest step, is taken off it); `last_save`: the longest whole save (write included) of
-    the last checkpoint this attempt wrote, None before its first; `saved`: this step's
-    checkpoint exists already."""
+    the last checkpoint this attempt wrote, None before its first (then `estimate` is used);
+    `saved`: this step's checkpoint exists already."""
     if saved:
         return False, "this step's checkpoint is already saved"
-    if last_save is None:
-        return False, "no checkpoint was saved yet in this attempt, so there is no save time to judge by"
+    if last_save is not None:
+        need, what = last_save, f"the last save took {last_save:.2f}s (measured)"
+    else:
+        need, what = estimate.seconds, str(estimate)
     now_left = left - step_seconds
-    need = last_save * SAVE_MARGIN
-    if need > now_left:
-        return False, (f"the last save took {last_save:.1f}s and {max(now_left, 0.0):.1f}s of the stop grace "
-                       f"is left (a save needs {SAVE_MARGIN:g}x its last time)")
-    return True, f"the last save took {last_save:.1f}s, {now_left:.1f}s of the stop grace left"
+    if need * SAVE_MARGIN > now_left:
+        return False, (f"{what} and {max(now_left, 0.0):.1f}s of the stop grace is left (a save needs "
+                       f"{SAVE_MARGIN:g}x its time)")
+    return True, f"{what}, {now_left:.1f}s of the stop grace left"
 
 
 class StopRequest:

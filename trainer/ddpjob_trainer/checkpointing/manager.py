@@ -11,14 +11,15 @@ from typing import Any, Callable
 
 import torch
 
-from .. import rng
+from .. import preempt, rng
 from ..collectives import Collectives
 from ..config import TrainerConfig
 from ..dist import DistContext
 from ..reporting import NullReporter
 from ..shared_dir import check_shared_dir
 from ..telemetry import Telemetry
-from .checkpoint import Checkpointer, check_resumable, optimizer_state, step_dir_name
+from .checkpoint import (Checkpointer, check_resumable, optimizer_state, probe_write_bandwidth, state_nbytes,
+                         step_dir_name)
 from ..contract import snapshot_root
 from .snapshot import Snapshots, agreed_step
 
@@ -52,15 +53,21 @@ class CheckpointManager:
 
     def __init__(self, cfg: TrainerConfig, ctx: DistContext, *, train_size: int, model: torch.nn.Module,
                  optimizer: torch.optim.Optimizer, scheduler: Any, log: NullReporter, telemetry: Telemetry,
-                 stage: Callable[[str], None], sync_buffers: Callable[[], None]) -> None:
+                 stage: Callable[[str], None], sync_buffers: Callable[[], None],
+                 write_bandwidth: float | None = None) -> None:
         ck = cfg.checkpoint
         assert ck.dir, "a CheckpointManager needs checkpoint.dir"
         check_shared_dir(Path(ck.dir), rank=ctx.rank, group=ctx.io_group)
+        self.comm = Collectives(ctx.device)
+        # Bytes per second into the directory, for a stop's save before the attempt measured one
+        # (estimate_save); rank 0's probe, shared so that every rank estimates alike. `write_bandwidth`:
+        # a test's stand-in (debug.py), no probe.
+        self.write_bandwidth: float = write_bandwidth or self.comm.broadcast_object(
+            probe_write_bandwidth(Path(ck.dir)) if ctx.rank == 0 else None)
         self.cfg, self.ctx, self.log, self.telemetry = cfg, ctx, log, telemetry
         self.train_size = train_size
         self.stage, self.sync_buffers = stage, sync_buffers
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
-        self.comm = Collectives(ctx.device)
         self.disk = Checkpointer(ck.dir, keep=ck.keep, rank=ctx.rank, group=ctx.io_group, barrier=self.comm.barrier,
                                  broadcast=self.comm.broadcast_object, log=log, async_save=ck.async_save)
         self.snapshots = (Snapshots(snapshot_root(), rank=ctx.rank, warn=log.warning)
@@ -78,8 +85,12 @@ class CheckpointManager:
 
     @property
     def last_seconds(self) -> float | None:
-        """The last finished disk save's whole time, write included (None before the first)."""
+        """The last disk save's time up to its files written, before its manifest (None before the first)."""
         return self.disk.last_seconds
+
+    def estimate_save(self, st: TrainState) -> preempt.SaveEstimate:
+        """How long a disk checkpoint of `st` would take, from its bytes (the same on every rank)."""
+        return preempt.SaveEstimate(nbytes=state_nbytes(self._state(st)), bandwidth=self.write_bandwidth)
 
     def maybe_save(self, st: TrainState, *, epoch_end: bool) -> bool:
         """At a step boundary: the disk checkpoint when due, else the snapshot when due and not at an
