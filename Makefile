@@ -104,7 +104,7 @@ cluster-down-oldest: ## stop the second control plane
 lint: install ## ruff, mypy ([tool.ruff], [tool.mypy] in pyproject.toml) and actionlint (.github/workflows/); CI runs it before make test
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
-	"$$(hack/build.sh actionlint)" -color=never
+	"$$(hack/build.sh actionlint)" -no-color
 
 images: install cluster-up ## build localhost/ddpjob/{operator,trainer}:dev with buildah; import into the real nodes
 	hack/images.sh all

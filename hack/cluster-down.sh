@@ -6,7 +6,8 @@
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 ROOT="$(cd "$HERE/.." && pwd)"
-STATE="$ROOT/.cache/cluster${DDPJOB_CLUSTER:+-$DDPJOB_CLUSTER}"
+# shellcheck source=state-lib.sh
+source "$HERE/state-lib.sh"
 PIDS="$STATE/pids"
 KEEP_LOGS=0
 [ "${1:-}" = "--keep-logs" ] && KEEP_LOGS=1

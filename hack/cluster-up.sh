@@ -39,7 +39,8 @@ KWOK_DIR="$CACHE/bin/kwok-$KWOK_VERSION"
 HELM_DIR="$CACHE/bin/helm-$HELM_VERSION"
 SP_DIR="$CACHE/bin/scheduler-plugins-$SCHEDULER_PLUGINS_VERSION"
 KUEUE_DIR="$CACHE/bin/kueue-$KUEUE_VERSION"
-STATE="$ROOT/.cache/cluster${CLUSTER_KIND:+-$CLUSTER_KIND}"
+# shellcheck source=state-lib.sh
+source "$HERE/state-lib.sh"
 PIDS="$STATE/pids"
 LOGS="$STATE/logs"
 PKI="$STATE/pki"
@@ -93,9 +94,13 @@ pid_ok() {
 
 kc() { "$KUBECTL" --kubeconfig "$KUBECONFIG_FILE" --request-timeout=10s "$@"; }
 
-healthy() {
+all_alive() {
   local c
   for c in "${COMPONENTS[@]}"; do pid_ok "$c" || return 1; done
+}
+
+healthy() {
+  all_alive || return 1
   [ -f "$KUBECONFIG_FILE" ] || return 1
   kc get --raw /readyz >/dev/null 2>&1 || return 1
   kc get nodes -l type=kwok -o jsonpath='{.items[*].status.conditions[?(@.type=="Ready")].status}' 2>/dev/null \
@@ -129,6 +134,12 @@ link_binaries() {
 
 # --- already running? -----------------------------------------------------------------------
 link_binaries
+# Every process alive but the API slow to answer (a loaded machine: tests beside it): give it a
+# minute before calling the cluster stale, which would tear down one that works and every job in it.
+if [ -x "$KUBECTL" ] && [ -f "$KUBECONFIG_FILE" ] && all_alive && ! healthy; then
+  log "every component is running but the API server is slow to answer: waiting up to 60 s before restarting"
+  for _ in $(seq 12); do healthy && break; sleep 5; done
+fi
 if [ -x "$KUBECTL" ] && healthy; then
   "$HERE/kwok-guard.sh" up || { log "FAILED: could not make kwok's address ranges unreachable (hack/kwok-guard.sh)"; exit 1; }
   log "already running and healthy ($(kc config view --minify -o jsonpath='{.clusters[0].cluster.server}')); export KUBECONFIG=$KUBECONFIG_FILE"

@@ -22,7 +22,9 @@ source "$HERE/versions.env"
 CACHE="${DDPJOB_CACHE:-$HOME/.cache/ddpjob}"
 IMG_CACHE="$CACHE/images"
 LOGS="$IMG_CACHE/logs"
-STATE="$ROOT/.cache/cluster"
+# shellcheck source=state-lib.sh
+source "$HERE/state-lib.sh"
+STATE="$(cluster_state_dir)"   # the main cluster: the real nodes and the registry are its
 mkdir -p "$IMG_CACHE" "$LOGS"
 exec 7>"$IMG_CACHE/images.lock"
 flock 7

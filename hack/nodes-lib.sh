@@ -6,7 +6,8 @@ KUBELET_BIN="$KUBE_DIR/kubelet"
 COREDNS_BIN="$CACHE/bin/coredns-$COREDNS_VERSION/coredns"
 # The main cluster's state, or the second control plane's (DDPJOB_CLUSTER=oldest, hack/cluster-up.sh):
 # cluster-up sources this file for write_kubeconfig, and must keep its own cluster's paths.
-STATE="$ROOT/.cache/cluster${DDPJOB_CLUSTER:+-$DDPJOB_CLUSTER}"
+# shellcheck source=state-lib.sh
+source "$HERE/state-lib.sh"
 PIDS="$STATE/pids"
 LOGS="$STATE/logs"
 PKI="$STATE/pki"

@@ -12,7 +12,9 @@ set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 ROOT="$(cd "$HERE/.." && pwd)"
 CACHE="${DDPJOB_CACHE:-$HOME/.cache/ddpjob}"
-STATE="$ROOT/.cache/cluster"
+# shellcheck source=state-lib.sh
+source "$HERE/state-lib.sh"
+STATE="$(cluster_state_dir)"   # the main cluster: the registry is its
 STORE="$CACHE/registry"
 CONFIG="$STATE/registry.yml"
 PIDFILE="$STATE/pids/registry.pid"

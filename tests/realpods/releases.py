@@ -15,6 +15,8 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
+import yaml
+
 from tests.support.cluster import CLUSTER_DIR, REPO_ROOT, Cluster
 
 PINS = dict(re.findall(r"^([A-Z_]+)=(\S+)$", (REPO_ROOT / "hack" / "versions.env").read_text(), re.M))
@@ -86,10 +88,20 @@ def publish_previous(cluster: Cluster, tmp: Path) -> Release:
     return release
 
 
+def local_cluster_values(tmp: Path, *, keys: tuple[str, ...] = ("nodeSelector", "tolerations", "tenantPolicy")) -> Path:
+    """examples/local-cluster/operator-values.yaml without its image (a release installs its own):
+    what this cluster's platform sets, the real nodes' label and taint for the operator and, in the
+    tenant policy, for the jobs. `keys`: those of its top-level keys an older chart knows."""
+    values = yaml.safe_load((REPO_ROOT / "examples" / "local-cluster" / "operator-values.yaml").read_text())
+    path = tmp / f"local-cluster-{'-'.join(keys)}.yaml"
+    path.write_text(yaml.safe_dump({k: v for k, v in values.items() if k in keys}))
+    return path
+
+
 def forget_on_nodes(release: Release) -> None:
     """Remove the release's image names from every real node, so that a pod using them makes its
     kubelet pull them from the registry (a rerun on the same cluster would otherwise find them)."""
-    env = dict(re.findall(r"^([A-Z_0-9]+)=\"?([^\"\n]*)\"?$", (CLUSTER_DIR / "nodes.env").read_text(), re.M))
+    env = dict(re.findall(r"^([A-Za-z_0-9]+)=\"?([^\"\n]*)\"?$", (CLUSTER_DIR / "nodes.env").read_text(), re.M))
     for node in env["REAL_NODE_NAMES"].split():
         sock = env[f"CONTAINERD_SOCK_{node.replace('-', '_')}"]
         for image in (release.operator, release.trainer):

@@ -8,14 +8,13 @@ from __future__ import annotations
 import uuid
 
 from tests.realpods.conftest import (
-    REAL_NODE_SCHEDULING,
     apply_docs,
     example_docs,
     shared_checkpoint_pv,
     stalled,
     wait_job,
 )
-from tests.realpods.releases import forget_on_nodes, pulled_images
+from tests.realpods.releases import forget_on_nodes, local_cluster_values, pulled_images
 from tests.support.cluster import create_namespace, delete_namespace
 
 RESTRICTED = {"pod-security.kubernetes.io/enforce": "restricted", "pod-security.kubernetes.io/enforce-version": "latest"}
@@ -31,18 +30,12 @@ def test_a_release_installs_from_its_oci_chart_with_no_image_flags_and_trains_di
     name = f"rel{uuid.uuid4().hex[:6]}"
     forget_on_nodes(release)
     try:
-        # As docs/install.md's line, with the registry's address, its plain HTTP, and where this
-        # cluster's operator may run (the real nodes' label and taint): no image value.
-        sched = [f"nodeSelector.{k.replace('.', chr(92) + '.')}={v}" for k, v in REAL_NODE_SCHEDULING["nodeSelector"].items()]
-        tol = REAL_NODE_SCHEDULING["tolerations"][0]
-        sets = [*sched, f"tolerations[0].key={tol['key']}", f"tolerations[0].operator={tol['operator']}",
-                f"tolerations[0].effect={tol['effect']}", f"operator.watchNamespaces[0]={job_ns}",
-                "operator.scrapeInterval=3"]
-        args = ["install", name, release.chart, "--version", release.version, "--plain-http", "-n", op_ns, "--wait",
-                "--timeout", "300s"]
-        for s in sets:
-            args += ["--set", s]
-        real_cluster.helm(*args, timeout=360)
+        # As docs/install.md's line, with the registry's address and its plain HTTP, and this
+        # cluster's platform values (the real nodes' label and taint, for the operator and in the
+        # tenant policy for the jobs): no image value.
+        real_cluster.helm("install", name, release.chart, "--version", release.version, "--plain-http", "-n", op_ns,
+                          "-f", str(local_cluster_values(tmp_path)), "--set", f"operator.watchNamespaces[0]={job_ns}",
+                          "--set", "operator.scrapeInterval=3", "--wait", "--timeout", "300s", timeout=360)
         deployment = real_cluster.kubectl("get", "deployment", "-n", op_ns, "-o",
                                           "jsonpath={.items[0].spec.template.spec.containers[0].image}").stdout
         assert deployment == release.operator, deployment

@@ -28,6 +28,7 @@ from tests.realpods.conftest import (
     stalled,
     wait_job,
 )
+from tests.realpods.releases import local_cluster_values
 from tests.support.cluster import REPO_ROOT, create_namespace, delete_namespace, wait_crd_established, wait_for
 from tests.support.readme import readme_block, readme_line
 
@@ -37,7 +38,8 @@ CRD = "ddpjobs.ddpjob.dev"
 
 def upgrade_commands(release, name: str, namespace: str, workdir) -> list[list[str]]:
     """install.md's upgrade block as written, for this release: the registry instead of ghcr.io, the
-    release's name and namespace, the From-0.1.0 values, plain HTTP (a loopback registry)."""
+    release's name and namespace, the From-0.1.0 values, plain HTTP (a loopback registry), and the
+    platform's values the new chart adds (the tenant policy's allowances for the real nodes)."""
     block = readme_block("helm pull oci://", "--reset-then-reuse-values", doc="docs/install.md")
     public = "oci://ghcr.io/ddpjob/charts/ddpjob-operator"
     pull, crd, helm = (shlex.split(readme_line(block, start)) for start in ("helm pull", "kubectl apply", "helm upgrade"))
@@ -46,15 +48,15 @@ def upgrade_commands(release, name: str, namespace: str, workdir) -> list[list[s
     notes = (REPO_ROOT / "docs" / "install.md").read_text()
     from_previous = "--set image.repository=null --set image.tag=null"
     assert from_previous in notes, "install.md's From 0.1.0 note names the values to drop"
+    pull[2], helm[2], helm[3] = release.chart, name, release.chart
     for argv in (pull, helm):
-        argv[2] = release.chart
         argv[argv.index("--version") + 1] = release.version
         argv.append("--plain-http")
     untar = pull[pull.index("--untardir") + 1]
     assert crd[-1] == f"{untar}/ddpjob-operator/crds/", (crd, untar)
-    helm[3] = name
     helm[helm.index("-n") + 1] = namespace
-    helm += shlex.split(from_previous) + ["--timeout", "300s"]
+    helm += shlex.split(from_previous) + ["-f", str(local_cluster_values(workdir, keys=("tenantPolicy",))),
+                                          "--timeout", "300s"]
     return [pull, crd, helm]
 
 
@@ -69,16 +71,15 @@ def install_previous_crds(cluster, crds) -> None:
     wait_crd_established(cluster, CRD)
 
 
-def install_previous(cluster, previous, *, name: str, namespace: str, watch: str) -> None:
+def install_previous(cluster, previous, tmp, *, name: str, namespace: str, watch: str) -> None:
     """N-1's chart from the registry, as its users installed it: the image named (its chart had no
-    default), on the real nodes, watching `watch`, scraping every 3 s, unschedulable after 5 s."""
+    default), on the real nodes (its values knew no tenant allowances), watching `watch`, scraping
+    every 3 s, unschedulable after 5 s."""
     sets = [f"image.repository={previous.repo}/operator", f"image.tag={previous.version}",
             f"operator.watchNamespaces[0]={watch}", "operator.scrapeInterval=3", "operator.progressInterval=1",
-            "operator.unschedulableTimeout=5",
-            *[f"nodeSelector.{k.replace('.', chr(92) + '.')}={v}" for k, v in REAL_NODE_SCHEDULING["nodeSelector"].items()],
-            *[f"tolerations[0].{k}={v}" for k, v in REAL_NODE_SCHEDULING["tolerations"][0].items()]]
+            "operator.unschedulableTimeout=5"]
     args = ["install", name, previous.chart, "--version", previous.version, "--plain-http", "-n", namespace,
-            "--wait", "--timeout", "300s"]
+            "-f", str(local_cluster_values(tmp, keys=("nodeSelector", "tolerations"))), "--wait", "--timeout", "300s"]
     for s in sets:
         args += ["--set", s]
     cluster.helm(*args, timeout=360)
@@ -115,7 +116,7 @@ def test_upgrade_from_the_previous_release_with_jobs_in_flight_then_roll_back(re
         # The previous release's CRD, as its first `helm install` left it: Helm installs crds/ only
         # where there is none, and this cluster has the current one.
         install_previous_crds(cluster, previous.source / "charts" / "ddpjob-operator" / "crds")
-        install_previous(cluster, previous, name=name, namespace=op_ns, watch=ns)
+        install_previous(cluster, previous, tmp_path, name=name, namespace=op_ns, watch=ns)
         assert operator_image(cluster, op_ns) == previous.operator
 
         # 1. A job that trains long enough to outlive two operator changes (N-1's trainer image).
@@ -129,7 +130,7 @@ def test_upgrade_from_the_previous_release_with_jobs_in_flight_then_roll_back(re
                    "spec": {"image": previous.trainer, "nodes": 1, "gpusPerNode": 1, "scheduling": REAL_NODE_SCHEDULING}}
         suspended = {"apiVersion": "ddpjob.dev/v1alpha1", "kind": "DDPJob", "metadata": {"name": "suspended"},
                      "spec": {"image": previous.trainer, "nodes": 1, "suspend": True,
-                              "scheduling": {"nodeSelector": {"ddpjob.dev/upgrade-test": "nowhere"}}}}
+                              "scheduling": {"nodeSelector": {"ddpjob.dev/node-kind": "nowhere"}}}}
         apply_docs(cluster, [*docs, pending, suspended], ns)
 
         def training_past(step: int):

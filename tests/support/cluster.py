@@ -157,10 +157,15 @@ def cluster_healthy(kubeconfig: Path = KUBECONFIG, *, timeout: float = 10) -> bo
 
 
 def ensure_cluster(*, timeout: float = 1800) -> Cluster:
-    """Return the running healthy cluster, or start one with hack/cluster-up.sh (builds when uncached)."""
+    """Return the running healthy cluster, or start one with hack/cluster-up.sh (builds when uncached).
+    A cluster that exists but answers slowly (a loaded machine) is asked again before cluster-up
+    (which waits for it too rather than restarting it)."""
     c = Cluster()
-    if c.healthy():
-        return c
+    for _ in range(3):
+        if c.healthy():
+            return c
+        if not c.kubeconfig.exists():
+            break
     proc = subprocess.run(["bash", str(CLUSTER_UP)], cwd=REPO_ROOT, capture_output=True,
                           text=True, timeout=timeout)
     if proc.returncode != 0:
