@@ -124,7 +124,7 @@ manifests: install ## regenerate manifests/ from the Helm chart (a test fails wh
 	hack/gen-manifests.sh
 
 .PHONY: docs
-docs: install ## regenerate the chart README (values.yaml's comments) and docs/crd-reference.md (a test fails when stale)
+docs: install ## regenerate the chart README, docs/crd-reference.md and the figures README/docs quote from bench/results/ (a test fails when stale)
 	$(PY) hack/gen-docs.py
 
 # The trainer's benches first: the checkpoint arms wait on fsync, and a running control plane's etcd

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -40,7 +39,8 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from stats import git_head, ratio_interval  # noqa: E402
+from provenance import Provenance  # noqa: E402
+from stats import ratio_interval  # noqa: E402
 
 from ddpjob_trainer.checkpointing.checkpoint import IO_THREADS, MANIFEST, Checkpointer  # noqa: E402
 from ddpjob_trainer.models import build_model  # noqa: E402
@@ -139,6 +139,7 @@ def main() -> int:
     ap.add_argument("--dir", default=None, help="where to write (default: a temp dir under /tmp)")
     ap.add_argument("--out", default=str(HERE / "results" / "checkpoint.json"))
     args = ap.parse_args()
+    prov = Provenance("trainer", "bench", out=args.out)
     state = _state()
     root = Path(tempfile.mkdtemp(prefix="ckpt-bench-", dir=args.dir))
     rng = {"rng": torch.get_rng_state()}
@@ -198,8 +199,7 @@ def main() -> int:
     peer = ratio_interval([p / s for s, p in zip(times["sync"], times["torch_save"])])
     stock = ratio_interval([p / s for s, p in zip(times["sync"], times["dcp_default"])])
     result = {
-        "benchmark": "checkpoint", "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "git_head": git_head(), "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+        "benchmark": "checkpoint",
         "state": "resnet18 (1000 classes) weights + SGD momentum", "format": "DCP with raw-bytes storage, one process",
         "io_threads": IO_THREADS, "bytes": nbytes, "rounds": args.rounds,
         "seconds": times, "median_seconds": med,
@@ -215,8 +215,7 @@ def main() -> int:
         "throughput_ratio_sync_save_over_dcp_default": stock["ratio"],
         "throughput_ratio_sync_save_over_dcp_default_95ci": [stock["low"], stock["high"]],
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    prov.write(result)
     print(f"{nbytes / 1e6:.1f} MB: sync save {med['sync']:.3f}s ({result['sync_save_mb_per_s']:.0f} MB/s), "
           f"dd {med['dd']:.3f}s ({result['dd_mb_per_s']:.0f} MB/s): write throughput save/dd = "
           f"{tput['ratio']:.2f} (95 % interval {tput['low']:.2f}-{tput['high']:.2f}; goal >= 0.8)")

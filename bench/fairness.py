@@ -26,9 +26,6 @@ bench/results/fairness.json. Not a test: nothing here asserts timings.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -40,6 +37,7 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import operator_scale as osc  # also puts the repo root on sys.path
+from provenance import Provenance
 from kubernetes import client
 
 from ddpjob_operator.api import labels
@@ -235,6 +233,7 @@ def main() -> int:
     for flag in ("big", "head", "repeat"):
         if getattr(args, flag) < 1:
             ap.error(f"--{flag} must be >= 1")
+    prov = Provenance("operator", "trainer", "bench", "hack", "charts", out=args.out)
 
     cluster = ensure_cluster()
     api = cluster.api()
@@ -249,7 +248,7 @@ def main() -> int:
     osc.bench_nodes(core, create=True)
     logs = Path(tempfile.mkdtemp(prefix="fairness-"))
     limit = chart_memory_limit_mib()
-    out: dict = {"args": vars(args), "machine": {"cpus": os.cpu_count(), "python": platform.python_version()}}
+    out: dict = {"args": vars(args)}
     try:
         ns = create_namespace(api, prefix="bench-fair-")
         ctrl = osc.Ours(cluster, ns, logs / "fairness.log")
@@ -275,7 +274,7 @@ def main() -> int:
               f"ratio {out['restart']['ratio_busy_idle_running']} (goal <= 2); the floor (no operator, the "
               f"fewest requests): idle {fa}s, busy {fb}s, ratio {out['restart']['floor_ratio_busy_idle_exist']}; "
               f"ours over the floor's {out['restart']['ratio_over_floor_ratio_exist']}", flush=True)
-        write(out, args.out, logs)  # the huge run takes minutes: keep this part if it is cut short
+        write(prov, out, logs)  # the huge run takes minutes: keep this part if it is cut short
         if args.huge > 0:
             mem = huge_rss(cluster, api, k8s, huge=args.huge, logs=logs)
             mem.update(chart_limit_mib=limit, ratio_rss_limit=round(mem["rss_after_mib"] / limit, 2),
@@ -287,16 +286,12 @@ def main() -> int:
     finally:
         osc.bench_nodes(core, create=False)
         k8s.close()
-    write(out, args.out, logs)
+    write(prov, out, logs)
     return 0
 
 
-def write(out: dict, path: str, logs: Path) -> None:
-    out.update(logs=str(logs), load_avg_at_end=os.getloadavg(),
-               time=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(out, indent=2))
-    print(f"wrote {path} (operator logs: {logs})", flush=True)
+def write(prov: Provenance, out: dict, logs: Path) -> None:
+    print(f"wrote {prov.write({**out, 'logs': str(logs)})} (operator logs: {logs})", flush=True)
 
 
 if __name__ == "__main__":

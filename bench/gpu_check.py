@@ -36,7 +36,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from stats import git_head  # noqa: E402
+from provenance import Provenance  # noqa: E402
 
 EXIT_NO_GPU = 2
 RUNS = ("train", "resume", "inplace")
@@ -264,6 +264,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None, help="JSON (default bench/results/gpu_check[_cpu].json)")
     ap.add_argument("--workdir", default=None, help="checkpoints and logs (default: a temp dir, kept on failure)")
     args = ap.parse_args(argv)
+    out = args.out or HERE / "results" / ("gpu_check_cpu.json" if args.cpu else "gpu_check.json")
+    # On a lent GPU machine without git: DDPJOB_BENCH_COMMIT names the commit the tree is a copy of.
+    prov = Provenance("trainer", "operator", "bench", out=out, argv=["bench/gpu_check.py", *(sys.argv[1:] if argv is None else argv)])
 
     import torch
 
@@ -303,14 +306,12 @@ def main(argv: list[str] | None = None) -> int:
 
     env = {"torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
            "gpus": [torch.cuda.get_device_name(i) for i in range(gpus)], "nproc": nproc,
-           "mode": "cpu" if args.cpu else "gpu", "git": git_head()}
-    out = Path(args.out or HERE / "results" / ("gpu_check_cpu.json" if args.cpu else "gpu_check.json"))
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"env": env, "config": config, "passed": ok,
-                               "checks": [{"what": w, "passed": p, "detail": d} for w, p, d in results],
-                               "runs": {k: {**v, "ranks": {str(r): x for r, x in v["ranks"].items()}}
-                                        for k, v in runs.items()}}, indent=2) + "\n")
-    print(f"wrote {out}")
+           "mode": "cpu" if args.cpu else "gpu"}
+    written = prov.write({"env": env, "config": config, "passed": ok,
+                          "checks": [{"what": w, "passed": p, "detail": d} for w, p, d in results],
+                          "runs": {k: {**v, "ranks": {str(r): x for r, x in v["ranks"].items()}}
+                                   for k, v in runs.items()}})
+    print(f"wrote {written}")
     return 0 if ok else 1
 
 

@@ -26,7 +26,6 @@ import argparse
 import asyncio
 import gc
 import json
-import os
 import statistics
 import sys
 import time
@@ -47,7 +46,8 @@ from ddpjob_operator.api.spec import GROUP, KIND, PLURAL, VERSION  # noqa: E402
 from ddpjob_operator.app.handlers import register  # noqa: E402
 from ddpjob_operator.app.operator_main import operator_settings  # noqa: E402
 from ddpjob_operator.cluster.cache import Store  # noqa: E402
-from stats import git_head, machine, ratio_interval, verdict  # noqa: E402
+from provenance import Provenance  # noqa: E402
+from stats import ratio_interval, verdict  # noqa: E402
 
 RESULTS = REPO / "bench" / "results" / "kopf_event_cost.json"
 RANKS = 256
@@ -188,18 +188,14 @@ def main() -> int:
     ap.add_argument("--events", type=int, default=200)
     ap.add_argument("--out", default=str(RESULTS))
     args = ap.parse_args()
-    load_before = os.getloadavg()
+    prov = Provenance("operator", "bench", out=args.out)
     res = asyncio.run(run(args.blocks, args.events))
-    res.update({"benchmark": "kopf_event_cost", "git_head": git_head(), "kopf": kopf.__version__ if hasattr(kopf, "__version__") else None,
-                "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "command": " ".join(sys.argv),
-                "machine": machine(load_before)})
+    res.update({"benchmark": "kopf_event_cost", "kopf": kopf.__version__ if hasattr(kopf, "__version__") else None})
     for k, v in res["cpu_us_per_event"].items():
         print(f"{k:14s} {v['median']:8.1f} us/event [{v['min']}-{v['max']}]")
     print(f"json decode    {res['json_decode_us_per_event']:8.1f} us/event ({res['body_bytes']} bytes)")
     print(res["verdict"])
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(res, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    print(f"wrote {prov.write(res)}")
     return 0
 
 

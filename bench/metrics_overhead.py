@@ -17,17 +17,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import tempfile
 import textwrap
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from stats import git_head, ratio_interval, verdict
+from provenance import Provenance
+from stats import ratio_interval, verdict
 
 RESULTS = Path(__file__).resolve().parent / "results" / "metrics_overhead.json"
 
@@ -160,7 +159,9 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--ranks", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=50)
+    ap.add_argument("--out", default=str(RESULTS))
     args = ap.parse_args()
+    prov = Provenance("trainer", "bench", out=args.out)
     steps = bench_steps(args.blocks, args.steps)
     expo = bench_exposition(args.ranks, args.repeats)
     print(f"step time  telemetry on {steps['step_seconds_on'] * 1e3:.3f} ms  off {steps['step_seconds_off'] * 1e3:.3f} ms"
@@ -172,12 +173,7 @@ def main() -> int:
           f"{steps['telemetry_call_seconds_disabled'] * 1e6:.2f} us)")
     print(f"endpoint with {expo['local_ranks']} local ranks: HTTP GET {expo['http_seconds'] * 1e3:.2f} ms,"
           f" collect {expo['collect_seconds'] * 1e3:.2f} ms, {expo['series']} series, {expo['bytes']} bytes")
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({
-        "benchmark": "metrics_overhead", "git_head": git_head(), "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
-        "steps": steps, "exposition": expo}, indent=2) + "\n")
-    print(f"wrote {RESULTS}")
+    print(f"wrote {prov.write({'benchmark': 'metrics_overhead', 'steps': steps, 'exposition': expo})}")
     return 0
 
 

@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -41,7 +40,8 @@ import psutil
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(REPO))
-from stats import git_head, ratio_interval, verdict  # noqa: E402
+from provenance import Provenance  # noqa: E402
+from stats import ratio_interval, verdict  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "mlflow_overhead.json"
 
@@ -70,6 +70,7 @@ def main() -> None:
     ap.add_argument("--pin", action="store_true")
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args()
+    prov = Provenance("trainer", "bench", "tests/support/mlflow_server.py", out=args.out)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
     import torch.nn.functional as F
@@ -84,7 +85,6 @@ def main() -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     x, y = torch.randn(32, 1, 8, 8), torch.randint(0, 10, (32,))
 
-    load_before = os.getloadavg()
     with tempfile.TemporaryDirectory() as root:
         if args.pin:
             os.sched_setaffinity(0, {1})   # inherited by the server's processes, started now
@@ -151,12 +151,11 @@ def main() -> None:
             lost = tracker.counts()
         finally:
             server.stop()
-    load_after = os.getloadavg()
     ci = ratio_interval([on / off for on, off in pairs])
     cpu_ci = ratio_interval([on / off for on, off in cpu_pairs])
     bound_ci = ratio_interval(bounds)
-    result = {"what": "steps/s with the MLflow tracker on (healthy local server) / off", "git_head": git_head(),
-              "machine": platform.node(), "cpus": os.cpu_count(), "blocks": args.blocks, "steps_per_block": args.steps,
+    result = {"what": "steps/s with the MLflow tracker on (healthy local server) / off",
+              "blocks": args.blocks, "steps_per_block": args.steps,
               "steps_per_second_on": statistics.median(p[0] for p in pairs),
               "steps_per_second_off": statistics.median(p[1] for p in pairs),
               "ratio_on_off": ci,
@@ -168,7 +167,7 @@ def main() -> None:
               "other_threads_cpu_seconds_per_1000_steps_off": 1000 * other_cpu[False] / (args.blocks * args.steps),
               "server_cpu_seconds_per_1000_steps_on": 1000 * server_cpu[True] / (args.blocks * args.steps),
               "server_cpu_seconds_per_1000_steps_off": 1000 * server_cpu[False] / (args.blocks * args.steps),
-              "pinned": args.pin, "load_average_before": load_before, "load_average_after": load_after,
+              "pinned": args.pin,
               "run_ended": closed, "calls_lost": lost,
               "verdict": verdict(ci, what="steps/s MLflow on/off", above_one="faster with MLflow",
                                  below_one="slower with MLflow"),
@@ -178,8 +177,7 @@ def main() -> None:
                                f"training thread: {bound_ci['ratio']:.4f} (95 % interval {bound_ci['low']:.4f}-"
                                f"{bound_ci['high']:.4f}, {bound_ci['pairs']} blocks): goal >= 0.99 "
                                + ("met" if bound_ci["low"] >= 0.99 else "not shown")}
-    RESULTS.parent.mkdir(exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    prov.write(result, indent=1)
     print(result["verdict"])
     print(result["cpu_verdict"])
     print(result["bound_verdict"])

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import http.server
-import json
 import math
 import os
 import platform
@@ -58,6 +57,7 @@ from kubernetes.client.rest import ApiException  # noqa: E402
 
 import kubeflow_peer  # noqa: E402
 import stats  # noqa: E402
+from provenance import Provenance  # noqa: E402
 from ddpjob_operator.api.spec import from_manifest  # noqa: E402
 from ddpjob_operator.builders.pods import render_pod  # noqa: E402
 from ddpjob_operator.cluster.k8s import K8s  # noqa: E402
@@ -503,7 +503,7 @@ def fmt_ratio(r: dict | None) -> str:
     return f"{r['ratio']:.2f} [{r['low']:.2f}-{r['high']:.2f}]"
 
 
-def report(args, runs: list[dict], scenarios, rest, variants, load_start, logs: Path) -> list[str]:
+def report(args, prov: Provenance, runs: list[dict], scenarios, rest, variants, load_start, logs: Path) -> list[str]:
     """The table of the runs so far, written to --out: after every run, so that a bench that dies
     (a 10,000-pod namespace deletion that times out) keeps what it measured."""
     table: dict = {}
@@ -530,15 +530,13 @@ def report(args, runs: list[dict], scenarios, rest, variants, load_start, logs: 
     out = {"machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
                        "load_avg_at_start": load_start, "load_avg_at_end": os.getloadavg(),
                        "max_load": args.max_load, "loaded_runs": loaded, "runs": len(runs)},
-           "commit": stats.git_head(), "ranks_per_pod": args.ranks_per_pod,
-           "command": " ".join(sys.argv),
+           "ranks_per_pod": args.ranks_per_pod,
            "peer": f"kubeflow training-operator {kubeflow_peer.VERSION} (PyTorchJob); tuned = "
                    + " ".join(kubeflow_peer.TUNED_FLAGS),
            "request_counting": "client-side, each controller's own counter (see the module docstring)",
            "table": table, "runs": runs, "logs": str(logs),
            "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=2))
+    prov.write(out)
     return lines
 
 
@@ -564,6 +562,9 @@ def main() -> int:
                     help="seconds a run waits for all its pods Running before it reports none")
     ap.add_argument("--out", default=str(REPO / "bench/results/operator_scale.json"))
     args = ap.parse_args()
+    # What a run measures: the operator (and the trainer modules it imports), the control plane
+    # hack/ starts, the CRD it applies, and this bench.
+    prov = Provenance("operator", "trainer", "bench", "hack", "charts", out=args.out)
     scenarios = [tuple(int(x) for x in s.split("x")) for s in args.scenarios.split(",")]
     too_big = [f"{j}x{n}" for j, n in scenarios if j * n > MAX_PODS]
     if too_big:
@@ -622,7 +623,7 @@ def main() -> int:
                              if rr else "")
                           + (f"; finished {rf.get('requests_per_min')} req/min {rf.get('cpu_s_per_min')} CPU-s/min"
                              if rf else ""), flush=True)
-                    report(args, runs, scenarios, rest, variants, load_start, logs)
+                    report(args, prov, runs, scenarios, rest, variants, load_start, logs)
     finally:
         ranks.close()
         bench_nodes(core, node_count, create=False)
@@ -630,7 +631,7 @@ def main() -> int:
             kubeflow_peer.uninstall(cluster)
         k8s.close()
 
-    print("\n".join(report(args, runs, scenarios, rest, variants, load_start, logs)))
+    print("\n".join(report(args, prov, runs, scenarios, rest, variants, load_start, logs)))
     print(f"wrote {args.out} (controller logs: {logs})")
     return 0
 

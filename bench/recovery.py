@@ -41,7 +41,6 @@ import fcntl
 import ipaddress
 import json
 import os
-import platform
 import re
 import signal
 import statistics
@@ -59,6 +58,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
 import stats  # noqa: E402
+from provenance import Provenance  # noqa: E402
 from ddpjob_operator.decisions.samples import RankSample, parse_metrics  # noqa: E402
 from ddpjob_trainer import contract  # noqa: E402
 from tests.realpods.conftest import (apply_docs, example_docs, helm_install_operator,  # noqa: E402
@@ -330,13 +330,12 @@ def summary(values: list[float]) -> dict[str, Any]:
     return out
 
 
-def report(runs: list[dict[str, Any]], arms: list[str], args: argparse.Namespace, load_start: tuple[float, ...],
-           *, final: bool) -> None:
+def report(prov: Provenance, runs: list[dict[str, Any]], arms: list[str], args: argparse.Namespace,
+           load_start: tuple[float, ...], *, final: bool) -> None:
     """Write the results so far (after each repeat: a run cut short keeps what it measured); print them at the end."""
     by_arm = {a: [r for r in runs if r["arm"] == a] for a in arms}
     result: dict[str, Any] = {
-        "benchmark": "recovery", "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "git_head": stats.git_head(), "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+        "benchmark": "recovery",
         "job": "examples/digits.yaml (2 pods on the 2 real nodes, convnet, CPU, gloo; disk checkpoints every 50 "
                "steps and at epoch ends, snapshots every 10 steps)",
         "kill": f"SIGKILL of rank 1's worker once both ranks finished step {args.kill_at}",
@@ -362,7 +361,7 @@ def report(runs: list[dict[str, Any]], arms: list[str], args: argparse.Namespace
                 [p[k] for p in seen if p.get(k) is not None] or [0]))
             result.setdefault(f"{key}_median_s", {})[a] = {
                 k: round(statistics.median(vs), 3) for k in names if (vs := [p[k] for p in seen if p.get(k) is not None])}
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    prov.write(result)
     if not final:
         return
     for metric in ("kill_to_step_s", "failure_to_step_s", "status_recovery_s", "steps_lost"):
@@ -391,6 +390,10 @@ def main() -> int:
     ap.add_argument("--hold-lock", action="store_true",
                     help="hold the cluster lock for the whole run, not per repeat (where others hold it for long)")
     args = ap.parse_args()
+    # The real pods run the images `make images` built from this tree (hack/images.sh), with the
+    # chart and the example from it: everything that goes into them is measured.
+    prov = Provenance("operator", "trainer", "cli", "bench", "hack", "charts", "examples", "Dockerfile",
+                      "requirements", "pyproject.toml", out=args.out)
     arms = [a for a in args.arms.split(",") if a]
     cluster = Cluster()
     if not cluster.healthy():
@@ -403,13 +406,13 @@ def main() -> int:
     for old in logs_dir.glob("*.log"):  # this run's logs only
         old.unlink()
     with cluster_lock() if args.hold_lock else contextlib.nullcontext():
-        runs = repeats(cluster, api, arms, args, logs_dir, load_start,
+        runs = repeats(prov, cluster, api, arms, args, logs_dir, load_start,
                        lock=contextlib.nullcontext if args.hold_lock else cluster_lock)
-    report(runs, arms, args, load_start, final=True)
+    report(prov, runs, arms, args, load_start, final=True)
     return 0
 
 
-def repeats(cluster: Cluster, api: Any, arms: list[str], args: argparse.Namespace, logs_dir: Path,
+def repeats(prov: Provenance, cluster: Cluster, api: Any, arms: list[str], args: argparse.Namespace, logs_dir: Path,
             load_start: tuple[float, ...], *, lock: Any) -> list[dict[str, Any]]:
     """Install the operator, run every repeat (each under `lock()`), uninstall; the runs."""
     from kubernetes import client
@@ -436,7 +439,7 @@ def repeats(cluster: Cluster, api: Any, arms: list[str], args: argparse.Namespac
                           f"{res['resumed_from_step']}), pods recreated {res['pods_recreated']}, "
                           f"load {res['load_avg_before'][0]}->{res['load_avg_after'][0]}"
                           + (" LOADED" if res["loaded"] else "") + f"; phases {res['phases']}", flush=True)
-            report(runs, arms, args, load_start, final=False)
+            report(prov, runs, arms, args, load_start, final=False)
     finally:
         with lock():
             cluster.helm("uninstall", release, "-n", op_ns, "--wait", "--timeout", "60s", check=False, timeout=90)

@@ -15,8 +15,6 @@ scrapes (32 such pods, every 15 s) cost per minute; writes bench/results/scrape_
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import subprocess
 import sys
@@ -34,7 +32,8 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 
 from ddpjob_operator.decisions.samples import parse_metrics  # noqa: E402
 from metrics_overhead import RANK_WRITER, _env  # noqa: E402
-from stats import git_head, machine, ratio_interval, verdict  # noqa: E402
+from provenance import Provenance  # noqa: E402
+from stats import ratio_interval, verdict  # noqa: E402
 
 RESULTS = REPO / "bench" / "results" / "scrape_parse_cost.json"
 LOCAL_RANKS = 8
@@ -61,7 +60,7 @@ def main() -> int:
     ap.add_argument("--reads", type=int, default=100)
     ap.add_argument("--out", default=str(RESULTS))
     args = ap.parse_args()
-    load_before = os.getloadavg()
+    prov = Provenance("operator", "bench", out=args.out)
     text = body()
     assert len(parse_metrics(text)) == LOCAL_RANKS
     arms = {"ours": parse_metrics, "prometheus_client": theirs}
@@ -75,8 +74,7 @@ def main() -> int:
                 arms[name](text)
             per[name].append((time.process_time() - t0) / args.reads)
     ci = ratio_interval([o / t for o, t in zip(per["ours"], per["prometheus_client"])])
-    res = {"benchmark": "scrape_parse_cost", "git_head": git_head(), "command": " ".join(sys.argv),
-           "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    res = {"benchmark": "scrape_parse_cost",
            "body": {"local_ranks": LOCAL_RANKS, "bytes": len(text), "lines": text.count("\n")},
            "blocks": args.blocks, "reads_per_block": args.reads,
            "ms_per_pod_body": {k: {"median": round(1e3 * statistics.median(v), 3), "min": round(1e3 * min(v), 3),
@@ -84,15 +82,12 @@ def main() -> int:
            "cpu_s_per_min_256_ranks": {k: round(statistics.median(v) * PODS_256 * SCRAPES_PER_MIN, 3)
                                        for k, v in per.items()},
            "ratio_ours_prometheus_client": {k: round(v, 3) if isinstance(v, float) else v for k, v in ci.items()},
-           "verdict": verdict(ci, what="parse CPU, ours/prometheus_client", above_one="costlier", below_one="cheaper"),
-           "machine": machine(load_before)}
+           "verdict": verdict(ci, what="parse CPU, ours/prometheus_client", above_one="costlier", below_one="cheaper")}
     for k, v in res["ms_per_pod_body"].items():
         print(f"{k:18s} {v['median']:7.3f} ms per 8-rank body [{v['min']}-{v['max']}]; a 256-rank job's scrapes: "
               f"{res['cpu_s_per_min_256_ranks'][k]} CPU-s/min")
     print(res["verdict"])
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(res, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    print(f"wrote {prov.write(res)}")
     return 0
 
 

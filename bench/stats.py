@@ -3,10 +3,8 @@ from __future__ import annotations
 
 import math
 import os
-import platform
 import resource
 import statistics
-import subprocess
 import time
 from pathlib import Path
 from typing import Callable, TypeVar
@@ -66,21 +64,3 @@ def verdict(ci: dict[str, float], *, what: str, above_one: str = "faster", below
         return f"{what}: {span}: no difference detectable within ±{x:.1f} %"
     direction = above_one if lo > 1.0 else below_one
     return f"{what}: {span}: {direction} (interval excludes 1.0)"
-
-
-def git_head() -> str | None:
-    """The commit the benchmarked code comes from (results must come from HEAD)."""
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True,
-                              text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
-
-
-def machine(load_before: tuple[float, ...]) -> dict:
-    """The machine a micro-benchmark ran on and its load before and now; `loaded` when a 1-minute
-    load passed the CPU count (its numbers are indications then)."""
-    load_after = os.getloadavg()
-    return {"cpus": os.cpu_count(), "python": platform.python_version(),
-            "load_avg_before": [round(x, 2) for x in load_before], "load_avg_after": [round(x, 2) for x in load_after],
-            "loaded": max(load_before[0], load_after[0]) > (os.cpu_count() or 1)}

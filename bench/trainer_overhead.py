@@ -29,17 +29,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import socket
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from stats import git_head, mean_interval, others_load, ratio_interval, verdict  # noqa: E402
+from provenance import Provenance  # noqa: E402
+from stats import mean_interval, others_load, ratio_interval, verdict  # noqa: E402
 
 from ddpjob_trainer.checkpointing.snapshot import read_cost  # noqa: E402
 
@@ -126,6 +125,7 @@ def main() -> int:
         ap.error("--snapshot-every must be >= 1")
     name = "trainer_overhead" if args.snapshot_every is None else "trainer_snapshot_overhead"
     args.out = args.out or str(HERE / "results" / f"{name}.json")
+    prov = Provenance("trainer", "bench", out=args.out)
     if args.snapshot_every is None:
         def first() -> dict:
             return run_ours(args.nproc)
@@ -160,8 +160,7 @@ def main() -> int:
     others = [run["others_cores"] for run in ours + plain]
     loaded = max(others) > LOADED_CORES
     result = {
-        "benchmark": name, "snapshot_every": args.snapshot_every, "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "git_head": git_head(), "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+        "benchmark": name, "snapshot_every": args.snapshot_every,
         "config": CONFIG, "nproc": args.nproc, "backend": "gloo", "method": "rotated pairs, both warmed",
         "order": order, "ours_samples_per_second": [run["samples_per_second"] for run in ours],
         "plain_samples_per_second": [run["samples_per_second"] for run in plain],
@@ -182,8 +181,7 @@ def main() -> int:
     lines.append(f"{'loaded' if loaded else 'not loaded'}: the rest of the machine kept up to {max(others):.2f} "
                  f"of {os.cpu_count()} cores busy during a run")
     result["verdict"] = "; ".join(lines)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    prov.write(result)
     print("\n".join(lines))
     return 0
 

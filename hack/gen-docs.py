@@ -3,6 +3,9 @@
 
   charts/ddpjob-operator/README.md  every value of the chart, from values.yaml's `# --` comments
   docs/crd-reference.md             every field of the DDPJob CRD, from its openAPIV3Schema
+  README.md, docs/*.md              every figure marked `<!-- fig:KEY -->text<!-- /fig -->`: the text
+                                    is FIGURES[KEY] rendered from its committed source (a result
+                                    under bench/results/, or a pin of hack/versions.env)
 
 values.yaml convention (helm-docs' own): a key is documented by the comment block right above it,
 starting at a line `# -- `; its default is what values.yaml sets. A key documented this way covers
@@ -16,8 +19,12 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import statistics
+import string
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -227,6 +234,306 @@ def crd_reference() -> str:
     return "\n".join(out).rstrip() + "\n"
 
 
+# ---- figures: what the README and docs quote from committed results ---------------------------
+#
+# A measured number in README.md or docs/ is written between markers,
+#     <!-- fig:recovery.inplace.median -->4.33 s<!-- /fig -->
+# and FIGURES says where it comes from: `make docs` rewrites the text from the source, and
+# tests/unit/test_generated_docs.py fails when a marked text differs from it, when a key is unknown
+# or unused, and when a number that looks measured stands in the docs unmarked and not in
+# NOT_MEASURED. A result is a file under bench/results/, written by a bench from a clean tree at the
+# commit it names (bench/provenance.py); re-running a bench and `make docs` updates every quote.
+
+RESULTS = REPO / "bench" / "results"
+FIG = re.compile(r"<!-- fig:(?P<key>[\w.-]+) -->(?P<text>.*?)<!-- /fig -->", re.S)
+
+
+class _Format(string.Formatter):
+    """str.format with one more conversion: `!p`, a share shown in percent (x 100)."""
+
+    def convert_field(self, value: Any, conversion: str | None) -> Any:
+        return 100 * value if conversion == "p" else super().convert_field(value, conversion)
+
+
+@dataclass(frozen=True)
+class Figure:
+    """`fmt` is str.format over the source's JSON as `r` (`{r[ratio_on_off][ratio]:.3f}`), over
+    each source as r0, r1, ... when there are several, and over `v` = value(*jsons) when a
+    figure is computed from them (a median over two runs' results)."""
+    source: str | tuple[str, ...]
+    fmt: str
+    value: Callable[..., Any] | None = None
+
+    def sources(self) -> tuple[str, ...]:
+        return (self.source,) if isinstance(self.source, str) else self.source
+
+    def render(self) -> str:
+        data = [_result(name) for name in self.sources()]
+        named = {"r": data[0], **{f"r{i}": d for i, d in enumerate(data)}}
+        if self.value is not None:
+            named["v"] = self.value(*data)
+        return _Format().format(self.fmt, **named)
+
+
+@dataclass(frozen=True)
+class Pin(Figure):
+    """A version pinned in hack/versions.env (not a measurement, but a fact that must not drift)."""
+
+    def render(self) -> str:
+        return _pins()[self.fmt]
+
+
+@cache
+def _result(name: str) -> Any:
+    return json.loads((RESULTS / name).read_text())
+
+
+@cache
+def _pins() -> dict[str, str]:
+    text = (REPO / "hack" / "versions.env").read_text()
+    return dict(re.findall(r"^([A-Z_]+)=(\S+)", text, re.M))
+
+
+def _runs(*results: Any, arm: str, key: str) -> list[float]:
+    return [run[key] for r in results for run in r["runs"] if run["arm"] == arm and run.get(key) is not None]
+
+
+def _paired(*results: Any) -> list[float]:
+    """In place / group per repeat, over several recovery results (the bench pairs them so)."""
+    out = []
+    for r in results:
+        arms: dict[int, dict[str, float]] = {}
+        for run in r["runs"]:
+            arms.setdefault(run["repeat"], {})[run["arm"]] = run["kill_to_step_s"]
+        out += [a["inplace"] / a["group"] for a in arms.values() if {"inplace", "group"} <= a.keys()]
+    return out
+
+
+def _interval(path: str, *, digits: int = 3) -> str:
+    """The format of a ratio and its 95 % interval as bench/stats.py writes them, at a dotted path
+    of the result: 0.384 (0.379-0.390)."""
+    key = path.replace(".", "][")
+    return "".join(f"{{r[{key}][{k}]:.{digits}f}}" + text for k, text in (("ratio", " ("), ("low", "-"), ("high", ")")))
+
+
+def _scale_cell(row: str, variant: str) -> str:
+    """An operator_scale table cell: median [min-max]."""
+    return "".join(f"{{r[table][{row}][{variant}][{k}]:.2f}}" + text for k, text in
+                   (("median", " ["), ("min", "-"), ("max", "]")))
+
+
+_REST = "operator_scale_rest_256ranks_loaded.json"
+# Recovery on the real nodes, after a restarted worker's imports were cut (2e2d88f): two runs.
+_REC = ("recovery_lazy_imports.json", "recovery_lazy_imports_rerun.json")
+# The same before it (91f425a's code, recorded by its bench as 96c0864 and b8eafd1).
+_REC_BEFORE = ("recovery.json", "recovery_rerun.json")
+
+_SCALE_10K = "operator_scale_1000x10_ours_floor_pair.json"
+_T10K = "r[table][1000x10 "
+
+def _spread(arm: str, key: str = "kill_to_step_s") -> Callable[..., dict[str, float]]:
+    """Median, min, max and count of one arm's runs over several recovery results."""
+    def value(*results: Any) -> dict[str, float]:
+        xs = _runs(*results, arm=arm, key=key)
+        return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
+    return value
+
+
+def _loaded(*results: Any) -> str:
+    return f"{sum(r['loaded_runs'] for r in results)} of {sum(len(r['runs']) for r in results)}"
+
+
+def _phase(source: str, table: str, arm: str, name: str) -> Figure:
+    """Seconds after the kill at which a recovery reached a phase (a log line) or a stage: the run's median."""
+    return Figure(source, f"{{r[{table}_median_s][{arm}][{name}]:.2f}} s")
+
+
+_SPREAD_S = "{v[median]:.2f} s [{v[min]:.2f}-{v[max]:.2f}], {v[n]} runs"
+_SPREAD_STEPS = "{v[min]:.0f}-{v[max]:.0f}"
+
+FIGURES: dict[str, Figure] = {
+    # Recovery from a SIGKILLed worker on the real nodes (bench/recovery.py), both runs together.
+    "recovery.commit": Figure(_REC, "{v:.7}", lambda *r: "/".join(sorted({x["git_head"] for x in r}))),
+    "recovery.loaded": Figure(_REC, "{v}", _loaded),
+    "recovery.inplace": Figure(_REC, _SPREAD_S, _spread("inplace")),
+    "recovery.inplace.median": Figure(_REC, "{v[median]:.2f} s", _spread("inplace")),
+    "recovery.inplace.n": Figure(_REC, "{v[n]}", _spread("inplace")),
+    "recovery.inplace.lost": Figure(_REC, _SPREAD_STEPS, _spread("inplace", "steps_lost")),
+    "recovery.group": Figure(_REC, _SPREAD_S, _spread("group")),
+    "recovery.group.median": Figure(_REC, "{v[median]:.2f} s", _spread("group")),
+    "recovery.group.lost": Figure(_REC, _SPREAD_STEPS, _spread("group", "steps_lost")),
+    "recovery.ratio": Figure(_REC, "{v[0]:.2f} (geometric mean of {v[1]} pairs, {v[2]:.2f}-{v[3]:.2f})",
+                             lambda *r: (statistics.geometric_mean(p := _paired(*r)), len(p), min(p), max(p))),
+    "recovery.ratio.first": Figure(_REC[0], _interval("ratio_inplace_over_group")),
+    "recovery.ratio.second": Figure(_REC[1], _interval("ratio_inplace_over_group")),
+    "recovery.phase.failed": _phase(_REC[1], "phases", "inplace", "rank1_worker_failed_seen"),
+    "recovery.phase.marker": _phase(_REC[1], "phases", "inplace", "rank0_marker"),
+    "recovery.phase.pg": _phase(_REC[1], "stages_after", "inplace", "rank1_process_group_init"),
+    "recovery.phase.resumed": _phase(_REC[1], "phases", "inplace", "rank0_resumed"),
+    "recovery.group.phase.pod": _phase(_REC[1], "phases", "group", "rank1_new_pod_first_line"),
+    "recovery.group.phase.marker": _phase(_REC[1], "phases", "group", "rank0_marker"),
+    "recovery.group.phase.resumed": _phase(_REC[1], "phases", "group", "rank0_resumed"),
+    # The same before a restarted worker's imports were cut.
+    "recovery.before.commit": Figure(_REC_BEFORE, "{r0[git_head]:.7} and {r1[git_head]:.7}"),
+    "recovery.before.loaded": Figure(_REC_BEFORE, "{v}", _loaded),
+    "recovery.before.inplace": Figure(_REC_BEFORE, _SPREAD_S, _spread("inplace")),
+    "recovery.before.group": Figure(_REC_BEFORE, _SPREAD_S, _spread("group")),
+    "recovery.before.phase.pg": _phase(_REC_BEFORE[0], "stages_after", "inplace", "rank0_process_group_init"),
+    # In-memory snapshots every 10 steps against none (bench/trainer_overhead.py --snapshot-every 10).
+    "snapshot.commit": Figure("trainer_snapshot_overhead.json", "{r[git_head]:.7}"),
+    "snapshot.ratio": Figure("trainer_snapshot_overhead.json",
+                             "{r[ratio]:.3f} ({r[ratio_95ci][0]:.3f}-{r[ratio_95ci][1]:.3f}), {v} pairs",
+                             lambda r: len(r["pair_ratios"])),
+    "snapshot.others": Figure("trainer_snapshot_overhead.json", "{r[others_cores][max]:.2f}"),
+    "snapshot.share": Figure("trainer_snapshot_overhead.json",
+                             "{r[cost_share][mean]!p:.2f} % ({r[cost_share][low]!p:.2f}-{r[cost_share][high]!p:.2f} %)"),
+    # The MLflow tracker on/off (bench/mlflow_overhead.py), pinned and not.
+    "mlflow.step_ms": Figure("mlflow_overhead.json", "{v:.1f} ms", lambda r: 1000 / r["steps_per_second_off"]),
+    "mlflow.blocks": Figure("mlflow_overhead.json", "{r[blocks]} blocks of {r[steps_per_block]} steps"),
+    **{f"mlflow.{run}.{col}": Figure(f"mlflow_overhead{'_pinned' if run == 'pinned' else ''}.json",
+                                     _interval(key, digits=4 if col == "bound" else 3))
+       for run in ("pinned", "unpinned")
+       for col, key in (("wall", "ratio_on_off"), ("cpu", "cpu_ratio_on_off"), ("bound", "serialized_bound_on_off"))},
+    "mlflow.tracker_ms": Figure("mlflow_overhead.json", "{v:.0f} ms",
+                                lambda r: 1000 * r["other_threads_cpu_seconds_per_1000_steps_on"]),
+    "mlflow.server_ms.on": Figure("mlflow_overhead.json", "{v:.0f} ms", lambda r: 1000 * r["server_cpu_seconds_per_1000_steps_on"]),
+    "mlflow.server_ms.off": Figure("mlflow_overhead.json", "{v:.0f} ms", lambda r: 1000 * r["server_cpu_seconds_per_1000_steps_off"]),
+    # The operator at rest: Running jobs scraped, 8 ranks per pod (bench/operator_scale.py --rest).
+    "rest.commit": Figure(_REST, "{r[commit]:.7}"),
+    "rest.10x8.cpu": Figure(_REST, _scale_cell("10x8 at rest, Running+scraped: CPU-s/min", "ddpjob") + " CPU-s/min"),
+    "rest.1x32.cpu": Figure(_REST, _scale_cell("1x32 at rest, Running+scraped: CPU-s/min", "ddpjob") + " CPU-s/min"),
+    "rest.writes": Figure(_REST, "{r[table][10x8 at rest, Running+scraped: status writes/job/min][ddpjob][median]:.0f}"),
+    "rest.10x8.before": Figure(_REST, "{r[table][10x8 at rest, Running+scraped: CPU-s/min][ddpjob-before][median]:.2f} CPU-s/min"),
+    "rest.1x32.before": Figure(_REST, "{r[table][1x32 at rest, Running+scraped: CPU-s/min][ddpjob-before][median]:.2f} CPU-s/min"),
+    "parse.ms": Figure("scrape_parse_cost.json", "{r[ms_per_pod_body][ours][median]:.2f} ms"),
+    "parse.ratio": Figure("scrape_parse_cost.json", "{r[ratio_ours_prometheus_client][ratio]:.2f}x"),
+    # The GPU acceptance run (bench/gpu_check.py on a lent GPU).
+    "gpu.commit": Figure("gpu_check.json", "{r[env][git]:.7}"),
+    "gpu.gpus": Figure("gpu_check.json", "{v}", lambda r: ", ".join(r["env"]["gpus"])),
+    "gpu.torch": Figure("gpu_check.json", "{r[env][torch]}"),
+    "gpu.passed": Figure("gpu_check.json", "{v}", lambda r: "passed" if r["passed"] else "did NOT pass"),
+    # (rank "0": str.format reads a digit key as a list index, hence the lambdas)
+    "gpu.step.train": Figure("gpu_check.json", "{v:.0f} ms", lambda r: r["runs"]["train"]["ranks"]["0"]["step_ms"]),
+    "gpu.step.resume": Figure("gpu_check.json", "{v:.0f} ms", lambda r: r["runs"]["resume"]["ranks"]["0"]["step_ms"]),
+    "gpu.kill.after": Figure("gpu_check.json", "{r[runs][inplace][killed][after_step]}"),
+    "gpu.kill.resumed": Figure("gpu_check.json", "{r[runs][inplace][result][resumed_from_step]}"),
+    "gpu.kill.recovery": Figure("gpu_check.json", "{r[runs][inplace][killed][recovery_s]:.1f} s"),
+    "mlflow.commits": Figure(("mlflow_overhead.json", "mlflow_overhead_pinned.json"), "{r0[git_head]:.7}, {r1[git_head]:.7}"),
+    "parse.commit": Figure("scrape_parse_cost.json", "{r[git_head]:.7}"),
+    "kopf.commit": Figure("kopf_event_cost.json", "{r[git_head]:.7}"),
+    "kopf.ratio": Figure("kopf_event_cost.json", _interval("ratio_ours_default")),
+    # Stale results, older than the code they measured (docs/benchmarks.md says so where it quotes them).
+    "ckpt.commit": Figure("checkpoint.json", "{r[git_head]:.7}"),
+    "ckpt.save_over_dd": Figure("checkpoint.json", "{r[throughput_ratio_sync_save_over_dd]:.2f}x"),
+    "ckpt.save_over_dcp_default": Figure("checkpoint.json", "{r[throughput_ratio_sync_save_over_dcp_default]:.2f}x"),
+    "ckpt.stall": Figure("checkpoint.json", "{r[stall_over_sync_save]:.2f}x"),
+    "trainer.commit": Figure("trainer_overhead.json", "{r[git_head]:.7}"),
+    "trainer.ratio": Figure("trainer_overhead.json", "{r[ratio]:.3f} ({r[ratio_95ci][0]:.3f}-{r[ratio_95ci][1]:.3f})"),
+    "metrics.commit": Figure("metrics_overhead.json", "{r[git_head]:.7}"),
+    "metrics.ratio": Figure("metrics_overhead.json", _interval("steps.ratio_on_off")),
+    "fairness.ours": Figure("fairness-floor.json", "{r[restart][ratio_busy_idle_exist]:.2f}x"),
+    "fairness.floor": Figure("fairness-floor.json", "{r[restart][floor_ratio_busy_idle_exist]:.2f}x"),
+    # 10,000 pods (1,000 jobs of 10): ours against the floor, one run each (bench/operator_scale.py).
+    "scale.10k.commit": Figure(_SCALE_10K, "{r[commit]:.7}"),
+    "scale.10k.created.ours": Figure(_SCALE_10K, "{" + _T10K + "apply -> all pods created (s)][ddpjob][median]:.0f} s"),
+    "scale.10k.created.floor": Figure(_SCALE_10K, "{" + _T10K + "apply -> all pods created (s)][floor][median]:.0f} s"),
+    "scale.10k.created.ratio": Figure(_SCALE_10K, "{" + _T10K + "apply -> all pods created (s)][ratio_ours_floor][ratio]:.1f}x"),
+    "scale.10k.running.ratio": Figure(_SCALE_10K, "{" + _T10K + "apply -> all Running (s)][ratio_ours_floor][ratio]:.2f}x"),
+    "scale.10k.requests.ours": Figure(_SCALE_10K, "{" + _T10K + "requests per job][ddpjob][median]:.0f}"),
+    "scale.10k.requests.floor": Figure(_SCALE_10K, "{" + _T10K + "requests per job][floor][median]:.0f}"),
+    "scale.10k.rss": Figure(_SCALE_10K, "{" + _T10K + "RSS after (MiB)][ddpjob][median]:.0f} MiB"),
+    # Pins (hack/versions.env).
+    **{f"pin.{name}": Pin("hack/versions.env", name) for name in (
+        "KUBE_VERSION", "KUBE_OLDEST_VERSION", "ETCD_VERSION", "KWOK_VERSION", "HELM_VERSION", "COREDNS_VERSION",
+        "SCHEDULER_PLUGINS_VERSION", "KUEUE_VERSION", "MLFLOW_VERSION")},
+}
+
+
+def fill_figures(text: str) -> str:
+    """`text` with every marked figure rendered from its source. KeyError names an unknown key."""
+    def one(m: re.Match[str]) -> str:
+        key = m["key"]
+        if key not in FIGURES:
+            raise KeyError(f"fig:{key} is not in hack/gen-docs.py FIGURES")
+        return f"<!-- fig:{key} -->{FIGURES[key].render()}<!-- /fig -->"
+    return FIG.sub(one, text)
+
+
+# What a measured number looks like in prose (the docs write "4.33 s", "0.43 %", "2.9x"): a number
+# with a unit of time, size or share; a decimal ratio ("2.9x", "0.14x"); a bare decimal below 1 or
+# with three places ("0.909", "1.037", not the version "1.32"); a range of those; or a duration in
+# words ("about a minute"). An integer with "x" followed by more (the product "3 x 5 s") and one
+# glued to "s" (a quoted message's "31s") are not. Code (fenced or inline), links' targets, HTML
+# comments and marked figures are not prose.
+_NUM = r"\d+(?:,\d{3})*(?:\.\d+)?"
+_UNIT = r"(?:ms|µs|min|minutes?|seconds?|hours?|%|[kKMGT]i?B(?:/s)?|CPU-s(?:/min)?)"
+FIGURE_LOOKING = re.compile(
+    rf"(?<![\w.\-/]){_NUM}(?:\s?(?:-|–|to)\s?{_NUM})?(?:\s?{_UNIT}|\s[sh])(?![\w/])"
+    r"|(?<![\w.\-/])\d+\.\d+s(?!\w)"
+    r"|(?<![\w.\-/])\d+(?:\.\d+)?\s?[x×](?=[\s)\],;:]|$)(?!\s?(?:\d|the\b|a\b|an\b))"
+    r"|(?<![\w.\-/])(?:0\.\d+|\d+\.\d{3,})(?![\w.]|\.\d)"
+    r"|\b(?:about|nearly|almost|under|within|over) (?:a|an|one|two|three|four|five|ten|a few) (?:seconds?|minutes?|hours?)\b")
+
+# Numbers that look measured but are not: settings and their defaults (their one home named),
+# limits of Kubernetes and Docker, and arithmetic on them. Keep it short: a measured number
+# belongs in FIGURES.
+NOT_MEASURED: dict[str, str] = {
+    "0.1 s": "app/workqueue's coalescing pause; the agent's watchdog poll (agent.py)",
+    "0.25 s": "DDPJOB_DEBUG_SLOW_RANK's example value",
+    "1 s": "the workqueue's first retry; torchrun's rendezvous poll; the recovery histogram's first bucket",
+    "3 s": "tracking.KILLED_SECONDS",
+    "4 MiB": "checkpoint.probe_write_bandwidth's probe file (the stop vote's write-speed estimate)",
+    "5 s": "tracking.FLUSH_SECONDS and its request timeout; contract.STOP_GRACE_DEFAULT; torch's keep-alive; MLflow server's idle close",
+    "7 s": "contract.STOP_MARGIN_SECONDS",
+    "10 s": "dist.FAILED_TEARDOWN_SECONDS; MLflow's system metrics interval; the missing-PodGroup retry",
+    "15 s": "tracking.CLOSE_SECONDS; the chart's operator.scrapeInterval",
+    "23 s": "contract.stop_grace of Kubernetes' default 30 s grace",
+    "30 s": "Kubernetes' default grace period; torch's rendezvous last call; lifecycle.LEFTOVER_SLACK; tracking.START_SECONDS",
+    "60 s": "launch/runs.MLFLOW_SECONDS; a test's hangTimeoutSeconds",
+    "120 s": "tracking.MODEL_SECONDS",
+    "300 s": "contract.hang_timeout's floor while stepping; operator.unschedulableTimeout; stepTimeoutSeconds",
+    "600 s": "contract.hang_timeout before the first step; torch's rendezvous join timeout",
+    "2 minutes": "tracking.MODEL_SECONDS",
+    "30 min": "the recovery histogram's last bucket",
+    "5 minutes": "alert `for` defaults (values.yaml); kube-scheduler's unschedulable flush",
+    "10 minutes": "DDPJobFailed's window (rules/ddpjob-alerts.yaml)",
+    "15 minutes": "alert `for` defaults (values.yaml)",
+    "20 ms": "DDPJobStraggler's threshold (rules/ddpjob-alerts.yaml)",
+    "20 MB/s": "tracking.MODEL_UPLOAD_BYTES_PER_SECOND",
+    "1.5×": "health.HealthConfig.straggler_ratio",
+    "1 %": "a goal, not a result",
+    "95 %": "the level of every interval bench/stats.py computes",
+    "64 MiB": "a container runtime's default /dev/shm",
+    "256 KiB": "the API server's limit on all annotations (client-side apply's last-applied one)",
+}
+
+
+def prose(text: str) -> str:
+    """The text a reader reads as prose: code, links' targets, comments and marked figures blanked
+    (line breaks kept, so that line numbers hold)."""
+    def blank(m: re.Match[str]) -> str:
+        return re.sub(r"[^\n]", " ", m.group(0))
+    for pattern in (r"```.*?```", FIG.pattern, r"<!--.*?-->", r"`[^`]+`", r"\]\([^)\n]*\)"):
+        text = re.sub(pattern, blank, text, flags=re.S)
+    return text
+
+
+def unmarked_figures(text: str) -> list[tuple[int, str]]:
+    """(line, number) of each measured-looking number in the prose of `text` that is neither
+    marked nor NOT_MEASURED."""
+    out = []
+    for n, line in enumerate(prose(text).splitlines(), 1):
+        for m in FIGURE_LOOKING.finditer(line):
+            if m.group(0) not in NOT_MEASURED:
+                out.append((n, m.group(0)))
+    return out
+
+
+def hand_written_docs() -> list[Path]:
+    """The docs whose figures are marked: the README and docs/, the generated reference aside."""
+    return [REPO / "README.md", *(p for p in sorted((REPO / "docs").glob("*.md")) if p != CRD_REFERENCE)]
+
+
 GENERATED = {CHART_README: chart_readme, CRD_REFERENCE: crd_reference}
 
 
@@ -235,7 +542,9 @@ def main() -> int:
     parser.add_argument("--check", action="store_true", help="exit 1 when a generated file is stale")
     args = parser.parse_args()
     stale = []
-    for path, make in GENERATED.items():
+    makers: dict[Path, Callable[[], str]] = {**GENERATED, **{p: (lambda p=p: fill_figures(p.read_text()))
+                                                            for p in hand_written_docs()}}
+    for path, make in makers.items():
         text = make()
         if path.exists() and path.read_text() == text:
             continue

@@ -1,5 +1,5 @@
-"""The README's local-cluster walkthrough, run as written: its command block is read from README.md
-and each line runs as a user would type it (the operator with its default scrape template, in the
+"""The local-cluster walkthrough (docs/development.md, Quick start), run as written: its command
+block is read from the doc and each line runs as a user would type it (the operator with its default scrape template, in the
 `default` namespace), against the cluster the suite already runs. What it must show: resnet-gpu's
 pods scheduled one per simulated GPU node and Running, the progress column saying why it is
 unavailable, and not one connection attempt to kwok's addresses (hack/kwok-guard.sh counts them)."""
@@ -19,13 +19,14 @@ from tests.support.cluster import REPO_ROOT, Cluster
 from tests.support.network import SCRAPE_ENV, guard_rejections
 from tests.support.readme import readme_block
 
-NAMESPACE = "default"      # the README's own
+NAMESPACE = "default"      # the walkthrough's own
+DOC = "docs/development.md"
 # Lines the suite must not run: it owns the cluster's life (up before, down after the whole run).
 SUITE_OWNED = ("make cluster-down",)
 
 
 def readme_lines() -> list[str]:
-    return readme_block("make cluster-up", "examples/resnet-gpu.yaml")
+    return readme_block("make cluster-up", "examples/resnet-gpu.yaml", doc=DOC)
 
 
 def _free_port() -> int:

@@ -84,15 +84,17 @@ def previous_release(real_cluster, tmp_path_factory):
     return publish_previous(real_cluster, tmp_path_factory.mktemp("previous-release"))
 
 
-# The README's real-pod walkthrough: the tier installs the operator and applies digits with its lines.
+# The real-pod walkthrough (docs/development.md, The examples in real pods): the tier installs the
+# operator and applies digits with its lines.
 README_BLOCK = ("make images", "examples/local-cluster")
+WALKTHROUGH = "docs/development.md"
 
 
 def helm_install_operator(cluster: Cluster, *, namespace: str, watch: list[str], name: str) -> None:
-    """The chart installed by the README's own `helm install` line (the local image, on the real
+    """The chart installed by the walkthrough's own `helm install` line (the local image, on the real
     nodes: examples/local-cluster/operator-values.yaml); only the release's name and namespace
     differ, and it watches this tier's namespaces, scraping every 3 s and writing each scrape's progress."""
-    argv = shlex.split(readme_line(readme_block(*README_BLOCK), "helm install"))
+    argv = shlex.split(readme_line(readme_block(*README_BLOCK, doc=WALKTHROUGH), "helm install"))
     assert argv[:4] == ["helm", "install", "ddpjob", "charts/ddpjob-operator"] and "-n" in argv, argv
     argv[2] = name
     argv[argv.index("-n") + 1] = namespace
@@ -104,9 +106,9 @@ def helm_install_operator(cluster: Cluster, *, namespace: str, watch: list[str],
 
 
 def apply_digits_as_the_readme_does(cluster: Cluster, namespace: str) -> Path:
-    """The README's two lines that put examples/digits.yaml on the real nodes, in `namespace`
+    """The walkthrough's two lines that put examples/digits.yaml on the real nodes, in `namespace`
     instead of `default`; returns the directory of its checkpoint volume."""
-    block = readme_block(*README_BLOCK)
+    block = readme_block(*README_BLOCK, doc=WALKTHROUGH)
     volumes = shlex.split(readme_line(block, "hack/local-volumes.sh"))
     assert volumes[1] == "default", volumes
     volumes[1] = namespace

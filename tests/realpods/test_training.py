@@ -43,7 +43,7 @@ def _digits_claim() -> str:
 
 
 def test_digits_example_trains_across_two_real_nodes(real_cluster, namespaces):
-    """The README's walkthrough: its helm install (the namespaces fixture) and its two lines that
+    """The real-pod walkthrough (docs/development.md): its helm install (the namespaces fixture) and its two lines that
     apply examples/digits.yaml to the real nodes, in this test's namespace."""
     ns = namespaces["digits"]
     ckpt = apply_digits_as_the_readme_does(real_cluster, ns) / _digits_claim()
