@@ -5,7 +5,10 @@ from `envvars.pod_env` (MASTER_ADDR=127.0.0.1) and the pod's command (`pods.cont
 When a node fails, the operator's own decision (`lifecycle.decide`, via `localpolicy`) says what
 next: restart the whole group (resuming from the checkpoint) within failurePolicy.maxRestarts, or
 fail at once (exit code 78: bad configuration; activeDeadlineSeconds passed). Progress and health come from scraping the nodes' metrics,
-with the same parsing and health logic the operator uses.
+with the same parsing and health logic the operator uses; so do the restarts in place (a worker
+that died and was restarted where it is, every node's workers with it), which `Books` records and
+logs as the operator's restartHistory and events do (decisions/inplace.py), and where the run's
+time went (decisions/goodput.py), which the summary and its last line carry.
 
 Ctrl-C (SIGINT) and SIGTERM stop the run within seconds, whatever the nodes are doing
 (importing torch, training, writing a checkpoint): every process below the runner gets
@@ -49,6 +52,7 @@ from ddpjob_trainer.launch.signals import Stop, StopSignals, stop_grace_from_env
 from ddpjob_operator.builders import envvars, pods
 from ddpjob_operator.api.phases import Phase
 from ddpjob_operator.api.spec import JobSpec, from_manifest
+from ddpjob_operator.decisions import goodput, inplace
 
 from .localpolicy import Tally, after_failure, next_tally
 
@@ -292,26 +296,33 @@ class Display:
         else:
             click.echo(msg, err=True)
 
-    def update(self, ports: list[int]) -> None:
-        """Scrape every node once and redraw."""
+    def update(self, ports: list[int], *, attempt: int = 0) -> dict[int, Any]:
+        """Scrape every node once (node r's samples named as the operator names its pod) and
+        redraw; the samples by rank."""
         from ddpjob_operator.decisions.progress import compute_progress
         from ddpjob_operator.decisions.samples import merge, parse_metrics
 
         parts = []
-        for port in ports:
+        for node, port in enumerate(ports):
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=0.5) as r:
-                    parts.append(parse_metrics(r.read().decode()))
+                    part = parse_metrics(r.read().decode())
             except (OSError, ValueError):
                 continue
+            for sample in part.values():
+                sample.pod = envvars.pod_name(self.job.name, node, attempt)
+            parts.append(part)
         samples = merge(parts)
         now = time.time()
         prog = compute_progress(samples, now=now, prev=self.prev)
         self.prev = (now, samples)
         for f in self.health.update(samples, now):
             self.say(("WARNING " if f.active else "cleared ") + f"{f.reason}: {f.message}")
-        if not prog or not self.enabled:
-            return
+        if prog and self.enabled:
+            self._draw(prog, now)
+        return samples
+
+    def _draw(self, prog: dict[str, Any], now: float) -> None:
         step, total = prog.get("step", 0), prog.get("totalSteps")
         post = f"loss {prog['loss']:.4f}" if prog.get("loss") is not None else ""
         if prog.get("samplesPerSecond"):
@@ -337,8 +348,78 @@ class Display:
             self.bar = None
 
 
+class Books:
+    """What the operator keeps in a job's status, kept for a local run from the nodes' scrapes with
+    the operator's own functions: the restart history (inplace.update: each restart in place,
+    each group restart, and how each recovered), logged as the operator's events say it, and the
+    goodput ledger (goodput.advance)."""
+
+    def __init__(self, job: JobSpec, *, say: Any, created: float) -> None:
+        self.job, self.say, self.created = job, say, created
+        self.status: dict[str, Any] = {}
+        self.attempt = 0
+        self.spawned: float | None = None
+        self.samples: dict[int, Any] = {}
+        self.counted = 0   # group restarts charged to failurePolicy.maxRestarts
+
+    @property
+    def in_place_restarts(self) -> int:
+        return int(self.status.get("inPlaceRestarts") or 0)
+
+    @property
+    def history(self) -> list[dict[str, Any]]:
+        return list(self.status.get("restartHistory") or [])
+
+    @property
+    def ledger(self) -> dict[str, Any]:
+        """status.goodput without the running totals."""
+        return {k: v for k, v in (self.status.get("goodput") or {}).items() if k != "accounting"}
+
+    def started(self, attempt: int) -> None:
+        """The attempt's nodes were all started (a pod's scheduling, here)."""
+        self.attempt, self.spawned = attempt, time.time()
+
+    def observe(self, samples: dict[int, Any]) -> None:
+        """One scrape of the attempt's nodes."""
+        if samples:
+            self.samples = samples
+        self._account(samples, now=time.time())
+
+    def group_restart(self, *, ended: int, attempt: int, counted: int, reason: str, message: str) -> None:
+        """The operator's pass that restarts the group: its history entry, the new attempt."""
+        self.counted = counted
+        self._account(self.samples, now=time.time(), group=(ended, reason, message), attempt=attempt)
+        self.samples, self.spawned = {}, None
+
+    def close(self) -> None:
+        """The run ended: no time after now."""
+        self._account({}, now=time.time(), ended=True)
+
+    def _account(self, samples: dict[int, Any], *, now: float, group: tuple[int, str, str] | None = None,
+                 attempt: int | None = None, ended: bool = False) -> None:
+        prev, job = self.status, self.job
+        up = inplace.update(prev, attempt=self.attempt, ranks=samples, with_log=True, group=group,
+                            now=dt.datetime.fromtimestamp(now, dt.timezone.utc))
+        status = {**prev, "restartHistory": up.history, "inPlaceRestarts": up.in_place_restarts}
+        for e in up.new:
+            self.say(inplace.restarting_message(e, used=self.counted + up.in_place_restarts,
+                                                max_restarts=job.max_restarts))
+        for e in inplace.newly_recovered(prev, status):
+            self.say(inplace.recovered_message(e))
+        last = max((s.last_step_timestamp for s in self.samples.values() if s.last_step_timestamp), default=None)
+        status["goodput"] = goodput.advance(prev.get("goodput"), goodput.Observed(
+            now=now, created=self.created, ended=now if ended else None, attempt=self.attempt if attempt is None else attempt,
+            restarted=attempt is not None, scheduled_at=self.spawned if attempt is None else None,
+            stepped_at=goodput.stepped_at(samples), history=up.history, recovered=inplace.recoveries(prev, status),
+            stalls=goodput.new_stalls(prev.get("restartHistory") or [], up.history, last),
+            ranks=goodput.rank_counters(samples), step_seconds=goodput.step_seconds(samples)))
+        if attempt is not None:
+            self.attempt = attempt
+        self.status = status
+
+
 def run_attempt(job: JobSpec, *, attempt: int, workdir: Path, cwd: Path, metrics_ports: list[int],
-                display: Display, signals: StopSignals, grace: float) -> Attempt:
+                display: Display, signals: StopSignals, grace: float, books: Books | None = None) -> Attempt:
     """Start every node (in `cwd`: the DDPJob file's folder, against which relative paths in its
     command resolve), watch them, stop the group on the first failure or a stop signal."""
     logs = workdir / "logs" / f"attempt-{attempt}"
@@ -358,6 +439,8 @@ def run_attempt(job: JobSpec, *, attempt: int, workdir: Path, cwd: Path, metrics
                     cwd=cwd, start_new_session=True,
                     preexec_fn=functools.partial(die_with_parent, os.getpid()))
             nodes.append(Node(rank, proc, log_path, metrics_ports[rank]))
+        if books is not None:
+            books.started(attempt)
         next_scrape = 0.0
         while True:
             codes = [n.proc.poll() for n in nodes]
@@ -373,7 +456,9 @@ def run_attempt(job: JobSpec, *, attempt: int, workdir: Path, cwd: Path, metrics
                 result = json.loads(result_file.read_text()) if result_file.exists() else {}
                 return Attempt(ok=True, result=result)
             if time.monotonic() >= next_scrape:
-                display.update(metrics_ports)
+                samples = display.update(metrics_ports, attempt=attempt)
+                if books is not None:
+                    books.observe(samples)
                 next_scrape = time.monotonic() + SCRAPE_INTERVAL
             signals.raise_if_stopped()  # a Stop lost in a __del__ or weakref callback
             time.sleep(0.1)
@@ -412,7 +497,7 @@ def run_local(path: str, *, summary_json: str | None = None, metrics_port_base: 
 
 def _run_local(path: str, *, signals: StopSignals, summary_json: str | None, metrics_port_base: int | None,
                workdir: str | None, progress: bool) -> int:
-    t0 = time.monotonic()
+    t0, created = time.monotonic(), time.time()
     try:
         grace = stop_grace_from_env()
     except ConfigError as exc:
@@ -432,13 +517,14 @@ def _run_local(path: str, *, signals: StopSignals, summary_json: str | None, met
     click.echo(f"{job.name}: {job.nodes} node(s) x {job.nproc_per_node} process(es) = world size "
                f"{job.world_size}; metrics on ports {ports[0]}..{ports[-1]}; logs in {wd}/logs", err=True)
     display = Display(enabled=progress, job=job)
+    books = Books(job, say=display.say, created=created)
     tally, outcome, started = Tally(), Attempt(ok=False), dt.datetime.now(dt.timezone.utc)
     try:
         while True:
             attempt_no = tally.attempt
             outcome = run_attempt(job, attempt=attempt_no, workdir=wd, cwd=Path(path).resolve().parent,
                                   metrics_ports=ports, display=display,
-                                  signals=signals, grace=grace)
+                                  signals=signals, grace=grace, books=books)
             if not outcome.ok and signals.exit_code is not None:  # it came while nodes were stopped
                 outcome = Attempt(ok=False, exit_code=signals.exit_code, interrupted=True)
             if outcome.ok or outcome.interrupted:
@@ -454,18 +540,22 @@ def _run_local(path: str, *, signals: StopSignals, summary_json: str | None, met
                 click.echo(_give_up(job, decision.reason), err=True)
                 break
             tally = next_tally(decision)
+            books.group_restart(ended=attempt_no, attempt=tally.attempt, counted=tally.counted_restarts,
+                                reason=decision.reason, message=decision.message)
             click.echo(f"restarting the whole group (restart {tally.counted_restarts}/{job.max_restarts}); "
                        "it resumes from the newest complete checkpoint", err=True)
     except Stop as stop:  # between two attempts: no node is running
         outcome = Attempt(ok=False, exit_code=128 + stop.signum, interrupted=True)
     finally:
         display.close()
+        books.close()
     phase = "Succeeded" if outcome.ok else ("Interrupted" if outcome.interrupted else "Failed")
     r = outcome.result
     run_id = r.get(contract.RESULT_MLFLOW_RUN_ID)
     summary = {
         "phase": phase, "job": job.name, "world_size": job.world_size, "nodes": job.nodes,
         "nproc_per_node": job.nproc_per_node, "steps": r.get("steps"), "restarts": tally.restarts,
+        "in_place_restarts": books.in_place_restarts, "restart_history": books.history, "goodput": books.ledger,
         "train_samples_per_second": r.get("train_samples_per_second"),
         "eval_accuracy": r.get("eval_accuracy"), "eval_loss": r.get("eval_loss"),
         "eval_samples": r.get("eval_samples"), "eval_dataset_size": r.get("eval_dataset_size"),
@@ -476,15 +566,17 @@ def _run_local(path: str, *, signals: StopSignals, summary_json: str | None, met
         "mlflow_run_id": run_id,
     }
     run = f", MLflow run {run_id}" if run_id else ""
+    restarts = f"restarts {tally.restarts} (group), {books.in_place_restarts} in place"
+    spent = f"; goodput {goodput.summary(books.ledger)}" if books.ledger else ""
     if outcome.ok and r.get("steps") is not None:
         click.echo(f"{job.name}: Succeeded in {summary['wall_seconds']:.1f}s — {r.get('steps')} steps, "
                    f"eval accuracy {r.get('eval_accuracy', 0):.4f} on {r.get('eval_samples')}/"
                    f"{r.get('eval_dataset_size')} samples, {r.get('train_samples_per_second', 0):.0f} "
-                   f"samples/s, restarts {tally.restarts}{run}", err=True)
+                   f"samples/s, {restarts}{run}{spent}", err=True)
     elif outcome.ok:
-        click.echo(f"{job.name}: Succeeded in {summary['wall_seconds']:.1f}s, restarts {tally.restarts}{run}", err=True)
+        click.echo(f"{job.name}: Succeeded in {summary['wall_seconds']:.1f}s, {restarts}{run}{spent}", err=True)
     else:
-        click.echo(f"{job.name}: {phase}", err=True)
+        click.echo(f"{job.name}: {phase}, {restarts}{spent}", err=True)
     if summary_json:
         Path(summary_json).write_text(json.dumps(summary, indent=2) + "\n")
     if outcome.ok:

@@ -16,6 +16,7 @@ from typing import Any, Iterable, Iterator, Mapping
 from ddpjob_operator.api import objmeta, podinfo
 from ddpjob_operator.api.group import Group
 from ddpjob_trainer.contract import INPLACE_MARKER_RE, MLFLOW_DEFAULT_EXPERIMENT, public_uri
+from ddpjob_operator.decisions import goodput
 from ddpjob_operator.decisions.health import STALLED, STRAGGLER
 from ddpjob_operator.api.phases import Phase
 from ddpjob_operator.api.podinfo import meta
@@ -71,7 +72,7 @@ def one_line(text: Any, limit: int = 200) -> str:
 
 # --- list / get -----------------------------------------------------------------------------------
 
-LIST_HEADERS = ["NAME", "PHASE", "READY", "PROGRESS", "LOSS", "SAMPLES/S", "RESTARTS", "AGE"]
+LIST_HEADERS = ["NAME", "PHASE", "READY", "PROGRESS", "LOSS", "SAMPLES/S", "RESTARTS", "GOODPUT", "AGE"]
 WIDE_HEADERS = ["ETA", "ATTEMPT", "ACCURACY", "REASON"]
 
 
@@ -86,7 +87,8 @@ def list_rows(jobs: list[dict[str, Any]], now: dt.datetime, *, wide: bool = Fals
         row = ([meta(job).get("namespace") or ""] if all_namespaces else []) + [
             meta(job).get("name") or "", phase_of(job), (st.get("nodes") or {}).get("ready") or NONE,
             prog.get("display") or NONE, _num(prog.get("loss")), _num(prog.get("samplesPerSecond"), "{:.1f}"),
-            str(st.get("restarts") or 0), age(meta(job).get("creationTimestamp"), now)]
+            str(st.get("restarts") or 0), (st.get("goodput") or {}).get("display") or NONE,
+            age(meta(job).get("creationTimestamp"), now)]
         if wide:
             row += [prog.get("eta") or NONE, str(st.get("attempt", NONE)),
                     _num((st.get("result") or {}).get("evalAccuracy") or prog.get("evalAccuracy")),
@@ -255,6 +257,7 @@ def describe_data(job: dict[str, Any], events: list[dict[str, Any]], pods: list[
         "maxRestarts": from_manifest(job).max_restarts,
         "masterAddr": st.get("masterAddr"), "startTime": st.get("startTime"), "completionTime": st.get("completionTime"),
         "progress": st.get("progress") or {}, "result": st.get("result") or {}, "mlflow": st.get("mlflow") or {},
+        "goodput": {k: v for k, v in (st.get("goodput") or {}).items() if k != "accounting"},
         "conditions": list(st.get("conditions") or []),
         "ranks": [r.as_dict() for r in rank_rows(job, pods)],
         "failures": list(st.get("failures") or []),
@@ -303,6 +306,7 @@ def describe_text(data: dict[str, Any], now: dt.datetime) -> str:
     field("Started", data.get("startTime"))
     field("Completed", data.get("completionTime"))
     field("Progress", progress_line(data["progress"]))
+    field("Goodput", goodput.summary(data.get("goodput")))
     run = data.get("mlflow") or {}
     field("MLflow run", " ".join(str(run[k]) for k in ("runId", "url") if run.get(k)))
     res = data.get("result") or {}
@@ -452,6 +456,9 @@ def top_text(job: dict[str, Any], pods: list[dict[str, Any]], now: dt.datetime, 
     prog = progress_line(st.get("progress") or {})
     if prog:
         lines.append(prog)
+    spent = goodput.summary(st.get("goodput"))
+    if spent:
+        lines.append(f"goodput {spent}")
     for cond in st.get("conditions") or []:
         if cond.get("type") in (STRAGGLER, STALLED) and cond.get("status") == "True":
             lines.append(f"{cond['type']}: {one_line(cond.get('message'), 300)}")

@@ -110,7 +110,7 @@ def test_submit_list_get_describe_top_wait_delete(cluster, env, tmp_path):
     assert ok(ddpjob(cluster, "wait", name, "--for", "Running", "--timeout", "60", "-n", ns)).strip() == "train Running"
 
     table = ok(ddpjob(cluster, "list", "-n", ns)).splitlines()
-    assert table[0].split() == ["NAME", "PHASE", "READY", "PROGRESS", "LOSS", "SAMPLES/S", "RESTARTS", "AGE"]
+    assert table[0].split() == ["NAME", "PHASE", "READY", "PROGRESS", "LOSS", "SAMPLES/S", "RESTARTS", "GOODPUT", "AGE"]
     assert table[1].split()[:3] == ["train", "Running", "2/2"]
     everywhere = ok(ddpjob(cluster, "list", "-A")).splitlines()
     assert everywhere[0].startswith("NAMESPACE") and any(ln.split()[:2] == [ns, "train"] for ln in everywhere)

@@ -37,7 +37,8 @@ def test_crd_established_with_short_name_and_columns(crd, namespace):
     assert "ddpj" in out and "DDPJob" in out and "true" in out  # namespaced
     assert apply(crd, namespace, manifest()).returncode == 0
     head = crd.kubectl("get", "ddpj", "-n", namespace).stdout.splitlines()[0].split()
-    assert head[:7] == ["NAME", "PHASE", "READY", "PROGRESS", "LOSS", "ACCURACY", "RESTARTS"] and head[-1] == "AGE"
+    assert head[:8] == ["NAME", "PHASE", "READY", "PROGRESS", "LOSS", "ACCURACY", "RESTARTS", "GOODPUT"]
+    assert head[-1] == "AGE"
 
 
 def test_defaults_applied_by_the_api_server(crd, namespace):

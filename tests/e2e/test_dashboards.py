@@ -28,7 +28,7 @@ EXPORTER = textwrap.dedent("""
     t = Telemetry.from_env()
     t.set_total_steps(2); t.set_restart_count(0); t.step_started(step=1)
     t.step(step=1, epoch=0, loss=1.0, samples=1, step_seconds=0.1, data_wait_seconds=0.0, timestamp=1.0)
-    t.eval(accuracy=0.5, loss=1.0); t.checkpoint(0.1)
+    t.eval(accuracy=0.5, loss=1.0); t.checkpoint(0.1); t.set_stage("eval"); t.set_stage("training")
     cuda = types.SimpleNamespace(memory_allocated=lambda d: 1, max_memory_allocated=lambda d: 1,
                                  memory_reserved=lambda d: 1)     # no GPU here: torch.cuda stand-in
     t.gpu_memory(types.SimpleNamespace(cuda=cuda), types.SimpleNamespace(type="cuda"))
@@ -73,8 +73,12 @@ def test_every_operator_metric_queried_is_exported():
 
     from ddpjob_operator.app.operator_metrics import RECOVERY_KINDS, OperatorMetrics
 
+    from ddpjob_operator.decisions.goodput import Observed, advance
+
     m = OperatorMetrics(CollectorRegistry(), namespaces=["ns"])
-    m.record_pass(("ns", "j"), prev_status={}, status={"phase": "Failed", "reason": "PodFailed"}, hang_timeout=60)
+    m.record_pass(("ns", "j"), prev_status={}, status={"phase": "Failed", "reason": "PodFailed",
+                                                      "goodput": advance(None, Observed(now=100.0, created=0.0))},
+                  hang_timeout=60)
     m.record_pass(("ns", "waiting"), prev_status={}, status={"phase": "Pending"})
     m.reconcile_seconds.observe(0.1)
     m.reconcile_errors.inc()
@@ -113,7 +117,7 @@ def test_job_dashboard_has_the_required_views_and_variables():
     assert {"namespace", "ddpjob", "rank"} <= names
     titles = " | ".join(p["title"].lower() for p in d["panels"])
     for view in ("state", "progress", "eta", "loss", "throughput per rank", "step time per rank",
-                 "data-wait", "gpu memory", "restarts", "checkpoint"):
+                 "data-wait", "gpu memory", "restarts", "checkpoint", "where the time went", "goodput"):
         assert view in titles, view
 
 
@@ -126,7 +130,8 @@ def test_overview_dashboard_shows_every_job_and_opens_each_one():
             assert 'namespace=~"$namespace"' in t["expr"], (p["title"], t["expr"])
     titles = " | ".join(p["title"].lower() for p in d["panels"])
     for view in ("jobs training", "jobs by phase", "group restarts", "jobs failed", "throughput per job",
-                 "progress per job", "time since last step per job", "step time per job", "data-wait share per job"):
+                 "progress per job", "time since last step per job", "step time per job", "data-wait share per job",
+                 "where the time went", "goodput per job"):
         assert view in titles, view
     table = next(p for p in d["panels"] if p["title"] == "Jobs")
     assert all(t.get("instant") and t.get("format") == "table" for t in table["targets"])

@@ -177,10 +177,14 @@ OPERATOR_EXPORTER = textwrap.dedent("""
     import sys, time
     from prometheus_client import CollectorRegistry, start_http_server
     from ddpjob_operator.app.operator_metrics import OperatorMetrics
+    from ddpjob_operator.decisions.goodput import Observed, advance
     registry = CollectorRegistry()
     hang = float(sys.argv[2]) if sys.argv[2] else None
-    OperatorMetrics(registry).record_pass((sys.argv[3], sys.argv[4]), prev_status={}, status={"phase": "Running"},
-                                          hang_timeout=hang)
+    now = time.time()  # a ledger as the operator's pass computes it: 100 s old, stepping for 70
+    ledger = advance(None, Observed(now=now, created=now - 100, scheduled_at=now - 90, stepped_at=now - 70,
+                                    ranks={"checkpointing": 3.0, "evaluating": 2.0}))
+    OperatorMetrics(registry).record_pass((sys.argv[3], sys.argv[4]), prev_status={},
+                                          status={"phase": "Running", "goodput": ledger}, hang_timeout=hang)
     start_http_server(int(sys.argv[1]), addr="127.0.0.1", registry=registry)
     print("ready", flush=True)
     time.sleep(3600)

@@ -3,10 +3,16 @@ rendezvous through MASTER_ADDR resolved by CoreDNS, checkpoints on a volume both
 operator in-cluster (Helm, its own image and ServiceAccount) scraping the pods' own addresses."""
 from __future__ import annotations
 
+import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+import pytest
+
+from ddpjob_operator.api.objmeta import parse_time
+from ddpjob_trainer.contract import STALL_ERROR_RE
 
 from tests.realpods.conftest import (
     EXAMPLES,
@@ -98,6 +104,16 @@ def test_digits_example_trains_across_two_real_nodes(real_cluster, namespaces):
     # Checkpoints landed on the shared volume, complete (manifest present).
     steps = sorted(p.name for p in ckpt.rglob("step-*") if (p / "MANIFEST.json").exists())
     assert steps, f"no complete checkpoint under {ckpt}: {list(ckpt.rglob('*'))[:20]}"
+
+
+def _mean_step_seconds(cluster, namespace: str, pod: str) -> float:
+    """The mean step time of the pod's rank, from its own metrics endpoint (read inside the pod)."""
+    from ddpjob_operator.decisions.samples import parse_metrics
+
+    code = "import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:9400/metrics', timeout=10).read().decode())"
+    out = cluster.kubectl("exec", "-n", namespace, pod, "--", "python", "-c", code, timeout=60)
+    (rank,) = parse_metrics(out.stdout).values()
+    return rank.step_seconds_sum / rank.step_seconds_count
 
 
 def _pod_uids(cluster, namespace: str, job: str) -> dict[str, str]:
@@ -192,6 +208,8 @@ def test_frozen_then_killed_worker_restart_in_place_counted_and_a_deleted_pod_is
     now = _pod_uids(real_cluster, ns, "digits")
     assert now["digits-0"] == uids["digits-0"] and "digits-1" not in now, (uids, now)
     assert now["digits-1-r1"] not in uids.values(), (uids, now)
+    # The ranks' step time, from their own endpoints, while they still train (the ledger's check below).
+    step_time = statistics.median(_mean_step_seconds(real_cluster, ns, pod) for pod in ("digits-0", "digits-1-r1"))
 
     st = wait_phase(real_cluster, ns, "digits", {"Succeeded", "Failed"}, timeout=900)
     assert st["phase"] == "Succeeded", st
@@ -213,6 +231,20 @@ def test_frozen_then_killed_worker_restart_in_place_counted_and_a_deleted_pod_is
     from_memory = "in-memory snapshot /dev/shm/" in resumed[0]
     assert from_memory or f"/ckpt/step-{entry['resumedFromStep']:08d}" in resumed[0], resumed
     print(f"resumed from {'the in-memory snapshot' if from_memory else 'the disk checkpoint'}: {resumed[0]}")
+
+    # Where its time went (docs/goodput.md): every second of its wall time once, the restarts'
+    # seconds theirs, as `kubectl get ddpj` shows it.
+    g, history = st["goodput"], st["restartHistory"]
+    created = real_cluster.kubectl("get", "ddpj", "digits", "-n", ns, "-o", "jsonpath={.metadata.creationTimestamp}").stdout
+    wall = (parse_time(st["completionTime"]) - parse_time(created)).total_seconds()
+    assert sum(g["seconds"].values()) == pytest.approx(wall, rel=0.02), (g, wall)
+    assert g["seconds"]["recovering"] == pytest.approx(sum(e["recoverySeconds"] for e in history), abs=1.0), g
+    assert g["seconds"]["recomputing"] == pytest.approx(sum(e["stepsLost"] for e in history) * step_time, rel=0.1,
+                                                        abs=0.05), (g, step_time)
+    assert g["seconds"]["stalled"] == pytest.approx(float(STALL_ERROR_RE.match(stall["message"]).group(1))), g
+    assert g["seconds"]["training"] > 0 and g["seconds"]["starting"] > 0, g
+    assert _first_row(real_cluster.kubectl("get", "ddpj", "digits", "-n", ns).stdout)["GOODPUT"] == g["display"]
+    print(f"goodput: {g['display']} of {wall:.0f}s: {g['seconds']}")
 
 
 # Each step of the elastic job sleeps at least this long (no CPU: the floor holds on an idle

@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import statistics
 import subprocess
 import time
 import urllib.request
@@ -43,6 +44,14 @@ def test_digits_example_converges_across_two_nodes(tmp_path):
     assert s["eval_accuracy"] >= 0.95
     assert s["restarts"] == 0 and s["resumed_from_step"] == 0
     assert s["train_samples_per_second"] > 0
+    # Undisturbed: every second of it in queued, starting, training, checkpointing or evaluating.
+    g = s["goodput"]
+    assert s["in_place_restarts"] == 0 and s["restart_history"] == []
+    assert g["seconds"]["recovering"] == g["seconds"]["recomputing"] == g["seconds"]["stalled"] == 0, g
+    assert sum(g["seconds"].values()) == pytest.approx(g["wallSeconds"], rel=0.02)
+    assert g["wallSeconds"] == pytest.approx(s["wall_seconds"], rel=0.02)  # the runner's own clock
+    assert g["seconds"]["training"] > 0 and g["seconds"]["starting"] > 0 and g["seconds"]["evaluating"] > 0
+    assert f"goodput {g['display']} training of" in proc.stderr.splitlines()[-1]
 
 
 def test_eval_is_exact_when_world_size_does_not_divide_the_validation_set(tmp_path):
@@ -81,6 +90,7 @@ HANG_TIMEOUT = 60  # a stage of a loaded CI machine (a rank in process-group set
 # peer still importing torch) stays far below it: a slow start is not this test's stall
 FREEZE_AT = 3
 STEPS = 24
+CHECKPOINT_EVERY = 4
 
 
 def _failures(ports: list[int]) -> list[tuple[int, dict]]:
@@ -96,10 +106,16 @@ def test_frozen_then_sigkilled_rank_1_restarts_the_workers_in_place_and_resumes_
     node's metrics name the failure and each rank's first step after it, the node logs mark each
     start, and the run still takes exactly its steps. A step lasts DDPJOB_DEBUG_STEP_SLEEP or more,
     so the frozen rank's last progress is a step older than rank 0's (which waits in the next
-    all-reduce): its agent kills it first, the earliest failure, the one the operator names."""
+    all-reduce): its agent kills it first, the earliest failure, the one the operator names.
+
+    The runner reports both as the operator would (restartHistory, its events' words) and its
+    goodput ledger accounts for them: no checkpoint precedes the stall (every CHECKPOINT_EVERY
+    steps, no snapshots), so its restart does its steps again, and the SIGKILL comes two steps past
+    a checkpoint."""
     job = write_job(tmp_path / "killme.yaml", name="killme", max_restarts=3, hangTimeoutSeconds=HANG_TIMEOUT,
                     trainer={"dataset": "digits", "model": "convnet", "epochs": 2, "maxSteps": STEPS, "batchSize": 32,
-                             "lr": 0.05, "checkpoint": {"dir": "ckpt", "everySteps": 1, "keep": 2}})
+                             "lr": 0.05, "checkpoint": {"dir": "ckpt", "everySteps": CHECKPOINT_EVERY, "keep": 2,
+                                                        "snapshotEverySteps": 0}})
     summary = tmp_path / "summary.json"
     work = tmp_path / "work"
     ports = free_ports(2, consecutive=True)
@@ -131,16 +147,17 @@ def test_frozen_then_sigkilled_rank_1_restarts_the_workers_in_place_and_resumes_
         killed = None
         while time.monotonic() < deadline and killed is None:
             assert proc.poll() is None, proc.stdout.read()[-3000:]
-            # Any checkpoint of step 10 or later (keep 2 prunes step 10's soon after; a loaded
-            # machine's poll may miss that window), long after the restart for the stall.
+            # Two steps past a checkpoint of step 8 or later, long after the restart for the stall
+            # (a loaded machine's poll may miss that window: the next checkpoint's comes).
             saved = [int(p.name[5:]) for p in (work / "ckpt").glob("step-*") if p.name[5:].isdigit()]
-            if saved and max(saved) >= 10:
+            rank1 = _scrape(ports[1]).get(1)
+            if saved and max(saved) >= 8 and rank1 is not None and (rank1.step or 0) >= max(saved) + 2:
                 pid = _find_worker("killme", 1)
                 if pid:
                     os.kill(pid, signal.SIGKILL)
                     killed = pid
             time.sleep(0.2)
-        assert killed, "never saw a checkpoint at step 10 and a rank-1 worker to kill"
+        assert killed, "never saw a rank-1 worker two steps past a checkpoint of step 8 or later to kill"
         # Rank 1's node's agent reports the failure; then every rank's new worker steps.
         sigkill, firsts = None, {}
         while time.monotonic() < deadline and (sigkill is None or len(firsts) < 2):
@@ -156,6 +173,7 @@ def test_frozen_then_sigkilled_rank_1_restarts_the_workers_in_place_and_resumes_
         assert sigkill["error"] == "killed by SIGKILL", sigkill
         assert len(firsts) == 2, f"not every rank stepped after the restart: {firsts}"
         print(f"in place: SIGKILL to every rank's next step in {max(firsts.values()) - sigkill['time']:.2f}s")
+        samples = {**_scrape(ports[0]), **_scrape(ports[1])}  # every worker the ranks had, in each node
         out, _ = proc.communicate(timeout=300)
     finally:
         if proc.poll() is None:
@@ -165,13 +183,50 @@ def test_frozen_then_sigkilled_rank_1_restarts_the_workers_in_place_and_resumes_
     assert proc.returncode == 0, out[-3000:]
     assert s["phase"] == "Succeeded"
     assert s["restarts"] == 0 and "restarting the whole group" not in out  # no group restart
-    assert s["resumed_from_step"] >= 9
+    assert s["resumed_from_step"] >= 8
     assert s["steps"] == STEPS  # nothing lost, nothing repeated
     logs = [(work / "logs" / "attempt-0" / f"node-{node}.log").read_text() for node in (0, 1)]
     assert any("[ddpjob-agent] rank 1 stalled: no progress" in log for log in logs), logs[1][-2000:]
     for log in logs:
         for restart in (0, 1, 2):
             assert f"==> ddpjob: attempt 0 restart {restart} <==" in log, log[-2000:]
+
+    # Both restarts in place counted and recorded as the operator does, and said as its events say them.
+    assert s["in_place_restarts"] == 2, s
+    stalled, sigkilled = s["restart_history"]
+    assert all((e["kind"], e["attempt"], e["rank"], e["pod"]) == ("InPlace", 0, 1, "killme-1")
+               for e in (stalled, sigkilled)), s["restart_history"]
+    assert stalled["reason"] == "Stalled" and STALL_ERROR_RE.match(stalled["message"]), stalled
+    assert (sigkilled["exitCode"], sigkilled["signal"]) == (-9, "SIGKILL") and "reason" not in sigkilled, sigkilled
+    # No checkpoint before the stall: its restart began again at 0; the SIGKILL's at a checkpoint.
+    # (the newest step any failed rank had finished: rank 0 may have finished the step rank 1 froze in)
+    assert stalled["resumedFromStep"] == 0 and stalled["stepsLost"] == stalled["stepAtFailure"] >= FREEZE_AT - 1, stalled
+    assert sigkilled["stepsLost"] == sigkilled["stepAtFailure"] - sigkilled["resumedFromStep"] >= 0, sigkilled
+    assert sigkilled["resumedFromStep"] == s["resumed_from_step"]  # what the final workers' result says
+    # Each said when first seen (its cause, unless a peer's failure was seen a scrape earlier) ...
+    for used in (1, 2):
+        assert f"; restarting in place ({used}/3 of failurePolicy.maxRestarts used)" in out, out[-3000:]
+    # ... and when every rank stepped again, naming the cause.
+    for e in (stalled, sigkilled):
+        assert (f"stepping again from step {e['resumedFromStep']} {e['recoverySeconds']:g}s after the worker of "
+                f"rank 1 (pod killme-1) failed ({e['stepsLost']} step(s) lost)") in out, out[-3000:]
+    last = out.strip().splitlines()[-1]
+    assert "restarts 0 (group), 2 in place" in last and f"goodput {s['goodput']['display']} training of" in last
+
+    # Where the time went: every second once, the restarts' time theirs.
+    g, history = s["goodput"], s["restart_history"]
+    assert sum(g["seconds"].values()) == pytest.approx(g["wallSeconds"], rel=0.02)
+    assert g["wallSeconds"] == pytest.approx(s["wall_seconds"], rel=0.02)
+    assert g["seconds"]["recovering"] == pytest.approx(sum(e["recoverySeconds"] for e in history), abs=1.0)
+    step_time = statistics.median(x.step_seconds_sum / x.step_seconds_count for x in samples.values())
+    assert g["seconds"]["recomputing"] == pytest.approx(sum(e["stepsLost"] for e in history) * step_time, rel=0.1)
+    assert g["seconds"]["stalled"] == pytest.approx(float(STALL_ERROR_RE.match(stalled["message"]).group(1)))
+    assert g["seconds"]["training"] > 0 and g["ratio"] == pytest.approx(g["seconds"]["training"] / g["wallSeconds"],
+                                                                          abs=1e-3)
+    # ... and as the ranks saw it (their own counters): the restarted ones recovered, rank 1 stalled
+    # and then did the steps before the stall again.
+    assert samples[1].goodput["stalled"] >= HANG_TIMEOUT and samples[1].goodput["recovering"] > 0
+    assert samples[1].goodput["recomputing"] > 0 and samples[1].goodput["starting"] > 0
 
 
 def test_missing_dataset_is_a_bad_configuration_and_is_not_retried(tmp_path):

@@ -28,12 +28,13 @@ def placed(pod, node):
 def test_list_rows_show_phase_progress_loss_rate_restarts_age():
     running = job_with(running_status(restarts=2, nodes={"ready": "2/2"},
                                       progress={"display": "42% (420/1000)", "loss": 0.41234567,
-                                                "samplesPerSecond": 812.46, "eta": "4m10s"}), name="b")
+                                                "samplesPerSecond": 812.46, "eta": "4m10s"},
+                                      goodput={"display": "83%"}), name="b")
     pending = job_with(None, name="a")
     headers, rows = views.list_rows([running, pending], NOW)
-    assert headers == ["NAME", "PHASE", "READY", "PROGRESS", "LOSS", "SAMPLES/S", "RESTARTS", "AGE"]
-    assert rows == [["a", "Pending", "-", "-", "-", "-", "0", "4m10s"],
-                    ["b", "Running", "2/2", "42% (420/1000)", "0.4123", "812.5", "2", "4m10s"]]
+    assert headers == ["NAME", "PHASE", "READY", "PROGRESS", "LOSS", "SAMPLES/S", "RESTARTS", "GOODPUT", "AGE"]
+    assert rows == [["a", "Pending", "-", "-", "-", "-", "0", "-", "4m10s"],
+                    ["b", "Running", "2/2", "42% (420/1000)", "0.4123", "812.5", "2", "83%", "4m10s"]]
 
 
 @pytest.mark.parametrize("wide, all_ns, first, extra", [
@@ -301,3 +302,18 @@ def test_kept_tails_of_an_attempt_whose_pods_are_gone():
     assert views.kept_tails(job, attempt=0, rank=None, all_ranks=False) == [(1, "step 3\nRuntimeError: boom")]
     assert views.kept_tails(job, attempt=0, rank=0, all_ranks=False) == []
     assert views.kept_tails(job, attempt=1, rank=None, all_ranks=True) == [(0, "later")]
+
+
+def test_describe_and_top_show_where_the_time_went():
+    from ddpjob_operator.decisions.goodput import Observed, advance
+
+    t0 = NOW.timestamp() - 250
+    ledger = advance(None, Observed(now=t0 + 250, created=t0, scheduled_at=t0 + 10, stepped_at=t0 + 50,
+                                    ranks={"checkpointing": 12.0}))
+    job = job_with(running_status(goodput=ledger))
+    data = views.describe_data(job, [], [], NOW)
+    assert "accounting" not in data["goodput"] and data["goodput"]["seconds"]["queued"] == 10
+    line = next(ln for ln in views.describe_text(data, NOW).splitlines() if ln.startswith("Goodput:"))
+    assert line.endswith("75% training of 4m10s: queued 10s, starting 40s, training 3m08s, checkpointing 12s"), line
+    assert "goodput 75% training of 4m10s: queued 10s" in views.top_text(job, [], NOW)
+    assert "Goodput" not in views.describe_text(views.describe_data(job_with(running_status()), [], [], NOW), NOW)

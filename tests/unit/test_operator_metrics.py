@@ -214,3 +214,17 @@ def test_scrape_gauges_say_the_latest_scrape_and_the_rank_behind(steps, slowest,
     assert value(m, "ddpjob_operator_job_scrape_timestamp_seconds", **labels) == 100.0
     m.set_phase(KEY, None)                                   # the job is gone
     assert not [line for line in generate_latest(m.registry).decode().splitlines() if 'ddpjob="mnist"' in line]
+
+
+def test_goodput_gauges_say_each_jobs_ledger_and_go_with_the_job():
+    m = OperatorMetrics(CollectorRegistry())
+    seconds = {c: 0.0 for c in ("queued", "starting", "checkpointing", "evaluating", "recovering", "recomputing",
+                                "stalled", "suspended")}
+    ledger = {"ratio": 0.8, "wallSeconds": 100.0, "seconds": {**seconds, "training": 80.0, "queued": 20.0}}
+    m.record_pass(KEY, prev_status={}, status={"phase": "Running", "goodput": ledger})
+    assert value(m, "ddpjob_operator_job_goodput_ratio", namespace=KEY[0], ddpjob=KEY[1]) == 0.8
+    assert value(m, "ddpjob_operator_job_goodput_seconds", namespace=KEY[0], ddpjob=KEY[1], category="queued") == 20
+    assert value(m, "ddpjob_operator_job_goodput_seconds", namespace=KEY[0], ddpjob=KEY[1], category="suspended") == 0
+    m.set_phase(KEY, None)
+    assert value(m, "ddpjob_operator_job_goodput_ratio", namespace=KEY[0], ddpjob=KEY[1]) is None
+    assert value(m, "ddpjob_operator_job_goodput_seconds", namespace=KEY[0], ddpjob=KEY[1], category="queued") is None

@@ -346,3 +346,51 @@ def test_cpu_run_exports_no_device_series(tmp_path):
     MultiProcessCollector(reg, path=str(mp))
     text = generate_latest(reg).decode()
     assert "gpu_info{" not in text and "compute_seconds_count{" not in text
+
+
+GOODPUT_WORKER = """
+    import os
+    from ddpjob_trainer.telemetry import Telemetry
+    T = 1e9
+    t = Telemetry.from_env()
+    first, last, base = (1, 5, T) if os.environ.get("DDPJOB_RESTART") != "1" else (4, 6, T + 100)
+    t.set_stage("process_group_init", timestamp=base + 2)
+    for i in range(first, last + 1):  # 1 s steps, the first ending 10 s after the start
+        t.step(step=i, epoch=0, loss=1.0, samples=8, step_seconds=1.0, data_wait_seconds=0.0,
+               timestamp=base + 10 + i - first)
+    t.set_stage("eval", timestamp=base + 20)
+    t.set_stage("training", timestamp=base + 22)
+    t.set_stage("checkpoint", timestamp=base + 23)
+    t.set_stage("training", timestamp=base + 26)
+    if os.environ.get("STALL"):  # the pod's agent killed the worker for a stall
+        import types
+        from ddpjob_trainer.agent import Hooks
+        Hooks().on_failure(None, None, {0: types.SimpleNamespace(exitcode=-9, local_rank=0, signal_name=lambda: "SIGKILL")}, True)
+"""
+
+
+def test_a_ranks_time_by_category_across_its_worker_restarts(tmp_path):
+    """A rank's first worker starts (its node's launcher at T), steps 1-5, evaluates and checkpoints;
+    the agent kills it for a stall (31 s without progress); the restarted worker, told the failure
+    (T+100) and the step reached (5), resumes from 3: steps 4 and 5 are done again, 6 is new."""
+    mp = tmp_path / "mp"
+    status = tmp_path / "status"
+    status.mkdir()
+    (status / "failed-rank-0.txt").write_text("stalled: no progress for 31s in training after step 5 (hang timeout 30s)\n")
+    env = {"RANK": "0", "LOCAL_RANK": "0", "NODE_RANK": "0", "DDPJOB_NAME": "g"}
+    run_py(GOODPUT_WORKER, metrics_dir=mp, extra_env={**env, "DDPJOB_NODE_STARTED": "1000000000", "STALL": "1",
+                                                       "DDPJOB_STATUS_DIR": str(status)})
+    run_py(GOODPUT_WORKER, metrics_dir=mp, extra_env={**env, "DDPJOB_RESTART": "1", "DDPJOB_FAILED_AT": "1000000100",
+                                                       "DDPJOB_STEP_REACHED": "5", "DDPJOB_NODE_STARTED": "1000000000"})
+    expected = {"starting": 9.0, "training": 6.0, "recomputing": 2.0, "recovering": 9.0, "evaluating": 4.0,
+                "checkpointing": 6.0, "stalled": 31.0}
+    from ddpjob_trainer.telemetry import rank_goodput
+    assert rank_goodput(str(mp), 0) == expected
+    text = run_py("""
+        import os, sys
+        from prometheus_client import CollectorRegistry, generate_latest
+        from prometheus_client.multiprocess import MultiProcessCollector
+        reg = CollectorRegistry(); MultiProcessCollector(reg, path=os.environ["DDPJOB_METRICS_DIR"])
+        sys.stdout.write(generate_latest(reg).decode())
+    """, metrics_dir=mp)
+    assert parse_metrics(text)[0].goodput == expected

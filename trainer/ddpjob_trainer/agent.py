@@ -250,6 +250,8 @@ class Hooks:
         self.starts = 0
         self.attempt = env.get(contract.ENV_ATTEMPT, "0")
         self._gauge: Any = None
+        self._seconds: Any = None
+        self.reached = -1  # the newest step this pod's ranks finished before a failure (-1: none yet)
         self.watchdog = Watchdog(env)
 
     def on_start(self, _agent: Any, _group: Any) -> None:
@@ -271,9 +273,19 @@ class Hooks:
         for rank, failure in sorted(failures.items()):
             code = int(getattr(failure, "exitcode", 1))
             sig = failure.signal_name() if code < 0 else ""
+            error = error_line(status_dir, rank, failure)
             self._series(rank=rank, local_rank=getattr(failure, "local_rank", 0), restart=restart, exit_code=code,
-                         signal=sig if sig != "<N/A>" else "", error=error_line(status_dir, rank, failure),
+                         signal=sig if sig != "<N/A>" else "", error=error,
                          restarted=will_restart, step=steps.get(str(rank), "")).set(seen)
+            idle = contract.stall_seconds(error)
+            if idle is not None:  # the time it made no progress, before the watchdog killed it
+                self._stalled(rank, getattr(failure, "local_rank", 0), idle)
+        # The restarted workers' time from here to their first step is recovering, and their steps
+        # up to the newest one finished so far are done again (telemetry's goodput_seconds).
+        self.reached = max([self.reached, *steps.values()])
+        os.environ[contract.ENV_FAILED_AT] = f"{seen:.3f}"
+        if self.reached >= 0:
+            os.environ[contract.ENV_STEP_REACHED] = str(self.reached)
         if will_restart and status_dir and os.path.isdir(status_dir):
             # Consumed: the next failure's record (or the node's final one, for its termination
             # message) must not be this one.
@@ -284,6 +296,20 @@ class Hooks:
     @property
     def _exports(self) -> bool:
         return self.env.get(contract.ENV_TELEMETRY, "1") != "0" and bool(self.env.get(contract.ENV_METRICS_DIR))
+
+    def _stalled(self, rank: int, local_rank: int, seconds: float) -> None:
+        """Count a stalled rank's seconds without progress (its goodput_seconds{category=stalled})."""
+        if not self._exports:
+            return
+        if self._seconds is None:
+            from .telemetry import LABELS, _prepare_multiprocess, goodput_family
+            _prepare_multiprocess()
+            from prometheus_client import CollectorRegistry
+            self._seconds = goodput_family(CollectorRegistry(), list(LABELS))
+        self._seconds.labels(ddpjob=self.env.get(contract.ENV_JOB_NAME, "local"),
+                             namespace=self.env.get(contract.ENV_JOB_NAMESPACE, ""), rank=str(rank),
+                             local_rank=str(local_rank), node_rank=self.env.get("NODE_RANK", "0"),
+                             category="stalled").inc(seconds)
 
     def _series(self, **labels: Any) -> Any:
         if not self._exports:

@@ -143,6 +143,21 @@ STAGE = "stage"
 STAGES = ("waiting_for_master", "rendezvous", "process_group_init", "first_step", "training", "eval",
           "checkpoint")
 STAGE_START_TIMESTAMP = "stage_start_timestamp_seconds"
+# Where a job's wall time went (docs/goodput.md): every second from its creation to its end in exactly
+# one of these, in this order (the operator's status.goodput, the local runner's summary).
+GOODPUT_CATEGORIES = ("queued", "starting", "training", "checkpointing", "evaluating", "recovering",
+                      "recomputing", "stalled", "suspended")
+# `goodput_seconds_total{category=C}`: a rank's own seconds in category C, beside its stage (a
+# counter, summed over every worker process the rank had in its pod). No rank runs while a job is
+# queued or suspended, so those two are the operator's alone; the rest a rank sees as: starting
+# from its node's launcher to its first step, recovering from a failure its agent saw to its
+# restarted worker's first step, training and recomputing the steps' time (recomputing: the steps up
+# to the one reached before the failure), checkpointing and evaluating the time in those stages,
+# stalled the time without progress before its agent killed it for a stall.
+GOODPUT_SECONDS = "goodput_seconds"
+RANK_GOODPUT_CATEGORIES = tuple(c for c in GOODPUT_CATEGORIES if c not in ("queued", "suspended"))
+# The stages whose time is a category of its own (the rest of a rank's time is its steps').
+STAGE_GOODPUT = {"eval": "evaluating", "checkpoint": "checkpointing"}
 
 # Stalled: no progress (a step, or a rank beginning a stage) for the job's hang timeout. One rule
 # for the operator's monitor (decisions/health.py: the Stalled condition, the group restart when
@@ -156,13 +171,19 @@ HANG_PAUSES = ("eval", "checkpoint")  # stages between steps, judged from their 
 # The error line of a worker the agent killed for a stall (its failure record; the operator matches
 # it, STALL_ERROR_RE, to give the in-place restart the reason Stalled).
 STALL_ERROR = "stalled: no progress for {idle:.0f}s in {stage} (hang timeout {timeout:.0f}s)"
-STALL_ERROR_RE = re.compile(r"^stalled: no progress for \d+s in [a-z_]+( after step (\d+))? \(hang timeout \d+s\)$")
+STALL_ERROR_RE = re.compile(r"^stalled: no progress for (\d+)s in [a-z_]+( after step (\d+))? \(hang timeout \d+s\)$")
 
 
 def stall_step(error: str | None) -> int | None:
     """The last step of a rank its agent killed for a stall (STALL_ERROR's "after step N"), else None."""
     m = STALL_ERROR_RE.match(error or "")
-    return int(m.group(2)) if m and m.group(2) else None
+    return int(m.group(3)) if m and m.group(3) else None
+
+
+def stall_seconds(error: str | None) -> float | None:
+    """How long a rank its agent killed for a stall had made no progress (STALL_ERROR's idle), else None."""
+    m = STALL_ERROR_RE.match(error or "")
+    return float(m.group(1)) if m else None
 
 
 def startup_hang_timeout(trainer: Mapping[str, Any] | None) -> float:
@@ -288,6 +309,13 @@ def snapshot_root(env: Mapping[str, str] = os.environ) -> Path:
 
 # Set by the agent for the workers it starts: the pod's worker start in this attempt (0, 1, ...).
 ENV_RESTART = "DDPJOB_RESTART"
+# ... and, for a restart, the Unix time of the failure it saw and the newest step the pod's ranks had
+# finished then: a restarted rank's time up to its first step is recovering, its steps up to that
+# one recomputing (GOODPUT_SECONDS).
+ENV_FAILED_AT = "DDPJOB_FAILED_AT"
+ENV_STEP_REACHED = "DDPJOB_STEP_REACHED"
+# Set by the launcher for the ranks it starts: the Unix time it started (a rank's starting counts from it).
+ENV_NODE_STARTED = "DDPJOB_NODE_STARTED"
 # 1 per worker failure the agent saw on this pod, valued the failure's Unix time; labels: the
 # failed rank's, `restart` (the pod's worker start that failed), `exit_code`, `signal`, `error`
 # (the first line that names the error), `restarted` ("true": the agent restarted in place;

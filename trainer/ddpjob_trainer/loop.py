@@ -27,7 +27,8 @@ from .dist import DistContext
 from .errors import PeerStopped
 from .models import build_model
 from .reporting import NullReporter, Terminated
-from .telemetry import DeviceTimer, Telemetry
+from .telemetry import DeviceTimer, Telemetry, rank_goodput
+from .tracking import goodput_metrics
 
 
 @dataclass
@@ -502,6 +503,9 @@ def train(cfg: TrainerConfig, ctx: DistContext, *, log: NullReporter, telemetry:
     result = trainer.fit()
     if ctx.is_main:  # rank 0 alone, after the last collective
         log.record(trainer.resolved_config(), checkpoint=result.last_checkpoint)
+        metrics_dir = os.environ.get(contract.ENV_METRICS_DIR)
+        if telemetry.enabled and metrics_dir:
+            log.metrics(goodput_metrics(rank_goodput(metrics_dir, ctx.rank)), step=result.steps)
         log.model(trainer.model)
     if ctx.is_main and result_path:
         _write_json_atomic(result_path, {**asdict(result), contract.RESULT_MLFLOW_RUN_ID: log.run_id})

@@ -25,6 +25,14 @@ trainer sets process_group_init, first_step, then training, eval and checkpoint.
 script, `track()` sets first_step and its first finished step training; `set_stage` sets any
 other (e.g. `tm.set_stage("eval")` around your evaluation, then `tm.set_stage("training")`).
 
+Where a rank's time went: `goodput_seconds_total{category=C}` (contract.GOODPUT_SECONDS) counts the
+seconds of each category a rank sees: starting (from its node's launcher to its first step),
+recovering (a restarted worker: from the failure its agent saw to its first step), training and
+recomputing (its steps' time; recomputing the steps up to the one reached before that failure),
+evaluating and checkpointing (the time in those stages, `set_stage`), stalled (counted by the
+pod's agent when it kills a stalled worker). Queued and suspended are the operator's alone (no
+rank runs then): status.goodput and docs/goodput.md hold the job's whole ledger.
+
 Meaning (what the operator's detectors rely on): `step_seconds` is the whole optimizer step,
 data wait included; `data_wait_seconds` is the part spent waiting for the batch. The built-in
 trainer measures `step_seconds` from one step boundary to the next and lets a GPU run ahead of
@@ -75,14 +83,22 @@ def _prepare_multiprocess() -> str | None:
 class Telemetry:
     """Metrics of one rank; use `Telemetry.from_env()` inside a torchrun worker."""
 
-    def __init__(self, *, labels: dict[str, str], enabled: bool = True) -> None:
+    def __init__(self, *, labels: dict[str, str], enabled: bool = True, started_at: float | None = None,
+                 restarted: bool = False, step_reached: int | None = None) -> None:
+        """`started_at`: when this rank's start began (its node's launcher; a restarted worker: the
+        failure); `restarted`: that start is a recovery; `step_reached`: the newest step the rank's
+        pod had finished before the failure (its steps up to it are recomputed)."""
         self.enabled = enabled
         self.labels = labels
         self._global_step = 0
         self._pending_loss = float("nan")
         self._last_epoch: int | None = None
         self._stage: str | None = None
+        self._stage_at = 0.0
         self._stepped = False
+        self._started_at = started_at
+        self._restarted = restarted
+        self._reached = step_reached if step_reached is not None else -1
         if not enabled:
             return
         _prepare_multiprocess()
@@ -147,11 +163,16 @@ class Telemetry:
                       "0 for the others.", names + ["stage"], registry=reg, multiprocess_mode="mostrecent")
         self._stages = {s: stage.labels(**labels, stage=s) for s in contract.STAGES}
         self._stage_start = gauge(contract.STAGE_START_TIMESTAMP, "Unix time this rank's current stage began.")
+        seconds = goodput_family(reg, names)
+        self._goodput = {c: seconds.labels(**labels, category=c) for c in contract.RANK_GOODPUT_CATEGORIES}
 
     @classmethod
     def from_env(cls, *, enabled: bool | None = None) -> "Telemetry":
         """Labels from torchrun's and the operator's env vars."""
         env = os.environ
+        restart = _number(env.get(contract.ENV_RESTART))
+        failed_at = _number(env.get(contract.ENV_FAILED_AT)) if restart else None
+        reached = _number(env.get(contract.ENV_STEP_REACHED)) if restart else None
         labels = {
             "ddpjob": env.get(contract.ENV_JOB_NAME, "local"),
             "namespace": env.get(contract.ENV_JOB_NAMESPACE, ""),
@@ -161,7 +182,10 @@ class Telemetry:
         }
         if enabled is None:
             enabled = env.get(contract.ENV_TELEMETRY, "1") != "0"
-        return cls(labels=labels, enabled=enabled)
+        # A worker restarted without a failure its agent saw (its peers' round): from its own start.
+        started = failed_at or (None if restart else _number(env.get(contract.ENV_NODE_STARTED))) or process_start()
+        return cls(labels=labels, enabled=enabled, started_at=started, restarted=bool(restart),
+                   step_reached=int(reached) if reached is not None else None)
 
     @property
     def stage(self) -> str | None:
@@ -175,10 +199,14 @@ class Telemetry:
             raise ValueError(f"unknown stage {stage!r}; one of {', '.join(contract.STAGES)}")
         if not self.enabled or stage == self._stage:
             return
-        self._stage = stage
+        now = time.time() if timestamp is None else timestamp
+        left = contract.STAGE_GOODPUT.get(self._stage or "")
+        if left is not None:
+            self._goodput[left].inc(max(0.0, now - self._stage_at))
+        self._stage, self._stage_at = stage, now
         for name, child in self._stages.items():
             child.set(1 if name == stage else 0)
-        self._stage_start.set(time.time() if timestamp is None else timestamp)
+        self._stage_start.set(now)
 
     def set_total_steps(self, n: int) -> None:
         """The number of optimizer steps the run will take."""
@@ -210,6 +238,10 @@ class Telemetry:
         if not self._stepped:
             self._stepped = True
             self._first_step.set(timestamp)
+            if self._started_at is not None:  # up to the first step's own start
+                self._goodput["recovering" if self._restarted else "starting"].inc(
+                    max(0.0, timestamp - step_seconds - self._started_at))
+        self._goodput["recomputing" if step <= self._reached else "training"].inc(step_seconds)
         self._global_step = step
         self._step.set(step)
         if epoch != self._last_epoch:  # changes once per epoch: skip the mmap write otherwise
@@ -406,6 +438,52 @@ class _NoDeviceTimer(DeviceTimer):
 
     def read(self) -> list[float]:
         return []
+
+
+def goodput_family(registry: Any, names: list[str]) -> Any:
+    """The GOODPUT_SECONDS counter family (labels `names` + category): a rank's and its agent's
+    (the stalled seconds) are one series per rank and category in the pod's endpoint."""
+    from prometheus_client import Counter
+
+    return Counter(PREFIX + contract.GOODPUT_SECONDS, "Seconds of this rank's time by category (contract."
+                   "GOODPUT_CATEGORIES; no queued or suspended: no rank runs then).", names + ["category"],
+                   registry=registry)
+
+
+def rank_goodput(metrics_dir: str, rank: int | str) -> dict[str, float]:
+    """`rank`'s GOODPUT_SECONDS by category as its pod's endpoint serves them (every worker process
+    the rank had in the pod, and its agent's), read from the pod's multiprocess directory."""
+    import glob
+
+    from prometheus_client.multiprocess import MultiProcessCollector
+
+    out: dict[str, float] = {}
+    name = PREFIX + contract.GOODPUT_SECONDS + "_total"
+    for family in MultiProcessCollector.merge(glob.glob(os.path.join(metrics_dir, "*.db"))):
+        for s in family.samples:
+            if s.name == name and s.labels.get("rank") == str(rank) and s.labels.get("category"):
+                out[s.labels["category"]] = out.get(s.labels["category"], 0.0) + s.value
+    return out
+
+
+def _number(text: str | None) -> float | None:
+    """A number from the env, None when absent or not one."""
+    try:
+        value = float(text) if text else None
+    except ValueError:
+        return None
+    return value if value is not None and value == value and abs(value) != float("inf") else None
+
+
+def process_start() -> float | None:
+    """This process's start (Unix time; None: unknown): the launcher's is its ranks' start, a rank
+    that no launcher started counts its start from its own."""
+    try:
+        import psutil
+
+        return float(psutil.Process().create_time())
+    except Exception:  # noqa: BLE001 - a start unknown is a category not counted, never a failure
+        return None
 
 
 def _batch_len(batch: Any) -> int:

@@ -21,7 +21,8 @@ it (dropped and counted once the queue is full), so a server that comes back lat
 `spec.trainer.mlflow.required: true` instead waits for the first try (at most START_SECONDS) and
 fails the attempt without a run. End: after a successful run rank 0 queues the job's record (the
 artifact JOB_ARTIFACT: the job, its resolved trainer config, its last checkpoint; that checkpoint
-also as the tag CHECKPOINT_TAG, which each attempt may change) and the trained model (registered as
+also as the tag CHECKPOINT_TAG, which each attempt may change), where rank 0's time went
+(goodput_metrics) and the trained model (registered as
 a new version of `mlflow.registerModel` when the spec names one); `close(status)` flushes what is
 queued within a deadline (then skips the rest), and ends the run FINISHED, FAILED or KILLED
 (SIGTERM: a shorter deadline).
@@ -128,6 +129,17 @@ def job_record(env: Mapping[str, str], config: Mapping[str, Any], *, checkpoint:
            "attempt": int(env.get(contract.ENV_ATTEMPT, "0")),
            "nodes": int(env.get("NNODES") or 1), "nprocPerNode": int(env.get("NPROC_PER_NODE") or 1)}
     return _public({"job": job, "trainer": dict(config), "checkpoint": checkpoint})
+
+
+def goodput_metrics(seconds: Mapping[str, float]) -> dict[str, float]:
+    """The ranks' ledger as the run's metrics at its end: `goodput_<category>_seconds` for each
+    category rank 0 saw (telemetry's goodput_seconds, every worker it had in its pod) and `goodput`,
+    the training share of them. The job's whole ledger, queued and suspended time and the group
+    restarts' included, is the operator's status.goodput (the local runner's summary)."""
+    out = {f"goodput_{c}_seconds": round(float(seconds.get(c, 0.0)), 3) for c in contract.RANK_GOODPUT_CATEGORIES}
+    total = sum(out.values())
+    out["goodput"] = round(out["goodput_training_seconds"] / total, 4) if total > 0 else 0.0
+    return out
 
 
 def _public(obj: Any) -> Any:

@@ -131,6 +131,17 @@ def unschedulable_since(pod: dict[str, Any]) -> tuple[dt.datetime | None, str] |
     return None
 
 
+def scheduled_at(pod: dict[str, Any]) -> dt.datetime | None:
+    """When the scheduler placed the pod (its PodScheduled condition turned True), else None; a
+    pod past Pending that carries no such condition, when the kubelet started it."""
+    for c in _conditions(pod):
+        if c.get("type") == "PodScheduled" and c.get("status") == "True":
+            return parse_time(c.get("lastTransitionTime"))
+    if phase(pod) not in ("", "Pending"):
+        return parse_time((pod.get("status") or {}).get("startTime"))
+    return None
+
+
 def node_not_ready(pod: dict[str, Any]) -> bool:
     """A running pod whose node stopped reporting: the node lifecycle controller marks the pod not
     Ready while its containers, as last reported by the kubelet, are still ready. The operator

@@ -36,7 +36,7 @@ from ddpjob_operator.cluster.k8s import K8s
 from ddpjob_operator.decisions.lifecycle import decide
 from ddpjob_operator.decisions.samples import MonitorReport
 from ddpjob_operator.decisions.status import create_refused, job_status
-from ddpjob_operator.decisions.writes import scrape_needs_pass, urgent, write_wait
+from ddpjob_operator.decisions.writes import scrape_needs_pass, settled, urgent, write_wait
 
 if TYPE_CHECKING:
     from ddpjob_operator.cluster.monitor import Monitor
@@ -266,7 +266,7 @@ class Reconciler:
                               ranks=report.ranks if report is not None else None)
             status, events = job_status(job, group, now=now, prev_status=prev, config=self.config,
                                         decision=decision, report=report, podgroup=podgroup)
-            if status == prev:
+            if settled(prev, status):
                 break
             if not urgent(prev, status, events=len(events) + len(report.events if report else [])):
                 since = asyncio.get_running_loop().time() - self._last_write.get(key, float("-inf"))

@@ -17,6 +17,8 @@ from typing import Any, Iterable
 
 from prometheus_client import REGISTRY, disable_created_metrics, CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from ddpjob_trainer.contract import GOODPUT_CATEGORIES
+
 from ddpjob_operator.decisions import inplace, progress
 from ddpjob_operator.decisions.lifecycle import INIT_START_ERRORS
 from ddpjob_operator.api.phases import Cond, Phase, RestartReason
@@ -93,6 +95,13 @@ class OperatorMetrics:
             buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10), registry=registry)
         self.reconcile_errors = Counter("ddpjob_operator_reconcile_errors_total", "Failed reconcile passes",
                                         registry=registry)
+        self.goodput_ratio = Gauge(
+            "ddpjob_operator_job_goodput_ratio", "Training's share of each DDPJob's wall time so far "
+            "(status.goodput.ratio: decisions/goodput.py, docs/goodput.md)", ["namespace", "ddpjob"], registry=registry)
+        self.goodput_seconds = Gauge(
+            "ddpjob_operator_job_goodput_seconds", "Seconds of each DDPJob's wall time so far by category "
+            "(status.goodput.seconds: queued, starting, training, checkpointing, evaluating, recovering, recomputing, "
+            "stalled, suspended; they sum to its wall time)", ["namespace", "ddpjob", "category"], registry=registry)
         self.scraped = {name: Gauge(f"ddpjob_operator_job_{name}", text, ["namespace", "ddpjob"], registry=registry)
                         for name, text in SCRAPE_GAUGES.items()}
         self._phases: dict[Key, str] = {}
@@ -156,6 +165,9 @@ class OperatorMetrics:
 
     def _forget_job(self, key: Key) -> None:
         self.forget_scrape(key)
+        self._remove(self.goodput_ratio, key)
+        for category in GOODPUT_CATEGORIES:
+            self._remove(self.goodput_seconds, key + (category,))
         self._forget_pending(key)
         self._remove(self.hang_timeout, key)
         self._remove(self.failed_at, key + (self._failed.pop(key, ""),))
@@ -185,6 +197,11 @@ class OperatorMetrics:
         else:
             self._remove(self.hang_timeout, key)
         self._track_pending(key, status)
+        ledger = status.get("goodput") or {}
+        if ledger.get("seconds"):  # computed in every pass, written or not: fresher than the status
+            self.goodput_ratio.labels(*key).set(float(ledger.get("ratio") or 0.0))
+            for category in GOODPUT_CATEGORIES:
+                self.goodput_seconds.labels(*key, category).set(float(ledger["seconds"].get(category) or 0.0))
         if phase == Phase.FAILED.value and self._failed.get(key) != reason:
             self._remove(self.failed_at, key + (self._failed.pop(key, ""),))
             when = parse_time(status.get("completionTime")) or dt.datetime.now(dt.timezone.utc)

@@ -67,8 +67,15 @@ def _open(entry: Mapping[str, Any], kinds: tuple[str, ...] = (INPLACE,)) -> bool
             and not entry.get("superseded"))
 
 
-def _key(entry: Mapping[str, Any]) -> tuple[Any, ...]:
+def is_open(entry: Mapping[str, Any]) -> bool:
+    """A restart of any kind that has not stepped again, and whose attempt has not ended since."""
+    return _open(entry, (INPLACE, GROUP, REPLACE))
+
+
+def key(entry: Mapping[str, Any]) -> tuple[Any, ...]:
+    """What tells one restart's entry from another's (the same restart in two statuses has the same)."""
     return (entry.get("kind"), entry.get("attempt"), entry.get("pod"), entry.get("restart"), entry.get("rank"))
+
 
 
 def observed(ranks: Mapping[int, Any], *, attempt: int, with_log: bool) -> list[dict[str, Any]]:
@@ -220,7 +227,7 @@ def update(prev_status: Mapping[str, Any], *, attempt: int, ranks: Mapping[int, 
     (contract.failure_step), which outlive the pods' last scrape."""
     history = [dict(e) for e in prev_status.get("restartHistory") or []]
     count = as_int(prev_status.get("inPlaceRestarts"))
-    known = {_key(e) for e in history} | {_key({**a, "kind": INPLACE}) for e in history for a in e.get("alsoFailed") or []}
+    known = {key(e) for e in history} | {key({**a, "kind": INPLACE}) for e in history for a in e.get("alsoFailed") or []}
     up = Update(history=history, in_place_restarts=count)
     for entry in map(dict, replaced):
         # The survivors' workers fail on their lost peer; an in-place restart seen before the loss
@@ -235,9 +242,9 @@ def update(prev_status: Mapping[str, Any], *, attempt: int, ranks: Mapping[int, 
     settled = max((float(e.get("failedAt") or 0) + float(e["recoverySeconds"]) for e in history
                    if e.get("attempt") == attempt and "recoverySeconds" in e), default=0.0)
     fresh = [e for e in observed(ranks or {}, attempt=attempt, with_log=with_log)
-             if _key(e) not in known and e["failedAt"] > settled]
+             if key(e) not in known and e["failedAt"] > settled]
     for entry in sorted(fresh, key=lambda e: e["failedAt"]):
-        known.add(_key(entry))
+        known.add(key(entry))
         head: dict[str, Any] | None = next(
             (e for e in reversed(history) if _open(e, (INPLACE, REPLACE)) and e.get("attempt") == attempt), None)
         if head is None:
@@ -259,7 +266,7 @@ def update(prev_status: Mapping[str, Any], *, attempt: int, ranks: Mapping[int, 
             cause, other = head, entry
         _absorb(cause, other)
     for entry in history:
-        if not _open(entry, (INPLACE, GROUP, REPLACE)):
+        if not is_open(entry):
             continue
         # An in-place restart steps again in its own attempt, a group restart in the next one;
         # the last scrape of an attempt that ends now still counts (passes follow steps lazily).
@@ -285,14 +292,19 @@ def update(prev_status: Mapping[str, Any], *, attempt: int, ranks: Mapping[int, 
     return up
 
 
+def newly_recovered(prev_status: Mapping[str, Any], status: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    """The entries of the restarts that stepped again between two statuses: in
+    status.restartHistory with their recovery, and not so in prev's."""
+    done = {key(e) for e in prev_status.get("restartHistory") or [] if "recoverySeconds" in e}
+    return [e for e in status.get("restartHistory") or [] if "recoverySeconds" in e and key(e) not in done]
+
+
 def recoveries(prev_status: Mapping[str, Any], status: Mapping[str, Any]) -> list[tuple[str, float, int | None]]:
     """(kind, recoverySeconds, stepsLost or None) of each restart that stepped again between two
-    statuses: in status.restartHistory with its recovery, and not so in prev's. The status is
-    written before the metrics record a pass, so a rescrape, a repeated pass or a restarted
-    operator (its prev already holds the recovery) observes nothing twice."""
-    done = {_key(e) for e in prev_status.get("restartHistory") or [] if "recoverySeconds" in e}
-    return [(str(e["kind"]), float(e["recoverySeconds"]), e.get("stepsLost"))
-            for e in status.get("restartHistory") or [] if "recoverySeconds" in e and _key(e) not in done]
+    statuses (newly_recovered). The status is written before the metrics record a pass, so a
+    rescrape, a repeated pass or a restarted operator (its prev already holds the recovery)
+    observes nothing twice."""
+    return [(str(e["kind"]), float(e["recoverySeconds"]), e.get("stepsLost")) for e in newly_recovered(prev_status, status)]
 
 
 def describe(entry: Mapping[str, Any]) -> str:
@@ -306,6 +318,22 @@ def describe(entry: Mapping[str, Any]) -> str:
         return f"rank {entry.get('rank')} ({where}) {entry.get('message')}: its agent killed the worker"
     text = f"the worker of rank {entry.get('rank')} ({where}) failed with {how}"
     return text + (f": {entry['message']}" if entry.get("message") else "")
+
+
+def restarting_message(entry: Mapping[str, Any], *, used: int, max_restarts: int) -> str:
+    """What an in-place restart first seen says (the RestartingInPlace event, the local runner's log)."""
+    return f"{describe(entry)}; restarting in place ({used}/{max_restarts} of failurePolicy.maxRestarts used)"
+
+
+def recovered_message(entry: Mapping[str, Any]) -> str:
+    """What a restart that stepped again says (the RestartedInPlace, PodReplaced event; the local
+    runner's log): the step resumed from, the recovery time, what failed and the steps lost."""
+    kind = entry.get("kind")
+    what = (f"rank {entry.get('rank')}'s pod {entry.get('pod')} was replaced by {entry.get('newPod')}" if kind == REPLACE
+            else f"the worker of rank {entry.get('rank')} (pod {entry.get('pod')}) failed" if kind == INPLACE
+            else f"the group of attempt {entry.get('attempt')} restarted ({entry.get('reason')})")
+    lost = f" ({entry['stepsLost']} step(s) lost)" if entry.get("stepsLost") is not None else ""
+    return f"stepping again from step {entry.get('resumedFromStep')} {entry.get('recoverySeconds'):g}s after {what}{lost}"
 
 
 def restarting(up: Update, *, budget_used: int, max_restarts: int) -> tuple[bool, str, str] | None:

@@ -10,8 +10,9 @@ from dataclasses import dataclass, field, fields
 from typing import Iterable, Iterator
 
 from ddpjob_trainer.contract import (CHECKPOINT_SECONDS, COMPUTE_SECONDS, DATA_WAIT_SECONDS, EPOCH, EVAL_ACCURACY,
-                                    EVAL_LOSS, FIRST_STEP_TIMESTAMP, GPU_MEMORY_ALLOCATED, GPU_MEMORY_MAX_ALLOCATED,
-                                    LAST_STEP_TIMESTAMP, LOSS, METRIC_PREFIX, MLFLOW_RUN_INFO, RESTART_COUNT,
+                                    EVAL_LOSS, FIRST_STEP_TIMESTAMP, GOODPUT_SECONDS, GPU_MEMORY_ALLOCATED, GPU_MEMORY_MAX_ALLOCATED,
+                                    LAST_STEP_TIMESTAMP, LOSS, METRIC_PREFIX, MLFLOW_RUN_INFO, RANK_GOODPUT_CATEGORIES,
+                                    RESTART_COUNT,
                                     RESUMED_FROM_STEP, SAMPLES, STAGE, STAGE_START_TIMESTAMP, STAGES, STEP,
                                     STEP_SECONDS, STEP_STARTED, TOTAL_STEPS, WORKER_FAILURE)
 
@@ -84,6 +85,8 @@ class RankSample:
     # The failures of this rank's workers the pod's agent saw (contract.WORKER_FAILURE): label
     # dicts (FAILURE_LABELS) with "time", the failure's Unix time.
     worker_failures: list[dict[str, str | float]] = field(default_factory=list)
+    # Seconds of this rank's time by category (contract.GOODPUT_SECONDS; only its known categories).
+    goodput: dict[str, float] = field(default_factory=dict)
     pod: str | None = None       # filled in by the scraper, not the exposition
     node: str | None = None
 
@@ -101,7 +104,8 @@ def _int_or_none(v: str | None) -> int | None:
 
 # The samples read (their names without METRIC_PREFIX); a pod's other series, a histogram's buckets
 # (most of a trainer's lines) and HELP/TYPE comments are skipped before their labels are parsed.
-_READ = frozenset(_GAUGES) | {STAGE, MLFLOW_RUN_INFO, WORKER_FAILURE}
+_GOODPUT = GOODPUT_SECONDS + "_total"
+_READ = frozenset(_GAUGES) | {STAGE, MLFLOW_RUN_INFO, WORKER_FAILURE, _GOODPUT}
 _ONLY_AT_ONE = frozenset({STAGE, MLFLOW_RUN_INFO})   # info-style series: only those at 1 say anything
 # A sample line of the Prometheus text format: name{labels} value [timestamp]. A label value may
 # hold any character, braces too, but no unescaped quote; the labels end at the line's last brace.
@@ -159,7 +163,9 @@ def parse_metrics(text: str) -> dict[int, RankSample]:
         mlflow = (short == MLFLOW_RUN_INFO and value == 1
                   and all(_MLFLOW_ID.match(labels.get(k) or "") for k in ("run_id", "experiment_id")))
         failure = short == WORKER_FAILURE and _sane("time", value) is not None
-        if attr is None and not mlflow and not failure and not (short == STAGE and value == 1 and labels.get("stage") in STAGES):
+        goodput = short == _GOODPUT and labels.get("category") in RANK_GOODPUT_CATEGORIES and _sane(short, value) is not None
+        if (attr is None and not mlflow and not failure and not goodput
+                and not (short == STAGE and value == 1 and labels.get("stage") in STAGES)):
             continue
         rank = _int_or_none(labels.get("rank"))
         if rank is None:
@@ -173,6 +179,9 @@ def parse_metrics(text: str) -> dict[int, RankSample]:
                 ddpjob=labels.get("ddpjob") or None,
                 namespace=labels.get("namespace") or None,
             )
+        if goodput:
+            rs.goodput[labels["category"]] = value
+            continue
         if failure:
             rs.worker_failures.append({**{k: labels.get(k, "") for k in FAILURE_LABELS}, "time": value})
             continue

@@ -14,7 +14,8 @@ from ddpjob_operator.api.group import Attempt, Group
 from ddpjob_operator.builders.envvars import master_dns
 from ddpjob_operator.builders.gang import gang_state
 from ddpjob_operator.builders.kueue import admission, queue_name
-from ddpjob_operator.decisions import inplace
+from ddpjob_operator.decisions import goodput, inplace
+from ddpjob_operator.decisions.health import STALLED
 from ddpjob_operator.decisions.lifecycle import Decision, condition, decide
 from ddpjob_operator.decisions.progress import UNAVAILABLE, merge_scrape, stopped, succeeded, without_eta
 from ddpjob_operator.api.objmeta import format_time
@@ -200,15 +201,12 @@ def _in_place(conds: list[dict[str, Any]], up: inplace.Update, job: JobSpec, d: 
         set_condition(conds, type=Cond.RESTARTING, status=status, reason=reason, message=message,
                       now=now, generation=gen)
     events: list[Event] = [("Warning", inplace.RESTARTING_IN_PLACE,
-                            f"{inplace.describe(e)}; restarting in place ({used}/{job.max_restarts} of "
-                            "failurePolicy.maxRestarts used)") for e in up.new]
+                            inplace.restarting_message(e, used=used, max_restarts=job.max_restarts)) for e in up.new]
     events += [("Warning", inplace.REPLACING, f"{inplace.describe(e)}; the other pods keep theirs "
                 f"({used}/{job.max_restarts} of failurePolicy.maxRestarts used)")
                for e in up.history if e.get("kind") == inplace.REPLACE and e.get("newPod") in {r.new_pod for r in d.replaced}]
     events += [("Normal", inplace.REPLACED if e["kind"] == inplace.REPLACE else inplace.RESTARTED_IN_PLACE,
-                f"stepping again from step {e['resumedFromStep']} {e['recoverySeconds']:g}s after "
-                + (f"rank {e['rank']}'s pod {e['pod']} was replaced by {e['newPod']}" if e["kind"] == inplace.REPLACE
-                   else f"the worker of rank {e['rank']} (pod {e['pod']}) failed")) for e in up.recovered]
+                inplace.recovered_message(e)) for e in up.recovered]
     return events
 
 
@@ -237,6 +235,33 @@ def _resized(conds: list[dict[str, Any]], up: inplace.Update, job: JobSpec, rank
         _clear(conds, Cond.RESIZED, "AllNodes", text, now, gen)
         return [("Normal", "AllNodes", text)]
     return []
+
+
+def _goodput(job: JobSpec, current: Attempt, d: Decision, prev: dict[str, Any], up: inplace.Update,
+             report: MonitorReport | None, conds: list[dict[str, Any]], progress: dict[str, Any],
+             now: dt.datetime) -> dict[str, Any]:
+    """status.goodput after this pass (decisions/goodput.py): what the pass sees of the job's time."""
+    ranks = report.ranks if report is not None else None
+    stepped = goodput.stepped_at(ranks)
+    if stepped is None and progress.get(UNAVAILABLE) and d.phase is Phase.RUNNING:
+        # Pods no one scrapes (simulated nodes): running is as far as anything can tell.
+        stepped = goodput.timestamp((condition({"conditions": conds}, Cond.RUNNING) or {}).get("lastTransitionTime"))
+    stall = condition({"conditions": conds}, STALLED)
+    created = (goodput.timestamp((job.raw.get("metadata") or {}).get("creationTimestamp"))
+               or goodput.timestamp(prev.get("startTime")) or now.timestamp())
+    # A first ledger (a job older than the ledger) counts every restart its history still holds.
+    known = prev if prev.get("goodput") else {}
+    history = known.get("restartHistory") or []
+    return goodput.advance(prev.get("goodput"), goodput.Observed(
+        now=now.timestamp(), created=created,
+        ended=d.completion_time.timestamp() if d.phase.finished and d.completion_time is not None else None,
+        suspended=Phase.parse(prev.get("phase")) is Phase.SUSPENDED, attempt=d.attempt,
+        restarted=d.restarted is not None, scheduled_at=goodput.scheduled_at(list(current.by_rank.values()), job.nodes),
+        stepped_at=stepped, history=up.history, recovered=inplace.recoveries(known, {"restartHistory": up.history}),
+        stalls=goodput.new_stalls(history, up.history, goodput.timestamp((prev.get("progress") or {}).get("lastStepTime"))),
+        stall_since=(goodput.timestamp(progress.get("lastStepTime")) or goodput.timestamp(stall.get("lastTransitionTime"))
+                     if stall else None),
+        ranks=goodput.rank_counters(ranks), step_seconds=goodput.step_seconds(ranks)))
 
 
 def job_status(job: JobSpec, group: Group, *, now: dt.datetime,
@@ -377,6 +402,7 @@ def job_status(job: JobSpec, group: Group, *, now: dt.datetime,
         "nodes": node_counts(job, current),
         "conditions": conds,
     }
+    status["goodput"] = _goodput(job, current, d, prev, restarts, report, conds, progress, now)
     if restarts.in_place_restarts:
         status["inPlaceRestarts"] = restarts.in_place_restarts
     if restarts.history:

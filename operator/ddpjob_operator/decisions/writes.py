@@ -17,6 +17,10 @@ from ddpjob_operator.decisions.progress import UNAVAILABLE
 QUIET_FIELDS = frozenset({"nodes", "launchedAttempt"})
 # Fields that change with every scrape of a training job: written at the progress interval.
 PROGRESS_FIELDS = frozenset({"progress"})
+# Fields that change with every pass, as time goes by (the goodput ledger): they never ask for a
+# write of their own, and go along with any other (a ledger not written is accounted by a later
+# one all the same: decisions/goodput.py).
+RIDE_ALONG = frozenset({"goodput"})
 # The monitor's conditions: a change of status or reason is material; of message (which names the
 # latest step, or how far behind a straggler is) it is progress.
 MONITOR_CONDITIONS = (STRAGGLER, STALLED)
@@ -42,8 +46,13 @@ def _progress_kind(progress: dict[str, Any] | None) -> str:
 
 
 def changed_fields(prev: dict[str, Any], status: dict[str, Any]) -> set[str]:
-    """Top-level status fields that differ."""
-    return {k for k in set(prev) | set(status) if prev.get(k) != status.get(k)}
+    """Top-level status fields that differ, but those that only ride along (RIDE_ALONG)."""
+    return {k for k in set(prev) | set(status) if prev.get(k) != status.get(k)} - RIDE_ALONG
+
+
+def settled(prev: dict[str, Any], status: dict[str, Any]) -> bool:
+    """True when there is nothing to write: only fields that ride along changed, if anything."""
+    return not changed_fields(prev, status)
 
 
 def urgent(prev: dict[str, Any], status: dict[str, Any], *, events: int) -> bool:

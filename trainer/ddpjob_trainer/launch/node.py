@@ -221,6 +221,9 @@ def _launch(args: argparse.Namespace, node: _Node, signals: StopSignals) -> int:
     # which gets the same SIGTERM, must not kill them sooner.
     env[contract.ENV_STOP_GRACE] = f"{args.stop_grace:g}"
     env.setdefault(contract.ENV_TORCHRUN_SHUTDOWN_TIMEOUT, str(math.ceil(args.stop_grace)))
+    # The ranks' starting counts from this process's start: the container's, in a pod.
+    from ..telemetry import process_start
+    env[contract.ENV_NODE_STARTED] = f"{process_start() or time.time():.3f}"
     node_rank = int(env.get("NODE_RANK", "0"))
     addr, port = env.get("MASTER_ADDR"), int(env.get("MASTER_PORT", contract.DEFAULT_MASTER_PORT))
     node.scratch = tempfile.mkdtemp(prefix="ddpjob-")
