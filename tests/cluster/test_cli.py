@@ -12,6 +12,7 @@ import fcntl
 import json
 import os
 import pty
+import re
 import select
 import signal
 import struct
@@ -122,6 +123,8 @@ def test_submit_list_get_describe_top_wait_delete(cluster, env, tmp_path):
 
     text = ok(ddpjob(cluster, "describe", name, "-n", ns))
     assert "Phase:                Running" in text and "World size:         2" in text
+    # The API server kept the ledger the operator wrote (status.goodput: its schema prunes nothing).
+    assert re.search(r"^Goodput:\s+\d+% training of ", text, re.M), text
     ranks = [ln.split() for ln in text.split("Ranks (attempt 0):")[1].split("Failures")[0].splitlines()[2:] if ln.strip()]
     assert [r[:2] for r in ranks] == [["0", "train-0"], ["1", "train-1"]]
     assert all(r[2].startswith("kwok-gpu-") and r[3] == "Running" for r in ranks)

@@ -65,6 +65,16 @@ def test_one_run_across_a_killed_ranks_restart_with_the_loss_to_the_last_step(tm
                 "checkpoint_seconds"):
         assert key in run.data.metrics, (key, sorted(run.data.metrics))
     assert 16 in {m.step for m in mlflow_server.metric_history(run.info.run_id, "eval_accuracy")}
+    # Where rank 0's time went, logged at the end from its pod's counters (its restarted worker's
+    # included): its start, its recovery from rank 1's crash, its steps, checkpoints and evaluation.
+    spent = {k: v for k, v in run.data.metrics.items() if k.startswith("goodput")}
+    for key in ("starting", "recovering", "training", "checkpointing", "evaluating"):
+        assert spent[f"goodput_{key}_seconds"] > 0, spent
+    assert spent["goodput"] == round(spent["goodput_training_seconds"] / sum(
+        v for k, v in spent.items() if k.endswith("_seconds")), 4), spent
+    assert {m.step for m in mlflow_server.metric_history(run.info.run_id, "goodput")} == {16}
+    # ... and the runner's ledger of the whole job: the restart in place counted and recovering.
+    assert s["in_place_restarts"] == 1 and s["goodput"]["seconds"]["recovering"] > 0, s
     # systemMetrics: each node's (not each rank's) CPU and memory, from its launcher's side process.
     for node in (0, 1):
         for key in ("cpu_utilization_percentage", "system_memory_usage_megabytes"):

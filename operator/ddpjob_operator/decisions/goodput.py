@@ -128,8 +128,10 @@ def advance(prev: Mapping[str, Any] | None, obs: Observed) -> dict[str, Any]:
     # steps again; no stall is counted while a restart is open (that time is recovering).
     stalled_since = _num(kept.get("stallSince"), -1.0)
     since = obs.stall_since
-    restarted_for = lambda at: any(e.get("reason") == inplace.STALLED and _num(e.get("failedAt")) >= at  # noqa: E731
-                                   for e in obs.history)
+
+    def restarted_for(at: float) -> bool:
+        return any(e.get("reason") == inplace.STALLED and _num(e.get("failedAt")) >= at for e in obs.history)
+
     if since is not None and (obs.stalls or restarted_for(since) or any(inplace.is_open(e) for e in obs.history)):
         since = None
     if stalled_since >= 0 and since is None and not obs.stalls and not restarted_for(stalled_since):
@@ -157,6 +159,14 @@ def advance(prev: Mapping[str, Any] | None, obs: Observed) -> dict[str, Any]:
     ratio = min(1.0, max(0.0, seconds["training"] / wall)) if wall > 0 else 0.0
     return {"ratio": round(ratio, 4), "display": f"{100 * ratio:.0f}%", "wallSeconds": round(wall, 3),
             "seconds": {c: round(max(0.0, seconds[c]), 3) for c in GOODPUT_CATEGORIES}, "accounting": accounting}
+
+
+def mode(goodput: Mapping[str, Any] | None, attempt: int) -> str:
+    """Where `attempt` stood at the last account (MODES; "queued" for an attempt not accounted yet):
+    a boundary it passed need not be looked up again (a large job's pods are many)."""
+    kept = (goodput or {}).get("accounting") or {}
+    same = kept.get("attempt") == attempt and kept.get("mode") in MODES
+    return str(kept["mode"]) if same else MODES[0]
 
 
 def summary(goodput: Mapping[str, Any] | None) -> str:

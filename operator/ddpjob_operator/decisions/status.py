@@ -256,7 +256,9 @@ def _goodput(job: JobSpec, current: Attempt, d: Decision, prev: dict[str, Any], 
         now=now.timestamp(), created=created,
         ended=d.completion_time.timestamp() if d.phase.finished and d.completion_time is not None else None,
         suspended=Phase.parse(prev.get("phase")) is Phase.SUSPENDED, attempt=d.attempt,
-        restarted=d.restarted is not None, scheduled_at=goodput.scheduled_at(list(current.by_rank.values()), job.nodes),
+        restarted=d.restarted is not None,
+        scheduled_at=(goodput.scheduled_at(list(current.by_rank.values()), job.nodes)
+                      if goodput.mode(prev.get("goodput"), d.attempt) == "queued" else None),
         stepped_at=stepped, history=up.history, recovered=inplace.recoveries(known, {"restartHistory": up.history}),
         stalls=goodput.new_stalls(history, up.history, goodput.timestamp((prev.get("progress") or {}).get("lastStepTime"))),
         stall_since=(goodput.timestamp(progress.get("lastStepTime")) or goodput.timestamp(stall.get("lastTransitionTime"))
