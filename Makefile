@@ -42,7 +42,8 @@ install-floor: $(FLOOR_STAMP) ## create .venv-floor: the project on the trainer 
 demo: install ## train examples/digits.yaml on 2 simulated nodes with a progress bar
 	$(DDPJOB) run examples/digits.yaml --local
 
-test: install install-floor cluster-up images cluster-up-oldest ## every tier (cluster tiers beside the CPU tiers, hack/test.sh), the trainer's again on the image's torch, the versioned ones on the oldest Kubernetes; CI runs exactly this
+# hack/test.sh does the rest of the set-up (the floor venv, both control planes, the images), side by side.
+test: install ## every tier (cluster, CPU and oldest-Kubernetes sessions side by side, hack/test.sh), the trainer's again on the image's torch; CI runs exactly this
 	PY=$(PY) PYTEST_ARGS="$(PYTEST_ARGS)" hack/test.sh
 
 # What depends on torch's version: local multi-process runs (convergence, a killed rank, the
@@ -81,14 +82,14 @@ test-realpods: install cluster-up images ## DDPJobs that really train in pods on
 # KUBE_OLDEST_VERSION; Chart.yaml's kubeVersion), with kwok nodes (no real nodes, no Kueue):
 # - the CRD: structural schema, CEL rules (the CEL library each version has), printer columns,
 #   server-side apply of manifests/ (test_crd, test_chart_manifests' apply);
-# - the tenant policy: ValidatingAdmissionPolicy with the authorizer (test_tenant_policy);
+# - the tenant policy: ValidatingAdmissionPolicy with the authorizer, its CEL (test_tenant_policy, test_tenant_attacks);
 # - the pods the operator creates: the full template with native sidecars, topology spread with
 #   minDomains, Pod Security admission (test_crd's pod dry runs, test_placement, test_pod_security);
 # - gang scheduling with scheduler-plugins' Coscheduling (test_gang, test_gang_scheduler);
 # - eviction and node loss: the DisruptionTarget condition (test_node_loss);
 # - the Helm install and its kubeVersion check (tests/e2e/test_helm.py);
 # - a pod field newer than the API server: refused naming the field and the server's version (test_operator's).
-VERSIONED_TESTS := $(addprefix tests/cluster/,test_crd.py test_tenant_policy.py test_pod_security.py test_placement.py \
+VERSIONED_TESTS := $(addprefix tests/cluster/,test_crd.py test_tenant_policy.py test_tenant_attacks.py test_pod_security.py test_placement.py \
                    test_gang.py test_gang_scheduler.py test_node_loss.py test_create_refused.py) \
                    tests/cluster/test_operator.py::test_a_pod_field_newer_than_the_api_server_is_refused_naming_it_and_the_servers_version \
                    tests/e2e/test_helm.py

@@ -11,7 +11,7 @@
 # what they were given.
 # Env: DDPJOB_BUILD_CA — a CA bundle that pip inside the build must trust (users behind a
 #      TLS-intercepting proxy; defaults to $SSL_CERT_FILE when set). Empty: pip's own CAs.
-# Usage: hack/images.sh [build|publish|pause|all]   (default all; publish needs running real nodes;
+# Usage: hack/images.sh [build|products|publish|pause|all]   (default all; publish needs running real nodes;
 #        pause: only the sandbox image, which hack/nodes-up.sh needs before any pod can start)
 #        hack/images.sh release SRC VERSION REPO [--insecure]   (make release: see release_images)
 set -euo pipefail
@@ -129,12 +129,16 @@ build_target() {
   buildah rmi --prune >/dev/null 2>&1 || true
 }
 
-build_all() {
-  local t0=$SECONDS
+build_products() {
   build_python_base
   build_torch_base
   build_target operator "$OPERATOR_IMAGE"
   build_target trainer "$TRAINER_IMAGE"
+}
+
+build_all() {
+  local t0=$SECONDS
+  build_products
   build_pause
   log "images ready in $((SECONDS - t0))s"
 }
@@ -219,9 +223,12 @@ prune_node_images() {
 
 case "${1:-all}" in
   build) build_all ;;
+  # The product images and their bases only (no cluster needed; make test builds them while the
+  # control planes compile).
+  products) build_products ;;
   publish) publish_images "$PAUSE_IMAGE" "$OPERATOR_IMAGE" "$TRAINER_IMAGE" ;;
   pause) build_pause; publish_images "$PAUSE_IMAGE" ;;
   all) build_all; publish_images "$PAUSE_IMAGE" "$OPERATOR_IMAGE" "$TRAINER_IMAGE" ;;
   release) shift; [ "$#" -ge 3 ] || die "usage: hack/images.sh release SRC VERSION REPO [--insecure]"; release_images "$@" ;;
-  *) die "unknown command '$1' (build | publish | pause | all | release)" ;;
+  *) die "unknown command '$1' (build | products | publish | pause | all | release)" ;;
 esac

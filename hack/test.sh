@@ -1,13 +1,19 @@
 #!/usr/bin/env bash
-# Every test tier, as `make test` runs it: two pytest sessions side by side.
+# Every test tier, as `make test` runs it: the set-up, then three pytest sessions side by side.
+#
+# Set-up: the two control planes compile from Go modules (CPU) while the floor venv and the images
+# mostly download and write (network, disk): side by side, a cold machine waits for the longer of
+# the two instead of their sum. Then the nodes pull the images from the local registry.
 #
 # The tiers that drive the control plane (cluster, e2e, realpods) spend most of their time waiting
 # on the API server, the scheduler and pods, while the CPU tiers (the trainer's real torchrun runs,
 # then the version-dependent ones again on the image's torch) compute: one after the other they
-# leave one of CI's two cores idle for most of an hour. Neither session depends on the other's
-# state (the CPU tiers start no cluster objects), and tests wait on events, not on wall-clock
-# margins, so sharing the cores makes them slower, not wrong. Each line is prefixed with its
-# session; each session prints its own summary; the run fails if either does.
+# leave one of CI's two cores idle for most of an hour. The versioned tests on the oldest
+# Kubernetes (the Makefile's VERSIONED_TESTS) wait on their own control plane, kwok's nodes only.
+# No session depends on another's state (the CPU tiers start no cluster objects; each cluster
+# session has its own control plane), and tests wait on events, not on wall-clock margins, so
+# sharing the cores makes them slower, not wrong. Each line is prefixed with its session; each
+# session prints its own summary; the run fails if any does.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY="${PY:-.venv/bin/python}"
@@ -15,18 +21,33 @@ PY="${PY:-.venv/bin/python}"
 export PYTEST_ARGS="${PYTEST_ARGS:-} --durations=15"
 read -r -a ARGS <<<"${PYTEST_ARGS}"
 
+prefix() { sed -u "s/^/[$1] /"; }
+
+prepare() {
+  local cp_pid img_pid rc=0
+  { hack/cluster-up.sh && DDPJOB_CLUSTER=oldest hack/cluster-up.sh; } 2>&1 | prefix setup &
+  cp_pid=$!
+  { make --no-print-directory install-floor && hack/images.sh products; } 2>&1 | prefix setup &
+  img_pid=$!
+  wait "$cp_pid" || rc=1
+  wait "$img_pid" || rc=1
+  [ "$rc" = 0 ] || { echo "make test: set-up failed (above)"; return 1; }
+  hack/images.sh all 2>&1 | prefix setup   # built: the nodes pull them from the local registry
+}
+
 cluster_tiers() {
-  local rc=0
-  "$PY" -m pytest -ra "${ARGS[@]}" tests --ignore=tests/trainer || rc=$?   # every other tier, new ones too
-  # The versioned tests again, on the second control plane at the oldest Kubernetes the chart
-  # allows (the Makefile's VERSIONED_TESTS say which and why); its own pytest cache.
-  PYTEST_ADDOPTS="${PYTEST_ADDOPTS:-} -o cache_dir=.pytest_cache/oldest" make --no-print-directory test-oldest || rc=$((rc ? rc : $?))
-  return "$rc"
+  "$PY" -m pytest -ra "${ARGS[@]}" tests --ignore=tests/trainer   # every other tier, new ones too
+}
+
+# The versioned tests again, on the second control plane at the oldest Kubernetes the chart
+# allows (the Makefile's VERSIONED_TESTS say which and why); its own pytest cache.
+oldest_tiers() {
+  PYTEST_ADDOPTS="${PYTEST_ADDOPTS:-} -o cache_dir=.pytest_cache/oldest" make --no-print-directory test-oldest
 }
 
 cpu_tiers() {
   local rc=0
-  # Its own pytest cache: both sessions write theirs when they end.
+  # Its own pytest cache: every session writes its own when it ends.
   export PYTEST_ADDOPTS="${PYTEST_ADDOPTS:-} -o cache_dir=.pytest_cache/cpu"
   "$PY" -m pytest -ra "${ARGS[@]}" tests/trainer || rc=$?
   # The floor runs even when the newest torch failed: a failure on one torch only is worth seeing.
@@ -34,13 +55,15 @@ cpu_tiers() {
   return "$rc"
 }
 
-prefix() { sed -u "s/^/[$1] /"; }
-
+prepare || exit 1
 cluster_tiers 2>&1 | prefix cluster &
 cluster_pid=$!
 cpu_tiers 2>&1 | prefix cpu &
 cpu_pid=$!
+oldest_tiers 2>&1 | prefix oldest &
+oldest_pid=$!
 wait "$cluster_pid"; cluster_rc=$?
 wait "$cpu_pid"; cpu_rc=$?
-echo "make test: cluster tiers exit ${cluster_rc}, cpu tiers (trainer, then floor) exit ${cpu_rc}"
-exit $((cluster_rc || cpu_rc))
+wait "$oldest_pid"; oldest_rc=$?
+echo "make test: cluster tiers exit ${cluster_rc}, cpu tiers (trainer, then floor) exit ${cpu_rc}, oldest Kubernetes exit ${oldest_rc}"
+exit $((cluster_rc || cpu_rc || oldest_rc))

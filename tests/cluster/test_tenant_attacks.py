@@ -36,7 +36,7 @@ METADATA = "169.254.169.254"   # a cloud's metadata address: never contacted (no
 
 @pytest.fixture(scope="module")
 def cluster():
-    """The control plane the policy is tested on (tests/support/tenancy.py: DDPJOB_POLICY_KUBECONFIG)."""
+    """The control plane the policy is tested on (tests/support/tenancy.py: DDPJOB_CLUSTER)."""
     return policy_cluster()
 
 

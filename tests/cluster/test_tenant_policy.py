@@ -31,7 +31,7 @@ MAX_CONFIGMAPS = 10          # of them ConfigMaps (refKinds)
 
 @pytest.fixture(scope="module")
 def cluster():
-    """The control plane the policy is tested on (tests/support/tenancy.py: DDPJOB_POLICY_KUBECONFIG)."""
+    """The control plane the policy is tested on (tests/support/tenancy.py: DDPJOB_CLUSTER)."""
     return policy_cluster()
 
 

@@ -4,15 +4,15 @@ whose only rights are those a test grants (RBAC), and requests sent as those use
 dry-run or real.
 
 The policy is tested against whichever control plane `policy_cluster` returns: the shared local one,
-or, with DDPJOB_POLICY_KUBECONFIG=<kubeconfig>, any other (the CEL must work on every Kubernetes
-the chart supports, oldest included); nothing here needs that cluster's nodes or add-ons.
+or with DDPJOB_CLUSTER=oldest the second one at the oldest Kubernetes the chart allows (make
+test-oldest: the CEL must work on every Kubernetes the chart supports); nothing here needs that
+cluster's nodes or add-ons.
 """
 from __future__ import annotations
 
 import contextlib
 import copy
 import json
-import os
 import re
 import uuid
 from dataclasses import dataclass
@@ -25,7 +25,6 @@ from tests.support.cluster import (OPERATOR_IMAGE_VALUES, REPO_ROOT, Cluster, cr
                                    ensure_cluster, wait_for)
 
 CHART = REPO_ROOT / "charts" / "ddpjob-operator"
-POLICY_KUBECONFIG_ENV = "DDPJOB_POLICY_KUBECONFIG"
 # The chart renders the same policy for every Kubernetes version; this one satisfies its kubeVersion.
 RENDER_VERSION = re.search(r"^KUBE_VERSION=(\S+)", (REPO_ROOT / "hack" / "versions.env").read_text(), re.M).group(1)
 GROUP, VERSION, PLURAL = "ddpjob.dev", "v1alpha1", "ddpjobs"
@@ -34,12 +33,8 @@ PROBE_SECRET = "tenant-policy-probe"
 
 
 def policy_cluster() -> Cluster:
-    """$DDPJOB_POLICY_KUBECONFIG's cluster, else the shared local one (started if need be, as the
-    session's `cluster` fixture does). A test module overrides its `cluster` fixture with this."""
-    path = os.environ.get(POLICY_KUBECONFIG_ENV)
-    if path:
-        assert Path(path).is_file(), f"{POLICY_KUBECONFIG_ENV}={path}: no such file"
-        return Cluster(kubeconfig=Path(path))
+    """The shared local cluster, DDPJOB_CLUSTER's (started if need be, as the session's `cluster`
+    fixture does). A test module overrides its `cluster` fixture with this."""
     return ensure_cluster()
 
 

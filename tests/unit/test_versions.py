@@ -63,9 +63,10 @@ def test_the_charts_kubernetes_floor_is_the_oldest_minor_ci_runs():
     assert minor(floor) == minor(pins()["KUBE_OLDEST_VERSION"])
     assert pins()["KUBE_OLDEST_STAGING_VERSION"] == "v0." + pins()["KUBE_OLDEST_VERSION"].split(".", 1)[1]
     # make test runs the versioned tests on it: a second control plane at that version.
-    makefile = (REPO / "Makefile").read_text()
-    assert re.search(r"^test:.* cluster-up-oldest", makefile, re.M)
-    assert re.search(r"^\s*[^#\n]*\bmake .*test-oldest", (REPO / "hack" / "test.sh").read_text(), re.M)
+    test_sh = (REPO / "hack" / "test.sh").read_text()
+    assert "hack/test.sh" in re.search(r"^test:.*$\n(\t.*\n)+", (REPO / "Makefile").read_text(), re.M).group(0)
+    assert re.search(r"^[^#\n]*DDPJOB_CLUSTER=oldest hack/cluster-up\.sh", test_sh, re.M)
+    assert re.search(r"^\s*[^#\n]*\bmake .*test-oldest", test_sh, re.M)
 
 
 def test_the_readme_states_both_ends_of_the_kubernetes_range_ci_runs():
