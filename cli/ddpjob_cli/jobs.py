@@ -1,4 +1,4 @@
-"""The cluster commands: `ddpjob list/get/describe/wait/top/logs/submit/delete/suspend/resume`.
+"""The cluster commands: `ddpjob list/get/describe/wait/top/logs/stacks/submit/delete/suspend/resume`.
 
 Thin: each reads through `kube.Kube`, hands plain dicts to a `views` builder and prints what it
 returns. A failure is one line on stderr and a non-zero exit, never a traceback.
@@ -16,7 +16,10 @@ from typing import Any, Callable, Iterator
 
 import click
 
+from ddpjob_trainer import contract
+
 from ddpjob_operator.api.phases import Phase
+from ddpjob_operator.decisions import stacks as captured_stacks
 
 from . import views
 from .kube import CliError, Kube
@@ -261,11 +264,34 @@ resume = _suspend_command("resume", "resumed", False,
                    "to the next; --tail counts lines before this filter).")
 @click.option("--follow", "-f", is_flag=True, help="Stream until the containers end.")
 @click.option("--tail", type=int, default=None, help="Lines from the end of each log.")
+@click.option("--stacks", is_flag=True,
+              help="Instead of logs: every rank's Python stack its pod's agent captured at a hang or a failure "
+                   f"(kept in ConfigMap NAME{contract.stacks_configmap('')}, after the pods are gone too); "
+                   "--attempt and --restart select, --rank keeps one global rank's.")
 def logs(kube: Kube, name: str, rank: int | None, all_ranks: bool, attempt: int | None, restart: int | None,
-         follow: bool, tail: int | None) -> None:
+         follow: bool, tail: int | None, stacks: bool) -> None:
     """The trainer container's log of a rank's pod (through the API server)."""
     if rank is not None and all_ranks:
         raise click.UsageError("--rank and --all-ranks exclude each other")
+    if stacks:
+        if follow or tail is not None:
+            raise click.UsageError("--stacks prints what was captured: no --follow or --tail")
+        kube.get_job(name)  # a job that does not exist is said so, not its ConfigMap
+        try:
+            data = kube.configmap(contract.stacks_configmap(name)).get("data") or {}
+        except CliError as exc:
+            if not exc.missing:
+                raise
+            data = {}
+        captured = [text for (_, at_restart, _, of_rank), text in captured_stacks.of_attempt(data, attempt)
+                    if (restart is None or at_restart == restart) and (rank is None or of_rank == rank)]
+        if not captured:
+            raise CliError(f"no stack of {name} captured" + (f" in attempt {attempt}" if attempt is not None else "")
+                           + ": its pods' agents capture them only when a rank hangs or a worker fails "
+                           f"(`ddpjob stacks {name}` takes them now)")
+        for dump in captured:
+            click.echo(dump, nl=False)
+        return
 
     def read_log(pod: str, *, follow: bool = False) -> Iterator[str]:
         lines = kube.log_lines(pod, follow=follow, tail=tail)
@@ -320,6 +346,22 @@ def logs(kube: Kube, name: str, rank: int | None, all_ranks: bool, attempt: int 
         open_streams -= 1
         if err:
             click.echo(f"warning: rank {r}: {err}", err=True)
+
+
+@click.command()
+@cluster_command
+@click.argument("name")
+def stacks(kube: Kube, name: str) -> None:
+    """Every rank's Python stack now, for a job that is slow but not stalled: runs
+    `python -m ddpjob_trainer.stacks` in each running pod of its current attempt (pods/exec)."""
+    job = kube.get_job(name)
+    pods = kube.pods(name)
+    running = views.running_pods(job, pods)
+    if not running:
+        raise CliError(f"no running pod of {name} (phase {views.phase_of(job)}): `ddpjob logs {name} --stacks` "
+                       "shows the stacks captured at its hangs and failures")
+    for _, pod in running:
+        click.echo(kube.exec_output(pod, ["python", "-m", "ddpjob_trainer.stacks"]), nl=False)
 
 
 @click.command()
@@ -380,4 +422,4 @@ def _live_samples(kube: Kube, job: dict[str, Any], pods: list[dict[str, Any]]) -
     return merge(parts), notes
 
 
-COMMANDS = (list_cmd, get, describe, wait, submit, delete, suspend, resume, logs, top)
+COMMANDS = (list_cmd, get, describe, wait, submit, delete, suspend, resume, logs, stacks, top)

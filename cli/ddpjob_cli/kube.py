@@ -189,6 +189,27 @@ class Kube:
         finally:
             raw.release_conn()
 
+    def configmap(self, name: str) -> dict[str, Any]:
+        """A ConfigMap of the namespace (CliError, missing=True, when there is none)."""
+        return self._call("GET", f"/api/v1/namespaces/{self.namespace}/configmaps/{name}", name=name,
+                          namespace=self.namespace) or {}
+
+    def exec_output(self, pod: str, command: list[str], *, timeout: float = 30) -> str:
+        """What `command` prints (stdout and stderr) run in the pod's trainer container (pods/exec)."""
+        from kubernetes.client import CoreV1Api
+        from kubernetes.client.rest import ApiException
+        from kubernetes.stream import stream
+
+        try:
+            return str(stream(CoreV1Api(self.api).connect_get_namespaced_pod_exec, pod, self.namespace,
+                              container=labels.CONTAINER, command=command, stdout=True, stderr=True, stdin=False,
+                              tty=False, _request_timeout=timeout))
+        except ApiException as exc:
+            raise CliError(api_error(exc.status, exc.body, name=pod, namespace=self.namespace, verb="exec into"),
+                           missing=missing_object(exc.status, exc.body)) from None
+        except (HTTPError, OSError, ValueError) as exc:
+            raise CliError(f"exec into pod {pod}: {' '.join(str(exc).split())[:200]}") from None
+
     def simulated_node(self, node: str) -> bool:
         """True for a node kwok simulates (its pods' addresses are fictitious: nothing to proxy to);
         False when it is not, or the node may not be read (most users may not)."""

@@ -275,6 +275,26 @@ def _tail(path: Path, lines: int = 40) -> str:
         return "(no log)"
 
 
+def stall_stacks(ports: list[int]) -> str:
+    """Every rank's newest captured stack (its agent's, contract.STACKS_PATH of each node), as the
+    operator keeps them in a job's ConfigMap: what the runner prints on a stall."""
+    newest: dict[int, tuple[dict, int]] = {}
+    for node, port in enumerate(ports):
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}{contract.STACKS_PATH}", timeout=2) as r:
+                records = json.loads(r.read().decode())
+        except (OSError, ValueError):
+            continue
+        for rec in records if isinstance(records, list) else []:
+            rank = rec.get("rank") if isinstance(rec, dict) else None
+            if isinstance(rank, int) and (rank not in newest or newest[rank][0]["time"] < rec["time"]):
+                newest[rank] = (rec, node)
+    if not newest:
+        return "no stack captured (a worker without the dump registered, or its agent not the launcher's)"
+    return "stacks, each rank's newest:\n" + "".join(
+        contract.stack_capture_text(rec, where=f" (node {node})") for rank, (rec, node) in sorted(newest.items()))
+
+
 class Display:
     """Progress bar on a terminal, periodic lines otherwise; warnings above the bar."""
 
@@ -318,6 +338,8 @@ class Display:
         self.prev = (now, samples)
         for f in self.health.update(samples, now):
             self.say(("WARNING " if f.active else "cleared ") + f"{f.reason}: {f.message}")
+            if f.active and f.kind == "Stalled":
+                self.say(stall_stacks(ports))
         if prog and self.enabled:
             self._draw(prog, now)
         return samples

@@ -261,11 +261,24 @@ def describe_data(job: dict[str, Any], events: list[dict[str, Any]], pods: list[
         "conditions": list(st.get("conditions") or []),
         "ranks": [r.as_dict() for r in rank_rows(job, pods)],
         "failures": list(st.get("failures") or []),
+        "culprits": culprits(st),
         "events": [{"type": e.get("type"), "reason": e.get("reason"), "message": e.get("message"),
                     "object": f"{(e.get('involvedObject') or {}).get('kind', '')}/{(e.get('involvedObject') or {}).get('name', '')}",
                     "time": e.get("lastTimestamp") or e.get("eventTime") or meta(e).get("creationTimestamp"),
                     "count": e.get("count") or 1} for e in evs],
     }
+
+
+def culprits(status: dict[str, Any]) -> list[dict[str, Any]]:
+    """The culprit of each in-place restart its stacks named (status.restartHistory[].culprit)."""
+    out = []
+    for e in status.get("restartHistory") or []:
+        c = e.get("culprit") or {}
+        if c:
+            out.append({"attempt": e.get("attempt"), "restart": e.get("restart"), "rank": c.get("rank"),
+                        "pod": c.get("pod"), "node": c.get("node"), "waitingIn": c.get("waitingIn"),
+                        "frames": c.get("frames")})
+    return out
 
 
 def progress_line(progress: dict[str, Any]) -> str:
@@ -339,6 +352,12 @@ def describe_text(data: dict[str, Any], now: dt.datetime) -> str:
                                   for f in data["failures"]])))
     else:
         out.append("  <none>")
+    if data.get("culprits"):  # only once a restart's stacks named one
+        out.append(f"Culprits (by the ranks' captured stacks; every stack: ddpjob logs {data['name']} --stacks):")
+        out.append(_indent(table(["ATTEMPT", "RESTART", "RANK", "POD", "NODE", "OTHERS WAIT IN", "FRAMES"],
+                                 [[str(c["attempt"]), str(c["restart"]), str(c["rank"]), c["pod"] or NONE,
+                                   c["node"] or NONE, c["waitingIn"] or NONE, c["frames"] or NONE]
+                                  for c in data["culprits"]])))
     out.append("Events:")
     if data["events"]:
         out.append(_indent(table(["TYPE", "REASON", "AGE", "OBJECT", "MESSAGE"],
@@ -495,6 +514,12 @@ def log_pods(job: dict[str, Any], pods: list[dict[str, Any]], *, rank: int | Non
         return mine
     want = 0 if rank is None else rank
     return [(r, n) for r, n in mine if r == want]
+
+
+def running_pods(job: dict[str, Any], pods: list[dict[str, Any]]) -> list[tuple[int, str]]:
+    """(rank, pod name) of the current attempt's running pods."""
+    return sorted((podinfo.rank(p), podinfo.name(p)) for p in Group.of(pods).at(current_attempt(job, pods)).pods
+                  if podinfo.phase(p) == "Running")
 
 
 def kept_tails(job: dict[str, Any], *, attempt: int, rank: int | None, all_ranks: bool) -> list[tuple[int, str]]:

@@ -173,3 +173,43 @@ def test_unreachable_endpoints_claim_no_health_and_cost_no_status_write():
     for _ in range(2):
         rep = run(m.observe(job(), [pod(0), pod(1)]))
         assert rep.progress is None and rep.conditions == [] and rep.events == [] and not rep.stalled
+
+
+def test_a_pods_new_stack_captures_are_fetched_once_from_its_endpoint(tmp_path, monkeypatch):
+    """A real agent's capture of a real worker, served by the launcher's endpoint: the scrape that
+    shows its series fetches the capture (contract.STACKS_PATH) for the operator to keep; the next
+    scrape, with nothing new, fetches nothing."""
+    import os
+    import subprocess
+    import sys
+
+    from ddpjob_trainer import contract
+    from ddpjob_trainer.telemetry import serve_node_endpoint
+    from tests.unit.test_stacks import _worker
+
+    folder, metrics = tmp_path / "stacks", tmp_path / "metrics"
+    worker = _worker(folder)
+    env = {contract.ENV_STACKS_DIR: str(folder), contract.ENV_METRICS_DIR: str(metrics), contract.ENV_ATTEMPT: "0",
+           contract.ENV_JOB_NAME: "j", contract.ENV_JOB_NAMESPACE: "ns", "NODE_RANK": "1"}
+    try:
+        subprocess.run([sys.executable, "-c", f"from ddpjob_trainer.agent import Hooks\nh = Hooks({env!r})\n"
+                        f"h.capture({{1: {worker.pid}}}, 'stall')\n"], check=True, env={**os.environ, **env})
+    finally:
+        worker.kill()
+    server = serve_node_endpoint(0, str(metrics), addr="127.0.0.1", stacks_dir=str(folder))
+    port = server.server_address[1]
+    monkeypatch.setattr("ddpjob_operator.cluster.monitor.scrape_url",
+                        lambda template, *, pod, **kw: f"http://127.0.0.1:{port}/metrics")
+    try:
+        m = Monitor(OperatorConfig(), timeout=2.0)
+        rep = run(m.observe(job(), [pod(1)]))
+        ((record, pod_name, node),) = rep.stacks
+        assert (record["rank"], record["trigger"], pod_name, node) == (1, "stall", "j-1", "node-1")
+        assert "wait_for_the_loader" in record["text"]
+        assert rep.ranks[1].stack_captures[0]["time"] == record["time"]
+        assert run(m.observe(job(), [pod(1)])).stacks == []       # nothing new: not fetched again
+        m.fetch_stacks_again("u1")                                # the ConfigMap write failed
+        assert len(run(m.observe(job(), [pod(1)])).stacks) == 1
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -45,13 +45,17 @@ ALLOWED = [  # (verb, resource, subresource)
     ("patch", "ddpjobs.ddpjob.dev", "status"),
     ("delete", "ddpjobs.ddpjob.dev", None),
     ("create", "events", None),
+    ("get", "configmaps", None),        # <job>-stacks: is one of that name the job's own?
+    ("create", "configmaps", None),
+    ("patch", "configmaps", None),
 ]
 DENIED = [
     ("get", "secrets", None),
     ("list", "secrets", None),
     ("create", "pods", "exec"),
     ("create", "ddpjobs.ddpjob.dev", None),     # users create jobs, the operator never does
-    ("get", "configmaps", None),
+    ("list", "configmaps", None),
+    ("delete", "configmaps", None),
     ("create", "deployments.apps", None),
     ("create", "serviceaccounts", "token"),
     ("update", "ddpjobs.ddpjob.dev", None),     # it never edits a user's spec

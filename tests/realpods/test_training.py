@@ -3,6 +3,7 @@ rendezvous through MASTER_ADDR resolved by CoreDNS, checkpoints on a volume both
 operator in-cluster (Helm, its own image and ServiceAccount) scraping the pods' own addresses."""
 from __future__ import annotations
 
+import re
 import statistics
 import subprocess
 import sys
@@ -138,10 +139,12 @@ def test_frozen_then_killed_worker_restart_in_place_counted_and_a_deleted_pod_is
     # An in-memory snapshot after every step: the restart resumes from the step before the kill
     # (unless that step was a disk checkpoint's, everySteps 50 and each epoch's end).
     spec["trainer"]["checkpoint"]["snapshotEverySteps"] = 1
-    # Rank 1 freezes after its step FREEZE_AT in its first start (debug.py): restartOnHang's
-    # default restarts it in place once it made no progress for the hang timeout.
+    # Rank 1 blocks in Python fetching its step FREEZE_AT's batch in its first start (debug.py),
+    # rank 0 waiting for it in that step's collective: restartOnHang's default restarts it in
+    # place once it made no progress for the hang timeout, its pods' agents capturing every
+    # rank's stack first.
     spec["hangTimeoutSeconds"] = HANG_TIMEOUT
-    spec["env"] = [*(spec.get("env") or []), {"name": "DDPJOB_DEBUG_FREEZE_RANK", "value": f"1:{FREEZE_AT}"}]
+    spec["env"] = [*(spec.get("env") or []), {"name": "DDPJOB_DEBUG_BLOCK_FETCH", "value": f"1:{FREEZE_AT}"}]
     # The stall and the kill (in place), and the deletion (charged as a group restart).
     spec["failurePolicy"]["maxRestarts"] = 3
     apply_docs(real_cluster, docs, ns)
@@ -152,16 +155,34 @@ def test_frozen_then_killed_worker_restart_in_place_counted_and_a_deleted_pod_is
                   give_up=lambda st: st.get("phase") in ("Succeeded", "Failed"),
                   desc="the stalled rank's in-place restart and its recovery", timeout=600)
     (stall,) = [e for e in st["restartHistory"] if e["kind"] == "InPlace"]
-    # Rank 1 took one step fewer than rank 0 (which waits in the next all-reduce): it is named,
-    # whether its agent's kill came first or rank 0's did (decisions/inplace._precedes: of two
-    # stall kills, the older last step). Only where rank 1's agent, delayed on a loaded machine,
-    # was still short of its timeout when rank 0's kill restarted the round (its worker stopped,
-    # not killed for a stall) is rank 0 named, for its own stall one step later.
+    # Both ranks stopped after step FREEZE_AT - 1 (rank 0 waits for rank 1's gradients in the
+    # next step), so either agent's kill may come first and be the entry's rank; the stacks both
+    # pods captured before it name rank 1, the one not in the collective, with the sleep's frame.
     assert (stall["reason"], stall["signal"]) == ("Stalled", "SIGKILL"), stall
     assert (stall["pod"], stall["rank"]) in {("digits-1", 1), ("digits-0", 0)}, stall
     assert stall["message"].startswith("stalled: no progress for "), stall
-    last = FREEZE_AT - 1 if stall["rank"] == 1 else FREEZE_AT
-    assert stall["message"].endswith(f"s in training after step {last} (hang timeout {HANG_TIMEOUT}s)"), stall
+    assert stall["message"].endswith(f"s in training after step {FREEZE_AT - 1} (hang timeout {HANG_TIMEOUT}s)"), stall
+    culprit = stall.get("culprit") or {}
+    assert (culprit.get("rank"), culprit.get("pod")) == (1, "digits-1") and culprit.get("waitingIn"), stall
+    assert "_block_in_fetch" in culprit["frames"], culprit
+    assert culprit["node"] == pod_nodes(real_cluster, ns, "digits")["digits-1"], culprit
+    # Stalled named rank 1 and the sleep's frame (its event outlives the condition, which the
+    # restart clears at once).
+    events = real_cluster.kubectl("get", "events", "-n", ns, "-o", "jsonpath={range .items[?(@.reason==\"Stalled\")]}"
+                                  "{.message}{\"\\n\"}{end}").stdout
+    assert any("stacks: rank 1 (pod digits-1" in ev and "_block_in_fetch" in ev for ev in events.splitlines()), events
+    # Every rank's captured stack, kept in the job's ConfigMap, through the CLI: rank 1 in the
+    # sleep, rank 0 waiting in the collective.
+    kept = subprocess.run([DDPJOB, "logs", "digits", "-n", ns, "--stacks", "--attempt", "0"], env=real_cluster.env(),
+                          capture_output=True, text=True, timeout=60)
+    assert kept.returncode == 0, kept.stderr
+    assert "=== rank 1 (pod digits-1" in kept.stdout and "in _block_in_fetch" in kept.stdout, kept.stdout[-4000:]
+    assert re.search(r"=== rank 0 \(pod digits-0 on node \S+\), attempt 0 restart 0: \w+ capture at .*, waiting in \w",
+                     kept.stdout), kept.stdout[-4000:]
+    # A stack on demand, while it trains (pods/exec in each pod).
+    now = subprocess.run([DDPJOB, "stacks", "digits", "-n", ns], env=real_cluster.env(), capture_output=True,
+                         text=True, timeout=120)
+    assert now.returncode == 0 and "=== rank 0 " in now.stdout and "=== rank 1 " in now.stdout, (now.stdout, now.stderr)
     # From the newest in-memory snapshot (every step): at most the step rank 0 took beyond rank 1.
     assert stall["resumedFromStep"] >= FREEZE_AT - 1 and stall["stepsLost"] <= 1, stall
     print(f"in-place restart of a frozen rank (rank {stall['rank']} named): its stall to every rank's next step in {stall['recoverySeconds']}s "

@@ -1,6 +1,7 @@
 """`ddpjob run --local` with real torchrun agents and gloo workers on CPU."""
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -28,7 +29,10 @@ from tests.support.stopping import (
     wait_gone,
 )
 
+from ddpjob_trainer import contract
 from ddpjob_trainer.contract import STALL_ERROR_RE
+
+from ddpjob_operator.decisions import stacks as blame
 
 from .helpers import DDPJOB, REPO, run_local, single_process_eval, write_job
 
@@ -101,7 +105,9 @@ def _failures(ports: list[int]) -> list[tuple[int, dict]]:
 def test_frozen_then_sigkilled_rank_1_restarts_the_workers_in_place_and_resumes_from_checkpoint(tmp_path):
     """No group restart, twice. First rank 1 freezes (alive, never stepping again: the default
     failurePolicy.restartOnHang): its node's agent kills its worker once it made no progress for
-    hangTimeoutSeconds, and the failure names the stall. Then its new worker is SIGKILLed. Each
+    hangTimeoutSeconds, and the failure names the stall; every rank's stack was captured before
+    (rank 0's at half the timeout: it dies with rank 1's kill), the freeze's frame in rank 1's, the
+    collective in rank 0's, and the runner prints them. Then its new worker is SIGKILLed. Each
     time torchrun's agents restart every node's workers where they are (c10d rendezvous), the
     node's metrics name the failure and each rank's first step after it, the node logs mark each
     start, and the run still takes exactly its steps. A step lasts DDPJOB_DEBUG_STEP_SLEEP or more,
@@ -144,6 +150,18 @@ def test_frozen_then_sigkilled_rank_1_restarts_the_workers_in_place_and_resumes_
         # a stall of its own later. Either way the operator names rank 1 (decisions/inplace: a
         # worker a signal ended, else the earliest).
         assert all(f["signal"] == "" or f["time"] > failure["time"] for r, f in failures if r == 0), failures
+        # And so do the stacks both agents captured before the kill, each rank's newest: rank 1 in
+        # the freeze, rank 0 in the collective it waits for it in.
+        samples = {**_scrape(ports[0]), **_scrape(ports[1])}
+        culprit = blame.of_restart(samples, restart=0, failed_at=failure["time"], window=HANG_TIMEOUT)
+        assert culprit is not None and culprit.ranks == (1,), {r: s.stack_captures for r, s in samples.items()}
+        assert culprit.frames.startswith("ddpjob_trainer/debug.py:"), culprit
+        assert "_freeze < ddpjob_trainer/debug.py:" in culprit.frames, culprit
+        print(f"stacks: rank 1 at {culprit.frames}; rank 0 waits in {culprit.waiting_in}")
+        # The whole dumps, served by each node's endpoint (what the operator keeps in a ConfigMap).
+        with urllib.request.urlopen(f"http://127.0.0.1:{ports[0]}{contract.STACKS_PATH}", timeout=5) as resp:
+            rank0 = [r for r in json.loads(resp.read()) if r["rank"] == 0]
+        assert rank0 and rank0[-1]["waiting"] and "thread 0x" in rank0[-1]["text"], rank0
         killed = None
         while time.monotonic() < deadline and killed is None:
             assert proc.poll() is None, proc.stdout.read()[-3000:]
@@ -178,9 +196,11 @@ def test_frozen_then_sigkilled_rank_1_restarts_the_workers_in_place_and_resumes_
     finally:
         if proc.poll() is None:
             proc.kill()
-    import json
     s = json.loads(summary.read_text())
     assert proc.returncode == 0, out[-3000:]
+    # The runner printed every rank's stack at the stall: the freeze's frame and the collective.
+    assert "stacks, each rank's newest:" in out and "in _freeze" in out, out[-4000:]
+    assert re.search(r"=== rank 0 \(node \d\), attempt 0 restart 0: \w+ capture at .*, waiting in \w", out), out[-4000:]
     assert s["phase"] == "Succeeded"
     assert s["restarts"] == 0 and "restarting the whole group" not in out  # no group restart
     assert s["resumed_from_step"] >= 8
@@ -350,3 +370,106 @@ def test_nodes_die_with_a_sigkilled_runner(tmp_path):
     while _job_processes("orphan") and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not _job_processes("orphan")
+
+
+# A user's own torchrun script (not the built-in trainer) whose rank 1 deadlocks in Python at its
+# step 3 in its first start: a lock it already holds. It reports its steps with Telemetry.track,
+# so its agent judges it as the built-in trainer's; the exit guard's sitecustomize registered its
+# stack dump. Telemetry begins after the process group and DDP are up (the ranks meet there), so a
+# short hang timeout cannot take a slow start-up for a stall.
+DEADLOCK_SCRIPT = """
+import os, threading, time
+import torch, torch.distributed as dist
+from ddpjob_trainer.telemetry import Telemetry
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+lock = threading.Lock()
+
+def take_the_lock_again():
+    with lock:
+        with lock:  # not reentrant: this rank waits for itself forever
+            pass
+
+def batches():
+    for step in range(12):
+        if rank == 1 and step == 3 and os.environ.get("DDPJOB_RESTART") == "0":
+            take_the_lock_again()
+        yield torch.randn(8, 4)
+
+tm = Telemetry.from_env()
+tm.set_total_steps(12)
+for x in tm.track(batches()):
+    opt.zero_grad()
+    model(x).sum().backward()
+    opt.step()
+    time.sleep(0.2)
+print(f"rank {rank} done", flush=True)
+dist.destroy_process_group()
+"""
+USER_HANG_TIMEOUT = 20
+
+
+def test_a_users_torchrun_script_that_deadlocks_on_rank_1_is_named_by_its_stacks(tmp_path):
+    """The same as the built-in trainer's: rank 1's agent kills its worker for the stall, in place,
+    after every rank's stack was captured: rank 1's in the function that took the lock twice,
+    rank 0's in the collective it waits in; the runner prints them and the job succeeds."""
+    (tmp_path / "deadlock.py").write_text(DEADLOCK_SCRIPT)
+    job = write_job(tmp_path / "deadlock.yaml", name="deadlock", trainer={}, max_restarts=2,
+                    hangTimeoutSeconds=USER_HANG_TIMEOUT, command=["torchrun", str(tmp_path / "deadlock.py")])
+    ports = free_ports(2, consecutive=True)
+    proc, s = run_local(job, tmp_path, timeout=420, extra=["--metrics-port-base", str(ports[0])])
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and s["phase"] == "Succeeded", out[-4000:]
+    logs = [(tmp_path / "work" / "logs" / "attempt-0" / f"node-{n}.log").read_text() for n in (0, 1)]
+    assert "[ddpjob-agent] stacks captured (stall" in logs[1] and "take_the_lock_again" in logs[1], logs[1][-3000:]
+    assert "==> ddpjob: attempt 0 restart 1 <==" in logs[0], logs[0][-3000:]   # restarted in place
+    # What the runner printed at the stall: rank 1's frame, rank 0 in a collective.
+    assert "stacks, each rank's newest:" in out and "in take_the_lock_again" in out, out[-4000:]
+    assert re.search(r"=== rank 0 \(node \d\), attempt 0 restart 0: \w+ capture at .*, waiting in \w", out), out[-4000:]
+
+
+def test_a_crash_names_the_rank_that_raised_though_its_peers_failure_may_be_seen_first(tmp_path):
+    """Rank 1 raises at step 2; rank 0 fails in the collective it waits in once rank 1 is gone.
+    Their agents may see rank 0's exit first (rank 1's teardown is bounded, not instant), but each
+    failure is dated by its record, written as the exception is raised: rank 1's comes first, and
+    the operator's rule (the earliest failure) names it."""
+    import datetime as dt
+
+    from ddpjob_operator.decisions import inplace
+
+    job = write_job(tmp_path / "crash.yaml", name="crash", max_restarts=1,
+                    trainer={"dataset": "digits", "model": "convnet", "epochs": 1, "maxSteps": 8, "batchSize": 32,
+                             "lr": 0.05})
+    ports = free_ports(2, consecutive=True)
+    proc = subprocess.Popen(
+        [*DDPJOB, "run", str(job), "--local", "--no-progress", "--workdir", str(tmp_path / "work"),
+         "--metrics-port-base", str(ports[0])],
+        env={**os.environ, "DDPJOB_DEBUG_RAISE_RANK": "1:2", "DDPJOB_DEBUG_STEP_SLEEP": "0.5"},
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        samples: dict = {}
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, proc.stdout.read()[-3000:]
+            samples = {**_scrape(ports[0]), **_scrape(ports[1])}
+            failed = {r for r, s in samples.items() for f in s.worker_failures}
+            # Rank 1's failure, and rank 0's or its next start's first step (it did not fail).
+            if 1 in failed and (0 in failed or (samples.get(0) and samples[0].first_step_timestamp and any(
+                    samples[0].first_step_timestamp > f["time"] for f in samples[1].worker_failures))):
+                break
+            time.sleep(0.2)
+        out, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out[-3000:]
+    (raised,) = samples[1].worker_failures
+    assert raised["restarted"] == "true" and raised["exit_code"] == "1" and raised["signal"] == "", raised
+    assert all(f["time"] > raised["time"] for f in samples[0].worker_failures), samples[0].worker_failures
+    (entry,) = inplace.update({}, attempt=0, ranks=samples, with_log=True, group=None,
+                              now=dt.datetime.now(dt.timezone.utc)).history
+    assert entry["rank"] == 1 and "debug: rank 1 raises at step 2" in entry["message"], entry
+    print(f"crash: rank 1 named; peers failed after it: {[f['time'] - raised['time'] for f in samples[0].worker_failures]}")

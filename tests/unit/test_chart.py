@@ -98,6 +98,8 @@ EXPECTED_RULES = {
     ("", "pods"): {"get", "list", "watch", "create", "delete"},
     ("", "services"): {"get", "create"},
     ("", "events"): {"create"},
+    # The job's captured stacks, <job>-stacks (decisions/stacks.py).
+    ("", "configmaps"): {"get", "create", "patch"},
     # spec.scheduling.gang: the gang scheduler's PodGroup.
     ("scheduling.x-k8s.io", "podgroups"): {"get", "create"},
     ("scheduling.volcano.sh", "podgroups"): {"get", "create"},

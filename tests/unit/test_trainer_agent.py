@@ -85,16 +85,26 @@ def test_the_watchdog_kills_the_stalled_rank_once_and_leaves_its_record(tmp_path
     done = subprocess.Popen([sys.executable, "-c", "pass"])  # a rank that finished: never signalled
     done.wait()
     try:
-        now = [100.0 + 29]
+        now = [100.0 + 14]
+        captured = []  # (pids, trigger, was the victim alive then)
         dog = Watchdog({contract.ENV_METRICS_DIR: str(metrics), contract.ENV_STATUS_DIR: str(status),
-                        contract.ENV_RESTART_ON_HANG: "1", contract.ENV_HANG_TIMEOUT: "30"}, clock=lambda: now[0])
+                        contract.ENV_RESTART_ON_HANG: "1", contract.ENV_HANG_TIMEOUT: "30"}, clock=lambda: now[0],
+                       capture=lambda pids, trigger: captured.append((dict(pids), trigger, victim.poll() is None)))
         group = types.SimpleNamespace(workers=[types.SimpleNamespace(global_rank=1, id=victim.pid),
                                                types.SimpleNamespace(global_rank=0, id=done.pid)])
         dog.on_monitor(None, group)
+        assert captured == []                              # 14 s: not half its hang timeout
+        for seconds in (15, 16, 29):
+            now[0] = 100.0 + seconds
+            dog.on_monitor(None, group)
+        # Half its timeout idle: its pod's workers' stacks, once in the spell (a peer waiting for
+        # it would die with it, its stack with it).
+        assert captured == [({1: victim.pid}, contract.STACK_IDLE, True)]
         assert victim.poll() is None                       # 29 s < 30 s
         now[0] += 2
         dog.on_monitor(None, group)
         assert victim.wait(timeout=10) == -9
+        assert captured[1:] == [({1: victim.pid}, contract.STACK_STALL, True)]  # taken before the kill
         assert (status / "failed-rank-1.txt").read_text() == (
             "stalled: no progress for 31s in first_step (hang timeout 30s)\n")
         assert dog.killed == {victim.pid} and not (status / "failed-rank-0.txt").exists()

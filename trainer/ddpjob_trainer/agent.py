@@ -61,6 +61,20 @@ def error_line(status_dir: str | None, rank: int, failure: Any) -> str:
     return text[:ERROR_CHARS]
 
 
+def failed_at(status_dir: str | None, rank: int, seen: float) -> float:
+    """When `rank`'s worker failed: when it recorded its failure (the built-in trainer does so as
+    its exception is raised, before anything that can block; the watchdog before its kill), else
+    `seen`, when the agent saw it exit. The record's time orders a group's failures by cause: a
+    peer that fails in a collective because this rank died can only raise after it, while the
+    agents may see the two exits the other way round (the dying rank's teardown is bounded, not
+    instant)."""
+    try:
+        recorded = os.path.getmtime(os.path.join(status_dir, f"failed-rank-{rank}.txt")) if status_dir else seen
+    except OSError:
+        recorded = seen
+    return min(recorded, seen)
+
+
 def steps_reached(metrics_dir: str, *, since: float = 0.0) -> dict[str, int]:
     """The step each rank of this pod last finished, by rank label: its `step` gauge as the pod's
     endpoint serves it (mostrecent over every worker process that had the rank, a dead one's file
@@ -116,6 +130,21 @@ class StepWindow:
         return replace(p, step_seconds=(total - base[1]) / (count - base[0]))
 
 
+def idle(ranks: Mapping[int, Progress], *, configured: float | None, started_at: float, now: float,
+         startup: float = contract.STARTUP_HANG_TIMEOUT) -> dict[int, tuple[float, float, str, int | None]]:
+    """{rank: (seconds without progress, its hang timeout, stage, step)} of the ranks judged:
+    those whose worker reported since `started_at` (`stalled` says why only those)."""
+    out = {}
+    for rank, p in sorted(ranks.items()):
+        if p.since < started_at:
+            continue
+        stage = p.stage or "rendezvous"
+        timeout = contract.hang_timeout(configured, stage=None if p.step is None else stage,
+                                        step_seconds=p.step_seconds, startup=startup)
+        out[rank] = (now - p.since, timeout, stage, p.step)
+    return out
+
+
 def stalled(ranks: Mapping[int, Progress], *, configured: float | None, started_at: float,
             now: float, startup: float = contract.STARTUP_HANG_TIMEOUT) -> dict[int, str]:
     """{rank: the failure record} of the ranks that made no progress for their hang timeout
@@ -124,17 +153,10 @@ def stalled(ranks: Mapping[int, Progress], *, configured: float | None, started_
     before is an earlier worker's) is still starting its interpreter and importing torch: killing
     it would only start that again, so it is left to the operator, which restarts the group when
     the job is still Stalled a second hang timeout later."""
-    out = {}
-    for rank, p in sorted(ranks.items()):
-        if p.since < started_at:
-            continue
-        stage = p.stage or "rendezvous"
-        timeout = contract.hang_timeout(configured, stage=None if p.step is None else stage,
-                                        step_seconds=p.step_seconds, startup=startup)
-        idle = now - p.since
-        if idle >= timeout:
-            out[rank] = contract.stall_error(idle=idle, stage=stage, step=p.step, timeout=timeout)
-    return out
+    return {rank: contract.stall_error(idle=seconds, stage=stage, step=step, timeout=timeout)
+            for rank, (seconds, timeout, stage, step) in idle(ranks, configured=configured, started_at=started_at,
+                                                              now=now, startup=startup).items()
+            if seconds >= timeout}
 
 
 def read_progress(metrics_dir: str) -> dict[int, Progress]:
@@ -169,6 +191,12 @@ def read_progress(metrics_dir: str) -> dict[int, Progress]:
     return out
 
 
+def live_workers(group: Any, *, but: Any = ()) -> dict[int, int]:
+    """{global rank: pid} of the group's workers still running (ranks in `but` left out)."""
+    return {int(w.global_rank): w.id for w in getattr(group, "workers", [])
+            if isinstance(w.id, int) and int(w.global_rank) not in but and _running_child(w.id)}
+
+
 def _running_child(pid: int) -> bool:
     """True while `pid` is a live child of this process: a worker that already exited (its rank done
     before its peers) is neither judged nor signalled, and its pid may have gone to another process."""
@@ -182,9 +210,14 @@ def _running_child(pid: int) -> bool:
 
 
 class Watchdog:
-    """Kills the worker of a stalled rank (`stalled`), so that torchrun restarts the workers in place."""
+    """Kills the worker of a stalled rank (`stalled`), so that torchrun restarts the workers in place,
+    after `capture` took every worker's stack; a rank idle for contract.STACK_IDLE_FRACTION of its
+    hang timeout has them taken too, once per idle spell: a peer's worker that waits in a
+    collective for the stalled rank dies as soon as it is killed, its stack with it, and its own
+    agent (another pod's) has no word of the kill."""
 
-    def __init__(self, env: Mapping[str, str], clock: Any = time.time) -> None:
+    def __init__(self, env: Mapping[str, str], clock: Any = time.time,
+                 capture: Any = lambda pids, trigger: None) -> None:
         self.metrics_dir = env.get(contract.ENV_METRICS_DIR, "")
         self.status_dir = env.get(contract.ENV_STATUS_DIR, "")
         self.enabled = (env.get(contract.ENV_RESTART_ON_HANG) == "1" and bool(self.metrics_dir)
@@ -201,6 +234,8 @@ class Watchdog:
         self.looked_at = 0.0
         self.killed: set[int] = set()
         self.window = StepWindow()
+        self.capture = capture
+        self.captured: dict[int, float] = {}  # rank -> the start of the idle spell its stacks were taken in
 
     def on_start(self) -> None:
         self.started_at = self.clock()
@@ -210,8 +245,7 @@ class Watchdog:
         if not self.enabled or now - self.looked_at < WATCH_SECONDS:
             return
         self.looked_at = now
-        pids = {int(w.global_rank): w.id for w in getattr(group, "workers", [])
-                if isinstance(w.id, int) and _running_child(w.id)}
+        pids = live_workers(group)
         try:
             progress = {r: self.window.recent(r, p) for r, p in read_progress(self.metrics_dir).items() if r in pids}
         except Exception as exc:  # noqa: BLE001 - a watchdog that cannot read must not end the training it watches
@@ -219,11 +253,19 @@ class Watchdog:
                   file=sys.stderr, flush=True)
             self.enabled = False
             return
-        for rank, why in stalled(progress, configured=self.configured, started_at=self.started_at, now=now,
-                                 startup=self.startup).items():
+        judged = idle(progress, configured=self.configured, started_at=self.started_at, now=now, startup=self.startup)
+        spells = {rank: progress[rank].since for rank, (seconds, timeout, *_) in judged.items()
+                  if seconds >= contract.STACK_IDLE_FRACTION * timeout and self.captured.get(rank) != progress[rank].since}
+        stuck = {rank: contract.stall_error(idle=seconds, stage=stage, step=step, timeout=timeout)
+                 for rank, (seconds, timeout, stage, step) in judged.items()
+                 if seconds >= timeout and pids[rank] not in self.killed}
+        if spells and not stuck:
+            self.captured.update(spells)
+            self.capture(pids, contract.STACK_IDLE)
+        if stuck:
+            self.capture(pids, contract.STACK_STALL)  # before the kill: every worker of this pod, alive
+        for rank, why in stuck.items():
             pid = pids[rank]
-            if pid in self.killed:
-                continue
             self.killed.add(pid)
             print(f"[ddpjob-agent] rank {rank} {why}: killing its worker (pid {pid}) to restart in place",
                   file=sys.stderr, flush=True)
@@ -249,10 +291,10 @@ class Hooks:
         self.env = env
         self.starts = 0
         self.attempt = env.get(contract.ENV_ATTEMPT, "0")
-        self._gauge: Any = None
+        self._gauges: dict[str, Any] = {}
         self._seconds: Any = None
         self.reached = -1  # the newest step this pod's ranks finished before a failure (-1: none yet)
-        self.watchdog = Watchdog(env)
+        self.watchdog = Watchdog(env, capture=self.capture)
 
     def on_start(self, _agent: Any, _group: Any) -> None:
         self.watchdog.on_start()
@@ -262,9 +304,39 @@ class Hooks:
         os.environ[contract.ENV_RESTART] = str(restart)
         print(contract.inplace_marker(self.attempt, restart), file=sys.stderr, flush=True)
 
-    def on_failure(self, _agent: Any, group: Any, failures: dict[int, Any], will_restart: bool) -> None:
-        import time
+    def capture(self, pids: Mapping[int, int], trigger: str) -> None:
+        """Take the stacks of the workers `pids` ({rank: pid}) and keep them: a record each in the
+        stacks folder (served at contract.STACKS_PATH), a STACK_CAPTURE series each, a line in the log."""
+        folder = self.env.get(contract.ENV_STACKS_DIR)
+        if not folder or not pids:
+            return
+        from . import stacks
 
+        started = time.monotonic()
+        try:
+            texts = stacks.capture(pids, folder)
+        except Exception as exc:  # noqa: BLE001 - a capture must never stop the kill or the restart it precedes
+            print(f"[ddpjob-agent] WARNING cannot capture the workers' stacks ({exc})", file=sys.stderr, flush=True)
+            return
+        now, restart = time.time(), str(max(0, self.starts - 1))
+        said = []
+        for rank, text in sorted(texts.items()):
+            waiting, frames = stacks.summary(text)
+            record = {"attempt": self.attempt, "restart": restart, "rank": rank, "node_rank": self.env.get("NODE_RANK", "0"),
+                      "trigger": trigger, "time": now, "pid": pids[rank], "waiting": waiting, "frames": frames,
+                      "text": text}
+            try:
+                stacks.keep(folder, record)
+            except OSError as exc:  # a full disk: the series below still names it
+                print(f"[ddpjob-agent] WARNING cannot keep the stack of rank {rank} ({exc})", file=sys.stderr, flush=True)
+            self._stack_series(rank=rank, restart=restart, trigger=trigger, waiting=waiting, frames=frames).set(now)
+            said.append(f"rank {rank} " + (f"waiting in {waiting}" if waiting else f"at {frames or 'no frame'}"))
+        print(f"[ddpjob-agent] stacks captured ({trigger}, {time.monotonic() - started:.2f}s): {'; '.join(said)}",
+              file=sys.stderr, flush=True)
+
+    def on_failure(self, _agent: Any, group: Any, failures: dict[int, Any], will_restart: bool) -> None:
+        # First the peers' stacks, while they still run: torchrun stops them once this returns.
+        self.capture(live_workers(group, but=failures), contract.STACK_FAILURE)
         seen = time.time()  # before the reads below: the earliest failure seen is the group's
         status_dir = self.env.get(contract.ENV_STATUS_DIR)
         restart = str(max(0, self.starts - 1))
@@ -276,7 +348,8 @@ class Hooks:
             error = error_line(status_dir, rank, failure)
             self._series(rank=rank, local_rank=getattr(failure, "local_rank", 0), restart=restart, exit_code=code,
                          signal=sig if sig != "<N/A>" else "", error=error,
-                         restarted=will_restart, step=steps.get(str(rank), "")).set(seen)
+                         restarted=will_restart, step=steps.get(str(rank), "")).set(
+                             failed_at(status_dir, rank, seen))
             idle = contract.stall_seconds(error)
             if idle is not None:  # the time it made no progress, before the watchdog killed it
                 self._stalled(rank, getattr(failure, "local_rank", 0), idle)
@@ -306,27 +379,45 @@ class Hooks:
             _prepare_multiprocess()
             from prometheus_client import CollectorRegistry
             self._seconds = goodput_family(CollectorRegistry(), list(LABELS))
-        self._seconds.labels(ddpjob=self.env.get(contract.ENV_JOB_NAME, "local"),
-                             namespace=self.env.get(contract.ENV_JOB_NAMESPACE, ""), rank=str(rank),
-                             local_rank=str(local_rank), node_rank=self.env.get("NODE_RANK", "0"),
-                             category="stalled").inc(seconds)
+        self._seconds.labels(**self._labels(rank, local_rank), category="stalled").inc(seconds)
+
+    def _gauge_of(self, metric: str, doc: str, extra: tuple[str, ...]) -> Any:
+        """A mostrecent gauge of this agent's (one per metric, made on first use) with the ranks'
+        LABELS and `extra`: one series per failure or capture, served by the pod's endpoint."""
+        if metric not in self._gauges:
+            from .telemetry import LABELS, _prepare_multiprocess
+            _prepare_multiprocess()
+            from prometheus_client import CollectorRegistry, Gauge
+            self._gauges[metric] = Gauge(contract.METRIC_PREFIX + metric, doc, [*LABELS, *extra],
+                                         registry=CollectorRegistry(), multiprocess_mode="mostrecent")
+        return self._gauges[metric]
+
+    def _labels(self, rank: Any, local_rank: Any) -> dict[str, str]:
+        return {"ddpjob": self.env.get(contract.ENV_JOB_NAME, "local"), "namespace": self.env.get(contract.ENV_JOB_NAMESPACE, ""),
+                "rank": str(rank), "local_rank": str(local_rank), "node_rank": self.env.get("NODE_RANK", "0")}
 
     def _series(self, **labels: Any) -> Any:
         if not self._exports:
             return _Null()
-        if self._gauge is None:
-            from .telemetry import LABELS, _prepare_multiprocess
-            _prepare_multiprocess()
-            from prometheus_client import CollectorRegistry, Gauge
-            self._gauge = Gauge(contract.METRIC_PREFIX + contract.WORKER_FAILURE,
-                                "Unix time a worker of this pod failed (1 series per failure).",
-                                [*LABELS, "restart", "exit_code", "signal", "error", "restarted", "step"],
-                                registry=CollectorRegistry(), multiprocess_mode="mostrecent")
-        return self._gauge.labels(
-            ddpjob=self.env.get(contract.ENV_JOB_NAME, "local"), namespace=self.env.get(contract.ENV_JOB_NAMESPACE, ""),
-            rank=str(labels["rank"]), local_rank=str(labels["local_rank"]), node_rank=self.env.get("NODE_RANK", "0"),
+        gauge = self._gauge_of(contract.WORKER_FAILURE, "Unix time a worker of this pod failed (1 series per failure).",
+                               ("restart", "exit_code", "signal", "error", "restarted", "step"))
+        return gauge.labels(
+            **self._labels(labels["rank"], labels["local_rank"]),
             restart=labels["restart"], exit_code=str(labels["exit_code"]), signal=labels["signal"],
             error=labels["error"], restarted="true" if labels["restarted"] else "false", step=str(labels["step"]))
+
+    def _stack_series(self, **labels: Any) -> Any:
+        if not self._exports:
+            return _Null()
+        gauge = self._gauge_of(contract.STACK_CAPTURE, "Unix time the pod's agent captured a worker's stack "
+                               "(1 series per capture).", ("restart", "trigger", "waiting", "frames"))
+        rank = int(labels["rank"])
+        return gauge.labels(**self._labels(rank, rank % self._nproc()), restart=labels["restart"],
+                            trigger=labels["trigger"], waiting=labels["waiting"], frames=labels["frames"])
+
+    def _nproc(self) -> int:
+        raw = self.env.get("NPROC_PER_NODE") or self.env.get(contract.PET_NPROC_PER_NODE) or "1"
+        return int(raw) if raw.isdigit() and int(raw) > 0 else 1
 
 
 class _Null:

@@ -332,3 +332,46 @@ RESUMED_FROM_STEP = "resumed_from_step"
 def inplace_marker(attempt: int | str, restart: int | str) -> str:
     """The marker line of one start of a pod's workers (INPLACE_MARKER)."""
     return INPLACE_MARKER.format(attempt=attempt, restart=restart)
+
+
+# Stacks (ddpjob_trainer/stacks.py, docs/health.md): every worker process below a launcher has
+# faulthandler registered on STACK_SIGNAL (the exit guard's sitecustomize, for the built-in trainer
+# and a user's own script alike), dumping every thread's Python stack into
+# <ENV_STACKS_DIR>/<pid>.txt; the pod's agent sends it before it kills a stalled worker, when a
+# rank has been idle for STACK_IDLE_FRACTION of its hang timeout, and to the peers still running
+# when a worker failed. Each capture is kept in <ENV_STACKS_DIR>/captures/ (the pod's endpoint
+# serves them as JSON at STACKS_PATH, the operator keeps them in the job's ConfigMap) and named by
+# a STACK_CAPTURE series: labels `restart`, `trigger` (STACK_TRIGGERS), `waiting` (the collective
+# the rank's main thread waits in, "" when none), `frames` (its innermost frames); value its time.
+STACK_SIGNAL = "SIGUSR2"
+ENV_STACKS_DIR = "DDPJOB_STACKS_DIR"
+STACK_CAPTURE = "stack_capture_timestamp_seconds"
+STACKS_PATH = "/stacks"
+STACK_IDLE, STACK_STALL, STACK_FAILURE = "idle", "stall", "failure"
+STACK_TRIGGERS = (STACK_IDLE, STACK_STALL, STACK_FAILURE)
+STACK_IDLE_FRACTION = 0.5
+# What a capture may hold: each rank's dump, and the frames a STACK_CAPTURE series names.
+STACK_TEXT_BYTES = 16 * 1024
+STACK_FRAMES = 3
+STACK_FRAMES_CHARS = 300
+# Between a capture's frames, innermost first ("ddpjob_trainer/debug.py:95 _block < ...").
+STACK_FRAME_SEPARATOR = " < "
+
+
+def stack_capture_text(record: Mapping[str, Any], *, where: str = "") -> str:
+    """One capture record as text: a header line (rank, `where` it ran, attempt, restart, trigger,
+    time, the collective it waits in), then its dump. How the agent's captures read everywhere:
+    the job's ConfigMap, `ddpjob logs --stacks`, `ddpjob stacks`, the local runner."""
+    import time
+
+    when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(float(record.get("time") or 0)))
+    head = (f"=== rank {record.get('rank')}{where}, attempt {record.get('attempt')} restart {record.get('restart')}: "
+            f"{record.get('trigger')} capture at {when}")
+    if record.get("waiting"):
+        head += f", waiting in {record['waiting']}"
+    return head + " ===\n" + str(record.get("text") or "").rstrip("\n") + "\n"
+
+
+def stacks_configmap(job_name: str) -> str:
+    """The ConfigMap (owned by the DDPJob) in which the operator keeps the job's captured stacks."""
+    return f"{job_name}-stacks"

@@ -7,6 +7,11 @@ DDPJOB_DEBUG_FREEZE_RANK="<rank>:<step>"    that rank stops advancing once it ta
 DDPJOB_DEBUG_STEP_SLEEP="<seconds>"         every rank sleeps this long after every step
 DDPJOB_DEBUG_CRASH_RANK="<rank>:<step>"     that rank exits 1 at the step, in the first start of attempt 0
                                             only (not again after a restart in place or of the group)
+DDPJOB_DEBUG_RAISE_RANK="<rank>:<step>"     that rank raises an exception at the step (its traceback recorded,
+                                            as a bug in training code would be), first start of attempt 0 only
+DDPJOB_DEBUG_BLOCK_FETCH="<rank>:<step>"    that rank's data path blocks (sleeps, in Python) as it fetches the
+                                            batch of that step: its peers wait in the step's all-reduce for it
+                                            (its stack names the sleep, theirs the collective)
 DDPJOB_DEBUG_FREEZE_STAGE="<rank>:<stage>"  that rank freezes on entering the stage (e.g. first_step:
                                             a job that hangs before its first step)
 DDPJOB_DEBUG_SAMPLE_LOG="<dir>"             every rank appends "<step> <epoch> <sample indices...>" for each
@@ -17,7 +22,7 @@ DDPJOB_DEBUG_AWAIT_SIGTERM="<step>"         every rank, at that step's boundary,
 DDPJOB_DEBUG_WRITE_BANDWIDTH="<bytes/s>"    the checkpoint directory's write speed is taken to be this, not
                                             measured (storage too slow for a stop's save, preempt.plan)
 
-The freezes, like the crash and the wait for SIGTERM, happen in the first start of attempt 0 only: a
+The freezes and the block, like the crashes and the wait for SIGTERM, happen in the first start of attempt 0 only: a
 restart (in place, by failurePolicy.restartOnHang, or of the group) recovers, as from a real one-off hang.
 """
 from __future__ import annotations
@@ -49,6 +54,8 @@ class Knobs:
     slow_fetch: float = 0.0
     freeze_at: int | None = None
     crash_at: int | None = None
+    raise_at: int | None = None
+    block_fetch_at: int | None = None
     freeze_stage: str | None = None
     sample_log: str | None = None
     await_sigterm_at: int | None = None
@@ -62,6 +69,8 @@ class Knobs:
         slow = _pair(env.get("DDPJOB_DEBUG_SLOW_RANK"))
         freeze = _pair(env.get("DDPJOB_DEBUG_FREEZE_RANK"))
         crash = _pair(env.get("DDPJOB_DEBUG_CRASH_RANK"))
+        raises = _pair(env.get("DDPJOB_DEBUG_RAISE_RANK"))
+        block = _pair(env.get("DDPJOB_DEBUG_BLOCK_FETCH"))
         first_attempt = env.get(contract.ENV_ATTEMPT, "0") == "0" and env.get(contract.ENV_RESTART, "0") == "0"
         f_rank, _, f_stage = (env.get("DDPJOB_DEBUG_FREEZE_STAGE") or "").partition(":")
         log_dir = env.get("DDPJOB_DEBUG_SAMPLE_LOG")
@@ -72,12 +81,17 @@ class Knobs:
                    freeze_stage=f_stage if f_stage and f_rank == str(rank) and first_attempt else None,
                    sleep=sleep, slow_fetch=slow[1] if slow and slow[0] == rank else 0.0,
                    freeze_at=int(freeze[1]) if freeze and freeze[0] == rank and first_attempt else None,
-                   crash_at=int(crash[1]) if crash and crash[0] == rank and first_attempt else None)
+                   crash_at=int(crash[1]) if crash and crash[0] == rank and first_attempt else None,
+                   raise_at=int(raises[1]) if raises and raises[0] == rank and first_attempt else None,
+                   block_fetch_at=int(block[1]) if block and block[0] == rank and first_attempt else None)
 
-    def before_fetch(self) -> None:
-        """A slow rank's batch arrives late: the time counts as its data wait, as a real one would."""
+    def before_fetch(self, step: int | None = None) -> None:
+        """Before fetching the batch of `step`: a slow rank's batch arrives late (the time counts as
+        its data wait, as a real one would); a blocked rank's never does."""
         if self.slow_fetch:
             time.sleep(self.slow_fetch)
+        if step is not None and step == self.block_fetch_at:
+            _block_in_fetch()
 
     def after_step(self, step: int) -> None:
         """Apply the knobs once `step` has been taken."""
@@ -85,6 +99,8 @@ class Knobs:
             time.sleep(self.sleep)
         if self.crash_at is not None and step >= self.crash_at:
             os._exit(1)
+        if self.raise_at is not None and step >= self.raise_at:
+            raise RuntimeError(f"debug: rank {self.rank} raises at step {step} (DDPJOB_DEBUG_RAISE_RANK)")
         if self.freeze_at is not None and step == self.freeze_at:
             _freeze()
 
@@ -106,6 +122,11 @@ class Knobs:
         """Apply the knobs once this rank has entered `stage`."""
         if stage == self.freeze_stage:
             _freeze()
+
+
+def _block_in_fetch() -> None:
+    while True:  # a data loader that never returns (a hung filesystem or a deadlocked worker, in Python)
+        time.sleep(3600)
 
 
 def _freeze() -> None:

@@ -342,7 +342,7 @@ class Trainer:
         for i in range(n_micro):
             t_wait = time.perf_counter()
             if i == 0:
-                self.knobs.before_fetch()
+                self.knobs.before_fetch(self.state.step + 1)
             x, y = self.place.batch(*next(batches))
             wait += time.perf_counter() - t_wait
             # Only the last micro-batch all-reduces gradients (no_sync skips the others).

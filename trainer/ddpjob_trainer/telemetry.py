@@ -494,13 +494,41 @@ def _batch_len(batch: Any) -> int:
         return 1
 
 
-def serve_node_endpoint(port: int, metrics_dir: str, *, addr: str = "0.0.0.0"):
-    """Serve every local rank's metrics (the multiprocess dir) on one port; returns the server."""
+def serve_node_endpoint(port: int, metrics_dir: str, *, addr: str = "0.0.0.0", stacks_dir: str | None = None):
+    """Serve every local rank's metrics (the multiprocess dir) on one port; returns the server.
+    With `stacks_dir`, contract.STACKS_PATH serves the stack captures kept there (stacks.kept) as
+    JSON: what the operator keeps in the job's ConfigMap and the local runner prints on a stall."""
+    import json
+    import socket
+    import threading
+    from socketserver import ThreadingMixIn
+    from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
     os.makedirs(metrics_dir, exist_ok=True)
-    from prometheus_client import CollectorRegistry, start_http_server
+    from prometheus_client import CollectorRegistry, make_wsgi_app
     from prometheus_client.multiprocess import MultiProcessCollector
 
     registry = CollectorRegistry()
     MultiProcessCollector(registry, path=metrics_dir)
-    server, _thread = start_http_server(port, addr=addr, registry=registry)
+    metrics = make_wsgi_app(registry)
+
+    def app(environ, start_response):
+        if stacks_dir and environ.get("PATH_INFO") == contract.STACKS_PATH:
+            from .stacks import kept
+
+            body = json.dumps(kept(stacks_dir)).encode()
+            start_response("200 OK", [("Content-Type", "application/json"), ("Content-Length", str(len(body)))])
+            return [body]
+        return metrics(environ, start_response)
+
+    class Quiet(WSGIRequestHandler):
+        def log_message(self, format, *args):
+            """No line per scrape."""
+
+    class Server(ThreadingMixIn, WSGIServer):
+        daemon_threads = True
+        address_family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+
+    server = make_server(addr, port, app, Server, handler_class=Quiet)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
     return server

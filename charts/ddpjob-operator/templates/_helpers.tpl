@@ -118,6 +118,12 @@ ddpjob_operator (cluster/: its I/O, the client and the informers; app/handlers.p
 - apiGroups: [""]
   resources: ["events"]
   verbs: ["create"]
+# A job's captured stacks (docs/health.md, Stacks): one ConfigMap per job, <job>-stacks, owned by
+# it, created and merge-patched when its pods' agents capture stacks; read (get) first, by that
+# name only, to check that one of that name is the job's own (another is left alone).
+- apiGroups: [""]
+  resources: ["configmaps"]
+  verbs: ["get", "create", "patch"]
 {{- end }}
 
 {{/* kopf peering (ha.enabled only): kopf watches the peering object and patches its keep-alive

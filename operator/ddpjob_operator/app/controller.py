@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING, Any
 
 from kubernetes.client.rest import ApiException
 
+from ddpjob_trainer import contract
+
 from ddpjob_operator.api import labels, podinfo
 from ddpjob_operator.api.config import OperatorConfig
 from ddpjob_operator.api.group import Group
@@ -31,8 +33,10 @@ from ddpjob_operator.app.children import Children
 from ddpjob_operator.app.operator_metrics import OperatorMetrics
 from ddpjob_operator.app.workqueue import Key, WorkQueue
 from ddpjob_operator.builders import gang
+from ddpjob_operator.builders.stacks import render_stacks_configmap
 from ddpjob_operator.cluster.cache import PeerGate, Store, key_of
 from ddpjob_operator.cluster.k8s import K8s
+from ddpjob_operator.decisions import stacks
 from ddpjob_operator.decisions.lifecycle import decide
 from ddpjob_operator.decisions.samples import MonitorReport
 from ddpjob_operator.decisions.status import create_refused, job_status
@@ -211,6 +215,9 @@ class Reconciler:
         report = await self._observe(obj, self._pods(namespace, name, uid))
         if report is None:
             return False
+        if report.stacks:
+            await self._keep_stacks(obj, report.stacks)
+            report = dataclasses.replace(report, stacks=[])
         if (self.jobs.get(namespace, name) or {}).get("status", {}).get("phase") == Phase.RUNNING.value:
             self.metrics.record_scrape(key, report, when=time.time())  # not for a job that ended meanwhile
         every = self._scrape_every.get(key, 1)
@@ -226,6 +233,32 @@ class Reconciler:
         return scrape_needs_pass(obj.get("status") or {}, progress=report.progress, conditions=report.conditions,
                                  events=len(report.events), mlflow_run=report.mlflow_run,
                                  progress_due=since >= self.progress_interval)
+
+    async def _keep_stacks(self, obj: dict[str, Any], captures: list[tuple[dict, str, str | None]]) -> None:
+        """Add the pods' new stack captures to the job's ConfigMap (decisions/stacks.py says what is
+        kept), created owned by the job; one that is not the job's is left alone. Best effort: a
+        capture that could not be kept is fetched again at the next scrape."""
+        job = from_manifest(obj)
+        name = contract.stacks_configmap(job.name)
+        try:
+            existing = await self.k8s.get_child("ConfigMap", job.namespace, name, job=job.name)
+            if existing is not None and not owned_by(existing, job.uid):
+                log.warning("ConfigMap %s/%s is not DDPJob %s's: its pods' captured stacks are not kept there",
+                            job.namespace, name, job.name)
+                return
+            old = (existing or {}).get("data") or {}
+            data = stacks.merged(old, captures)
+            if existing is None:
+                await self.k8s.create(render_stacks_configmap(job, data))
+            elif data != old:
+                patch = {"data": {**{k: None for k in old if k not in data}, **data}}
+                await self.k8s.patch_child("ConfigMap", job.namespace, name, patch, job=job.name,
+                                           resource_version=resource_version(existing))
+        except ApiException as exc:
+            log.warning("could not keep the captured stacks of %s/%s in ConfigMap %s: %s", job.namespace, job.name,
+                        name, exc.reason)
+            if self.monitor is not None:
+                self.monitor.fetch_stacks_again(job.uid)
 
     # -- one pass ------------------------------------------------------------------------
     def _pods(self, namespace: str, name: str, uid: str) -> list[dict[str, Any]]:

@@ -69,7 +69,7 @@ def request_kind(method: str, path: str, *, watch: bool = False) -> tuple[str, s
 
 
 # The kinds of the operator's children, and their resource names.
-_PLURALS = {"Pod": "pods", "Service": "services", "PodGroup": "podgroups"}
+_PLURALS = {"Pod": "pods", "Service": "services", "PodGroup": "podgroups", "ConfigMap": "configmaps"}
 
 
 def child_path(api_version: str, kind: str, namespace: str, name: str = "") -> str:
@@ -191,6 +191,13 @@ class K8s:
                         api_version: str = "v1") -> dict[str, Any] | None:
         """A child of `job` (a consistent read), or None when it is gone."""
         return await self._get(child_path(api_version, kind, namespace, name), job=(namespace, job))
+
+    async def patch_child(self, kind: str, namespace: str, name: str, patch: dict[str, Any], *, job: str,
+                          resource_version: str, api_version: str = "v1") -> dict[str, Any]:
+        """Merge-patch a child of `job`, refused (409) when it changed since `resource_version` was read."""
+        body = {**patch, "metadata": {**(patch.get("metadata") or {}), "resourceVersion": resource_version}}
+        return await self._call("PATCH", child_path(api_version, kind, namespace, name), job=(namespace, job),
+                                body=body, content_type="application/merge-patch+json")
 
     async def server_version(self) -> str:
         """The API server's Kubernetes version (gitVersion, e.g. v1.32.9), read once."""

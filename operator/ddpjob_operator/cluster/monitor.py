@@ -7,11 +7,14 @@ State kept here per job uid: the previous scrape (for rates) and a HealthTracker
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import math
 import time
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable
+
+from ddpjob_trainer import contract
 
 from ddpjob_operator.decisions import health, progress
 from ddpjob_operator.api import podinfo
@@ -42,6 +45,13 @@ class _JobState:
     prev: tuple[float, dict[int, RankSample]] | None = None
     failing: set[str] = field(default_factory=set)
     attempt: int | None = None
+    # pod name -> the newest stack capture (time) fetched from its endpoint (contract.STACKS_PATH)
+    stacks_seen: dict[str, float] = field(default_factory=dict)
+
+
+def stacks_url(metrics_url: str) -> str:
+    """The pod endpoint's stacks URL beside its metrics URL (the last path part replaced)."""
+    return metrics_url.rsplit("/", 1)[0] + contract.STACKS_PATH
 
 
 def scrape_url(template: str, *, pod: dict, port: int, job_name: str, namespace: str) -> str | None:
@@ -129,6 +139,35 @@ class Monitor:
         """Drop what is kept about a job (deleted or finished)."""
         self._jobs.pop(uid, None)
 
+    def fetch_stacks_again(self, uid: str) -> None:
+        """The captures fetched for a job could not be kept: fetch them again next time."""
+        st = self._jobs.get(uid)
+        if st is not None:
+            st.stacks_seen.clear()
+
+    async def _stacks(self, st: _JobState, fresh: list[tuple[str, str, str | None]], sem, session) -> list:
+        """(capture, pod, node) of the captures the pods in `fresh` ((metrics url, pod, node)) took
+        since those fetched before: one GET of each such pod's STACKS_PATH, only after a capture."""
+        results = await scrape.fetch_all([stacks_url(url) for url, _, _ in fresh], concurrency=self.concurrency,
+                                         timeout=self.timeout, semaphore=sem, session=session,
+                                         max_bytes=self.max_body_bytes)
+        out = []
+        for (_, pod_name, node), res in zip(fresh, results):
+            try:
+                records = json.loads(res.text) if res.text is not None else None
+            except ValueError:
+                records = None
+            if not isinstance(records, list):
+                log.info("stacks of pod %s unreadable: %s", pod_name, res.error or "not a JSON list")
+                continue
+            seen = st.stacks_seen.get(pod_name, 0.0)
+            new = [r for r in records if isinstance(r, dict) and isinstance(r.get("time"), (int, float))
+                   and r["time"] > seen]
+            if new:
+                st.stacks_seen[pod_name] = max(r["time"] for r in new)
+            out += [(r, pod_name, node) for r in new]
+        return out
+
     def _state(self, job: dict) -> _JobState:
         meta = job.get("metadata") or {}
         uid = meta.get("uid") or f"{meta.get('namespace')}/{meta.get('name')}"
@@ -192,6 +231,8 @@ class Monitor:
                 continue
             answered.append((pod, pod_name, res.text))
         parsed_all = await scrape.parse_all_async([text for *_, text in answered])
+        urls = {id(pod): url for url, pod in targets}
+        fresh: list[tuple[str, str, str | None]] = []
         for (pod, pod_name, _), parsed in zip(answered, parsed_all):
             if isinstance(parsed, Exception):
                 failing.add(pod_name)
@@ -201,6 +242,10 @@ class Monitor:
             for s in parsed.values():
                 s.pod, s.node = pod_name, node
             samples.update(parsed)
+            newest = max((float(c["time"]) for s in parsed.values() for c in s.stack_captures), default=0.0)
+            if newest > st.stacks_seen.get(pod_name, 0.0):
+                fresh.append((urls[id(pod)], pod_name, node))
+        stacks = await self._stacks(st, fresh, sem, session) if fresh else []
         if first_error:
             # One line per job, not per pod (800 pods would give 800 lines), when pods start failing.
             log.info("scrape of %s/%s: %d of %d pod(s) failed, e.g. %s", namespace, name, len(failing),
@@ -226,7 +271,7 @@ class Monitor:
                              hang_overdue=health.STALLED in st.tracker.active and st.tracker.overdue,
                              unreachable=bool(targets) and not samples,
                              mlflow_run=runs[0] if runs else None,
-                             ranks=samples)
+                             ranks=samples, stacks=stacks)
 
     def _conditions(self, job: dict, st: _JobState, now: float) -> list[dict]:
         """Straggler and Stalled, keeping lastTransitionTime when the status did not change."""

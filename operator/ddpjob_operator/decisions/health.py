@@ -44,9 +44,10 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from ddpjob_trainer import contract
-from ddpjob_trainer.contract import STAGES
+from ddpjob_trainer.contract import STAGES, STALL_ERROR_RE
 
 from ddpjob_operator.api.objmeta import format_time
+from ddpjob_operator.decisions import stacks
 from ddpjob_operator.decisions.samples import RankSample
 
 STRAGGLER = "Straggler"
@@ -101,6 +102,8 @@ class HealthTracker:
     active: dict[str, Finding] = field(default_factory=dict)
     # Stalled for GROUP_RESTART_TIMEOUTS hang timeouts (as of the last update): no in-place restart came.
     overdue: bool = False
+    _born: float | None = field(default=None, repr=False)  # the first update: older failures are history
+    _kills: set[tuple[int, str, float]] = field(default_factory=set, repr=False)
 
     # ---- public -------------------------------------------------------------------------
     @classmethod
@@ -158,8 +161,11 @@ class HealthTracker:
         known = {r: s for r, s in samples.items() if s.step is not None or s.stage is not None}
         if not known:
             return []
+        if self._born is None:
+            self._born = now
         changes: list[Finding] = []
         changes += self._check_stall(known, now)
+        changes += self._check_stall_kills(samples)
         if STALLED not in self.active and ranks:
             changes += self._check_stragglers(ranks)
         for r, s in ranks.items():
@@ -223,6 +229,31 @@ class HealthTracker:
             msg = (f"no rank advanced for {idle:.0f}s (hang timeout {timeout:.0f}s); "
                    f"stopped: {names} at step {'/'.join(map(str, steps_at))}")
             f = Finding(STALLED, True, culprits, "NoProgress", msg)
+        f = _by_stacks(f, stacks.of_stall(ranks), ranks)
+        self.active[STALLED] = f
+        return [f]
+
+    def _check_stall_kills(self, samples: Mapping[int, RankSample]) -> list[Finding]:
+        """Stalled, named, when a pod's agent killed a stalled rank's worker (its failure record,
+        contract.STALL_ERROR_RE): the agent judges each rank from its own last progress, so its kill
+        usually comes before the operator's own timeout, and the in-place restart it makes is
+        progress. The next progress clears it, as any."""
+        kills = [(r, f) for r, s in samples.items() for f in s.worker_failures
+                 if STALL_ERROR_RE.match(str(f.get("error") or "")) and float(f["time"]) >= (self._born or 0.0)
+                 and (r, str(f.get("restart")), float(f["time"])) not in self._kills]
+        if not kills:
+            return []
+        self._kills.update((r, str(f.get("restart")), float(f["time"])) for r, f in kills)
+        if STALLED in self.active:
+            return []
+        # The earliest kill, the others' casualties (decisions/inplace: the older last step first).
+        rank, failure = min(kills, key=lambda k: (contract.stall_step(str(k[1].get("error"))) or 0, float(k[1]["time"])))
+        msg = (f"{_describe(samples[rank])} {failure.get('error')}: its agent killed the worker, and every "
+               "pod's workers restart in place")
+        timeout = self.effective_hang_timeout()
+        culprit = stacks.of_restart(samples, restart=int(str(failure.get("restart") or 0)),
+                                    failed_at=float(failure["time"]), window=timeout)
+        f = _by_stacks(Finding(STALLED, True, (rank,), "StalledRankRestarted", msg), culprit, samples)
         self.active[STALLED] = f
         return [f]
 
@@ -231,11 +262,17 @@ class HealthTracker:
         """'stuck in rendezvous for 312s (hangTimeoutSeconds 300): rank 1 (pod j-1); other ranks: ...'"""
         staged = {r: st for r, (st, _) in self._stages.items() if r in ranks}
         culprits = tuple(sorted(r for r, st in staged.items() if st == stage)) or tuple(sorted(ranks))
+        if stage in _PAUSES and self._max_step is not None:
+            # A pause (eval, checkpoint) begins with a collective every rank must reach: the ranks
+            # still training, that never reached it, are the ones the others wait for.
+            behind = tuple(sorted(r for r, st in staged.items() if st != stage))
+            culprits = behind or culprits
         limit = (f"hangTimeoutSeconds {timeout:.0f}" if self.hang_timeout
                  else f"default hang timeout {timeout:.0f}s; set spec.hangTimeoutSeconds")
         where = "" if self._max_step is None else f" after step {self._max_step}"
         msg = (f"stuck in {stage or 'start-up'}{where} for {idle:.0f}s ({limit}): "
-               + ", ".join(_describe(ranks[r]) for r in culprits))
+               + ", ".join(_describe(ranks[r]) + (f" in {staged[r]}" if staged.get(r, stage) != stage else "")
+                           for r in culprits))
         others = sorted(r for r in ranks if r not in culprits)
         if others:
             msg += "; other ranks: " + ", ".join(
@@ -304,6 +341,14 @@ class HealthTracker:
         f = Finding(STRAGGLER, True, order, "SlowRank", "straggling: " + "; ".join(parts))
         self.active[STRAGGLER] = f
         return [f]
+
+
+def _by_stacks(f: Finding, culprit: stacks.Culprit | None, ranks: Mapping[int, RankSample]) -> Finding:
+    """`f` naming the rank the stacks blame first, with its frames, where they blame one."""
+    if culprit is None:
+        return f
+    named = tuple(dict.fromkeys((*culprit.ranks, *f.ranks)))
+    return Finding(f.kind, f.active, named, f.reason, f"{f.message}; stacks: {stacks.describe(culprit.entry(ranks))}")
 
 
 def _own_times(iters: dict[int, float], steps: dict[int, float]) -> dict[int, float]:

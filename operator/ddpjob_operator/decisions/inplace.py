@@ -34,6 +34,7 @@ from ddpjob_trainer.contract import STALL_ERROR_RE
 
 from ddpjob_operator.api.objmeta import format_time
 from ddpjob_operator.api.phases import RestartReason
+from ddpjob_operator.decisions import stacks
 from ddpjob_operator.decisions.redact import redact
 from ddpjob_operator.decisions.samples import ABSURD as MAX_STEP  # a step label beyond it is not believed
 
@@ -218,13 +219,15 @@ def _absorb(head: dict[str, Any], other: dict[str, Any]) -> None:
 
 def update(prev_status: Mapping[str, Any], *, attempt: int, ranks: Mapping[int, Any] | None, with_log: bool,
            group: tuple[int, str, str] | None, now: dt.datetime, replaced: list[dict[str, Any]] = (),  # type: ignore[assignment]
-           replacement_rounds: int = 0, group_steps: Sequence[int] = ()) -> Update:
+           replacement_rounds: int = 0, group_steps: Sequence[int] = (),
+           window: float = contract.STARTUP_HANG_TIMEOUT) -> Update:
     """The restart history and count after this pass. `ranks`: this scrape's samples (None: no
     scrape); `group`: (the attempt that ended, reason, message) when this pass restarts the group;
     `replaced`: replace_entry's of the lost pods this pass replaces alone; `replacement_rounds`: the
     rounds lost pods took the survivors through (Decision.replacement_rounds), left out of `proven`;
     `group_steps`: the steps the ended attempt's failed pods wrote in their termination messages
-    (contract.failure_step), which outlive the pods' last scrape."""
+    (contract.failure_step), which outlive the pods' last scrape; `window`: the job's hang timeout,
+    how long before a failure the ranks' stack captures still tell its culprit (`culprit`)."""
     history = [dict(e) for e in prev_status.get("restartHistory") or []]
     count = as_int(prev_status.get("inPlaceRestarts"))
     known = {key(e) for e in history} | {key({**a, "kind": INPLACE}) for e in history for a in e.get("alsoFailed") or []}
@@ -281,6 +284,13 @@ def update(prev_status: Mapping[str, Any], *, attempt: int, ranks: Mapping[int, 
             entry["stepsLost"] = max(0, entry["stepAtFailure"] - found[0])
         if entry["kind"] in (INPLACE, REPLACE):
             up.recovered.append(entry)
+    for entry in history:
+        # The rank the stacks blame (decisions/stacks.py), told once the captures are there.
+        if entry.get("kind") == INPLACE and entry.get("attempt") == attempt and "culprit" not in entry and _open(entry):
+            blamed = stacks.of_restart(ranks or {}, restart=as_int(entry.get("restart")),
+                                       failed_at=float(entry["failedAt"]), window=window)
+            if blamed is not None:
+                entry["culprit"] = blamed.entry(ranks or {})
     # Not below what the agents prove: an edit that lowered the count (or dropped the history
     # whose entries are counted once) grants no restart.
     up.in_place_restarts = max(up.in_place_restarts, proven(ranks, replaced=replacement_rounds))
@@ -314,10 +324,11 @@ def describe(entry: Mapping[str, Any]) -> str:
         return f"rank {entry.get('rank')} ({where}) was lost ({entry.get('reason')}): replaced alone by pod {entry.get('newPod')}"
     how = f"exit code {entry.get('exitCode')}" + (f" ({entry['signal']})" if entry.get("signal") else "")
     where = f"pod {entry.get('pod')}" + (f" on node {entry['node']}" if entry.get("node") else "")
+    blamed = f"; stacks: {stacks.describe(entry['culprit'])}" if entry.get("culprit") else ""
     if entry.get("reason") == STALLED:
-        return f"rank {entry.get('rank')} ({where}) {entry.get('message')}: its agent killed the worker"
+        return f"rank {entry.get('rank')} ({where}) {entry.get('message')}: its agent killed the worker{blamed}"
     text = f"the worker of rank {entry.get('rank')} ({where}) failed with {how}"
-    return text + (f": {entry['message']}" if entry.get("message") else "")
+    return text + (f": {entry['message']}" if entry.get("message") else "") + blamed
 
 
 def restarting_message(entry: Mapping[str, Any], *, used: int, max_restarts: int) -> str:

@@ -13,8 +13,9 @@ from ddpjob_trainer.contract import (CHECKPOINT_SECONDS, COMPUTE_SECONDS, DATA_W
                                     EVAL_LOSS, FIRST_STEP_TIMESTAMP, GOODPUT_SECONDS, GPU_MEMORY_ALLOCATED, GPU_MEMORY_MAX_ALLOCATED,
                                     LAST_STEP_TIMESTAMP, LOSS, METRIC_PREFIX, MLFLOW_RUN_INFO, RANK_GOODPUT_CATEGORIES,
                                     RESTART_COUNT,
-                                    RESUMED_FROM_STEP, SAMPLES, STAGE, STAGE_START_TIMESTAMP, STAGES, STEP,
-                                    STEP_SECONDS, STEP_STARTED, TOTAL_STEPS, WORKER_FAILURE)
+                                    RESUMED_FROM_STEP, SAMPLES, STACK_CAPTURE, STACK_FRAMES_CHARS, STACK_TRIGGERS,
+                                    STAGE, STAGE_START_TIMESTAMP, STAGES, STEP, STEP_SECONDS, STEP_STARTED,
+                                    TOTAL_STEPS, WORKER_FAILURE)
 
 # metric name (without prefix, as the parser reports the sample) -> RankSample attribute: the
 # metric's own name (a counter's with _total, a histogram's with _sum and _count), but for times.
@@ -32,6 +33,12 @@ _GAUGES = {
 # What a worker failure's series says (its value is the failure's time); the operator bounds and
 # redacts each before any reaches status (decisions/inplace.py).
 FAILURE_LABELS = ("restart", "exit_code", "signal", "error", "restarted", "step")
+# What a stack capture's series says (its value is the capture's time): `waiting` must look like a
+# Python function's name, `trigger` be one of STACK_TRIGGERS, `frames` is cut to its bound; at most
+# STACK_CAPTURES_READ per rank are read (the newest), however many a pod exports.
+CAPTURE_LABELS = ("restart", "trigger", "waiting", "frames")
+_FUNCTION = re.compile(r"^[A-Za-z_][A-Za-z0-9_<>.]{0,63}$")
+STACK_CAPTURES_READ = 16
 # `mlflow_run_info{run_id, experiment_id} 1`: ids go into status and a URL, so only id-shaped ones
 # (MLflow's are hex and digits) are kept.
 _MLFLOW_ID = re.compile(r"^[0-9A-Za-z_-]{1,64}$")
@@ -87,6 +94,9 @@ class RankSample:
     worker_failures: list[dict[str, str | float]] = field(default_factory=list)
     # Seconds of this rank's time by category (contract.GOODPUT_SECONDS; only its known categories).
     goodput: dict[str, float] = field(default_factory=dict)
+    # The stack captures of this rank's workers its pod's agent made (contract.STACK_CAPTURE): label
+    # dicts (CAPTURE_LABELS) with "time", newest last.
+    stack_captures: list[dict[str, str | float]] = field(default_factory=list)
     pod: str | None = None       # filled in by the scraper, not the exposition
     node: str | None = None
 
@@ -105,7 +115,7 @@ def _int_or_none(v: str | None) -> int | None:
 # The samples read (their names without METRIC_PREFIX); a pod's other series, a histogram's buckets
 # (most of a trainer's lines) and HELP/TYPE comments are skipped before their labels are parsed.
 _GOODPUT = GOODPUT_SECONDS + "_total"
-_READ = frozenset(_GAUGES) | {STAGE, MLFLOW_RUN_INFO, WORKER_FAILURE, _GOODPUT}
+_READ = frozenset(_GAUGES) | {STAGE, MLFLOW_RUN_INFO, WORKER_FAILURE, _GOODPUT, STACK_CAPTURE}
 _ONLY_AT_ONE = frozenset({STAGE, MLFLOW_RUN_INFO})   # info-style series: only those at 1 say anything
 # A sample line of the Prometheus text format: name{labels} value [timestamp]. A label value may
 # hold any character, braces too, but no unescaped quote; the labels end at the line's last brace.
@@ -164,7 +174,8 @@ def parse_metrics(text: str) -> dict[int, RankSample]:
                   and all(_MLFLOW_ID.match(labels.get(k) or "") for k in ("run_id", "experiment_id")))
         failure = short == WORKER_FAILURE and _sane("time", value) is not None
         goodput = short == _GOODPUT and labels.get("category") in RANK_GOODPUT_CATEGORIES and _sane(short, value) is not None
-        if (attr is None and not mlflow and not failure and not goodput
+        captured = short == STACK_CAPTURE and _sane("time", value) is not None and _capture_ok(labels)
+        if (attr is None and not mlflow and not failure and not goodput and not captured
                 and not (short == STAGE and value == 1 and labels.get("stage") in STAGES)):
             continue
         rank = _int_or_none(labels.get("rank"))
@@ -182,6 +193,11 @@ def parse_metrics(text: str) -> dict[int, RankSample]:
         if goodput:
             rs.goodput[labels["category"]] = value
             continue
+        if captured:
+            rs.stack_captures.append({**{k: labels.get(k, "") for k in CAPTURE_LABELS}, "time": value})
+            rs.stack_captures.sort(key=lambda c: c["time"])
+            del rs.stack_captures[:-STACK_CAPTURES_READ]
+            continue
         if failure:
             rs.worker_failures.append({**{k: labels.get(k, "") for k in FAILURE_LABELS}, "time": value})
             continue
@@ -196,6 +212,13 @@ def parse_metrics(text: str) -> dict[int, RankSample]:
             continue  # keep the default: a hostile value must not displace "not reported"
         setattr(rs, attr, int(sane) if attr in _INTS else sane)
     return out
+
+
+def _capture_ok(labels: dict[str, str]) -> bool:
+    """A stack capture's labels are what an agent writes (the rest of a pod's text is dropped)."""
+    waiting = labels.get("waiting", "")
+    return (labels.get("trigger") in STACK_TRIGGERS and (not waiting or bool(_FUNCTION.match(waiting)))
+            and len(labels.get("frames", "")) <= STACK_FRAMES_CHARS and labels.get("restart", "").isdigit())
 
 
 def _sane(attr: str, raw: object) -> float | None:
@@ -235,3 +258,6 @@ class MonitorReport:
     # Stalled for health.GROUP_RESTART_TIMEOUTS hang timeouts: no pod's agent restarted it in place,
     # so failurePolicy.restartOnHang restarts the group (decisions/lifecycle.py).
     hang_overdue: bool = False
+    # (capture record, pod, node) of the stack captures the pods' endpoints served since the last
+    # report (contract.STACKS_PATH): what the operator keeps in the job's ConfigMap (decisions/stacks.py).
+    stacks: list[tuple[dict, str, str | None]] = field(default_factory=list)

@@ -336,7 +336,8 @@ def job_status(job: JobSpec, group: Group, *, now: dt.datetime,
                               replaced=[inplace.replace_entry(r, attempt=d.attempt, ranks=report.ranks if report else None,
                                                               prev_status=prev, now=now) for r in d.replaced],
                               replacement_rounds=d.replacement_rounds,
-                              group_steps=_failure_steps(group.at(d.attempt - 1)) if d.restarted is not None else ())
+                              group_steps=_failure_steps(group.at(d.attempt - 1)) if d.restarted is not None else (),
+                              window=float(job.hang_timeout_seconds or contract.STARTUP_HANG_TIMEOUT))
     events += _in_place(conds, restarts, job, d, now, gen)
     events += _resized(conds, restarts, job, report.ranks if report is not None else None, now, gen)
     if d.phase is Phase.SUSPENDED:

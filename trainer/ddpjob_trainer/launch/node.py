@@ -157,12 +157,12 @@ class _RankStages:
             t.set_stage(stage, timestamp=now)
 
 
-def _serve(args: argparse.Namespace, node: _Node, metrics_dir: str) -> None:
+def _serve(args: argparse.Namespace, node: _Node, metrics_dir: str, stacks_dir: str) -> None:
     if not args.metrics_port:
         return
     from ..telemetry import serve_node_endpoint
     try:
-        node.server = serve_node_endpoint(args.metrics_port, metrics_dir)
+        node.server = serve_node_endpoint(args.metrics_port, metrics_dir, stacks_dir=stacks_dir)
     except OSError as exc:  # training matters more than its metrics
         say(f"WARNING metrics port {args.metrics_port} unavailable ({exc}); continuing without metrics")
 
@@ -229,6 +229,8 @@ def _launch(args: argparse.Namespace, node: _Node, signals: StopSignals) -> int:
     node.scratch = tempfile.mkdtemp(prefix="ddpjob-")
     metrics_dir = env.setdefault(contract.ENV_METRICS_DIR, os.path.join(node.scratch, "metrics"))
     status_dir = env.setdefault(contract.ENV_STATUS_DIR, os.path.join(node.scratch, "status"))
+    # Each worker's stack dump and the agent's captures (stacks.py), served at contract.STACKS_PATH.
+    stacks_dir = env.setdefault(contract.ENV_STACKS_DIR, os.path.join(node.scratch, "stacks"))
     result_file = env.setdefault(contract.ENV_RESULT_FILE, os.path.join(node.scratch, "result.json"))
     error_file = env.setdefault(contract.ENV_TORCHELASTIC_ERROR_FILE, os.path.join(node.scratch, "error.json"))
     stages = _RankStages(env)
@@ -241,7 +243,7 @@ def _launch(args: argparse.Namespace, node: _Node, signals: StopSignals) -> int:
         stages.set("waiting_for_master")
         say(f"waiting up to {args.master_timeout:.0f}s for master {addr}:{port}")
         # Served while waiting, so a worker stuck here is seen (and named) like any other hang.
-        _serve(args, node, metrics_dir)
+        _serve(args, node, metrics_dir, stacks_dir)
         try:
             wait_for_master(addr, port, timeout=args.master_timeout, check_stop=signals.raise_if_stopped)
         except TimeoutError as exc:
@@ -268,7 +270,7 @@ def _launch(args: argparse.Namespace, node: _Node, signals: StopSignals) -> int:
     child = subprocess.Popen(cmd, env=env, start_new_session=True,
                              preexec_fn=functools.partial(die_with_parent, os.getpid()))
     node.children.append(child)
-    _serve(args, node, metrics_dir)
+    _serve(args, node, metrics_dir, stacks_dir)
     code = _wait(child, signals)
     if node.system_metrics is not None:
         end_child(node.system_metrics, seconds=SYSTEM_METRICS_END_SECONDS)   # its last samples go out

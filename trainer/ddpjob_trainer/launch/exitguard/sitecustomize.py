@@ -11,6 +11,11 @@ SIGABRT, and torchrun fails the node (9 in 50 two-node runs of examples/scripts/
 2-core machine, none in 48 with this). Collecting garbage in an atexit handler frees the group while the
 interpreter is still whole. Registered at start-up, the handler runs after every handler the
 script registers (atexit runs them last-in, first-out).
+
+It also registers a torchrun worker's stack dump (ddpjob_trainer.stacks.install: faulthandler on
+a signal the pod's agent sends before it kills a stalled worker), so that a user's own script
+gives its stack as the built-in trainer does; a process that cannot import ddpjob_trainer (another
+environment's Python) runs without it.
 """
 import atexit
 import gc
@@ -24,6 +29,18 @@ def _collect_while_alive() -> None:
 
 
 atexit.register(_collect_while_alive)
+
+
+def _register_stacks() -> None:
+    if "RANK" in os.environ:  # a torchrun worker (install checks it runs below a launcher)
+        try:
+            from ddpjob_trainer import stacks
+        except ImportError:
+            return
+        stacks.install()
+
+
+_register_stacks()
 
 
 def _chain() -> None:
