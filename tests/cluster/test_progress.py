@@ -9,6 +9,9 @@ data loader (SLOW_INPUT_RANK, below).
 """
 from __future__ import annotations
 
+import re
+import subprocess
+import sys
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -18,14 +21,15 @@ from tests.support.localrun import in_stage, local_run, rank_samples, wait_ranks
 from tests.support.status import condition, table_row
 
 URL_TEMPLATE = "http://127.0.0.1:{rank_port}/metrics"
+DDPJOB = str(Path(sys.executable).parent / "ddpjob")  # the CLI as a user runs it
 
 
 @contextmanager
-def local_training(tmp_path: Path, *, epochs: int = 40, **debug_env: str):
+def local_training(tmp_path: Path, *, epochs: int = 40, hang_timeout: int | None = None, **debug_env: str):
     """A real 2-node CPU run of examples/digits.yaml serving metrics on base, base+1 (yields .base, .proc);
     its frozen ranks stay frozen (restartOnHang off: no agent restarts them)."""
-    with local_run(write_digits_job(tmp_path, epochs=epochs, restart_on_hang=False), tmp_path,
-                   DDPJOB_DEBUG_STEP_SLEEP="0.05", **debug_env) as run:
+    with local_run(write_digits_job(tmp_path, epochs=epochs, restart_on_hang=False, hang_timeout=hang_timeout),
+                   tmp_path, DDPJOB_DEBUG_STEP_SLEEP="0.05", **debug_env) as run:
         yield run
 
 
@@ -89,6 +93,7 @@ def test_slowed_rank_is_reported_as_straggler(start_operator, k8s, crd, tmp_path
 
 
 FREEZE_AT = 30
+HANG_TIMEOUT = 10
 
 
 def frozen_after_a_step(samples: dict) -> bool:
@@ -100,18 +105,42 @@ def frozen_after_a_step(samples: dict) -> bool:
 
 
 def test_frozen_rank_turns_job_stalled_naming_that_rank(start_operator, k8s, crd, tmp_path):
-    with local_training(tmp_path, DDPJOB_DEBUG_FREEZE_RANK=f"1:{FREEZE_AT}") as run:
+    """Rank 1 freezes after its step FREEZE_AT, rank 0 waits for it in the next step's collective.
+    Stalled names rank 1, by its progress and by the stacks its agent captured (the freeze's
+    frame); the operator keeps every rank's capture in the job's ConfigMap, which `ddpjob logs
+    --stacks` prints."""
+    with local_training(tmp_path, hang_timeout=HANG_TIMEOUT, DDPJOB_DEBUG_FREEZE_RANK=f"1:{FREEZE_AT}") as run:
         # The job and its 10 s hang timeout come once the freeze has happened: a start-up slower
         # than 10 s (a cold machine's rendezvous) would otherwise be the stall this test sees.
         wait_ranks(run, frozen_after_a_step, f"rank 1 frozen at step {FREEZE_AT}, rank 0 in the next step",
                    timeout=420)
         start_operator(DDPJOB_SCRAPE_URL_TEMPLATE=URL_TEMPLATE)
-        apply_job(k8s, "frozen", run.base, hangTimeoutSeconds=10, failurePolicy={"restartOnHang": False})
+        apply_job(k8s, "frozen", run.base, hangTimeoutSeconds=HANG_TIMEOUT, failurePolicy={"restartOnHang": False})
         k8s.wait_status("frozen", running(2), "both pods Running", timeout=60)
         st = wait_job(k8s, "frozen", run, lambda s: (condition(s, "Stalled") or {}).get("status") == "True",
                       "Stalled condition True", timeout=240)
         msg = condition(st, "Stalled")["message"]
-        assert f"rank 1 (pod {pod_of_rank(run, 'frozen', 1)}" in msg and "rank 0" not in msg, msg
+        pod1 = pod_of_rank(run, "frozen", 1)
+        assert f"rank 1 (pod {pod1}" in msg and "rank 0" not in msg, msg
+        assert f"; stacks: rank 1 (pod {pod1}" in msg and "ddpjob_trainer/debug.py:" in msg and " _freeze < " in msg, msg
+        # Every rank's captures, kept in the job's own ConfigMap (the agents took them at half the
+        # hang timeout and at the whole; the monitor fetched them from the pods' endpoints).
+        def kept():
+            cm = k8s.core.read_namespaced_config_map("frozen-stacks", k8s.ns) if "frozen-stacks" in {
+                c.metadata.name for c in k8s.core.list_namespaced_config_map(k8s.ns).items} else None
+            data = (cm.data or {}) if cm else {}
+            return cm if {".rank-0.", ".rank-1."} <= {k[k.index(".rank-"):k.index(".rank-") + 8] for k in data} else None
+        cm = wait_for(kept, timeout=60, desc="both ranks' stacks in ConfigMap frozen-stacks")
+        (owner,) = cm.metadata.owner_references
+        uid = k8s.job("frozen")["metadata"]["uid"]
+        assert (owner.kind, owner.name, owner.uid, owner.controller) == ("DDPJob", "frozen", uid, True)
+        cli = subprocess.run([DDPJOB, "logs", "frozen", "-n", k8s.ns, "--stacks", "--attempt", "0"], env=crd.env(),
+                             capture_output=True, text=True, timeout=60)
+        assert cli.returncode == 0, cli.stderr
+        out = cli.stdout
+        assert f"=== rank 1 (pod {pod1}" in out and "in _freeze" in out, out[-3000:]
+        assert re.search(r"=== rank 0 \(pod frozen-\d on node \S+\), attempt 0 restart 0: \w+ capture at .*, waiting in \w",
+                         out), out[-3000:]
         evs = wait_for(lambda: [e for e in k8s.events("frozen") if e[1] == "Stalled"], timeout=30,
                        desc="a Stalled event")
         assert evs[0][0] == "Warning" and "rank 1" in evs[0][2]

@@ -78,14 +78,18 @@ def pids_with_env(entry: str, *, prefix: bool = False) -> list[int]:
     return pids
 
 
-def write_digits_job(directory: Path, *, epochs: int, restart_on_hang: bool = True) -> Path:
+def write_digits_job(directory: Path, *, epochs: int, restart_on_hang: bool = True,
+                     hang_timeout: int | None = None) -> Path:
     """examples/digits.yaml with another epoch count (long enough for the checks); a test that
-    freezes a rank to watch the stall passes restart_on_hang=False (else its agent restarts it)."""
+    freezes a rank to watch the stall passes restart_on_hang=False (else its agent restarts it),
+    and the hang timeout its agents judge by (they capture the ranks' stacks at half of it)."""
     from ddpjob_cli.local import load_job_file
 
     job = load_job_file(REPO_ROOT / "examples" / "digits.yaml")
     job["spec"]["trainer"]["epochs"] = epochs
     job["spec"].setdefault("failurePolicy", {})["restartOnHang"] = restart_on_hang
+    if hang_timeout is not None:
+        job["spec"]["hangTimeoutSeconds"] = hang_timeout
     spec = directory / "digits.yaml"
     spec.write_text(yaml.safe_dump(job))
     return spec

@@ -120,11 +120,31 @@ def test_a_watchdog_that_cannot_read_the_metrics_stops_and_the_agent_goes_on(tmp
     assert not dog.enabled and "the hang watchdog stops" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("env", [{contract.ENV_RESTART_ON_HANG: "0"}, {contract.ENV_TELEMETRY: "0"}, {}])
-def test_the_watchdog_is_off_without_restart_on_hang_or_metrics(tmp_path, env):
+@pytest.mark.parametrize("env", [{contract.ENV_TELEMETRY: "0"}, {}])
+def test_the_watchdog_is_off_without_metrics(tmp_path, env):
     base = {contract.ENV_METRICS_DIR: str(tmp_path), contract.ENV_RESTART_ON_HANG: "1"}
-    assert Watchdog(base).enabled
+    assert Watchdog(base).enabled and Watchdog(base).kills
     assert not Watchdog({**base, **env} if env else {contract.ENV_RESTART_ON_HANG: "1"}).enabled
+
+
+def test_without_restart_on_hang_the_watchdog_takes_the_stacks_and_kills_nothing(tmp_path):
+    metrics = tmp_path / "metrics"
+    _telemetry_writes(str(metrics), "tm.set_stage('first_step', timestamp=100.0)\n", rank=1)
+    victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        now, captured = [116.0], []
+        dog = Watchdog({contract.ENV_METRICS_DIR: str(metrics), contract.ENV_RESTART_ON_HANG: "0",
+                        contract.ENV_HANG_TIMEOUT: "30"}, clock=lambda: now[0],
+                       capture=lambda pids, trigger: captured.append(trigger))
+        assert dog.enabled and not dog.kills
+        group = types.SimpleNamespace(workers=[types.SimpleNamespace(global_rank=1, id=victim.pid)])
+        for seconds in (16, 31, 32, 60):
+            now[0] = 100.0 + seconds
+            dog.on_monitor(None, group)
+        assert captured == [contract.STACK_IDLE, contract.STACK_STALL]   # each once in the spell
+        assert victim.poll() is None and not dog.killed
+    finally:
+        victim.kill()
 
 
 def test_the_watchdog_gives_a_start_up_the_trainer_still_waits_for_its_own_limit():

@@ -15,6 +15,11 @@ It is torchrun itself (same flags, same PET_* env, same agent), with three hooks
   that made no progress for the job's hang timeout (contract.hang_timeout, the operator's Stalled
   rule), its failure record naming the stall (contract.STALL_ERROR): torchrun then restarts every
   pod's workers in place as for any failure, counted and attributed the same way.
+- it captures every worker's Python stack (stacks.py: faulthandler on a signal) before such a kill,
+  when a rank has been idle for half its hang timeout, and for the peers still running when a
+  worker failed: a record each, served by the pod's endpoint (contract.STACKS_PATH), and a series
+  (contract.STACK_CAPTURE) naming the collective it waits in and its innermost frames, from which
+  the operator names the rank the others wait for (docs/health.md, Stacks).
 
 Why torchrun's agent restarts the workers in place (not a supervisor of ours): it already
 restarts a pod's workers where they are (`--max-restarts`), and through the c10d rendezvous every
@@ -210,18 +215,19 @@ def _running_child(pid: int) -> bool:
 
 
 class Watchdog:
-    """Kills the worker of a stalled rank (`stalled`), so that torchrun restarts the workers in place,
-    after `capture` took every worker's stack; a rank idle for contract.STACK_IDLE_FRACTION of its
-    hang timeout has them taken too, once per idle spell: a peer's worker that waits in a
-    collective for the stalled rank dies as soon as it is killed, its stack with it, and its own
-    agent (another pod's) has no word of the kill."""
+    """Kills the worker of a stalled rank (`stalled`; failurePolicy.restartOnHang), so that torchrun
+    restarts the workers in place, after `capture` took every worker's stack; a rank idle for
+    contract.STACK_IDLE_FRACTION of its hang timeout has them taken too, once per idle spell: a
+    peer's worker that waits in a collective for the stalled rank dies as soon as it is killed,
+    its stack with it, and its own agent (another pod's) has no word of the kill. Without
+    restartOnHang it watches all the same and takes the stacks, once per spell, without a kill."""
 
     def __init__(self, env: Mapping[str, str], clock: Any = time.time,
                  capture: Any = lambda pids, trigger: None) -> None:
         self.metrics_dir = env.get(contract.ENV_METRICS_DIR, "")
         self.status_dir = env.get(contract.ENV_STATUS_DIR, "")
-        self.enabled = (env.get(contract.ENV_RESTART_ON_HANG) == "1" and bool(self.metrics_dir)
-                        and env.get(contract.ENV_TELEMETRY, "1") != "0")
+        self.enabled = bool(self.metrics_dir) and env.get(contract.ENV_TELEMETRY, "1") != "0"
+        self.kills = env.get(contract.ENV_RESTART_ON_HANG) == "1"
         raw = env.get(contract.ENV_HANG_TIMEOUT, "")
         self.configured = float(raw) if raw.strip().isdigit() else None
         try:
@@ -236,6 +242,7 @@ class Watchdog:
         self.window = StepWindow()
         self.capture = capture
         self.captured: dict[int, float] = {}  # rank -> the start of the idle spell its stacks were taken in
+        self.stalled_at: dict[int, float] = {}  # without kills: rank -> the spell its stall's stacks were taken in
 
     def on_start(self) -> None:
         self.started_at = self.clock()
@@ -259,12 +266,15 @@ class Watchdog:
         stuck = {rank: contract.stall_error(idle=seconds, stage=stage, step=step, timeout=timeout)
                  for rank, (seconds, timeout, stage, step) in judged.items()
                  if seconds >= timeout and pids[rank] not in self.killed}
+        if not self.kills:
+            stuck = {rank: why for rank, why in stuck.items() if self.stalled_at.get(rank) != progress[rank].since}
+            self.stalled_at.update({rank: progress[rank].since for rank in stuck})
         if spells and not stuck:
             self.captured.update(spells)
             self.capture(pids, contract.STACK_IDLE)
         if stuck:
             self.capture(pids, contract.STACK_STALL)  # before the kill: every worker of this pod, alive
-        for rank, why in stuck.items():
+        for rank, why in stuck.items() if self.kills else ():
             pid = pids[rank]
             self.killed.add(pid)
             print(f"[ddpjob-agent] rank {rank} {why}: killing its worker (pid {pid}) to restart in place",
