@@ -121,7 +121,8 @@ def test_the_agent_keeps_each_capture_exports_it_and_the_pods_endpoint_serves_it
     folder, metrics = tmp_path / "stacks", tmp_path / "metrics"
     proc = _worker(folder)
     env = {contract.ENV_STACKS_DIR: str(folder), contract.ENV_METRICS_DIR: str(metrics), contract.ENV_ATTEMPT: "2",
-           contract.ENV_JOB_NAME: "j", "NODE_RANK": "1"}
+           contract.ENV_JOB_NAME: "j", "NODE_RANK": "1",
+           contract.ENV_TRAINER_CONFIG: json.dumps({"checkpoint": {"dir": str(tmp_path / "ckpt")}})}
     code = ("import json, os, sys\nfrom ddpjob_trainer.agent import Hooks\n"
             f"h = Hooks({env!r})\nh.starts = 1\nh.capture({{1: {proc.pid}}}, 'stall')\n")
     try:
@@ -144,6 +145,9 @@ def test_the_agent_keeps_each_capture_exports_it_and_the_pods_endpoint_serves_it
     assert series["frames"].startswith("<string>:6 wait_for_the_loader"), series
     assert (record["attempt"], record["rank"], record["trigger"], record["time"]) == ("2", 1, "stall", series["time"])
     assert "wait_for_the_loader" in record["text"]
+    # Beside the checkpoints too, where the NCCL flight recorder dumps (contract.debug_dir).
+    (beside,) = (tmp_path / "ckpt" / "debug" / "attempt-2").glob("stacks-restart-0-rank-1-stall-*.txt")
+    assert beside.read_text().startswith("=== rank 1 (node rank 1), attempt 2 restart 0: stall capture at ")
 
 
 def test_hooks_without_a_stacks_folder_capture_nothing():

@@ -235,6 +235,11 @@ class Watchdog:
         except ValueError:  # the trainer refuses it with its own error; judge by the default
             trainer = {}
         self.startup = contract.startup_hang_timeout(trainer if isinstance(trainer, dict) else None)
+        ckpt = (trainer.get("checkpoint") or {}).get("dir") if isinstance(trainer, dict) else None
+        # The built-in trainer's crash evidence folder (its NCCL flight recorder dumps there too):
+        # every capture is also written there, beside them.
+        self.debug_dir = (contract.debug_dir(ckpt, env.get(contract.ENV_ATTEMPT, "0"))
+                          if isinstance(ckpt, str) and ckpt else None)
         self.clock = clock
         self.started_at = 0.0
         self.looked_at = 0.0
@@ -337,6 +342,11 @@ class Hooks:
                       "text": text}
             try:
                 stacks.keep(folder, record)
+                if self.watchdog.debug_dir:
+                    os.makedirs(self.watchdog.debug_dir, exist_ok=True)
+                    name = f"stacks-restart-{restart}-rank-{rank}-{trigger}-{int(now * 1000)}.txt"
+                    with open(os.path.join(self.watchdog.debug_dir, name), "w") as f:
+                        f.write(contract.stack_capture_text(record, where=f" (node rank {record['node_rank']})"))
             except OSError as exc:  # a full disk: the series below still names it
                 print(f"[ddpjob-agent] WARNING cannot keep the stack of rank {rank} ({exc})", file=sys.stderr, flush=True)
             self._stack_series(rank=rank, restart=restart, trigger=trigger, waiting=waiting, frames=frames).set(now)
