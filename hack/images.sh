@@ -37,6 +37,13 @@ CA="${DDPJOB_BUILD_CA-${SSL_CERT_FILE:-}}"
 
 log() { printf '[hack/images %s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
 die() { log "FAILED: $*"; exit 1; }
+# push_failed IMAGE REF: a registry answers a full disk with a bare "500 Internal Server Error", so
+# the message says how much room its storage has left.
+push_failed() {
+  local free
+  free="$(df -BG --output=avail "$CACHE" 2>/dev/null | tail -1 | tr -d ' G')"
+  die "pushing $1 to $2 failed (see $LOGS/push.log; ${free:-?} GiB free under $CACHE, where the local registry stores what it is sent): $(tail -3 "$LOGS/push.log")"
+}
 has_image() { buildah inspect --type image "$1" >/dev/null 2>&1; }
 "$HERE/ensure-node-packages.sh"
 
@@ -161,7 +168,7 @@ release_images() {
     build_target "$target" "$image"
     log "$image: pushing to $repo/$target:$version"
     buildah push -q --tls-verify="$tls" --disable-compression --format oci "$image" "docker://$repo/$target:$version" \
-      >"$LOGS/push.log" 2>&1 || die "pushing $image to $repo/$target:$version failed (see $LOGS/push.log): $(tail -3 "$LOGS/push.log")"
+      >"$LOGS/push.log" 2>&1 || push_failed "$image" "$repo/$target:$version"
   done
 }
 
@@ -205,7 +212,7 @@ push_image() {
   if [ -n "$id" ] && [ "$(cat "$mark" 2>/dev/null)" = "$id" ]; then return; fi
   log "$img: pushing to $ref"
   buildah push -q --tls-verify=false --disable-compression --format oci "$img" "docker://$ref" \
-    >"$LOGS/push.log" 2>&1 || die "pushing $img to $ref failed (see $LOGS/push.log): $(tail -3 "$LOGS/push.log")"
+    >"$LOGS/push.log" 2>&1 || push_failed "$img" "$ref"
   [ -z "$id" ] || echo "$id" >"$mark"
 }
 
