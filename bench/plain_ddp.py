@@ -4,7 +4,8 @@ Same model, synthetic data, batch size and DDP options as the built-in trainer's
 config (the model is wrapped by the trainer's own `wrap_ddp`, so DDP cannot differ); no
 checkpoints, telemetry or evaluation. Timing window as the trainer's: from one step boundary to
 the next, first step and data wait included, the loss read to the host every logEverySteps.
-Run under torchrun; rank 0 prints one JSON line.
+Run under torchrun; rank 0 prints one JSON line: the throughput, and the Unix time each of its steps
+ended (`step_times`: tests/trainer/test_trainer_overhead.py counts steps over a span of seconds).
 """
 import json
 import os
@@ -34,6 +35,7 @@ def main():
     model = wrap_ddp(build_model(cfg.model, data.input_shape, data.num_classes), cfg, torch.device("cpu"))
     opt = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
     seconds, samples, step = 0.0, 0, 0
+    step_times = []
     for epoch in range(cfg.epochs):
         sampler.set_epoch(epoch)
         boundary = time.perf_counter()
@@ -49,10 +51,12 @@ def main():
             seconds += now - boundary
             boundary = now
             samples += yb.numel()
+            step_times.append(time.time())
     t = torch.tensor([samples, seconds], dtype=torch.float64)
     dist.all_reduce(t)
     if rank == 0:
-        print(json.dumps({"train_samples_per_second": float(t[0] / (t[1] / world))}), flush=True)
+        print(json.dumps({"train_samples_per_second": float(t[0] / (t[1] / world)), "step_times": step_times}),
+              flush=True)
     dist.destroy_process_group()
 
 

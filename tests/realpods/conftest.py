@@ -126,14 +126,21 @@ def apply_digits_as_the_readme_does(cluster: Cluster, namespace: str) -> Path:
 JOB_NAMESPACES = ("digits", "restart", "elastic", "custom", "nodeloss", "template", "features")
 
 
+class TierNamespaces(dict):
+    """{purpose: namespace}, and where the operator that watches them runs (`operator_namespace`)."""
+
+    operator_namespace: str
+
+
 @pytest.fixture(scope="session")
-def namespaces(real_cluster) -> dict[str, str]:
+def namespaces(real_cluster) -> TierNamespaces:
     """{purpose: namespace}, watched by the operator that the chart installs from our image."""
     api = real_cluster.api()
-    made = {k: create_namespace(api, prefix=f"real-{k}-") for k in JOB_NAMESPACES}
+    made = TierNamespaces((k, create_namespace(api, prefix=f"real-{k}-")) for k in JOB_NAMESPACES)
     # Random release name: its ClusterRole and binding are cluster-wide, and another session
     # (a developer's run beside CI's) may have a release of its own.
     op_ns, release = f"ddpjob-op-{uuid.uuid4().hex[:6]}", f"op{uuid.uuid4().hex[:6]}"
+    made.operator_namespace = op_ns
     helm_install_operator(real_cluster, namespace=op_ns, watch=list(made.values()), name=release)
     yield made
     if os.environ.get("DDPJOB_KEEP_REALPODS"):  # leave everything for a person to look at
@@ -273,14 +280,31 @@ def pod_nodes(cluster: Cluster, namespace: str, job: str) -> dict[str, str]:
     return dict(line.split("=", 1) for line in out.stdout.split())
 
 
-def exec_kill_trainer(cluster: Cluster, namespace: str, pod: str) -> None:
+def exec_kill_trainer(cluster: Cluster, namespace: str, pod: str, *, agent: bool = False) -> float:
     """SIGKILL the pod's training worker processes (not torchrun's agent, not the launcher): a
-    rank dying mid-step the way an OOM kill or a segfault would."""
-    code = ("import os, signal\n"
+    rank dying mid-step the way an OOM kill or a segfault would. `agent`: torchrun's agent
+    instead (its pod fails: the launcher ends with it). Returns the Unix time of the kill (the
+    pods' clock is this machine's)."""
+    which = ("b'ddpjob_trainer.agent' in cmd" if agent else
+             "b'ddpjob_trainer' in cmd and b'ddpjob_trainer.agent' not in cmd and b'ddpjob_trainer.launch' not in cmd")
+    code = ("import os, signal, time\n"
             "for p in filter(str.isdigit, os.listdir('/proc')):\n"
             "    try: cmd = open(f'/proc/{p}/cmdline', 'rb').read().split(b'\\0')\n"
             "    except OSError: continue\n"
-            "    if b'ddpjob_trainer' in cmd and b'ddpjob_trainer.agent' not in cmd and b'ddpjob_trainer.launch' not in cmd:\n"
-            "        os.kill(int(p), signal.SIGKILL); print('killed', p)\n")
+            f"    if {which}:\n"
+            "        print('killed', p, 'at', time.time()); os.kill(int(p), signal.SIGKILL)\n")
     out = cluster.kubectl("exec", "-n", namespace, pod, "--", "python", "-c", code, timeout=60)
-    assert "killed" in out.stdout, f"no trainer worker found in {pod}: {out.stdout} {out.stderr}"
+    killed = [line.split() for line in out.stdout.splitlines() if line.startswith("killed ")]
+    assert killed, f"no {'agent' if agent else 'trainer worker'} found in {pod}: {out.stdout} {out.stderr}"
+    return min(float(words[-1]) for words in killed)
+
+
+def operator_metrics(cluster: Cluster, namespace: str) -> str:
+    """The /metrics text of the operator pod in `namespace` (the chart's metrics port), read through
+    the API server's proxy to the pod's own address on the real nodes' bridges."""
+    pods = cluster.kubectl("get", "pods", "-n", namespace, "-l", OPERATOR_PODS, "-o",
+                           "jsonpath={.items[*].metadata.name}").stdout.split()
+    assert len(pods) == 1, f"expected one operator pod in {namespace}: {pods}"
+    port = yaml.safe_load((CHART / "values.yaml").read_text())["operator"]["metricsPort"]
+    return cluster.kubectl("get", "--raw", f"/api/v1/namespaces/{namespace}/pods/{pods[0]}:{port}/proxy/metrics",
+                           timeout=30).stdout
