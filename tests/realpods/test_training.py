@@ -353,7 +353,7 @@ def test_frozen_then_killed_worker_restart_in_place_counted_and_a_deleted_pod_is
     created = real_cluster.kubectl("get", "ddpj", "digits", "-n", ns, "-o", "jsonpath={.metadata.creationTimestamp}").stdout
     wall = (parse_time(st["completionTime"]) - parse_time(created)).total_seconds()
     assert sum(g["seconds"].values()) == pytest.approx(wall, rel=0.02), (g, wall)
-    assert g["seconds"]["recovering"] == pytest.approx(sum(e["recoverySeconds"] for e in history), abs=1.0), g
+    assert g["seconds"]["recovering"] == pytest.approx(sum(e.get("recoverySeconds", 0) for e in history), abs=1.0), g
     assert g["seconds"]["recomputing"] == pytest.approx(sum(e.get("stepsLost", 0) for e in history) * step_time, rel=0.1,
                                                         abs=0.05), (g, step_time)
     assert g["seconds"]["stalled"] == pytest.approx(float(STALL_ERROR_RE.match(stall["message"]).group(1))), g
