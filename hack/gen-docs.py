@@ -285,7 +285,14 @@ class Pin(Figure):
 
 @cache
 def _result(name: str) -> Any:
-    return json.loads((RESULTS / name).read_text())
+    """A result, with `commit`: the one whose code it measured, wherever its bench recorded it
+    (bench/provenance.py's `provenance.commit`; before it, `git_head` or `commit`)."""
+    data = json.loads((RESULTS / name).read_text())
+    if isinstance(data, dict):
+        commit = (data.get("provenance") or {}).get("commit") or data.get("git_head") or data.get("commit")
+        if commit:
+            data["commit"] = commit
+    return data
 
 
 @cache
@@ -353,7 +360,7 @@ _SPREAD_STEPS = "{v[min]:.0f}-{v[max]:.0f}"
 
 FIGURES: dict[str, Figure] = {
     # Recovery from a SIGKILLed worker on the real nodes (bench/recovery.py), both runs together.
-    "recovery.commit": Figure(_REC, "{v:.7}", lambda *r: "/".join(sorted({x["git_head"] for x in r}))),
+    "recovery.commit": Figure(_REC, "{v:.7}", lambda *r: "/".join(sorted({x["commit"] for x in r}))),
     "recovery.loaded": Figure(_REC, "{v}", _loaded),
     "recovery.inplace": Figure(_REC, _SPREAD_S, _spread("inplace")),
     "recovery.inplace.median": Figure(_REC, "{v[median]:.2f} s", _spread("inplace")),
@@ -374,13 +381,13 @@ FIGURES: dict[str, Figure] = {
     "recovery.group.phase.marker": _phase(_REC[1], "phases", "group", "rank0_marker"),
     "recovery.group.phase.resumed": _phase(_REC[1], "phases", "group", "rank0_resumed"),
     # The same before a restarted worker's imports were cut.
-    "recovery.before.commit": Figure(_REC_BEFORE, "{r0[git_head]:.7} and {r1[git_head]:.7}"),
+    "recovery.before.commit": Figure(_REC_BEFORE, "{r0[commit]:.7} and {r1[commit]:.7}"),
     "recovery.before.loaded": Figure(_REC_BEFORE, "{v}", _loaded),
     "recovery.before.inplace": Figure(_REC_BEFORE, _SPREAD_S, _spread("inplace")),
     "recovery.before.group": Figure(_REC_BEFORE, _SPREAD_S, _spread("group")),
     "recovery.before.phase.pg": _phase(_REC_BEFORE[0], "stages_after", "inplace", "rank0_process_group_init"),
     # In-memory snapshots every 10 steps against none (bench/trainer_overhead.py --snapshot-every 10).
-    "snapshot.commit": Figure("trainer_snapshot_overhead.json", "{r[git_head]:.7}"),
+    "snapshot.commit": Figure("trainer_snapshot_overhead.json", "{r[commit]:.7}"),
     "snapshot.ratio": Figure("trainer_snapshot_overhead.json",
                              "{r[ratio]:.3f} ({r[ratio_95ci][0]:.3f}-{r[ratio_95ci][1]:.3f}), {v} pairs",
                              lambda r: len(r["pair_ratios"])),
@@ -418,18 +425,18 @@ FIGURES: dict[str, Figure] = {
     "gpu.kill.after": Figure("gpu_check.json", "{r[runs][inplace][killed][after_step]}"),
     "gpu.kill.resumed": Figure("gpu_check.json", "{r[runs][inplace][result][resumed_from_step]}"),
     "gpu.kill.recovery": Figure("gpu_check.json", "{r[runs][inplace][killed][recovery_s]:.1f} s"),
-    "mlflow.commits": Figure(("mlflow_overhead.json", "mlflow_overhead_pinned.json"), "{r0[git_head]:.7}, {r1[git_head]:.7}"),
-    "parse.commit": Figure("scrape_parse_cost.json", "{r[git_head]:.7}"),
-    "kopf.commit": Figure("kopf_event_cost.json", "{r[git_head]:.7}"),
+    "mlflow.commits": Figure(("mlflow_overhead.json", "mlflow_overhead_pinned.json"), "{r0[commit]:.7}, {r1[commit]:.7}"),
+    "parse.commit": Figure("scrape_parse_cost.json", "{r[commit]:.7}"),
+    "kopf.commit": Figure("kopf_event_cost.json", "{r[commit]:.7}"),
     "kopf.ratio": Figure("kopf_event_cost.json", _interval("ratio_ours_default")),
     # Stale results, older than the code they measured (docs/benchmarks.md says so where it quotes them).
-    "ckpt.commit": Figure("checkpoint.json", "{r[git_head]:.7}"),
+    "ckpt.commit": Figure("checkpoint.json", "{r[commit]:.7}"),
     "ckpt.save_over_dd": Figure("checkpoint.json", "{r[throughput_ratio_sync_save_over_dd]:.2f}x"),
     "ckpt.save_over_dcp_default": Figure("checkpoint.json", "{r[throughput_ratio_sync_save_over_dcp_default]:.2f}x"),
     "ckpt.stall": Figure("checkpoint.json", "{r[stall_over_sync_save]:.2f}x"),
-    "trainer.commit": Figure("trainer_overhead.json", "{r[git_head]:.7}"),
+    "trainer.commit": Figure("trainer_overhead.json", "{r[commit]:.7}"),
     "trainer.ratio": Figure("trainer_overhead.json", "{r[ratio]:.3f} ({r[ratio_95ci][0]:.3f}-{r[ratio_95ci][1]:.3f})"),
-    "metrics.commit": Figure("metrics_overhead.json", "{r[git_head]:.7}"),
+    "metrics.commit": Figure("metrics_overhead.json", "{r[commit]:.7}"),
     "metrics.ratio": Figure("metrics_overhead.json", _interval("steps.ratio_on_off")),
     "fairness.ours": Figure("fairness-floor.json", "{r[restart][ratio_busy_idle_exist]:.2f}x"),
     "fairness.floor": Figure("fairness-floor.json", "{r[restart][floor_ratio_busy_idle_exist]:.2f}x"),
