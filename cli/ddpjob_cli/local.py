@@ -47,6 +47,7 @@ from ddpjob_trainer import contract
 from ddpjob_trainer.contract import EXIT_BAD_CONFIG
 from ddpjob_trainer.errors import ConfigError
 from ddpjob_trainer.launch.procs import become_subreaper, die_with_parent, stop_tree
+from ddpjob_trainer.launch.report import rank_messages
 from ddpjob_trainer.launch.signals import Stop, StopSignals, stop_grace_from_env
 
 from ddpjob_operator.builders import envvars, pods
@@ -209,6 +210,11 @@ def node_command(job: JobSpec, *, metrics_port: int) -> list[str]:
         command = [sys.executable, *launcher[1:-1], "--metrics-port", str(metrics_port), "--",
                    *command[len(launcher):]]
     return command + list(args or [])
+
+
+def status_dir(workdir: Path, attempt: int, rank: int) -> Path:
+    """Where node `rank`'s ranks record why they failed in an attempt (contract.ENV_STATUS_DIR)."""
+    return workdir / "status" / f"attempt-{attempt}" / f"node-{rank}"
 
 
 def local_uid(job: JobSpec, workdir: Path) -> str:
@@ -452,11 +458,16 @@ def run_attempt(job: JobSpec, *, attempt: int, workdir: Path, cwd: Path, metrics
     try:
         for rank in range(job.nodes):
             log_path = logs / f"node-{rank}.log"
+            env = node_env(job, rank, master_port=master_port, metrics_port=metrics_ports[rank],
+                           attempt=attempt, workdir=workdir, result_file=result_file)
+            # Where its ranks record why they failed (the launcher's own dir otherwise, gone with it):
+            # a bad configuration's message is then said however long the log grew after it.
+            status = status_dir(workdir, attempt, rank)
+            shutil.rmtree(status, ignore_errors=True)  # an earlier run with this --workdir
+            env[contract.ENV_STATUS_DIR] = str(status)
             with open(log_path, "wb") as log:
                 proc = subprocess.Popen(
-                    node_command(job, metrics_port=metrics_ports[rank]),
-                    env=node_env(job, rank, master_port=master_port, metrics_port=metrics_ports[rank],
-                                 attempt=attempt, workdir=workdir, result_file=result_file),
+                    node_command(job, metrics_port=metrics_ports[rank]), env=env,
                     stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                     cwd=cwd, start_new_session=True,
                     preexec_fn=functools.partial(die_with_parent, os.getpid()))
@@ -553,8 +564,10 @@ def _run_local(path: str, *, signals: StopSignals, summary_json: str | None, met
                 break
             display.close()
             log = wd / "logs" / f"attempt-{attempt_no}" / f"node-{outcome.failed_rank}.log"
+            bad = rank_messages(str(status_dir(wd, attempt_no, outcome.failed_rank)), "bad-config")
             click.echo(f"node {outcome.failed_rank} failed with exit code {outcome.exit_code} "
-                       f"(attempt {attempt_no}); its log ({log}) ends:\n{_tail(log)}", err=True)
+                       f"(attempt {attempt_no}){': ' + bad[0] if bad else ''}; its log ({log}) ends:\n{_tail(log)}",
+                       err=True)
             decision = after_failure(job, tally=tally, returncodes=outcome.returncodes, started=started,
                                      now=dt.datetime.now(dt.timezone.utc))
             if decision.phase is Phase.FAILED:

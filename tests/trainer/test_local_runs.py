@@ -256,7 +256,10 @@ def test_missing_dataset_is_a_bad_configuration_and_is_not_retried(tmp_path):
     proc, s = run_local(job, tmp_path, timeout=240)
     assert proc.returncode == 78, proc.stderr[-3000:]
     assert s["phase"] == "Failed" and s["restarts"] == 0 and s["exit_code"] == 78
-    assert str(missing) in proc.stderr and "not retrying" in proc.stderr
+    # Said on the failure's own line, from what the rank recorded (not from the log's tail, which
+    # torchrun's traceback and in-place restarts can push it out of).
+    assert f"(attempt 0): bad configuration: spec.trainer.dataPath: {missing} " in proc.stderr, proc.stderr[-3000:]
+    assert "not retrying" in proc.stderr
 
 
 @pytest.mark.parametrize("trainer, needle", [
