@@ -70,22 +70,34 @@ def _env(nproc: int) -> dict[str, str]:
     return env
 
 
+def ours_command(nproc: int, config: dict, workdir: str) -> tuple[list[str], dict[str, str]]:
+    """(argv, env) of the built-in trainer's arm via the launcher: its result and metrics under
+    `workdir` (tests/trainer/test_trainer_overhead.py races the same two arms)."""
+    env = {**_env(nproc), "DDPJOB_TRAINER_CONFIG": json.dumps(config), "DDPJOB_RESULT_FILE": f"{workdir}/r.json",
+           "DDPJOB_NAME": "bench", "DDPJOB_METRICS_DIR": f"{workdir}/metrics"}
+    return [sys.executable, "-m", "ddpjob_trainer.launch", "--metrics-port", "0", "--"], env
+
+
+def plain_command(nproc: int, config: dict) -> tuple[list[str], dict[str, str]]:
+    """(argv, env) of the peer arm: the plain DDP loop under torchrun."""
+    return ([sys.executable, "-m", "torch.distributed.run", str(HERE / "plain_ddp.py")],
+            {**_env(nproc), "BENCH_CONFIG": json.dumps(config)})
+
+
 def run_ours(nproc: int, snapshot_every: int | None = None) -> dict:
     """Built-in trainer via the launcher: its throughput (result file), with `snapshot_every` (0:
     none) checkpointing into a temp dir and snapshotting into another, and then also the cost its
     snapshots reported (rank 0's log) and the run's training seconds."""
     with tempfile.TemporaryDirectory() as d:
-        env = _env(nproc)
         config = dict(CONFIG)
         if snapshot_every is not None:
             config["synthetic"] = {**CONFIG["synthetic"], "trainSize": SNAPSHOT_TRAIN_SIZE}  # type: ignore[dict-item]
             config["checkpoint"] = {"dir": f"{d}/ckpt", "snapshotEverySteps": snapshot_every}
+        argv, env = ours_command(nproc, config, d)
+        if snapshot_every is not None:
             env["DDPJOB_SNAPSHOT_DIR"] = f"/dev/shm/ddpjob-bench-{os.getpid()}"
-        env.update({"DDPJOB_TRAINER_CONFIG": json.dumps(config), "DDPJOB_RESULT_FILE": f"{d}/r.json",
-                    "DDPJOB_NAME": "bench", "DDPJOB_METRICS_DIR": f"{d}/metrics"})
-        out, others = others_load(lambda: subprocess.run(
-            [sys.executable, "-m", "ddpjob_trainer.launch", "--metrics-port", "0", "--"],
-            env=env, check=True, capture_output=True, text=True, timeout=600))
+        out, others = others_load(lambda: subprocess.run(argv, env=env, check=True, capture_output=True, text=True,
+                                                         timeout=600))
         rate = json.loads(Path(f"{d}/r.json").read_text())["train_samples_per_second"]
         run = {"samples_per_second": rate, "others_cores": others}
         cost = read_cost(out.stdout)
@@ -101,11 +113,9 @@ def run_ours(nproc: int, snapshot_every: int | None = None) -> dict:
 
 def run_plain(nproc: int) -> dict:
     """The peer loop under torchrun."""
-    env = _env(nproc)
-    env["BENCH_CONFIG"] = json.dumps(CONFIG)
-    out, others = others_load(lambda: subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", str(HERE / "plain_ddp.py")],
-        env=env, check=True, capture_output=True, text=True, timeout=600))
+    argv, env = plain_command(nproc, CONFIG)
+    out, others = others_load(lambda: subprocess.run(argv, env=env, check=True, capture_output=True, text=True,
+                                                     timeout=600))
     rate = json.loads(out.stdout.strip().splitlines()[-1])["train_samples_per_second"]
     return {"samples_per_second": rate, "others_cores": others}
 

@@ -136,6 +136,58 @@ def _pod_uids(cluster, namespace: str, job: str) -> dict[str, str]:
     return dict(line.split("=", 1) for line in out.stdout.split())
 
 
+def _assert_recoveries_observed_once(cluster, operator_namespace: str, ns: str, history: list[dict]) -> None:
+    """The operator's recovery histograms (its /metrics, this job's namespace alone): every recovery
+    in the history observed once, by kind; a superseded restart never stepped again and is not."""
+    def by_kind(key: str) -> dict[str, tuple[int, float]]:
+        out: dict[str, tuple[int, float]] = {}
+        for e in history:
+            if "recoverySeconds" in e and e.get(key) is not None:
+                n, total = out.get(e["kind"], (0, 0.0))
+                out[e["kind"]] = (n + 1, round(total + e[key], 6))
+        return out
+    expected = {"recovery_seconds": by_kind("recoverySeconds"), "recovery_steps_lost": by_kind("stepsLost")}
+    assert expected["recovery_seconds"].keys() == {"InPlace", "Group", "Replace"}, history
+
+    def histograms() -> dict[str, dict[str, tuple[int, float]]]:
+        got: dict[str, dict[str, tuple[int, float]]] = {}
+        for family in text_string_to_metric_families(operator_metrics(cluster, operator_namespace)):
+            name = family.name.removeprefix("ddpjob_operator_")
+            if name in expected:
+                values = {(s.name.rsplit("_", 1)[1], s.labels["kind"]): s.value for s in family.samples
+                          if s.labels.get("namespace") == ns and s.name.endswith(("_count", "_sum"))}
+                got[name] = {kind: (int(n), round(values[("sum", kind)], 6))
+                             for (what, kind), n in values.items() if what == "count" and n}
+        return got
+    seen: list[dict] = []
+    try:
+        # The operator observes a recovery right after the status write that records it.
+        wait_for(lambda: seen.append(histograms()) or seen[-1] == expected, timeout=60, interval=1,
+                 desc="the operator's recovery histograms")
+    except AssertionError:
+        raise AssertionError(f"the operator's /metrics hold {seen[-1] if seen else 'nothing'} for namespace {ns}, "
+                             f"its recoveries in status.restartHistory {expected}") from None
+
+
+def _assert_goodput_accounts_for_the_wall_time(cluster, ns: str, st: dict, *, stall: dict, step_time: float) -> None:
+    """Where its time went (docs/goodput.md): every second of its wall time once, the restarts'
+    seconds theirs (recovering, recomputing their lost steps, the stall's), as `kubectl get ddpj` shows it."""
+    g, history = st["goodput"], st["restartHistory"]
+    created = cluster.kubectl("get", "ddpj", "digits", "-n", ns, "-o", "jsonpath={.metadata.creationTimestamp}").stdout
+    wall = (parse_time(st["completionTime"]) - parse_time(created)).total_seconds()
+    assert sum(g["seconds"].values()) == pytest.approx(wall, rel=0.02), (g, wall)
+    assert g["seconds"]["recovering"] == pytest.approx(sum(e.get("recoverySeconds", 0) for e in history), abs=1.0), g
+    # The lost steps' own time: they are new workers' first steps, slower than the run's mean (cold
+    # caches, a peer pod starting on the same machine: 1.18x in one run), so only within half of it;
+    # a restart's steps missed or counted twice, or every step counted, is further off.
+    assert g["seconds"]["recomputing"] == pytest.approx(sum(e.get("stepsLost", 0) for e in history) * step_time, rel=0.5,
+                                                        abs=0.05), (g, step_time)
+    assert g["seconds"]["stalled"] == pytest.approx(float(STALL_ERROR_RE.match(stall["message"]).group(1))), g
+    assert g["seconds"]["training"] > 0 and g["seconds"]["starting"] > 0, g
+    assert _first_row(cluster.kubectl("get", "ddpj", "digits", "-n", ns).stdout)["GOODPUT"] == g["display"]
+    print(f"goodput: {g['display']} of {wall:.0f}s: {g['seconds']}")
+
+
 def test_frozen_then_killed_worker_restart_in_place_counted_and_a_deleted_pod_is_replaced_alone(
         real_cluster, namespaces, tmp_path):
     """A rank that freezes (alive, never stepping again: a hung collective), then a worker
@@ -161,7 +213,11 @@ def test_frozen_then_killed_worker_restart_in_place_counted_and_a_deleted_pod_is
     # place once it made no progress for the hang timeout, its pods' agents capturing every
     # rank's stack first.
     spec["hangTimeoutSeconds"] = HANG_TIMEOUT
-    spec["env"] = [*(spec.get("env") or []), {"name": "DDPJOB_DEBUG_BLOCK_FETCH", "value": f"1:{FREEZE_AT}"}]
+    # Attempt 1 (after the group restart) holds at its step boundaries until the test has deleted
+    # rank 1's pod: the deletion comes while it trains, however long the test took to get there.
+    release = ckpt / "release"
+    spec["env"] = [*(spec.get("env") or []), {"name": "DDPJOB_DEBUG_BLOCK_FETCH", "value": f"1:{FREEZE_AT}"},
+                   {"name": "DDPJOB_DEBUG_HOLD", "value": f"1:{spec['trainer']['checkpoint']['dir']}/{release.name}"}]
     # The stall and the kill (in place), the group restart (and the in-place restart of pod 0's
     # worker, which fails on its dead peer, where a scrape sees it first), the deletion (charged as
     # a group restart), and one to spare: a counted restart that reaches the limit fails the job.
@@ -274,8 +330,10 @@ def test_frozen_then_killed_worker_restart_in_place_counted_and_a_deleted_pod_is
     uids = _pod_uids(real_cluster, ns, "digits")
     assert {"digits-0-a1", "digits-1-a1"} <= set(uids), uids
 
-    # A deleted pod of rank 1: replaced alone, in the same attempt, under its own name.
+    # A deleted pod of rank 1: replaced alone, in the same attempt, under its own name. Attempt 1
+    # holds after its first step until then (DDPJOB_DEBUG_HOLD): released once its pod is deleted.
     real_cluster.kubectl("delete", "pod", "digits-1-a1", "-n", ns, "--wait=false")
+    release.touch()
     st = wait_job(real_cluster, ns, "digits",
                   lambda st: any("recoverySeconds" in e for e in st.get("restartHistory") or [] if e["kind"] == "Replace"),
                   give_up=ended, desc="the replacement's recovery in status.restartHistory", timeout=600)
@@ -312,54 +370,13 @@ def test_frozen_then_killed_worker_restart_in_place_counted_and_a_deleted_pod_is
     log0 = real_cluster.kubectl("logs", "-n", ns, "digits-0-a1").stdout
     for restart in (0, 1):
         assert f"==> ddpjob: attempt 1 restart {restart} <==" in log0, log0[-3000:]
+    assert "debug: rank 0 released at step" in log0, log0[-3000:]  # it held until the deletion
     first = next((ln for ln in log0.splitlines() if "resumed from" in ln), "")
     assert f"resumed from /ckpt/step-{group['resumedFromStep']:08d} at step {group['resumedFromStep']} " in first, (
         first or log0[-3000:])
 
-    # The operator's recovery histograms (its /metrics, this job's namespace alone): every recovery
-    # in the history observed once, by kind; a superseded restart never stepped again and is not.
-    def by_kind(key: str) -> dict[str, tuple[int, float]]:
-        out: dict[str, tuple[int, float]] = {}
-        for e in history:
-            if "recoverySeconds" in e and e.get(key) is not None:
-                n, total = out.get(e["kind"], (0, 0.0))
-                out[e["kind"]] = (n + 1, round(total + e[key], 6))
-        return out
-    expected = {"recovery_seconds": by_kind("recoverySeconds"), "recovery_steps_lost": by_kind("stepsLost")}
-    assert expected["recovery_seconds"].keys() == {"InPlace", "Group", "Replace"}, history
-
-    def histograms() -> dict[str, dict[str, tuple[int, float]]]:
-        got: dict[str, dict[str, tuple[int, float]]] = {}
-        for family in text_string_to_metric_families(operator_metrics(real_cluster, namespaces.operator_namespace)):
-            name = family.name.removeprefix("ddpjob_operator_")
-            if name in expected:
-                values = {(s.name.rsplit("_", 1)[1], s.labels["kind"]): s.value for s in family.samples
-                          if s.labels.get("namespace") == ns and s.name.endswith(("_count", "_sum"))}
-                got[name] = {kind: (int(n), round(values[("sum", kind)], 6))
-                             for (what, kind), n in values.items() if what == "count" and n}
-        return got
-    seen: list[dict] = []
-    try:
-        # The operator observes a recovery right after the status write that records it.
-        wait_for(lambda: seen.append(histograms()) or seen[-1] == expected, timeout=60, interval=1,
-                 desc="the operator's recovery histograms")
-    except AssertionError:
-        raise AssertionError(f"the operator's /metrics hold {seen[-1] if seen else 'nothing'} for namespace {ns}, "
-                             f"its recoveries in status.restartHistory {expected}") from None
-
-    # Where its time went (docs/goodput.md): every second of its wall time once, the restarts'
-    # seconds theirs, as `kubectl get ddpj` shows it.
-    g, history = st["goodput"], st["restartHistory"]
-    created = real_cluster.kubectl("get", "ddpj", "digits", "-n", ns, "-o", "jsonpath={.metadata.creationTimestamp}").stdout
-    wall = (parse_time(st["completionTime"]) - parse_time(created)).total_seconds()
-    assert sum(g["seconds"].values()) == pytest.approx(wall, rel=0.02), (g, wall)
-    assert g["seconds"]["recovering"] == pytest.approx(sum(e.get("recoverySeconds", 0) for e in history), abs=1.0), g
-    assert g["seconds"]["recomputing"] == pytest.approx(sum(e.get("stepsLost", 0) for e in history) * step_time, rel=0.1,
-                                                        abs=0.05), (g, step_time)
-    assert g["seconds"]["stalled"] == pytest.approx(float(STALL_ERROR_RE.match(stall["message"]).group(1))), g
-    assert g["seconds"]["training"] > 0 and g["seconds"]["starting"] > 0, g
-    assert _first_row(real_cluster.kubectl("get", "ddpj", "digits", "-n", ns).stdout)["GOODPUT"] == g["display"]
-    print(f"goodput: {g['display']} of {wall:.0f}s: {g['seconds']}")
+    _assert_recoveries_observed_once(real_cluster, namespaces.operator_namespace, ns, st["restartHistory"])
+    _assert_goodput_accounts_for_the_wall_time(real_cluster, ns, st, stall=stall, step_time=step_time)
 
 
 # Each step of the elastic job sleeps at least this long (no CPU: the floor holds on an idle

@@ -260,6 +260,9 @@ def test_missing_dataset_is_a_bad_configuration_and_is_not_retried(tmp_path):
     # torchrun's traceback and in-place restarts can push it out of).
     assert f"(attempt 0): bad configuration: spec.trainer.dataPath: {missing} " in proc.stderr, proc.stderr[-3000:]
     assert "not retrying" in proc.stderr
+    # Nor restarted in place: each node's agent ends its round at the first exit 78.
+    logs = {p.name: p.read_text() for p in (tmp_path / "work" / "logs" / "attempt-0").glob("node-*.log")}
+    assert logs and all("attempt 0 restart 0 <==" in log and "restart 1 <==" not in log for log in logs.values()), logs
 
 
 @pytest.mark.parametrize("trainer, needle", [

@@ -21,7 +21,6 @@ import os
 import signal
 import struct
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -87,11 +86,7 @@ def race(bench, *, ours_first: bool, workdir: Path) -> dict:
     """Both arms at once; each one's rank-0 steps per second over the seconds in which both trained."""
     config = {**bench.CONFIG, "synthetic": {**bench.CONFIG["synthetic"], "trainSize": TRAIN_SIZE}}
     metrics = workdir / "metrics"
-    ours_env = {**bench._env(NPROC), "DDPJOB_TRAINER_CONFIG": json.dumps(config), "DDPJOB_NAME": "bench",
-                "DDPJOB_RESULT_FILE": str(workdir / "result.json"), "DDPJOB_METRICS_DIR": str(metrics)}
-    plain_env = {**bench._env(NPROC), "BENCH_CONFIG": json.dumps(config)}
-    argv = {"ours": ([sys.executable, "-m", "ddpjob_trainer.launch", "--metrics-port", "0", "--"], ours_env),
-            "plain": ([sys.executable, "-m", "torch.distributed.run", str(REPO / "bench" / "plain_ddp.py")], plain_env)}
+    argv = {"ours": bench.ours_command(NPROC, config, str(workdir)), "plain": bench.plain_command(NPROC, config)}
     procs: dict[str, subprocess.Popen] = {}
     try:
         for arm in ("ours", "plain") if ours_first else ("plain", "ours"):

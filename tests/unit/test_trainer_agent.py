@@ -77,6 +77,18 @@ def test_progress_is_read_from_the_ranks_metrics_directory(tmp_path):
     assert steps_reached(str(tmp_path), since=211.0) == {}
 
 
+def test_a_renewed_stage_is_progress_to_the_watchdog(tmp_path):
+    """A rank a test holds (debug.Knobs.hold) renews its stage's start: read as progress after its
+    last step, in the same stage."""
+    _telemetry_writes(str(tmp_path), "tm.set_stage('first_step', timestamp=100.0)\n"
+                      "tm.step(step=6, epoch=0, loss=1.0, samples=8, step_seconds=1.5, data_wait_seconds=0.0, "
+                      "timestamp=210.0)\n"
+                      "tm.renew_stage()\n")
+    (_, p), = read_progress(str(tmp_path)).items()
+    assert p.stage == "training" and p.stepped_at == 210.0 and p.since > 210.0 + 1e6, p
+    assert stalled({1: p}, configured=30, started_at=0.0, now=p.since + 29) == {}
+
+
 def test_the_watchdog_kills_the_stalled_rank_once_and_leaves_its_record(tmp_path):
     metrics, status = tmp_path / "metrics", tmp_path / "status"
     for rank in (0, 1):

@@ -54,3 +54,28 @@ def test_the_write_bandwidth_stand_in_is_read_on_every_start():
     assert debug.Knobs.from_env(rank=0, env={"DDPJOB_DEBUG_WRITE_BANDWIDTH": "1000",
                                              "DDPJOB_ATTEMPT": "2"}).write_bandwidth == 1000.0
     assert debug.Knobs.from_env(rank=0, env={}).write_bandwidth is None
+
+
+@pytest.mark.parametrize("attempt, restart, held", [("1", "0", True), ("1", "2", True), ("0", "0", False),
+                                                    ("2", "0", False)])
+def test_a_hold_waits_for_its_file_in_its_attempt_renewing_the_stage(tmp_path, monkeypatch, capsys, attempt, restart,
+                                                                      held):
+    """In its attempt (any start), every step boundary waits until the file exists, calling `alive`
+    meanwhile (the watchdogs' progress); once the file is there, or in another attempt, no wait."""
+    monkeypatch.setattr(debug, "HOLD_RENEW_SECONDS", 0.0)
+    release = tmp_path / "release"
+    knobs = debug.Knobs.from_env(rank=1, env={"DDPJOB_DEBUG_HOLD": f"1:{release}", "DDPJOB_ATTEMPT": attempt,
+                                              "DDPJOB_RESTART": restart})
+    renewals = []
+
+    def alive():  # the third renewal: the test creates the file
+        renewals.append(1)
+        if len(renewals) == 3:
+            release.touch()
+    assert knobs.hold(7, alive=alive) is held
+    assert len(renewals) == (3 if held else 0)
+    err = capsys.readouterr().err
+    assert (debug.HOLD_LINE.format(rank=1, step=7, path=release) in err) is held
+    assert (debug.RELEASED_LINE.format(rank=1, step=7) in err) is held
+    release.touch()
+    assert knobs.hold(8, alive=alive) is False  # released: the next boundaries go on

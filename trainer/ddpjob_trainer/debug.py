@@ -19,6 +19,11 @@ DDPJOB_DEBUG_SAMPLE_LOG="<dir>"             every rank appends "<step> <epoch> <
 DDPJOB_DEBUG_AWAIT_SIGTERM="<step>"         every rank, at that step's boundary, prints AWAIT_LINE and waits
                                             until it has been sent SIGTERM, then casts its stop ballot: a
                                             test places a stop at a known step without racing the training
+DDPJOB_DEBUG_HOLD="<attempt>:<path>"         in that attempt (every start of it), every rank waits at each step boundary,
+                                            before its stop ballot, until <path> exists, its stage's start
+                                            renewed each second (the watchdogs see it alive, not hung): a test
+                                            acts at a known point of a later attempt, e.g. deletes a pod, without
+                                            racing the training to its end, then creates <path>
 DDPJOB_DEBUG_WRITE_BANDWIDTH="<bytes/s>"    the checkpoint directory's write speed is taken to be this, not
                                             measured (storage too slow for a stop's save, preempt.plan)
 
@@ -37,6 +42,11 @@ from . import contract
 
 # What a rank prints when it starts waiting for SIGTERM (a test waits for it): format with rank, step.
 AWAIT_LINE = "debug: rank {rank} at step {step} waits for SIGTERM"
+# ... and when a hold starts and ends (DDPJOB_DEBUG_HOLD): format with rank, step, path.
+HOLD_LINE = "debug: rank {rank} holds at step {step} until {path} exists"
+RELEASED_LINE = "debug: rank {rank} released at step {step}"
+# How often a held rank renews its stage's start, well inside any hang timeout.
+HOLD_RENEW_SECONDS = 1.0
 
 
 def _pair(value: str | None) -> tuple[int, float] | None:
@@ -60,6 +70,7 @@ class Knobs:
     sample_log: str | None = None
     await_sigterm_at: int | None = None
     write_bandwidth: float | None = None
+    hold_until: str | None = None
     rank: int = 0
 
     @classmethod
@@ -75,9 +86,11 @@ class Knobs:
         f_rank, _, f_stage = (env.get("DDPJOB_DEBUG_FREEZE_STAGE") or "").partition(":")
         log_dir = env.get("DDPJOB_DEBUG_SAMPLE_LOG")
         await_at = env.get("DDPJOB_DEBUG_AWAIT_SIGTERM")
+        hold_attempt, _, hold_path = (env.get("DDPJOB_DEBUG_HOLD") or "").partition(":")
         return cls(sample_log=os.path.join(log_dir, f"rank-{rank}.log") if log_dir else None, rank=rank,
                    await_sigterm_at=int(await_at) if await_at and first_attempt else None,
                    write_bandwidth=float(env.get("DDPJOB_DEBUG_WRITE_BANDWIDTH") or 0) or None,
+                   hold_until=(hold_path or None) if hold_attempt == env.get(contract.ENV_ATTEMPT, "0") else None,
                    freeze_stage=f_stage if f_stage and f_rank == str(rank) and first_attempt else None,
                    sleep=sleep, slow_fetch=slow[1] if slow and slow[0] == rank else 0.0,
                    freeze_at=int(freeze[1]) if freeze and freeze[0] == rank and first_attempt else None,
@@ -117,6 +130,21 @@ class Knobs:
         print(AWAIT_LINE.format(rank=self.rank, step=step), file=sys.stderr, flush=True)
         while not sigterm_noted():
             time.sleep(0.01)  # SIGTERM's handler runs on this thread, mid-sleep
+
+    def hold(self, step: int, *, alive: Callable[[], None]) -> bool:
+        """At `step`'s boundary: wait while the hold's file is missing, calling `alive` every
+        HOLD_RENEW_SECONDS (a hold is not a hang). True when it waited (the time is no step's)."""
+        if self.hold_until is None or os.path.exists(self.hold_until):
+            return False
+        print(HOLD_LINE.format(rank=self.rank, step=step, path=self.hold_until), file=sys.stderr, flush=True)
+        renewed = time.monotonic()
+        while not os.path.exists(self.hold_until):
+            if time.monotonic() - renewed >= HOLD_RENEW_SECONDS:
+                alive()
+                renewed = time.monotonic()
+            time.sleep(0.05)
+        print(RELEASED_LINE.format(rank=self.rank, step=step), file=sys.stderr, flush=True)
+        return True
 
     def at_stage(self, stage: str) -> None:
         """Apply the knobs once this rank has entered `stage`."""

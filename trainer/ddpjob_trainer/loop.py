@@ -474,6 +474,8 @@ class Trainer:
                     log.metrics(tracked, step=st.step)
                 if self.ckpt and self.ckpt.maybe_save(st, epoch_end=epoch_end):
                     boundary = time.perf_counter()
+                if self.knobs.hold(st.step, alive=telemetry.renew_stage):
+                    boundary = time.perf_counter()
                 self.check_stop(dt_step)
             if not self.micro_left:
                 last_eval, eval_step = self._eval_and_log(), st.step

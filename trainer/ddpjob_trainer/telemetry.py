@@ -208,6 +208,12 @@ class Telemetry:
             child.set(1 if name == stage else 0)
         self._stage_start.set(now)
 
+    def renew_stage(self) -> None:
+        """The current stage begun again now (its start gauge only; its goodput is not cut): what
+        the hang watchdogs read as progress, for a rank a test holds on purpose (debug.Knobs.hold)."""
+        if self.enabled and self._stage is not None:
+            self._stage_start.set(time.time())
+
     def set_total_steps(self, n: int) -> None:
         """The number of optimizer steps the run will take."""
         if self.enabled:

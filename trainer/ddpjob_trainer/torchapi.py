@@ -88,7 +88,8 @@ def hook_agent(on_start: Any, on_failure: Any, on_monitor: Any = None) -> bool:
     before each start of its workers, `on_monitor(agent, group)` before each look at them (every
     --monitor-interval, the workers running) and `on_failure(agent, group, failures, will_restart)`
     when workers failed (failures: {global rank: ProcessFailure}); False where this torch lacks the
-    seams, and torchrun runs unhooked (restarts in place all the same, unattributed).
+    seams, and torchrun runs unhooked (restarts in place all the same, unattributed). A worker that
+    exits EXIT_BAD_CONFIG ends the agent's restarts in place: no start of it can succeed.
 
     Both are protected methods (`_start_workers`, `_monitor_workers`) that every torch from the
     floor (2.8) to the newest has, with the same signatures; torchrun offers no public callback.
@@ -108,6 +109,10 @@ def hook_agent(on_start: Any, on_failure: Any, on_monitor: Any = None) -> bool:
             on_monitor(self, worker_group)
         result = monitor(self, worker_group)
         if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY) and result.failures:
+            if any(getattr(f, "exitcode", None) == contract.EXIT_BAD_CONFIG for f in result.failures.values()):
+                # A bad configuration fails every start the same way: the round ends here and the
+                # pod fails with it (the job's BadConfiguration), its restarts in place not spent.
+                self._remaining_restarts = 0
             on_failure(self, worker_group, dict(result.failures), getattr(self, "_remaining_restarts", 0) > 0)
         return result
 
