@@ -10,7 +10,13 @@ What it runs (one node, one rank per GPU, the in-pod launcher and torchrun, as a
               the workers again in the same launcher (a new CUDA context, a new NCCL communicator),
               and they resume from the newest saved state and finish. Also timed: from the kill to
               the restarted workers' first logged step.
-After each run the ranks' metrics directory is served on loopback by the pods' own endpoint code
+  4. peer:    PAIRS pairs (--pairs), the order alternating: the built-in trainer through the
+              launcher and bench/plain_ddp.py under torchrun, a plain DDP loop on the same GPUs
+              with the same model, batch, precision and channels_last, PEER_STEPS_FACTOR x --steps
+              steps, no checkpoints and no compile in either (a compile's first step would swamp
+              the difference): the trainer's samples/s over the loop's, geometric mean and 95 %
+              interval (bench/stats.py); on a GPU it must be at least PEER_MIN_RATIO.
+After each of runs 1-3 the ranks' metrics directory is served on loopback by the pods' own endpoint code
 and scraped: per rank the steps, step time, device compute time (CUDA events), GPU memory and GPU
 UUID. Prints one table and the checks, writes bench/results/gpu_check.json.
 
@@ -37,9 +43,14 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from provenance import Provenance  # noqa: E402
+from stats import ratio_interval, verdict  # noqa: E402
 
 EXIT_NO_GPU = 2
 RUNS = ("train", "resume", "inplace")
+# The peer comparison: its runs' steps per --steps, and the ratio a GPU run must reach (the CPU
+# tier's guard, tests/trainer/test_trainer_overhead.py; the bench keeps the tight goal).
+PEER_STEPS_FACTOR = 5
+PEER_MIN_RATIO = 0.9
 STEP_LINE = re.compile(r"\bstep (\d+)/\d+")
 
 
@@ -148,6 +159,50 @@ def run_trainer(config: dict, *, nproc: int, cpu: bool, work: Path, name: str, t
             "metrics": scrape_dir(metrics_dir) if metrics_dir.exists() else "", "log_tail": log[-3000:]}
 
 
+def run_plain(config: dict, *, nproc: int, cpu: bool, work: Path, name: str, timeout: float) -> dict:
+    """bench/plain_ddp.py under torchrun on the same devices: its samples/s (rank 0's JSON line)."""
+    env = {**os.environ, "BENCH_CONFIG": json.dumps(config),
+           "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // nproc))}
+    if cpu:
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node",
+                           str(nproc), "--master-addr", "127.0.0.1", "--master-port", str(_port()),
+                           str(HERE / "plain_ddp.py")], env=env, capture_output=True, text=True, timeout=timeout)
+    (work / f"{name}.log").write_text(proc.stdout + proc.stderr)
+    # Rank 0 prints its line after the all-reduce of every rank's samples and seconds: the measurement
+    # is whole even where a rank then dies in gloo's teardown ("terminate called without an active
+    # exception", once in a CPU test run), whose exit code is kept beside it.
+    line = next((ln for ln in reversed(proc.stdout.splitlines()) if ln.startswith('{"train_samples_per_second"')), None)
+    return {"exit_code": proc.returncode,
+            "samples_per_second": json.loads(line)["train_samples_per_second"] if line else None}
+
+
+def peer(config: dict, *, pairs: int, nproc: int, cpu: bool, work: Path, timeout: float) -> dict:
+    """The trainer against the plain loop: `pairs` pairs, the arm run first alternating."""
+    out: dict = {"pairs": [], "config": config}
+    for i in range(pairs):
+        pair = {}
+        for arm in ("ours", "plain") if i % 2 == 0 else ("plain", "ours"):
+            name = f"peer-{i}-{arm}"
+            if arm == "ours":
+                run = run_trainer(config, nproc=nproc, cpu=cpu, work=work, name=name, timeout=timeout)
+                pair[arm] = {"exit_code": run["exit_code"],
+                             "samples_per_second": (run["result"] or {}).get("train_samples_per_second")}
+            else:
+                pair[arm] = run_plain(config, nproc=nproc, cpu=cpu, work=work, name=name, timeout=timeout)
+        out["pairs"].append(pair)
+        if not (pair["ours"]["samples_per_second"] and pair["plain"]["samples_per_second"]):
+            return out  # an arm failed: its log says why, and no ratio
+    ratios = [p["ours"]["samples_per_second"] / p["plain"]["samples_per_second"] for p in out["pairs"]]
+    out["ratio"] = ratio_interval(ratios) if len(ratios) >= 2 else {"ratio": ratios[0], "pairs": 1}
+    return out
+
+
+def peer_config(config: dict, *, steps: int) -> dict:
+    """The acceptance run's job for the peer pairs: longer, no checkpoints, no compile."""
+    return {**{k: v for k, v in config.items() if k != "checkpoint"}, "maxSteps": steps, "compile": False}
+
+
 def scrape_dir(metrics_dir: Path) -> str:
     """The ranks' metrics as a pod serves them: the node endpoint over the dir, read on loopback."""
     from ddpjob_trainer.telemetry import serve_node_endpoint
@@ -189,6 +244,23 @@ def per_rank(text: str) -> dict[int, dict]:
 
 def _ms(total: float, count: float) -> float | None:
     return round(1000 * total / count, 2) if count else None
+
+
+def peer_checks(result: dict | None, *, cpu: bool) -> list[tuple[str, bool, str]]:
+    """Both arms of every pair trained; on a GPU the trainer keeps PEER_MIN_RATIO of the loop's rate."""
+    if result is None:
+        return [("peer: ran", False, "not run (an earlier run failed)")]
+    failed = [f"pair {i} {arm} exit {p[arm]['exit_code']} (see peer-{i}-{arm}.log)"
+              for i, p in enumerate(result["pairs"]) for arm in ("ours", "plain")
+              if not p[arm]["samples_per_second"]]
+    out = [("peer: the trainer and the plain DDP loop both trained, every pair", not failed,
+            "; ".join(failed) or f"{len(result['pairs'])} pairs")]
+    ci = result.get("ratio")
+    if ci is not None:
+        said = verdict(ci, what="samples/s trainer/plain") if "low" in ci else f"{ci['ratio']:.3f} (1 pair)"
+        out.append((f"peer: the trainer's samples/s at least {PEER_MIN_RATIO}x the plain loop's",
+                    cpu or ci["ratio"] >= PEER_MIN_RATIO, said + (" (informational on CPU)" if cpu else "")))
+    return out
 
 
 def checks(runs: dict[str, dict], *, cpu: bool, nproc: int, steps: int) -> list[tuple[str, bool, str]]:
@@ -261,6 +333,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--nproc", type=int, default=None, help="ranks (default: every GPU; 2 with --cpu)")
     ap.add_argument("--steps", type=int, default=None, help="steps of the first run (default 40; 6 with --cpu)")
     ap.add_argument("--timeout", type=float, default=900, help="seconds per run")
+    ap.add_argument("--pairs", type=int, default=3, help="trainer/plain-loop pairs of the peer comparison (0: none)")
     ap.add_argument("--out", default=None, help="JSON (default bench/results/gpu_check[_cpu].json)")
     ap.add_argument("--workdir", default=None, help="checkpoints and logs (default: a temp dir, kept on failure)")
     args = ap.parse_args(argv)
@@ -296,6 +369,12 @@ def main(argv: list[str] | None = None) -> int:
         if run["exit_code"] != 0:
             break
     results = checks(runs, cpu=args.cpu, nproc=nproc, steps=steps)
+    compared = None
+    if args.pairs and all(r["exit_code"] == 0 for r in runs.values()):
+        compared = peer(peer_config(config, steps=PEER_STEPS_FACTOR * steps), pairs=args.pairs, nproc=nproc,
+                        cpu=args.cpu, work=work, timeout=args.timeout)
+    if args.pairs:
+        results += peer_checks(compared, cpu=args.cpu)
     ok = all(passed for _, passed, _ in results)
 
     print(table(runs))
@@ -307,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
     env = {"torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
            "gpus": [torch.cuda.get_device_name(i) for i in range(gpus)], "nproc": nproc,
            "mode": "cpu" if args.cpu else "gpu"}
-    written = prov.write({"env": env, "config": config, "passed": ok,
+    written = prov.write({"env": env, "config": config, "passed": ok, "peer": compared,
                           "checks": [{"what": w, "passed": p, "detail": d} for w, p, d in results],
                           "runs": {k: {**v, "ranks": {str(r): x for r, x in v["ranks"].items()}}
                                    for k, v in runs.items()}})

@@ -1,5 +1,6 @@
 """bench/gpu_check.py, the GPU acceptance run: its plumbing for real on CPU (--cpu: gloo, the
-launcher, torchrun, async checkpoints and resume, a restart in place after a SIGKILL, the loopback scrape, the table), and the clear
+launcher, torchrun, async checkpoints and resume, a restart in place after a SIGKILL, the loopback scrape, the table, the
+pairs against a plain DDP loop), and the clear
 refusal on a machine without a GPU. The GPU run itself needs a GPU (docs/development.md)."""
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ def test_without_a_gpu_it_exits_2_saying_so(tmp_path):
 
 def test_cpu_mode_trains_checkpoints_resumes_and_tabulates_every_rank(tmp_path):
     out = tmp_path / "gpu_check.json"
-    proc = _run("--cpu", "--steps", "4", "--out", str(out), "--workdir", str(tmp_path / "work"))
+    proc = _run("--cpu", "--steps", "4", "--pairs", "2", "--out", str(out), "--workdir", str(tmp_path / "work"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     data = json.loads(out.read_text())
     assert data["passed"] and data["env"]["mode"] == "cpu"
@@ -45,3 +46,11 @@ def test_cpu_mode_trains_checkpoints_resumes_and_tabulates_every_rank(tmp_path):
     assert inplace["result"]["resumed_from_step"] >= 8
     header = proc.stdout.splitlines()[0].split()
     assert header[:4] == ["run", "rank", "gpu", "steps"] and "PASS  resume: from the first run's" in proc.stdout
+    # The peer pairs: the trainer and bench/plain_ddp.py on the same ranks, 5 x 4 steps each, a
+    # ratio with its interval (a gate on a GPU only: CPU rates beside CI's load are not the claim).
+    compared = data["peer"]
+    assert compared["config"]["maxSteps"] == 20 and "checkpoint" not in compared["config"], compared["config"]
+    assert len(compared["pairs"]) == 2 and all(p[arm]["samples_per_second"] > 0 for p in compared["pairs"]
+                                               for arm in ("ours", "plain")), compared
+    assert compared["ratio"]["pairs"] == 2 and compared["ratio"]["low"] <= compared["ratio"]["ratio"], compared
+    assert "PASS  peer: the trainer and the plain DDP loop both trained, every pair" in proc.stdout, proc.stdout
