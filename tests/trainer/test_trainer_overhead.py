@@ -12,7 +12,8 @@ sessions' load (4 pairs: 0.862, 95 % interval 0.38-1.95), and a build that slept
 of 6-10), that build 0.83-0.85; one run of 3 races beside an idle cluster had one at 0.863 and a
 mean of 0.925, too near the limit for a guard that must never flake, so 5 longer races (the mean's
 spread about a third smaller). RACES races, the arm started first alternating: the geometric
-mean of their ratios must be at least MIN_RATIO, its 95 % interval is printed. The bench keeps
+mean of their ratios must be at least MIN_RATIO, its 95 % interval is printed; while that interval
+holds MIN_RATIO, more races, up to MAX_RACES. The bench keeps
 the tight goal (no difference detectable, sequential pairs, both arms warmed).
 """
 from __future__ import annotations
@@ -36,6 +37,9 @@ from .helpers import REPO
 
 MIN_RATIO = 0.9
 RACES = 5
+# Races while the interval of the first RACES straddles MIN_RATIO (a sequential test): the mean of
+# them all decides. A loaded run's races spread 0.90-1.11 around 0.99 (its interval 0.89-1.10).
+MAX_RACES = 10
 NPROC = 2
 # Samples each arm trains on (the bench's 4096 take a few seconds): 96 steps a rank, most of
 # them while both arms train.
@@ -132,7 +136,11 @@ def test_trainer_throughput_is_at_least_090_of_a_plain_ddp_loop(monkeypatch, tmp
     import trainer_overhead as bench
 
     ratios, lines = [], []
-    for i in range(RACES):
+    for i in range(MAX_RACES):
+        if i >= RACES:
+            ci = stats.ratio_interval(ratios)
+            if not ci["low"] < MIN_RATIO <= ci["high"]:
+                break  # the interval is on one side of the limit: decided
         r = race(bench, ours_first=i % 2 == 0, workdir=Path(tempfile.mkdtemp(dir=tmp_path)))
         assert r["pinned"] == 2 * NPROC, r  # every rank of both arms: else the cores were not shared alike
         ratios.append(r["ratio"])
