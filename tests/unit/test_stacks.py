@@ -210,6 +210,23 @@ def test_a_restart_entry_names_the_stacks_culprit_and_its_frames():
         "; stacks: rank 1 (pod j-1 on node n1) is not in the backward its peers wait in: at debug.py:129 _block_in_fetch")
 
 
+def test_a_restart_seen_with_its_recovery_in_one_scrape_still_names_the_culprit():
+    """A fast in-place restart: the failure, the captures before it and every rank's next step
+    all arrive in the first scrape after it (stop 56's rehearsal: the entry closed uncharged by
+    its culprit)."""
+    stall = "stalled: no progress for 61s in training after step 5 (hang timeout 60s)"
+    ranks = {0: rank(0, capture(150.0, waiting="backward"), first_step_timestamp=175.0, resumed_from_step=4),
+             1: rank(1, capture(170.0, frames="debug.py:129 _block_in_fetch", trigger="stall"),
+                     first_step_timestamp=174.0, resumed_from_step=4,
+                     worker_failures=[{"restart": "0", "exit_code": "-9", "signal": "SIGKILL", "error": stall,
+                                       "restarted": "true", "time": 171.0, "step": "5"}])}
+    import datetime as dt
+    up = inplace.update({}, attempt=0, ranks=ranks, with_log=False, group=None,
+                        now=dt.datetime.now(dt.timezone.utc), window=60)
+    (entry,) = up.history
+    assert entry["recoverySeconds"] == 4.0 and entry["culprit"]["rank"] == 1, entry
+
+
 def test_a_stall_its_agent_killed_is_stalled_naming_the_culprit_and_its_frame():
     """The agent kills at its own timeout, usually before the operator's, and the restart is
     progress: the kill itself says the job stalled, and who was at fault."""

@@ -269,6 +269,14 @@ def update(prev_status: Mapping[str, Any], *, attempt: int, ranks: Mapping[int, 
             cause, other = head, entry
         _absorb(cause, other)
     for entry in history:
+        # The rank the stacks blame (decisions/stacks.py), told once the captures are there: before
+        # the recovery below closes the entry, which the same scrape may show (a fast restart).
+        if entry.get("kind") == INPLACE and entry.get("attempt") == attempt and "culprit" not in entry and _open(entry):
+            blamed = stacks.of_restart(ranks or {}, restart=as_int(entry.get("restart")),
+                                       failed_at=float(entry["failedAt"]), window=window)
+            if blamed is not None:
+                entry["culprit"] = blamed.entry(ranks or {})
+    for entry in history:
         if not is_open(entry):
             continue
         # An in-place restart steps again in its own attempt, a group restart in the next one;
@@ -284,13 +292,6 @@ def update(prev_status: Mapping[str, Any], *, attempt: int, ranks: Mapping[int, 
             entry["stepsLost"] = max(0, entry["stepAtFailure"] - found[0])
         if entry["kind"] in (INPLACE, REPLACE):
             up.recovered.append(entry)
-    for entry in history:
-        # The rank the stacks blame (decisions/stacks.py), told once the captures are there.
-        if entry.get("kind") == INPLACE and entry.get("attempt") == attempt and "culprit" not in entry and _open(entry):
-            blamed = stacks.of_restart(ranks or {}, restart=as_int(entry.get("restart")),
-                                       failed_at=float(entry["failedAt"]), window=window)
-            if blamed is not None:
-                entry["culprit"] = blamed.entry(ranks or {})
     # Not below what the agents prove: an edit that lowered the count (or dropped the history
     # whose entries are counted once) grants no restart.
     up.in_place_restarts = max(up.in_place_restarts, proven(ranks, replaced=replacement_rounds))
