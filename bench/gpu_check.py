@@ -161,13 +161,12 @@ def run_trainer(config: dict, *, nproc: int, cpu: bool, work: Path, name: str, t
 
 def run_plain(config: dict, *, nproc: int, cpu: bool, work: Path, name: str, timeout: float) -> dict:
     """bench/plain_ddp.py under torchrun on the same devices: its samples/s (rank 0's JSON line)."""
-    env = {**os.environ, "BENCH_CONFIG": json.dumps(config),
-           "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // nproc))}
+    from trainer_overhead import plain_command  # the CPU guard's peer arm, the same command
+
+    argv, env = plain_command(nproc, config)
     if cpu:
         env["CUDA_VISIBLE_DEVICES"] = ""
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node",
-                           str(nproc), "--master-addr", "127.0.0.1", "--master-port", str(_port()),
-                           str(HERE / "plain_ddp.py")], env=env, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout)
     (work / f"{name}.log").write_text(proc.stdout + proc.stderr)
     # Rank 0 prints its line after the all-reduce of every rank's samples and seconds: the measurement
     # is whole even where a rank then dies in gloo's teardown ("terminate called without an active
