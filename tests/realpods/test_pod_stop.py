@@ -1,6 +1,8 @@
 """A deleted training pod is gone within its termination grace period, not killed at its end: the
-in-pod launcher (the container's PID 1) stops torchrun's agent and workers within seconds of the
-kubelet's SIGTERM (issue 18), whether they are still starting (importing torch) or training. Deleted
+in-pod launcher stops torchrun's agent and workers within seconds of the kubelet's SIGTERM (issue
+18), whether they are still starting (importing torch) or training. Deleted as soon as it runs, the
+launcher may not have its handlers yet: as its container's PID 1 it would drop that SIGTERM and
+wait for the SIGKILL (a CI run's failure, 31 s), in the pod's shared PID namespace it just ends. Deleted
 mid-epoch, the built-in trainer first saves a checkpoint of that step, its grace derived by the
 operator from the pod's terminationGracePeriodSeconds, and the next attempt resumes from it (issue 31)."""
 from __future__ import annotations
@@ -23,7 +25,7 @@ GONE_WITHIN = 20
 CKPT = "/ckpt"
 
 
-def training_pod(namespace: str, name: str, *, volume: str, attempt: int = 0) -> dict:
+def training_pod(namespace: str, name: str, *, volume: str, attempt: int = 0, env: tuple = ()) -> dict:
     """The pod the operator renders for node 0 of a 1-node x 2-process digits job (the master is
     the pod itself, on loopback), placed on a real node. Checkpoints at epoch ends only, on a
     hostPath both real nodes share; its steps slowed a little, so a deletion lands mid-epoch."""
@@ -36,7 +38,7 @@ def training_pod(namespace: str, name: str, *, volume: str, attempt: int = 0) ->
                     "spec": {"nodes": 1, "nprocPerNode": 2, "gpusPerNode": 0, "image": TRAINER_IMAGE,
                              "trainer": {"dataset": "digits", "model": "mlp", "epochs": 200, "batchSize": 8,
                                          "logEverySteps": 1, "checkpoint": {"dir": CKPT, "everySteps": 0}},
-                             "env": [{"name": "DDPJOB_DEBUG_STEP_SLEEP", "value": "0.05"}],
+                             "env": [{"name": "DDPJOB_DEBUG_STEP_SLEEP", "value": "0.05"}, *env],
                              "volumes": [{"name": "ckpt", "hostPath": {"path": volume, "type": "Directory"}}],
                              "volumeMounts": [{"name": "ckpt", "mountPath": CKPT}],
                              "template": {"spec": {"terminationGracePeriodSeconds": GRACE_SECONDS}}}})
@@ -58,7 +60,9 @@ def complete_checkpoints(volume) -> list[int]:
     return sorted(int(p.name.split("-")[1]) for p in volume.glob("step-*") if (p / MANIFEST).is_file())
 
 
-@pytest.mark.parametrize("moment", ["start-up", "training"])
+# "before-handlers": the launcher made to start slowly (debug.delay_launcher_start), deleted before
+# it has a SIGTERM handler; "start-up": right after Running (torchrun's workers importing torch).
+@pytest.mark.parametrize("moment", ["before-handlers", "start-up", "training"])
 def test_a_deleted_training_pod_is_gone_within_seconds(real_cluster, moment):
     api = real_cluster.api()
     ns = create_namespace(api, prefix="real-stop-")
@@ -69,7 +73,10 @@ def test_a_deleted_training_pod_is_gone_within_seconds(real_cluster, moment):
     volume.chmod(0o1777)  # the image runs as a non-root user; hostPath ignores fsGroup
     follow = None
     try:
-        manifest = training_pod(ns, name, volume=str(volume))
+        from ddpjob_trainer.debug import LAUNCHER_START_LINE
+        slow = moment == "before-handlers"
+        manifest = training_pod(ns, name, volume=str(volume),
+                                env=[{"name": "DDPJOB_DEBUG_LAUNCHER_START", "value": "600"}] if slow else [])
         assert {"name": "DDPJOB_STOP_GRACE_SECONDS", "value": "23"} in manifest["spec"]["containers"][0]["env"]
         real_cluster.kubectl("apply", "-n", ns, "-f", "-", input=yaml.safe_dump(manifest))
 
@@ -77,6 +84,10 @@ def test_a_deleted_training_pod_is_gone_within_seconds(real_cluster, moment):
             return real_cluster.kubectl("get", "pod", pod, "-n", ns, "-o", "jsonpath={.status.phase}").stdout
 
         wait_for(lambda: phase() == "Running", timeout=300, desc=f"pod {pod} Running", interval=0.5)
+        if slow:
+            line = LAUNCHER_START_LINE.format(seconds=600)
+            wait_for(lambda: line in real_cluster.kubectl("logs", "-n", ns, pod, check=False).stdout,
+                     timeout=120, desc=f"{line!r} in the log of {pod}", interval=0.5)
         if moment == "training":
             # The first epoch's checkpoint measured a save; the pod is deleted inside the second epoch.
             wait_for(lambda: complete_checkpoints(volume), timeout=300, desc=f"epoch 0's checkpoint in {volume}",

@@ -24,6 +24,9 @@ DDPJOB_DEBUG_HOLD="<attempt>:<path>"         in that attempt (every start of it)
                                             renewed each second (the watchdogs see it alive, not hung): a test
                                             acts at a known point of a later attempt, e.g. deletes a pod, without
                                             racing the training to its end, then creates <path>
+DDPJOB_DEBUG_LAUNCHER_START="<seconds>"     the in-pod launcher prints LAUNCHER_START_LINE and sleeps this long
+                                            before it installs its stop handlers: a slow interpreter start
+                                            (a loaded node), for a test that deletes the pod in that window
 DDPJOB_DEBUG_WRITE_BANDWIDTH="<bytes/s>"    the checkpoint directory's write speed is taken to be this, not
                                             measured (storage too slow for a stop's save, preempt.plan)
 
@@ -47,6 +50,15 @@ HOLD_LINE = "debug: rank {rank} holds at step {step} until {path} exists"
 RELEASED_LINE = "debug: rank {rank} released at step {step}"
 # How often a held rank renews its stage's start, well inside any hang timeout.
 HOLD_RENEW_SECONDS = 1.0
+LAUNCHER_START_LINE = "debug: the launcher waits {seconds:g}s before its stop handlers"
+
+
+def delay_launcher_start(env=os.environ) -> None:
+    """DDPJOB_DEBUG_LAUNCHER_START: the launcher's start, before its handlers, made that slow."""
+    seconds = float(env.get("DDPJOB_DEBUG_LAUNCHER_START", "0") or 0)
+    if seconds > 0:
+        print(LAUNCHER_START_LINE.format(seconds=seconds), file=sys.stderr, flush=True)
+        time.sleep(seconds)
 
 
 def _pair(value: str | None) -> tuple[int, float] | None:

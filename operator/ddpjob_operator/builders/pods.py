@@ -37,6 +37,19 @@ def automount_token(job: JobSpec) -> bool:
     return bool(job.spec.get("serviceAccountName") or tpl.get("serviceAccountName") or tpl.get("serviceAccount"))
 
 
+def share_process_namespace(job: JobSpec) -> bool | None:
+    """True: the pod's containers share one PID namespace, so the launcher is not the container's
+    PID 1. PID 1 ignores a signal it has no handler for (the kernel drops it), and the kubelet sends
+    SIGTERM once: a pod deleted before Python has installed the launcher's handlers would wait out its
+    whole grace period for the SIGKILL. Not PID 1, the default action ends it at once (nothing runs
+    yet to stop). None (left out) where the API refuses the field: a template with hostPID, a
+    Windows pod. A template that sets it keeps its own value."""
+    tpl = template.pod_template(job).get("spec") or {}
+    if tpl.get("hostPID") or (tpl.get("os") or {}).get("name") == "windows":
+        return None
+    return True
+
+
 def container_command(job: JobSpec) -> tuple[list[str], list[str] | None]:
     """(command, args) per the launcher contract: our launcher wraps the user's command."""
     if job.command:
@@ -151,6 +164,7 @@ def render_pod(job: JobSpec, rank: int, *, attempt: int = 0, config: OperatorCon
         # Thousands of service env vars are noise and slow pod start in busy namespaces.
         "enableServiceLinks": Layers(default=False),
         "automountServiceAccountToken": Layers(default=automount_token(job)),
+        "shareProcessNamespace": Layers(default=share_process_namespace(job)),
         "securityContext": Layers(default=POD_SECURITY_DEFAULTS, flat=spec.get("podSecurityContext")),
         template.CONTAINERS: Layers(),
         "volumes": Layers(owned=[{"name": SHM_VOLUME, "emptyDir": {

@@ -11,7 +11,9 @@ What Kubeflow users otherwise bolt on with init containers, done in-process:
 
 Stopping (a pod deletion sends SIGTERM; Ctrl-C sends SIGINT) is bounded: the handlers are
 installed before anything else (as a container's PID 1 the launcher would otherwise *ignore*
-SIGTERM until the kubelet's SIGKILL at the end of terminationGracePeriodSeconds; signals.py), every
+SIGTERM until the kubelet's SIGKILL at the end of terminationGracePeriodSeconds; signals.py; the
+operator's pods share their PID namespace, so that one arriving while Python starts, before any
+handler, ends the launcher at once: builders/pods.share_process_namespace), every
 process below the launcher (torchrun's agent and its workers, which torchrun puts in sessions of
 their own, and any orphan re-parented to the launcher) gets SIGTERM, then SIGKILL after
 `--stop-grace` seconds (DDPJOB_STOP_GRACE_SECONDS, which the operator derives from the pod's

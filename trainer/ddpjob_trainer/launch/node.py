@@ -14,7 +14,7 @@ import tempfile
 import time
 from typing import Callable, cast
 
-from .. import contract
+from .. import contract, debug
 from ..agent import steps_reached
 from ..errors import EXIT_BAD_CONFIG, EXIT_TRAINING_FAILED, ConfigError
 from ..tracking import SYSTEM_METRICS_END_SECONDS
@@ -301,6 +301,7 @@ def _launch(args: argparse.Namespace, node: _Node, signals: StopSignals) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the pod's part of the job and return its exit code (128 + signal when stopped)."""
+    debug.delay_launcher_start()  # a test's stand-in for a slow start (off unless set)
     signals = StopSignals().install()  # before anything else: see the package's docstring
     become_subreaper()
     args = _parse(argv)
