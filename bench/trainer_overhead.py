@@ -52,6 +52,10 @@ CONFIG = {"dataset": "synthetic", "model": "convnet", "epochs": 1, "batchSize": 
 # The snapshot runs train 4x longer (128 steps a rank, 12 snapshots every 10 steps): more snapshots
 # per run, and start-up noise a smaller share of the window.
 SNAPSHOT_TRAIN_SIZE = 16384
+# The floor of the trainer's throughput over the plain loop that the guards assert: the CPU tier's
+# (tests/trainer/test_trainer_overhead.py) and make gpu-check's (gpu_check.py); the bench itself
+# reports against the tight goal, 1 within its interval. 0.9 leaves a shared 2-core machine's spread.
+MIN_RATIO = 0.9
 # Cores the rest of the machine may keep busy during a run (on average) before the result says loaded.
 LOADED_CORES = 0.25
 

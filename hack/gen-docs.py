@@ -511,6 +511,7 @@ NOT_MEASURED: dict[str, str] = {
     "20 ms": "DDPJobStraggler's threshold (rules/ddpjob-alerts.yaml)",
     "20 MB/s": "tracking.MODEL_UPLOAD_BYTES_PER_SECOND",
     "1.5×": "health.HealthConfig.straggler_ratio",
+    "0.9": "bench/trainer_overhead.MIN_RATIO, the overhead guards' floor",
     "1 %": "a goal, not a result",
     "95 %": "the level of every interval bench/stats.py computes",
     "64 MiB": "a container runtime's default /dev/shm",
