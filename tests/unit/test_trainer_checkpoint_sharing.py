@@ -51,7 +51,7 @@ def test_a_flattened_state_rebuilds_as_dcp_gave_it_back():
 # rank reports the tensor bytes it staged (copied for the background write), the bytes of the shard
 # files it wrote, the tensor bytes it read from disk, and whether what it loaded equals what was saved.
 _RANK = textwrap.dedent("""
-    import datetime as dt, json, sys
+    import datetime as dt, json, os, sys
     import torch, torch.distributed as dist
     from ddpjob_trainer.checkpointing import checkpoint, storage
     rank, store, ckdir = int(sys.argv[1]), sys.argv[2], sys.argv[3]
@@ -88,6 +88,11 @@ _RANK = textwrap.dedent("""
             and loaded["step"] == 5 and loaded["empty"].shape == (0, 3) and bool(loaded["flag"]))
     print(json.dumps({"staged": sum(staged), "written": written, "read": sum(read), "same": same}), flush=True)
     dist.destroy_process_group()
+    # Ends as a built-in trainer rank does (ddpjob_trainer.__main__.exit_now), without interpreter
+    # and C++ teardown: there gloo now and then aborts a rank after its work is done ("terminate
+    # called without an active exception": 3 in 15 runs on a loaded 2-core machine; with the
+    # launcher's exit guard, 1 in 46), which would fail this test for no fault of the checkpoint's.
+    os._exit(0)
 """)
 
 
