@@ -323,8 +323,9 @@ case "${1:-all}" in
     # DDPJOB_REAL_NODES=0: a control plane with kwok nodes only needs no kubelet or CoreDNS.
     [ "${DDPJOB_REAL_NODES:-2}" = 0 ] || build_node_binaries
     [ "${DDPJOB_KUEUE:-1}" = 0 ] || build_kueue
-    # The e2e tier's monitors test needs it (cold: about 4 CPU-min, once per machine).
-    build_prometheus_operator
+    # The e2e tier's monitors test needs it (cold: about 4 CPU-min, once per machine). make test
+    # builds it beside the tiers instead (DDPJOB_PROMETHEUS_OPERATOR=0 here; hack/test.sh).
+    [ "${DDPJOB_PROMETHEUS_OPERATOR:-1}" = 0 ] || build_prometheus_operator
     ;;
   *) die "unknown target '$1' (kube | oldest | actionlint | scheduler-plugins | kwok | helm | nodes | kueue | prometheus-operator | all)" ;;
 esac
