@@ -9,6 +9,7 @@ import datetime as dt
 import functools
 import queue
 import shutil
+import signal
 import sys
 import threading
 import time
@@ -51,6 +52,38 @@ def cluster_command(fn: Callable[..., Any]) -> Callable[..., Any]:
         except KeyboardInterrupt:
             sys.exit(130)
     return wrapper
+
+
+class CtrlC:
+    """Ctrl-C for the refreshing commands (top, wait): a flag their loop reads where it sleeps, not a
+    KeyboardInterrupt raised wherever the main thread happens to be. One raised inside a finalizer
+    or weakref callback (the API client's objects, churned by every refresh) is printed as
+    "Exception ignored" and lost, and the loop would refresh on: a CI run's `ddpjob top` outlived its
+    Ctrl-C. A second Ctrl-C raises at once; an ignored SIGINT (a background job's) stays ignored."""
+
+    def __init__(self) -> None:
+        self.pressed = threading.Event()
+        self._previous: Any = None
+
+    def __enter__(self) -> "CtrlC":
+        if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
+            self._previous = signal.signal(signal.SIGINT, self._on_sigint)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+
+    def _on_sigint(self, _signum: int, _frame: object) -> None:
+        if self.pressed.is_set():
+            raise KeyboardInterrupt
+        self.pressed.set()
+
+    def sleep(self, seconds: float) -> None:
+        """Sleep up to `seconds`: KeyboardInterrupt (the command's exit 130) as soon as Ctrl-C was
+        pressed, now or before (during a request, say)."""
+        if self.pressed.wait(max(0.0, seconds)):
+            raise KeyboardInterrupt
 
 
 def output_option(choices: tuple[str, ...] = OUTPUTS) -> Callable[..., Any]:
@@ -172,17 +205,18 @@ def wait(kube: Kube, name: str, for_: tuple[str, ...], timeout: float, interval:
     job: dict[str, Any] | None = kube.get_job(name)   # a job that does not exist is an error at once
     bar = _Bar(sys.stdout.isatty() and output is None, name)
     try:
-        while True:
-            outcome = views.wait_outcome(job, want, name=name)
-            if job is not None:
-                bar.update(job)
-            if outcome is not None or time.monotonic() >= deadline:
-                break
-            time.sleep(min(interval, max(0.0, deadline - time.monotonic())))
-            try:
-                job = kube.find_job(name)
-            except CliError as exc:  # a blip of the API server: keep waiting until the deadline
-                click.echo(f"warning: {exc}", err=True)
+        with CtrlC() as ctrl_c:
+            while True:
+                outcome = views.wait_outcome(job, want, name=name)
+                if job is not None:
+                    bar.update(job)
+                if outcome is not None or time.monotonic() >= deadline:
+                    break
+                ctrl_c.sleep(min(interval, max(0.0, deadline - time.monotonic())))
+                try:
+                    job = kube.find_job(name)
+                except CliError as exc:  # a blip of the API server: keep waiting until the deadline
+                    click.echo(f"warning: {exc}", err=True)
     finally:
         bar.close()
     if outcome is None:
@@ -376,23 +410,24 @@ def stacks(kube: Kube, name: str) -> None:
 def top(kube: Kube, name: str, once: bool, interval: float, live: bool, output: str | None) -> None:
     """A refreshing per-rank table of a DDPJob (pods, phases, exit codes; the straggler in red)."""
     tty = sys.stdout.isatty()
-    while True:
-        job = kube.get_job(name)
-        pods = kube.pods(name)
-        samples, notes = _live_samples(kube, job, pods) if live else (None, [])
-        if output:
-            data = {"job": name, "phase": views.phase_of(job), "progress": views.status_of(job).get("progress") or {},
-                    "ranks": [r.as_dict() for r in views.rank_rows(job, pods)]}
-            if samples is not None:
-                data["processes"] = [dict(zip(views.PROCESS_HEADERS, cells)) for cells, _ in
-                                     views.process_rows(job, samples)]
-            click.echo(views.dump(data, output), nl=False)
-        else:
-            screen = views.top_text(job, pods, now(), color=tty, samples=samples, notes=notes)
-            click.echo(("\x1b[H\x1b[2J" if tty and not once else "") + screen, nl=False)
-        if once or output or Phase.parse(views.status_of(job).get("phase")) in (Phase.SUCCEEDED, Phase.FAILED):
-            return
-        time.sleep(interval)
+    with CtrlC() as ctrl_c:
+        while True:
+            job = kube.get_job(name)
+            pods = kube.pods(name)
+            samples, notes = _live_samples(kube, job, pods) if live else (None, [])
+            if output:
+                data = {"job": name, "phase": views.phase_of(job), "progress": views.status_of(job).get("progress") or {},
+                        "ranks": [r.as_dict() for r in views.rank_rows(job, pods)]}
+                if samples is not None:
+                    data["processes"] = [dict(zip(views.PROCESS_HEADERS, cells)) for cells, _ in
+                                         views.process_rows(job, samples)]
+                click.echo(views.dump(data, output), nl=False)
+            else:
+                screen = views.top_text(job, pods, now(), color=tty, samples=samples, notes=notes)
+                click.echo(("\x1b[H\x1b[2J" if tty and not once else "") + screen, nl=False)
+            if once or output or Phase.parse(views.status_of(job).get("phase")) in (Phase.SUCCEEDED, Phase.FAILED):
+                return
+            ctrl_c.sleep(interval)
 
 
 def _live_samples(kube: Kube, job: dict[str, Any], pods: list[dict[str, Any]]) -> tuple[dict[int, Any], list[str]]:

@@ -238,7 +238,16 @@ class Terminal:
         if interrupt:
             os.kill(self.pid, signal.SIGINT)
         self.read_until(lambda out: False, 30)
-        _, status = os.waitpid(self.pid, 0)
+        deadline = time.monotonic() + 30  # a bound for a failure, never waited out when it works
+        while (waited := os.waitpid(self.pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        pid, status = waited
+        if pid == 0:  # still running: fail now, not after the test's whole timeout
+            os.kill(self.pid, signal.SIGKILL)
+            _, status = os.waitpid(self.pid, 0)
+            os.close(self.fd)
+            raise AssertionError(f"`ddpjob` still ran a minute after {'Ctrl-C' if interrupt else 'its output ended'}: "
+                                 f"{self.out[-2000:]!r}")
         os.close(self.fd)
         self.code = os.waitstatus_to_exitcode(status)
 
