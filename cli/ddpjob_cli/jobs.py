@@ -55,11 +55,11 @@ def cluster_command(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 class CtrlC:
-    """Ctrl-C for the refreshing commands (top, wait): a flag their loop reads where it sleeps, not a
-    KeyboardInterrupt raised wherever the main thread happens to be. One raised inside a finalizer
-    or weakref callback (the API client's objects, churned by every refresh) is printed as
-    "Exception ignored" and lost, and the loop would refresh on: a CI run's `ddpjob top` outlived its
-    Ctrl-C. A second Ctrl-C raises at once; an ignored SIGINT (a background job's) stays ignored."""
+    """Ctrl-C for the refreshing commands (top, wait): a KeyboardInterrupt at once, as Python raises
+    it (it interrupts a request in flight), and a flag their loop's sleep reads. The raise alone can
+    be lost: one inside a finalizer or weakref callback (the API client's objects, churned by every
+    refresh) is printed as "Exception ignored" and dropped, and the loop would refresh on; the flag
+    ends it at its next sleep. An ignored SIGINT (a background job's) stays ignored."""
 
     def __init__(self) -> None:
         self.pressed = threading.Event()
@@ -75,9 +75,8 @@ class CtrlC:
             signal.signal(signal.SIGINT, self._previous)
 
     def _on_sigint(self, _signum: int, _frame: object) -> None:
-        if self.pressed.is_set():
-            raise KeyboardInterrupt
         self.pressed.set()
+        raise KeyboardInterrupt
 
     def sleep(self, seconds: float) -> None:
         """Sleep up to `seconds`: KeyboardInterrupt (the command's exit 130) as soon as Ctrl-C was

@@ -217,6 +217,10 @@ class Terminal:
     def __init__(self, cluster, *args: str):
         self.pid, self.fd = pty.fork()
         if self.pid == 0:  # the child
+            # Ctrl-C's default action, as a terminal's program starts with: a test run started in
+            # the background of a non-interactive shell ignores SIGINT, and exec passes that on
+            # (Python then keeps it ignored: a `ddpjob top` that no Ctrl-C ends).
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
             os.execve(DDPJOB, [DDPJOB, *args], cluster.env())
         fcntl.ioctl(self.fd, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))
         self.out = b""
