@@ -14,6 +14,15 @@ import pytest
 from ddpjob_cli.jobs import CtrlC
 
 
+@pytest.fixture(autouse=True)
+def _ctrl_c_raises():
+    """Python's own Ctrl-C handler for each test, whatever this run inherited: a test session started
+    in the background of a non-interactive shell ignores SIGINT (rehearsal 8 failed these so)."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
 class _FreedDuringCtrlC:
     def __del__(self) -> None:
         os.kill(os.getpid(), signal.SIGINT)  # its handler runs here, inside the finalizer
