@@ -3,7 +3,7 @@
 training-operator v1.9.4 (PyTorchJob) at upstream defaults and tuned, in one run.
 
 Scenarios (the same pod counts for every controller): 1 job x 64 nodes, 100 jobs x 8 nodes, and
-(bounded: --scenarios 1000x10) 10,000 pods. Each controller runs alone, freshly started for each run,
+(bounded: --scenarios 1000x10, 5000x10) 10,000 and 50,000 pods. Each controller runs alone, freshly started for each run,
 serving only that run's namespace. Every cell is --repeat runs (default 3), interleaved: each repeat
 runs every scenario with every variant, the variants' order rotating from one repeat to the next.
 Variant `floor` has no controller: the script creates the very pods our operator would (render_pod),
@@ -56,6 +56,7 @@ from kubernetes import client  # noqa: E402
 from kubernetes.client.rest import ApiException  # noqa: E402
 
 import kubeflow_peer  # noqa: E402
+import pyspy  # noqa: E402
 import stats  # noqa: E402
 from provenance import Provenance  # noqa: E402
 from ddpjob_operator.api.spec import from_manifest  # noqa: E402
@@ -69,7 +70,7 @@ from tests.support.cluster import (create_namespace, delete_namespace, ensure_cl
 BENCH_LABEL = "kwok-bench"
 PODS_PER_NODE = 500
 TIMEOUT = 400            # default seconds for one scenario's pods to be Running (--running-timeout)
-MAX_PODS = 10_000        # the largest scenario this script runs (only on its own kwok nodes)
+MAX_PODS = 50_000        # the largest scenario this script runs (only on its own kwok nodes: 100 of them)
 FINISH_TIMEOUT = 300
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 VARIANTS = ("ddpjob", "pytorchjob-default", "pytorchjob-tuned")
@@ -383,7 +384,8 @@ def clear_pods(core, ns: str, *, timeout: float = 900) -> None:
 
 def run_one(cluster, api, k8s: K8s, variant: str, jobs: int, nodes: int, *, idle_seconds: float,
             finished_seconds: float, webhook_port: int, logs: Path, before_source: Path | None,
-            ranks: FakeRanks, max_load: float, running_timeout: float = TIMEOUT) -> dict:
+            ranks: FakeRanks, max_load: float, running_timeout: float = TIMEOUT,
+            profile: Path | None = None, tag: str = "", submit_in_flight: int = FLOOR_IN_FLIGHT) -> dict:
     ns = create_namespace(api, prefix=f"bench-{variant[:3]}{'t' if variant.endswith('tuned') else ''}-")
     log_path = logs / f"{variant}-{jobs}x{nodes}-{ns}.log"
     load_before = os.getloadavg()
@@ -405,25 +407,36 @@ def run_one(cluster, api, k8s: K8s, variant: str, jobs: int, nodes: int, *, idle
         ctrl.wait_ready()
         time.sleep(2)
         rss_idle, before, cpu0 = rss_mib(ctrl.pid), ctrl.requests(), cpu_seconds(ctrl.pid)
+        sampler = _sampler(ctrl, profile, f"{variant}-{jobs}x{nodes}{tag}-create")
         t0 = time.monotonic()
         tracker = PodTracker(k8s, ns, jobs * nodes, t0)
         if isinstance(ctrl, Floor):
             ctrl.start(jobs, nodes)
         else:
-            for j in range(jobs):
+            def submit(j: int) -> None:
                 if variant.startswith("ddpjob"):
                     custom.create_namespaced_custom_object("ddpjob.dev", "v1alpha1", ns, "ddpjobs", ddpjob(f"b{j}", nodes))
                 else:
                     custom.create_namespaced_custom_object("kubeflow.org", "v1", ns, "pytorchjobs",
                                                            kubeflow_peer.pytorchjob(f"b{j}", nodes, PLACEMENT))
+            # The jobs go in as the floor's pods do, `submit_in_flight` creates at once: one at a
+            # time, 1,000 DDPJob creates on a loaded API server were part of what "created" measured.
+            with ThreadPoolExecutor(max(1, submit_in_flight)) as pool:
+                list(pool.map(submit, range(jobs)))
+            res["jobs_submitted_s"] = _r(time.monotonic() - t0)
         times = tracker.wait(running_timeout)
         delta = _delta(settle(ctrl), before)
+        if sampler is not None:
+            res["profile_create"] = _summarize(sampler)
         res.update({**times, "requests": sum(delta.values()), "requests_per_job": round(sum(delta.values()) / jobs, 1),
                     "request_breakdown": delta,
                     "cpu_s": None if ctrl.pid is None else round(cpu_seconds(ctrl.pid) - cpu0, 2),
                     "rss_idle_mib": rss_idle, "rss_after_mib": rss_mib(ctrl.pid)})
         if idle_seconds > 0 and times["all_pods_running_s"] is not None:
+            sampler = _sampler(ctrl, profile, f"{variant}-{jobs}x{nodes}{tag}-rest")
             res["rest_running"] = at_rest(ctrl, idle_seconds, jobs)
+            if sampler is not None:
+                res["profile_rest"] = _summarize(sampler)
         if idle_seconds > 0 and finished_seconds > 0 and times["all_pods_running_s"] is not None:
             pods = [p.metadata.name for p in core.list_namespaced_pod(ns).items]
             with ThreadPoolExecutor(8) as pool:   # kwok ends each pod with exit code 0
@@ -447,7 +460,25 @@ def run_one(cluster, api, k8s: K8s, variant: str, jobs: int, nodes: int, *, idle
     return res
 
 
+def _sampler(ctrl, profile: Path | None, name: str) -> pyspy.Sampler | None:
+    """py-spy on our operator's process (--profile), into `profile`/`name`.raw."""
+    if profile is None or not isinstance(ctrl, Ours):
+        return None
+    return pyspy.Sampler(ctrl.pid, profile / f"{name}.raw")
+
+
+def _summarize(sampler: pyspy.Sampler) -> str | None:
+    """Stop `sampler`; write its top frames beside its samples (.txt); the summary's path."""
+    raw = sampler.stop()
+    if raw is None:
+        return None
+    text = raw.with_suffix(".txt")
+    text.write_text(pyspy.render(pyspy.top_frames(raw), title=raw.stem))
+    return str(text)
+
+
 ROWS = [  # (label, key, rest only)
+    ("apply -> all jobs submitted (s)", "jobs_submitted_s", False),
     ("apply -> all pods created (s)", "all_pods_exist_s", False),
     ("apply -> all Running (s)", "all_pods_running_s", False),
     ("requests per job", "requests_per_job", False),
@@ -542,7 +573,7 @@ def report(args, prov: Provenance, runs: list[dict], scenarios, rest, variants, 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--scenarios", default="1x64,100x8", help="comma list of JOBSxNODES (at most 10,000 pods each)")
+    ap.add_argument("--scenarios", default="1x64,100x8", help=f"comma list of JOBSxNODES (at most {MAX_PODS:,} pods each)")
     ap.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list of {', '.join(ALL_VARIANTS)}")
     ap.add_argument("--before", default=None, metavar="REV",
                     help="git revision whose operator runs as variant ddpjob-before (added to the variants)")
@@ -560,6 +591,12 @@ def main() -> int:
                     help="1-minute load average above which a run is flagged loaded")
     ap.add_argument("--running-timeout", type=float, default=TIMEOUT,
                     help="seconds a run waits for all its pods Running before it reports none")
+    ap.add_argument("--submit-in-flight", type=int, default=FLOOR_IN_FLIGHT,
+                    help="job creates the script sends at once (the floor's pods: FLOOR_IN_FLIGHT); 1 = one after "
+                         "another, as this bench did before")
+    ap.add_argument("--profile", type=Path, default=None, metavar="DIR",
+                    help="py-spy our operator during each creation and at-rest window: collapsed stacks "
+                         "(DIR/<run>.raw) and their top frames (DIR/<run>.txt, bench/pyspy.py)")
     ap.add_argument("--out", default=str(REPO / "bench/results/operator_scale.json"))
     args = ap.parse_args()
     # What a run measures: the operator (and the trainer modules it imports), the control plane
@@ -609,7 +646,8 @@ def main() -> int:
                     finished_s = args.idle_seconds if args.finished_seconds is None else args.finished_seconds
                     res = run_one(cluster, api, k8s, variant, jobs, nodes, idle_seconds=idle, finished_seconds=finished_s,
                                   webhook_port=webhook_port, logs=logs, before_source=before_source,
-                                  ranks=ranks, max_load=args.max_load, running_timeout=args.running_timeout)
+                                  ranks=ranks, max_load=args.max_load, running_timeout=args.running_timeout,
+                                  profile=args.profile, tag=f"-rep{rep}", submit_in_flight=args.submit_in_flight)
                     res["repeat"] = rep
                     runs.append(res)
                     rr, rf = res.get("rest_running") or {}, res.get("rest_finished") or {}
