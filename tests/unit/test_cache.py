@@ -5,7 +5,8 @@ import asyncio
 import threading
 
 from ddpjob_operator.api import labels
-from ddpjob_operator.cluster.cache import Informer, Store, pod_informers
+from ddpjob_operator.cluster.cache import LAST_APPLIED, Informer, Store, pod_informers
+from ddpjob_operator.cluster.k8s import LIST_PAGE, K8s
 from tests.support.builders import make_pod
 
 
@@ -57,7 +58,7 @@ class ScriptedAPI:
         self.calls: list[tuple] = []
         self.idle = threading.Event()
 
-    def list_objects(self, path, query=None):
+    def list_objects(self, path, query=None, *, transform=None):
         self.calls.append(("list", path, tuple(query or ())))
         return self.lists.pop(0)
 
@@ -100,7 +101,7 @@ def test_informer_for_a_missing_resource_counts_as_synced():
     from kubernetes.client.rest import ApiException
 
     class Missing:
-        def list_objects(self, path, query=None):
+        def list_objects(self, path, query=None, *, transform=None):
             raise ApiException(status=404, reason="NotFound")
 
     store = Store()
@@ -121,3 +122,39 @@ def test_store_drops_managed_fields_without_touching_the_original():
     store.upsert(original)
     assert "managedFields" not in store.get("ns", "a")["metadata"]
     assert original["metadata"]["managedFields"] == [{"manager": "kubectl"}]
+
+
+def test_store_drops_kubectls_last_applied_copy_of_a_job():
+    store = Store()
+    job = {"metadata": {"name": "j", "namespace": "ns", "resourceVersion": "1",
+                        "annotations": {LAST_APPLIED: '{"spec": "the whole manifest again"}', "team": "a"}},
+           "spec": {"nodes": 2}}
+    store.upsert(job)
+    assert store.get("ns", "j")["metadata"]["annotations"] == {"team": "a"}
+    assert LAST_APPLIED in job["metadata"]["annotations"]
+
+
+def test_a_list_is_read_page_by_page_each_page_cut_before_the_next():
+    """One consistent list in pages of LIST_PAGE (the continue token), as client-go's informers
+    read it: a relist of 50,000 pods never holds their whole JSON at once."""
+    k8s = K8s.__new__(K8s)
+    pages = {"": {"items": [{"n": 1}, {"n": 2}], "metadata": {"continue": "c1"}},
+             "c1": {"items": [{"n": 3}], "metadata": {"resourceVersion": "42"}}}
+    seen: list[tuple] = []
+    cut: list[int] = []
+
+    def request(method, path, *, query=None, **_):
+        q = dict(query)
+        seen.append((method, path, q.get("labelSelector"), q.get("limit"), q.get("continue", ""), len(cut)))
+        return pages[q.get("continue", "")]
+
+    def transform(obj):
+        cut.append(obj["n"])
+        return {"kept": obj["n"]}
+
+    k8s._request = request  # type: ignore[method-assign]
+    items, rv = k8s.list_objects("/api/v1/pods", [("labelSelector", "x")], transform=transform)
+    assert items == [{"kept": 1}, {"kept": 2}, {"kept": 3}] and rv == "42"
+    # The first page's two items were cut before the second page was asked for.
+    assert seen == [("GET", "/api/v1/pods", "x", str(LIST_PAGE), "", 0),
+                    ("GET", "/api/v1/pods", "x", str(LIST_PAGE), "c1", 2)]

@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 from kubernetes.client.rest import ApiException
 
-from ddpjob_operator.api import labels
+from ddpjob_operator.api import labels, podinfo
 from ddpjob_operator.api.objmeta import parse_time, resource_version
 
 log = logging.getLogger("ddpjob.cache")
@@ -47,21 +47,35 @@ def newer(a: Obj, b: Obj | None) -> bool:
     return True
 
 
+# kubectl apply's copy of the whole manifest (a DDPJob's spec twice over); nothing here reads it.
+LAST_APPLIED = "kubectl.kubernetes.io/last-applied-configuration"
+
+
 def slim(obj: Obj) -> Obj:
-    """The object without metadata.managedFields (nothing here reads them; they are a good part
-    of a pod's size, and the cache holds every pod of every job)."""
+    """The object without metadata.managedFields and kubectl's last-applied-configuration
+    annotation (nothing here reads them; they are a good part of an object's size, and the caches
+    hold every DDPJob and every pod). A new dict when anything goes; `obj` is left as it was."""
     meta = obj.get("metadata")
-    if not meta or "managedFields" not in meta:
+    if not meta:
         return obj
-    return {**obj, "metadata": {k: v for k, v in meta.items() if k != "managedFields"}}
+    annotations = meta.get("annotations") or {}
+    if "managedFields" not in meta and LAST_APPLIED not in annotations:
+        return obj
+    meta = {k: v for k, v in meta.items() if k != "managedFields"}
+    if LAST_APPLIED in annotations:
+        meta["annotations"] = {k: v for k, v in annotations.items() if k != LAST_APPLIED}
+    return {**obj, "metadata": meta}
 
 
 class Store:
     """Objects by (namespace, name), optionally indexed by a label (our pods by job name).
     Touched only from the event loop's thread."""
 
-    def __init__(self, *, index_label: str | None = None) -> None:
+    def __init__(self, *, index_label: str | None = None, transform: Callable[[Obj], Obj] = slim) -> None:
         self.index_label = index_label
+        # What is kept of each object (client-go's transform function): `slim` by default, the
+        # pod cache keeps only what the operator reads (api/podinfo.slim).
+        self.transform = transform
         self._objs: dict[Key, Obj] = {}
         self._index: dict[Key, set[str]] = collections.defaultdict(set)
         self._gone: collections.OrderedDict[str, None] = collections.OrderedDict()
@@ -112,7 +126,7 @@ class Store:
         old = self._objs.get(k)
         if not newer(obj, old):
             return False
-        obj = slim(obj)
+        obj = self.transform(obj)
         if old is not None and self._label(old) != self._label(obj):
             self._unindex(k, old)
         self._objs[k] = obj
@@ -139,7 +153,7 @@ class Store:
         if notify:
             # A DELETED event carries the object's last state, which may be newer than what
             # is stored (PodGC's Failed + DisruptionTarget write, seen only with the deletion).
-            self._notify("DELETED", slim(obj) if newer(obj, old) else old)
+            self._notify("DELETED", self.transform(obj) if newer(obj, old) else old)
 
     def replace(self, namespace: str | None, items: list[Obj]) -> None:
         """A fresh list for `namespace` (None = all): upsert each, delete what is missing."""
@@ -221,7 +235,9 @@ class Informer:
         backoff = 1.0
         while not self._stop.is_set():
             try:
-                items, rv = self.k8s.list_objects(self.path, self.query)
+                # Page by page, each cut to what the store keeps before the next is read: a relist of
+                # 50,000 pods never holds their whole JSON at once.
+                items, rv = self.k8s.list_objects(self.path, self.query, transform=self.store.transform)
                 self._post(self._listed, items)
                 backoff = 1.0
                 rv = self._watch(rv)
@@ -258,6 +274,11 @@ class Informer:
                 if etype in ("ADDED", "MODIFIED", "DELETED"):
                     self._post(self._event, etype, obj)
         return rv
+
+
+def pod_store() -> Store:
+    """The operator's pods by job name, each kept as api/podinfo.slim cuts it."""
+    return Store(index_label=labels.JOB_NAME, transform=podinfo.slim)
 
 
 def pod_informers(k8s: Any, store: Store, namespaces: tuple[str, ...] | None) -> list[Informer]:
