@@ -106,7 +106,7 @@ def main() -> int:
     node_count = math.ceil(steps[-1] / scale.PODS_PER_NODE)
     scale.bench_nodes(core, node_count, create=True)
     ranks = scale.FakeRanks()
-    ns = create_namespace(api, prefix="bench-mem-")
+    ns = create_namespace(api, prefix="bench-mem-", labels=scale.BENCH_NAMESPACE_LABELS)
     logs = Path(os.environ.get("TMPDIR", "/tmp")) / f"operator-memory-{ns}.log"
     ours = scale.Ours(cluster, ns, logs, scrape_url=ranks.template)
     out: dict = {"nodes_per_job": args.nodes, "steps": [], "operator_log": str(logs)}

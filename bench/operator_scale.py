@@ -60,7 +60,9 @@ import pyspy  # noqa: E402
 import stats  # noqa: E402
 from provenance import Provenance  # noqa: E402
 from ddpjob_operator.api.spec import from_manifest  # noqa: E402
+from ddpjob_operator.api import labels  # noqa: E402
 from ddpjob_operator.builders.pods import render_pod  # noqa: E402
+from ddpjob_operator.builders.service import render_service  # noqa: E402
 from ddpjob_operator.cluster.k8s import K8s  # noqa: E402
 from ddpjob_trainer.contract import STAGES  # noqa: E402
 from ddpjob_trainer.telemetry import STEP_BUCKETS  # noqa: E402
@@ -77,8 +79,17 @@ VARIANTS = ("ddpjob", "pytorchjob-default", "pytorchjob-tuned")
 # "floor": no controller. This script creates our very pods itself (render_pod, no owner),
 # FLOOR_IN_FLIGHT at a time, as fast as the control plane takes them: what this machine's API
 # server, scheduler and kwok allow any controller.
-ALL_VARIANTS = VARIANTS + ("ddpjob-before", "floor")
+# "floor-svc": the floor's pods and one headless Service per job beside them, as our operator makes
+# them (render_service); "floor-nssvc": one headless Service per namespace selecting every pod of
+# the run (the cheaper DNS arrangement: `<job>-<rank>.<that service>.<ns>.svc`). Their control
+# plane CPU against the floor's is what a job's Service costs kube-controller-manager.
+ALL_VARIANTS = VARIANTS + ("ddpjob-before", "floor", "floor-svc", "floor-nssvc")
 FLOOR_IN_FLIGHT = 64
+NS_SERVICE = "ddpjob-pods"
+# A bench namespace names a tenant profile no chart defines: the default (baseline) tenant policy of
+# a chart that a test installs meanwhile on the shared control plane binds only namespaces without
+# one, and would refuse the bench's tolerations.
+BENCH_NAMESPACE_LABELS = {"ddpjob.dev/tenant-profile": "bench-none"}
 # Bench pods only go to the bench nodes (taint + selector), away from concurrent test traffic.
 PLACEMENT = {"nodeSelector": {"type": BENCH_LABEL},
              "tolerations": [{"key": "ddpjob.dev/bench", "operator": "Exists", "effect": "NoSchedule"}]}
@@ -241,6 +252,30 @@ def cpu_seconds(pid: int | None) -> float:
     return (int(fields[11]) + int(fields[12])) / CLK_TCK
 
 
+def control_plane_cpu(cluster) -> dict[str, float]:
+    """CPU-s so far of this cluster's kube-apiserver, kube-controller-manager and etcd (their command
+    lines name its state directory; every process of a kind summed: a stale standby counts too)."""
+    state = f"{Path(cluster.kubeconfig).resolve().parent}/"
+    out: dict[str, float] = {}
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            argv = (proc / "cmdline").read_bytes().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        if not any(a.startswith(state) for a in argv):
+            continue
+        kind = {"kube-apiserver": "apiserver", "kube-controller-manager": "controller_manager",
+                "etcd": "etcd"}.get(Path(argv[0]).name)
+        if kind:
+            try:
+                out[kind] = out.get(kind, 0.0) + cpu_seconds(int(proc.name))
+            except OSError:
+                pass
+    return out
+
+
 def rss_mib(pid: int | None) -> float | None:
     if pid is None:
         return None
@@ -303,22 +338,43 @@ class Floor:
     def wait_ready(self) -> None:
         pass
 
-    def start(self, jobs: int, nodes: int) -> None:
-        pods = [render_pod(from_manifest({**ddpjob(f"b{j}", nodes), "metadata": {"name": f"b{j}", "namespace": self.ns}}),
-                           rank) for j in range(jobs) for rank in range(nodes)]
+    def start(self, jobs: int, nodes: int, *, services: str = "") -> None:
+        """Create the pods; with `services` "job" each job's headless Service first (as our
+        operator does), with "namespace" one Service for all, the pods' subdomain pointing at it."""
+        specs = [from_manifest({**ddpjob(f"b{j}", nodes), "metadata": {"name": f"b{j}", "namespace": self.ns}})
+                 for j in range(jobs)]
+        objs: list[dict] = []
+        if services == "namespace":
+            svc = render_service(specs[0])
+            svc["metadata"] = {"name": NS_SERVICE, "namespace": self.ns}
+            svc["spec"]["selector"] = {labels.MANAGED_BY: labels.MANAGER}
+            objs.append(svc)
+        for spec in specs:
+            if services == "job":
+                objs.append(render_service(spec))
+            for rank in range(nodes):
+                pod = render_pod(spec, rank)
+                if services == "namespace":
+                    pod["spec"]["subdomain"] = NS_SERVICE
+                objs.append(pod)
 
         def create_all() -> None:
-            def one(pod: dict) -> None:
-                self.core.create_namespaced_pod(self.ns, pod)
+            def one(obj: dict) -> None:
+                if obj["kind"] == "Service":
+                    self.core.create_namespaced_service(self.ns, obj)
+                else:
+                    self.core.create_namespaced_pod(self.ns, obj)
                 with self.lock:
                     self.created += 1
+            if objs and objs[0]["metadata"]["name"] == NS_SERVICE:
+                one(objs.pop(0))
             with ThreadPoolExecutor(FLOOR_IN_FLIGHT) as pool:
-                list(pool.map(one, pods))
+                list(pool.map(one, objs))
         self.thread = threading.Thread(target=create_all, daemon=True)
         self.thread.start()
 
     def requests(self) -> dict[str, float]:
-        return {"POST pods": float(self.created)}
+        return {"POST pods/services": float(self.created)}
 
     def stop(self) -> None:
         if self.thread is not None:
@@ -386,14 +442,15 @@ def run_one(cluster, api, k8s: K8s, variant: str, jobs: int, nodes: int, *, idle
             finished_seconds: float, webhook_port: int, logs: Path, before_source: Path | None,
             ranks: FakeRanks, max_load: float, running_timeout: float = TIMEOUT,
             profile: Path | None = None, tag: str = "", submit_in_flight: int = FLOOR_IN_FLIGHT) -> dict:
-    ns = create_namespace(api, prefix=f"bench-{variant[:3]}{'t' if variant.endswith('tuned') else ''}-")
+    ns = create_namespace(api, prefix=f"bench-{variant[:3]}{'t' if variant.endswith('tuned') else ''}-",
+                          labels=BENCH_NAMESPACE_LABELS)
     log_path = logs / f"{variant}-{jobs}x{nodes}-{ns}.log"
     load_before = os.getloadavg()
     ctrl: Ours | Floor | kubeflow_peer.Peer
     if variant.startswith("ddpjob"):
         ctrl = Ours(cluster, ns, log_path, scrape_url=ranks.template,
                     source=before_source if variant == "ddpjob-before" else None)
-    elif variant == "floor":
+    elif variant.startswith("floor"):
         ctrl = Floor(api, ns)
         idle_seconds = 0  # nothing to keep at rest
     else:
@@ -407,11 +464,12 @@ def run_one(cluster, api, k8s: K8s, variant: str, jobs: int, nodes: int, *, idle
         ctrl.wait_ready()
         time.sleep(2)
         rss_idle, before, cpu0 = rss_mib(ctrl.pid), ctrl.requests(), cpu_seconds(ctrl.pid)
+        plane = control_plane_cpu(cluster)
         sampler = _sampler(ctrl, profile, f"{variant}-{jobs}x{nodes}{tag}-create")
         t0 = time.monotonic()
         tracker = PodTracker(k8s, ns, jobs * nodes, t0)
         if isinstance(ctrl, Floor):
-            ctrl.start(jobs, nodes)
+            ctrl.start(jobs, nodes, services={"floor-svc": "job", "floor-nssvc": "namespace"}.get(variant, ""))
         else:
             def submit(j: int) -> None:
                 if variant.startswith("ddpjob"):
@@ -426,6 +484,8 @@ def run_one(cluster, api, k8s: K8s, variant: str, jobs: int, nodes: int, *, idle
             res["jobs_submitted_s"] = _r(time.monotonic() - t0)
         times = tracker.wait(running_timeout)
         delta = _delta(settle(ctrl), before)
+        res.update({f"{k}_cpu_s": round(v - plane.get(k, 0.0), 2) for k, v in control_plane_cpu(cluster).items()})
+        res["endpointslices"] = len(client.DiscoveryV1Api(api).list_namespaced_endpoint_slice(ns).items)
         if sampler is not None:
             res["profile_create"] = _summarize(sampler)
         res.update({**times, "requests": sum(delta.values()), "requests_per_job": round(sum(delta.values()) / jobs, 1),
@@ -483,6 +543,9 @@ ROWS = [  # (label, key, rest only)
     ("apply -> all Running (s)", "all_pods_running_s", False),
     ("requests per job", "requests_per_job", False),
     ("controller CPU-s", "cpu_s", False),
+    ("kube-controller-manager CPU-s", "controller_manager_cpu_s", False),
+    ("kube-apiserver CPU-s", "apiserver_cpu_s", False),
+    ("EndpointSlices", "endpointslices", False),
     ("RSS idle (MiB)", "rss_idle_mib", False),
     ("RSS after (MiB)", "rss_after_mib", False),
     ("at rest, Running+scraped: requests/min", "rest_running.requests_per_min", True),
