@@ -2,14 +2,13 @@
 from __future__ import annotations
 
 import datetime as dt
-import sys
 from typing import Any
 
 from ddpjob_trainer import contract
 from ddpjob_trainer.contract import EXIT_BAD_CONFIG  # never retried
 
 from ddpjob_operator.api import labels
-from ddpjob_operator.api.objmeta import parse_time
+from ddpjob_operator.api.objmeta import parse_time, shared
 
 
 def meta(pod: dict[str, Any]) -> dict[str, Any]:
@@ -180,33 +179,16 @@ KEPT: dict[str, Any] = {
                               "lastTransitionTime": None},
                "containerStatuses": _CONTAINER_STATUS, "initContainerStatuses": _CONTAINER_STATUS},
 }
-# Strings this long or shorter are shared between the pods that hold them (sys.intern): label
-# keys and values, condition types and reasons, node names, timestamps repeat across thousands of
-# pods, and every decoded watch event brings its own copies, dict keys included.
-_SHARED_LEN = 64
-
-
-def _share(value: Any) -> Any:
-    if isinstance(value, str):
-        return sys.intern(value) if len(value) <= _SHARED_LEN else value
-    if isinstance(value, dict):
-        return {sys.intern(k): _share(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_share(v) for v in value]
-    return value
-
-
 def _cut(value: Any, shape: dict[str, Any] | None) -> Any:
-    if shape is None:
-        return _share(value)
+    if shape is None or not isinstance(value, (dict, list)):
+        return shared(value)
     if isinstance(value, list):
         return [_cut(v, shape) for v in value]
-    if not isinstance(value, dict):
-        return _share(value)
-    return {sys.intern(k): _cut(v, shape[k]) for k, v in value.items() if k in shape}
+    return {shared(k): _cut(v, shape[k]) for k, v in value.items() if k in shape}
 
 
 def slim(pod: dict[str, Any]) -> dict[str, Any]:
     """The pod as the cache keeps it: only the fields in KEPT (no managedFields, env, volumes,
-    containers' spec, images), its short strings shared. A new dict; `pod` is left as it was."""
+    containers' spec, images), its short strings shared (objmeta.shared). A new dict; `pod` is
+    left as it was."""
     return _cut(pod, KEPT)

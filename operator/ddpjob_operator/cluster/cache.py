@@ -20,7 +20,7 @@ from typing import Any, Callable
 from kubernetes.client.rest import ApiException
 
 from ddpjob_operator.api import labels, podinfo
-from ddpjob_operator.api.objmeta import parse_time, resource_version
+from ddpjob_operator.api.objmeta import parse_time, resource_version, shared
 
 log = logging.getLogger("ddpjob.cache")
 Key = tuple[str, str]
@@ -54,17 +54,16 @@ LAST_APPLIED = "kubectl.kubernetes.io/last-applied-configuration"
 def slim(obj: Obj) -> Obj:
     """The object without metadata.managedFields and kubectl's last-applied-configuration
     annotation (nothing here reads them; they are a good part of an object's size, and the caches
-    hold every DDPJob and every pod). A new dict when anything goes; `obj` is left as it was."""
+    hold every DDPJob and every pod), its short strings shared (objmeta.shared). A new dict; `obj`
+    is left as it was."""
     meta = obj.get("metadata")
-    if not meta:
-        return obj
-    annotations = meta.get("annotations") or {}
-    if "managedFields" not in meta and LAST_APPLIED not in annotations:
-        return obj
-    meta = {k: v for k, v in meta.items() if k != "managedFields"}
-    if LAST_APPLIED in annotations:
-        meta["annotations"] = {k: v for k, v in annotations.items() if k != LAST_APPLIED}
-    return {**obj, "metadata": meta}
+    if meta:
+        annotations = meta.get("annotations") or {}
+        meta = {k: v for k, v in meta.items() if k != "managedFields"}
+        if LAST_APPLIED in annotations:
+            meta["annotations"] = {k: v for k, v in annotations.items() if k != LAST_APPLIED}
+        obj = {**obj, "metadata": meta}
+    return shared(obj)
 
 
 class Store:
