@@ -5,7 +5,7 @@ import asyncio
 import threading
 
 from ddpjob_operator.api import labels
-from ddpjob_operator.cluster.cache import LAST_APPLIED, Informer, Store, pod_informers
+from ddpjob_operator.cluster.cache import LAST_APPLIED, Informer, Store, pod_informers, pod_store
 from ddpjob_operator.cluster.k8s import LIST_PAGE, K8s
 from tests.support.builders import make_pod
 
@@ -60,7 +60,8 @@ class ScriptedAPI:
 
     def list_objects(self, path, query=None, *, transform=None):
         self.calls.append(("list", path, tuple(query or ())))
-        return self.lists.pop(0)
+        items, rv = self.lists.pop(0)
+        return [transform(o) if transform else o for o in items], rv
 
     def watch(self, path, query, *, resource_version, timeout=270):
         self.calls.append(("watch", path, resource_version))
@@ -75,11 +76,13 @@ def test_informer_lists_watches_and_relists_after_410_without_ghosts():
     api = ScriptedAPI(
         lists=[([make_pod(name="a", resource_version=1), make_pod(name="b", resource_version=2)], "10"),
                ([make_pod(name="b", resource_version=13)], "20")],
-        watches=[[{"type": "MODIFIED", "object": make_pod(name="a", resource_version=11)},
+        watches=[[{"type": "MODIFIED", "object": with_env(make_pod(name="a", resource_version=11))},
                   {"type": "BOOKMARK", "object": {"metadata": {"resourceVersion": "12"}}},
                   {"type": "ERROR", "object": {"code": 410, "message": "too old"}}]])
-    store = Store(index_label=labels.JOB_NAME)
+    store = pod_store()
     informer, = pod_informers(api, store, ("ns",))
+    kept: list[dict] = []
+    store.listeners.append(lambda etype, obj: kept.append(obj))
 
     async def main():
         assert not store.synced
@@ -95,6 +98,13 @@ def test_informer_lists_watches_and_relists_after_410_without_ghosts():
     assert api.calls[0] == ("list", "/api/v1/namespaces/ns/pods", (("labelSelector", labels.JOB_NAME),))
     assert ("watch", "/api/v1/namespaces/ns/pods", "10") in api.calls
     assert ("watch", "/api/v1/namespaces/ns/pods", "20") in api.calls   # continued from the relist
+    # What the watch brought was cut to what the operator reads (in the informer's thread).
+    assert kept and all("containers" not in (p.get("spec") or {}) for p in kept)
+
+
+def with_env(pod: dict) -> dict:
+    pod.setdefault("spec", {})["containers"] = [{"name": "trainer", "env": [{"name": "A", "value": "1"}]}]
+    return pod
 
 
 def test_informer_for_a_missing_resource_counts_as_synced():

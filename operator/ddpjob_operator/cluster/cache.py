@@ -116,8 +116,9 @@ class Store:
             return None
         return ((obj.get("metadata") or {}).get("labels") or {}).get(self.index_label)
 
-    def upsert(self, obj: Obj, *, notify: bool = True) -> bool:
-        """Keep `obj` unless what is stored is newer or it was deleted; True when stored."""
+    def upsert(self, obj: Obj, *, notify: bool = True, cut: bool = False) -> bool:
+        """Keep `obj` unless what is stored is newer or it was deleted; True when stored. `cut`:
+        it went through `transform` already (an informer's thread did it)."""
         uid = (obj.get("metadata") or {}).get("uid")
         if uid and uid in self._gone:
             return False
@@ -125,7 +126,8 @@ class Store:
         old = self._objs.get(k)
         if not newer(obj, old):
             return False
-        obj = self.transform(obj)
+        if not cut:
+            obj = self.transform(obj)
         if old is not None and self._label(old) != self._label(obj):
             self._unindex(k, old)
         self._objs[k] = obj
@@ -136,7 +138,7 @@ class Store:
             self._notify("MODIFIED" if old is not None else "ADDED", obj)
         return True
 
-    def delete(self, obj: Obj, *, notify: bool = True) -> None:
+    def delete(self, obj: Obj, *, notify: bool = True, cut: bool = False) -> None:
         """Drop the object (only the same uid: a newer object may already hold the name)."""
         k = key_of(obj)
         uid = (obj.get("metadata") or {}).get("uid")
@@ -152,16 +154,16 @@ class Store:
         if notify:
             # A DELETED event carries the object's last state, which may be newer than what
             # is stored (PodGC's Failed + DisruptionTarget write, seen only with the deletion).
-            self._notify("DELETED", self.transform(obj) if newer(obj, old) else old)
+            self._notify("DELETED", (obj if cut else self.transform(obj)) if newer(obj, old) else old)
 
-    def replace(self, namespace: str | None, items: list[Obj]) -> None:
+    def replace(self, namespace: str | None, items: list[Obj], *, cut: bool = False) -> None:
         """A fresh list for `namespace` (None = all): upsert each, delete what is missing."""
         seen = {key_of(o) for o in items}
         for k, old in list(self._objs.items()):
             if (namespace is None or k[0] == namespace) and k not in seen:
-                self.delete(old)
+                self.delete(old, cut=True)
         for obj in items:
-            self.upsert(obj)
+            self.upsert(obj, cut=cut)
 
     def mark_synced(self) -> None:
         self._synced += 1
@@ -219,16 +221,16 @@ class Informer:
             self._stop.set()
 
     def _listed(self, items: list[Obj]) -> None:
-        self.store.replace(self.namespace, items)
+        self.store.replace(self.namespace, items, cut=True)
         if self._first:
             self._first = False
             self.store.mark_synced()
 
     def _event(self, etype: str, obj: Obj) -> None:
         if etype == "DELETED":
-            self.store.delete(obj)
+            self.store.delete(obj, cut=True)
         else:
-            self.store.upsert(obj)
+            self.store.upsert(obj, cut=True)
 
     def _run(self) -> None:
         backoff = 1.0
@@ -271,7 +273,9 @@ class Informer:
                     raise RuntimeError(f"watch error: {obj.get('message') or obj}")
                 rv = resource_version(obj) or rv
                 if etype in ("ADDED", "MODIFIED", "DELETED"):
-                    self._post(self._event, etype, obj)
+                    # Cut here, in this thread: a loop that lags behind a burst of events queues
+                    # them slim, not as whole decoded pods.
+                    self._post(self._event, etype, self.store.transform(obj))
         return rv
 
 
