@@ -103,7 +103,9 @@ def main() -> int:
     cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f",
                     str(REPO / "charts/ddpjob-operator/crds/ddpjobs.ddpjob.dev.yaml"))
     wait_crd_established(cluster, "ddpjobs.ddpjob.dev")
-    node_count = math.ceil(steps[-1] / scale.PODS_PER_NODE)
+    # One node more than the pods fill: the group restart's new pods need room beside the failed
+    # pod its job keeps (with exactly full nodes one of them never schedules).
+    node_count = math.ceil(steps[-1] / scale.PODS_PER_NODE) + 1
     scale.bench_nodes(core, node_count, create=True)
     ranks = scale.FakeRanks()
     ns = create_namespace(api, prefix="bench-mem-", labels=scale.BENCH_NAMESPACE_LABELS)

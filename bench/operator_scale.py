@@ -686,7 +686,8 @@ def main() -> int:
         subprocess.run(["tar", "-x", "-C", str(before_source)], input=archive, check=True)
         if "ddpjob-before" not in variants:
             variants.insert(0, "ddpjob-before")
-    node_count = math.ceil(max(j * n for j, n in scenarios) / PODS_PER_NODE)
+    # One node more than the pods fill: room for a restarted job's new pods beside its kept failed one.
+    node_count = math.ceil(max(j * n for j, n in scenarios) / PODS_PER_NODE) + 1
 
     cluster = ensure_cluster()
     api = cluster.api()
