@@ -174,7 +174,7 @@ KEPT: dict[str, Any] = {
     "metadata": {"name": None, "namespace": None, "uid": None, "resourceVersion": None, "labels": None,
                  "annotations": None, "ownerReferences": None, "deletionTimestamp": None},
     "spec": {"nodeName": None, "schedulerName": None, "schedulingGates": None},
-    "status": {"phase": None, "reason": None, "message": None, "podIP": None,
+    "status": {"phase": None, "reason": None, "message": None, "podIP": None, "startTime": None,
                "conditions": {"type": None, "status": None, "reason": None, "message": None,
                               "lastTransitionTime": None},
                "containerStatuses": _CONTAINER_STATUS, "initContainerStatuses": _CONTAINER_STATUS},
