@@ -9,15 +9,19 @@ the idle operator at 0 pods included, gives the slope in KiB per pod: the chart'
 (docs/install.md) is idle + slope x pods + headroom. At the largest step one job's pod exits 1 and
 the seconds until its next attempt is Running are compared with the same restart at the first
 step (the ratio, measured in the same run). The operator must never restart (its pid is checked).
+With --tracemalloc DIR the operator runs under bench/pymem.py and each step also writes the lines
+that hold its live memory (DIR/<step>.txt): where the memory goes, while that run's RSS, inflated by
+tracemalloc, is not the operator's (the result says so).
 Not a test: nothing here asserts sizes or times.
 
-    .venv/bin/python bench/operator_memory.py [--steps 2000,5000,10000] [--nodes 10]
+    .venv/bin/python bench/operator_memory.py [--steps 2000,5000,10000] [--nodes 10] [--tracemalloc DIR]
 """
 from __future__ import annotations
 
 import argparse
 import math
 import os
+import signal
 import statistics
 import sys
 import time
@@ -57,6 +61,17 @@ def steady_rss(ours: scale.Ours) -> int:
     return int(statistics.median(readings))
 
 
+def traced(ours: scale.Ours, out: Path | None, pods: int) -> None:
+    """With --tracemalloc: the traced operator's dump of its live memory, kept as OUT/<pods>.txt."""
+    if out is None:
+        return
+    n = len(list(out.glob("pods-*.txt")))  # pymem numbers its dumps from 0: one per step so far
+    os.kill(ours.pid, signal.SIGUSR2)
+    dump = out / f"{n}.txt"
+    wait_for(dump.exists, timeout=300, desc=f"the operator's tracemalloc dump {dump}")
+    dump.rename(out / f"pods-{pods}.txt")
+
+
 def fit(points: list[tuple[int, int]]) -> dict:
     """Least squares RSS (KiB) = intercept + slope x pods."""
     xs, ys = [p for p, _ in points], [r for _, r in points]
@@ -90,11 +105,15 @@ def main() -> int:
     ap.add_argument("--nodes", type=int, default=10, help="pods per DDPJob")
     ap.add_argument("--running-timeout", type=float, default=1800.0)
     ap.add_argument("--out", default=str(REPO / "bench/results/operator_memory.json"))
+    ap.add_argument("--tracemalloc", type=Path, default=None, metavar="DIR",
+                    help="run the operator under bench/pymem.py and dump its top allocation lines per step into DIR")
     args = ap.parse_args()
     prov = Provenance("operator", "trainer", "bench", "hack", "charts", out=args.out)
     steps = [int(s) for s in args.steps.split(",")]
     if steps != sorted(steps) or steps[0] <= 0 or any(s % args.nodes for s in steps):
         ap.error("--steps: increasing pod counts, each a multiple of --nodes")
+    if args.tracemalloc and args.tracemalloc.exists() and any(args.tracemalloc.iterdir()):
+        ap.error(f"--tracemalloc {args.tracemalloc}: not empty (each run's dumps are numbered from 0)")
 
     cluster = ensure_cluster()
     api = cluster.api()
@@ -110,12 +129,17 @@ def main() -> int:
     ranks = scale.FakeRanks()
     ns = create_namespace(api, prefix="bench-mem-", labels=scale.BENCH_NAMESPACE_LABELS)
     logs = Path(os.environ.get("TMPDIR", "/tmp")) / f"operator-memory-{ns}.log"
-    ours = scale.Ours(cluster, ns, logs, scrape_url=ranks.template)
+    wrapper = (str(REPO / "bench/pymem.py"), str(args.tracemalloc)) if args.tracemalloc else ()
+    ours = scale.Ours(cluster, ns, logs, scrape_url=ranks.template, wrapper=wrapper)
     out: dict = {"nodes_per_job": args.nodes, "steps": [], "operator_log": str(logs)}
+    if args.tracemalloc:
+        out["tracemalloc"] = {"dir": str(args.tracemalloc),
+                              "note": "the operator ran under tracemalloc: its RSS here is inflated by the tracing"}
     try:
         ours.wait_ready()
         pid = ours.pid
         out["steps"].append({"pods": 0, "rss_kib": steady_rss(ours), "load_avg": os.getloadavg()})
+        traced(ours, args.tracemalloc, 0)
         jobs = 0
         for target in steps:
             t0 = time.monotonic()
@@ -129,6 +153,7 @@ def main() -> int:
             if ours.proc.poll() is not None or ours.pid != pid:
                 raise RuntimeError(f"the operator exited ({ours.proc.returncode}) at {target} pods")
             step = {"pods": target, **times, "rss_kib": steady_rss(ours), "load_avg": os.getloadavg()}
+            traced(ours, args.tracemalloc, target)
             if target in (steps[0], steps[-1]):
                 step["group_restart_s"] = restart_seconds(custom, api, ns, "b0", timeout=args.running_timeout)
             out["steps"].append(step)

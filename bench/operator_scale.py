@@ -292,14 +292,16 @@ def rss_mib(pid: int | None) -> float | None:
 class Ours:
     """`ddpjob operator` serving one namespace, scraping only loopback (`scrape_url`); with
     `source`, the operator package from that directory (an older revision, for before/after).
-    Its progress interval is the operator's default."""
+    Its progress interval is the operator's default. `wrapper`: a script (and its arguments) that
+    runs the operator's module itself (bench/pymem.py)."""
 
-    def __init__(self, cluster, ns: str, log_path: Path, *, scrape_url: str, source: Path | None = None) -> None:
+    def __init__(self, cluster, ns: str, log_path: Path, *, scrape_url: str, source: Path | None = None,
+                 wrapper: tuple[str, ...] = ()) -> None:
         self.metrics_port, self.health_port = free_port(), free_port()
         env = cluster.env()
         if source is not None:
             env["PYTHONPATH"] = str(source / "operator")
-        cmd = [sys.executable, "-m", "ddpjob_cli", "operator", "-n", ns, "--peering", "",
+        cmd = [sys.executable, *wrapper, "-m", "ddpjob_cli", "operator", "-n", ns, "--peering", "",
                "--metrics-port", str(self.metrics_port), "--health-port", str(self.health_port),
                "--scrape-interval", "15", "--log-level", "WARNING",
                # kwok pod IPs are fictitious: scrape loopback (FakeRanks, or a closed port) instead.
