@@ -4,7 +4,8 @@
 One `ddpjob operator` (as bench/operator_scale.py starts it: one namespace, loopback scrapes)
 serves DDPJobs of --nodes pods on kwok bench nodes, added in steps (--steps 2000,5000,10000 pods in
 all). After each step, once every pod is Running and the operator has sent nothing for a while,
-its RSS is read a few times (the median is the step's). A least-squares line through (pods, RSS),
+its RSS is read a few times (the median is the step's), and its high-water mark (the peak
+while the pods were created, VmHWM). A least-squares line through (pods, RSS),
 the idle operator at 0 pods included, gives the slope in KiB per pod: the chart's sizing rule
 (docs/install.md) is idle + slope x pods + headroom. At the largest step one job's pod exits 1 and
 the seconds until its next attempt is Running are compared with the same restart at the first
@@ -44,9 +45,11 @@ from tests.support.cluster import (create_namespace, delete_namespace, ensure_cl
 RSS_READINGS = 5
 
 
-def rss_kib(pid: int) -> int:
+def rss_kib(pid: int, field: str = "VmRSS") -> int:
+    """The process's resident memory now (VmRSS), or the most it has had since it started (VmHWM,
+    the high-water mark: what a memory limit must allow, creation bursts included)."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
+        if line.startswith(f"{field}:"):
             return int(line.split()[1])
     return 0
 
@@ -152,12 +155,14 @@ def main() -> int:
             times = tracker.wait(args.running_timeout)
             if ours.proc.poll() is not None or ours.pid != pid:
                 raise RuntimeError(f"the operator exited ({ours.proc.returncode}) at {target} pods")
-            step = {"pods": target, **times, "rss_kib": steady_rss(ours), "load_avg": os.getloadavg()}
+            step = {"pods": target, **times, "rss_kib": steady_rss(ours), "peak_rss_kib": rss_kib(ours.pid, "VmHWM"),
+                    "load_avg": os.getloadavg()}
             traced(ours, args.tracemalloc, target)
             if target in (steps[0], steps[-1]):
                 step["group_restart_s"] = restart_seconds(custom, api, ns, "b0", timeout=args.running_timeout)
             out["steps"].append(step)
             print(f"{target:6d} pods: running {times['all_pods_running_s']}s, RSS {step['rss_kib'] / 1024:.1f} MiB"
+                  f" (peak {step['peak_rss_kib'] / 1024:.1f})"
                   + (f", group restart {step['group_restart_s']}s" if "group_restart_s" in step else "")
                   + f", load {step['load_avg'][0]:.1f}", flush=True)
             out["fit"] = fit([(s["pods"], s["rss_kib"]) for s in out["steps"]])
@@ -166,6 +171,8 @@ def main() -> int:
         first, last = out["steps"][1], out["steps"][-1]
         if len(out["steps"]) > 2:
             out["group_restart_ratio_largest_to_first"] = round(last["group_restart_s"] / first["group_restart_s"], 2)
+        # What a limit must allow beyond the line: the creation's peak over the steady RSS after it.
+        out["peak_over_steady_largest"] = round(last["peak_rss_kib"] / last["rss_kib"], 2)
         out["fit"] = fit([(s["pods"], s["rss_kib"]) for s in out["steps"]])
         prov.write(out)
         print(f"RSS = {out['fit']['intercept_mib']} MiB + {out['fit']['slope_kib_per_pod']} KiB x pods "
