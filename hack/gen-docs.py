@@ -482,8 +482,6 @@ FIGURES: dict[str, Figure] = {
     "memory.slope": Figure(_MEMORY, "{r[fit][slope_kib_per_pod]:.0f} KiB"),
     "memory.intercept": Figure(_MEMORY, "{r[fit][intercept_mib]:.0f} MiB"),
     "memory.largest": Figure(_MEMORY, "{v:,}", lambda r: r["steps"][-1]["pods"]),
-    "memory.largest.rss": Figure(_MEMORY, "{v:.0f} MiB", lambda r: r["steps"][-1]["rss_kib"] / 1024),
-    "memory.largest.peak": Figure(_MEMORY, "{v:.0f} MiB", lambda r: r["steps"][-1]["peak_rss_kib"] / 1024),
     "memory.at50k": Figure(_MEMORY, "{v:.1f} GiB",
                            lambda r: (r["fit"]["intercept_mib"] + r["fit"]["slope_kib_per_pod"] * 50_000 / 1024) / 1024),
     "memory.peak.ratio": Figure(_MEMORY, "{r[peak_over_steady_largest]:.2f}x"),
