@@ -3,7 +3,7 @@
 training-operator v1.9.4 (PyTorchJob) at upstream defaults and tuned, in one run.
 
 Scenarios (the same pod counts for every controller): 1 job x 64 nodes, 100 jobs x 8 nodes, and
-(bounded: --scenarios 1000x10) 10,000 pods. Each controller runs alone, freshly started for each run,
+(bounded: --scenarios 1000x10, 5000x10) 10,000 and 50,000 pods. Each controller runs alone, freshly started for each run,
 serving only that run's namespace. Every cell is --repeat runs (default 3), interleaved: each repeat
 runs every scenario with every variant, the variants' order rotating from one repeat to the next.
 Variant `floor` has no controller: the script creates the very pods our operator would (render_pod),
@@ -56,10 +56,13 @@ from kubernetes import client  # noqa: E402
 from kubernetes.client.rest import ApiException  # noqa: E402
 
 import kubeflow_peer  # noqa: E402
+import pyspy  # noqa: E402
 import stats  # noqa: E402
 from provenance import Provenance  # noqa: E402
 from ddpjob_operator.api.spec import from_manifest  # noqa: E402
+from ddpjob_operator.api import labels  # noqa: E402
 from ddpjob_operator.builders.pods import render_pod  # noqa: E402
+from ddpjob_operator.builders.service import render_service  # noqa: E402
 from ddpjob_operator.cluster.k8s import K8s  # noqa: E402
 from ddpjob_trainer.contract import STAGES  # noqa: E402
 from ddpjob_trainer.telemetry import STEP_BUCKETS  # noqa: E402
@@ -69,15 +72,24 @@ from tests.support.cluster import (create_namespace, delete_namespace, ensure_cl
 BENCH_LABEL = "kwok-bench"
 PODS_PER_NODE = 500
 TIMEOUT = 400            # default seconds for one scenario's pods to be Running (--running-timeout)
-MAX_PODS = 10_000        # the largest scenario this script runs (only on its own kwok nodes)
+MAX_PODS = 50_000        # the largest scenario this script runs (only on its own kwok nodes: 100 of them)
 FINISH_TIMEOUT = 300
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 VARIANTS = ("ddpjob", "pytorchjob-default", "pytorchjob-tuned")
 # "floor": no controller. This script creates our very pods itself (render_pod, no owner),
 # FLOOR_IN_FLIGHT at a time, as fast as the control plane takes them: what this machine's API
 # server, scheduler and kwok allow any controller.
-ALL_VARIANTS = VARIANTS + ("ddpjob-before", "floor")
+# "floor-svc": the floor's pods and one headless Service per job beside them, as our operator makes
+# them (render_service); "floor-nssvc": one headless Service per namespace selecting every pod of
+# the run (the cheaper DNS arrangement: `<job>-<rank>.<that service>.<ns>.svc`). Their control
+# plane CPU against the floor's is what a job's Service costs kube-controller-manager.
+ALL_VARIANTS = VARIANTS + ("ddpjob-before", "floor", "floor-svc", "floor-nssvc")
 FLOOR_IN_FLIGHT = 64
+NS_SERVICE = "ddpjob-pods"
+# A bench namespace names a tenant profile no chart defines: the default (baseline) tenant policy of
+# a chart that a test installs meanwhile on the shared control plane binds only namespaces without
+# one, and would refuse the bench's tolerations.
+BENCH_NAMESPACE_LABELS = {"ddpjob.dev/tenant-profile": "bench-none"}
 # Bench pods only go to the bench nodes (taint + selector), away from concurrent test traffic.
 PLACEMENT = {"nodeSelector": {"type": BENCH_LABEL},
              "tolerations": [{"key": "ddpjob.dev/bench", "operator": "Exists", "effect": "NoSchedule"}]}
@@ -215,7 +227,11 @@ class FakeRanks:
             def log_message(self, *args) -> None:
                 pass
 
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        class Server(http.server.ThreadingHTTPServer):
+            def handle_error(self, request, client_address) -> None:
+                pass  # a scraper closing its kept-alive connection (operator exit) is no news
+
+        self.server = Server(("127.0.0.1", 0), Handler)
         self.server.daemon_threads = True
         self.port = self.server.server_address[1]
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
@@ -240,6 +256,30 @@ def cpu_seconds(pid: int | None) -> float:
     return (int(fields[11]) + int(fields[12])) / CLK_TCK
 
 
+def control_plane_cpu(cluster) -> dict[str, float]:
+    """CPU-s so far of this cluster's kube-apiserver, kube-controller-manager and etcd (their command
+    lines name its state directory; every process of a kind summed: a stale standby counts too)."""
+    state = f"{Path(cluster.kubeconfig).resolve().parent}/"
+    out: dict[str, float] = {}
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            argv = (proc / "cmdline").read_bytes().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        if not any(a.startswith(state) for a in argv):
+            continue
+        kind = {"kube-apiserver": "apiserver", "kube-controller-manager": "controller_manager",
+                "etcd": "etcd"}.get(Path(argv[0]).name)
+        if kind:
+            try:
+                out[kind] = out.get(kind, 0.0) + cpu_seconds(int(proc.name))
+            except OSError:
+                pass
+    return out
+
+
 def rss_mib(pid: int | None) -> float | None:
     if pid is None:
         return None
@@ -252,14 +292,16 @@ def rss_mib(pid: int | None) -> float | None:
 class Ours:
     """`ddpjob operator` serving one namespace, scraping only loopback (`scrape_url`); with
     `source`, the operator package from that directory (an older revision, for before/after).
-    Its progress interval is the operator's default."""
+    Its progress interval is the operator's default. `wrapper`: a script (and its arguments) that
+    runs the operator's module itself (bench/pymem.py)."""
 
-    def __init__(self, cluster, ns: str, log_path: Path, *, scrape_url: str, source: Path | None = None) -> None:
+    def __init__(self, cluster, ns: str, log_path: Path, *, scrape_url: str, source: Path | None = None,
+                 wrapper: tuple[str, ...] = ()) -> None:
         self.metrics_port, self.health_port = free_port(), free_port()
         env = cluster.env()
         if source is not None:
             env["PYTHONPATH"] = str(source / "operator")
-        cmd = [sys.executable, "-m", "ddpjob_cli", "operator", "-n", ns, "--peering", "",
+        cmd = [sys.executable, *wrapper, "-m", "ddpjob_cli", "operator", "-n", ns, "--peering", "",
                "--metrics-port", str(self.metrics_port), "--health-port", str(self.health_port),
                "--scrape-interval", "15", "--log-level", "WARNING",
                # kwok pod IPs are fictitious: scrape loopback (FakeRanks, or a closed port) instead.
@@ -302,22 +344,43 @@ class Floor:
     def wait_ready(self) -> None:
         pass
 
-    def start(self, jobs: int, nodes: int) -> None:
-        pods = [render_pod(from_manifest({**ddpjob(f"b{j}", nodes), "metadata": {"name": f"b{j}", "namespace": self.ns}}),
-                           rank) for j in range(jobs) for rank in range(nodes)]
+    def start(self, jobs: int, nodes: int, *, services: str = "") -> None:
+        """Create the pods; with `services` "job" each job's headless Service first (as our
+        operator does), with "namespace" one Service for all, the pods' subdomain pointing at it."""
+        specs = [from_manifest({**ddpjob(f"b{j}", nodes), "metadata": {"name": f"b{j}", "namespace": self.ns}})
+                 for j in range(jobs)]
+        objs: list[dict] = []
+        if services == "namespace":
+            svc = render_service(specs[0])
+            svc["metadata"] = {"name": NS_SERVICE, "namespace": self.ns}
+            svc["spec"]["selector"] = {labels.MANAGED_BY: labels.MANAGER}
+            objs.append(svc)
+        for spec in specs:
+            if services == "job":
+                objs.append(render_service(spec))
+            for rank in range(nodes):
+                pod = render_pod(spec, rank)
+                if services == "namespace":
+                    pod["spec"]["subdomain"] = NS_SERVICE
+                objs.append(pod)
 
         def create_all() -> None:
-            def one(pod: dict) -> None:
-                self.core.create_namespaced_pod(self.ns, pod)
+            def one(obj: dict) -> None:
+                if obj["kind"] == "Service":
+                    self.core.create_namespaced_service(self.ns, obj)
+                else:
+                    self.core.create_namespaced_pod(self.ns, obj)
                 with self.lock:
                     self.created += 1
+            if objs and objs[0]["metadata"]["name"] == NS_SERVICE:
+                one(objs.pop(0))
             with ThreadPoolExecutor(FLOOR_IN_FLIGHT) as pool:
-                list(pool.map(one, pods))
+                list(pool.map(one, objs))
         self.thread = threading.Thread(target=create_all, daemon=True)
         self.thread.start()
 
     def requests(self) -> dict[str, float]:
-        return {"POST pods": float(self.created)}
+        return {"POST pods/services": float(self.created)}
 
     def stop(self) -> None:
         if self.thread is not None:
@@ -383,15 +446,17 @@ def clear_pods(core, ns: str, *, timeout: float = 900) -> None:
 
 def run_one(cluster, api, k8s: K8s, variant: str, jobs: int, nodes: int, *, idle_seconds: float,
             finished_seconds: float, webhook_port: int, logs: Path, before_source: Path | None,
-            ranks: FakeRanks, max_load: float, running_timeout: float = TIMEOUT) -> dict:
-    ns = create_namespace(api, prefix=f"bench-{variant[:3]}{'t' if variant.endswith('tuned') else ''}-")
+            ranks: FakeRanks, max_load: float, running_timeout: float = TIMEOUT,
+            profile: Path | None = None, tag: str = "", submit_in_flight: int = FLOOR_IN_FLIGHT) -> dict:
+    ns = create_namespace(api, prefix=f"bench-{variant[:3]}{'t' if variant.endswith('tuned') else ''}-",
+                          labels=BENCH_NAMESPACE_LABELS)
     log_path = logs / f"{variant}-{jobs}x{nodes}-{ns}.log"
     load_before = os.getloadavg()
     ctrl: Ours | Floor | kubeflow_peer.Peer
     if variant.startswith("ddpjob"):
         ctrl = Ours(cluster, ns, log_path, scrape_url=ranks.template,
                     source=before_source if variant == "ddpjob-before" else None)
-    elif variant == "floor":
+    elif variant.startswith("floor"):
         ctrl = Floor(api, ns)
         idle_seconds = 0  # nothing to keep at rest
     else:
@@ -405,25 +470,39 @@ def run_one(cluster, api, k8s: K8s, variant: str, jobs: int, nodes: int, *, idle
         ctrl.wait_ready()
         time.sleep(2)
         rss_idle, before, cpu0 = rss_mib(ctrl.pid), ctrl.requests(), cpu_seconds(ctrl.pid)
+        plane = control_plane_cpu(cluster)
+        sampler = _sampler(ctrl, profile, f"{variant}-{jobs}x{nodes}{tag}-create")
         t0 = time.monotonic()
         tracker = PodTracker(k8s, ns, jobs * nodes, t0)
         if isinstance(ctrl, Floor):
-            ctrl.start(jobs, nodes)
+            ctrl.start(jobs, nodes, services={"floor-svc": "job", "floor-nssvc": "namespace"}.get(variant, ""))
         else:
-            for j in range(jobs):
+            def submit(j: int) -> None:
                 if variant.startswith("ddpjob"):
                     custom.create_namespaced_custom_object("ddpjob.dev", "v1alpha1", ns, "ddpjobs", ddpjob(f"b{j}", nodes))
                 else:
                     custom.create_namespaced_custom_object("kubeflow.org", "v1", ns, "pytorchjobs",
                                                            kubeflow_peer.pytorchjob(f"b{j}", nodes, PLACEMENT))
+            # The jobs go in as the floor's pods do, `submit_in_flight` creates at once: one at a
+            # time, 1,000 DDPJob creates on a loaded API server were part of what "created" measured.
+            with ThreadPoolExecutor(max(1, submit_in_flight)) as pool:
+                list(pool.map(submit, range(jobs)))
+            res["jobs_submitted_s"] = _r(time.monotonic() - t0)
         times = tracker.wait(running_timeout)
         delta = _delta(settle(ctrl), before)
+        res.update({f"{k}_cpu_s": round(v - plane.get(k, 0.0), 2) for k, v in control_plane_cpu(cluster).items()})
+        res["endpointslices"] = len(client.DiscoveryV1Api(api).list_namespaced_endpoint_slice(ns).items)
+        if sampler is not None:
+            res["profile_create"] = _summarize(sampler)
         res.update({**times, "requests": sum(delta.values()), "requests_per_job": round(sum(delta.values()) / jobs, 1),
                     "request_breakdown": delta,
                     "cpu_s": None if ctrl.pid is None else round(cpu_seconds(ctrl.pid) - cpu0, 2),
                     "rss_idle_mib": rss_idle, "rss_after_mib": rss_mib(ctrl.pid)})
         if idle_seconds > 0 and times["all_pods_running_s"] is not None:
+            sampler = _sampler(ctrl, profile, f"{variant}-{jobs}x{nodes}{tag}-rest")
             res["rest_running"] = at_rest(ctrl, idle_seconds, jobs)
+            if sampler is not None:
+                res["profile_rest"] = _summarize(sampler)
         if idle_seconds > 0 and finished_seconds > 0 and times["all_pods_running_s"] is not None:
             pods = [p.metadata.name for p in core.list_namespaced_pod(ns).items]
             with ThreadPoolExecutor(8) as pool:   # kwok ends each pod with exit code 0
@@ -447,11 +526,32 @@ def run_one(cluster, api, k8s: K8s, variant: str, jobs: int, nodes: int, *, idle
     return res
 
 
+def _sampler(ctrl, profile: Path | None, name: str) -> pyspy.Sampler | None:
+    """py-spy on our operator's process (--profile), into `profile`/`name`.raw."""
+    if profile is None or not isinstance(ctrl, Ours):
+        return None
+    return pyspy.Sampler(ctrl.pid, profile / f"{name}.raw")
+
+
+def _summarize(sampler: pyspy.Sampler) -> str | None:
+    """Stop `sampler`; write its top frames beside its samples (.txt); the summary's path."""
+    raw = sampler.stop()
+    if raw is None:
+        return None
+    text = raw.with_suffix(".txt")
+    text.write_text(pyspy.render(pyspy.top_frames(raw), title=raw.stem))
+    return str(text)
+
+
 ROWS = [  # (label, key, rest only)
+    ("apply -> all jobs submitted (s)", "jobs_submitted_s", False),
     ("apply -> all pods created (s)", "all_pods_exist_s", False),
     ("apply -> all Running (s)", "all_pods_running_s", False),
     ("requests per job", "requests_per_job", False),
     ("controller CPU-s", "cpu_s", False),
+    ("kube-controller-manager CPU-s", "controller_manager_cpu_s", False),
+    ("kube-apiserver CPU-s", "apiserver_cpu_s", False),
+    ("EndpointSlices", "endpointslices", False),
     ("RSS idle (MiB)", "rss_idle_mib", False),
     ("RSS after (MiB)", "rss_after_mib", False),
     ("at rest, Running+scraped: requests/min", "rest_running.requests_per_min", True),
@@ -542,7 +642,7 @@ def report(args, prov: Provenance, runs: list[dict], scenarios, rest, variants, 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--scenarios", default="1x64,100x8", help="comma list of JOBSxNODES (at most 10,000 pods each)")
+    ap.add_argument("--scenarios", default="1x64,100x8", help=f"comma list of JOBSxNODES (at most {MAX_PODS:,} pods each)")
     ap.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list of {', '.join(ALL_VARIANTS)}")
     ap.add_argument("--before", default=None, metavar="REV",
                     help="git revision whose operator runs as variant ddpjob-before (added to the variants)")
@@ -560,6 +660,12 @@ def main() -> int:
                     help="1-minute load average above which a run is flagged loaded")
     ap.add_argument("--running-timeout", type=float, default=TIMEOUT,
                     help="seconds a run waits for all its pods Running before it reports none")
+    ap.add_argument("--submit-in-flight", type=int, default=FLOOR_IN_FLIGHT,
+                    help="job creates the script sends at once (the floor's pods: FLOOR_IN_FLIGHT); 1 = one after "
+                         "another, as this bench did before")
+    ap.add_argument("--profile", type=Path, default=None, metavar="DIR",
+                    help="py-spy our operator during each creation and at-rest window: collapsed stacks "
+                         "(DIR/<run>.raw) and their top frames (DIR/<run>.txt, bench/pyspy.py)")
     ap.add_argument("--out", default=str(REPO / "bench/results/operator_scale.json"))
     args = ap.parse_args()
     # What a run measures: the operator (and the trainer modules it imports), the control plane
@@ -582,7 +688,8 @@ def main() -> int:
         subprocess.run(["tar", "-x", "-C", str(before_source)], input=archive, check=True)
         if "ddpjob-before" not in variants:
             variants.insert(0, "ddpjob-before")
-    node_count = math.ceil(max(j * n for j, n in scenarios) / PODS_PER_NODE)
+    # One node more than the pods fill: room for a restarted job's new pods beside its kept failed one.
+    node_count = math.ceil(max(j * n for j, n in scenarios) / PODS_PER_NODE) + 1
 
     cluster = ensure_cluster()
     api = cluster.api()
@@ -609,7 +716,8 @@ def main() -> int:
                     finished_s = args.idle_seconds if args.finished_seconds is None else args.finished_seconds
                     res = run_one(cluster, api, k8s, variant, jobs, nodes, idle_seconds=idle, finished_seconds=finished_s,
                                   webhook_port=webhook_port, logs=logs, before_source=before_source,
-                                  ranks=ranks, max_load=args.max_load, running_timeout=args.running_timeout)
+                                  ranks=ranks, max_load=args.max_load, running_timeout=args.running_timeout,
+                                  profile=args.profile, tag=f"-rep{rep}", submit_in_flight=args.submit_in_flight)
                     res["repeat"] = rep
                     runs.append(res)
                     rr, rf = res.get("rest_running") or {}, res.get("rest_finished") or {}

@@ -335,8 +335,19 @@ _REC = ("recovery_lazy_imports.json", "recovery_lazy_imports_rerun.json")
 # The same before it (91f425a's code, recorded by its bench as 96c0864 and b8eafd1).
 _REC_BEFORE = ("recovery.json", "recovery_rerun.json")
 
-_SCALE_10K = "operator_scale_1000x10_ours_floor_pair.json"
+# 10,000 pods (1,000 jobs of 10), ours against the floor: three interleaved pairs (issue 48's
+# operator), and the one pair before it.
+_SCALE_10K = "operator_scale_1000x10_ours_floor_3pairs.json"
+_SCALE_10K_BEFORE = "operator_scale_1000x10_ours_floor_pair.json"
 _T10K = "r[table][1000x10 "
+# The operator's RSS against the pods it keeps (bench/operator_memory.py).
+_MEMORY = "operator_memory_2k_10k.json"
+
+
+def _writes_per_job(r: Any) -> float:
+    """Status writes per job while 1,000 jobs came up: the median over our runs."""
+    return statistics.median(run["request_breakdown"].get("PATCH ddpjobs/status", 0) / run["jobs"]
+                             for run in r["runs"] if run["variant"] == "ddpjob")
 
 def _spread(arm: str, key: str = "kill_to_step_s") -> Callable[..., dict[str, float]]:
     """Median, min, max and count of one arm's runs over several recovery results."""
@@ -440,15 +451,42 @@ FIGURES: dict[str, Figure] = {
     "metrics.ratio": Figure("metrics_overhead.json", _interval("steps.ratio_on_off")),
     "fairness.ours": Figure("fairness-floor.json", "{r[restart][ratio_busy_idle_exist]:.2f}x"),
     "fairness.floor": Figure("fairness-floor.json", "{r[restart][floor_ratio_busy_idle_exist]:.2f}x"),
-    # 10,000 pods (1,000 jobs of 10): ours against the floor, one run each (bench/operator_scale.py).
+    # 10,000 pods (1,000 jobs of 10): ours against the floor, 3 interleaved pairs (bench/operator_scale.py).
     "scale.10k.commit": Figure(_SCALE_10K, "{r[commit]:.7}"),
     "scale.10k.created.ours": Figure(_SCALE_10K, "{" + _T10K + "apply -> all pods created (s)][ddpjob][median]:.0f} s"),
     "scale.10k.created.floor": Figure(_SCALE_10K, "{" + _T10K + "apply -> all pods created (s)][floor][median]:.0f} s"),
-    "scale.10k.created.ratio": Figure(_SCALE_10K, "{" + _T10K + "apply -> all pods created (s)][ratio_ours_floor][ratio]:.1f}x"),
-    "scale.10k.running.ratio": Figure(_SCALE_10K, "{" + _T10K + "apply -> all Running (s)][ratio_ours_floor][ratio]:.2f}x"),
-    "scale.10k.requests.ours": Figure(_SCALE_10K, "{" + _T10K + "requests per job][ddpjob][median]:.0f}"),
+    "scale.10k.created.ratio": Figure(_SCALE_10K, _interval("table.1000x10 apply -> all pods created (s).ratio_ours_floor",
+                                                            digits=2)),
+    "scale.10k.running.ours": Figure(_SCALE_10K, "{" + _T10K + "apply -> all Running (s)][ddpjob][median]:.0f} s"),
+    "scale.10k.running.floor": Figure(_SCALE_10K, "{" + _T10K + "apply -> all Running (s)][floor][median]:.0f} s"),
+    "scale.10k.running.ratio": Figure(_SCALE_10K, _interval("table.1000x10 apply -> all Running (s).ratio_ours_floor",
+                                                            digits=2)),
+    "scale.10k.requests.ours": Figure(_SCALE_10K, "{" + _T10K + "requests per job][ddpjob][median]:.1f}"),
     "scale.10k.requests.floor": Figure(_SCALE_10K, "{" + _T10K + "requests per job][floor][median]:.0f}"),
+    "scale.10k.writes": Figure(_SCALE_10K, "{v:.1f}", _writes_per_job),
+    "scale.10k.kcm.ratio": Figure(_SCALE_10K, "{" + _T10K + "kube-controller-manager CPU-s][ratio_ours_floor][ratio]:.1f}x"),
+    "scale.10k.cpu": Figure(_SCALE_10K, "{" + _T10K + "controller CPU-s][ddpjob][median]:.0f} CPU-s"),
     "scale.10k.rss": Figure(_SCALE_10K, "{" + _T10K + "RSS after (MiB)][ddpjob][median]:.0f} MiB"),
+    "scale.10k.rest.cpu": Figure(_SCALE_10K, "{" + _T10K + "at rest, Running+scraped: CPU-s/min][ddpjob][median]:.1f} CPU-s/min"),
+    "scale.10k.rest.writes": Figure(_SCALE_10K,
+                                    "{" + _T10K + "at rest, Running+scraped: status writes/job/min][ddpjob][median]:.1f}"),
+    "scale.10k.before.commit": Figure(_SCALE_10K_BEFORE, "{r[commit]:.7}"),
+    "scale.10k.before.created.ratio": Figure(_SCALE_10K_BEFORE,
+                                             "{" + _T10K + "apply -> all pods created (s)][ratio_ours_floor][ratio]:.1f}x"),
+    "scale.10k.before.running.ratio": Figure(_SCALE_10K_BEFORE,
+                                             "{" + _T10K + "apply -> all Running (s)][ratio_ours_floor][ratio]:.2f}x"),
+    "scale.10k.before.requests": Figure(_SCALE_10K_BEFORE, "{" + _T10K + "requests per job][ddpjob][median]:.0f}"),
+    "scale.10k.before.rss": Figure(_SCALE_10K_BEFORE, "{" + _T10K + "RSS after (MiB)][ddpjob][median]:.0f} MiB"),
+    # The operator's memory: a line through (pods, RSS) (bench/operator_memory.py).
+    "memory.commit": Figure(_MEMORY, "{r[commit]:.7}"),
+    "memory.slope": Figure(_MEMORY, "{r[fit][slope_kib_per_pod]:.0f} KiB"),
+    "memory.intercept": Figure(_MEMORY, "{r[fit][intercept_mib]:.0f} MiB"),
+    "memory.largest": Figure(_MEMORY, "{v:,}", lambda r: r["steps"][-1]["pods"]),
+    "memory.at50k": Figure(_MEMORY, "{v:.1f} GiB",
+                           lambda r: (r["fit"]["intercept_mib"] + r["fit"]["slope_kib_per_pod"] * 50_000 / 1024) / 1024),
+    "memory.peak.ratio": Figure(_MEMORY, "{r[peak_over_steady_largest]:.2f}x"),
+    "memory.restart.first": Figure(_MEMORY, "{r[steps][1][group_restart_s]:.1f} s"),
+    "memory.restart.largest": Figure(_MEMORY, "{v:.1f} s", lambda r: r["steps"][-1]["group_restart_s"]),
     # Pins (hack/versions.env).
     **{f"pin.{name}": Pin("hack/versions.env", name) for name in (
         "KUBE_VERSION", "KUBE_OLDEST_VERSION", "ETCD_VERSION", "KWOK_VERSION", "HELM_VERSION", "COREDNS_VERSION",

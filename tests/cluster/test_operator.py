@@ -15,12 +15,12 @@ from pathlib import Path
 
 import pytest
 import yaml
-from kubernetes import client
+from kubernetes import client, watch
 from kubernetes.client.rest import ApiException
 
 from tests.cluster.conftest import wait_for
 from tests.cluster.test_crd import install_crd
-from tests.support.cluster import REPO_ROOT, evict_pod, set_pod_exit, wait_crd_established
+from tests.support.cluster import FAKE_NODE_PREFIX, REPO_ROOT, evict_pod, set_pod_exit, wait_crd_established
 from ddpjob_cli.local import free_port
 
 DDPJOB = str(Path(sys.executable).parent / "ddpjob")
@@ -238,6 +238,45 @@ def test_running_job_at_rest_costs_no_api_requests(start_operator, k8s):
     assert api_requests(op) == before
     assert before.get("LIST pods") == 1 and before.get("WATCH pods", 0) >= 1
     assert not [k for k in before if k.startswith("GET ")], before
+
+
+def test_a_job_coming_up_writes_its_status_twice(start_operator, k8s):
+    """The attempt created (written before its pods), then all Running: the node counts of the
+    pods that start in between ride along with the second write. The test is the pods' scheduler
+    (a schedulerName no scheduler serves): it binds three of the four to fake nodes, lets them start,
+    then the fourth. Each status write is one MODIFIED event of the job's watch (replayed from
+    before the job existed)."""
+    start_operator()
+    rv = k8s.custom.list_namespaced_custom_object("ddpjob.dev", "v1alpha1", k8s.ns, "ddpjobs")["metadata"][
+        "resourceVersion"]
+    k8s.apply("up", nodes=4, scheduling={"onePodPerNode": False},
+              template={"spec": {"schedulerName": "test-binds-by-hand"}})
+
+    def bind(*names: str) -> None:
+        for i, name in enumerate(names):
+            k8s.core.create_namespaced_pod_binding(name, k8s.ns, {
+                "apiVersion": "v1", "kind": "Binding", "metadata": {"name": name},
+                "target": {"apiVersion": "v1", "kind": "Node", "name": f"{FAKE_NODE_PREFIX}{i}"}},
+                _preload_content=False)
+
+    wait_for(lambda: len(k8s.pods("up")) == 4, timeout=30, desc="up's 4 pods created")
+    bind("up-0", "up-1", "up-2")
+    wait_for(lambda: sorted(p.status.phase for p in k8s.pods("up")) == ["Pending", "Running", "Running", "Running"],
+             timeout=60, desc="3 of up's pods Running")
+    time.sleep(6)  # room for the coalesced node-count write (5 s) the old policy made: it would be the bug
+    bind("up-3")
+    writes: list[dict] = []
+    for ev in watch.Watch().stream(k8s.custom.list_namespaced_custom_object, "ddpjob.dev", "v1alpha1", k8s.ns,
+                                   "ddpjobs", resource_version=rv, field_selector="metadata.name=up",
+                                   timeout_seconds=90):
+        status = ev["object"].get("status") or {}
+        if ev["type"] == "MODIFIED":
+            writes.append(status)
+        if status.get("phase") == "Running":
+            break
+    assert [w.get("phase") for w in writes] == ["Pending", "Running"], writes
+    assert writes[0]["nodes"]["running"] == 0 and writes[1]["nodes"]["running"] == 4
+    assert writes[1]["launchedAttempt"] == 0
 
 
 def pod_table(k8s, name):

@@ -5,7 +5,8 @@ import asyncio
 import threading
 
 from ddpjob_operator.api import labels
-from ddpjob_operator.cluster.cache import Informer, Store, pod_informers
+from ddpjob_operator.cluster.cache import LAST_APPLIED, Informer, Store, pod_informers, pod_store
+from ddpjob_operator.cluster.k8s import LIST_PAGE, K8s
 from tests.support.builders import make_pod
 
 
@@ -57,9 +58,10 @@ class ScriptedAPI:
         self.calls: list[tuple] = []
         self.idle = threading.Event()
 
-    def list_objects(self, path, query=None):
+    def list_objects(self, path, query=None, *, transform=None):
         self.calls.append(("list", path, tuple(query or ())))
-        return self.lists.pop(0)
+        items, rv = self.lists.pop(0)
+        return [transform(o) if transform else o for o in items], rv
 
     def watch(self, path, query, *, resource_version, timeout=270):
         self.calls.append(("watch", path, resource_version))
@@ -74,11 +76,13 @@ def test_informer_lists_watches_and_relists_after_410_without_ghosts():
     api = ScriptedAPI(
         lists=[([make_pod(name="a", resource_version=1), make_pod(name="b", resource_version=2)], "10"),
                ([make_pod(name="b", resource_version=13)], "20")],
-        watches=[[{"type": "MODIFIED", "object": make_pod(name="a", resource_version=11)},
+        watches=[[{"type": "MODIFIED", "object": with_env(make_pod(name="a", resource_version=11))},
                   {"type": "BOOKMARK", "object": {"metadata": {"resourceVersion": "12"}}},
                   {"type": "ERROR", "object": {"code": 410, "message": "too old"}}]])
-    store = Store(index_label=labels.JOB_NAME)
+    store = pod_store()
     informer, = pod_informers(api, store, ("ns",))
+    kept: list[dict] = []
+    store.listeners.append(lambda etype, obj: kept.append(obj))
 
     async def main():
         assert not store.synced
@@ -94,13 +98,20 @@ def test_informer_lists_watches_and_relists_after_410_without_ghosts():
     assert api.calls[0] == ("list", "/api/v1/namespaces/ns/pods", (("labelSelector", labels.JOB_NAME),))
     assert ("watch", "/api/v1/namespaces/ns/pods", "10") in api.calls
     assert ("watch", "/api/v1/namespaces/ns/pods", "20") in api.calls   # continued from the relist
+    # What the watch brought was cut to what the operator reads (in the informer's thread).
+    assert kept and all("containers" not in (p.get("spec") or {}) for p in kept)
+
+
+def with_env(pod: dict) -> dict:
+    pod.setdefault("spec", {})["containers"] = [{"name": "trainer", "env": [{"name": "A", "value": "1"}]}]
+    return pod
 
 
 def test_informer_for_a_missing_resource_counts_as_synced():
     from kubernetes.client.rest import ApiException
 
     class Missing:
-        def list_objects(self, path, query=None):
+        def list_objects(self, path, query=None, *, transform=None):
             raise ApiException(status=404, reason="NotFound")
 
     store = Store()
@@ -121,3 +132,39 @@ def test_store_drops_managed_fields_without_touching_the_original():
     store.upsert(original)
     assert "managedFields" not in store.get("ns", "a")["metadata"]
     assert original["metadata"]["managedFields"] == [{"manager": "kubectl"}]
+
+
+def test_store_drops_kubectls_last_applied_copy_of_a_job():
+    store = Store()
+    job = {"metadata": {"name": "j", "namespace": "ns", "resourceVersion": "1",
+                        "annotations": {LAST_APPLIED: '{"spec": "the whole manifest again"}', "team": "a"}},
+           "spec": {"nodes": 2}}
+    store.upsert(job)
+    assert store.get("ns", "j")["metadata"]["annotations"] == {"team": "a"}
+    assert LAST_APPLIED in job["metadata"]["annotations"]
+
+
+def test_a_list_is_read_page_by_page_each_page_cut_before_the_next():
+    """One consistent list in pages of LIST_PAGE (the continue token), as client-go's informers
+    read it: a relist of 50,000 pods never holds their whole JSON at once."""
+    k8s = K8s.__new__(K8s)
+    pages = {"": {"items": [{"n": 1}, {"n": 2}], "metadata": {"continue": "c1"}},
+             "c1": {"items": [{"n": 3}], "metadata": {"resourceVersion": "42"}}}
+    seen: list[tuple] = []
+    cut: list[int] = []
+
+    def request(method, path, *, query=None, **_):
+        q = dict(query)
+        seen.append((method, path, q.get("labelSelector"), q.get("limit"), q.get("continue", ""), len(cut)))
+        return pages[q.get("continue", "")]
+
+    def transform(obj):
+        cut.append(obj["n"])
+        return {"kept": obj["n"]}
+
+    k8s._request = request  # type: ignore[method-assign]
+    items, rv = k8s.list_objects("/api/v1/pods", [("labelSelector", "x")], transform=transform)
+    assert items == [{"kept": 1}, {"kept": 2}, {"kept": 3}] and rv == "42"
+    # The first page's two items were cut before the second page was asked for.
+    assert seen == [("GET", "/api/v1/pods", "x", str(LIST_PAGE), "", 0),
+                    ("GET", "/api/v1/pods", "x", str(LIST_PAGE), "c1", 2)]

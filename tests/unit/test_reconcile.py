@@ -353,18 +353,47 @@ def test_failed_pass_is_retried_with_backoff():
     run(main())
 
 
-def test_pod_count_changes_coalesce_into_one_later_write():
+def test_a_job_coming_up_costs_two_status_writes():
+    """The attempt created (before its pods), then all Running: the node counts of each pod that
+    is scheduled or starts in between are carried by the second write, never written alone."""
+    k8s = FakeK8s()
+    rec = reconciler(k8s, queue=True, coalesce=0.05)
+
+    async def main():
+        rec.job_event(k8s.add_job(make_manifest(nodes=3)))
+        await until(lambda: len([c for c in k8s.objects if c[0] == "Pod"]) == 3, desc="the pods' creation")
+        for name in ("j-0", "j-1", "j-2"):       # each pod reaches the cache Pending, then Running
+            set_phase(rec, k8s, "Pending", name=name)
+            rec.queue.kick(NS, "j")
+        for name in ("j-0", "j-1"):
+            set_phase(rec, k8s, "Running", name=name)
+            rec.queue.kick(NS, "j")
+        # Room for the coalescing timer's write, which would be the bug (none is set while pending).
+        await asyncio.sleep(20 * rec.coalesce)
+        await until(lambda: not rec.queue.workers, desc="the passes")
+        assert len([c for c in k8s.calls if c[0] == "patch_status"]) == 1
+        assert k8s.jobs["j"]["status"]["nodes"]["running"] == 0     # stale until the next write
+        set_phase(rec, k8s, "Running", name="j-2")
+        rec.queue.kick(NS, "j")
+        await until(lambda: k8s.jobs["j"]["status"]["phase"] == "Running", desc="the Running write")
+        await rec.shutdown()
+    run(main())
+    assert len([c for c in k8s.calls if c[0] == "patch_status"]) == 2
+    status = k8s.jobs["j"]["status"]
+    assert status["nodes"]["running"] == 3 and status["launchedAttempt"] == 0
+
+
+def test_pod_count_changes_of_a_running_job_coalesce_into_one_later_write():
     k8s = FakeK8s()
     rec = reconciler(k8s, queue=True, coalesce=0.5)
 
     async def main():
-        rec.job_event(k8s.add_job(make_manifest(nodes=2)))
+        await start_running(k8s, rec, nodes=3)
+        rec.coalesce = 0.5
+        # Pods end one by one (a pass after each); the job runs on (the others still run).
+        set_phase(rec, k8s, "Succeeded", name="j-1", code=0)
         await rec.reconcile(NS, "j")
-        k8s.calls.clear()
-        # Pods reach the cache one by one (the pods' own Pending status), a pass after each.
-        set_phase(rec, k8s, "Pending", name="j-0")
-        await rec.reconcile(NS, "j")
-        set_phase(rec, k8s, "Pending", name="j-1")
+        set_phase(rec, k8s, "Succeeded", name="j-2", code=0)
         await rec.reconcile(NS, "j")
         assert [c for c in k8s.calls if c[0] == "patch_status"] == []
         await until(lambda: any(c[0] == "patch_status" for c in k8s.calls), desc="the coalescing timer's pass")
@@ -372,7 +401,7 @@ def test_pod_count_changes_coalesce_into_one_later_write():
         await rec.shutdown()
     run(main())
     assert len([c for c in k8s.calls if c[0] == "patch_status"]) == 1
-    assert k8s.jobs["j"]["status"]["launchedAttempt"] == 0
+    assert k8s.jobs["j"]["status"]["nodes"]["succeeded"] == 2
 
 
 def test_forget_leaves_no_state_behind():

@@ -55,6 +55,34 @@ def test_write_wait(new, since, expected):
     assert write_wait(status(), new, since_write=since, coalesce=5.0, progress_interval=30.0) == expected
 
 
+def coming_up(phase: str = "Pending", **kw) -> dict:
+    base = {"phase": phase, "attempt": 0, "launchedAttempt": -1, "nodes": {"pending": 0, "running": 0},
+            "conditions": [{"type": "Created", "status": "True", "reason": "Created", "message": "2 pod(s)"}]}
+    return {**base, **kw}
+
+
+@pytest.mark.parametrize("new, expected", [
+    (coming_up(nodes={"pending": 2, "running": 0}), None),                  # pods made: not alone
+    (coming_up(nodes={"pending": 1, "running": 1}, launchedAttempt=0), None),  # one started
+    (coming_up("Restarting", nodes={"pending": 1, "running": 1}), None),   # a restart's new group
+    (coming_up("Running", nodes={"pending": 0, "running": 2}), 0.0),       # all Running: due (urgent)
+])
+def test_node_counts_of_pods_coming_up_wait_for_the_next_write_that_is_due(new, expected):
+    """At most two writes while an attempt's pods come up: the attempt created, then all Running."""
+    prev = coming_up(new["phase"])
+    assert not urgent(prev, new, events=0) or new["phase"] == "Running"
+    assert write_wait(prev, new, since_write=5.0, coalesce=5.0, progress_interval=30.0) == expected
+
+
+def test_what_else_changes_while_pods_come_up_keeps_its_own_interval():
+    """A restarting job's progress losing its ETA (not quiet, not urgent) is written at the
+    progress interval, node counts riding along."""
+    prev = coming_up("Restarting", progress={"step": 5, "eta": "1m"})
+    new = coming_up("Restarting", progress={"step": 5}, nodes={"pending": 2, "running": 0})
+    assert not urgent(prev, new, events=0)
+    assert write_wait(prev, new, since_write=5.0, coalesce=5.0, progress_interval=30.0) == 25.0
+
+
 def needs(prev=None, *, progress=None, conditions=(), events=0, mlflow_run=None, due=False) -> bool:
     return scrape_needs_pass(status() if prev is None else prev, progress=progress, conditions=list(conditions),
                              events=events, mlflow_run=mlflow_run, progress_due=due)

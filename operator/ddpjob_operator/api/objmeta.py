@@ -4,12 +4,34 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import sys
 from typing import Any, overload
+
+# Strings this long or shorter are shared between the cached objects that hold them (sys.intern):
+# keys, label values, condition types and reasons, node names and timestamps repeat across
+# thousands of pods and jobs, and every decoded watch event brings its own copies.
+SHARED_LEN = 64
 
 
 def owned_by(pod: dict[str, Any], uid: str) -> bool:
     """True when the pod's controller owner is the DDPJob with this uid."""
     return any(ref.get("uid") == uid for ref in (pod.get("metadata") or {}).get("ownerReferences") or [])
+
+
+def _key(key: Any) -> Any:
+    return sys.intern(key) if type(key) is str else key
+
+
+def shared(value: Any) -> Any:
+    """A decoded JSON value rebuilt with its dict keys and short strings interned (equal to it;
+    `value` is left as it was): what the informer caches keep."""
+    if type(value) is str:  # not a subclass (an enum's str value): sys.intern takes exact str only
+        return sys.intern(value) if len(value) <= SHARED_LEN else value
+    if isinstance(value, dict):
+        return {_key(k): shared(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [shared(v) for v in value]
+    return value
 
 
 def resource_version(obj: dict[str, Any] | None) -> str:

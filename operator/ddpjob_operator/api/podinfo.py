@@ -8,7 +8,7 @@ from ddpjob_trainer import contract
 from ddpjob_trainer.contract import EXIT_BAD_CONFIG  # never retried
 
 from ddpjob_operator.api import labels
-from ddpjob_operator.api.objmeta import parse_time
+from ddpjob_operator.api.objmeta import parse_time, shared
 
 
 def meta(pod: dict[str, Any]) -> dict[str, Any]:
@@ -161,3 +161,34 @@ def is_simulated_node(node: dict[str, Any] | None) -> bool:
     """True when kwok simulates this Node object (the operator's scrapes and the CLI's `top --live`
     skip its pods)."""
     return SIMULATED_NODE_ANNOTATION in (((node or {}).get("metadata") or {}).get("annotations") or {})
+
+
+# What the operator reads of a pod, all modules together (this one, api/group and api/objmeta,
+# decisions/lifecycle and status, builders/gang and kueue, cluster/monitor): the pod cache keeps
+# these fields and nothing else (`slim`), as client-go's informer transform functions do. A key
+# maps to None (kept whole) or to the shape of its value (a dict's, or each list item's).
+# tests/unit/test_podinfo_slim.py holds every reader equal on a table of real pods, slim or whole.
+_CONTAINER_STATUS = {"name": None, "state": None}
+KEPT: dict[str, Any] = {
+    "apiVersion": None, "kind": None,
+    "metadata": {"name": None, "namespace": None, "uid": None, "resourceVersion": None, "labels": None,
+                 "annotations": None, "ownerReferences": None, "deletionTimestamp": None},
+    "spec": {"nodeName": None, "schedulerName": None, "schedulingGates": None},
+    "status": {"phase": None, "reason": None, "message": None, "podIP": None, "startTime": None,
+               "conditions": {"type": None, "status": None, "reason": None, "message": None,
+                              "lastTransitionTime": None},
+               "containerStatuses": _CONTAINER_STATUS, "initContainerStatuses": _CONTAINER_STATUS},
+}
+def _cut(value: Any, shape: dict[str, Any] | None) -> Any:
+    if shape is None or not isinstance(value, (dict, list)):
+        return shared(value)
+    if isinstance(value, list):
+        return [_cut(v, shape) for v in value]
+    return {shared(k): _cut(v, shape[k]) for k, v in value.items() if k in shape}
+
+
+def slim(pod: dict[str, Any]) -> dict[str, Any]:
+    """The pod as the cache keeps it: only the fields in KEPT (no managedFields, env, volumes,
+    containers' spec, images), its short strings shared (objmeta.shared). A new dict; `pod` is
+    left as it was."""
+    return _cut(pod, KEPT)

@@ -4,7 +4,8 @@ status once, create and delete children as decided (`children`), post events.
 Passes read the job and its pods from caches fed by watches, so a pass that changes nothing
 sends nothing to the API server: jobs at rest cost no requests. Passes for one job never overlap and
 bursts of triggers coalesce into a few passes (`workqueue`); status changes nobody acts on (node
-counts) are written at most once per `coalesce` seconds.
+counts) are written at most once per `coalesce` seconds, and not at all on their own while the
+pods come up (`decisions.writes.write_wait`).
 Periodic work is only the scrape schedule of running jobs (pods' metrics, not the API server)
 and one timer per job for its next deadline (activeDeadlineSeconds, TTL, unschedulable timeout).
 A scrape is not a pass: it runs one only when it found something to write now
@@ -34,7 +35,7 @@ from ddpjob_operator.app.operator_metrics import OperatorMetrics
 from ddpjob_operator.app.workqueue import Key, WorkQueue
 from ddpjob_operator.builders import gang
 from ddpjob_operator.builders.stacks import render_stacks_configmap
-from ddpjob_operator.cluster.cache import PeerGate, Store, key_of
+from ddpjob_operator.cluster.cache import PeerGate, Store, key_of, pod_store
 from ddpjob_operator.cluster.k8s import K8s
 from ddpjob_operator.decisions import stacks
 from ddpjob_operator.decisions.lifecycle import decide
@@ -89,7 +90,7 @@ class Reconciler:
         self.metrics = metrics
         self.monitor = _load_monitor(config, k8s) if monitor == "auto" else monitor
         self.jobs = jobs if jobs is not None else Store()
-        self.pods = pods if pods is not None else Store(index_label=labels.JOB_NAME)
+        self.pods = pods if pods is not None else pod_store()
         self.pods.listeners.append(self._pod_changed)
         # A short pause before a pass that pod events asked for folds their burst into one pass (a
         # 64-pod group's pods each move three times within a second); a new job and a job's own
@@ -305,6 +306,8 @@ class Reconciler:
                 since = asyncio.get_running_loop().time() - self._last_write.get(key, float("-inf"))
                 wait = write_wait(prev, status, since_write=since, coalesce=self.coalesce,
                                   progress_interval=self.progress_interval)
+                if wait is None:
+                    break  # node counts of pods coming up: the next write that is due carries them
                 if wait > 0:
                     self.queue.kick_later(key, wait)  # fold this change into a later write
                     break

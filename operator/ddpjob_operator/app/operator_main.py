@@ -11,8 +11,7 @@ import kopf
 from kubernetes.config import ConfigException
 from prometheus_client import Counter
 
-from ddpjob_operator.api import labels
-from ddpjob_operator.cluster.cache import PeerGate, Store, peering_informers, pod_informers
+from ddpjob_operator.cluster.cache import PeerGate, Store, peering_informers, pod_informers, pod_store
 from ddpjob_operator.api.config import OperatorConfig
 from ddpjob_operator.app.controller import Reconciler
 from ddpjob_operator.app.handlers import WatchOnlyDiffBase, register
@@ -103,7 +102,7 @@ def run_operator(cfg: OperatorConfig) -> int:
     async def main() -> None:
         identity = own_identity()
         scope = None if cfg.all_namespaces else tuple(namespaces)
-        pods = Store(index_label=labels.JOB_NAME)
+        pods = pod_store()
         informers = pod_informers(k8s, pods, scope)
         gate = None
         if cfg.peering:

@@ -205,7 +205,7 @@ def inplace_budget(job: JobSpec) -> int:
 def stop_grace_seconds(job: JobSpec) -> float:
     """The launcher's grace in this job's pods: their terminationGracePeriodSeconds (spec.template's,
     else Kubernetes' default) less the launcher's own margin (contract.stop_grace)."""
-    grace = (template.pod_template(job).get("spec") or {}).get("terminationGracePeriodSeconds")
+    grace = template.pod_spec(job).get("terminationGracePeriodSeconds")
     return contract.stop_grace(contract.POD_TERMINATION_GRACE_DEFAULT if grace is None else grace)
 
 

@@ -33,7 +33,7 @@ CONTAINER_SECURITY_DEFAULTS: dict[str, Any] = {"allowPrivilegeEscalation": False
 def automount_token(job: JobSpec) -> bool:
     """Mount an API token only for a job that names its ServiceAccount (the default one's token
     is an API credential the training code has no use for)."""
-    tpl = template.pod_template(job).get("spec") or {}
+    tpl = template.pod_spec(job)
     return bool(job.spec.get("serviceAccountName") or tpl.get("serviceAccountName") or tpl.get("serviceAccount"))
 
 
@@ -44,7 +44,7 @@ def share_process_namespace(job: JobSpec) -> bool | None:
     whole grace period for the SIGKILL. Not PID 1, the default action ends it at once (nothing runs
     yet to stop). None (left out) where the API refuses the field: a template with hostPID, a
     Windows pod. A template that sets it keeps its own value."""
-    tpl = template.pod_template(job).get("spec") or {}
+    tpl = template.pod_spec(job)
     if tpl.get("hostPID") or (tpl.get("os") or {}).get("name") == "windows":
         return None
     return True
@@ -110,7 +110,7 @@ def pod_spread(job: JobSpec) -> list[dict[str, Any]]:
     with every pod that carries it. A job's own DoNotSchedule constraint on kubernetes.io/hostname
     replaces ours (the API allows one per key and mode). Relaxed (false), the spread is a
     preference (ScheduleAnyway) that the job's own constraints replace."""
-    own = job.scheduling.pod_fields.get(SPREAD) or (template.pod_template(job).get("spec") or {}).get(SPREAD) or []
+    own = job.scheduling.pod_fields.get(SPREAD) or template.pod_spec(job).get(SPREAD) or []
     selector = {"labelSelector": {"matchLabels": {labels.JOB_NAME: job.name}}}
     if not job.scheduling.one_pod_per_node:
         return own or [{"maxSkew": 1, "topologyKey": HOSTNAME_KEY, "whenUnsatisfiable": "ScheduleAnyway", **selector}]
@@ -283,7 +283,7 @@ def pod_security_needs(job: JobSpec) -> list[str]:
     """The job's fields that need Pod Security level `privileged` (baseline and restricted refuse
     them): spec.rdma's IPC_LOCK, the template's host namespaces."""
     needs = [f"spec.rdma (the {rdma.CAPABILITY} capability it adds)"] if rdma.capabilities(job) else []
-    tpl = template.pod_template(job).get("spec") or {}
+    tpl = template.pod_spec(job)
     needs += [f"spec.template.spec.{k}" for k in ("hostNetwork", "hostPID", "hostIPC") if tpl.get(k)]
     return needs
 

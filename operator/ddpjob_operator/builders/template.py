@@ -115,6 +115,11 @@ def pod_template(job: JobSpec) -> dict[str, Any]:
     return job.spec.get("template") or {}
 
 
+def pod_spec(job: JobSpec) -> dict[str, Any]:
+    """spec.template.spec, the template's pod fields ({} when absent)."""
+    return pod_template(job).get("spec") or {}
+
+
 def trainer_index(template: dict[str, Any]) -> int | None:
     """Where the template's `trainer` container is in its containers (None: it has none)."""
     containers = (template.get("spec") or {}).get(CONTAINERS) or []

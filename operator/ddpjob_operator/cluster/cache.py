@@ -19,8 +19,8 @@ from typing import Any, Callable
 
 from kubernetes.client.rest import ApiException
 
-from ddpjob_operator.api import labels
-from ddpjob_operator.api.objmeta import parse_time, resource_version
+from ddpjob_operator.api import labels, podinfo
+from ddpjob_operator.api.objmeta import parse_time, resource_version, shared
 
 log = logging.getLogger("ddpjob.cache")
 Key = tuple[str, str]
@@ -47,21 +47,34 @@ def newer(a: Obj, b: Obj | None) -> bool:
     return True
 
 
+# kubectl apply's copy of the whole manifest (a DDPJob's spec twice over); nothing here reads it.
+LAST_APPLIED = "kubectl.kubernetes.io/last-applied-configuration"
+
+
 def slim(obj: Obj) -> Obj:
-    """The object without metadata.managedFields (nothing here reads them; they are a good part
-    of a pod's size, and the cache holds every pod of every job)."""
+    """The object without metadata.managedFields and kubectl's last-applied-configuration
+    annotation (nothing here reads them; they are a good part of an object's size, and the caches
+    hold every DDPJob and every pod), its short strings shared (objmeta.shared). A new dict; `obj`
+    is left as it was."""
     meta = obj.get("metadata")
-    if not meta or "managedFields" not in meta:
-        return obj
-    return {**obj, "metadata": {k: v for k, v in meta.items() if k != "managedFields"}}
+    if meta:
+        annotations = meta.get("annotations") or {}
+        meta = {k: v for k, v in meta.items() if k != "managedFields"}
+        if LAST_APPLIED in annotations:
+            meta["annotations"] = {k: v for k, v in annotations.items() if k != LAST_APPLIED}
+        obj = {**obj, "metadata": meta}
+    return shared(obj)
 
 
 class Store:
     """Objects by (namespace, name), optionally indexed by a label (our pods by job name).
     Touched only from the event loop's thread."""
 
-    def __init__(self, *, index_label: str | None = None) -> None:
+    def __init__(self, *, index_label: str | None = None, transform: Callable[[Obj], Obj] = slim) -> None:
         self.index_label = index_label
+        # What is kept of each object (client-go's transform function): `slim` by default, the
+        # pod cache keeps only what the operator reads (api/podinfo.slim).
+        self.transform = transform
         self._objs: dict[Key, Obj] = {}
         self._index: dict[Key, set[str]] = collections.defaultdict(set)
         self._gone: collections.OrderedDict[str, None] = collections.OrderedDict()
@@ -103,8 +116,9 @@ class Store:
             return None
         return ((obj.get("metadata") or {}).get("labels") or {}).get(self.index_label)
 
-    def upsert(self, obj: Obj, *, notify: bool = True) -> bool:
-        """Keep `obj` unless what is stored is newer or it was deleted; True when stored."""
+    def upsert(self, obj: Obj, *, notify: bool = True, cut: bool = False) -> bool:
+        """Keep `obj` unless what is stored is newer or it was deleted; True when stored. `cut`:
+        it went through `transform` already (an informer's thread did it)."""
         uid = (obj.get("metadata") or {}).get("uid")
         if uid and uid in self._gone:
             return False
@@ -112,7 +126,8 @@ class Store:
         old = self._objs.get(k)
         if not newer(obj, old):
             return False
-        obj = slim(obj)
+        if not cut:
+            obj = self.transform(obj)
         if old is not None and self._label(old) != self._label(obj):
             self._unindex(k, old)
         self._objs[k] = obj
@@ -123,7 +138,7 @@ class Store:
             self._notify("MODIFIED" if old is not None else "ADDED", obj)
         return True
 
-    def delete(self, obj: Obj, *, notify: bool = True) -> None:
+    def delete(self, obj: Obj, *, notify: bool = True, cut: bool = False) -> None:
         """Drop the object (only the same uid: a newer object may already hold the name)."""
         k = key_of(obj)
         uid = (obj.get("metadata") or {}).get("uid")
@@ -139,16 +154,16 @@ class Store:
         if notify:
             # A DELETED event carries the object's last state, which may be newer than what
             # is stored (PodGC's Failed + DisruptionTarget write, seen only with the deletion).
-            self._notify("DELETED", slim(obj) if newer(obj, old) else old)
+            self._notify("DELETED", (obj if cut else self.transform(obj)) if newer(obj, old) else old)
 
-    def replace(self, namespace: str | None, items: list[Obj]) -> None:
+    def replace(self, namespace: str | None, items: list[Obj], *, cut: bool = False) -> None:
         """A fresh list for `namespace` (None = all): upsert each, delete what is missing."""
         seen = {key_of(o) for o in items}
         for k, old in list(self._objs.items()):
             if (namespace is None or k[0] == namespace) and k not in seen:
-                self.delete(old)
+                self.delete(old, cut=True)
         for obj in items:
-            self.upsert(obj)
+            self.upsert(obj, cut=cut)
 
     def mark_synced(self) -> None:
         self._synced += 1
@@ -206,22 +221,24 @@ class Informer:
             self._stop.set()
 
     def _listed(self, items: list[Obj]) -> None:
-        self.store.replace(self.namespace, items)
+        self.store.replace(self.namespace, items, cut=True)
         if self._first:
             self._first = False
             self.store.mark_synced()
 
     def _event(self, etype: str, obj: Obj) -> None:
         if etype == "DELETED":
-            self.store.delete(obj)
+            self.store.delete(obj, cut=True)
         else:
-            self.store.upsert(obj)
+            self.store.upsert(obj, cut=True)
 
     def _run(self) -> None:
         backoff = 1.0
         while not self._stop.is_set():
             try:
-                items, rv = self.k8s.list_objects(self.path, self.query)
+                # Page by page, each cut to what the store keeps before the next is read: a relist of
+                # 50,000 pods never holds their whole JSON at once.
+                items, rv = self.k8s.list_objects(self.path, self.query, transform=self.store.transform)
                 self._post(self._listed, items)
                 backoff = 1.0
                 rv = self._watch(rv)
@@ -256,8 +273,15 @@ class Informer:
                     raise RuntimeError(f"watch error: {obj.get('message') or obj}")
                 rv = resource_version(obj) or rv
                 if etype in ("ADDED", "MODIFIED", "DELETED"):
-                    self._post(self._event, etype, obj)
+                    # Cut here, in this thread: a loop that lags behind a burst of events queues
+                    # them slim, not as whole decoded pods.
+                    self._post(self._event, etype, self.store.transform(obj))
         return rv
+
+
+def pod_store() -> Store:
+    """The operator's pods by job name, each kept as api/podinfo.slim cuts it."""
+    return Store(index_label=labels.JOB_NAME, transform=podinfo.slim)
 
 
 def pod_informers(k8s: Any, store: Store, namespaces: tuple[str, ...] | None) -> list[Informer]:

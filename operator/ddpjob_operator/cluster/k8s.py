@@ -32,6 +32,9 @@ COMPONENT = "ddpjob-operator"
 # are short. 64 stays for API servers a real network away, where the round trips bound a creation
 # (not measurable here).
 IN_FLIGHT = 64
+# Objects per page of a list (client-go's informers ask for 500): a relist of tens of thousands of
+# pods is read, decoded and cut down page by page, never as one response.
+LIST_PAGE = 500
 
 
 def load_api_client(*, pool: int = 32) -> client.ApiClient:
@@ -115,10 +118,21 @@ class K8s:
             raise ApiException(http_resp=resp)
         return json.loads(resp.data) if resp.data else None
 
-    def list_objects(self, path: str, query: list | None = None) -> tuple[list[dict[str, Any]], str]:
-        """(items, the list's resourceVersion): blocking, for an informer's thread."""
-        data = self._request("GET", path, query=query) or {}
-        return list(data.get("items") or []), str((data.get("metadata") or {}).get("resourceVersion") or "")
+    def list_objects(self, path: str, query: list | None = None, *, transform: Callable[[Any], Any] | None = None,
+                     page: int = LIST_PAGE) -> tuple[list[dict[str, Any]], str]:
+        """(items, the list's resourceVersion): blocking, for an informer's thread. Read `page`
+        items at a time (one consistent snapshot: the API server's continue token), each page's
+        items passed through `transform` before the next page is read."""
+        items: list[dict[str, Any]] = []
+        token = ""
+        while True:
+            q = list(query or []) + [("limit", str(page))] + ([("continue", token)] if token else [])
+            data = self._request("GET", path, query=q) or {}
+            items += [transform(o) for o in data.get("items") or []] if transform else list(data.get("items") or [])
+            meta = data.get("metadata") or {}
+            token = str(meta.get("continue") or "")
+            if not token:
+                return items, str(meta.get("resourceVersion") or "")
 
     def watch(self, path: str, query: list | None, *, resource_version: str,
               timeout: int = 270) -> Iterator[dict[str, Any]]:
