@@ -124,12 +124,41 @@ def test_the_watchdog_kills_the_stalled_rank_once_and_leaves_its_record(tmp_path
         victim.kill()
 
 
-def test_a_watchdog_that_cannot_read_the_metrics_stops_and_the_agent_goes_on(tmp_path, capsys):
-    (tmp_path / "gauge_mostrecent_1.db").write_bytes(b"not an mmap of prometheus_client's")
-    dog = Watchdog({contract.ENV_METRICS_DIR: str(tmp_path), contract.ENV_RESTART_ON_HANG: "1"})
-    me = types.SimpleNamespace(global_rank=0, id=os.getpid())
-    dog.on_monitor(None, types.SimpleNamespace(workers=[me]))
-    assert not dog.enabled and "the hang watchdog stops" in capsys.readouterr().err
+def test_a_file_a_worker_is_creating_is_read_as_empty_not_as_a_failure(tmp_path):
+    """prometheus_client opens a process's new metric file empty, then sizes it: a read in that
+    moment (a worker starting, a gauge mode first used) sees the rest of the directory. Merged
+    as it was, the empty file failed the whole read, and the watchdog stopped for good."""
+    _telemetry_writes(str(tmp_path), "tm.step(step=6, epoch=0, loss=1.0, samples=8, step_seconds=1.5, "
+                      "data_wait_seconds=0.0, timestamp=210.0)\n")
+    (tmp_path / "gauge_all_4242.db").write_bytes(b"")  # created, not yet sized
+    assert read_progress(str(tmp_path))[1].step == 6
+    assert steps_reached(str(tmp_path)) == {"1": 6}
+
+
+def test_a_watchdog_that_cannot_read_the_metrics_says_so_once_and_reads_again_when_it_can(tmp_path, capsys):
+    """A read that fails skips that look (the agent and its workers go on); the next look reads
+    again, and a stall after it is judged as ever."""
+    _telemetry_writes(str(tmp_path), "tm.set_stage('first_step', timestamp=100.0)\n", rank=0)
+    torn = tmp_path / "gauge_mostrecent_1.db"
+    torn.write_bytes(b"not an mmap of prometheus_client's")
+    now = [100.0 + 10]
+    captured = []
+    dog = Watchdog({contract.ENV_METRICS_DIR: str(tmp_path), contract.ENV_HANG_TIMEOUT: "30"}, clock=lambda: now[0],
+                   capture=lambda pids, trigger: captured.append(trigger))
+    worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        group = types.SimpleNamespace(workers=[types.SimpleNamespace(global_rank=0, id=worker.pid)])
+        for seconds in (10, 16, 20):  # idle for half its timeout, unread
+            now[0] = 100.0 + seconds
+            dog.on_monitor(None, group)
+        assert captured == [] and dog.enabled
+        assert capsys.readouterr().err.count("the hang watchdog is blind") == 1
+        torn.unlink()
+        now[0] += 1
+        dog.on_monitor(None, group)
+        assert captured == [contract.STACK_IDLE] and "reads the ranks' metrics again" in capsys.readouterr().err
+    finally:
+        worker.kill()
 
 
 @pytest.mark.parametrize("env", [{contract.ENV_TELEMETRY: "0"}, {}])

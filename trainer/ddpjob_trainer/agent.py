@@ -30,7 +30,6 @@ PET_MAX_RESTARTS, the operator's the whole job's (failurePolicy.maxRestarts).
 from __future__ import annotations
 
 import collections
-import glob
 import json
 import os
 import signal
@@ -39,7 +38,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any, Mapping
 
-from . import contract
+from . import contract, telemetry
 
 ERROR_CHARS = 200  # the error's first line as a label: a pod's exposition stays small
 # How often the watchdog reads its ranks' progress (torchrun looks at its workers every 0.1 s).
@@ -167,10 +166,8 @@ def stalled(ranks: Mapping[int, Progress], *, configured: float | None, started_
 def read_progress(metrics_dir: str) -> dict[int, Progress]:
     """Each rank's Progress from the pod's multiprocess metrics directory (what the pod's endpoint
     serves, read without HTTP)."""
-    from prometheus_client.multiprocess import MultiProcessCollector
-
     values: dict[int, dict[str, Any]] = {}
-    for family in MultiProcessCollector.merge(glob.glob(os.path.join(metrics_dir, "*.db"))):
+    for family in telemetry.merged_metrics(metrics_dir):
         for s in family.samples:
             name = s.name[len(contract.METRIC_PREFIX):] if s.name.startswith(contract.METRIC_PREFIX) else ""
             rank = s.labels.get("rank", "")
@@ -248,6 +245,7 @@ class Watchdog:
         self.capture = capture
         self.captured: dict[int, float] = {}  # rank -> the start of the idle spell its stacks were taken in
         self.stalled_at: dict[int, float] = {}  # without kills: rank -> the spell its stall's stacks were taken in
+        self.unreadable = False  # the last look could not read the metrics (said once per spell)
 
     def on_start(self) -> None:
         self.started_at = self.clock()
@@ -261,10 +259,16 @@ class Watchdog:
         try:
             progress = {r: self.window.recent(r, p) for r, p in read_progress(self.metrics_dir).items() if r in pids}
         except Exception as exc:  # noqa: BLE001 - a watchdog that cannot read must not end the training it watches
-            print(f"[ddpjob-agent] WARNING the hang watchdog stops: cannot read the ranks' metrics ({exc})",
-                  file=sys.stderr, flush=True)
-            self.enabled = False
+            # Looked at again at the next look: a torn read (a file a worker writes as it is read)
+            # passes, and one that lasts leaves the watchdog blind for as long, said once.
+            if not self.unreadable:
+                print(f"[ddpjob-agent] WARNING the hang watchdog is blind until it can read the ranks' metrics "
+                      f"({type(exc).__name__}: {exc})", file=sys.stderr, flush=True)
+            self.unreadable = True
             return
+        if self.unreadable:
+            print("[ddpjob-agent] the hang watchdog reads the ranks' metrics again", file=sys.stderr, flush=True)
+            self.unreadable = False
         judged = idle(progress, configured=self.configured, started_at=self.started_at, now=now, startup=self.startup)
         spells = {rank: progress[rank].since for rank, (seconds, timeout, *_) in judged.items()
                   if seconds >= contract.STACK_IDLE_FRACTION * timeout and self.captured.get(rank) != progress[rank].since}

@@ -456,16 +456,37 @@ def goodput_family(registry: Any, names: list[str]) -> Any:
                    registry=registry)
 
 
+def metric_files(metrics_dir: str) -> list[str]:
+    """The pod's multiprocess metric files that can be read: each process creates its files as it
+    first uses a kind of metric (a worker's start, a gauge mode's first use), and prometheus_client
+    opens a new file empty before it sizes it; merged in that moment, the empty file fails the
+    whole read (struct.error) where it is only a file with nothing in it yet."""
+    import glob
+
+    out = []
+    for path in glob.glob(os.path.join(metrics_dir, "*.db")):
+        try:
+            if os.path.getsize(path) >= 8:  # the used-bytes header: sized, readable
+                out.append(path)
+        except OSError:  # a live gauge's file removed as its process ended
+            pass
+    return out
+
+
+def merged_metrics(metrics_dir: str) -> Iterable[Any]:
+    """The metric families of every process in the pod's multiprocess directory, merged as the
+    pod's endpoint serves them (metric_files: those that can be read)."""
+    from prometheus_client.multiprocess import MultiProcessCollector
+
+    return MultiProcessCollector.merge(metric_files(metrics_dir))
+
+
 def rank_goodput(metrics_dir: str, rank: int | str) -> dict[str, float]:
     """`rank`'s GOODPUT_SECONDS by category as its pod's endpoint serves them (every worker process
     the rank had in the pod, and its agent's), read from the pod's multiprocess directory."""
-    import glob
-
-    from prometheus_client.multiprocess import MultiProcessCollector
-
     out: dict[str, float] = {}
     name = PREFIX + contract.GOODPUT_SECONDS + "_total"
-    for family in MultiProcessCollector.merge(glob.glob(os.path.join(metrics_dir, "*.db"))):
+    for family in merged_metrics(metrics_dir):
         for s in family.samples:
             if s.name == name and s.labels.get("rank") == str(rank) and s.labels.get("category"):
                 out[s.labels["category"]] = out.get(s.labels["category"], 0.0) + s.value
@@ -514,8 +535,12 @@ def serve_node_endpoint(port: int, metrics_dir: str, *, addr: str = "0.0.0.0", s
     from prometheus_client import CollectorRegistry, make_wsgi_app
     from prometheus_client.multiprocess import MultiProcessCollector
 
+    class Collector(MultiProcessCollector):
+        def collect(self):
+            return merged_metrics(metrics_dir)  # a file being created is not a failed scrape
+
     registry = CollectorRegistry()
-    MultiProcessCollector(registry, path=metrics_dir)
+    Collector(registry, path=metrics_dir)
     metrics = make_wsgi_app(registry)
 
     def app(environ, start_response):
