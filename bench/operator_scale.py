@@ -130,6 +130,53 @@ def bench_nodes(core, count: int, *, create: bool) -> None:
         wait_for(ready, timeout=60, desc="bench nodes Ready")
 
 
+class WriteTracker:
+    """Watches a namespace's DDPJobs from a thread and sorts each job's status writes: those up to
+    and including the one that makes it Running (what the job cost to come up: the goal of at most
+    2) and those after it (a Running job's progress at its interval, what `at_rest` measures). The
+    client-side counter counts the same writes without telling whose or when: in the window until
+    every pod runs, jobs that ran early had written their first progress, and more."""
+
+    def __init__(self, k8s: K8s, ns: str) -> None:
+        self.k8s, self.path = k8s, f"/apis/ddpjob.dev/v1alpha1/namespaces/{ns}/ddpjobs"
+        self.status: dict[str, dict] = {}
+        self.coming_up: dict[str, int] = {}
+        self.after: dict[str, int] = {}
+        self.running: set[str] = set()
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _see(self, job: dict) -> None:
+        name, status = job["metadata"]["name"], job.get("status") or {}
+        if status == self.status.get(name, {}):
+            return  # metadata or spec: not a status write
+        self.status[name] = status
+        book = self.after if name in self.running else self.coming_up
+        book[name] = book.get(name, 0) + 1
+        if status.get("phase") == "Running":
+            self.running.add(name)
+
+    def _run(self) -> None:
+        _, rv = self.k8s.list_objects(self.path)  # before the first job is submitted
+        while not self.stop.is_set():
+            for ev in self.k8s.watch(self.path, None, resource_version=rv, timeout=30):
+                obj = ev.get("object") or {}
+                rv = (obj.get("metadata") or {}).get("resourceVersion") or rv
+                if ev.get("type") == "MODIFIED":
+                    self._see(obj)
+                if self.stop.is_set():
+                    return
+
+    def result(self, jobs: int) -> dict:
+        self.stop.set()
+        ups = [self.coming_up.get(name, 0) for name in self.status]
+        return {"status_writes_coming_up_per_job": round(sum(ups) / jobs, 2),
+                "status_writes_coming_up_max": max(ups, default=0),
+                "status_writes_after_running_per_job": round(sum(self.after.values()) / jobs, 2),
+                "jobs_seen_running": len(self.running)}
+
+
 def ddpjob(name: str, nodes: int) -> dict:
     # Up to PODS_PER_NODE pods of one job share a bench node, as the PyTorchJob peer's do.
     return {"apiVersion": "ddpjob.dev/v1alpha1", "kind": "DDPJob", "metadata": {"name": name},
@@ -472,6 +519,7 @@ def run_one(cluster, api, k8s: K8s, variant: str, jobs: int, nodes: int, *, idle
         rss_idle, before, cpu0 = rss_mib(ctrl.pid), ctrl.requests(), cpu_seconds(ctrl.pid)
         plane = control_plane_cpu(cluster)
         sampler = _sampler(ctrl, profile, f"{variant}-{jobs}x{nodes}{tag}-create")
+        writes = WriteTracker(k8s, ns) if variant.startswith("ddpjob") else None
         t0 = time.monotonic()
         tracker = PodTracker(k8s, ns, jobs * nodes, t0)
         if isinstance(ctrl, Floor):
@@ -490,6 +538,12 @@ def run_one(cluster, api, k8s: K8s, variant: str, jobs: int, nodes: int, *, idle
             res["jobs_submitted_s"] = _r(time.monotonic() - t0)
         times = tracker.wait(running_timeout)
         delta = _delta(settle(ctrl), before)
+        if writes is not None:
+            res.update(writes.result(jobs))
+            # What a job cost to come up: its pods, Service and Events, and its status writes until
+            # Running (the later ones are its training's progress, not its creation's).
+            made = sum(v for k, v in delta.items() if k.startswith("POST "))
+            res["requests_coming_up_per_job"] = round(made / jobs + res["status_writes_coming_up_per_job"], 2)
         res.update({f"{k}_cpu_s": round(v - plane.get(k, 0.0), 2) for k, v in control_plane_cpu(cluster).items()})
         res["endpointslices"] = len(client.DiscoveryV1Api(api).list_namespaced_endpoint_slice(ns).items)
         if sampler is not None:
@@ -548,6 +602,9 @@ ROWS = [  # (label, key, rest only)
     ("apply -> all pods created (s)", "all_pods_exist_s", False),
     ("apply -> all Running (s)", "all_pods_running_s", False),
     ("requests per job", "requests_per_job", False),
+    ("requests per job to come up (pods, Service, Events, writes until Running)", "requests_coming_up_per_job", False),
+    ("status writes per job until Running", "status_writes_coming_up_per_job", False),
+    ("status writes per job after Running, in the window", "status_writes_after_running_per_job", False),
     ("controller CPU-s", "cpu_s", False),
     ("kube-controller-manager CPU-s", "controller_manager_cpu_s", False),
     ("kube-apiserver CPU-s", "apiserver_cpu_s", False),

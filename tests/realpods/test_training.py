@@ -179,9 +179,14 @@ def _assert_goodput_accounts_for_the_wall_time(cluster, ns: str, st: dict, *, st
     assert g["seconds"]["recovering"] == pytest.approx(sum(e.get("recoverySeconds", 0) for e in history), abs=1.0), g
     # The lost steps' own time, not a margin on it: they are new workers' first steps, whose time
     # against the run's mean varies (1.18x in one run, 1.62x of 3 steps in rehearsal 9, which a
-    # half-either-way margin failed). Counted (not 0), and not every step's: far under training's.
+    # half-either-way margin failed). Counted where steps were lost, and not every step's: far under
+    # training's. None may be: the snapshot of every step, a group restart killed just after a disk
+    # checkpoint and the deletion's stop vote each lose 0 (rehearsal 12), and then none is counted.
     lost = sum(e.get("stepsLost", 0) for e in history)
-    assert lost > 0 and 0 < g["seconds"]["recomputing"] < g["seconds"]["training"] / 4, (g, lost, step_time)
+    if lost:
+        assert 0 < g["seconds"]["recomputing"] < g["seconds"]["training"] / 4, (g, lost, step_time)
+    else:
+        assert g["seconds"]["recomputing"] == 0, (g, history)
     assert g["seconds"]["stalled"] == pytest.approx(float(STALL_ERROR_RE.match(stall["message"]).group(1))), g
     assert g["seconds"]["training"] > 0 and g["seconds"]["starting"] > 0, g
     assert _first_row(cluster.kubectl("get", "ddpj", "digits", "-n", ns).stdout)["GOODPUT"] == g["display"]
