@@ -340,6 +340,9 @@ _REC_BEFORE = ("recovery.json", "recovery_rerun.json")
 _SCALE_10K = "operator_scale_1000x10_ours_floor_3pairs.json"
 _SCALE_10K_BEFORE = "operator_scale_1000x10_ours_floor_pair.json"
 _T10K = "r[table][1000x10 "
+# The same 1,000 jobs of 10, ours alone, each job's status writes sorted by a watch: until Running,
+# and after (its progress).
+_SCALE_WRITES = "operator_scale_1000x10_writes.json"
 # The operator's RSS against the pods it keeps (bench/operator_memory.py).
 _MEMORY = "operator_memory_2k_10k.json"
 
@@ -470,6 +473,14 @@ FIGURES: dict[str, Figure] = {
     "scale.10k.rest.cpu": Figure(_SCALE_10K, "{" + _T10K + "at rest, Running+scraped: CPU-s/min][ddpjob][median]:.1f} CPU-s/min"),
     "scale.10k.rest.writes": Figure(_SCALE_10K,
                                     "{" + _T10K + "at rest, Running+scraped: status writes/job/min][ddpjob][median]:.1f}"),
+    "scale.writes.commit": Figure(_SCALE_WRITES, "{r[commit]:.7}"),
+    "scale.writes.up": Figure(_SCALE_WRITES, "{" + _T10K + "status writes per job until Running][ddpjob][median]:.2f}"),
+    "scale.writes.up.max": Figure(_SCALE_WRITES, "{v}", lambda r: max(
+        run["status_writes_coming_up_max"] for run in r["runs"] if run["variant"] == "ddpjob")),
+    "scale.writes.after": Figure(_SCALE_WRITES,
+                                 "{" + _T10K + "status writes per job after Running, in the window][ddpjob][median]:.2f}"),
+    "scale.writes.requests": Figure(_SCALE_WRITES, "{" + _T10K + "requests per job to come up (pods, Service, Events, "
+                                    "writes until Running)][ddpjob][median]:.1f}"),
     "scale.10k.before.commit": Figure(_SCALE_10K_BEFORE, "{r[commit]:.7}"),
     "scale.10k.before.created.ratio": Figure(_SCALE_10K_BEFORE,
                                              "{" + _T10K + "apply -> all pods created (s)][ratio_ours_floor][ratio]:.1f}x"),
