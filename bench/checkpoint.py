@@ -139,7 +139,7 @@ def main() -> int:
     ap.add_argument("--dir", default=None, help="where to write (default: a temp dir under /tmp)")
     ap.add_argument("--out", default=str(HERE / "results" / "checkpoint.json"))
     args = ap.parse_args()
-    prov = Provenance("trainer", "bench", out=args.out)
+    prov = Provenance("api", "trainer", "bench", out=args.out)
     state = _state()
     root = Path(tempfile.mkdtemp(prefix="ckpt-bench-", dir=args.dir))
     rng = {"rng": torch.get_rng_state()}

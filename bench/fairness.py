@@ -40,7 +40,7 @@ import operator_scale as osc  # also puts the repo root on sys.path
 from provenance import Provenance
 from kubernetes import client
 
-from ddpjob_operator.api import labels
+from ddpjob_api import labels
 from ddpjob_operator.cluster.k8s import K8s
 from tests.support.cluster import (create_namespace, delete_namespace, ensure_cluster,
                                    set_pod_exit, wait_crd_established, wait_for)
@@ -233,7 +233,7 @@ def main() -> int:
     for flag in ("big", "head", "repeat"):
         if getattr(args, flag) < 1:
             ap.error(f"--{flag} must be >= 1")
-    prov = Provenance("operator", "trainer", "bench", "hack", "charts", out=args.out)
+    prov = Provenance("api", "operator", "trainer", "bench", "hack", "charts", out=args.out)
 
     cluster = ensure_cluster()
     api = cluster.api()

@@ -96,7 +96,7 @@ def run_trainer(config: dict, *, nproc: int, cpu: bool, work: Path, name: str, t
     trainer's own fault injection (DDPJOB_DEBUG_CRASH_RANK, first start only). torchrun may restart
     the workers once; the recovery is timed from the failure to the restarted workers' first step."""
     metrics_dir, result = work / f"{name}-metrics", work / f"{name}-result.json"
-    from ddpjob_trainer import contract
+    from ddpjob_api import contract
 
     env = dict(os.environ)
     # The rendezvous a pod gets (builders/envvars.py): c10d at node 0, one id per run, a fresh store
@@ -338,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     out = args.out or HERE / "results" / ("gpu_check_cpu.json" if args.cpu else "gpu_check.json")
     # On a lent GPU machine without git: DDPJOB_BENCH_COMMIT names the commit the tree is a copy of.
-    prov = Provenance("trainer", "operator", "bench", out=out, argv=["bench/gpu_check.py", *(sys.argv[1:] if argv is None else argv)])
+    prov = Provenance("api", "trainer", "operator", "bench", out=out, argv=["bench/gpu_check.py", *(sys.argv[1:] if argv is None else argv)])
 
     import torch
 

@@ -188,7 +188,7 @@ def main() -> int:
     ap.add_argument("--events", type=int, default=200)
     ap.add_argument("--out", default=str(RESULTS))
     args = ap.parse_args()
-    prov = Provenance("operator", "bench", out=args.out)
+    prov = Provenance("api", "operator", "bench", out=args.out)
     res = asyncio.run(run(args.blocks, args.events))
     res.update({"benchmark": "kopf_event_cost", "kopf": kopf.__version__ if hasattr(kopf, "__version__") else None})
     for k, v in res["cpu_us_per_event"].items():

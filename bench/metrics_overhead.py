@@ -161,7 +161,7 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=50)
     ap.add_argument("--out", default=str(RESULTS))
     args = ap.parse_args()
-    prov = Provenance("trainer", "bench", out=args.out)
+    prov = Provenance("api", "trainer", "bench", out=args.out)
     steps = bench_steps(args.blocks, args.steps)
     expo = bench_exposition(args.ranks, args.repeats)
     print(f"step time  telemetry on {steps['step_seconds_on'] * 1e3:.3f} ms  off {steps['step_seconds_off'] * 1e3:.3f} ms"

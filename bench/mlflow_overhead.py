@@ -70,7 +70,7 @@ def main() -> None:
     ap.add_argument("--pin", action="store_true")
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args()
-    prov = Provenance("trainer", "bench", "tests/support/mlflow_server.py", out=args.out)
+    prov = Provenance("api", "trainer", "bench", "tests/support/mlflow_server.py", out=args.out)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
     import torch.nn.functional as F

@@ -111,7 +111,7 @@ def main() -> int:
     ap.add_argument("--tracemalloc", type=Path, default=None, metavar="DIR",
                     help="run the operator under bench/pymem.py and dump its top allocation lines per step into DIR")
     args = ap.parse_args()
-    prov = Provenance("operator", "trainer", "bench", "hack", "charts", out=args.out)
+    prov = Provenance("api", "operator", "trainer", "bench", "hack", "charts", out=args.out)
     steps = [int(s) for s in args.steps.split(",")]
     if steps != sorted(steps) or steps[0] <= 0 or any(s % args.nodes for s in steps):
         ap.error("--steps: increasing pod counts, each a multiple of --nodes")

@@ -60,11 +60,11 @@ import pyspy  # noqa: E402
 import stats  # noqa: E402
 from provenance import Provenance  # noqa: E402
 from ddpjob_operator.api.spec import from_manifest  # noqa: E402
-from ddpjob_operator.api import labels  # noqa: E402
+from ddpjob_api import labels  # noqa: E402
 from ddpjob_operator.builders.pods import render_pod  # noqa: E402
 from ddpjob_operator.builders.service import render_service  # noqa: E402
 from ddpjob_operator.cluster.k8s import K8s  # noqa: E402
-from ddpjob_trainer.contract import STAGES  # noqa: E402
+from ddpjob_api.contract import STAGES  # noqa: E402
 from ddpjob_trainer.telemetry import STEP_BUCKETS  # noqa: E402
 from tests.support.cluster import (create_namespace, delete_namespace, ensure_cluster,  # noqa: E402
                                    set_pod_exit, wait_crd_established, wait_for)
@@ -727,7 +727,7 @@ def main() -> int:
     args = ap.parse_args()
     # What a run measures: the operator (and the trainer modules it imports), the control plane
     # hack/ starts, the CRD it applies, and this bench.
-    prov = Provenance("operator", "trainer", "bench", "hack", "charts", out=args.out)
+    prov = Provenance("api", "operator", "trainer", "bench", "hack", "charts", out=args.out)
     scenarios = [tuple(int(x) for x in s.split("x")) for s in args.scenarios.split(",")]
     too_big = [f"{j}x{n}" for j, n in scenarios if j * n > MAX_PODS]
     if too_big:

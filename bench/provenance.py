@@ -67,7 +67,7 @@ def machine() -> dict[str, Any]:
 
 
 class Provenance:
-    """Made when a bench starts, before it spends any time: `Provenance("operator", "bench", out=args.out)`
+    """Made when a bench starts, before it spends any time: `Provenance("api", "operator", "bench", out=args.out)`
     names the paths (relative to the repository) whose code the bench measures and where its result
     goes; a result bound for bench/results/ from a tree it may not come from is refused here."""
 

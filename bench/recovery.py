@@ -60,7 +60,7 @@ sys.path.insert(0, str(REPO / "bench"))
 import stats  # noqa: E402
 from provenance import Provenance  # noqa: E402
 from ddpjob_operator.decisions.samples import RankSample, parse_metrics  # noqa: E402
-from ddpjob_trainer import contract  # noqa: E402
+from ddpjob_api import contract  # noqa: E402
 from tests.realpods.conftest import (apply_docs, example_docs, helm_install_operator,  # noqa: E402
                                      shared_checkpoint_pv)
 from tests.support.cluster import Cluster, create_namespace, delete_namespace, wait_for  # noqa: E402
@@ -392,7 +392,7 @@ def main() -> int:
     args = ap.parse_args()
     # The real pods run the images `make images` built from this tree (hack/images.sh), with the
     # chart and the example from it: everything that goes into them is measured.
-    prov = Provenance("operator", "trainer", "cli", "bench", "hack", "charts", "examples", "Dockerfile",
+    prov = Provenance("api", "operator", "trainer", "cli", "bench", "hack", "charts", "examples", "Dockerfile",
                       "requirements", "pyproject.toml", out=args.out)
     arms = [a for a in args.arms.split(",") if a]
     cluster = Cluster()

@@ -60,7 +60,7 @@ def main() -> int:
     ap.add_argument("--reads", type=int, default=100)
     ap.add_argument("--out", default=str(RESULTS))
     args = ap.parse_args()
-    prov = Provenance("operator", "bench", out=args.out)
+    prov = Provenance("api", "operator", "bench", out=args.out)
     text = body()
     assert len(parse_metrics(text)) == LOCAL_RANKS
     arms = {"ours": parse_metrics, "prometheus_client": theirs}

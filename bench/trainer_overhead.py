@@ -139,7 +139,7 @@ def main() -> int:
         ap.error("--snapshot-every must be >= 1")
     name = "trainer_overhead" if args.snapshot_every is None else "trainer_snapshot_overhead"
     args.out = args.out or str(HERE / "results" / f"{name}.json")
-    prov = Provenance("trainer", "bench", out=args.out)
+    prov = Provenance("api", "trainer", "bench", out=args.out)
     if args.snapshot_every is None:
         def first() -> dict:
             return run_ours(args.nproc)

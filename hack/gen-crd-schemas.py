@@ -76,7 +76,7 @@ EXTRA: dict[tuple[str, ...], dict[str, Any]] = {
 # otherwise is refused with the reason rather than silently overridden. (A port of the trainer
 # container named master or metrics is left to the Pod's validation: a rule over each
 # container's ports costs more than a CRD may spend.)
-# The same patterns as ddpjob_operator/api/labels.py (RESERVED_KEY_PATTERN, RESERVED_LABEL_PATTERN;
+# The same patterns as api/ddpjob_api/labels.py (RESERVED_KEY_PATTERN, RESERVED_LABEL_PATTERN;
 # tests/unit/test_pod_hardening.py holds them equal): a label key Prometheus would read as one of
 # the operator's (ddpjob-dev/job-name, ddpjob_dev_job_name) is the operator's too.
 _RESERVED = {"annotations": ("^([^/]*[.])?ddpjob[.]dev/", "ddpjob.dev/ keys (the operator's own annotations)"),

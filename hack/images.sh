@@ -119,7 +119,7 @@ build_pause() {
 # that stage came from its layer cache, and the trainer target would install no wheel.
 build_target() {
   local target="$1" image="$2" hash
-  hash="$(inputs_hash Dockerfile .dockerignore pyproject.toml README.md operator trainer cli requirements charts/ddpjob-operator/crds)"
+  hash="$(inputs_hash Dockerfile .dockerignore pyproject.toml README.md api operator trainer cli requirements charts/ddpjob-operator/crds)"
   if has_image "${image%:*}:in-$hash"; then
     has_image "$image" || buildah tag "${image%:*}:in-$hash" "$image"
     log "$image: cached (inputs $hash)"; return

@@ -17,9 +17,9 @@ from typing import Any, Callable, Iterator
 
 import click
 
-from ddpjob_trainer import contract
+from ddpjob_api import contract
 
-from ddpjob_operator.api.phases import Phase
+from ddpjob_api.phases import Phase
 from ddpjob_operator.decisions import stacks as captured_stacks
 
 from . import views

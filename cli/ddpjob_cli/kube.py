@@ -15,7 +15,7 @@ from typing import Any, Iterator
 from kubernetes import client, config as kconfig
 from urllib3.exceptions import HTTPError
 
-from ddpjob_operator.api import labels
+from ddpjob_api import labels
 from ddpjob_operator.cluster.k8s import child_path
 from ddpjob_operator.api.podinfo import is_simulated_node
 from ddpjob_operator.cluster.scrape import MAX_BODY_BYTES

@@ -43,15 +43,13 @@ import click
 import psutil
 import yaml
 
-from ddpjob_trainer import contract
-from ddpjob_trainer.contract import EXIT_BAD_CONFIG
-from ddpjob_trainer.errors import ConfigError
-from ddpjob_trainer.launch.procs import become_subreaper, die_with_parent, stop_tree
-from ddpjob_trainer.launch.report import rank_messages
-from ddpjob_trainer.launch.signals import Stop, StopSignals, stop_grace_from_env
+from ddpjob_api import contract, names
+from ddpjob_api.contract import EXIT_BAD_CONFIG
+from ddpjob_api.phases import Phase
+from ddpjob_trainer.launch import (ConfigError, Stop, StopSignals, become_subreaper, check_trainer_config, die_with_parent,
+                                   rank_messages, stop_grace_from_env, stop_tree)
 
 from ddpjob_operator.builders import envvars, pods
-from ddpjob_operator.api.phases import Phase
 from ddpjob_operator.api.spec import JobSpec, from_manifest
 from ddpjob_operator.decisions import goodput, inplace
 
@@ -78,9 +76,7 @@ def load_job_file(path: str | os.PathLike) -> dict[str, Any]:
 
 def validate(obj: dict[str, Any]) -> JobSpec:
     """The same schema and rules as the API server, plus the trainer config; raise naming the field."""
-    from ddpjob_trainer.config import parse_config
-
-    from ddpjob_operator.api.validation import apply_defaults, validate_manifest
+    from ddpjob_api.validation import apply_defaults, validate_manifest
 
     obj.setdefault("metadata", {}).setdefault("name", "local")
     errors = validate_manifest(obj)
@@ -89,7 +85,7 @@ def validate(obj: dict[str, Any]) -> JobSpec:
     job = from_manifest(apply_defaults(obj))
     if job.uses_builtin_trainer:
         try:
-            parse_config(job.trainer)
+            check_trainer_config(job.trainer)
         except ConfigError as exc:
             raise LocalRunError(f"invalid DDPJob: {exc}") from None
     return job
@@ -245,7 +241,7 @@ def node_env(job: JobSpec, rank: int, *, master_port: int, metrics_port: int, at
     # `torchrun` in a user's command must be this environment's.
     env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
     # N processes sharing this machine's cores: one thread pool each would oversubscribe.
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // job.world_size)))
+    env.setdefault(contract.ENV_OMP_THREADS, str(max(1, (os.cpu_count() or 1) // job.world_size)))
     return env
 
 
@@ -336,7 +332,7 @@ class Display:
             except (OSError, ValueError):
                 continue
             for sample in part.values():
-                sample.pod = envvars.pod_name(self.job.name, node, attempt)
+                sample.pod = names.pod_name(self.job.name, node, attempt)
             parts.append(part)
         samples = merge(parts)
         now = time.time()

@@ -7,11 +7,11 @@ from __future__ import annotations
 import datetime as dt
 from dataclasses import dataclass
 
-from ddpjob_operator.api import labels
+from ddpjob_api import labels
 from ddpjob_operator.api.group import Group
-from ddpjob_operator.builders.envvars import pod_name
+from ddpjob_api.names import pod_name
 from ddpjob_operator.decisions.lifecycle import Decision, decide
-from ddpjob_operator.api.phases import Phase
+from ddpjob_api.phases import Phase
 from ddpjob_operator.api.spec import JobSpec
 
 

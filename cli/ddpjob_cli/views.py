@@ -2,7 +2,7 @@
 
 Each takes DDPJob, pod and event objects as the API serves them (plain dicts, camelCase) and
 returns plain data or text; `kube.py` does the I/O and `jobs.py` the click commands. The names
-of phases, conditions and labels are the operator's (`ddpjob_operator.api.phases`, `.health`,
+of phases, conditions and labels are the operator's (`ddpjob_api.phases`, `.health`,
 `.labels`), read from there.
 """
 from __future__ import annotations
@@ -15,10 +15,10 @@ from typing import Any, Iterable, Iterator, Mapping
 
 from ddpjob_operator.api import objmeta, podinfo
 from ddpjob_operator.api.group import Group
-from ddpjob_trainer.contract import INPLACE_MARKER_RE, MLFLOW_DEFAULT_EXPERIMENT, public_uri
+from ddpjob_api.contract import INPLACE_MARKER_RE, MLFLOW_DEFAULT_EXPERIMENT, public_uri
 from ddpjob_operator.decisions import goodput
 from ddpjob_operator.decisions.health import STALLED, STRAGGLER
-from ddpjob_operator.api.phases import Phase
+from ddpjob_api.phases import Phase
 from ddpjob_operator.api.podinfo import meta
 from ddpjob_operator.decisions.progress import UNAVAILABLE, human_duration
 from ddpjob_operator.decisions.samples import RankSample

@@ -6,7 +6,7 @@ import json
 import pytest
 import yaml
 
-from ddpjob_trainer.crdschema import crd_path
+from ddpjob_api.crdschema import crd_path
 from tests.cluster.conftest import wait_for
 from tests.support.cluster import wait_crd_established
 
@@ -97,7 +97,7 @@ def test_invalid_spec_refused_naming_the_field(crd, namespace, name, spec, field
     assert proc.returncode != 0, f"accepted: {spec}"
     assert field in proc.stderr, proc.stderr
     # The local validator (same CRD file) agrees and names the same field.
-    from ddpjob_operator.api.validation import validate_manifest
+    from ddpjob_api.validation import validate_manifest
     assert any(field in p for p in validate_manifest(manifest(name, **spec)))
 
 

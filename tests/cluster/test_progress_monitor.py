@@ -183,7 +183,7 @@ def test_a_pods_new_stack_captures_are_fetched_once_from_its_endpoint(tmp_path, 
     import subprocess
     import sys
 
-    from ddpjob_trainer import contract
+    from ddpjob_api import contract
     from ddpjob_trainer.telemetry import serve_node_endpoint
     from tests.unit.test_stacks import _worker
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from ddpjob_trainer import contract
+from ddpjob_api import contract
 
 from tests.realpods.conftest import REAL_NODE_SCHEDULING, TRAINER_IMAGE, apply_docs, wait_phase
 

@@ -14,7 +14,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from ddpjob_operator.api.objmeta import parse_time
-from ddpjob_trainer.contract import STALL_ERROR_RE
+from ddpjob_api.contract import STALL_ERROR_RE
 
 from tests.realpods.conftest import (
     EXAMPLES,

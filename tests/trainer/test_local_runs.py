@@ -29,8 +29,8 @@ from tests.support.stopping import (
     wait_gone,
 )
 
-from ddpjob_trainer import contract
-from ddpjob_trainer.contract import STALL_ERROR_RE
+from ddpjob_api import contract
+from ddpjob_api.contract import STALL_ERROR_RE
 
 from ddpjob_operator.decisions import stacks as blame
 
@@ -302,7 +302,7 @@ def _job_processes(job_name: str) -> list[int]:
 def test_failing_rank_error_is_printed_and_the_job_fails(tmp_path):
     # Node 1 leaves a snapshot in this job's /dev/shm, as a trainer's would be when it fails.
     script = ("import os, sys, time\n"
-              "from ddpjob_trainer.contract import snapshot_root\n"
+              "from ddpjob_api.contract import snapshot_root\n"
               "if os.environ['NODE_RANK'] == '1':\n"
               "    d = snapshot_root(); d.mkdir(exist_ok=True); (d / 'rank-1-step-00000001.pt').write_bytes(b'x')\n"
               "    sys.exit(f'boom on node 1; snapshots in {d}')\n"

@@ -17,7 +17,7 @@ import uuid
 
 import pytest
 
-from ddpjob_trainer import contract
+from ddpjob_api import contract
 from tests.support.localrun import free_ports, local_run, wait_ranks
 
 from .helpers import DDPJOB, REPO, run_local, run_trainer, write_job

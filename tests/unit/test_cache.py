@@ -4,7 +4,7 @@ from __future__ import annotations
 import asyncio
 import threading
 
-from ddpjob_operator.api import labels
+from ddpjob_api import labels
 from ddpjob_operator.cluster.cache import LAST_APPLIED, Informer, Store, pod_informers, pod_store
 from ddpjob_operator.cluster.k8s import LIST_PAGE, K8s
 from tests.support.builders import make_pod

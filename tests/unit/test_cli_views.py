@@ -6,7 +6,7 @@ import json
 import pytest
 
 from ddpjob_cli import views
-from ddpjob_operator.api.phases import Phase
+from ddpjob_api.phases import Phase
 from tests.support.builders import NOW, ago, make_manifest, make_pod, running_status
 
 
@@ -204,7 +204,7 @@ POD_LOG = ["==> ddpjob: attempt 1 restart 0 <==", "step 1", "step 2", "Killed",
     (3, []),  # a restart that has not happened (yet)
 ])
 def test_a_restart_in_place_is_read_out_of_the_pods_log_between_markers(restart, lines):
-    from ddpjob_trainer import contract
+    from ddpjob_api import contract
 
     assert POD_LOG[4] == contract.inplace_marker(1, 1)  # the launcher's own format
     assert list(views.restart_lines(iter(POD_LOG), restart)) == lines

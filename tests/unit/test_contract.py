@@ -1,5 +1,5 @@
 """The names operator, local runner, launcher and trainer share are spelled once, in
-ddpjob_trainer/contract.py: a second spelling could drift from the first without any test noticing
+api/ddpjob_api/contract.py (the API package none of them owns): a second spelling could drift from the first without any test noticing
 (the pod would get one env name and the launcher read another). Each side of the contract's other
 parts (the launcher's path, the stages, the run's result) is held to it here; the metric names
 by tests/unit/test_scrape.py (every series the scraper reads is in a real rank's exposition)."""
@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from ddpjob_trainer import contract
+from ddpjob_api import contract
 
 REPO = Path(__file__).resolve().parents[2]
 PRODUCT = sorted(p for d in ("operator/ddpjob_operator", "trainer/ddpjob_trainer", "cli/ddpjob_cli")
-                 for p in (REPO / d).rglob("*.py") if p.name != "contract.py")
+                 for p in (REPO / d).rglob("*.py"))
 SHARED = {value: name for name, value in vars(contract).items()
           if name.startswith(("ENV_", "PET_", "METRIC_", "LAUNCHER_MODULE"))}
 
@@ -83,7 +83,7 @@ def test_a_stage_outside_the_contract_is_refused_by_the_trainer():
 
 
 def test_the_result_the_trainer_writes_is_what_the_operator_reads_into_status():
-    from ddpjob_trainer import crdschema as crd
+    from ddpjob_api import crdschema as crd
     from ddpjob_operator.decisions.result import RESULT_FIELDS, parse_result
 
     written = {f.name for f in dataclasses.fields(contract.RunResult)}
@@ -107,7 +107,7 @@ def test_the_result_the_trainer_writes_is_what_the_operator_reads_into_status():
     (2, 0, "training exited with code 2 at step 0"),
 ])
 def test_a_failed_nodes_step_goes_out_on_its_termination_message_and_comes_back(code, step, head):
-    from ddpjob_trainer import contract
+    from ddpjob_api import contract
     from ddpjob_trainer.launch.report import failure_message
 
     assert contract.failure_head(code, step) == head
@@ -118,6 +118,6 @@ def test_a_failed_nodes_step_goes_out_on_its_termination_message_and_comes_back(
 @pytest.mark.parametrize("message", [None, "", "rank 1 failed", "training exited with code 1 at step x",
                                      "Traceback\ntraining exited with code 1 at step 5"])
 def test_a_message_without_the_head_names_no_step(message):
-    from ddpjob_trainer import contract
+    from ddpjob_api import contract
 
     assert contract.failure_step(message) is None

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from ddpjob_trainer import crdschema as crd
-from ddpjob_operator.api.phases import Phase
+from ddpjob_api import crdschema as crd
+from ddpjob_api.phases import Phase
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ddpjob_trainer import crdschema as crd
+from ddpjob_api import crdschema as crd
 
 ROOT = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("gen_crd_schemas", ROOT / "hack/gen-crd-schemas.py")

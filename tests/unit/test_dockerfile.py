@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from ddpjob_trainer import contract
+from ddpjob_api import contract
 
 REPO = Path(__file__).resolve().parents[2]
 DOCKERFILE = REPO / "Dockerfile"

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from ddpjob_trainer.contract import GOODPUT_CATEGORIES
+from ddpjob_api.contract import GOODPUT_CATEGORIES
 
 from ddpjob_operator.api.group import Group
 from ddpjob_operator.decisions import goodput

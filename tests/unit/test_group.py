@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from ddpjob_operator.api import labels, podinfo
+from ddpjob_operator.api import podinfo
+from ddpjob_api import labels
 from ddpjob_operator.api.group import Group
 from tests.support.builders import make_pod
 

@@ -6,7 +6,7 @@ import pytest
 from ddpjob_operator.api.group import Group
 from ddpjob_operator.builders import kueue
 from ddpjob_operator.decisions.lifecycle import decide
-from ddpjob_operator.api.phases import Phase
+from ddpjob_api.phases import Phase
 from ddpjob_operator.builders.pods import render_pod
 from ddpjob_operator.api.spec import from_manifest
 from ddpjob_operator.decisions.status import job_status

@@ -7,7 +7,7 @@ from ddpjob_operator.api.group import Group
 from ddpjob_operator.api.config import OperatorConfig
 from ddpjob_operator.builders.pods import render_pod
 from ddpjob_operator.decisions.lifecycle import decide
-from ddpjob_operator.api.phases import Phase
+from ddpjob_api.phases import Phase
 from tests.support.builders import NOW, ago, make_job, make_pod, running_status
 
 

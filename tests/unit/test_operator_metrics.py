@@ -8,7 +8,7 @@ from ddpjob_operator.api.group import Group
 from ddpjob_operator.decisions.lifecycle import decide
 from ddpjob_operator.app.operator_metrics import (FAILURE_REASONS, RECOVERY_KINDS, RESTART_REASONS,
                                                  STEPS_LOST_BUCKETS, OperatorMetrics)
-from ddpjob_operator.api.phases import Phase
+from ddpjob_api.phases import Phase
 from tests.support.builders import NOW, make_job, make_pod, running_status
 
 KEY = ("team-a", "mnist")

@@ -1,11 +1,13 @@
-"""Which package may import which (issue 14), and which layer of the operator may import which
+"""Which package may import which (issues 14, 49), and which layer of the operator may import which
 (issue 33, docs/architecture.md).
 
-Between packages: the operator does not run training processes, so it imports from the trainer only
-the shared contract and the CRD's evaluator (crdschema: the CRD is the contract both sides validate
-against, spec.trainer in the pod and a whole DDPJob for the CLI, with one evaluator), and nothing
-from the CLI/local runner;
-the trainer, which every pod runs, imports neither.
+Between packages: the API (ddpjob_api: the CRD and its evaluator, the typed spec, the contract,
+phases and reasons, names) is the ground floor and imports none of the others. The operator and the
+trainer are siblings on it: the operator does not run training processes and imports nothing from
+the trainer; the trainer, which every pod runs, imports neither the operator nor the CLI. The CLI
+sits on top: it drives the operator's pure pieces, and takes from the trainer only the launcher's
+public surface (ddpjob_trainer.launch's __all__), since its local runner is the pod's launcher on
+the host.
 
 Inside the operator: every module lives in one layer, and a layer imports only itself and the layers
 below it (api < builders < decisions < cluster < app), so the pure parts never reach the I/O or the
@@ -20,8 +22,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-PACKAGES = {"ddpjob_operator": REPO / "operator/ddpjob_operator", "ddpjob_trainer": REPO / "trainer/ddpjob_trainer",
-            "ddpjob_cli": REPO / "cli/ddpjob_cli"}
+PACKAGES = {"ddpjob_api": REPO / "api/ddpjob_api", "ddpjob_operator": REPO / "operator/ddpjob_operator",
+            "ddpjob_trainer": REPO / "trainer/ddpjob_trainer", "ddpjob_cli": REPO / "cli/ddpjob_cli"}
 
 # The operator's layers, bottom first.
 LAYERS = ("api", "builders", "decisions", "cluster", "app")
@@ -63,24 +65,31 @@ def ours(found: dict[str, set[str]], package: str) -> dict[str, set[str]]:
     return {m: f for m, f in found.items() if m == package or m.startswith(package + ".")}
 
 
-# What the operator may take from the trainer (the module docstring says why).
-SHARED = ("ddpjob_trainer.contract", "ddpjob_trainer.crdschema")
-
-
-def test_the_operator_takes_only_the_contract_from_the_trainer():
-    found = imports("ddpjob_operator")
-    extra = {m: f for m, f in ours(found, "ddpjob_trainer").items() if not m.startswith(SHARED)}
-    assert not extra, f"the operator imports more of the trainer than its contract: {extra}"
-    assert ours(found, "ddpjob_trainer"), "the scan found none of the operator's known imports"
-
-
 @pytest.mark.parametrize("package, forbidden", [
+    ("ddpjob_api", "ddpjob_operator"),
+    ("ddpjob_api", "ddpjob_trainer"),
+    ("ddpjob_api", "ddpjob_cli"),
+    ("ddpjob_operator", "ddpjob_trainer"),
     ("ddpjob_operator", "ddpjob_cli"),
     ("ddpjob_trainer", "ddpjob_cli"),
     ("ddpjob_trainer", "ddpjob_operator"),
 ])
-def test_a_package_does_not_import_one_above_it(package, forbidden):
+def test_a_package_does_not_import_one_above_or_beside_it(package, forbidden):
     assert not ours(imports(package), forbidden)
+
+
+def test_operator_trainer_and_cli_stand_on_the_api():
+    for package in ("ddpjob_operator", "ddpjob_trainer", "ddpjob_cli"):
+        assert "ddpjob_api.contract" in ours(imports(package), "ddpjob_api"), package
+
+
+def test_the_cli_takes_from_the_trainer_only_its_launchers_public_surface():
+    import ddpjob_trainer.launch as launch
+
+    taken = ours(imports("ddpjob_cli"), "ddpjob_trainer")
+    assert taken, "the scan found none of the local runner's launcher imports"
+    public = {f"ddpjob_trainer.launch.{name}" for name in launch.__all__}
+    assert set(taken) <= public, f"the CLI reaches into the trainer: {sorted(set(taken) - public)}"
 
 
 def test_the_local_runner_uses_the_operators_decision_and_command():

@@ -26,7 +26,7 @@ from tests.unit.test_dockerfile import stages
 REPO = Path(__file__).resolve().parents[2]
 CRD_RELPATH = Path("charts/ddpjob-operator/crds/ddpjobs.ddpjob.dev.yaml")
 PROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
-PACKAGES = {"ddpjob_operator": "operator", "ddpjob_trainer": "trainer", "ddpjob_cli": "cli"}
+PACKAGES = {"ddpjob_api": "api", "ddpjob_operator": "operator", "ddpjob_trainer": "trainer", "ddpjob_cli": "cli"}
 # The exit guard's sitecustomize imports the environment's own, whatever it is.
 NOT_A_DEPENDENCY = {"sitecustomize"}
 
@@ -65,7 +65,7 @@ def third_party_imports(package: str) -> set[str]:
 
 
 def test_the_core_is_what_the_cli_and_operator_import_and_the_trainer_an_extra():
-    for package in ("ddpjob_operator", "ddpjob_cli"):
+    for package in ("ddpjob_api", "ddpjob_operator", "ddpjob_cli"):
         assert third_party_imports(package) <= CORE, (package, third_party_imports(package) - CORE)
     optional = set().union(*(names(v) for v in PROJECT["optional-dependencies"].values()))
     assert third_party_imports("ddpjob_trainer") <= CORE | optional
@@ -95,7 +95,7 @@ def installed(tmp_path_factory):
     for package, folder in PACKAGES.items():
         shutil.copytree(REPO / folder / package, src / folder / package, symlinks=True,
                         ignore=shutil.ignore_patterns("__pycache__"))
-    # trainer/ddpjob_trainer/crds links to the chart's crds/.
+    # api/ddpjob_api/crds links to the chart's crds/.
     shutil.copytree(REPO / CRD_RELPATH.parent, src / CRD_RELPATH.parent)
     uv_run("build", "-q", "--out-dir", str(tmp / "dist"), str(src))
     (wheel,) = (tmp / "dist").glob("ddpjob-*.whl")
@@ -110,8 +110,8 @@ def test_the_wheel_carries_the_crd_the_license_and_the_trainer_as_an_extra(insta
     with zipfile.ZipFile(wheel) as z:
         files = set(z.namelist())
         meta = next(z.read(n).decode() for n in files if n.endswith(".dist-info/METADATA"))
-    # The one packaged copy: the trainer and the operator validate with it (ddpjob_trainer.crdschema).
-    assert f"ddpjob_trainer/crds/{CRD_RELPATH.name}" in files and any(n.endswith(".dist-info/licenses/LICENSE") for n in files)
+    # The one packaged copy: the trainer and the operator validate with it (ddpjob_api.crdschema).
+    assert f"ddpjob_api/crds/{CRD_RELPATH.name}" in files and any(n.endswith(".dist-info/licenses/LICENSE") for n in files)
     assert "License-Expression: Apache-2.0" in meta
     assert {"Homepage", "Documentation", "Issues"} <= set(re.findall(r"^Project-URL: (\w+),", meta, re.M))
     core = {norm(m) for m in re.findall(r"^Requires-Dist: ([A-Za-z0-9._-]+)[^;\n]*$", meta, re.M)}
@@ -155,7 +155,7 @@ def workdir(tmp_path):
 
 def test_render_outside_the_checkout_uses_the_packaged_crd(installed, workdir):
     _, venv = installed
-    trainer = run(venv, "python", "-c", "from ddpjob_trainer import crdschema\n"
+    trainer = run(venv, "python", "-c", "from ddpjob_api import crdschema\n"
                   "print(crdschema.crd_path().resolve(), crdschema.trainer_schema()['type'])", cwd=workdir)
     assert trainer.returncode == 0 and trainer.stdout.split()[1] == "object", trainer
     assert Path(trainer.stdout.split()[0]).is_relative_to(venv), trainer

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from ddpjob_operator.api import labels
+from ddpjob_api import labels
 from ddpjob_operator.builders.pods import render_pod
 from tests.support.builders import make_job
 
@@ -135,7 +135,7 @@ def test_the_crds_reserved_key_rules_are_the_operators_own_patterns():
     """One home: the CRD's CEL rules for podLabels/podAnnotations and the template's labels and
     annotations use exactly labels.RESERVED_LABEL_PATTERN / RESERVED_KEY_PATTERN (which
     ddpjob render and --local filter with)."""
-    from ddpjob_trainer.crdschema import load_crd
+    from ddpjob_api.crdschema import load_crd
 
     spec = load_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
     tpl = spec["template"]["properties"]["metadata"]["properties"]

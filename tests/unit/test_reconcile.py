@@ -15,7 +15,7 @@ import pytest
 from kubernetes.client.rest import ApiException
 from prometheus_client import CollectorRegistry
 
-from ddpjob_operator.api import labels
+from ddpjob_api import labels
 from ddpjob_operator.cluster.cache import PeerGate, Store
 from ddpjob_operator.api.config import OperatorConfig
 from ddpjob_operator.app.controller import Reconciler

@@ -7,7 +7,7 @@ import functools
 import pytest
 import yaml
 
-from ddpjob_operator.api import labels
+from ddpjob_api import labels
 from ddpjob_operator.api.config import OperatorConfig
 from ddpjob_operator.builders.envvars import env_dict
 from ddpjob_operator.builders.pods import LAUNCHER, render_pod

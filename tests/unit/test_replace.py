@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from ddpjob_operator.api import labels
+from ddpjob_api import labels
 from ddpjob_operator.api.group import Group
-from ddpjob_operator.api.phases import Phase
-from ddpjob_operator.builders.envvars import pod_name
+from ddpjob_api.phases import Phase
+from ddpjob_api.names import pod_name
 from ddpjob_operator.builders.pods import render_pod
 from ddpjob_operator.decisions import inplace
 from ddpjob_operator.decisions.lifecycle import decide

@@ -106,7 +106,7 @@ def test_snapshots_hold_the_parameters_and_the_optimizers_state(trainer):
     # The optimizer the trainer builds, after one step: its per-parameter state is what a
     # snapshot holds beside the parameters, in every copy kept and the one being written.
     import torch
-    from ddpjob_trainer import contract
+    from ddpjob_api import contract
     from ddpjob_trainer.config import parse_config
     from ddpjob_trainer.loop import _build_optimizer
     from ddpjob_trainer.models import build_model

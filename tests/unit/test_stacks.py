@@ -12,7 +12,8 @@ import urllib.request
 
 import pytest
 
-from ddpjob_trainer import contract, stacks
+from ddpjob_trainer import stacks
+from ddpjob_api import contract
 from ddpjob_trainer.agent import Hooks, failed_at
 
 from ddpjob_operator.decisions import inplace, stacks as blame

@@ -8,7 +8,7 @@ import pytest
 
 from ddpjob_operator.api.group import Group
 from ddpjob_operator.decisions.lifecycle import decide
-from ddpjob_operator.api.phases import Phase
+from ddpjob_api.phases import Phase
 from ddpjob_operator.app.children import refusal
 from ddpjob_operator.decisions.status import CreateRefusal
 from ddpjob_operator.decisions.status import create_refused, job_status

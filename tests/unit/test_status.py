@@ -147,7 +147,7 @@ RESULT = {"steps": 276, "total_steps": 276, "epochs_completed": 12, "world_size"
 
 
 def _failed(rank, step):
-    from ddpjob_trainer.contract import failure_head
+    from ddpjob_api.contract import failure_head
 
     return make_pod(rank, phase="Failed", exit_code=1, message=failure_head(1, step) + "\nRuntimeError: boom")
 

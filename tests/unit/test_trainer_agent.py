@@ -10,7 +10,7 @@ import types
 
 import pytest
 
-from ddpjob_trainer import contract
+from ddpjob_api import contract
 from ddpjob_trainer.agent import Progress, StepWindow, Watchdog, read_progress, stalled, steps_reached
 
 NOW = 10_000.0

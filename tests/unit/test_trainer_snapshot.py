@@ -7,7 +7,7 @@ import torch
 
 from ddpjob_trainer.checkpointing import checkpoint
 from ddpjob_trainer.checkpointing.snapshot import KEEP, Cost, Snapshots, agreed_step, read_cost
-from ddpjob_trainer.contract import snapshot_root
+from ddpjob_api.contract import snapshot_root
 
 
 @pytest.mark.parametrize("candidates, holders, want", [

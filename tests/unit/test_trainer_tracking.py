@@ -11,7 +11,7 @@ import types
 import pytest
 
 from ddpjob_trainer import tracking
-from ddpjob_trainer.contract import public_uri
+from ddpjob_api.contract import public_uri
 from ddpjob_trainer.tracking import CallQueue, Tracker, flatten_params, run_key, run_tags
 
 

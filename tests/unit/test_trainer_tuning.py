@@ -88,7 +88,7 @@ def test_nccl_env_defaults_never_override_a_set_value():
 
 
 def test_flight_recorder_dumps_go_to_the_debug_dir_which_outlives_the_pod(tmp_path):
-    from ddpjob_trainer import contract
+    from ddpjob_api import contract
     where = contract.debug_dir(str(tmp_path), 2)
     env: dict[str, str] = {}
     tuning.set_nccl_env_defaults(env, debug_dir=where)

@@ -5,7 +5,7 @@ import copy
 
 import pytest
 
-from ddpjob_operator.api.validation import InvalidDDPJob, apply_defaults, check_manifest, validate_manifest
+from ddpjob_api.validation import InvalidDDPJob, apply_defaults, check_manifest, validate_manifest
 
 GOOD = {"apiVersion": "ddpjob.dev/v1alpha1", "kind": "DDPJob", "metadata": {"name": "mnist"},
         "spec": {"image": "reg/trainer:1", "nodes": 2, "trainer": {"dataset": "digits", "model": "convnet"}}}
@@ -131,7 +131,7 @@ def test_check_manifest_raises_with_every_problem():
 
 def _crd_rules() -> list[dict]:
     """Every x-kubernetes-validations rule of the CRD the operator installs."""
-    from ddpjob_trainer.crdschema import load_crd
+    from ddpjob_api.crdschema import load_crd
 
     out: list[dict] = []
 
@@ -149,7 +149,7 @@ def _crd_rules() -> list[dict]:
 
 
 # One violation per CEL rule of the CRD, keyed by the rule's message: the local validator evaluates
-# the CRD's own rules (ddpjob_trainer.crdschema), and this table keeps a violating example of each, so a rule
+# the CRD's own rules (ddpjob_api.crdschema), and this table keeps a violating example of each, so a rule
 # that the CEL library reads differently from the API server shows up here. Transition rules (oldSelf: immutability) need an
 # old object and are the API server's alone (cluster tier: test_immutable_fields_...).
 CEL_VIOLATIONS = {
@@ -248,7 +248,7 @@ def test_the_operators_fallbacks_are_the_crds_defaults(spec):
 def test_a_rule_added_to_the_crd_is_enforced_locally_with_no_python_change(tmp_path, monkeypatch):
     import yaml
 
-    from ddpjob_trainer import crdschema as crd_mod
+    from ddpjob_api import crdschema as crd_mod
 
     doc = copy.deepcopy(crd_mod.load_crd())
     nodes = crd_mod.version_schema(doc)["properties"]["spec"]["properties"]["nodes"]
@@ -285,7 +285,7 @@ def test_each_problem_is_said_once(change, problems):
 def test_a_rule_that_cannot_be_evaluated_says_why(tmp_path, monkeypatch):
     import yaml
 
-    from ddpjob_trainer import crdschema as crd_mod
+    from ddpjob_api import crdschema as crd_mod
 
     doc = copy.deepcopy(crd_mod.load_crd())
     nodes = crd_mod.version_schema(doc)["properties"]["spec"]["properties"]["nodes"]

@@ -6,7 +6,7 @@ import os
 import sys
 import traceback
 
-from . import contract
+from ddpjob_api import contract
 from .errors import EXIT_BAD_CONFIG, EXIT_TRAINING_FAILED, ConfigError, PeerStopped
 
 
@@ -51,7 +51,7 @@ def main() -> int:
     from .reporting import make_reporter
     from .telemetry import Telemetry
 
-    rank = os.environ.get("RANK", "0")
+    rank = os.environ.get(contract.TORCHRUN_RANK, "0")
     try:
         cfg = config_from_env()
         telemetry = Telemetry.from_env()

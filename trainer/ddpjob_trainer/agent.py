@@ -38,7 +38,8 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any, Mapping
 
-from . import contract, telemetry
+from . import telemetry
+from ddpjob_api import contract
 
 ERROR_CHARS = 200  # the error's first line as a label: a pod's exposition stays small
 # How often the watchdog reads its ranks' progress (torchrun looks at its workers every 0.1 s).
@@ -341,7 +342,7 @@ class Hooks:
         said = []
         for rank, text in sorted(texts.items()):
             waiting, frames = stacks.summary(text)
-            record = {"attempt": self.attempt, "restart": restart, "rank": rank, "node_rank": self.env.get("NODE_RANK", "0"),
+            record = {"attempt": self.attempt, "restart": restart, "rank": rank, "node_rank": self.env.get(contract.ENV_NODE_RANK, "0"),
                       "trigger": trigger, "time": now, "pid": pids[rank], "waiting": waiting, "frames": frames,
                       "text": text}
             try:
@@ -418,7 +419,7 @@ class Hooks:
 
     def _labels(self, rank: Any, local_rank: Any) -> dict[str, str]:
         return {"ddpjob": self.env.get(contract.ENV_JOB_NAME, "local"), "namespace": self.env.get(contract.ENV_JOB_NAMESPACE, ""),
-                "rank": str(rank), "local_rank": str(local_rank), "node_rank": self.env.get("NODE_RANK", "0")}
+                "rank": str(rank), "local_rank": str(local_rank), "node_rank": self.env.get(contract.ENV_NODE_RANK, "0")}
 
     def _series(self, **labels: Any) -> Any:
         if not self._exports:
@@ -440,7 +441,7 @@ class Hooks:
                             trigger=labels["trigger"], waiting=labels["waiting"], frames=labels["frames"])
 
     def _nproc(self) -> int:
-        raw = self.env.get("NPROC_PER_NODE") or self.env.get(contract.PET_NPROC_PER_NODE) or "1"
+        raw = self.env.get(contract.ENV_NPROC_PER_NODE) or self.env.get(contract.PET_NPROC_PER_NODE) or "1"
         return int(raw) if raw.isdigit() and int(raw) > 0 else 1
 
 

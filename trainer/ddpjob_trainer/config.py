@@ -11,7 +11,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import contract, crdschema
+from ddpjob_api import contract, crdschema
 from .errors import ConfigError
 
 AUTO = "auto"

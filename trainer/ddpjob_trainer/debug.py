@@ -41,7 +41,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from . import contract
+from ddpjob_api import contract
 
 # What a rank prints when it starts waiting for SIGTERM (a test waits for it): format with rank, step.
 AWAIT_LINE = "debug: rank {rank} at step {step} waits for SIGTERM"

@@ -11,7 +11,7 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
-from . import contract
+from ddpjob_api import contract
 from .errors import ConfigError
 from .tuning import set_nccl_env_defaults
 
@@ -47,7 +47,7 @@ class DistContext:
 
 def launched_by_torchrun(env=os.environ) -> bool:
     """torchrun sets RANK and LOCAL_RANK for every worker it starts."""
-    return "RANK" in env and "LOCAL_RANK" in env
+    return contract.TORCHRUN_RANK in env and contract.TORCHRUN_LOCAL_RANK in env
 
 
 def rank_device(local_rank: int, local_world_size: int, env=os.environ) -> torch.device:
@@ -80,12 +80,12 @@ def process_group(*, timeout_seconds: int, io_group: bool = False,
     `io_group` the checkpoint writer's and the stop vote's gloo groups; always destroyed on exit."""
     env = os.environ
     if launched_by_torchrun(env):
-        rank, local_rank = int(env["RANK"]), int(env["LOCAL_RANK"])
-        world = int(env["WORLD_SIZE"])
-        node_rank = int(env.get("GROUP_RANK", env.get("NODE_RANK", "0")))
+        rank, local_rank = int(env[contract.TORCHRUN_RANK]), int(env[contract.TORCHRUN_LOCAL_RANK])
+        world = int(env[contract.ENV_WORLD_SIZE])
+        node_rank = int(env.get(contract.TORCHRUN_GROUP_RANK, env.get(contract.ENV_NODE_RANK, "0")))
     else:
         rank, local_rank, world, node_rank = 0, 0, 1, 0
-    device = rank_device(local_rank, int(env.get("LOCAL_WORLD_SIZE", "1")) if launched_by_torchrun(env) else 1)
+    device = rank_device(local_rank, int(env.get(contract.TORCHRUN_LOCAL_WORLD_SIZE, "1")) if launched_by_torchrun(env) else 1)
     use_cuda = device.type == "cuda"
     if use_cuda:
         torch.cuda.set_device(device)

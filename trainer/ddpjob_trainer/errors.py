@@ -1,7 +1,7 @@
 """The trainer's errors, and the exit codes they map to (defined in contract)."""
 from __future__ import annotations
 
-from .contract import EXIT_BAD_CONFIG, EXIT_OK, EXIT_TRAINING_FAILED
+from ddpjob_api.contract import EXIT_BAD_CONFIG, EXIT_OK, EXIT_TRAINING_FAILED
 
 __all__ = ["ConfigError", "EXIT_BAD_CONFIG", "EXIT_OK", "EXIT_TRAINING_FAILED", "PeerStopped"]
 

@@ -17,10 +17,11 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 
-from . import contract, debug, preempt, rng, torchapi, tuning
+from . import debug, preempt, rng, torchapi, tuning
+from ddpjob_api import contract
 from .checkpointing.manager import CheckpointManager, TrainState
 from .collectives import Collectives
-from .contract import RunResult
+from ddpjob_api.contract import RunResult
 from .config import TrainerConfig
 from .data import PerSampleSeeded, ResumableSampler, advance, build_data, eval_loader, loader_kwargs, steps_left
 from .dist import DistContext
@@ -189,7 +190,7 @@ class Trainer:
         self.device_timer = DeviceTimer.for_device(ctx.device)
 
         self.workers = tuning.resolve_num_workers(
-            cfg, local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+            cfg, local_world_size=int(os.environ.get(contract.TORCHRUN_LOCAL_WORLD_SIZE, "1")))
         io: dict[str, Any] = {"workers": self.workers, "prefetch_factor": cfg.prefetch_factor,
               "pin_memory": ctx.device.type == "cuda"}
         self.train_size = len(data.train)  # type: ignore[arg-type]  # torch's Dataset is not Sized; ours are

@@ -26,7 +26,8 @@ from typing import Any, Mapping
 import torch
 import torch.distributed as dist
 
-from . import contract, torchapi
+from . import torchapi
+from ddpjob_api import contract
 
 # A save, judged by the last one's time or by SaveEstimate, must fit this many times over in what
 # is left: a write to shared storage varies, and a checkpoint cut off by SIGKILL is lost (the

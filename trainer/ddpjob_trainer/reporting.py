@@ -8,7 +8,7 @@ import threading
 import time
 from typing import Any
 
-from . import contract
+from ddpjob_api import contract
 from .config import MlflowConfig
 
 

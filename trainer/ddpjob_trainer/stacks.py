@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass
 from typing import Iterable, Mapping
 
-from . import contract
+from ddpjob_api import contract
 
 SIGNAL = getattr(signal, contract.STACK_SIGNAL)
 # The first line of a worker's dump file: which thread is the main one (faulthandler names each
@@ -53,7 +53,7 @@ def install(env: Mapping[str, str] = os.environ) -> bool:
     (contract.ENV_STACKS_DIR set); True when registered. Never raises: a worker must start
     whatever happens here."""
     global _installed
-    folder, rank = env.get(contract.ENV_STACKS_DIR), env.get("RANK")
+    folder, rank = env.get(contract.ENV_STACKS_DIR), env.get(contract.TORCHRUN_RANK)
     if not folder or rank is None or _installed is not None:
         return False
     try:
@@ -247,7 +247,7 @@ def _workers() -> dict[int, tuple[int, str]]:
             env = proc.environ()
         except psutil.Error:
             continue
-        folder, rank = env.get(contract.ENV_STACKS_DIR), env.get("RANK", "")
+        folder, rank = env.get(contract.ENV_STACKS_DIR), env.get(contract.TORCHRUN_RANK, "")
         # A worker's own Python subprocesses inherit its RANK: the worker is the one started first.
         if (folder and rank.isdigit() and proc.pid != os.getpid()
                 and os.path.exists(os.path.join(folder, f"{proc.pid}.txt"))

@@ -56,7 +56,7 @@ import os
 import time
 from typing import Any, Callable, Iterable, Iterator
 
-from . import contract
+from ddpjob_api import contract
 
 PREFIX = contract.METRIC_PREFIX
 METRICS_DIR_ENV = contract.ENV_METRICS_DIR
@@ -176,9 +176,9 @@ class Telemetry:
         labels = {
             "ddpjob": env.get(contract.ENV_JOB_NAME, "local"),
             "namespace": env.get(contract.ENV_JOB_NAMESPACE, ""),
-            "rank": env.get("RANK", "0"),
-            "local_rank": env.get("LOCAL_RANK", "0"),
-            "node_rank": env.get("NODE_RANK", env.get("GROUP_RANK", "0")),
+            "rank": env.get(contract.TORCHRUN_RANK, "0"),
+            "local_rank": env.get(contract.TORCHRUN_LOCAL_RANK, "0"),
+            "node_rank": env.get(contract.ENV_NODE_RANK, env.get(contract.TORCHRUN_GROUP_RANK, "0")),
         }
         if enabled is None:
             enabled = env.get(contract.ENV_TELEMETRY, "1") != "0"

@@ -14,7 +14,7 @@ from typing import Any, Mapping
 
 import torch.distributed as dist
 
-from . import contract
+from ddpjob_api import contract
 
 __all__ = ["TIMEOUT_SETTABLE_FOR_GLOO", "hook_agent", "load_dcp_state", "set_timeout",
            "torchrun_shutdown_seconds"]

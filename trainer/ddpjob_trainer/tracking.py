@@ -38,8 +38,8 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from . import contract
-from .contract import public_uri
+from ddpjob_api import contract
+from ddpjob_api.contract import public_uri
 
 HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_TIMEOUT": "5", "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0",
                  "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "0"}
@@ -100,14 +100,14 @@ def run_key(env: Mapping[str, str], *, checkpoint_dir: str | None = None) -> str
 
 def run_tags(env: Mapping[str, str], *, torch_mod: Any = None, device: Any = None) -> dict[str, str]:
     """Which DDPJob, attempt and software this is (set by every attempt: `ddpjob.attempt` changes)."""
-    nodes = env.get("NNODES") or env.get(contract.PET_NNODES) or "1"
-    nproc = env.get("NPROC_PER_NODE") or env.get("LOCAL_WORLD_SIZE") or "1"
+    nodes = env.get(contract.ENV_NNODES) or env.get(contract.PET_NNODES) or "1"
+    nproc = env.get(contract.ENV_NPROC_PER_NODE) or env.get(contract.TORCHRUN_LOCAL_WORLD_SIZE) or "1"
     tags = {"ddpjob.name": env.get(contract.ENV_JOB_NAME, "local"),
             "ddpjob.namespace": env.get(contract.ENV_JOB_NAMESPACE, ""),
             "ddpjob.uid": env.get(contract.ENV_JOB_UID, ""),
             "ddpjob.attempt": env.get(contract.ENV_ATTEMPT, "0"),
             "ddpjob.nodes_x_procs": f"{nodes}x{nproc}",
-            "ddpjob.world_size": env.get("WORLD_SIZE", "1"),
+            "ddpjob.world_size": env.get(contract.ENV_WORLD_SIZE, "1"),
             "ddpjob.image": env.get(contract.ENV_IMAGE, "")}
     if torch_mod is not None:
         tags["torch.version"] = str(torch_mod.__version__)
@@ -127,7 +127,7 @@ def job_record(env: Mapping[str, str], config: Mapping[str, Any], *, checkpoint:
     job = {"name": env.get(contract.ENV_JOB_NAME, "local"), "namespace": env.get(contract.ENV_JOB_NAMESPACE, ""),
            "uid": env.get(contract.ENV_JOB_UID, ""), "image": env.get(contract.ENV_IMAGE, ""),
            "attempt": int(env.get(contract.ENV_ATTEMPT, "0")),
-           "nodes": int(env.get("NNODES") or 1), "nprocPerNode": int(env.get("NPROC_PER_NODE") or 1)}
+           "nodes": int(env.get(contract.ENV_NNODES) or 1), "nprocPerNode": int(env.get(contract.ENV_NPROC_PER_NODE) or 1)}
     return _public({"job": job, "trainer": dict(config), "checkpoint": checkpoint})
 
 

@@ -13,7 +13,7 @@ from typing import Callable
 
 import torch
 
-from . import contract
+from ddpjob_api import contract
 from .config import AUTO, TrainerConfig
 from .errors import ConfigError
 from .reporting import NullReporter

@@ -4,10 +4,10 @@ from __future__ import annotations
 import datetime as dt
 from typing import Any
 
-from ddpjob_trainer import contract
-from ddpjob_trainer.contract import EXIT_BAD_CONFIG  # never retried
+from ddpjob_api import contract
+from ddpjob_api.contract import EXIT_BAD_CONFIG  # never retried
 
-from ddpjob_operator.api import labels
+from ddpjob_api import labels
 from ddpjob_operator.api.objmeta import parse_time, shared
 
 

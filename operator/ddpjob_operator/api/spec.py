@@ -5,7 +5,7 @@ import copy
 from dataclasses import dataclass, field
 from typing import Any
 
-from ddpjob_trainer import contract
+from ddpjob_api import contract
 
 GROUP = "ddpjob.dev"
 VERSION = "v1alpha1"

@@ -22,13 +22,14 @@ from typing import TYPE_CHECKING, Any
 
 from kubernetes.client.rest import ApiException
 
-from ddpjob_trainer import contract
+from ddpjob_api import contract
 
-from ddpjob_operator.api import labels, podinfo
+from ddpjob_operator.api import podinfo
+from ddpjob_api import labels
 from ddpjob_operator.api.config import OperatorConfig
 from ddpjob_operator.api.group import Group
 from ddpjob_operator.api.objmeta import owned_by, resource_version
-from ddpjob_operator.api.phases import Phase
+from ddpjob_api.phases import Phase
 from ddpjob_operator.api.spec import from_manifest
 from ddpjob_operator.app.children import Children
 from ddpjob_operator.app.operator_metrics import OperatorMetrics

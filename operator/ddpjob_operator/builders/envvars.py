@@ -1,4 +1,4 @@
-"""The environment every training container gets (names: ddpjob_trainer.contract).
+"""The environment every training container gets (names: ddpjob_api.contract; the pods' DNS: ddpjob_api.names).
 
 One pure function used by the operator (pods) and by `ddpjob run --local`, so a job
 sees exactly the same variables in both places.
@@ -9,9 +9,8 @@ import json
 import re
 from typing import Any
 
-from ddpjob_trainer import contract
-
-from ddpjob_operator.api import labels
+from ddpjob_api import contract, labels
+from ddpjob_api.names import master_dns
 from ddpjob_operator.builders import rdma, template
 from ddpjob_operator.api.spec import JobSpec
 
@@ -27,44 +26,9 @@ _NCCL_KEYS = {
 }
 
 
-def service_name(job: JobSpec) -> str:
-    """The headless Service that gives every pod a stable DNS name."""
-    return job.name
-
-
-def pod_hostname(job: JobSpec, rank: int) -> str:
-    """The pod's hostname in every attempt, `<job>-<rank>`: its DNS name under the headless Service
-    (MASTER_ADDR is rank 0's) never changes, whatever the pod is called.
-
-    The rank is zero-padded to the width of the largest one (`<job>-07` in a job of 11 to 100
-    nodes): torchrun's c10d rendezvous numbers the nodes in the sorted order of their addresses,
-    the pods' FQDNs, and `<job>-10` sorts before `<job>-2`, so unpadded names would give pod i
-    another node rank from 11 pods on. Jobs of up to 10 nodes keep `<job>-<rank>`."""
-    width = len(str(max(job.nodes, job.max_nodes) - 1))
-    return f"{job.name}-{rank:0{width}d}"
-
-
-def pod_name(job_name: str, rank: int, attempt: int, replacement: int = 0) -> str:
-    """The pod of one rank in one attempt: `<job>-<rank>` in attempt 0 (the names most jobs, which
-    never restart, show), `<job>-<rank>-a<K>` after: a failed attempt's pods are kept for their
-    logs (spec.failurePolicy.keepFailedAttempts), so the next attempt cannot reuse their names.
-    The n-th replacement of a lost pod within the attempt adds `-r<n>`: the pod it replaces may
-    still exist (terminating, or an evicted pod kept Failed for its logs). A pod name may be 253
-    characters, so the suffixes fit any job name the CRD accepts; only the hostname must fit a
-    63-character DNS label, and it carries none."""
-    base = f"{job_name}-{rank}" + (f"-a{attempt}" if attempt > 0 else "")
-    return f"{base}-r{replacement}" if replacement > 0 else base
-
-
 def own_rendezvous(job: JobSpec) -> bool:
     """The job sets its own PET_RDZV_ENDPOINT: which pod hosts that rendezvous is not ours to know."""
     return any(e.get("name") == contract.PET_RDZV_ENDPOINT for e in template.user_env(job))
-
-
-def master_dns(job: JobSpec, *, cluster_domain: str | None = None) -> str:
-    """Rank 0's stable DNS name `<job>-0.<svc>.<ns>.svc[.<domain>]` (`<job>-00` from 11 nodes on)."""
-    base = f"{pod_hostname(job, 0)}.{service_name(job)}.{job.namespace}.svc"
-    return f"{base}.{cluster_domain}" if cluster_domain else base
 
 
 def _camel_to_env(key: str) -> str:
@@ -132,12 +96,12 @@ def pod_env(
     addr = master_addr or master_dns(job, cluster_domain=cluster_domain)
     port = master_port or job.master_port
     env: dict[str, str] = {
-        "MASTER_ADDR": addr,
-        "MASTER_PORT": str(port),
-        "NNODES": str(job.nodes),
-        "NODE_RANK": str(rank),
-        "NPROC_PER_NODE": str(job.nproc_per_node),
-        "WORLD_SIZE": str(job.world_size),
+        contract.ENV_MASTER_ADDR: addr,
+        contract.ENV_MASTER_PORT: str(port),
+        contract.ENV_NNODES: str(job.nodes),
+        contract.ENV_NODE_RANK: str(rank),
+        contract.ENV_NPROC_PER_NODE: str(job.nproc_per_node),
+        contract.ENV_WORLD_SIZE: str(job.world_size),
         contract.PET_NPROC_PER_NODE: str(job.nproc_per_node),
         contract.ENV_JOB_NAME: job.name,
         contract.ENV_JOB_NAMESPACE: job.namespace,
@@ -146,7 +110,7 @@ def pod_env(
         contract.ENV_IMAGE: job.image,
         contract.ENV_GPUS_PER_NODE: str(job.gpus_per_node),
         # Unbuffered output so `kubectl logs` and the local runner see errors at once.
-        "PYTHONUNBUFFERED": "1",
+        contract.ENV_UNBUFFERED: "1",
     }
     # Every job rendezvouses through c10d (not torchrun's static rendezvous) so that its workers
     # restart in place: a pod whose worker dies restarts its workers, up to PET_MAX_RESTARTS times,

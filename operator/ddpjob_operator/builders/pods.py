@@ -4,12 +4,13 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from ddpjob_trainer import contract
+from ddpjob_api import contract
 
 from ddpjob_operator.builders import gang, kueue, rdma, shm, template
-from ddpjob_operator.api import labels
+from ddpjob_api import labels
 from ddpjob_operator.api.config import OperatorConfig
-from ddpjob_operator.builders.envvars import pod_env, pod_hostname, pod_name, service_name, stop_grace_seconds
+from ddpjob_api.names import pod_hostname, pod_name, service_name
+from ddpjob_operator.builders.envvars import pod_env, stop_grace_seconds
 from ddpjob_operator.builders.service import child_metadata
 from ddpjob_operator.api.spec import JobSpec
 from ddpjob_operator.builders.template import Layers
@@ -132,7 +133,7 @@ def container_env(job: JobSpec, rank: int, *, attempt: int = 0, cluster_domain: 
 def render_pod(job: JobSpec, rank: int, *, attempt: int = 0, config: OperatorConfig | None = None,
                restarts: int | None = None, counted_restarts: int | None = None,
                replacement: int = 0) -> dict[str, Any]:
-    """Pod `envvars.pod_name` (hostname `<job>-<rank>`) for one attempt of the group: spec.template under the flat fields under
+    """Pod `names.pod_name` (hostname `<job>-<rank>`) for one attempt of the group: spec.template under the flat fields under
     what the operator owns (template.merge_template). `replacement`: the n-th pod that replaces a
     lost one of this rank in the attempt (lifecycle.Replacement): its own name, the same hostname."""
     config = config or OperatorConfig()

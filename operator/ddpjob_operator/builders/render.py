@@ -11,7 +11,7 @@ from ddpjob_operator.api.config import OperatorConfig
 from ddpjob_operator.builders.pods import render_pod
 from ddpjob_operator.builders.service import render_service
 from ddpjob_operator.api.spec import from_manifest
-from ddpjob_operator.api.validation import InvalidDDPJob, apply_defaults, check_manifest
+from ddpjob_api.validation import InvalidDDPJob, apply_defaults, check_manifest
 
 
 def render_objects(obj: dict[str, Any], *, namespace: str | None = None,

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ddpjob_operator.api import labels
-from ddpjob_operator.builders.envvars import service_name
+from ddpjob_api import labels
+from ddpjob_api.names import service_name
 from ddpjob_operator.api.spec import API_VERSION, KIND, JobSpec
 
 

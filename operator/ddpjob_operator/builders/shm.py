@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from ddpjob_trainer import contract
+from ddpjob_api import contract
 
 from ddpjob_operator.builders.envvars import cpu_request
 from ddpjob_operator.api.spec import JobSpec

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from ddpjob_trainer import contract
+from ddpjob_api import contract
 
 from ddpjob_operator.api.spec import JobSpec
 from ddpjob_operator.builders.service import child_metadata

@@ -17,7 +17,7 @@ import copy
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from ddpjob_operator.api import labels
+from ddpjob_api import labels
 from ddpjob_operator.api.spec import JobSpec
 
 

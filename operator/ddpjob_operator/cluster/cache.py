@@ -19,7 +19,8 @@ from typing import Any, Callable
 
 from kubernetes.client.rest import ApiException
 
-from ddpjob_operator.api import labels, podinfo
+from ddpjob_operator.api import podinfo
+from ddpjob_api import labels
 from ddpjob_operator.api.objmeta import parse_time, resource_version, shared
 
 log = logging.getLogger("ddpjob.cache")

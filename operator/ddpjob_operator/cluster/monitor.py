@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 
-from ddpjob_trainer import contract
+from ddpjob_api import contract
 
 from ddpjob_operator.decisions import health, progress
 from ddpjob_operator.api import podinfo

@@ -27,8 +27,8 @@ import statistics
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-from ddpjob_trainer import contract
-from ddpjob_trainer.contract import GOODPUT_CATEGORIES
+from ddpjob_api import contract
+from ddpjob_api.contract import GOODPUT_CATEGORIES
 
 from ddpjob_operator.api import podinfo
 from ddpjob_operator.api.objmeta import parse_time

@@ -43,8 +43,8 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from ddpjob_trainer import contract
-from ddpjob_trainer.contract import STAGES, STALL_ERROR_RE
+from ddpjob_api import contract
+from ddpjob_api.contract import STAGES, STALL_ERROR_RE
 
 from ddpjob_operator.api.objmeta import format_time
 from ddpjob_operator.decisions import stacks

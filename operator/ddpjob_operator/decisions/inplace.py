@@ -29,11 +29,11 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
-from ddpjob_trainer import contract
-from ddpjob_trainer.contract import STALL_ERROR_RE
+from ddpjob_api import contract
+from ddpjob_api.contract import STALL_ERROR_RE
 
 from ddpjob_operator.api.objmeta import format_time
-from ddpjob_operator.api.phases import RestartReason
+from ddpjob_api.phases import RestartReason
 from ddpjob_operator.decisions import stacks
 from ddpjob_operator.decisions.redact import redact
 from ddpjob_operator.decisions.samples import ABSURD as MAX_STEP  # a step label beyond it is not believed

@@ -13,11 +13,13 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 from ddpjob_operator.builders import kueue
-from ddpjob_operator.api import labels, objmeta, podinfo
+from ddpjob_operator.api import objmeta, podinfo
+from ddpjob_api import labels
 from ddpjob_operator.api.config import OperatorConfig
 from ddpjob_operator.api.group import Group
-from ddpjob_operator.builders.envvars import inplace_budget, own_rendezvous, pod_name
-from ddpjob_operator.api.phases import Cond, Phase, RestartReason
+from ddpjob_api.names import pod_name
+from ddpjob_operator.builders.envvars import inplace_budget, own_rendezvous
+from ddpjob_api.phases import Cond, Phase, RestartReason
 from ddpjob_operator.decisions import inplace
 from ddpjob_operator.decisions.redact import redact
 from ddpjob_operator.api.spec import JobSpec

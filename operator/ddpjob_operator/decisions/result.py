@@ -12,7 +12,7 @@ import json
 import math
 from typing import Any
 
-from ddpjob_trainer.contract import RunResult
+from ddpjob_api.contract import RunResult
 
 from ddpjob_operator.api import podinfo
 from ddpjob_operator.api.group import Attempt

@@ -9,7 +9,7 @@ import re
 from dataclasses import dataclass, field, fields
 from typing import Iterable, Iterator
 
-from ddpjob_trainer.contract import (CHECKPOINT_SECONDS, COMPUTE_SECONDS, DATA_WAIT_SECONDS, EPOCH, EVAL_ACCURACY,
+from ddpjob_api.contract import (CHECKPOINT_SECONDS, COMPUTE_SECONDS, DATA_WAIT_SECONDS, EPOCH, EVAL_ACCURACY,
                                     EVAL_LOSS, FIRST_STEP_TIMESTAMP, GOODPUT_SECONDS, GPU_MEMORY_ALLOCATED, GPU_MEMORY_MAX_ALLOCATED,
                                     LAST_STEP_TIMESTAMP, LOSS, METRIC_PREFIX, MLFLOW_RUN_INFO, RANK_GOODPUT_CATEGORIES,
                                     RESTART_COUNT,

@@ -26,7 +26,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
-from ddpjob_trainer import contract
+from ddpjob_api import contract
 
 from ddpjob_operator.decisions.redact import redact
 

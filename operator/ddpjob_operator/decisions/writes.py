@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ddpjob_operator.api.phases import Phase
+from ddpjob_api.phases import Phase
 from ddpjob_operator.decisions.health import STALLED, STRAGGLER
 from ddpjob_operator.decisions.progress import UNAVAILABLE
 

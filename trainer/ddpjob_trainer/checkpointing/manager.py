@@ -20,7 +20,7 @@ from ..shared_dir import check_shared_dir
 from ..telemetry import Telemetry
 from .checkpoint import (Checkpointer, check_resumable, optimizer_state, probe_write_bandwidth, state_nbytes,
                          step_dir_name)
-from ..contract import snapshot_root
+from ddpjob_api.contract import snapshot_root
 from .snapshot import Snapshots, agreed_step
 
 

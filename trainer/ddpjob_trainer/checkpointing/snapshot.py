@@ -35,7 +35,7 @@ from typing import Any, Callable
 
 import torch
 
-from .. import contract
+from ddpjob_api import contract
 from .checkpoint import _Stager
 
 KEEP = contract.SNAPSHOTS_KEPT

@@ -22,3 +22,23 @@ built-in trainer saves a last checkpoint in it when that fits: preempt.py). Exit
 143 for SIGTERM, 130 for SIGINT. node.py runs one node's launch from start to end; exitguard/ is
 put first on every child's PYTHONPATH.
 """
+
+# What the local runner (cli/ddpjob_cli/local.py), the pod's launcher on the host, takes from the
+# trainer: this surface, never the modules behind it (tests/unit/test_package_boundaries.py).
+from ddpjob_trainer.errors import ConfigError
+from ddpjob_trainer.launch.procs import become_subreaper, die_with_parent, stop_tree
+from ddpjob_trainer.launch.report import rank_messages
+from ddpjob_trainer.launch.signals import Stop, StopSignals, stop_grace_from_env
+
+
+def check_trainer_config(trainer: dict) -> None:
+    """Raise ConfigError naming the field the built-in trainer would refuse in spec.trainer. Its
+    parser is imported here, not above: it needs the trainer extra, which `ddpjob run --local`
+    asks for by name when it is missing."""
+    from ddpjob_trainer.config import parse_config
+
+    parse_config(trainer)
+
+
+__all__ = ["ConfigError", "Stop", "StopSignals", "become_subreaper", "check_trainer_config", "die_with_parent",
+           "rank_messages", "stop_grace_from_env", "stop_tree"]

@@ -14,7 +14,8 @@ import tempfile
 import time
 from typing import Callable, cast
 
-from .. import contract, debug
+from .. import debug
+from ddpjob_api import contract
 from ..agent import steps_reached
 from ..errors import EXIT_BAD_CONFIG, EXIT_TRAINING_FAILED, ConfigError
 from ..tracking import SYSTEM_METRICS_END_SECONDS
@@ -131,8 +132,8 @@ class _RankStages:
     def __init__(self, env: dict[str, str]) -> None:
         self.telemetry = []
         try:
-            nproc = int(env.get("NPROC_PER_NODE") or env.get(contract.PET_NPROC_PER_NODE) or "1")
-            node_rank = int(env.get("NODE_RANK", "0"))
+            nproc = int(env.get(contract.ENV_NPROC_PER_NODE) or env.get(contract.PET_NPROC_PER_NODE) or "1")
+            node_rank = int(env.get(contract.ENV_NODE_RANK, "0"))
         except ValueError:
             return  # e.g. nproc "auto" in a user's own env: torchrun decides, the ranks report alone
         if env.get(contract.ENV_TELEMETRY, "1") == "0":
@@ -224,8 +225,8 @@ def _launch(args: argparse.Namespace, node: _Node, signals: StopSignals) -> int:
     # The ranks' starting counts from this process's start: the container's, in a pod.
     from ..telemetry import process_start
     env[contract.ENV_NODE_STARTED] = f"{process_start() or time.time():.3f}"
-    node_rank = int(env.get("NODE_RANK", "0"))
-    addr, port = env.get("MASTER_ADDR"), int(env.get("MASTER_PORT", contract.DEFAULT_MASTER_PORT))
+    node_rank = int(env.get(contract.ENV_NODE_RANK, "0"))
+    addr, port = env.get(contract.ENV_MASTER_ADDR), int(env.get(contract.ENV_MASTER_PORT, contract.DEFAULT_MASTER_PORT))
     node.scratch = tempfile.mkdtemp(prefix="ddpjob-")
     metrics_dir = env.setdefault(contract.ENV_METRICS_DIR, os.path.join(node.scratch, "metrics"))
     status_dir = env.setdefault(contract.ENV_STATUS_DIR, os.path.join(node.scratch, "status"))

@@ -11,7 +11,7 @@ from typing import Callable, Sequence
 
 import psutil
 
-from .. import contract
+from ddpjob_api import contract
 
 _PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36

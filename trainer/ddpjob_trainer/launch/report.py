@@ -6,7 +6,7 @@ import json
 import os
 import sys
 
-from .. import contract
+from ddpjob_api import contract
 
 TERMINATION_LOG = "/dev/termination-log"
 TERMINATION_LIMIT = 4000  # characters; the kubelet truncates a termination message at 4096 bytes

@@ -13,7 +13,7 @@ import sys
 import time
 from typing import Callable
 
-from .. import contract
+from ddpjob_api import contract
 from .procs import die_with_parent
 from .report import say
 from .signals import STOP_SIGNALS, StopSignals

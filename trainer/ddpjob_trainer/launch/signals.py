@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import signal
 
-from .. import contract
+from ddpjob_api import contract
 from ..errors import ConfigError
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)

@@ -1,7 +1,7 @@
 """Validate a DDPJob dict the way the API server would: the CRD's schema plus its CEL rules.
 
 The schema is read from the CRD file and checked by the CRD's evaluator, which the trainer
-checks `spec.trainer` with too (ddpjob_trainer.crdschema: Kubernetes' keywords on jsonschema); the
+checks `spec.trainer` with too (ddpjob_api.crdschema: Kubernetes' keywords on jsonschema); the
 CRD's CEL rules (x-kubernetes-validations) are evaluated as written, by a CEL library, because
 `ddpjob run --local` has no API server to evaluate them. The CRD stays their one home: a rule added
 there is enforced here with no change to this file.
@@ -14,7 +14,7 @@ from typing import Any
 import jsonschema
 
 from ddpjob_operator.api.spec import API_VERSION, KIND
-from ddpjob_trainer import crdschema
+from ddpjob_api import crdschema
 
 
 def _schema() -> dict[str, Any]:

@@ -2,9 +2,9 @@
 once: the pod's command, the environment a pod gets, the exit codes a node reports, the metrics a
 rank exports and the operator reads, and the run's result.
 
-It lives in the trainer package because that is the one package every side has (the operator's
-image installs the same wheel); it imports nothing but the standard library (`os`, `re`,
-`pathlib`, `typing`, `dataclasses`), so the operator pays nothing for it.
+It lives in the API package (ddpjob_api), which the operator, the trainer and the CLI all stand
+on and none of them owns; it imports nothing but the standard library (`os`, `re`, `pathlib`,
+`typing`, `dataclasses`), so no side pays for another's dependencies.
 """
 from __future__ import annotations
 
@@ -25,6 +25,15 @@ EXIT_TRAINING_FAILED = 1   # may be retried (group restart, resume from checkpoi
 EXIT_BAD_CONFIG = 78       # EX_CONFIG: retrying cannot help; fail the job at once
 
 # Set by the operator in every pod (operator/ddpjob_operator/builders/envvars.py) and by the local runner.
+# torch's rendezvous names, for a user's script that reads them (and the launcher's DNS wait):
+ENV_MASTER_ADDR = "MASTER_ADDR"
+ENV_MASTER_PORT = "MASTER_PORT"
+ENV_NNODES = "NNODES"
+ENV_NODE_RANK = "NODE_RANK"
+ENV_NPROC_PER_NODE = "NPROC_PER_NODE"
+ENV_WORLD_SIZE = "WORLD_SIZE"
+ENV_UNBUFFERED = "PYTHONUNBUFFERED"       # "1": `kubectl logs` and the local runner see errors at once
+ENV_OMP_THREADS = "OMP_NUM_THREADS"       # the local runner's share of the host's cores per rank
 ENV_JOB_NAME = "DDPJOB_NAME"
 ENV_JOB_NAMESPACE = "DDPJOB_NAMESPACE"
 ENV_JOB_UID = "DDPJOB_UID"                # the DDPJob's metadata.uid; locally, one per name + work dir
@@ -54,6 +63,13 @@ ENV_TORCHELASTIC_ERROR_FILE = "TORCHELASTIC_ERROR_FILE"
 # releases that have the setting; 30 s, fixed, before them): the launcher sets it to its grace.
 ENV_TORCHRUN_SHUTDOWN_TIMEOUT = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
 TORCHRUN_SHUTDOWN_TIMEOUT_DEFAULT = 30
+
+# Set by torchrun in each worker it starts (read, never set, by us; not scanned as literals by
+# tests/unit/test_contract.py: "RANK" is also a column header).
+TORCHRUN_RANK = "RANK"
+TORCHRUN_LOCAL_RANK = "LOCAL_RANK"
+TORCHRUN_LOCAL_WORLD_SIZE = "LOCAL_WORLD_SIZE"
+TORCHRUN_GROUP_RANK = "GROUP_RANK"
 
 # torchrun's flags as env (torch.distributed.run reads PET_<FLAG>).
 PET_NNODES = "PET_NNODES"

@@ -5,7 +5,7 @@ one home of the keys, types, bounds, enums and CEL rules; a key or rule added th
 with no Python change. jsonschema checks the OpenAPI part, extended with Kubernetes' own keywords,
 cel-python the x-kubernetes-validations. The trainer validates `spec.trainer` with it and runs
 without the operator (a pod, `docker run`), so the file is packaged with it; the operator validates a
-whole DDPJob with it for `ddpjob run --local`/`render`/`submit` (ddpjob_operator.api.validation).
+whole DDPJob with it for `ddpjob run --local`/`render`/`submit` (ddpjob_api.validation).
 """
 from __future__ import annotations
 
