@@ -13,6 +13,7 @@ ARG TORCH_IMAGE=pytorch/pytorch:2.8.0-cuda12.8-cudnn9-runtime
 FROM ${PYTHON_IMAGE} AS wheel
 WORKDIR /src
 COPY pyproject.toml README.md LICENSE ./
+COPY api/ api/
 COPY operator/ operator/
 COPY trainer/ trainer/
 COPY cli/ cli/

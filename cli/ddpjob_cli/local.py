@@ -52,7 +52,7 @@ from ddpjob_trainer.launch.signals import Stop, StopSignals, stop_grace_from_env
 
 from ddpjob_operator.builders import envvars, pods
 from ddpjob_operator.api.phases import Phase
-from ddpjob_operator.api.spec import JobSpec, from_manifest
+from ddpjob_api.spec import JobSpec, from_manifest
 from ddpjob_operator.decisions import goodput, inplace
 
 from .localpolicy import Tally, after_failure, next_tally

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from ddpjob_operator.builders.envvars import env_dict, master_dns, nccl_env, pod_env
-from ddpjob_operator.api.spec import resolve_nproc
+from ddpjob_api.spec import resolve_nproc
 from tests.support.builders import make_job
 
 

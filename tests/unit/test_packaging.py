@@ -26,7 +26,7 @@ from tests.unit.test_dockerfile import stages
 REPO = Path(__file__).resolve().parents[2]
 CRD_RELPATH = Path("charts/ddpjob-operator/crds/ddpjobs.ddpjob.dev.yaml")
 PROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
-PACKAGES = {"ddpjob_operator": "operator", "ddpjob_trainer": "trainer", "ddpjob_cli": "cli"}
+PACKAGES = {"ddpjob_api": "api", "ddpjob_operator": "operator", "ddpjob_trainer": "trainer", "ddpjob_cli": "cli"}
 # The exit guard's sitecustomize imports the environment's own, whatever it is.
 NOT_A_DEPENDENCY = {"sitecustomize"}
 
@@ -65,7 +65,7 @@ def third_party_imports(package: str) -> set[str]:
 
 
 def test_the_core_is_what_the_cli_and_operator_import_and_the_trainer_an_extra():
-    for package in ("ddpjob_operator", "ddpjob_cli"):
+    for package in ("ddpjob_api", "ddpjob_operator", "ddpjob_cli"):
         assert third_party_imports(package) <= CORE, (package, third_party_imports(package) - CORE)
     optional = set().union(*(names(v) for v in PROJECT["optional-dependencies"].values()))
     assert third_party_imports("ddpjob_trainer") <= CORE | optional
