@@ -19,7 +19,7 @@ FLOOR_PINS := $(shell . hack/versions.env && echo "torch==$$TORCH_VERSION torchv
 PYTEST_ARGS ?=
 
 .PHONY: help install install-floor demo test test-floor test-unit test-trainer test-cluster test-e2e test-realpods cluster-up \
-        cluster-down build-cluster images manifests bench lint clean release test-oldest cluster-up-oldest cluster-down-oldest
+        cluster-down build-cluster images manifests spec bench lint clean release test-oldest cluster-up-oldest cluster-down-oldest
 
 help: ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-14s %s\n", $$1, $$2}'
@@ -127,6 +127,9 @@ manifests: install ## regenerate manifests/ from the Helm chart (a test fails wh
 .PHONY: docs
 docs: install ## regenerate the chart README, docs/crd-reference.md and the figures README/docs quote from bench/results/ (a test fails when stale)
 	$(PY) hack/gen-docs.py
+
+spec: install ## regenerate api/ddpjob_api/specgen.py, the typed spec, from the CRD's schema (a test fails when stale)
+	$(PY) hack/gen-spec.py
 
 # The trainer's benches first: the checkpoint arms wait on fsync, and a running control plane's etcd
 # (an fsync per write) makes those times swing by 4x. They need no cluster.

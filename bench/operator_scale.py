@@ -59,7 +59,7 @@ import kubeflow_peer  # noqa: E402
 import pyspy  # noqa: E402
 import stats  # noqa: E402
 from provenance import Provenance  # noqa: E402
-from ddpjob_operator.api.spec import from_manifest  # noqa: E402
+from ddpjob_api.spec import from_manifest  # noqa: E402
 from ddpjob_api import labels  # noqa: E402
 from ddpjob_operator.builders.pods import render_pod  # noqa: E402
 from ddpjob_operator.builders.service import render_service  # noqa: E402

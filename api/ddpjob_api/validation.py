@@ -13,7 +13,7 @@ from typing import Any
 
 import jsonschema
 
-from ddpjob_operator.api.spec import API_VERSION, KIND
+from ddpjob_api.spec import API_VERSION, KIND
 from ddpjob_api import crdschema
 
 

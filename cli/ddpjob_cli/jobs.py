@@ -432,7 +432,7 @@ def top(kube: Kube, name: str, once: bool, interval: float, live: bool, output: 
 def _live_samples(kube: Kube, job: dict[str, Any], pods: list[dict[str, Any]]) -> tuple[dict[int, Any], list[str]]:
     """({global rank: RankSample}, notes on pods not read) from the running pods of the current attempt."""
     from ddpjob_operator.decisions.samples import merge, parse_metrics
-    from ddpjob_operator.api.spec import from_manifest
+    from ddpjob_api.spec import from_manifest
 
     port = from_manifest(job).metrics_port
     parts, notes = [], []

@@ -50,7 +50,7 @@ from ddpjob_trainer.launch import (ConfigError, Stop, StopSignals, become_subrea
                                    rank_messages, stop_grace_from_env, stop_tree)
 
 from ddpjob_operator.builders import envvars, pods
-from ddpjob_operator.api.spec import JobSpec, from_manifest
+from ddpjob_api.spec import JobSpec, from_manifest
 from ddpjob_operator.decisions import goodput, inplace
 
 from .localpolicy import Tally, after_failure, next_tally

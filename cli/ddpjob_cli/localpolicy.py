@@ -12,7 +12,7 @@ from ddpjob_operator.api.group import Group
 from ddpjob_api.names import pod_name
 from ddpjob_operator.decisions.lifecycle import Decision, decide
 from ddpjob_api.phases import Phase
-from ddpjob_operator.api.spec import JobSpec
+from ddpjob_api.spec import JobSpec
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from ddpjob_api.phases import Phase
 from ddpjob_operator.api.podinfo import meta
 from ddpjob_operator.decisions.progress import UNAVAILABLE, human_duration
 from ddpjob_operator.decisions.samples import RankSample
-from ddpjob_operator.api.spec import KIND, PLURAL, from_manifest
+from ddpjob_api.spec import KIND, PLURAL, from_manifest
 
 Row = list[str]
 NONE = "-"
@@ -195,7 +195,6 @@ def rank_rows(job: dict[str, Any], pods: list[dict[str, Any]]) -> list[RankRow]:
 def spec_summary(job: dict[str, Any]) -> list[tuple[str, str]]:
     """(field, value) lines of what the job runs, for `describe`."""
     js = from_manifest(job)
-    spec = js.spec
     out = [("Nodes", str(js.nodes)), ("Processes per node", str(js.nproc_per_node)),
            ("GPUs per node", str(js.gpus_per_node)), ("World size", str(js.world_size)), ("Image", js.image)]
     if js.uses_builtin_trainer:
@@ -215,9 +214,10 @@ def spec_summary(job: dict[str, Any]) -> list[tuple[str, str]]:
     out.append(("Max restarts", str(js.max_restarts)))
     if js.suspend:
         out.append(("Suspend", "true"))
-    for key, label in (("activeDeadlineSeconds", "Deadline (s)"), ("ttlSecondsAfterFinished", "TTL after finish (s)")):
-        if spec.get(key) is not None:
-            out.append((label, str(spec[key])))
+    for value, label in ((js.active_deadline_seconds, "Deadline (s)"),
+                         (js.ttl_seconds_after_finished, "TTL after finish (s)")):
+        if value is not None:
+            out.append((label, str(value)))
     return out
 
 

@@ -227,7 +227,7 @@ def test_full_pod_level_spec_accepted_and_its_pods_too(crd, namespace):
     from it pass the API server's Pod validation (the two schemas agree on valid input)."""
     from ddpjob_operator.builders.pods import render_pod
     from ddpjob_operator.builders.service import render_service
-    from ddpjob_operator.api.spec import from_manifest
+    from ddpjob_api.spec import from_manifest
 
     spec = {
         "env": [{"name": "TOKEN", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k", "optional": True}}}],
@@ -267,7 +267,7 @@ def test_an_rdma_job_is_stored_defaulted_and_its_pods_pass_pod_validation(crd, n
     """spec.rdma under the real schema (devicesPerNode defaults to 1), and the pods it renders (the
     device as request = limit, IPC_LOCK added to the dropped ALL) are Pods this API server accepts."""
     from ddpjob_operator.builders.pods import render_pod
-    from ddpjob_operator.api.spec import from_manifest
+    from ddpjob_api.spec import from_manifest
 
     proc = apply(crd, namespace, manifest("rdma", gpusPerNode=8, rdma={"resource": "rdma/ib"},
                                           resources={"requests": {"rdma/ib": "1", "cpu": "4"}}))
@@ -311,7 +311,7 @@ def test_a_template_is_stored_as_written_and_its_pods_pass_pod_validation(crd, n
     """spec.template under the real schema: nothing pruned, and the pods merge_template makes from
     it (with flat fields on top) are Pods this API server accepts."""
     from ddpjob_operator.builders.pods import render_pod
-    from ddpjob_operator.api.spec import from_manifest
+    from ddpjob_api.spec import from_manifest
 
     obj = manifest("templated", gpusPerNode=0, env=[{"name": "A", "value": "1"}],
                    volumes=[{"name": "ckpt", "emptyDir": {}}], volumeMounts=[{"name": "ckpt", "mountPath": "/ckpt"}],
@@ -331,7 +331,7 @@ def test_a_clash_with_the_operators_port_is_refused_at_pod_creation_naming_the_t
     """A port of the trainer named master is the one clash the CRD cannot afford to check (CEL
     cost): the Pod's validation refuses it, and explain_pod_error names the DDPJob field."""
     from ddpjob_operator.builders.pods import explain_pod_error, render_pod
-    from ddpjob_operator.api.spec import from_manifest
+    from ddpjob_api.spec import from_manifest
 
     job = from_manifest(manifest("clash", template={"spec": {"containers": [
         {"name": "trainer", "ports": [{"name": "master", "containerPort": 1234}]}]}}))

@@ -13,7 +13,7 @@ from kubernetes.client.rest import ApiException
 
 from ddpjob_operator.api.group import Group
 from ddpjob_operator.builders.pods import render_pod
-from ddpjob_operator.api.spec import from_manifest
+from ddpjob_api.spec import from_manifest
 from ddpjob_operator.app.children import refusal
 from ddpjob_operator.decisions.status import create_refused, job_status
 from tests.cluster.conftest import wait_for

@@ -12,7 +12,7 @@ import datetime as dt
 from typing import Any
 
 from ddpjob_api import labels
-from ddpjob_operator.api.spec import API_VERSION, KIND, JobSpec, from_manifest
+from ddpjob_api.spec import API_VERSION, KIND, JobSpec, from_manifest
 from ddpjob_api.names import pod_name
 
 NOW = dt.datetime(2026, 11, 22, 12, 0, 0, tzinfo=dt.timezone.utc)

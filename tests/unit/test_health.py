@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import pytest
 
+from ddpjob_api.specgen import DDPJobSpec
 from ddpjob_operator.decisions.health import STALLED, STRAGGLER, HealthTracker
 from ddpjob_operator.decisions.samples import RankSample
 
@@ -277,7 +278,8 @@ def test_a_rank_missing_from_one_scrape_is_no_progress():
     ({"timeoutSeconds": 1800}, 1800), ({"timeoutSeconds": "x"}, 600),
 ])
 def test_a_trainer_start_up_limit_past_600s_raises_the_start_up_hang_timeout(trainer, startup):
-    h = HealthTracker.for_spec({"trainer": trainer} if trainer is not None else {})
+    h = HealthTracker.for_spec(DDPJobSpec.from_dict({"image": "i", "trainer": trainer}))
     assert h.effective_hang_timeout(None) == startup
     assert h.effective_hang_timeout("eval") == startup and h.effective_hang_timeout() == 300
-    assert HealthTracker.for_spec({"trainer": trainer, "hangTimeoutSeconds": 45}).effective_hang_timeout(None) == 45
+    spec = DDPJobSpec.from_dict({"image": "i", "trainer": trainer, "hangTimeoutSeconds": 45})
+    assert HealthTracker.for_spec(spec).effective_hang_timeout(None) == 45

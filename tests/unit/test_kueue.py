@@ -8,7 +8,7 @@ from ddpjob_operator.builders import kueue
 from ddpjob_operator.decisions.lifecycle import decide
 from ddpjob_api.phases import Phase
 from ddpjob_operator.builders.pods import render_pod
-from ddpjob_operator.api.spec import from_manifest
+from ddpjob_api.spec import from_manifest
 from ddpjob_operator.decisions.status import job_status
 from tests.support.builders import NOW, ago, make_manifest, make_pod
 

@@ -22,7 +22,7 @@ from ddpjob_operator.app.controller import Reconciler
 from ddpjob_operator.decisions.samples import MonitorReport, RankSample
 from ddpjob_operator.app.operator_metrics import OperatorMetrics
 from ddpjob_operator.builders.service import render_service
-from ddpjob_operator.api.spec import from_manifest
+from ddpjob_api.spec import from_manifest
 from tests.support.builders import make_manifest
 
 NS = "ns"  # make_manifest's namespace

@@ -13,7 +13,7 @@ from ddpjob_operator.builders.envvars import env_dict
 from ddpjob_operator.builders.pods import LAUNCHER, render_pod
 from ddpjob_operator.builders.render import render_file
 from ddpjob_operator.builders.service import render_service
-from ddpjob_operator.api.spec import from_manifest
+from ddpjob_api.spec import from_manifest
 from tests.support.builders import make_job, make_manifest
 
 
@@ -300,7 +300,7 @@ def test_job_field_follows_render_pod(elastic, mlflow):
     for base, (items, key) in lists.items():
         for i, item in enumerate(items):
             field = job_field(f"{base}[{i}].name", j, rank=1, config=config)
-            if item in j.spec[key]:
-                assert field == f"spec.{key}[{j.spec[key].index(item)}].name"
+            if item in j.raw["spec"][key]:
+                assert field == f"spec.{key}[{j.raw['spec'][key].index(item)}].name"
             else:
                 assert field is None, (base, i, item)

@@ -211,7 +211,7 @@ def test_every_pod_gets_the_same_template_and_none_shares_it():
     assert pods[0]["spec"]["initContainers"] == pods[1]["spec"]["initContainers"] == [STAGE]
     pods[0]["spec"]["initContainers"][0]["name"] = "changed"
     pods[0]["spec"]["containers"][0]["livenessProbe"]["periodSeconds"] = 1
-    assert j.spec["template"] == template and render_pod(j, 1) == pods[1]
+    assert j.raw["spec"]["template"] == template and render_pod(j, 1) == pods[1]
 
 
 # -- the local validator (ddpjob render, ddpjob run --local): the CRD's schema and CEL ------------------

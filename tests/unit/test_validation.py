@@ -229,11 +229,12 @@ def test_the_local_validator_gives_each_cel_rules_own_message(message):
                                   {"image": "i", "elastic": {"minNodes": 1, "maxNodes": 2}}])
 def test_the_operators_fallbacks_are_the_crds_defaults(spec):
     """The API server fills in the CRD's defaults; a manifest that never met it (`ddpjob run
-    --local`, `ddpjob render`, an object from an older CRD) falls back to spec.py's. Every field and
+    --local`, `ddpjob render`, an object from an older CRD) gets them from the typed spec, generated
+    from the CRD (ddpjob_api.specgen), and spec.py's own fallbacks. Every field and
     property of the JobSpec must come out the same both ways, or the two paths run different jobs."""
     import dataclasses
 
-    from ddpjob_operator.api.spec import JobSpec, from_manifest
+    from ddpjob_api.spec import JobSpec, from_manifest
 
     bare = {"apiVersion": "ddpjob.dev/v1alpha1", "kind": "DDPJob", "metadata": {"name": "j", "namespace": "ns"},
             "spec": spec}

@@ -30,7 +30,7 @@ from ddpjob_operator.api.config import OperatorConfig
 from ddpjob_operator.api.group import Group
 from ddpjob_operator.api.objmeta import owned_by, resource_version
 from ddpjob_api.phases import Phase
-from ddpjob_operator.api.spec import from_manifest
+from ddpjob_api.spec import from_manifest
 from ddpjob_operator.app.children import Children
 from ddpjob_operator.app.operator_metrics import OperatorMetrics
 from ddpjob_operator.app.workqueue import Key, WorkQueue

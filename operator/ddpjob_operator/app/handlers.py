@@ -18,7 +18,7 @@ from typing import Any
 import kopf
 
 from ddpjob_operator.app.controller import Reconciler
-from ddpjob_operator.api.spec import GROUP, PLURAL, VERSION
+from ddpjob_api.spec import GROUP, PLURAL, VERSION
 
 
 class WatchOnlyDiffBase(kopf.DiffBaseStorage):

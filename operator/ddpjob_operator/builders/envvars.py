@@ -12,7 +12,7 @@ from typing import Any
 from ddpjob_api import contract, labels
 from ddpjob_api.names import master_dns
 from ddpjob_operator.builders import rdma, template
-from ddpjob_operator.api.spec import JobSpec
+from ddpjob_api.spec import JobSpec
 
 # spec.nccl keys -> NCCL_* variables; anything else in spec.nccl is upper-snake-cased.
 _NCCL_KEYS = {
@@ -161,8 +161,8 @@ def inplace_budget(job: JobSpec) -> int:
     """PET_MAX_RESTARTS, the in-place restarts torchrun's agent of one pod may make: the job's
     restart budget (failurePolicy.maxRestarts), or spec.elastic.maxRestarts where set. The operator
     charges every in-place restart to failurePolicy.maxRestarts as well (decisions/inplace.py)."""
-    if job.elastic and job.elastic.get("maxRestarts") is not None:
-        return int(job.elastic["maxRestarts"])
+    if job.elastic and job.elastic.max_restarts is not None:
+        return job.elastic.max_restarts
     return job.max_restarts
 
 
@@ -178,7 +178,7 @@ def cpu_request(job: JobSpec) -> Any:
     def requests(resources: dict[str, Any] | None) -> dict[str, Any]:
         return (resources or {}).get("requests") or {}
     tpl = template.trainer_container(template.pod_template(job)).get("resources")
-    return requests(job.spec.get("resources")).get("cpu") or requests(tpl).get("cpu")
+    return requests(job.spec.resources).get("cpu") or requests(tpl).get("cpu")
 
 
 def env_dict(env: list[dict[str, Any]]) -> dict[str, str]:

@@ -18,7 +18,7 @@ from kubernetes.utils.quantity import parse_quantity
 
 from ddpjob_operator.api.group import Attempt
 from ddpjob_operator.builders.service import child_metadata
-from ddpjob_operator.api.spec import JobSpec
+from ddpjob_api.spec import JobSpec
 
 
 class GangScheduler(str, enum.Enum):
@@ -108,8 +108,8 @@ def _format(name: str, value: Decimal) -> str:
     return str(whole)
 
 
-def pod_requests(pod_spec: dict[str, Any]) -> dict[str, Decimal]:
-    """What the scheduler reserves for one pod: its containers' and native sidecars' requests
+def pod_requests(fields: dict[str, Any]) -> dict[str, Decimal]:
+    """What the scheduler reserves for one pod (`fields`: its spec): its containers' and native sidecars' requests
     (a limit alone is the request), or its largest init container's when that is more."""
     def requests(c: dict[str, Any]) -> dict[str, Decimal]:
         res = c.get("resources") or {}
@@ -117,8 +117,8 @@ def pod_requests(pod_spec: dict[str, Any]) -> dict[str, Decimal]:
         return {k: Decimal(parse_quantity(v)) for k, v in merged.items()}
 
     total: dict[str, Decimal] = {}
-    inits = pod_spec.get("initContainers") or []
-    for c in list(pod_spec.get("containers") or []) + [i for i in inits if i.get("restartPolicy") == "Always"]:
+    inits = fields.get("initContainers") or []
+    for c in list(fields.get("containers") or []) + [i for i in inits if i.get("restartPolicy") == "Always"]:
         for k, v in requests(c).items():
             total[k] = total.get(k, Decimal(0)) + v
     for c in inits:
@@ -143,20 +143,20 @@ def render_podgroup(job: JobSpec, pod: dict[str, Any]) -> dict[str, Any] | None:
         return None
     api, gang = APIS[sched], job.scheduling.gang
     assert gang is not None
-    spec: dict[str, Any] = {"minMember": min_member(job)}
+    group: dict[str, Any] = {"minMember": min_member(job)}
     resources = min_resources(job, pod)
     if resources:
-        spec["minResources"] = resources
+        group["minResources"] = resources
     if sched is GangScheduler.COSCHEDULING and gang.schedule_timeout_seconds:
-        spec["scheduleTimeoutSeconds"] = gang.schedule_timeout_seconds
+        group["scheduleTimeoutSeconds"] = gang.schedule_timeout_seconds
     if sched is GangScheduler.VOLCANO:
         if gang.queue:
-            spec["queue"] = gang.queue
+            group["queue"] = gang.queue
         priority = (pod.get("spec") or {}).get("priorityClassName")
         if priority:
-            spec["priorityClassName"] = priority
+            group["priorityClassName"] = priority
     return {"apiVersion": api.api_version, "kind": KIND, "metadata": child_metadata(job, podgroup_name(job)),
-            "spec": spec}
+            "spec": group}
 
 
 @dataclass(frozen=True)

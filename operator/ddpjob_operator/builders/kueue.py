@@ -16,7 +16,7 @@ from typing import Any
 
 from ddpjob_operator.api import podinfo
 from ddpjob_operator.api.group import Attempt
-from ddpjob_operator.api.spec import JobSpec
+from ddpjob_api.spec import JobSpec
 
 QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 GROUP_LABEL = "kueue.x-k8s.io/pod-group-name"
@@ -33,8 +33,8 @@ MAX_NAME = 63
 def queue_name(job: JobSpec) -> str | None:
     """The LocalQueue the job's own label names, else its pods' (podLabels, the template's): a
     queue label on the pods alone would have Kueue admit them one by one (None: no queue)."""
-    tpl = (job.spec.get("template") or {}).get("metadata") or {}
-    for mapping in ((job.raw.get("metadata") or {}).get("labels"), job.spec.get("podLabels"), tpl.get("labels")):
+    tpl = (job.spec.template or {}).get("metadata") or {}
+    for mapping in ((job.raw.get("metadata") or {}).get("labels"), job.spec.pod_labels, tpl.get("labels")):
         value = (mapping or {}).get(QUEUE_LABEL) if isinstance(mapping, dict) else None
         if value:
             return str(value)

@@ -12,7 +12,7 @@ from ddpjob_operator.api.config import OperatorConfig
 from ddpjob_api.names import pod_hostname, pod_name, service_name
 from ddpjob_operator.builders.envvars import pod_env, stop_grace_seconds
 from ddpjob_operator.builders.service import child_metadata
-from ddpjob_operator.api.spec import JobSpec
+from ddpjob_api.spec import JobSpec
 from ddpjob_operator.builders.template import Layers
 
 GPU_RESOURCE = "nvidia.com/gpu"
@@ -35,7 +35,7 @@ def automount_token(job: JobSpec) -> bool:
     """Mount an API token only for a job that names its ServiceAccount (the default one's token
     is an API credential the training code has no use for)."""
     tpl = template.pod_spec(job)
-    return bool(job.spec.get("serviceAccountName") or tpl.get("serviceAccountName") or tpl.get("serviceAccount"))
+    return bool(job.spec.service_account_name or tpl.get("serviceAccountName") or tpl.get("serviceAccount"))
 
 
 def share_process_namespace(job: JobSpec) -> bool | None:
@@ -111,9 +111,9 @@ def pod_spread(job: JobSpec) -> list[dict[str, Any]]:
     with every pod that carries it. A job's own DoNotSchedule constraint on kubernetes.io/hostname
     replaces ours (the API allows one per key and mode). Relaxed (false), the spread is a
     preference (ScheduleAnyway) that the job's own constraints replace."""
-    own = job.scheduling.pod_fields.get(SPREAD) or template.pod_spec(job).get(SPREAD) or []
+    own = job.scheduling.topology_spread_constraints or template.pod_spec(job).get(SPREAD) or []
     selector = {"labelSelector": {"matchLabels": {labels.JOB_NAME: job.name}}}
-    if not job.scheduling.one_pod_per_node:
+    if not job.one_pod_per_node:
         return own or [{"maxSkew": 1, "topologyKey": HOSTNAME_KEY, "whenUnsatisfiable": "ScheduleAnyway", **selector}]
     if any(c.get("topologyKey") == HOSTNAME_KEY and c.get("whenUnsatisfiable", "DoNotSchedule") == "DoNotSchedule"
            for c in own):
@@ -137,7 +137,7 @@ def render_pod(job: JobSpec, rank: int, *, attempt: int = 0, config: OperatorCon
     what the operator owns (template.merge_template). `replacement`: the n-th pod that replaces a
     lost one of this rank in the attempt (lifecycle.Replacement): its own name, the same hostname."""
     config = config or OperatorConfig()
-    spec = job.spec
+    spec, sched = job.spec, job.scheduling
     command, args = container_command(job)
     container = {
         "name": Layers(owned=labels.CONTAINER),
@@ -149,13 +149,15 @@ def render_pod(job: JobSpec, rank: int, *, attempt: int = 0, config: OperatorCon
             {"name": "master", "containerPort": job.master_port, "protocol": "TCP"},
             {"name": "metrics", "containerPort": job.metrics_port, "protocol": "TCP"},
         ]),
-        "resources": Layers(flat=spec.get("resources"), owned=device_limits(job)),
-        "volumeMounts": Layers(owned=[{"name": SHM_VOLUME, "mountPath": "/dev/shm"}], flat=spec.get("volumeMounts")),
+        "resources": Layers(flat=spec.resources, owned=device_limits(job)),
+        "volumeMounts": Layers(owned=[{"name": SHM_VOLUME, "mountPath": "/dev/shm"}], flat=spec.volume_mounts),
         # The launcher writes a one-line reason here; fall back to the log tail otherwise.
         "terminationMessagePolicy": Layers(owned="FallbackToLogsOnError"),
         "args": Layers(owned=list(args) if args else None),
-        **{key: Layers(flat=spec.get(key)) for key in ("imagePullPolicy", "workingDir", "envFrom")},
-        "securityContext": Layers(default=CONTAINER_SECURITY_DEFAULTS, flat=spec.get("securityContext"),
+        "imagePullPolicy": Layers(flat=spec.image_pull_policy),
+        "workingDir": Layers(flat=spec.working_dir),
+        "envFrom": Layers(flat=spec.env_from),
+        "securityContext": Layers(default=CONTAINER_SECURITY_DEFAULTS, flat=spec.security_context,
                                   owned=owned_security(job)),
     }
     pod = {
@@ -166,28 +168,32 @@ def render_pod(job: JobSpec, rank: int, *, attempt: int = 0, config: OperatorCon
         "enableServiceLinks": Layers(default=False),
         "automountServiceAccountToken": Layers(default=automount_token(job)),
         "shareProcessNamespace": Layers(default=share_process_namespace(job)),
-        "securityContext": Layers(default=POD_SECURITY_DEFAULTS, flat=spec.get("podSecurityContext")),
+        "securityContext": Layers(default=POD_SECURITY_DEFAULTS, flat=spec.pod_security_context),
         template.CONTAINERS: Layers(),
         "volumes": Layers(owned=[{"name": SHM_VOLUME, "emptyDir": {
-            "medium": "Memory", "sizeLimit": shm.shm_size(job)}}], flat=spec.get("volumes")),
-        "runtimeClassName": Layers(default=default_runtime_class(job, config), flat=spec.get("runtimeClassName")),
-        # A gang-scheduled job's pods go to its gang scheduler unless the job names one.
-        **{key: Layers(flat=job.scheduling.pod_fields.get(key), default=gang.default_scheduler_name(job) if key == "schedulerName" else None)
-           for key in SCHEDULING if key != SPREAD},
+            "medium": "Memory", "sizeLimit": shm.shm_size(job)}}], flat=spec.volumes),
+        "runtimeClassName": Layers(default=default_runtime_class(job, config), flat=spec.runtime_class_name),
+        # spec.scheduling's pod fields, in the order pods have always listed them (SCHEDULING). A
+        # gang-scheduled job's pods go to its gang scheduler unless the job names one.
+        "schedulerName": Layers(flat=sched.scheduler_name, default=gang.default_scheduler_name(job)),
+        "priorityClassName": Layers(flat=sched.priority_class_name),
+        "nodeSelector": Layers(flat=sched.node_selector),
+        "tolerations": Layers(flat=sched.tolerations),
+        "affinity": Layers(flat=sched.affinity),
         # The job's own spread (from the flat field or the template) with one pod per node.
         SPREAD: Layers(owned=pod_spread(job)),
-        "serviceAccountName": Layers(flat=spec.get("serviceAccountName")),
-        "imagePullSecrets": Layers(flat=spec.get("imagePullSecrets")),
+        "serviceAccountName": Layers(flat=spec.service_account_name),
+        "imagePullSecrets": Layers(flat=spec.image_pull_secrets),
     }
     pod_spec = template.merge_template(template.pod_template(job), pod=pod, container=container)
     gang_labels, gang_annotations = gang.pod_metadata(job)
     queue_labels, queue_annotations = kueue.pod_metadata(job, attempt)
-    extra = {**template.user_metadata(job, "labels", "podLabels"), **gang_labels, **queue_labels,
+    extra = {**template.user_metadata(job, "labels", spec.pod_labels), **gang_labels, **queue_labels,
              labels.NODE_RANK: str(rank), labels.ATTEMPT: str(attempt),
              **({labels.REPLACEMENT: str(replacement)} if replacement > 0 else {})}
     meta = child_metadata(job, pod_name(job.name, rank, attempt, replacement), extra)
     total, counted = restart_counters(job, restarts, counted_restarts)
-    meta["annotations"] = {**template.user_metadata(job, "annotations", "podAnnotations"), **gang_annotations, **queue_annotations,
+    meta["annotations"] = {**template.user_metadata(job, "annotations", spec.pod_annotations), **gang_annotations, **queue_annotations,
                            labels.RESTARTS: str(total), labels.COUNTED_RESTARTS: str(counted)}
     return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": pod_spec}
 

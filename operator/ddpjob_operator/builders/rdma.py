@@ -6,9 +6,7 @@ tenant may ask for it is the chart's tenant policy (tenantPolicy.rdmaResources).
 """
 from __future__ import annotations
 
-from typing import Any
-
-from ddpjob_operator.api.spec import JobSpec
+from ddpjob_api.spec import JobSpec
 
 EFA_RESOURCE = "vpc.amazonaws.com/efa"
 # RDMA registers (pins) the buffers NCCL sends from; without IPC_LOCK a container's locked-memory
@@ -24,25 +22,20 @@ IB_ENV = {"NCCL_IB_DISABLE": "0", "NCCL_NET": "IB"}
 EFA_ENV = {"FI_PROVIDER": "efa", "FI_EFA_USE_DEVICE_RDMA": "1"}
 
 
-def rdma(job: JobSpec) -> dict[str, Any]:
-    """spec.rdma ({} without one)."""
-    return job.spec.get("rdma") or {}
-
-
 def limits(job: JobSpec) -> dict[str, str]:
     """The device plugin's resource, devicesPerNode per pod (an extended resource: request = limit)."""
-    spec = rdma(job)
-    return {spec["resource"]: str(spec.get("devicesPerNode", 1))} if spec.get("resource") else {}
+    devices = job.spec.rdma
+    return {devices.resource: str(devices.devices_per_node)} if devices and devices.resource else {}
 
 
 def capabilities(job: JobSpec) -> list[str]:
     """Capabilities the training container needs for its RDMA devices."""
-    return [CAPABILITY] if rdma(job) else []
+    return [CAPABILITY] if job.spec.rdma else []
 
 
 def env(job: JobSpec) -> dict[str, str]:
     """The fabric's NCCL/libfabric defaults; spec.nccl and the job's own env win over them."""
-    resource = rdma(job).get("resource")
+    resource = job.spec.rdma.resource if job.spec.rdma else None
     if not resource:
         return {}
     return dict(EFA_ENV if resource == EFA_RESOURCE else IB_ENV)

@@ -10,7 +10,7 @@ from ddpjob_operator.builders import gang
 from ddpjob_operator.api.config import OperatorConfig
 from ddpjob_operator.builders.pods import render_pod
 from ddpjob_operator.builders.service import render_service
-from ddpjob_operator.api.spec import from_manifest
+from ddpjob_api.spec import from_manifest
 from ddpjob_api.validation import InvalidDDPJob, apply_defaults, check_manifest
 
 

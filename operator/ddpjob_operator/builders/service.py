@@ -5,7 +5,7 @@ from typing import Any
 
 from ddpjob_api import labels
 from ddpjob_api.names import service_name
-from ddpjob_operator.api.spec import API_VERSION, KIND, JobSpec
+from ddpjob_api.spec import API_VERSION, KIND, JobSpec
 
 
 def owner_reference(job: JobSpec) -> dict[str, Any]:

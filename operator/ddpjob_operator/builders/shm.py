@@ -8,7 +8,8 @@ how much it will hold, so the default is computed from it. `spec.shmSize` still 
 
 The trainer's defaults and its `numWorkers: auto` rule are the trainer's (ddpjob_trainer.config,
 ddpjob_trainer.tuning), which the operator does not import; the copies below are held equal to
-them by tests/unit/test_shm.py.
+them by tests/unit/test_shm.py. They cannot come from the typed spec (ddpjob_api.specgen) as the
+other defaults do: the CRD's spec.trainer schema gives no `default:`, the trainer's config does.
 
 The in-memory snapshots live there too (docs/restarts.md): with `checkpoint.dir` and
 `snapshotEverySteps` set, every rank keeps its newest snapshots of the whole state (parameters
@@ -24,7 +25,7 @@ from typing import Any
 from ddpjob_api import contract
 
 from ddpjob_operator.builders.envvars import cpu_request
-from ddpjob_operator.api.spec import JobSpec
+from ddpjob_api.spec import JobSpec
 
 GIB = 1024 ** 3
 # Below the batches: NCCL's shared-memory transport between local ranks and torch's own IPC, which
@@ -147,7 +148,7 @@ def snapshot_bytes(trainer: dict[str, Any], *, ranks: int) -> int:
 def shm_size(job: JobSpec) -> str:
     """sizeLimit of the pod's /dev/shm: spec.shmSize, else the floor plus what the built-in trainer's
     loaders and snapshots hold, in whole GiB (a `command:` job's are unknown: the floor)."""
-    given = job.spec.get("shmSize")
+    given = job.spec.shm_size
     if given:
         return str(given)
     held = 0

@@ -6,7 +6,7 @@ from typing import Any, Mapping
 
 from ddpjob_api import contract
 
-from ddpjob_operator.api.spec import JobSpec
+from ddpjob_api.spec import JobSpec
 from ddpjob_operator.builders.service import child_metadata
 
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from ddpjob_api import labels
-from ddpjob_operator.api.spec import JobSpec
+from ddpjob_api.spec import JobSpec
 
 
 @dataclass(frozen=True)
@@ -112,7 +112,7 @@ CONTAINERS = "containers"
 
 def pod_template(job: JobSpec) -> dict[str, Any]:
     """spec.template ({} when absent)."""
-    return job.spec.get("template") or {}
+    return job.spec.template or {}
 
 
 def pod_spec(job: JobSpec) -> dict[str, Any]:
@@ -144,12 +144,13 @@ def user_env(job: JobSpec) -> list[dict[str, Any]]:
     return [dict(e) for _, e in template_env(job)] + [dict(e) for e in job.env]
 
 
-def user_metadata(job: JobSpec, key: str, flat: str) -> dict[str, str]:
-    """The template's labels or annotations (`key`) under the flat shorthand's (`flat`), without
-    the operator's reserved keys: the operator's own labels and annotations go on top."""
+def user_metadata(job: JobSpec, key: str, flat: dict[str, str] | None) -> dict[str, str]:
+    """The template's labels or annotations (`key`) under the flat shorthand's (`flat`: spec.podLabels
+    or spec.podAnnotations), without the operator's reserved keys: the operator's own labels and
+    annotations go on top."""
     tpl = (pod_template(job).get("metadata") or {}).get(key)
     label = key == "labels"
-    return {**labels.user_keys(tpl, label=label), **labels.user_keys(job.spec.get(flat), label=label)}
+    return {**labels.user_keys(tpl, label=label), **labels.user_keys(flat, label=label)}
 
 
 def _merge(fields: dict[str, Layers], rules: dict[str, Rule], tpl: dict[str, Any],
@@ -172,12 +173,12 @@ def merge_template(template: dict[str, Any], *, pod: dict[str, Layers],
 
     The trainer container is the template's container named `trainer`, kept in its place, or a
     new one first; the template's other containers and its init containers are copied as they are."""
-    spec = template.get("spec") or {}
+    tpl = template.get("spec") or {}
     trainer = _merge(container, CONTAINER_RULES, trainer_container(template))
-    containers = [copy.deepcopy(c) for c in spec.get(CONTAINERS) or []]
+    containers = [copy.deepcopy(c) for c in tpl.get(CONTAINERS) or []]
     i = trainer_index(template)
     if i is None:
         containers.insert(0, trainer)
     else:
         containers[i] = trainer
-    return _merge(pod if CONTAINERS in pod else {CONTAINERS: Layers(), **pod}, POD_RULES, spec, containers)
+    return _merge(pod if CONTAINERS in pod else {CONTAINERS: Layers(), **pod}, POD_RULES, tpl, containers)

@@ -22,7 +22,7 @@ from kubernetes.watch.watch import iter_resp_lines
 from ddpjob_operator.api import objmeta
 from ddpjob_api import labels
 from ddpjob_operator.cluster.fairqueue import FairSlots
-from ddpjob_operator.api.spec import GROUP, KIND, PLURAL, VERSION, API_VERSION
+from ddpjob_api.spec import GROUP, KIND, PLURAL, VERSION, API_VERSION
 
 log = logging.getLogger("ddpjob.k8s")
 COMPONENT = "ddpjob-operator"

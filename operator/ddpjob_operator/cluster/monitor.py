@@ -24,7 +24,8 @@ from ddpjob_operator.decisions.samples import MonitorReport, RankSample
 from ddpjob_operator.api.objmeta import format_time
 from ddpjob_operator.api.podinfo import is_simulated_node
 from ddpjob_operator.api.config import OperatorConfig
-from ddpjob_operator.api.spec import DEFAULT_METRICS_PORT
+from ddpjob_api.spec import spec_of
+from ddpjob_api.specgen import DDPJobSpec
 
 log = logging.getLogger(__name__)
 
@@ -168,11 +169,10 @@ class Monitor:
             out += [(r, pod_name, node) for r in new]
         return out
 
-    def _state(self, job: dict) -> _JobState:
+    def _state(self, job: dict, spec: DDPJobSpec) -> _JobState:
         meta = job.get("metadata") or {}
         uid = meta.get("uid") or f"{meta.get('namespace')}/{meta.get('name')}"
         st = self._jobs.get(uid)
-        spec = job.get("spec") or {}
         if st is None:
             st = self._jobs[uid] = _JobState(tracker=health.HealthTracker.for_spec(spec))
             # After an operator restart keep a reported hang until steps move again.
@@ -186,10 +186,10 @@ class Monitor:
     async def observe(self, job: dict, pods: list[dict]) -> MonitorReport:
         """Scrape the job's running pods now and report progress, conditions and new events."""
         meta = job.get("metadata") or {}
-        spec = job.get("spec") or {}
         name, namespace = meta.get("name", ""), meta.get("namespace", "default")
-        port = int(spec.get("metricsPort", DEFAULT_METRICS_PORT))
-        st = self._state(job)
+        spec = spec_of(job)
+        port = spec.metrics_port
+        st = self._state(job, spec)
         attempt, running = Group.of(pods).running()
         if running:
             if st.attempt is not None and attempt != st.attempt:

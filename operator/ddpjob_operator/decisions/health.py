@@ -41,10 +41,12 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Mapping
 
 from ddpjob_api import contract
 from ddpjob_api.contract import STAGES, STALL_ERROR_RE
+
+from ddpjob_api.specgen import DDPJobSpec
 
 from ddpjob_operator.api.objmeta import format_time
 from ddpjob_operator.decisions import stacks
@@ -107,16 +109,16 @@ class HealthTracker:
 
     # ---- public -------------------------------------------------------------------------
     @classmethod
-    def for_spec(cls, spec: Mapping[str, Any]) -> HealthTracker:
+    def for_spec(cls, spec: DDPJobSpec) -> HealthTracker:
         """A tracker judging by a DDPJob spec's hang timeouts."""
         tracker = cls()
         tracker.configure(spec)
         return tracker
 
-    def configure(self, spec: Mapping[str, Any]) -> None:
+    def configure(self, spec: DDPJobSpec) -> None:
         """Take the spec's hang timeouts (they may be edited while the job runs)."""
-        self.hang_timeout = spec.get("hangTimeoutSeconds")
-        self.startup_timeout = contract.startup_hang_timeout(spec.get("trainer"))
+        self.hang_timeout = spec.hang_timeout_seconds
+        self.startup_timeout = contract.startup_hang_timeout(spec.trainer)
 
     def effective_hang_timeout(self, stage: str | None = TRAINING) -> float:
         """The hang timeout in force now for a job in `stage` (None: before its first step)."""

@@ -22,7 +22,7 @@ from ddpjob_operator.builders.envvars import inplace_budget, own_rendezvous
 from ddpjob_api.phases import Cond, Phase, RestartReason
 from ddpjob_operator.decisions import inplace
 from ddpjob_operator.decisions.redact import redact
-from ddpjob_operator.api.spec import JobSpec
+from ddpjob_api.spec import JobSpec
 
 
 @dataclass(frozen=True)

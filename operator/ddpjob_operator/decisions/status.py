@@ -24,7 +24,7 @@ from ddpjob_operator.builders.pods import explain_pod_error
 from ddpjob_operator.decisions.redact import redact
 from ddpjob_operator.decisions.result import run_result
 from ddpjob_operator.decisions.samples import MonitorReport
-from ddpjob_operator.api.spec import JobSpec
+from ddpjob_api.spec import JobSpec
 
 Event = tuple[str, str, str]  # (Normal|Warning, reason, message)
 
