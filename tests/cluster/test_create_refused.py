@@ -15,7 +15,8 @@ from ddpjob_operator.api.group import Group
 from ddpjob_operator.builders.pods import render_pod
 from ddpjob_api.spec import from_manifest
 from ddpjob_operator.app.children import refusal
-from ddpjob_operator.decisions.status import create_refused, job_status
+from ddpjob_operator.decisions.status import create_refused
+from tests.support.passes import pass_status
 from tests.cluster.conftest import wait_for
 from tests.cluster.test_crd import install_crd, manifest
 
@@ -47,7 +48,7 @@ def test_invalid_pod_fails_the_job_naming_the_field(crd, namespace, api):
     assert "volumeMounts[1].name" in r.message and "data" in r.message
 
     now = dt.datetime.now(dt.timezone.utc)
-    status, _ = job_status(job, Group.of([]), now=now, prev_status=None)
+    status, _ = pass_status(job, Group.of([]), now=now, prev_status=None)
     status, events = create_refused(job, status, [r], now=now)
     client.CustomObjectsApi(api).patch_namespaced_custom_object_status(
         "ddpjob.dev", "v1alpha1", namespace, "ddpjobs", "refused", {"status": status})
@@ -79,7 +80,7 @@ def test_quota_refusal_keeps_the_job_pending_with_the_reason(crd, namespace, api
     r = refusal("quota-0", exc.status, exc.body)
     assert r.reason == "Forbidden" and not r.permanent and "exceeded quota" in r.message
     now = dt.datetime.now(dt.timezone.utc)
-    status, _ = job_status(job, Group.of([]), now=now, prev_status=None)
+    status, _ = pass_status(job, Group.of([]), now=now, prev_status=None)
     status, _ = create_refused(job, status, [r], now=now)
     assert status["phase"] == "Pending" and status["reason"] == "FailedCreatePod"
     assert "exceeded quota" in status["message"]

@@ -11,9 +11,9 @@ from ddpjob_operator.api.group import Group
 from ddpjob_operator.builders import gang
 from ddpjob_operator.builders.pods import render_pod
 from ddpjob_operator.builders.render import render_objects
-from ddpjob_operator.decisions.status import job_status
 from ddpjob_api.validation import validate_manifest
 from tests.support.builders import NOW, make_job, make_manifest, make_pod
+from tests.support.passes import pass_status
 from tests.unit.test_reconcile import (NS, FakeK8s, name_conflict, next_group_pass, reconciler, run, set_phase,
                                       start_running)
 
@@ -143,7 +143,7 @@ def test_gang_waiting_then_placed():
     pods = [bound(make_pod(0, phase="Pending")), waiting(make_pod(1, phase="Pending")),
             waiting(make_pod(2, phase="Pending"))]
     pg = {"status": {"phase": "Scheduling"}}
-    status, events = job_status(job, Group.of(pods), now=NOW, prev_status={}, podgroup=pg)
+    status, events = pass_status(job, Group.of(pods), now=NOW, prev_status={}, podgroup=pg)
     cond = gang_condition(status)
     assert cond["status"] == "False" and cond["reason"] == "Scheduling"
     for part in ("waiting for scheduler-plugins-scheduler to place 3 pods at once (1 bound)",
@@ -152,25 +152,25 @@ def test_gang_waiting_then_placed():
     assert not [e for e in events if e[1] == "GangScheduled"]
 
     placed = [bound(make_pod(r, phase="Pending"), f"n{r}") for r in range(3)]
-    status2, events2 = job_status(job, Group.of(placed), now=NOW, prev_status=status)
+    status2, events2 = pass_status(job, Group.of(placed), now=NOW, prev_status=status)
     cond = gang_condition(status2)
     assert cond["status"] == "True" and cond["reason"] == "Scheduled"
     assert "3/3 pods placed together by scheduler-plugins-scheduler" in cond["message"]
     assert [e[1] for e in events2].count("GangScheduled") == 1
     # Said once: the next pass has nothing new to say.
-    _, events3 = job_status(job, Group.of(placed), now=NOW, prev_status=status2)
+    _, events3 = pass_status(job, Group.of(placed), now=NOW, prev_status=status2)
     assert not [e for e in events3 if e[1] == "GangScheduled"]
 
 
 def test_no_condition_without_gang_and_none_changed_once_finished():
     plain = make_job(nodes=1)
-    status, _ = job_status(plain, Group.of([make_pod(0, phase="Pending")]), now=NOW, prev_status={})
+    status, _ = pass_status(plain, Group.of([make_pod(0, phase="Pending")]), now=NOW, prev_status={})
     assert gang_condition(status) is None
     job = make_job(nodes=1, scheduling=COSCHED)
     done = make_pod(0, phase="Succeeded", exit_code=0)
     prev = {"phase": "Running", "attempt": 0, "conditions": [{"type": "GangScheduled", "status": "True",
                                                               "reason": "Scheduled", "message": "m"}]}
-    status, _ = job_status(job, Group.of([done]), now=NOW, prev_status=prev)
+    status, _ = pass_status(job, Group.of([done]), now=NOW, prev_status=prev)
     assert status["phase"] == "Succeeded" and gang_condition(status)["status"] == "True"
 
 

@@ -16,9 +16,9 @@ from ddpjob_api.contract import GOODPUT_CATEGORIES
 from ddpjob_operator.api.group import Group
 from ddpjob_operator.decisions import goodput
 from ddpjob_operator.decisions.goodput import Observed, advance
-from ddpjob_operator.decisions.status import job_status
 from ddpjob_operator.decisions.writes import settled
 from tests.support.builders import NOW, make_job, make_pod, running_status
+from tests.support.passes import pass_status
 from tests.unit.test_status import Report
 
 CREATED = 1_800_000_000.0
@@ -202,10 +202,10 @@ def test_job_status_keeps_the_ledger_and_it_never_asks_for_a_write_of_its_own():
     started = NOW.timestamp() - 80
     ranks = {r: Sample(f"j-{r}", first_step_timestamp=started, step_seconds_sum=20.0, step_seconds_count=40,
                        goodput={"checkpointing": 2.0, "evaluating": 1.0}) for r in (0, 1)}
-    first, _ = job_status(job, pods, now=NOW, prev_status=running_status(), report=Report(ranks=ranks))
+    first, _ = pass_status(job, pods, now=NOW, prev_status=running_status(), report=Report(ranks=ranks))
     sums_to_wall(first["goodput"])
-    later, events = job_status(job, pods, now=NOW + dt.timedelta(seconds=30), prev_status=first,
-                               report=Report(ranks=ranks))
+    later, events = pass_status(job, pods, now=NOW + dt.timedelta(seconds=30), prev_status=first,
+                                report=Report(ranks=ranks))
     assert not events and later["goodput"] != first["goodput"]
     assert later["goodput"]["wallSeconds"] == first["goodput"]["wallSeconds"] + 30
     assert later["goodput"]["seconds"]["checkpointing"] == 2.0

@@ -12,9 +12,9 @@ import pytest
 from ddpjob_operator.api.group import Group
 from ddpjob_operator.decisions import inplace
 from ddpjob_operator.decisions.lifecycle import MAX_ATTEMPT, decide
-from ddpjob_operator.decisions.status import job_status
 from tests.support.builders import NOW, make_job, make_pod, running_status
 from tests.support.status import condition as cond
+from tests.support.passes import pass_status
 
 T0 = 1_800_000_000.0  # a failure's Unix time on the pods' clock
 
@@ -41,7 +41,7 @@ def failure(t: float, *, code: int = -9, signal: str = "SIGKILL", restart: int =
 
 def step(prev: dict, ranks: dict, *, job=None) -> tuple[dict, list]:
     job = job or make_job(nodes=2, failurePolicy={"maxRestarts": 3})
-    return job_status(job, Group.of([make_pod(0), make_pod(1)]), now=NOW, prev_status=prev, report=Report(ranks=ranks))
+    return pass_status(job, Group.of([make_pod(0), make_pod(1)]), now=NOW, prev_status=prev, report=Report(ranks=ranks))
 
 
 STALL = "stalled: no progress for 31s in training after step 6 (hang timeout 30s)"
@@ -125,12 +125,12 @@ def test_no_eta_while_a_worker_restarts_in_place_until_its_attempt_steps_again()
     eta = {"step": 50, "totalSteps": 100, "eta": "25s", "etaSeconds": 25}
     ranks = {0: Sample("j-0", "n0"), 1: Sample("j-1", "n1", worker_failures=[failure(T0)])}
     # The survivors still report the old pace: its forecast is not shown while rank 1 restarts.
-    st, _ = job_status(job, pods, now=NOW, prev_status=running_status(progress=eta),
-                       report=Report(ranks=ranks, progress=eta))
+    st, _ = pass_status(job, pods, now=NOW, prev_status=running_status(progress=eta),
+                        report=Report(ranks=ranks, progress=eta))
     assert cond(st, "Restarting")["status"] == "True" and "eta" not in st["progress"]
     for r in ranks.values():
         r.first_step_timestamp, r.resumed_from_step = T0 + 4.5, 40
-    st, _ = job_status(job, pods, now=NOW, prev_status=st, report=Report(ranks=ranks, progress={**eta, "step": 41}))
+    st, _ = pass_status(job, pods, now=NOW, prev_status=st, report=Report(ranks=ranks, progress={**eta, "step": 41}))
     assert cond(st, "Restarting")["status"] == "False" and st["progress"]["eta"] == "25s"
 
 
@@ -186,7 +186,7 @@ def test_a_group_restart_ends_an_open_in_place_restart_and_is_recorded_as_group(
     open_entry = {"kind": "InPlace", "attempt": 0, "restart": 0, "rank": 1, "pod": "j-1", "exitCode": -9, "failedAt": T0}
     prev = running_status(restartHistory=[open_entry], inPlaceRestarts=1)
     pods = [make_pod(0), make_pod(1, phase="Failed", exit_code=1)]
-    st, _ = job_status(make_job(nodes=2, failurePolicy={"maxRestarts": 3}), Group.of(pods), now=NOW, prev_status=prev)
+    st, _ = pass_status(make_job(nodes=2, failurePolicy={"maxRestarts": 3}), Group.of(pods), now=NOW, prev_status=prev)
     assert st["phase"] == "Restarting" and st["attempt"] == 1
     first, group = st["restartHistory"]
     assert first["superseded"] is True and "recoverySeconds" not in first
@@ -316,15 +316,15 @@ def test_a_group_restart_recovers_when_the_next_attempts_ranks_step():
     t0 = NOW.timestamp() - 20  # the agent's report, before the pass that saw the pod fail
     ranks = {0: Sample("j-0", step=57), 1: Sample("j-1", step=58, worker_failures=[failure(t0, restarted=False)])}
     failed = Group.of([make_pod(0), make_pod(1, phase="Failed", exit_code=1)])
-    st, _ = job_status(job, failed, now=NOW, prev_status=running_status(), report=Report(ranks=ranks))
+    st, _ = pass_status(job, failed, now=NOW, prev_status=running_status(), report=Report(ranks=ranks))
     (group,) = st["restartHistory"]
     assert (group["kind"], group["attempt"], group["failedAt"], group["stepAtFailure"]) == ("Group", 0, t0, 58)
     new = Group.of([make_pod(0, attempt=1), make_pod(1, attempt=1)])
     waiting = {0: Sample("j-0", first_step_timestamp=t0 + 30, resumed_from_step=50), 1: Sample("j-1")}
-    st, _ = job_status(job, new, now=NOW, prev_status={**st, "phase": "Running"}, report=Report(ranks=waiting))
+    st, _ = pass_status(job, new, now=NOW, prev_status={**st, "phase": "Running"}, report=Report(ranks=waiting))
     assert "recoverySeconds" not in st["restartHistory"][0]  # rank 1 has not stepped yet
     waiting[1].first_step_timestamp, waiting[1].resumed_from_step = t0 + 31.5, 50
-    st2, events = job_status(job, new, now=NOW, prev_status=st, report=Report(ranks=waiting))
+    st2, events = pass_status(job, new, now=NOW, prev_status=st, report=Report(ranks=waiting))
     (group,) = st2["restartHistory"]
     assert (group["recoverySeconds"], group["resumedFromStep"], group["stepsLost"]) == (31.5, 50, 8)
     assert not [e for e in events if e[1] == "RestartedInPlace"] and cond(st2, "Restarting")["status"] != "True"
@@ -345,13 +345,13 @@ def test_a_group_restarts_step_at_failure_comes_from_the_failed_pods_termination
                                 message="training exited with code 1 at step 43\nrank 0 failed:\nRuntimeError: peer"),
                        make_pod(1, phase="Failed", exit_code=137, message="")])
     prev = {**running_status(), "progress": {"step": 1}}
-    st, _ = job_status(job, failed, now=NOW, prev_status=prev, report=Report(ranks={}))
+    st, _ = pass_status(job, failed, now=NOW, prev_status=prev, report=Report(ranks={}))
     (group,) = st["restartHistory"]
     assert (group["kind"], group["stepAtFailure"]) == ("Group", 43), group
     # Without the step on the message: the last progress, as before.
     failed = Group.of([make_pod(0, phase="Failed", exit_code=1, message="training exited with code 1\nboom"),
                        make_pod(1, phase="Failed", exit_code=137)])
-    st, _ = job_status(job, failed, now=NOW, prev_status=prev, report=Report(ranks={}))
+    st, _ = pass_status(job, failed, now=NOW, prev_status=prev, report=Report(ranks={}))
     assert st["restartHistory"][0]["stepAtFailure"] == 1
 
 

@@ -9,8 +9,8 @@ from ddpjob_operator.decisions.lifecycle import decide
 from ddpjob_api.phases import Phase
 from ddpjob_operator.builders.pods import render_pod
 from ddpjob_api.spec import from_manifest
-from ddpjob_operator.decisions.status import job_status
 from tests.support.builders import NOW, ago, make_manifest, make_pod
+from tests.support.passes import pass_status
 
 
 def queued_job(name="j", queue="team-a", uid="0123456789", **spec):
@@ -69,27 +69,27 @@ def admitted(status):
 def test_admitted_condition_follows_the_gates():
     job = queued_job(nodes=2)
     waiting = [pod(0, gated=True), pod(1, gated=True)]
-    status, events = job_status(job, Group.of(waiting), now=NOW, prev_status={})
+    status, events = pass_status(job, Group.of(waiting), now=NOW, prev_status={})
     cond = admitted(status)
     assert (cond["status"], cond["reason"]) == ("False", "Queued")
     assert "waiting in Kueue LocalQueue team-a for quota for all 2 pods: 2 gated" in cond["message"]
     assert "Workload j-01234-a0" in cond["message"]
     assert status["phase"] == "Pending"
     assert [e[1] for e in events].count("Queued") == 1
-    _, again = job_status(job, Group.of(waiting), now=NOW, prev_status=status)
+    _, again = pass_status(job, Group.of(waiting), now=NOW, prev_status=status)
     assert not [e for e in again if e[1] == "Queued"]  # still queued: announced once
 
-    status2, events2 = job_status(job, Group.of([pod(0), pod(1)]), now=NOW, prev_status=status)
+    status2, events2 = pass_status(job, Group.of([pod(0), pod(1)]), now=NOW, prev_status=status)
     cond = admitted(status2)
     assert (cond["status"], cond["reason"]) == ("True", "Admitted")
     assert [e[1] for e in events2].count("Admitted") == 1
-    _, events3 = job_status(job, Group.of([pod(0), pod(1)]), now=NOW, prev_status=status2)
+    _, events3 = pass_status(job, Group.of([pod(0), pod(1)]), now=NOW, prev_status=status2)
     assert not [e for e in events3 if e[1] in ("Admitted", "Queued")]
 
 
 def test_pods_kueue_did_not_take_are_named_as_such():
     job = queued_job(nodes=1)
-    status, events = job_status(job, Group.of([pod(0, managed=False)]), now=NOW, prev_status={})
+    status, events = pass_status(job, Group.of([pod(0, managed=False)]), now=NOW, prev_status={})
     cond = admitted(status)
     assert (cond["status"], cond["reason"]) == ("False", "NotManagedByKueue")
     assert "Kueue did not take them" in cond["message"]
@@ -97,9 +97,9 @@ def test_pods_kueue_did_not_take_are_named_as_such():
 
 
 def test_no_condition_without_a_queue_or_before_the_pods():
-    assert admitted(job_status(queued_job(queue=None), Group.of([pod(0, gated=True)]), now=NOW,
-                               prev_status={})[0]) is None
-    assert admitted(job_status(queued_job(), Group.of([]), now=NOW, prev_status={})[0]) is None
+    assert admitted(pass_status(queued_job(queue=None), Group.of([pod(0, gated=True)]), now=NOW,
+                                prev_status={})[0]) is None
+    assert admitted(pass_status(queued_job(), Group.of([]), now=NOW, prev_status={})[0]) is None
 
 
 def test_queue_label_among_the_pod_labels_still_makes_one_group():
@@ -143,11 +143,11 @@ def test_a_group_kueue_evicts_restarts_without_using_the_budget():
 
 def test_taking_the_queue_label_off_drops_the_admitted_condition():
     """The next attempt's pods are not queued: an earlier group's admission would be stale."""
-    status, _ = job_status(queued_job(nodes=1), Group.of([pod(0)]), now=NOW, prev_status={})
+    status, _ = pass_status(queued_job(nodes=1), Group.of([pod(0)]), now=NOW, prev_status={})
     assert admitted(status)["reason"] == "Admitted"
     unqueued = queued_job(nodes=1, queue=None)
-    after, events = job_status(unqueued, Group.of([pod(0, managed=False)]), now=NOW, prev_status=status)
+    after, events = pass_status(unqueued, Group.of([pod(0, managed=False)]), now=NOW, prev_status=status)
     assert admitted(after) is None and not [e for e in events if e[1] in ("Admitted", "Queued")]
     # Between attempts (no current pod) a queued job keeps what it had.
-    kept, _ = job_status(queued_job(nodes=1), Group.of([]), now=NOW, prev_status=status)
+    kept, _ = pass_status(queued_job(nodes=1), Group.of([]), now=NOW, prev_status=status)
     assert admitted(kept)["reason"] == "Admitted"

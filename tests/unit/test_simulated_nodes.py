@@ -17,6 +17,7 @@ from ddpjob_operator.cluster.monitor import Monitor, SimulatedNodes
 from ddpjob_operator.api.podinfo import SIMULATED_NODE_ANNOTATION
 from ddpjob_operator.decisions.status import progress_display
 from tests.support.builders import make_manifest, make_pod
+from tests.support.passes import pass_status
 
 KWOK_IP = "10.244.0.7"   # never dialled: the in-process hook would refuse it anyway
 NODES = {"kwok-gpu-0": {"metadata": {"name": "kwok-gpu-0", "annotations": {SIMULATED_NODE_ANNOTATION: "fake"}}},
@@ -141,14 +142,14 @@ def test_a_failed_lookup_is_asked_again():
 
 def test_the_status_says_why_and_forgets_it_once_progress_returns():
     from ddpjob_operator.decisions.samples import MonitorReport
-    from ddpjob_operator.decisions.status import UNAVAILABLE, job_status
+    from ddpjob_operator.decisions.status import UNAVAILABLE
     from tests.support.builders import NOW, make_job, running_status
 
     pods = [make_pod(0), make_pod(1)]
     note = {UNAVAILABLE: "2 pod(s) on simulated (kwok) nodes: ..."}
-    status, _ = job_status(make_job(nodes=2), Group.of(pods), now=NOW, prev_status=running_status(),
-                           report=MonitorReport(progress=note, conditions=[], events=[], stalled=False))
+    status, _ = pass_status(make_job(nodes=2), Group.of(pods), now=NOW, prev_status=running_status(),
+                            report=MonitorReport(progress=note, conditions=[], events=[], stalled=False))
     assert status["progress"] == {**note, "display": "n/a (not scraped)"}
-    status, _ = job_status(make_job(nodes=2), Group.of(pods), now=NOW, prev_status=status,
-                           report=MonitorReport(progress={"step": 3}, conditions=[], events=[], stalled=False))
+    status, _ = pass_status(make_job(nodes=2), Group.of(pods), now=NOW, prev_status=status,
+                            report=MonitorReport(progress={"step": 3}, conditions=[], events=[], stalled=False))
     assert status["progress"] == {"step": 3, "display": "step 3"}

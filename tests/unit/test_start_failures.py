@@ -11,8 +11,9 @@ from ddpjob_operator.decisions.lifecycle import decide
 from ddpjob_api.phases import Phase
 from ddpjob_operator.app.children import refusal
 from ddpjob_operator.decisions.status import CreateRefusal
-from ddpjob_operator.decisions.status import create_refused, job_status
+from ddpjob_operator.decisions.status import create_refused
 from tests.support.builders import NOW, ago, make_job, make_pod, running_status
+from tests.support.passes import pass_status
 from tests.unit.test_status import cond
 
 PULL_MSG = 'Back-off pulling image "reg/trainer:typo": ErrImagePull: not found'
@@ -40,7 +41,7 @@ def waiting_status(reason, since):
 def test_stuck_container_named_in_reason_condition_and_one_event(reason, init):
     job = make_job(nodes=2)
     pods = [make_pod(0, phase="Pending"), stuck(1, reason, init=init)]
-    status, events = job_status(job, Group.of(pods), now=NOW, prev_status={"phase": "Pending", "attempt": 0})
+    status, events = pass_status(job, Group.of(pods), now=NOW, prev_status={"phase": "Pending", "attempt": 0})
     kind = "init container setup" if init else "container trainer"
     assert status["phase"] == "Pending" and status["reason"] == reason
     assert status["message"].startswith(f"pod j-1 {kind}: {reason}: {PULL_MSG}; waiting")
@@ -48,7 +49,7 @@ def test_stuck_container_named_in_reason_condition_and_one_event(reason, init):
     assert c["status"] == "True" and c["reason"] == reason and f"pod j-1 {kind}: {reason}" in c["message"]
     assert ("Warning", reason, c["message"]) in events
     # The next pass (same pods) keeps the condition and posts nothing new.
-    again, events2 = job_status(job, Group.of(pods), now=NOW, prev_status=status)
+    again, events2 = pass_status(job, Group.of(pods), now=NOW, prev_status=status)
     assert cond(again, "ContainersNotStarting") == c and not [e for e in events2 if e[1] == reason]
 
 
@@ -59,7 +60,7 @@ def test_stuck_container_named_in_reason_condition_and_one_event(reason, init):
     stuck(0, "CrashLoopBackOff"),            # the trainer never loops (restartPolicy Never): not a start error
 ])
 def test_normal_start_is_not_a_start_error(pod):
-    status, _ = job_status(make_job(nodes=1), Group.of([pod]), now=NOW, prev_status={"phase": "Pending", "attempt": 0})
+    status, _ = pass_status(make_job(nodes=1), Group.of([pod]), now=NOW, prev_status={"phase": "Pending", "attempt": 0})
     assert status["reason"] == "Created" and cond(status, "ContainersNotStarting") is None
 
 
@@ -87,7 +88,7 @@ def test_pod_start_timeout_fails_the_job_with_the_container_reason(since, phase)
 
 def test_condition_clears_once_the_container_starts():
     prev = waiting_status("ImagePullBackOff", since=60)
-    status, _ = job_status(make_job(nodes=1), Group.of([make_pod(0)]), now=NOW, prev_status=prev)
+    status, _ = pass_status(make_job(nodes=1), Group.of([make_pod(0)]), now=NOW, prev_status=prev)
     c = cond(status, "ContainersNotStarting")
     assert status["phase"] == "Running" and c["status"] == "False" and c["reason"] == "Started"
 
@@ -141,11 +142,11 @@ def test_a_field_the_api_server_lacks_is_refused_naming_it_and_the_servers_versi
     _, refused = split_creates([make_pod(0)], [exc], server="v1.32.9")
     assert "v1.32.9" in refused[0].message
     job = make_job(nodes=1, template={"spec": {"containers": [{"name": "trainer", "lifecycle": {"stopSignal": "SIGUSR1"}}]}})
-    status, _ = job_status(job, Group.of([]), now=NOW, prev_status=None)      # the pass that creates rank 0
+    status, _ = pass_status(job, Group.of([]), now=NOW, prev_status=None)      # the pass that creates rank 0
     new, _ = create_refused(job, status, [r], now=NOW)
     assert new["phase"] == "Failed" and "(DDPJob spec.template.spec.containers[0].lifecycle.stopSignal)" in new["message"], new
     # The passes after it keep saying so: no pod was ever created.
-    after, _ = job_status(job, Group.of([]), now=NOW, prev_status=new)
+    after, _ = pass_status(job, Group.of([]), now=NOW, prev_status=new)
     assert after["phase"] == "Failed"
     assert cond(after, "FailedCreatePod")["status"] == "True" and "stopSignal" in cond(after, "FailedCreatePod")["message"]
     assert cond(after, "Created")["status"] == "False", after["conditions"]
@@ -158,7 +159,7 @@ def test_retryable_errors_are_not_refusals(code):
 
 def test_invalid_pod_fails_the_job_with_the_api_message():
     job = make_job(nodes=2)
-    status, _ = job_status(job, Group.of([]), now=NOW, prev_status=None)      # the pass that creates both ranks
+    status, _ = pass_status(job, Group.of([]), now=NOW, prev_status=None)      # the pass that creates both ranks
     new, events = create_refused(job, status, [refusal("j-0", 422, INVALID)], now=NOW)
     assert new["phase"] == "Failed" and new["reason"] == "FailedCreatePod"
     assert "spec.containers[0].env[0].name" in new["message"] and "cannot start" in new["message"]
@@ -174,18 +175,18 @@ def test_invalid_pod_fails_the_job_with_the_api_message():
 
 def test_quota_refusal_waits_with_the_reason_until_every_pod_exists():
     job = make_job(nodes=2)
-    status, _ = job_status(job, Group.of([make_pod(0, phase="Pending")]), now=NOW, prev_status=None)
+    status, _ = pass_status(job, Group.of([make_pod(0, phase="Pending")]), now=NOW, prev_status=None)
     new, events = create_refused(job, status, [refusal("j-1", 403, QUOTA)], now=NOW)
     assert new["phase"] == "Pending" and new["reason"] == "FailedCreatePod" and "exceeded quota" in new["message"]
     assert len(events) == 1
     # Next pass, still refused: the status keeps saying so (no flip back to "Created").
-    again, ev = job_status(job, Group.of([make_pod(0, phase="Pending")]), now=NOW, prev_status=new)
+    again, ev = pass_status(job, Group.of([make_pod(0, phase="Pending")]), now=NOW, prev_status=new)
     assert again["reason"] == "FailedCreatePod" and "exceeded quota" in again["message"]
     assert cond(again, "Created")["status"] == "False" and ev == []
     again2, ev2 = create_refused(job, again, [refusal("j-1", 403, QUOTA)], now=NOW)
     assert again2["phase"] == "Pending" and ev2 == []                 # same message: no new event
     # Quota freed: every pod exists, the condition clears and Created is true again.
-    done, _ = job_status(job, Group.of([make_pod(0), make_pod(1)]), now=NOW, prev_status=again2)
+    done, _ = pass_status(job, Group.of([make_pod(0), make_pod(1)]), now=NOW, prev_status=again2)
     assert done["phase"] == "Running" and cond(done, "FailedCreatePod")["status"] == "False"
     assert cond(done, "Created")["status"] == "True"
 
@@ -216,8 +217,8 @@ def killed(rank, code, *, attempt=0, message="", signal=None):
 def test_a_group_restart_keeps_each_failed_rank_in_status():
     tail = "Traceback ...\nRuntimeError: NCCL error: unhandled system error"
     pods = [killed(0, 137), make_pod(1), killed(2, 1, message=tail)]
-    status, _ = job_status(make_job(nodes=3, failurePolicy={"logTailInStatus": True}), Group.of(pods), now=NOW,
-                           prev_status=running_status())
+    status, _ = pass_status(make_job(nodes=3, failurePolicy={"logTailInStatus": True}), Group.of(pods), now=NOW,
+                            prev_status=running_status())
     assert status["phase"] == "Restarting" and status["attempt"] == 1
     assert status["failures"] == [
         {"attempt": 0, "pod": "j-0", "rank": 0, "container": "trainer", "exitCode": 137, "signal": 9,
@@ -226,19 +227,19 @@ def test_a_group_restart_keeps_each_failed_rank_in_status():
          "node": "gpu-node-2", "finishedAt": ago(3), "logTail": tail},
     ]
     # The next passes (old pods terminating, new ones created) keep it and do not repeat it.
-    nxt, _ = job_status(make_job(nodes=3), Group.of([make_pod(0, attempt=1)]), now=NOW, prev_status=status)
+    nxt, _ = pass_status(make_job(nodes=3), Group.of([make_pod(0, attempt=1)]), now=NOW, prev_status=status)
     assert nxt["failures"] == status["failures"]
 
 
 def test_log_tails_stay_out_of_status_unless_the_job_opts_in():
     tail = "connecting to https://alice:hunter2@mlflow.example/api\nRuntimeError: boom"
     pods = [killed(0, 1, message=tail), make_pod(1)]
-    status, events = job_status(make_job(nodes=2), Group.of(pods), now=NOW, prev_status=running_status())
+    status, events = pass_status(make_job(nodes=2), Group.of(pods), now=NOW, prev_status=running_status())
     assert "logTail" not in status["failures"][0] and "boom" not in status["message"]
     assert status["message"] == "pod j-0 failed with exit code 1 (Error)"
     assert not any("boom" in m for _, _, m in events)
-    opted, events = job_status(make_job(nodes=2, failurePolicy={"logTailInStatus": True}), Group.of(pods), now=NOW,
-                               prev_status=running_status())
+    opted, events = pass_status(make_job(nodes=2, failurePolicy={"logTailInStatus": True}), Group.of(pods), now=NOW,
+                                prev_status=running_status())
     assert opted["failures"][0]["logTail"].endswith("RuntimeError: boom")
     assert "hunter2" not in opted["failures"][0]["logTail"] and "https://***@mlflow.example" in \
         opted["failures"][0]["logTail"]
@@ -248,8 +249,8 @@ def test_log_tails_stay_out_of_status_unless_the_job_opts_in():
 def test_the_final_failure_is_kept_too_and_the_list_is_bounded():
     prev = running_status(restarts=3, countedRestarts=3, attempt=3, launchedAttempt=3,
                           failures=[{"attempt": a % 3, "pod": f"j-{a}", "exitCode": 1} for a in range(MAX_FAILURES)])
-    status, _ = job_status(make_job(nodes=1, failurePolicy={"maxRestarts": 3}), Group.of([killed(0, 2, attempt=3)]),
-                           now=NOW, prev_status=prev)
+    status, _ = pass_status(make_job(nodes=1, failurePolicy={"maxRestarts": 3}), Group.of([killed(0, 2, attempt=3)]),
+                            now=NOW, prev_status=prev)
     assert status["phase"] == "Failed" and len(status["failures"]) == MAX_FAILURES
     assert status["failures"][-1]["attempt"] == 3 and status["failures"][-1]["exitCode"] == 2
 
@@ -261,8 +262,8 @@ def test_the_final_failure_is_kept_too_and_the_list_is_bounded():
     ({"gpusPerNode": 8, "command": ["torchrun", "train.py"]}, None),           # a user's script: its own
 ])
 def test_a_failed_gpu_attempt_names_where_its_flight_recorder_dumps_are(spec, where):
-    status, _ = job_status(make_job(nodes=2, **spec), Group.of([killed(0, 1), make_pod(1)]), now=NOW,
-                           prev_status=running_status())
+    status, _ = pass_status(make_job(nodes=2, **spec), Group.of([killed(0, 1), make_pod(1)]), now=NOW,
+                            prev_status=running_status())
     assert status["failures"][0].get("debugDir") == where
 
 
@@ -316,7 +317,7 @@ def test_refused_create_names_the_ddpjob_field():
     job = make_job(nodes=1, volumeMounts=[{"name": "data", "mountPath": "/data"}])
     body = json.dumps({"reason": "Invalid", "code": 422, "message": 'Pod "j-0" is invalid: '
                        'spec.containers[0].volumeMounts[1].name: Not found: "data"'})
-    status, _ = job_status(job, Group.of([]), now=NOW, prev_status=None)
+    status, _ = pass_status(job, Group.of([]), now=NOW, prev_status=None)
     new, _ = create_refused(job, status, [refusal("j-0", 422, body)], now=NOW)
     assert ('spec.containers[0].volumeMounts[1].name (DDPJob spec.volumeMounts[0].name): Not found: "data"'
             in new["message"])

@@ -8,13 +8,14 @@ import pytest
 
 from ddpjob_operator.api.group import Group
 from ddpjob_operator.api.config import OperatorConfig
-from ddpjob_operator.decisions.status import job_status, mlflow_status, node_counts, progress_display
+from ddpjob_operator.decisions.status import mlflow_status, node_counts, progress_display
 from tests.support.status import condition as cond
 from tests.support.builders import NOW, ago, make_job, make_pod, running_status
+from tests.support.passes import pass_status
 
 
 def test_first_pass_status_and_event():
-    status, events = job_status(make_job(nodes=3), Group.of([]), now=NOW, prev_status=None)
+    status, events = pass_status(make_job(nodes=3), Group.of([]), now=NOW, prev_status=None)
     assert status["phase"] == "Pending" and status["restarts"] == 0 and status["attempt"] == 0
     assert status["masterAddr"] == "j-0.j.ns.svc"
     assert status["nodes"] == {"total": 3, "pending": 0, "running": 0, "succeeded": 0, "failed": 0,
@@ -25,8 +26,8 @@ def test_first_pass_status_and_event():
 
 
 def test_cluster_domain_in_master_addr():
-    status, _ = job_status(make_job(nodes=1), Group.of([]), now=NOW, prev_status=None,
-                           config=OperatorConfig(cluster_domain="cluster.local"))
+    status, _ = pass_status(make_job(nodes=1), Group.of([]), now=NOW, prev_status=None,
+                            config=OperatorConfig(cluster_domain="cluster.local"))
     assert status["masterAddr"] == "j-0.j.ns.svc.cluster.local"
 
 
@@ -44,18 +45,18 @@ def test_node_counts(pods, counts):
 
 def test_running_transition_emits_one_event_and_is_quiet_after():
     pods = [make_pod(0), make_pod(1)]
-    status, events = job_status(make_job(nodes=2), Group.of(pods), now=NOW,
-                                prev_status={"phase": "Pending", "startTime": ago(5)})
+    status, events = pass_status(make_job(nodes=2), Group.of(pods), now=NOW,
+                                 prev_status={"phase": "Pending", "startTime": ago(5)})
     assert status["phase"] == "Running" and status["nodes"]["ready"] == "2/2"
     assert cond(status, "Running")["status"] == "True"
     assert events == [("Normal", "Running", "all 2 node(s) running")]
-    again, events2 = job_status(make_job(nodes=2), Group.of(pods), now=NOW, prev_status=status)
+    again, events2 = pass_status(make_job(nodes=2), Group.of(pods), now=NOW, prev_status=status)
     assert again == status and events2 == []  # nothing changed: no write, no event
 
 
 def test_restart_status_conditions_and_event():
     pods = [make_pod(0), make_pod(1, phase="Failed", exit_code=3)]
-    status, events = job_status(make_job(nodes=2), Group.of(pods), now=NOW, prev_status=running_status())
+    status, events = pass_status(make_job(nodes=2), Group.of(pods), now=NOW, prev_status=running_status())
     assert status["phase"] == "Restarting" and status["restarts"] == 1 and status["attempt"] == 1
     assert cond(status, "Restarting")["reason"] == "PodFailed"
     assert "exit code 3" in cond(status, "Restarting")["message"]
@@ -67,7 +68,7 @@ def test_failed_status_has_completion_time_and_reason():
     pods = [make_pod(0, phase="Failed", exit_code=78, message="unknown model"), make_pod(1)]
     prev = running_status(conditions=[{"type": "Running", "status": "True", "reason": "Running",
                                        "lastTransitionTime": ago(60)}])
-    status, events = job_status(make_job(nodes=2), Group.of(pods), now=NOW, prev_status=prev)
+    status, events = pass_status(make_job(nodes=2), Group.of(pods), now=NOW, prev_status=prev)
     assert status["phase"] == "Failed" and status["reason"] == "BadConfiguration"
     assert status["completionTime"] == "2026-11-22T12:00:00Z"
     assert cond(status, "Failed")["status"] == "True"
@@ -77,30 +78,30 @@ def test_failed_status_has_completion_time_and_reason():
 
 def test_condition_transition_time_only_moves_on_flip():
     pods = [make_pod(0), make_pod(1)]
-    first, _ = job_status(make_job(nodes=2), Group.of(pods), now=NOW, prev_status={"phase": "Pending"})
+    first, _ = pass_status(make_job(nodes=2), Group.of(pods), now=NOW, prev_status={"phase": "Pending"})
     later = NOW.replace(hour=13)
-    second, _ = job_status(make_job(nodes=2), Group.of(pods), now=later, prev_status=first)
+    second, _ = pass_status(make_job(nodes=2), Group.of(pods), now=later, prev_status=first)
     assert cond(second, "Running")["lastTransitionTime"] == cond(first, "Running")["lastTransitionTime"]
 
 
 def test_unschedulable_condition_carries_the_scheduler_message():
     pods = [make_pod(0, phase="Pending", unschedulable_for=600), make_pod(1, phase="Pending")]
-    status, events = job_status(make_job(nodes=2), Group.of(pods), now=NOW, prev_status={"phase": "Pending"},
-                                config=OperatorConfig(unschedulable_timeout=300))
+    status, events = pass_status(make_job(nodes=2), Group.of(pods), now=NOW, prev_status={"phase": "Pending"},
+                                 config=OperatorConfig(unschedulable_timeout=300))
     c = cond(status, "Unschedulable")
     assert c["status"] == "True" and "Insufficient nvidia.com/gpu" in c["message"]
     assert ("Warning", "Unschedulable", c["message"]) in events
-    _, again = job_status(make_job(nodes=2), Group.of(pods), now=NOW, prev_status=status,
-                          config=OperatorConfig(unschedulable_timeout=300))
+    _, again = pass_status(make_job(nodes=2), Group.of(pods), now=NOW, prev_status=status,
+                           config=OperatorConfig(unschedulable_timeout=300))
     assert again == []
 
 
 def test_suspended_then_resumed_conditions():
-    status, events = job_status(make_job(nodes=2, suspend=True), Group.of([make_pod(0)]), now=NOW,
-                                prev_status=running_status())
+    status, events = pass_status(make_job(nodes=2, suspend=True), Group.of([make_pod(0)]), now=NOW,
+                                 prev_status=running_status())
     assert status["phase"] == "Suspended" and cond(status, "Suspended")["status"] == "True"
     assert events[0][1] == "Suspended"
-    resumed, events = job_status(make_job(nodes=2), Group.of([]), now=NOW, prev_status=status)
+    resumed, events = pass_status(make_job(nodes=2), Group.of([]), now=NOW, prev_status=status)
     assert resumed["phase"] == "Pending" and cond(resumed, "Suspended")["status"] == "False"
     assert events[0][1] == "Resumed"
 
@@ -124,7 +125,7 @@ def test_monitor_report_merges_progress_and_conditions_by_type():
     report = Report(progress={"step": 20, "totalSteps": 100, "percent": 20.0},
                     conditions=[{"type": "Stalled", "status": "False", "reason": "Progressing", "message": "ok"},
                                 {"type": "Straggler", "status": "True", "reason": "SlowRank", "message": "rank 3"}])
-    status, _ = job_status(make_job(nodes=2), Group.of(pods), now=NOW, prev_status=prev, report=report)
+    status, _ = pass_status(make_job(nodes=2), Group.of(pods), now=NOW, prev_status=prev, report=report)
     assert status["progress"] == {"step": 20, "loss": 2.0, "totalSteps": 100, "percent": 20.0,
                                   "display": "20% (20/100)"}
     assert cond(status, "Stalled")["lastTransitionTime"] == ago(50)  # unchanged status keeps its time
@@ -134,7 +135,7 @@ def test_monitor_report_merges_progress_and_conditions_by_type():
 
 def test_progress_kept_between_scrapes():
     prev = running_status(progress={"step": 5, "display": "step 5"})
-    status, _ = job_status(make_job(nodes=2), Group.of([make_pod(0), make_pod(1)]), now=NOW, prev_status=prev)
+    status, _ = pass_status(make_job(nodes=2), Group.of([make_pod(0), make_pod(1)]), now=NOW, prev_status=prev)
     assert status["progress"]["step"] == 5
 
 
@@ -172,13 +173,13 @@ def test_the_phase_change_writes_where_the_job_ended_and_no_eta(spec, pods, phas
     job = make_job(nodes=2, **spec)
     # The pass that sees it end still holds the running job's last scrape, ETA and all.
     last_scrape = Report(progress={k: v for k, v in LAST_WRITE.items() if k != "display"})
-    status, events = job_status(job, Group.of(pods), now=NOW, prev_status=running_status(progress=LAST_WRITE),
-                                report=last_scrape)
+    status, events = pass_status(job, Group.of(pods), now=NOW, prev_status=running_status(progress=LAST_WRITE),
+                                 report=last_scrape)
     assert status["phase"] == phase and status["progress"] == progress
     assert len(events) == 1  # the phase change's own write: the progress rides in it
     if phase == "Succeeded":
         assert status["progress"]["step"] == status["result"]["steps"]
-    again, events = job_status(job, Group.of(pods), now=NOW, prev_status=status)
+    again, events = pass_status(job, Group.of(pods), now=NOW, prev_status=status)
     assert again == status and events == []  # settled: the passes after it write nothing
 
 
@@ -186,15 +187,15 @@ def test_a_running_jobs_eta_is_its_latest_scrapes():
     pods = [make_pod(0), make_pod(1)]
     prev = running_status(progress=LAST_WRITE)
     # A scrape of a (new) attempt that has no rate yet: blank, not the old attempt's forecast.
-    status, _ = job_status(make_job(nodes=2), Group.of(pods), now=NOW, prev_status=prev,
-                           report=Report(progress={"step": 10, "totalSteps": 276, "percent": 3.6}))
+    status, _ = pass_status(make_job(nodes=2), Group.of(pods), now=NOW, prev_status=prev,
+                            report=Report(progress={"step": 10, "totalSteps": 276, "percent": 3.6}))
     assert "eta" not in status["progress"] and "etaSeconds" not in status["progress"]
     assert status["progress"]["evalAccuracy"] == LAST_WRITE["evalAccuracy"]  # the last known stays
-    status, _ = job_status(make_job(nodes=2), Group.of(pods), now=NOW, prev_status=status,
-                           report=Report(progress={"step": 12, "eta": "1m", "etaSeconds": 60}))
+    status, _ = pass_status(make_job(nodes=2), Group.of(pods), now=NOW, prev_status=status,
+                            report=Report(progress={"step": 12, "eta": "1m", "etaSeconds": 60}))
     assert (status["progress"]["eta"], status["progress"]["etaSeconds"]) == ("1m", 60)
     # A pass with no scrape keeps what the last one said.
-    again, _ = job_status(make_job(nodes=2), Group.of(pods), now=NOW, prev_status=status)
+    again, _ = pass_status(make_job(nodes=2), Group.of(pods), now=NOW, prev_status=status)
     assert again["progress"] == status["progress"]
 
 
@@ -352,7 +353,7 @@ def test_a_pod_whose_node_stopped_reporting_is_named_in_a_condition(ready, conta
     p1 = make_pod(1, node_name="node-b")
     p1["status"]["conditions"] += [{"type": "Ready", "status": ready},
                                    {"type": "ContainersReady", "status": containers}]
-    status, events = job_status(make_job(nodes=2), Group.of([make_pod(0), p1]), now=NOW, prev_status=running_status())
+    status, events = pass_status(make_job(nodes=2), Group.of([make_pod(0), p1]), now=NOW, prev_status=running_status())
     c = cond(status, "NodeNotReady")
     assert (c is not None and c["status"] == "True") is shown
     if shown:
@@ -362,10 +363,10 @@ def test_a_pod_whose_node_stopped_reporting_is_named_in_a_condition(ready, conta
 
 def test_node_not_ready_clears_when_the_node_reports_again_and_warns_once():
     pods = [make_pod(0), _node_lost(1)]
-    first, ev1 = job_status(make_job(nodes=2), Group.of(pods), now=NOW, prev_status=running_status())
-    again, ev2 = job_status(make_job(nodes=2), Group.of(pods), now=NOW, prev_status=first)
+    first, ev1 = pass_status(make_job(nodes=2), Group.of(pods), now=NOW, prev_status=running_status())
+    again, ev2 = pass_status(make_job(nodes=2), Group.of(pods), now=NOW, prev_status=first)
     assert [e[1] for e in ev1].count("NodeNotReady") == 1 and not [e for e in ev2 if e[1] == "NodeNotReady"]
-    back, _ = job_status(make_job(nodes=2), Group.of([make_pod(0), make_pod(1)]), now=NOW, prev_status=again)
+    back, _ = pass_status(make_job(nodes=2), Group.of([make_pod(0), make_pod(1)]), now=NOW, prev_status=again)
     assert cond(back, "NodeNotReady")["status"] == "False" and cond(back, "NodeNotReady")["reason"] == "NodesReady"
 
 
@@ -398,8 +399,8 @@ def test_mlflow_status(mlflow, default, prev, run, expected):
 def test_the_run_the_ranks_report_is_written_into_status_once():
     job = make_job(nodes=2, trainer={"mlflow": {"trackingUri": "http://m:5000"}})
     pods = [make_pod(0), make_pod(1)]
-    first, _ = job_status(job, Group.of(pods), now=NOW, prev_status=running_status(), report=Report(mlflow_run=RUN))
+    first, _ = pass_status(job, Group.of(pods), now=NOW, prev_status=running_status(), report=Report(mlflow_run=RUN))
     assert first["mlflow"]["runId"] == RUN[0]
-    again, _ = job_status(job, Group.of(pods), now=NOW, prev_status=first, report=Report(mlflow_run=RUN))
-    quiet, _ = job_status(job, Group.of(pods), now=NOW, prev_status=first, report=Report())
+    again, _ = pass_status(job, Group.of(pods), now=NOW, prev_status=first, report=Report(mlflow_run=RUN))
+    quiet, _ = pass_status(job, Group.of(pods), now=NOW, prev_status=first, report=Report())
     assert again["mlflow"] == quiet["mlflow"] == first["mlflow"]

@@ -9,30 +9,21 @@ from __future__ import annotations
 
 import datetime as dt
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping
 
 from ddpjob_operator.builders import kueue
 from ddpjob_operator.api import objmeta, podinfo
 from ddpjob_api import labels
 from ddpjob_operator.api.config import OperatorConfig
-from ddpjob_operator.api.group import Group
+from ddpjob_operator.api.group import Attempt, Group
 from ddpjob_api.names import pod_name
 from ddpjob_operator.builders.envvars import inplace_budget, own_rendezvous
 from ddpjob_api.phases import Cond, Phase, RestartReason
-from ddpjob_operator.decisions import inplace
+from ddpjob_operator.decisions import inplace, policies
+from ddpjob_operator.decisions.policies import Act, Failure
 from ddpjob_operator.decisions.redact import redact
 from ddpjob_api.spec import JobSpec
-
-
-@dataclass(frozen=True)
-class Failure:
-    """One reason to restart (or fail) the group."""
-
-    reason: str          # a RestartReason, or BadConfiguration (fatal)
-    message: str
-    counted: bool        # counts against failurePolicy.maxRestarts
-    fatal: bool = False  # fails the job at once (no restart helps)
 
 
 class Verdict(str, enum.Enum):
@@ -168,12 +159,6 @@ def condition(status: dict[str, Any] | None, type: str) -> dict[str, Any] | None
                  if c.get("type") == type and c.get("status") == "True"), None)
 
 
-# What a pod of rank > 0 may be lost to and be replaced alone (the cluster took it, or someone
-# deleted it): its launcher did not fail, so its peers' agents restart their workers in place and
-# wait in the attempt's rendezvous for the replacement's (docs/restarts.md).
-REPLACEABLE = frozenset({R.POD_DELETED.value, R.POD_EVICTED.value, R.POD_PREEMPTED.value, R.NODE_LOST.value})
-
-
 @dataclass(frozen=True)
 class Replacement:
     """A lost pod of one rank, recreated alone in the same attempt (its peers keep their pods)."""
@@ -206,7 +191,7 @@ def replacements_of(prev: Mapping[str, Any], attempt: int) -> dict[str, Mapping[
             if e.get("kind") == inplace.REPLACE and e.get("attempt") == attempt}
 
 
-@dataclass
+@dataclass(frozen=True)
 class Decision:
     """The outcome of one pass: target phase, counters, and the actions to take."""
 
@@ -272,19 +257,13 @@ def _failures(job: JobSpec, current: dict[int, dict], attempt: int, launched: bo
     return out
 
 
-def _replacements(job: JobSpec, this: Any, lost: list[tuple[int, dict[str, Any], Failure]],
-                  numbers: Mapping[int, int]) -> list[Replacement] | None:
-    """The lost pods to recreate alone, or None when the group must restart: a pod that failed
-    (its launcher or agent, or a spent in-place budget: its peers' agents may be failing too), rank 0
-    lost (it hosts the c10d store every agent's rendezvous goes through), or a job group_only names."""
-    if not lost or group_only(job) is not None:
-        return None
-    if any(r == 0 or f.fatal or f.reason not in REPLACEABLE for r, _, f in lost):
-        return None
+def _replacements(job: JobSpec, seen: Seen) -> list[Replacement]:
+    """A new pod for each lost one (policies.replace_lost): its rank's next `-r<n>` in the attempt."""
     out = []
-    for r, pod, f in lost:
-        n = max([numbers.get(r, 0)] + [podinfo.replacement(p) for p in this.pods if podinfo.rank(p) == r]) + 1
-        out.append(Replacement(rank=r, old_pod=podinfo.name(pod), number=n, new_pod=pod_name(job.name, r, this.number, n),
+    for r, pod, f in seen.lost:
+        n = max([seen.numbers.get(r, 0)] + [podinfo.replacement(p) for p in seen.this.pods if podinfo.rank(p) == r]) + 1
+        out.append(Replacement(rank=r, old_pod=podinfo.name(pod), number=n,
+                               new_pod=pod_name(job.name, r, seen.this.number, n),
                                node=str((pod.get("spec") or {}).get("nodeName") or ""), failure=f))
     return out
 
@@ -347,61 +326,51 @@ def finished_claim_holds(job: JobSpec, prev_phase: Phase | None, group: Group, a
     return not all(r in active for r in range(job.nodes))
 
 
-def decide(job: JobSpec, group: Group, *, now: dt.datetime, prev_status: dict[str, Any] | None,
-           config: OperatorConfig | None = None, hang_overdue: bool = False,
-           ranks: Mapping[int, Any] | None = None) -> Decision:
-    """The next step for `job` given its pods (all attempts) and the previous status.
+@dataclass(frozen=True)
+class Seen:
+    """One pass's reading of the status and the pods: the policies' facts, and what acting on their
+    answer needs."""
 
-    The group's departed pods (the last state seen of those that vanished: a pod force-deleted by
-    PodGC after its node went away is Failed with a DisruptionTarget condition just before) tell a
-    lost node apart from a deleted pod. `hang_overdue`: the job has been Stalled for
-    health.GROUP_RESTART_TIMEOUTS hang timeouts (MonitorReport.hang_overdue); `ranks`: the latest
-    scrape's samples (MonitorReport.ranks), whose agents' failures bound the in-place restarts."""
-    config = config or OperatorConfig()
-    prev = prev_status or {}
+    prev: dict[str, Any]
+    base: Decision             # the status' phase and counters (a finished claim that does not hold: Running)
+    active: Decision           # base resumed, its deadline clock started, back at the deadline
+    this: Attempt              # the current attempt's pods
+    current: dict[int, dict[str, Any]]   # the pod standing for each rank
+    numbers: dict[int, int]    # each rank's newest replacement decided in this attempt
+    lost: list[tuple[int, dict[str, Any], Failure]]   # (rank, last state, verdict) of each pod that ended
+    facts: policies.Observation
+
+
+def observe(job: JobSpec, group: Group, prev: dict[str, Any], *, now: dt.datetime, hang_overdue: bool = False,
+            ranks: Mapping[int, Any] | None = None) -> Seen:
+    """What decide reads of one pass (its docstring says what the arguments are)."""
     prev_phase = Phase.parse(prev.get("phase"))
     counters = trusted_counters(prev, group)
-    attempt = counters.attempt
-    d = Decision(
+    base = Decision(
         phase=prev_phase or Phase.PENDING, reason=str(prev.get("reason") or ""),
-        message=str(prev.get("message") or ""), attempt=attempt,
-        launched_attempt=min(_count(prev.get("launchedAttempt"), -1, low=-1), attempt),
+        message=str(prev.get("message") or ""), attempt=counters.attempt,
+        launched_attempt=min(_count(prev.get("launchedAttempt"), -1, low=-1), counters.attempt),
         restarts=counters.restarts, counted_restarts=counters.counted_restarts,
         start_time=_iso(prev.get("startTime")), completion_time=_iso(prev.get("completionTime")),
     )
-    # Finished jobs stay finished: only cleanPodPolicy and the TTL act on them.
-    if finished_claim_holds(job, prev_phase, group, attempt):
-        return _finish(job, d, group, now)
-    if prev_phase is not None and prev_phase.finished:
+    finished = finished_claim_holds(job, prev_phase, group, counters.attempt)
+    if prev_phase is not None and prev_phase.finished and not finished:
         # Claimed finished while its pods still run: decide from the pods instead.
-        prev_phase, d.phase, d.completion_time = Phase.RUNNING, Phase.RUNNING, None
-
-    if job.suspend:
-        d.phase, d.reason, d.message = Phase.SUSPENDED, "Suspended", "spec.suspend is true: pods deleted"
-        d.delete_pods = [podinfo.name(p) for p in group.live]
-        return d
-    if prev_phase is Phase.SUSPENDED:
+        prev_phase, base = Phase.RUNNING, replace(base, phase=Phase.RUNNING, completion_time=None)
+    active = base
+    if prev_phase is Phase.SUSPENDED and not job.suspend:
         # Resume: a fresh attempt (the old pods are gone, not failed), deadline clock restarts.
-        d.attempt, d.start_time = attempt + 1, now
-        d.phase, d.reason, d.message = Phase.PENDING, "Resumed", "spec.suspend is false: pods recreated"
-    this = group.at(d.attempt)
+        active = replace(base, attempt=base.attempt + 1, start_time=now, phase=Phase.PENDING, reason="Resumed",
+                         message="spec.suspend is false: pods recreated")
+    this = group.at(active.attempt)
+    # Queued by Kueue, the pods hold nothing yet: the deadline counts from admission, as a Job's
+    # startTime does when Kueue unsuspends it.
     queued = kueue.queue_name(job) is not None and any(kueue.gated(p) for p in this.pods)
-    if d.start_time is None or queued:
-        # Queued by Kueue, the pods hold nothing yet: the deadline counts from admission, as a
-        # Job's startTime does when Kueue unsuspends it.
-        d.start_time = now
-
-    deadline = job.active_deadline_seconds
-    if deadline is not None:
-        left = deadline - (now - d.start_time).total_seconds()
-        if left <= 0:
-            d.phase, d.reason = Phase.FAILED, "DeadlineExceeded"
-            d.message = f"the job ran longer than spec.activeDeadlineSeconds={deadline}"
-            return _finish(job, d, group, now)
-        d.requeue_after = left
+    start = now if active.start_time is None or queued else active.start_time
+    elapsed, deadline = (now - start).total_seconds(), job.active_deadline_seconds
 
     # A lost pod being replaced stands for its rank no more: its replacement is created once it is gone.
-    replacing = replacements_of(prev, d.attempt)
+    replacing = replacements_of(prev, active.attempt)
     numbers: dict[int, int] = {}
     for e in replacing.values():
         numbers[inplace.as_int(e.get("rank"))] = max(numbers.get(inplace.as_int(e.get("rank")), 0),
@@ -409,8 +378,8 @@ def decide(job: JobSpec, group: Group, *, now: dt.datetime, prev_status: dict[st
     # (Only a pod that did end or is being deleted: a status edit naming a live pod must not get it deleted.)
     current = {r: p for r, p in this.by_rank.items()
                if r < job.nodes and not (podinfo.name(p) in replacing and verdict(p) is not None)}
-    lost = _failures(job, current, d.attempt, launched=d.launched_attempt == d.attempt, departed=this.departed,
-                     numbers=numbers)
+    lost = _failures(job, current, active.attempt, launched=active.launched_attempt == active.attempt,
+                     departed=this.departed, numbers=numbers)
     failures = [f for _, _, f in lost]
     if hang_overdue and job.restart_on_hang and prev_phase is Phase.RUNNING:
         # The pods' agents restart a stalled rank's workers in place at one hang timeout; still
@@ -418,111 +387,139 @@ def decide(job: JobSpec, group: Group, *, now: dt.datetime, prev_status: dict[st
         # rendezvous): the group restart is what is left.
         failures.append(Failure(R.STALLED.value, "training stalled (no progress for twice the hang timeout) and "
                                 "not restarted in place; failurePolicy.restartOnHang", counted=True))
-
     # The survivors' round for a pod the cluster or a user took now is part of what answers that
     # loss (its replacement or the group restart), not an in-place restart of its own.
     # Counted: the replacements the attempt's pods show, those decided and not created yet (their
     # rank has no pod standing for it: at most one per rank, so an edited history cannot inflate
     # it), and pods taken in this pass.
-    taken = sum(1 for _, _, f in lost if f.reason in REPLACEABLE)
-    d.replacement_rounds = this.replacements + sum(1 for r in numbers if r not in current) + taken
-    in_place = in_place_restarts(prev, ranks, replaced=d.replacement_rounds)
-    fatal = next((f for f in failures if f.fatal), None)
-    if not failures and d.counted_restarts + in_place > job.max_restarts:
-        # Each pod's agent restarts in place within its own budget; the job's is spent when they
-        # together, with the group restarts, made more than failurePolicy.maxRestarts.
-        d.phase, d.reason = Phase.FAILED, "RestartLimitExceeded"
-        d.message = (f"{in_place} restart(s) in place and {d.counted_restarts} group restart(s): more than "
-                     f"failurePolicy.maxRestarts={job.max_restarts}")
-        return _finish(job, d, group, now)
-    if fatal:
-        d.phase, d.reason, d.message = Phase.FAILED, fatal.reason, fatal.message
-        return _finish(job, d, group, now)
-    if failures:
-        cause = next((f for f in failures if f.counted), failures[0])
-        if cause.counted and d.counted_restarts + in_place >= job.max_restarts:
-            d.phase, d.reason = Phase.FAILED, "RestartLimitExceeded"
-            d.message = (f"{cause.message}; failurePolicy.maxRestarts={job.max_restarts} "
-                         f"restart(s) already used" + (f" ({in_place} of them in place)" if in_place else ""))
-            return _finish(job, d, group, now)
-    alone = _replacements(job, this, lost, numbers)
+    rounds = (this.replacements + sum(1 for r in numbers if r not in current)
+              + sum(1 for _, _, f in lost if f.reason in policies.REPLACEABLE))
+    active = replace(active, start_time=start, replacement_rounds=rounds,
+                     requeue_after=None if deadline is None else deadline - elapsed)
+    facts = policies.Observation(
+        finished=finished, suspend=job.suspend, deadline=deadline, elapsed=elapsed,
+        lost=tuple((r, f) for r, _, f in lost), failures=tuple(failures), group_only=group_only(job),
+        counted_restarts=active.counted_restarts, in_place=in_place_restarts(prev, ranks, replaced=rounds),
+        max_restarts=job.max_restarts)
+    return Seen(prev, base, active, this, current, numbers, lost, facts)
+
+
+def decide(job: JobSpec, group: Group, *, now: dt.datetime, prev_status: dict[str, Any] | None,
+           config: OperatorConfig | None = None, hang_overdue: bool = False,
+           ranks: Mapping[int, Any] | None = None) -> Decision:
+    """The next step for `job` given its pods (all attempts) and the previous status: the first
+    policy that answers (decisions/policies.py), else the steady state.
+
+    The group's departed pods (the last state seen of those that vanished: a pod force-deleted by
+    PodGC after its node went away is Failed with a DisruptionTarget condition just before) tell a
+    lost node apart from a deleted pod. `hang_overdue`: the job has been Stalled for
+    health.GROUP_RESTART_TIMEOUTS hang timeouts (MonitorReport.hang_overdue); `ranks`: the latest
+    scrape's samples (MonitorReport.ranks), whose agents' failures bound the in-place restarts."""
+    seen = observe(job, group, prev_status or {}, now=now, hang_overdue=hang_overdue, ranks=ranks)
+    action = policies.first(seen.facts)
+    act = action.act if action is not None else None
+    if action is None or act is Act.REPLACE:
+        return _steady(job, group, seen, _replacements(job, seen) if act else [], now=now,
+                       config=config or OperatorConfig())
+    if act is Act.KEEP:
+        return _finish(job, seen.base, group, now)
+    if act is Act.SUSPEND:
+        return replace(seen.base, phase=Phase.SUSPENDED, reason=action.reason, message=action.message,
+                       delete_pods=[podinfo.name(p) for p in group.live])
+    if act is Act.FAIL:
+        return _finish(job, replace(seen.active, phase=Phase.FAILED, reason=action.reason, message=action.message),
+                       group, now)
+    return _restart(job, group, seen.active, action.cause)
+
+
+def _restart(job: JobSpec, group: Group, d: Decision, cause: Failure | None) -> Decision:
+    """A new attempt of the whole group: its restart counted as `cause` says; the pods of the
+    attempt that failed go but for those kept_pods keeps for their logs."""
+    assert cause is not None  # policies.restart_group answers with its cause
+    kept = kept_pods(job, group, d.attempt + 1)
+    return replace(d, attempt=d.attempt + 1, restarts=d.restarts + 1, counted_restarts=d.counted_restarts + cause.counted,
+                   phase=Phase.RESTARTING, reason=cause.reason, message=cause.message, restarted=cause,
+                   delete_pods=[podinfo.name(p) for p in group.live if podinfo.name(p) not in kept])
+
+
+def _steady(job: JobSpec, group: Group, seen: Seen, alone: list[Replacement], *, now: dt.datetime,
+            config: OperatorConfig) -> Decision:
+    """No policy ended or restarted the group: the pods to delete and create, and the phase they show."""
+    d, numbers, current = seen.active, dict(seen.numbers), dict(seen.current)
     if alone:
         # Charged as the group restart would have been (a deletion counts, the cluster's doing is
         # free); the survivors' in-place restart it causes is part of it (inplace.update), not another.
-        d.replaced = alone
-        d.restarts += len(alone)
-        d.counted_restarts += sum(a.failure.counted for a in alone)
-        for a in alone:
-            numbers[a.rank] = a.number
-            current.pop(a.rank, None)
-    elif failures:
-        d.attempt += 1
-        d.restarts += 1
-        d.counted_restarts += int(cause.counted)
-        d.phase, d.reason, d.message = Phase.RESTARTING, cause.reason, cause.message
-        d.restarted = cause
-        kept = kept_pods(job, group, d.attempt)
-        d.delete_pods = [podinfo.name(p) for p in group.live if podinfo.name(p) not in kept]
-        return d
+        d = replace(d, replaced=alone, restarts=d.restarts + len(alone),
+                    counted_restarts=d.counted_restarts + sum(a.failure.counted for a in alone))
+        numbers.update({a.rank: a.number for a in alone})
+        current = {r: p for r, p in current.items() if r not in {a.rank for a in alone}}
+    d = _children(job, group, seen.this, d, current, numbers, now)
+    phases = [podinfo.phase(current[r]) for r in sorted(current)]
+    if len(current) == job.nodes and all(ph == "Succeeded" for ph in phases):
+        return _finish(job, replace(d, phase=Phase.SUCCEEDED, reason="Succeeded",
+                                    message=f"all {job.nodes} node(s) exited 0"), group, now)
+    d = _phase(job, d, current, numbers, seen.prev)
+    d = replace(d, start_errors=start_errors([current[r] for r in sorted(current)]))
+    if d.start_errors:
+        d = _start_error(job, d, seen.prev, now)
+        if d.phase is Phase.FAILED:
+            return _finish(job, d, group, now)
+    # Pods the scheduler cannot place: a condition (not a failure) after the timeout.
+    stuck = [s for s in (podinfo.unschedulable_since(p) for p in current.values()) if s]
+    if stuck:
+        waited = (now - min((s[0] for s in stuck if s[0] is not None), default=now)).total_seconds()
+        if waited >= config.unschedulable_timeout:
+            d = replace(d, unschedulable=stuck[0][1] or "the scheduler cannot place the pods")
+        else:
+            d = replace(d, requeue_after=_sooner(d.requeue_after, config.unschedulable_timeout - waited))
+    return d
 
-    # Steady state: remove stale pods; create the missing ranks once no pod of an older attempt is
-    # left. Per-name readiness is not enough: a master still terminating serves its rendezvous
-    # store on the job's DNS name, and a new worker that reaches it joins the old attempt (seen:
-    # a new rank 1 "finished" with the dying master while the new master waited in rendezvous).
-    # A failed attempt's ended pods stay for their logs (kept_pods); ended, they hold up nothing.
-    # So do this attempt's replaced pods that ended Failed (an evicted pod); a lost one still
-    # terminating holds up its replacement: while it exists the headless Service (it publishes
-    # not-ready addresses) may resolve its hostname, which its replacement takes over.
+
+def _children(job: JobSpec, group: Group, this: Attempt, d: Decision, current: dict[int, dict[str, Any]],
+              numbers: Mapping[int, int], now: dt.datetime) -> Decision:
+    """Remove stale pods; create the missing ranks once no pod of an older attempt is left.
+
+    Per-name readiness is not enough: a master still terminating serves its rendezvous store on the
+    job's DNS name, and a new worker that reaches it joins the old attempt (seen: a new rank 1
+    "finished" with the dying master while the new master waited in rendezvous). A failed attempt's
+    ended pods stay for their logs (kept_pods); ended, they hold up nothing. So do this attempt's
+    replaced pods that ended Failed (an evicted pod); a lost one still terminating holds up its
+    replacement: while it exists the headless Service (it publishes not-ready addresses) may
+    resolve its hostname, which its replacement takes over."""
     # A set built once: a 10,000-pod job made this quadratic (9 s per pass at 5,000 pods).
     current_names = {podinfo.name(c) for c in current.values()}
-    stale = [p for p in group.live if podinfo.name(p) not in current_names]
     kept = kept_pods(job, group, d.attempt) | {podinfo.name(p) for p in this.pods if podinfo.phase(p) == "Failed"}
-    d.delete_pods = [podinfo.name(p) for p in stale if podinfo.name(p) not in kept]
+    d = replace(d, delete_pods=[podinfo.name(p) for p in group.live
+                                if podinfo.name(p) not in current_names and podinfo.name(p) not in kept])
+    if len(current) == job.nodes:
+        d = replace(d, launched_attempt=d.attempt)
     blocking = [when for when in (_leftover_until(p, now) for p in group.pods if podinfo.name(p) not in current_names)
                 if when is not None]
     if blocking:
-        d.requeue_after = _sooner(d.requeue_after, max(0.1, (min(blocking) - now).total_seconds()))
-    else:
-        d.create_ranks = [r for r in range(job.nodes)
-                          if r not in current and pod_name(job.name, r, d.attempt, numbers.get(r, 0)) not in group.names]
-        d.replacement = {r: numbers[r] for r in d.create_ranks if numbers.get(r)}
-    if len(current) == job.nodes:
-        d.launched_attempt = d.attempt
-    phases = [podinfo.phase(current[r]) for r in sorted(current)]
-    if len(current) == job.nodes and all(ph == "Succeeded" for ph in phases):
-        d.phase, d.reason, d.message = Phase.SUCCEEDED, "Succeeded", f"all {job.nodes} node(s) exited 0"
-        return _finish(job, d, group, now)
-    if len(current) == job.nodes and all(ph in ("Running", "Succeeded") for ph in phases):
-        d.phase, d.reason, d.message = Phase.RUNNING, "Running", f"all {job.nodes} node(s) running"
+        return replace(d, requeue_after=_sooner(d.requeue_after, max(0.1, (min(blocking) - now).total_seconds())))
+    create = [r for r in range(job.nodes)
+              if r not in current and pod_name(job.name, r, d.attempt, numbers.get(r, 0)) not in group.names]
+    return replace(d, create_ranks=create, replacement={r: numbers[r] for r in create if numbers.get(r)})
+
+
+def _phase(job: JobSpec, d: Decision, current: dict[int, dict[str, Any]], numbers: Mapping[int, int],
+           prev: dict[str, Any]) -> Decision:
+    """The phase the pods show while the group neither ended nor restarts."""
+    if len(current) == job.nodes and all(podinfo.phase(p) in ("Running", "Succeeded") for p in current.values()):
+        d = replace(d, phase=Phase.RUNNING, reason="Running", message=f"all {job.nodes} node(s) running")
     elif d.phase is Phase.RUNNING and (waiting := [r for r in sorted(numbers) if podinfo.phase(current.get(r) or {})
                                                    != "Running"]):
         # The others keep their pods and wait in the rendezvous: the job still runs.
         names = ", ".join(pod_name(job.name, r, d.attempt, numbers[r]) for r in waiting)
-        d.reason, d.message = inplace.REPLACING, f"replacing the lost pod(s) of rank(s) {waiting} with {names}"
+        d = replace(d, reason=inplace.REPLACING, message=f"replacing the lost pod(s) of rank(s) {waiting} with {names}")
     elif d.phase is Phase.RUNNING:
-        d.phase = Phase.PENDING  # cannot really happen (pods never go back to Pending); stay honest
-    elif d.phase not in (Phase.RESTARTING,) and d.reason != "Resumed":
-        d.phase, d.reason, d.message = Phase.PENDING, "Created", f"waiting for {job.nodes} node(s) to start"
+        d = replace(d, phase=Phase.PENDING)  # cannot really happen (pods never go back to Pending); stay honest
+    elif d.phase is not Phase.RESTARTING and d.reason != "Resumed":
+        d = replace(d, phase=Phase.PENDING, reason="Created", message=f"waiting for {job.nodes} node(s) to start")
     refused = condition(prev, Cond.FAILED_CREATE_POD)
     if refused and d.create_ranks and d.phase is Phase.PENDING:
         # The API server refused a pod (status.create_refused); say so until every pod exists.
-        d.reason, d.message = Cond.FAILED_CREATE_POD.value, str(refused.get("message") or "")
-
-    d.start_errors = start_errors([current[r] for r in sorted(current)])
-    if d.start_errors:
-        failed = _start_error(job, d, prev, now)
-        if failed:
-            return _finish(job, d, group, now)
-
-    # Pods the scheduler cannot place: a condition (not a failure) after the timeout.
-    stuck = [s for s in (podinfo.unschedulable_since(p) for p in current.values()) if s]
-    if stuck:
-        since = min((s[0] for s in stuck if s[0] is not None), default=now)
-        waited = (now - since).total_seconds()
-        if waited >= config.unschedulable_timeout:
-            d.unschedulable = stuck[0][1] or "the scheduler cannot place the pods"
-        else:
-            d.requeue_after = _sooner(d.requeue_after, config.unschedulable_timeout - waited)
+        d = replace(d, reason=Cond.FAILED_CREATE_POD.value, message=str(refused.get("message") or ""))
     return d
 
 
@@ -557,8 +554,8 @@ def _leftover_until(pod: dict[str, Any], now: dt.datetime) -> dt.datetime | None
     return until if until > now else None
 
 
-def _start_error(job: JobSpec, d: Decision, prev: dict[str, Any], now: dt.datetime) -> bool:
-    """Name the first stuck container in the job's reason; True when podStartTimeoutSeconds is over.
+def _start_error(job: JobSpec, d: Decision, prev: dict[str, Any], now: dt.datetime) -> Decision:
+    """Name the first stuck container in the job's reason; Failed when podStartTimeoutSeconds is over.
 
     The clock is the ContainersNotStarting condition's lastTransitionTime: it survives operator
     restarts and resets once every container started."""
@@ -567,31 +564,20 @@ def _start_error(job: JobSpec, d: Decision, prev: dict[str, Any], now: dt.dateti
     since = _iso((condition(prev, Cond.CONTAINERS_NOT_STARTING) or {}).get("lastTransitionTime")) or now
     waited = max(0.0, (now - since).total_seconds())
     if timeout is not None and waited >= timeout:
-        d.phase, d.reason = Phase.FAILED, err.reason
-        d.message = (f"{err.describe()} (for {waited:.0f}s; spec.failurePolicy.podStartTimeoutSeconds="
-                     f"{timeout})")
-        return True
+        return replace(d, phase=Phase.FAILED, reason=err.reason, message=f"{err.describe()} (for {waited:.0f}s; "
+                       f"spec.failurePolicy.podStartTimeoutSeconds={timeout})")
     if d.phase is Phase.PENDING:
         policy = (f"failing after spec.failurePolicy.podStartTimeoutSeconds={timeout}" if timeout is not None
                   else "waiting (set spec.failurePolicy.podStartTimeoutSeconds to fail instead)")
-        d.phase, d.reason, d.message = Phase.PENDING, err.reason, f"{err.describe()}; {policy}"
-    if timeout is not None:
-        d.requeue_after = _sooner(d.requeue_after, timeout - waited)
-    return False
+        d = replace(d, reason=err.reason, message=f"{err.describe()}; {policy}")
+    return d if timeout is None else replace(d, requeue_after=_sooner(d.requeue_after, timeout - waited))
 
 
 def _finish(job: JobSpec, d: Decision, group: Group, now: dt.datetime) -> Decision:
     """Terminal phase: completion time, cleanPodPolicy deletes, TTL."""
-    if d.completion_time is None:
-        d.completion_time = now
-    d.delete_pods = _finished_deletes(job, group)
-    d.create_ranks = []
-    d.requeue_after = None
+    done = d.completion_time or now
     ttl = job.ttl_seconds_after_finished
-    if ttl is not None:
-        left = ttl - (now - d.completion_time).total_seconds()
-        if left <= 0:
-            d.delete_job = True
-        else:
-            d.requeue_after = left
-    return d
+    left = None if ttl is None else ttl - (now - done).total_seconds()
+    return replace(d, completion_time=done, delete_pods=_finished_deletes(job, group), create_ranks=[],
+                   requeue_after=left if left is not None and left > 0 else None,
+                   delete_job=d.delete_job or (left is not None and left <= 0))

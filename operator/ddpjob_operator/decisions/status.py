@@ -16,7 +16,7 @@ from ddpjob_operator.builders.gang import gang_state
 from ddpjob_operator.builders.kueue import admission, queue_name
 from ddpjob_operator.decisions import goodput, inplace
 from ddpjob_operator.decisions.health import STALLED
-from ddpjob_operator.decisions.lifecycle import Decision, condition, decide
+from ddpjob_operator.decisions.lifecycle import Decision, condition
 from ddpjob_operator.decisions.progress import UNAVAILABLE, merge_scrape, stopped, succeeded, without_eta
 from ddpjob_operator.api.objmeta import format_time
 from ddpjob_api.phases import Cond, Phase
@@ -266,25 +266,20 @@ def _goodput(job: JobSpec, current: Attempt, d: Decision, prev: dict[str, Any], 
         ranks=goodput.rank_counters(ranks), step_seconds=goodput.step_seconds(ranks)))
 
 
-def job_status(job: JobSpec, group: Group, *, now: dt.datetime,
-               prev_status: dict[str, Any] | None, config: OperatorConfig | None = None,
-               decision: Decision | None = None, report: MonitorReport | None = None,
-               podgroup: dict[str, Any] | None = None) -> tuple[dict[str, Any], list[Event]]:
-    """(new status, events for what changed) for one reconcile pass; `podgroup` is a
-    gang-scheduled job's PodGroup as last read (None: not read)."""
-    config = config or OperatorConfig()
-    prev = dict(prev_status or {})
-    d = decision or decide(job, group, now=now, prev_status=prev, config=config,
-                           hang_overdue=report is not None and report.hang_overdue,
-                           ranks=report.ranks if report is not None else None)
-    gen = job.generation
-    conds: list[dict[str, Any]] = [dict(c) for c in prev.get("conditions") or []]
-    events: list[Event] = []
-    prev_phase = Phase.parse(prev.get("phase"))
+def _hold(conds: list[dict[str, Any]], type: str, on: bool, reason: str, message: str, off: str, off_message: str,
+          now: dt.datetime, gen: int) -> None:
+    """A condition True while `on`, else False (only if it was ever reported)."""
+    if on:
+        set_condition(conds, type=type, status=True, reason=reason, message=message, now=now, generation=gen)
+    else:
+        _clear(conds, type, off, off_message, now, gen)
 
-    # A refused create (create_refused) holds until every rank exists, and for good once the job
-    # failed for it (a pod the API server can never accept); until then nothing claims the pods
-    # were created.
+
+def _created_conditions(conds: list[dict[str, Any]], job: JobSpec, d: Decision, group: Group, now: dt.datetime,
+                        gen: int) -> None:
+    """A refused create (create_refused) holds until every rank exists, and for good once the job
+    failed for it (a pod the API server can never accept); until then nothing claims the pods
+    were created."""
     refused = condition({"conditions": conds}, Cond.FAILED_CREATE_POD) is not None and (
         bool(d.create_ranks) or (d.phase is Phase.FAILED and not group.pods))
     if not refused and (d.create_ranks or group.pods or any(c.get("type") == Cond.CREATED for c in conds)):
@@ -292,158 +287,164 @@ def job_status(job: JobSpec, group: Group, *, now: dt.datetime,
                       message=f"headless service and {job.nodes} pod(s) created", now=now, generation=gen)
     if not d.create_ranks and not refused:
         _clear(conds, Cond.FAILED_CREATE_POD, "Created", f"all {job.nodes} pod(s) created", now, gen)
-    was_stuck = condition({"conditions": conds}, Cond.CONTAINERS_NOT_STARTING)
-    if d.start_errors:
-        first = d.start_errors[0]
-        text = "; ".join(e.describe() for e in d.start_errors[:5])
-        if len(d.start_errors) > 5:
-            text += f"; and {len(d.start_errors) - 5} more"
-        set_condition(conds, type=Cond.CONTAINERS_NOT_STARTING, status=True, reason=first.reason, message=text,
-                      now=now, generation=gen)
-        if not was_stuck or was_stuck.get("reason") != first.reason:
-            events.append(("Warning", first.reason, text))
-    else:
+
+
+def _start_condition(conds: list[dict[str, Any]], d: Decision, now: dt.datetime, gen: int) -> list[Event]:
+    """ContainersNotStarting while a container is stuck before it starts; an event per new reason."""
+    was = condition({"conditions": conds}, Cond.CONTAINERS_NOT_STARTING)
+    if not d.start_errors:
         _clear(conds, Cond.CONTAINERS_NOT_STARTING, "Started", "", now, gen)
-    current = group.at(d.attempt)
+        return []
+    first = d.start_errors[0]
+    text = "; ".join(e.describe() for e in d.start_errors[:5])
+    if len(d.start_errors) > 5:
+        text += f"; and {len(d.start_errors) - 5} more"
+    set_condition(conds, type=Cond.CONTAINERS_NOT_STARTING, status=True, reason=first.reason, message=text,
+                  now=now, generation=gen)
+    return [("Warning", first.reason, text)] if not was or was.get("reason") != first.reason else []
+
+
+def _node_condition(conds: list[dict[str, Any]], d: Decision, current: Attempt, now: dt.datetime,
+                    gen: int) -> list[Event]:
+    """NodeNotReady while a pod of the running attempt is on a node that stopped reporting."""
     stranded = [p for p in current.pods if podinfo.node_not_ready(p)]
-    was_stranded = condition({"conditions": conds}, Cond.NODE_NOT_READY)
-    if stranded and not d.phase.finished:
-        text = "; ".join(f"pod {podinfo.name(p)} on node {(p.get('spec') or {}).get('nodeName', '?')}"
-                         for p in stranded[:5])
-        text += (": the node stopped reporting (NotReady). Training may go on; if Kubernetes evicts "
-                 "the pod (after its node.kubernetes.io/unreachable toleration, 300 s by default) the "
-                 "pod is replaced (pod 0: the group restarts) without using the restart budget")
-        set_condition(conds, type=Cond.NODE_NOT_READY, status=True, reason="NodeNotReady", message=text,
-                      now=now, generation=gen)
-        if not was_stranded or was_stranded.get("status") != "True":
-            events.append(("Warning", "NodeNotReady", text))
-    else:
+    was = condition({"conditions": conds}, Cond.NODE_NOT_READY)
+    if not stranded or d.phase.finished:
         _clear(conds, Cond.NODE_NOT_READY, "NodesReady", "every pod's node is reporting", now, gen)
-    if d.phase is Phase.RUNNING:
-        set_condition(conds, type=Cond.RUNNING, status=True, reason="Running", message=d.message,
-                      now=now, generation=gen)
-    else:
-        _clear(conds, Cond.RUNNING, d.reason or d.phase.value, d.message, now, gen)
-    if d.phase is Phase.RESTARTING:
-        set_condition(conds, type=Cond.RESTARTING, status=True, reason=d.reason, message=d.message,
-                      now=now, generation=gen)
-    else:
-        _clear(conds, Cond.RESTARTING, "Running" if d.phase is Phase.RUNNING else d.phase.value,
-               "", now, gen)
-    restarts = inplace.update(prev, attempt=d.attempt - 1 if d.restarted is not None else d.attempt,
-                              ranks=report.ranks if report is not None else None, with_log=job.log_tail_in_status,
-                              group=(d.attempt - 1, d.reason, d.message) if d.restarted is not None else None, now=now,
-                              replaced=[inplace.replace_entry(r, attempt=d.attempt, ranks=report.ranks if report else None,
-                                                              prev_status=prev, now=now) for r in d.replaced],
-                              replacement_rounds=d.replacement_rounds,
-                              group_steps=_failure_steps(group.at(d.attempt - 1)) if d.restarted is not None else (),
-                              window=float(job.hang_timeout_seconds or contract.STARTUP_HANG_TIMEOUT))
-    events += _in_place(conds, restarts, job, d, now, gen)
-    events += _resized(conds, restarts, job, report.ranks if report is not None else None, now, gen)
-    if d.phase is Phase.SUSPENDED:
-        set_condition(conds, type=Cond.SUSPENDED, status=True, reason="Suspended", message=d.message,
-                      now=now, generation=gen)
-    else:
-        _clear(conds, Cond.SUSPENDED, "Resumed", "", now, gen)
-    if d.phase is Phase.SUCCEEDED:
-        set_condition(conds, type=Cond.SUCCEEDED, status=True, reason=d.reason, message=d.message,
-                      now=now, generation=gen)
-    if d.phase is Phase.FAILED:
-        set_condition(conds, type=Cond.FAILED, status=True, reason=d.reason, message=d.message,
-                      now=now, generation=gen)
-    was_unsched = any(c.get("type") == Cond.UNSCHEDULABLE and c.get("status") == "True" for c in conds)
-    if d.unschedulable:
-        set_condition(conds, type=Cond.UNSCHEDULABLE, status=True, reason="Unschedulable",
-                      message=d.unschedulable, now=now, generation=gen)
-        if not was_unsched:
-            events.append(("Warning", "Unschedulable", d.unschedulable))
-    else:
-        _clear(conds, Cond.UNSCHEDULABLE, "Scheduled", "", now, gen)
+        return []
+    text = "; ".join(f"pod {podinfo.name(p)} on node {(p.get('spec') or {}).get('nodeName', '?')}"
+                     for p in stranded[:5])
+    text += (": the node stopped reporting (NotReady). Training may go on; if Kubernetes evicts "
+             "the pod (after its node.kubernetes.io/unreachable toleration, 300 s by default) the "
+             "pod is replaced (pod 0: the group restarts) without using the restart budget")
+    set_condition(conds, type=Cond.NODE_NOT_READY, status=True, reason="NodeNotReady", message=text,
+                  now=now, generation=gen)
+    return [("Warning", "NodeNotReady", text)] if not was or was.get("status") != "True" else []
 
-    if d.phase in (Phase.PENDING, Phase.RUNNING, Phase.RESTARTING):
-        events += _gang_condition(conds, gang_state(job, current, podgroup=podgroup), now, gen)
-        events += _admission_condition(conds, admission(job, current), now, gen,
-                                       queue_named=queue_name(job) is not None)
 
-    result = prev.get("result") or run_result(current)
+def _end_conditions(conds: list[dict[str, Any]], d: Decision, now: dt.datetime, gen: int) -> list[Event]:
+    """Suspended, Succeeded, Failed and Unschedulable from the decision; an event when unschedulable."""
+    _hold(conds, Cond.SUSPENDED, d.phase is Phase.SUSPENDED, "Suspended", d.message, "Resumed", "", now, gen)
+    if d.phase in (Phase.SUCCEEDED, Phase.FAILED):
+        set_condition(conds, type=Cond(d.phase.value), status=True, reason=d.reason, message=d.message,
+                      now=now, generation=gen)
+    was = any(c.get("type") == Cond.UNSCHEDULABLE and c.get("status") == "True" for c in conds)
+    _hold(conds, Cond.UNSCHEDULABLE, bool(d.unschedulable), "Unschedulable", d.unschedulable or "",
+          "Scheduled", "", now, gen)
+    return [("Warning", "Unschedulable", d.unschedulable)] if d.unschedulable and not was else []
+
+
+def _restarts(job: JobSpec, group: Group, d: Decision, prev: dict[str, Any], ranks: Any,
+              now: dt.datetime) -> inplace.Update:
+    """The restart history after this pass (inplace.update): the group restart the decision starts,
+    the lost pods it replaces alone, and the in-place restarts the pods' agents report."""
+    group_restart = d.restarted is not None
+    return inplace.update(prev, attempt=d.attempt - 1 if group_restart else d.attempt, ranks=ranks,
+                          with_log=job.log_tail_in_status, now=now,
+                          group=(d.attempt - 1, d.reason, d.message) if group_restart else None,
+                          replaced=[inplace.replace_entry(r, attempt=d.attempt, ranks=ranks, prev_status=prev, now=now)
+                                    for r in d.replaced],
+                          replacement_rounds=d.replacement_rounds,
+                          group_steps=_failure_steps(group.at(d.attempt - 1)) if group_restart else (),
+                          window=float(job.hang_timeout_seconds or contract.STARTUP_HANG_TIMEOUT))
+
+
+def _report_conditions(conds: list[dict[str, Any]], report: MonitorReport | None, now: dt.datetime) -> None:
+    """The monitor's conditions (Stalled, ...), each keeping its lastTransitionTime while its status holds."""
+    by_type = {c.get("type"): c for c in conds}
+    for cond in report.conditions if report is not None else []:
+        if cond.get("type") in by_type:
+            old = by_type[cond["type"]]
+            if old.get("status") == cond.get("status") and old.get("lastTransitionTime"):
+                cond = {**cond, "lastTransitionTime": old["lastTransitionTime"]}
+            conds[conds.index(old)] = {"lastTransitionTime": format_time(now), **cond}
+        else:
+            conds.append({"lastTransitionTime": format_time(now), **cond})
+
+
+def _progress(prev: dict[str, Any], d: Decision, report: MonitorReport | None, up: inplace.Update,
+              result: Any, current: Attempt) -> dict[str, Any]:
+    """status.progress: the scrape merged in; a terminal write carries where the job ended, and no
+    ETA outlives the attempt it was measured on."""
     progress = dict(prev.get("progress") or {})
-    if report is not None:
-        if report.progress:
-            progress = merge_scrape(progress, report.progress)
-            if UNAVAILABLE not in report.progress:
-                progress.pop(UNAVAILABLE, None)
-        by_type = {c.get("type"): c for c in conds}
-        for cond in report.conditions:
-            if cond.get("type") in by_type:
-                old = by_type[cond["type"]]
-                if old.get("status") == cond.get("status") and old.get("lastTransitionTime"):
-                    cond = {**cond, "lastTransitionTime": old["lastTransitionTime"]}
-                conds[conds.index(old)] = {"lastTransitionTime": format_time(now), **cond}
-            else:
-                conds.append({"lastTransitionTime": format_time(now), **cond})
-    # A terminal write carries where the job ended; no ETA outlives the attempt it was measured on.
+    if report is not None and report.progress:
+        progress = merge_scrape(progress, report.progress)
+        if UNAVAILABLE not in report.progress:
+            progress.pop(UNAVAILABLE, None)
     if d.phase is Phase.SUCCEEDED:
         progress = succeeded(progress, result)
     elif d.phase is Phase.FAILED:
         progress = stopped(progress, _failure_steps(current))
-    elif d.phase is not Phase.RUNNING or restarts.pending is not None:
+    elif d.phase is not Phase.RUNNING or up.pending is not None:
         progress = without_eta(progress)
     display = progress_display(progress)
     if display:
         progress["display"] = display
+    return progress
 
-    status: dict[str, Any] = {
-        "phase": d.phase.value,
-        "reason": d.reason,
-        "message": d.message,
-        "observedGeneration": gen,
-        "attempt": d.attempt,
-        "launchedAttempt": d.launched_attempt,
-        "restarts": d.restarts,
-        "countedRestarts": d.counted_restarts,
-        "masterAddr": master_dns(job, cluster_domain=config.cluster_domain or None),
-        "nodes": node_counts(job, current),
-        "conditions": conds,
-    }
-    status["goodput"] = _goodput(job, current, d, prev, restarts, report, conds, progress, now)
-    if restarts.in_place_restarts:
-        status["inPlaceRestarts"] = restarts.in_place_restarts
-    if restarts.history:
-        status["restartHistory"] = restarts.history
-    if d.start_time is not None:
-        status["startTime"] = format_time(d.start_time)
-    if d.completion_time is not None and d.phase.finished:
-        status["completionTime"] = format_time(d.completion_time)
-    if progress:
-        status["progress"] = progress
-    mlflow = mlflow_status(job, prev=prev.get("mlflow"), run=report.mlflow_run if report is not None else None,
-                           default_tracking_uri=config.mlflow_tracking_uri)
-    if mlflow:
-        status["mlflow"] = mlflow
+
+def _evidence(job: JobSpec, group: Group, d: Decision, prev: dict[str, Any]) -> list[dict[str, Any]]:
+    """status.failures: the evidence of the attempt this pass ends (restarted or failed), once."""
     failures = list(prev.get("failures") or [])
     ended = d.attempt - 1 if d.restarted is not None else (d.attempt if d.phase is Phase.FAILED else None)
     if ended is not None and not any(f.get("attempt") == ended for f in failures):
         failures = (failures + failure_evidence(group.at(ended), with_log=job.log_tail_in_status,
                                                 debug_dir=debug_dir_of(job, ended)))[-MAX_FAILURES:]
-    if failures:
-        status["failures"] = failures
-    if result:
-        status["result"] = result
+    return failures
 
-    # Events: one per transition, never per pass.
+
+def _transition(job: JobSpec, d: Decision, prev_phase: Phase | None, up: inplace.Update) -> list[Event]:
+    """One event per transition, never per pass."""
     if d.restarted is not None:
-        events.append(("Warning", "Restarting",
-                       f"restarting all {job.nodes} node(s) as attempt {d.attempt} "
-                       f"(restart {d.restarts}, {d.counted_restarts + restarts.in_place_restarts}/{job.max_restarts} "
-                       "of the budget): "
-                       f"{d.message}"))
-    elif d.phase is not prev_phase:
-        kind = "Warning" if d.phase is Phase.FAILED else "Normal"
-        reason = {Phase.PENDING: "Resumed" if d.reason == "Resumed" else "Created"}.get(d.phase, d.phase.value)
-        if d.phase is Phase.FAILED:
-            reason = d.reason or "Failed"
-        events.append((kind, reason, d.message))
-    return status, events
+        return [("Warning", "Restarting", f"restarting all {job.nodes} node(s) as attempt {d.attempt} (restart "
+                 f"{d.restarts}, {d.counted_restarts + up.in_place_restarts}/{job.max_restarts} of the budget): "
+                 f"{d.message}")]
+    if d.phase is prev_phase:
+        return []
+    if d.phase is Phase.FAILED:
+        return [("Warning", d.reason or "Failed", d.message)]
+    return [("Normal", {Phase.PENDING: "Resumed" if d.reason == "Resumed" else "Created"}.get(d.phase, d.phase.value),
+             d.message)]
+
+
+def job_status(job: JobSpec, group: Group, *, now: dt.datetime, prev_status: dict[str, Any] | None,
+               decision: Decision, config: OperatorConfig | None = None, report: MonitorReport | None = None,
+               podgroup: dict[str, Any] | None = None) -> tuple[dict[str, Any], list[Event]]:
+    """(new status, events for what changed) for one reconcile pass, from its decision
+    (lifecycle.decide: read here, never made again); `podgroup` is a gang-scheduled job's PodGroup
+    as last read (None: not read)."""
+    config, prev, d, gen = config or OperatorConfig(), dict(prev_status or {}), decision, job.generation
+    conds: list[dict[str, Any]] = [dict(c) for c in prev.get("conditions") or []]
+    current, ranks = group.at(d.attempt), report.ranks if report is not None else None
+    _created_conditions(conds, job, d, group, now, gen)
+    events = _start_condition(conds, d, now, gen) + _node_condition(conds, d, current, now, gen)
+    _hold(conds, Cond.RUNNING, d.phase is Phase.RUNNING, "Running", d.message, d.reason or d.phase.value, d.message,
+          now, gen)
+    _hold(conds, Cond.RESTARTING, d.phase is Phase.RESTARTING, d.reason, d.message,
+          "Running" if d.phase is Phase.RUNNING else d.phase.value, "", now, gen)
+    restarts = _restarts(job, group, d, prev, ranks, now)
+    events += _in_place(conds, restarts, job, d, now, gen) + _resized(conds, restarts, job, ranks, now, gen)
+    events += _end_conditions(conds, d, now, gen)
+    if d.phase in (Phase.PENDING, Phase.RUNNING, Phase.RESTARTING):
+        events += _gang_condition(conds, gang_state(job, current, podgroup=podgroup), now, gen)
+        events += _admission_condition(conds, admission(job, current), now, gen, queue_named=queue_name(job) is not None)
+    result = prev.get("result") or run_result(current)
+    progress = _progress(prev, d, report, restarts, result, current)
+    _report_conditions(conds, report, now)
+    status: dict[str, Any] = {
+        "phase": d.phase.value, "reason": d.reason, "message": d.message, "observedGeneration": gen,
+        "attempt": d.attempt, "launchedAttempt": d.launched_attempt, "restarts": d.restarts,
+        "countedRestarts": d.counted_restarts, "masterAddr": master_dns(job, cluster_domain=config.cluster_domain or None),
+        "nodes": node_counts(job, current), "conditions": conds,
+        "goodput": _goodput(job, current, d, prev, restarts, report, conds, progress, now)}
+    mlflow = mlflow_status(job, prev=prev.get("mlflow"), run=report.mlflow_run if report is not None else None,
+                           default_tracking_uri=config.mlflow_tracking_uri)
+    optional = {"inPlaceRestarts": restarts.in_place_restarts, "restartHistory": restarts.history,
+                "startTime": format_time(d.start_time) if d.start_time is not None else None,
+                "completionTime": format_time(d.completion_time) if d.completion_time and d.phase.finished else None,
+                "progress": progress, "mlflow": mlflow, "failures": _evidence(job, group, d, prev), "result": result}
+    status.update({k: v for k, v in optional.items() if v})
+    return status, events + _transition(job, d, Phase.parse(prev.get("phase")), restarts)
 
 
 def create_refused(job: JobSpec, status: dict[str, Any], refusals: list[CreateRefusal], *,
