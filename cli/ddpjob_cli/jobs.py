@@ -191,7 +191,7 @@ class _Bar:
 @click.command()
 @cluster_command
 @click.argument("name")
-@click.option("--for", "for_", multiple=True, default=("Succeeded",), show_default=True,
+@click.option("--for", "for_", multiple=True, default=(Phase.SUCCEEDED.value,), show_default=True,
               metavar="PHASE[,PHASE]", help="Phase(s) to wait for: " + "|".join(p.value for p in Phase) + ".")
 @click.option("--timeout", type=float, default=600.0, show_default=True, help="Seconds; 0 = check once.")
 @click.option("--interval", type=float, default=1.0, hidden=True, help="Seconds between reads.")
@@ -437,7 +437,7 @@ def _live_samples(kube: Kube, job: dict[str, Any], pods: list[dict[str, Any]]) -
     port = from_manifest(job).metrics_port
     parts, notes = [], []
     for row in views.rank_rows(job, pods):
-        if row.phase != "Running":
+        if row.phase != Phase.RUNNING:
             continue
         if kube.simulated_node(row.node):
             notes.append(f"rank {row.rank}: on simulated (kwok) node {row.node}, whose pods serve nothing")

@@ -45,7 +45,7 @@ import yaml
 
 from ddpjob_api import contract, names
 from ddpjob_api.contract import EXIT_BAD_CONFIG
-from ddpjob_api.phases import Phase
+from ddpjob_api.phases import FailReason, Phase, Signal
 from ddpjob_trainer.launch import (ConfigError, Stop, StopSignals, become_subreaper, check_trainer_config, die_with_parent,
                                    rank_messages, stop_grace_from_env, stop_tree)
 
@@ -340,7 +340,7 @@ class Display:
         self.prev = (now, samples)
         for f in self.health.update(samples, now):
             self.say(("WARNING " if f.active else "cleared ") + f"{f.reason}: {f.message}")
-            if f.active and f.kind == "Stalled":
+            if f.active and f.kind == Signal.STALLED:
                 self.say(stall_stacks(ports))
         if prog and self.enabled:
             self._draw(prog, now)
@@ -504,9 +504,9 @@ def run_attempt(job: JobSpec, *, attempt: int, workdir: Path, cwd: Path, metrics
 
 
 def _give_up(job: JobSpec, reason: str) -> str:
-    if reason == "BadConfiguration":
+    if reason == FailReason.BAD_CONFIGURATION:
         return "bad configuration: not retrying"
-    if reason == "RestartLimitExceeded":
+    if reason == FailReason.RESTART_LIMIT_EXCEEDED:
         return f"restart budget exhausted (failurePolicy.maxRestarts={job.max_restarts})"
     return "not retrying"
 

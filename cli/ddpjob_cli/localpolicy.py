@@ -31,10 +31,10 @@ def exit_code(returncode: int) -> int:
 
 def node_pod(job: JobSpec, rank: int, *, tally: Tally, returncode: int | None) -> dict:
     """Node `rank` of the current attempt as the pod the operator would see (None: still running)."""
-    status: dict = {"phase": "Running"}
+    status: dict = {"phase": Phase.RUNNING.value}
     if returncode is not None:
         code = exit_code(returncode)
-        status = {"phase": "Succeeded" if code == 0 else "Failed",
+        status = {"phase": Phase.SUCCEEDED.value if code == 0 else Phase.FAILED.value,
                   "containerStatuses": [{"name": labels.CONTAINER,
                                          "state": {"terminated": {"exitCode": code}}}]}
     return {"metadata": {"name": pod_name(job.name, rank, tally.attempt), "namespace": job.namespace,

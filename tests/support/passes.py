@@ -6,7 +6,7 @@ from typing import Any
 
 from ddpjob_operator.api.config import OperatorConfig
 from ddpjob_operator.api.group import Group
-from ddpjob_operator.api.spec import JobSpec
+from ddpjob_api.spec import JobSpec
 from ddpjob_operator.decisions.lifecycle import decide
 from ddpjob_operator.decisions.samples import MonitorReport
 from ddpjob_operator.decisions.status import Event, job_status

@@ -121,3 +121,29 @@ def test_a_message_without_the_head_names_no_step(message):
     from ddpjob_api import contract
 
     assert contract.failure_step(message) is None
+
+
+def _reason_words() -> dict[str, str]:
+    """The operator's own reasons, by value: those no other vocabulary shares (a phase, a condition
+    type and Kubernetes' own pod words are spelled the same, so a literal of theirs proves nothing)."""
+    from ddpjob_api import phases
+
+    # Kubernetes says Unschedulable (PodScheduled) and NodeLost (a pod's status.reason) too.
+    shared = {w.value for e in (phases.Phase, phases.Cond) for w in e} | {"Unschedulable", "NodeLost"}
+    return {w.value: f"{e.__name__}.{w.name}" for e in (phases.FailReason, phases.Recovery, phases.Signal,
+                                                          phases.RestartReason, phases.Reason)
+            for w in e if w.value not in shared}
+
+
+def test_the_reason_words_are_found():
+    words = _reason_words()
+    assert {"BadConfiguration", "Straggler", "RestartingInPlace", "Replace"} <= set(words)
+
+
+@pytest.mark.parametrize("path", PRODUCT, ids=lambda p: str(p.relative_to(REPO)))
+def test_no_reason_is_spelled_outside_the_api(path):
+    """A reason the operator writes is an Enum member of ddpjob_api.phases, never a second spelling."""
+    words = _reason_words()
+    found = [f"line {line}: {text} ({words[text.strip(chr(34) + chr(39))]})" for line, kind, text in literals(path)
+             if kind == "STRING" and text.strip("'\"") in words]
+    assert not found, found

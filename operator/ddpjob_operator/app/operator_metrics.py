@@ -21,7 +21,7 @@ from ddpjob_api.contract import GOODPUT_CATEGORIES
 
 from ddpjob_operator.decisions import inplace, progress
 from ddpjob_operator.decisions.lifecycle import INIT_START_ERRORS
-from ddpjob_api.phases import Cond, Phase, RestartReason
+from ddpjob_api.phases import Cond, FailReason, Phase, RestartReason
 from ddpjob_operator.api.objmeta import parse_time
 from ddpjob_operator.decisions.samples import MonitorReport
 
@@ -30,7 +30,7 @@ disable_created_metrics()
 
 # status.reason of a Failed job (lifecycle.decide, status.create_refused) and Failure.reason of a
 # group restart: every one is a 0-valued series from the start.
-FAILURE_REASONS = tuple(sorted({"BadConfiguration", "RestartLimitExceeded", "DeadlineExceeded",
+FAILURE_REASONS = tuple(sorted({*(r.value for r in FailReason),
                                 Cond.FAILED_CREATE_POD.value} | INIT_START_ERRORS))
 RESTART_REASONS = tuple(r.value for r in RestartReason)
 RECOVERY_KINDS = (inplace.INPLACE, inplace.GROUP, inplace.REPLACE)

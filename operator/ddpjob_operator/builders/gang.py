@@ -16,6 +16,7 @@ from typing import Any
 
 from kubernetes.utils.quantity import parse_quantity
 
+from ddpjob_api.phases import Reason
 from ddpjob_operator.api.group import Attempt
 from ddpjob_operator.builders.service import child_metadata
 from ddpjob_api.spec import JobSpec
@@ -195,4 +196,4 @@ def gang_state(job: JobSpec, attempt: Attempt, *, podgroup: dict[str, Any] | Non
         text += f"; the scheduler says: {str(said)[:300]}"
     if podgroup is None and current:
         text += "; the PodGroup is missing or could not be read"
-    return GangState(False, phase or "WaitingForGang", text)
+    return GangState(False, phase or Reason.WAITING_FOR_GANG, text)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 
 from ddpjob_api import contract
+from ddpjob_api.phases import Reason, Signal
 
 from ddpjob_operator.decisions import health, progress
 from ddpjob_operator.api import podinfo
@@ -37,7 +38,7 @@ SIMULATED_UNAVAILABLE = ("{n} pod(s) on simulated (kwok) nodes: their addresses 
                          "they are not scraped and progress is unavailable")
 
 # Straggler's wording when nothing is wrong (Stalled's depends on the stage: HealthTracker.calm_condition).
-_NO_STRAGGLER = ("NoStraggler", "every rank keeps pace with the median")
+_NO_STRAGGLER = (Reason.NO_STRAGGLER, "every rank keeps pace with the median")
 
 
 @dataclass
@@ -179,7 +180,7 @@ class Monitor:
             for c in (job.get("status") or {}).get("conditions") or []:
                 if c.get("type") == health.STALLED and c.get("status") == "True":
                     st.tracker.active[health.STALLED] = health.Finding(
-                        health.STALLED, True, (), c.get("reason", "NoProgress"), c.get("message", ""))
+                        health.STALLED, True, (), c.get("reason", Reason.NO_PROGRESS.value), c.get("message", ""))
         st.tracker.configure(spec)
         return st
 
@@ -315,8 +316,12 @@ def _finite_only(value):
     return value
 
 
+# The Event's reason when a finding clears.
+_CLEARED: dict[str, str] = {Signal.STRAGGLER: Reason.STRAGGLER_RECOVERED, Signal.STALLED: Reason.RESUMED}
+
+
 def _event(f: health.Finding) -> tuple[str, str, str]:
     """A finding as an Event: Warning when a problem starts, Normal when it clears."""
     if f.active:
         return ("Warning", f.kind, f.message)
-    return ("Normal", {"Straggler": "StragglerRecovered", "Stalled": "Resumed"}.get(f.kind, f.reason), f.message)
+    return ("Normal", _CLEARED.get(f.kind, f.reason), f.message)

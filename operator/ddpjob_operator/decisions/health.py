@@ -45,6 +45,7 @@ from typing import Mapping
 
 from ddpjob_api import contract
 from ddpjob_api.contract import STAGES, STALL_ERROR_RE
+from ddpjob_api.phases import Reason, Signal
 
 from ddpjob_api.specgen import DDPJobSpec
 
@@ -52,8 +53,8 @@ from ddpjob_operator.api.objmeta import format_time
 from ddpjob_operator.decisions import stacks
 from ddpjob_operator.decisions.samples import RankSample
 
-STRAGGLER = "Straggler"
-STALLED = "Stalled"
+STRAGGLER = Signal.STRAGGLER
+STALLED = Signal.STALLED
 
 TRAINING = "training"
 _PAUSES = contract.HANG_PAUSES   # stages between steps that are judged from their own start
@@ -214,7 +215,7 @@ class HealthTracker:
             if STALLED in self.active:
                 old = self.active.pop(STALLED)
                 what = f"step {top}" if top is not None else f"stage {self.stage()}"
-                return [Finding(STALLED, False, old.ranks, "Resumed", f"training advanced again ({what})")]
+                return [Finding(STALLED, False, old.ranks, Reason.RESUMED, f"training advanced again ({what})")]
             return []
         idle = now - self._advanced_at
         stage = self.stage()
@@ -230,7 +231,7 @@ class HealthTracker:
             steps_at = sorted({ranks[r].step for r in culprits})
             msg = (f"no rank advanced for {idle:.0f}s (hang timeout {timeout:.0f}s); "
                    f"stopped: {names} at step {'/'.join(map(str, steps_at))}")
-            f = Finding(STALLED, True, culprits, "NoProgress", msg)
+            f = Finding(STALLED, True, culprits, Reason.NO_PROGRESS, msg)
         f = _by_stacks(f, stacks.of_stall(ranks), ranks)
         self.active[STALLED] = f
         return [f]
@@ -255,7 +256,7 @@ class HealthTracker:
         timeout = self.effective_hang_timeout()
         culprit = stacks.of_restart(samples, restart=int(str(failure.get("restart") or 0)),
                                     failed_at=float(failure["time"]), window=timeout)
-        f = _by_stacks(Finding(STALLED, True, (rank,), "StalledRankRestarted", msg), culprit, samples)
+        f = _by_stacks(Finding(STALLED, True, (rank,), Reason.STALLED_RANK_RESTARTED, msg), culprit, samples)
         self.active[STALLED] = f
         return [f]
 
@@ -279,7 +280,7 @@ class HealthTracker:
         if others:
             msg += "; other ranks: " + ", ".join(
                 f"{_describe(ranks[r])} in {staged.get(r, 'an unreported stage')}" for r in others)
-        return Finding(STALLED, True, culprits, "StuckInStage", msg)
+        return Finding(STALLED, True, culprits, Reason.STUCK_IN_STAGE, msg)
 
     # ---- stragglers -----------------------------------------------------------------------
     def _check_stragglers(self, ranks: Mapping[int, RankSample]) -> list[Finding]:
@@ -340,7 +341,7 @@ class HealthTracker:
             o = own.get(r)
             factor = f" ({o / med:.1f}x the median {med * 1000:.0f}ms per step)" if o and med > 0 else ""
             parts.append(_describe(ranks[r]) + factor)
-        f = Finding(STRAGGLER, True, order, "SlowRank", "straggling: " + "; ".join(parts))
+        f = Finding(STRAGGLER, True, order, Reason.SLOW_RANK, "straggling: " + "; ".join(parts))
         self.active[STRAGGLER] = f
         return [f]
 

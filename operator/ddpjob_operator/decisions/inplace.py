@@ -33,24 +33,24 @@ from ddpjob_api import contract
 from ddpjob_api.contract import STALL_ERROR_RE
 
 from ddpjob_operator.api.objmeta import format_time
-from ddpjob_api.phases import RestartReason
+from ddpjob_api.phases import Reason, Recovery, RestartReason
 from ddpjob_operator.decisions import stacks
 from ddpjob_operator.decisions.redact import redact
 from ddpjob_operator.decisions.samples import ABSURD as MAX_STEP  # a step label beyond it is not believed
 
-INPLACE = "InPlace"
-GROUP = "Group"
-REPLACE = "Replace"      # a lost pod recreated alone (decisions/lifecycle.Replacement)
+INPLACE = Recovery.IN_PLACE
+GROUP = Recovery.GROUP
+REPLACE = Recovery.REPLACE      # a lost pod recreated alone (decisions/lifecycle.Replacement)
 HISTORY_LIMIT = 20       # status.restartHistory entries kept (newest last)
 MESSAGE_CHARS = 200
 ALSO_LIMIT = 16          # peers' failures kept per in-place restart
 _SIGNAL = re.compile(r"^SIG[A-Z0-9]{2,10}$")
 # Reasons of the Restarting condition for an in-place restart (a group restart's is its cause).
-RESTARTING_IN_PLACE = "RestartingInPlace"
-RESTARTED_IN_PLACE = "RestartedInPlace"
+RESTARTING_IN_PLACE = Reason.RESTARTING_IN_PLACE
+RESTARTED_IN_PLACE = Reason.RESTARTED_IN_PLACE
 # ... and for a lost pod replaced alone (the job's reason too, until the replacement runs).
-REPLACING = "ReplacingPod"
-REPLACED = "PodReplaced"
+REPLACING = Reason.REPLACING_POD
+REPLACED = Reason.POD_REPLACED
 STALLED = RestartReason.STALLED.value  # an entry's reason: the pod's agent killed the worker for a stall
 
 

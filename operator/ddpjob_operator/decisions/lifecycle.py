@@ -19,7 +19,7 @@ from ddpjob_operator.api.config import OperatorConfig
 from ddpjob_operator.api.group import Attempt, Group
 from ddpjob_api.names import pod_name
 from ddpjob_operator.builders.envvars import inplace_budget, own_rendezvous
-from ddpjob_api.phases import Cond, Phase, RestartReason
+from ddpjob_api.phases import Cond, FailReason, Phase, Reason, RestartReason
 from ddpjob_operator.decisions import inplace, policies
 from ddpjob_operator.decisions.policies import Act, Failure
 from ddpjob_operator.decisions.redact import redact
@@ -85,7 +85,7 @@ def _exit_text(pod: dict[str, Any], *, with_log: bool) -> str:
 _Rule = tuple[Callable[[dict[str, Any], bool], bool], Verdict, Callable[[dict[str, Any], bool], str],
               Callable[[dict[str, Any], str, bool], str]]
 RULES: list[_Rule] = [
-    (lambda p, gone: podinfo.bad_config(p), Verdict.FAIL, lambda p, gone: "BadConfiguration",
+    (lambda p, gone: podinfo.bad_config(p), Verdict.FAIL, lambda p, gone: FailReason.BAD_CONFIGURATION,
      lambda p, n, log: f"pod {n} exited with code {podinfo.EXIT_BAD_CONFIG} (bad configuration)"
                        + (f": {redact(podinfo.failure_message(p))}" if log and podinfo.failure_message(p)
                           else f"; see `kubectl logs {n}`")),
@@ -360,7 +360,7 @@ def observe(job: JobSpec, group: Group, prev: dict[str, Any], *, now: dt.datetim
     active = base
     if prev_phase is Phase.SUSPENDED and not job.suspend:
         # Resume: a fresh attempt (the old pods are gone, not failed), deadline clock restarts.
-        active = replace(base, attempt=base.attempt + 1, start_time=now, phase=Phase.PENDING, reason="Resumed",
+        active = replace(base, attempt=base.attempt + 1, start_time=now, phase=Phase.PENDING, reason=Reason.RESUMED,
                          message="spec.suspend is false: pods recreated")
     this = group.at(active.attempt)
     # Queued by Kueue, the pods hold nothing yet: the deadline counts from admission, as a Job's
@@ -456,7 +456,7 @@ def _steady(job: JobSpec, group: Group, seen: Seen, alone: list[Replacement], *,
     d = _children(job, group, seen.this, d, current, numbers, now)
     phases = [podinfo.phase(current[r]) for r in sorted(current)]
     if len(current) == job.nodes and all(ph == "Succeeded" for ph in phases):
-        return _finish(job, replace(d, phase=Phase.SUCCEEDED, reason="Succeeded",
+        return _finish(job, replace(d, phase=Phase.SUCCEEDED, reason=Reason.SUCCEEDED,
                                     message=f"all {job.nodes} node(s) exited 0"), group, now)
     d = _phase(job, d, current, numbers, seen.prev)
     d = replace(d, start_errors=start_errors([current[r] for r in sorted(current)]))
@@ -506,7 +506,7 @@ def _phase(job: JobSpec, d: Decision, current: dict[int, dict[str, Any]], number
            prev: dict[str, Any]) -> Decision:
     """The phase the pods show while the group neither ended nor restarts."""
     if len(current) == job.nodes and all(podinfo.phase(p) in ("Running", "Succeeded") for p in current.values()):
-        d = replace(d, phase=Phase.RUNNING, reason="Running", message=f"all {job.nodes} node(s) running")
+        d = replace(d, phase=Phase.RUNNING, reason=Reason.RUNNING, message=f"all {job.nodes} node(s) running")
     elif d.phase is Phase.RUNNING and (waiting := [r for r in sorted(numbers) if podinfo.phase(current.get(r) or {})
                                                    != "Running"]):
         # The others keep their pods and wait in the rendezvous: the job still runs.
@@ -514,8 +514,8 @@ def _phase(job: JobSpec, d: Decision, current: dict[int, dict[str, Any]], number
         d = replace(d, reason=inplace.REPLACING, message=f"replacing the lost pod(s) of rank(s) {waiting} with {names}")
     elif d.phase is Phase.RUNNING:
         d = replace(d, phase=Phase.PENDING)  # cannot really happen (pods never go back to Pending); stay honest
-    elif d.phase is not Phase.RESTARTING and d.reason != "Resumed":
-        d = replace(d, phase=Phase.PENDING, reason="Created", message=f"waiting for {job.nodes} node(s) to start")
+    elif d.phase is not Phase.RESTARTING and d.reason != Reason.RESUMED:
+        d = replace(d, phase=Phase.PENDING, reason=Reason.CREATED, message=f"waiting for {job.nodes} node(s) to start")
     refused = condition(prev, Cond.FAILED_CREATE_POD)
     if refused and d.create_ranks and d.phase is Phase.PENDING:
         # The API server refused a pod (status.create_refused); say so until every pod exists.

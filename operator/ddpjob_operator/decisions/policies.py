@@ -10,6 +10,7 @@ import enum
 from dataclasses import dataclass
 from typing import Callable
 
+from ddpjob_api.phases import FailReason, Reason
 from ddpjob_api.phases import RestartReason as R
 
 
@@ -71,13 +72,13 @@ def keep_finished(o: Observation) -> Action | None:
 
 
 def suspend(o: Observation) -> Action | None:
-    return Action(Act.SUSPEND, "Suspended", "spec.suspend is true: pods deleted") if o.suspend else None
+    return Action(Act.SUSPEND, Reason.SUSPENDED, "spec.suspend is true: pods deleted") if o.suspend else None
 
 
 def deadline(o: Observation) -> Action | None:
     if o.deadline is None or o.elapsed < o.deadline:
         return None
-    return Action(Act.FAIL, "DeadlineExceeded", f"the job ran longer than spec.activeDeadlineSeconds={o.deadline}")
+    return Action(Act.FAIL, FailReason.DEADLINE_EXCEEDED, f"the job ran longer than spec.activeDeadlineSeconds={o.deadline}")
 
 
 def bad_configuration(o: Observation) -> Action | None:
@@ -97,9 +98,9 @@ def budget(o: Observation) -> Action | None:
     if used + (cause is not None) <= o.max_restarts:
         return None
     if cause is None:
-        return Action(Act.FAIL, "RestartLimitExceeded", f"{o.in_place} restart(s) in place and {o.counted_restarts} "
+        return Action(Act.FAIL, FailReason.RESTART_LIMIT_EXCEEDED, f"{o.in_place} restart(s) in place and {o.counted_restarts} "
                       f"group restart(s): more than failurePolicy.maxRestarts={o.max_restarts}")
-    return Action(Act.FAIL, "RestartLimitExceeded", f"{cause.message}; failurePolicy.maxRestarts={o.max_restarts} "
+    return Action(Act.FAIL, FailReason.RESTART_LIMIT_EXCEEDED, f"{cause.message}; failurePolicy.maxRestarts={o.max_restarts} "
                   "restart(s) already used" + (f" ({o.in_place} of them in place)" if o.in_place else ""))
 
 

@@ -19,7 +19,7 @@ from ddpjob_operator.decisions.health import STALLED
 from ddpjob_operator.decisions.lifecycle import Decision, condition
 from ddpjob_operator.decisions.progress import UNAVAILABLE, merge_scrape, stopped, succeeded, without_eta
 from ddpjob_operator.api.objmeta import format_time
-from ddpjob_api.phases import Cond, Phase
+from ddpjob_api.phases import Cond, Phase, Reason
 from ddpjob_operator.builders.pods import explain_pod_error
 from ddpjob_operator.decisions.redact import redact
 from ddpjob_operator.decisions.result import run_result
@@ -34,7 +34,7 @@ Event = tuple[str, str, str]  # (Normal|Warning, reason, message)
 # clear without a spec change: the job waits and the operator retries.
 PERMANENT_REFUSALS = frozenset({400, 422})
 # A pod name already taken by an object this job does not own: retried, as its owner may delete it.
-NAME_CONFLICT = "NameConflict"
+NAME_CONFLICT = Reason.NAME_CONFLICT
 
 
 @dataclass(frozen=True)
@@ -228,12 +228,12 @@ def _resized(conds: list[dict[str, Any]], up: inplace.Update, job: JobSpec, rank
             was = condition({"conditions": conds}, Cond.RESIZED)
             text = (f"running on {len(pods)} of {job.nodes} nodes (spec.elastic.minNodes={job.min_nodes}) while "
                     f"pod {pending.get('newPod')}, which replaces {pending.get('pod')}, is not running; it joins when it starts")
-            set_condition(conds, type=Cond.RESIZED, status=True, reason="FewerNodes", message=text, now=now, generation=gen)
-            return [] if was else [("Warning", "FewerNodes", text)]
+            set_condition(conds, type=Cond.RESIZED, status=True, reason=Reason.FEWER_NODES, message=text, now=now, generation=gen)
+            return [] if was else [("Warning", Reason.FEWER_NODES, text)]
     if pending is None and condition({"conditions": conds}, Cond.RESIZED):
         text = f"running on all {job.nodes} nodes again"
-        _clear(conds, Cond.RESIZED, "AllNodes", text, now, gen)
-        return [("Normal", "AllNodes", text)]
+        _clear(conds, Cond.RESIZED, Reason.ALL_NODES, text, now, gen)
+        return [("Normal", Reason.ALL_NODES, text)]
     return []
 
 
@@ -283,10 +283,10 @@ def _created_conditions(conds: list[dict[str, Any]], job: JobSpec, d: Decision, 
     refused = condition({"conditions": conds}, Cond.FAILED_CREATE_POD) is not None and (
         bool(d.create_ranks) or (d.phase is Phase.FAILED and not group.pods))
     if not refused and (d.create_ranks or group.pods or any(c.get("type") == Cond.CREATED for c in conds)):
-        set_condition(conds, type=Cond.CREATED, status=True, reason="Created",
+        set_condition(conds, type=Cond.CREATED, status=True, reason=Reason.CREATED,
                       message=f"headless service and {job.nodes} pod(s) created", now=now, generation=gen)
     if not d.create_ranks and not refused:
-        _clear(conds, Cond.FAILED_CREATE_POD, "Created", f"all {job.nodes} pod(s) created", now, gen)
+        _clear(conds, Cond.FAILED_CREATE_POD, Reason.CREATED, f"all {job.nodes} pod(s) created", now, gen)
 
 
 def _start_condition(conds: list[dict[str, Any]], d: Decision, now: dt.datetime, gen: int) -> list[Event]:
@@ -310,7 +310,7 @@ def _node_condition(conds: list[dict[str, Any]], d: Decision, current: Attempt, 
     stranded = [p for p in current.pods if podinfo.node_not_ready(p)]
     was = condition({"conditions": conds}, Cond.NODE_NOT_READY)
     if not stranded or d.phase.finished:
-        _clear(conds, Cond.NODE_NOT_READY, "NodesReady", "every pod's node is reporting", now, gen)
+        _clear(conds, Cond.NODE_NOT_READY, Reason.NODES_READY, "every pod's node is reporting", now, gen)
         return []
     text = "; ".join(f"pod {podinfo.name(p)} on node {(p.get('spec') or {}).get('nodeName', '?')}"
                      for p in stranded[:5])
@@ -324,14 +324,14 @@ def _node_condition(conds: list[dict[str, Any]], d: Decision, current: Attempt, 
 
 def _end_conditions(conds: list[dict[str, Any]], d: Decision, now: dt.datetime, gen: int) -> list[Event]:
     """Suspended, Succeeded, Failed and Unschedulable from the decision; an event when unschedulable."""
-    _hold(conds, Cond.SUSPENDED, d.phase is Phase.SUSPENDED, "Suspended", d.message, "Resumed", "", now, gen)
+    _hold(conds, Cond.SUSPENDED, d.phase is Phase.SUSPENDED, Reason.SUSPENDED, d.message, Reason.RESUMED, "", now, gen)
     if d.phase in (Phase.SUCCEEDED, Phase.FAILED):
         set_condition(conds, type=Cond(d.phase.value), status=True, reason=d.reason, message=d.message,
                       now=now, generation=gen)
     was = any(c.get("type") == Cond.UNSCHEDULABLE and c.get("status") == "True" for c in conds)
-    _hold(conds, Cond.UNSCHEDULABLE, bool(d.unschedulable), "Unschedulable", d.unschedulable or "",
+    _hold(conds, Cond.UNSCHEDULABLE, bool(d.unschedulable), Reason.UNSCHEDULABLE, d.unschedulable or "",
           "Scheduled", "", now, gen)
-    return [("Warning", "Unschedulable", d.unschedulable)] if d.unschedulable and not was else []
+    return [("Warning", Reason.UNSCHEDULABLE, d.unschedulable)] if d.unschedulable and not was else []
 
 
 def _restarts(job: JobSpec, group: Group, d: Decision, prev: dict[str, Any], ranks: Any,
@@ -396,14 +396,14 @@ def _evidence(job: JobSpec, group: Group, d: Decision, prev: dict[str, Any]) -> 
 def _transition(job: JobSpec, d: Decision, prev_phase: Phase | None, up: inplace.Update) -> list[Event]:
     """One event per transition, never per pass."""
     if d.restarted is not None:
-        return [("Warning", "Restarting", f"restarting all {job.nodes} node(s) as attempt {d.attempt} (restart "
+        return [("Warning", Reason.RESTARTING, f"restarting all {job.nodes} node(s) as attempt {d.attempt} (restart "
                  f"{d.restarts}, {d.counted_restarts + up.in_place_restarts}/{job.max_restarts} of the budget): "
                  f"{d.message}")]
     if d.phase is prev_phase:
         return []
     if d.phase is Phase.FAILED:
         return [("Warning", d.reason or "Failed", d.message)]
-    return [("Normal", {Phase.PENDING: "Resumed" if d.reason == "Resumed" else "Created"}.get(d.phase, d.phase.value),
+    return [("Normal", {Phase.PENDING: Reason.RESUMED if d.reason == Reason.RESUMED else Reason.CREATED}.get(d.phase, d.phase.value),
              d.message)]
 
 
@@ -418,10 +418,10 @@ def job_status(job: JobSpec, group: Group, *, now: dt.datetime, prev_status: dic
     current, ranks = group.at(d.attempt), report.ranks if report is not None else None
     _created_conditions(conds, job, d, group, now, gen)
     events = _start_condition(conds, d, now, gen) + _node_condition(conds, d, current, now, gen)
-    _hold(conds, Cond.RUNNING, d.phase is Phase.RUNNING, "Running", d.message, d.reason or d.phase.value, d.message,
+    _hold(conds, Cond.RUNNING, d.phase is Phase.RUNNING, Reason.RUNNING, d.message, d.reason or d.phase.value, d.message,
           now, gen)
     _hold(conds, Cond.RESTARTING, d.phase is Phase.RESTARTING, d.reason, d.message,
-          "Running" if d.phase is Phase.RUNNING else d.phase.value, "", now, gen)
+          Reason.RUNNING if d.phase is Phase.RUNNING else d.phase.value, "", now, gen)
     restarts = _restarts(job, group, d, prev, ranks, now)
     events += _in_place(conds, restarts, job, d, now, gen) + _resized(conds, restarts, job, ranks, now, gen)
     events += _end_conditions(conds, d, now, gen)
