@@ -5,7 +5,7 @@ import sys
 
 import click
 
-from ddpjob_operator.api.config import LOG_FORMATS, LOG_LEVELS, OperatorConfig
+from ddpjob_operator.base.config import LOG_FORMATS, LOG_LEVELS, OperatorConfig
 
 # The flags' defaults are OperatorConfig's: one place (the chart's values.yaml is checked against it).
 _OP = OperatorConfig()

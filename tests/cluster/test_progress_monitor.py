@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from ddpjob_operator.api.config import OperatorConfig
+from ddpjob_operator.base.config import OperatorConfig
 from ddpjob_operator.cluster.monitor import Monitor, scrape_url
 
 

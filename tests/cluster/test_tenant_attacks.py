@@ -436,7 +436,7 @@ NOWHERE = {"ddpjob.dev/test-no-such-node": "true"}   # no node has it: these pod
 def operator_pod(spec: dict[str, Any], namespace: str) -> dict[str, Any]:
     """Pod 0 of a one-node job with `spec`, as the operator's builder renders it."""
     from ddpjob_cli.local import validate
-    from ddpjob_operator.api.config import OperatorConfig
+    from ddpjob_operator.base.config import OperatorConfig
     from ddpjob_operator.builders.render import render_pod
 
     doc = job("kept", gpusPerNode=0, **spec)

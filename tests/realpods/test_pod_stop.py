@@ -29,7 +29,7 @@ def training_pod(namespace: str, name: str, *, volume: str, attempt: int = 0, en
     """The pod the operator renders for node 0 of a 1-node x 2-process digits job (the master is
     the pod itself, on loopback), placed on a real node. Checkpoints at epoch ends only, on a
     hostPath both real nodes share; its steps slowed a little, so a deletion lands mid-epoch."""
-    from ddpjob_operator.api.config import OperatorConfig
+    from ddpjob_operator.base.config import OperatorConfig
     from ddpjob_cli.local import validate
     from ddpjob_operator.builders.render import render_pod
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from ddpjob_operator.api.objmeta import parse_time
+from ddpjob_operator.base.objmeta import parse_time
 from ddpjob_api.contract import STALL_ERROR_RE
 
 from tests.realpods.conftest import (

@@ -294,12 +294,12 @@ def test_operator_args_are_accepted_by_the_real_cli():
 
 def test_the_charts_progress_interval_is_the_operators_default():
     """One default: the chart's value is held to OperatorConfig's (the CLI's default too)."""
-    from ddpjob_operator.api.config import OperatorConfig
+    from ddpjob_operator.base.config import OperatorConfig
     assert parse_operator_args(container(render()))["progress_interval"] == OperatorConfig().progress_interval
 
 
 def test_the_schemas_log_choices_are_the_clis():
-    from ddpjob_operator.api.config import LOG_FORMATS, LOG_LEVELS
+    from ddpjob_operator.base.config import LOG_FORMATS, LOG_LEVELS
     props = json.loads((CHART / "values.schema.json").read_text())["properties"]["operator"]["properties"]
     assert tuple(props["logLevel"]["enum"]) == LOG_LEVELS and tuple(props["logFormat"]["enum"]) == LOG_FORMATS
 
@@ -677,7 +677,7 @@ def test_the_charts_operator_defaults_are_the_operators_own():
     (the CLI's defaults come from it) would silently not reach Helm installs."""
     import dataclasses
 
-    from ddpjob_operator.api.config import OperatorConfig
+    from ddpjob_operator.base.config import OperatorConfig
 
     values = yaml.safe_load((CHART / "values.yaml").read_text())["operator"]
     defaults = {f.name: f.default for f in dataclasses.fields(OperatorConfig)}

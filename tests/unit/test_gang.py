@@ -7,7 +7,7 @@ import json
 import pytest
 from kubernetes.client.rest import ApiException
 
-from ddpjob_operator.api.group import Group
+from ddpjob_operator.base.group import Group
 from ddpjob_operator.builders import gang
 from ddpjob_operator.builders.pods import render_pod
 from ddpjob_operator.builders.render import render_objects

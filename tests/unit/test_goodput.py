@@ -13,7 +13,7 @@ import pytest
 
 from ddpjob_api.contract import GOODPUT_CATEGORIES
 
-from ddpjob_operator.api.group import Group
+from ddpjob_operator.base.group import Group
 from ddpjob_operator.decisions import goodput
 from ddpjob_operator.decisions.goodput import Observed, advance
 from ddpjob_operator.decisions.writes import settled

@@ -1,4 +1,4 @@
-"""A pass classifies a job's pods once (api/group.py): by attempt, by rank, being deleted or not,
+"""A pass classifies a job's pods once (base/group.py): by attempt, by rank, being deleted or not,
 and the last state of those that vanished; nothing else reads a pod's attempt."""
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from ddpjob_operator.api import podinfo
+from ddpjob_operator.base import podinfo
 from ddpjob_api import labels
-from ddpjob_operator.api.group import Group
+from ddpjob_operator.base.group import Group
 from tests.support.builders import make_pod
 
 REPO = Path(__file__).resolve().parents[2]
@@ -121,5 +121,5 @@ def test_only_the_group_reads_a_pods_attempt():
     filter is a second truth of which pods are current."""
     readers = {str(p.relative_to(REPO)): attempt_readers(p)
                for root in ("operator/ddpjob_operator", "cli/ddpjob_cli") for p in (REPO / root).rglob("*.py")}
-    assert readers["operator/ddpjob_operator/api/group.py"], "the group reads the label through podinfo.attempt"
-    assert {p: lines for p, lines in readers.items() if lines and not p.endswith("api/group.py")} == {}
+    assert readers["operator/ddpjob_operator/base/group.py"], "the group reads the label through podinfo.attempt"
+    assert {p: lines for p, lines in readers.items() if lines and not p.endswith("base/group.py")} == {}

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from ddpjob_operator.api.group import Group
+from ddpjob_operator.base.group import Group
 from ddpjob_operator.decisions import inplace
 from ddpjob_operator.decisions.lifecycle import MAX_ATTEMPT, decide
 from tests.support.builders import NOW, make_job, make_pod, running_status

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from ddpjob_operator.api.group import Group
+from ddpjob_operator.base.group import Group
 from ddpjob_operator.builders import kueue
 from ddpjob_operator.decisions.lifecycle import decide
 from ddpjob_api.phases import Phase

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from ddpjob_operator.api.group import Group
-from ddpjob_operator.api.config import OperatorConfig
+from ddpjob_operator.base.group import Group
+from ddpjob_operator.base.config import OperatorConfig
 from ddpjob_operator.builders.pods import render_pod
 from ddpjob_operator.decisions.lifecycle import decide
 from ddpjob_api.phases import Phase

@@ -6,7 +6,7 @@ import functools
 
 import pytest
 
-from ddpjob_operator.api.group import Group
+from ddpjob_operator.base.group import Group
 from ddpjob_api import labels
 from ddpjob_operator.decisions.lifecycle import Verdict, decide, trusted_counters, verdict
 from ddpjob_api.phases import Phase

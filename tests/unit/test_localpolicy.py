@@ -6,7 +6,7 @@ import datetime as dt
 
 import pytest
 
-from ddpjob_operator.api.group import Group
+from ddpjob_operator.base.group import Group
 from ddpjob_operator.decisions.lifecycle import decide
 from ddpjob_cli.localpolicy import Tally, after_failure, exit_code, node_pod
 from ddpjob_api.phases import Phase

@@ -5,7 +5,7 @@ import datetime as dt
 
 import pytest
 
-from ddpjob_operator.api.objmeta import error_body, format_time, parse_time, resource_version
+from ddpjob_operator.base.objmeta import error_body, format_time, parse_time, resource_version
 
 UTC = dt.timezone.utc
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from ddpjob_operator.api.group import Group
+from ddpjob_operator.base.group import Group
 from ddpjob_operator.decisions.lifecycle import decide
 from ddpjob_operator.app.operator_metrics import (FAILURE_REASONS, RECOVERY_KINDS, RESTART_REASONS,
                                                  STEPS_LOST_BUCKETS, OperatorMetrics)

@@ -10,7 +10,7 @@ public surface (ddpjob_trainer.launch's __all__), since its local runner is the 
 the host.
 
 Inside the operator: every module lives in one layer, and a layer imports only itself and the layers
-below it (api < builders < decisions < cluster < app), so the pure parts never reach the I/O or the
+below it (base < builders < decisions < cluster < app), so the pure parts never reach the I/O or the
 process that wires them. Inside the trainer: checkpointing is a world of its own under the loop, and
 the in-pod launcher (launch/) one above the training side, which never imports it.
 """
@@ -26,7 +26,7 @@ PACKAGES = {"ddpjob_api": REPO / "api/ddpjob_api", "ddpjob_operator": REPO / "op
             "ddpjob_trainer": REPO / "trainer/ddpjob_trainer", "ddpjob_cli": REPO / "cli/ddpjob_cli"}
 
 # The operator's layers, bottom first.
-LAYERS = ("api", "builders", "decisions", "cluster", "app")
+LAYERS = ("base", "builders", "decisions", "cluster", "app")
 # Imports that run up a layer, each with what removes it (none today). A new one fails the test below;
 # one that is gone fails too, so this list only shrinks.
 KNOWN_UPWARD: dict[tuple[str, str], str] = {}

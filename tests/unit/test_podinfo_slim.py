@@ -1,4 +1,4 @@
-"""The pod cache keeps only what the operator reads (api/podinfo.slim): every reader of a pod
+"""The pod cache keeps only what the operator reads (base/podinfo.slim): every reader of a pod
 answers the same on the slim pod as on the whole one.
 
 The table: real pods as the API server served them (managedFields included), captured from the
@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from ddpjob_operator.api import objmeta, podinfo
+from ddpjob_operator.base import objmeta, podinfo
 from ddpjob_api import labels
-from ddpjob_operator.api.group import Group
+from ddpjob_operator.base.group import Group
 from ddpjob_operator.builders import gang, kueue
 from ddpjob_operator.cluster.cache import pod_store
 from ddpjob_operator.cluster.monitor import scrape_url

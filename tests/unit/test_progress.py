@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ddpjob_operator.api.objmeta import format_time as rfc3339
+from ddpjob_operator.base.objmeta import format_time as rfc3339
 from ddpjob_operator.decisions.progress import (PROGRESS_FIELDS, UNAVAILABLE, compute_progress, human_duration,
                                                 merge_scrape, stopped, succeeded, without_eta)
 from ddpjob_operator.decisions.samples import RankSample

@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry
 
 from ddpjob_api import labels
 from ddpjob_operator.cluster.cache import PeerGate, Store
-from ddpjob_operator.api.config import OperatorConfig
+from ddpjob_operator.base.config import OperatorConfig
 from ddpjob_operator.app.controller import Reconciler
 from ddpjob_operator.decisions.samples import MonitorReport, RankSample
 from ddpjob_operator.app.operator_metrics import OperatorMetrics

@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from ddpjob_api import labels
-from ddpjob_operator.api.config import OperatorConfig
+from ddpjob_operator.base.config import OperatorConfig
 from ddpjob_operator.builders.envvars import env_dict
 from ddpjob_operator.builders.pods import LAUNCHER, render_pod
 from ddpjob_operator.builders.render import render_file

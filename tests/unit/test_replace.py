@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from ddpjob_api import labels
-from ddpjob_operator.api.group import Group
+from ddpjob_operator.base.group import Group
 from ddpjob_api.phases import Phase
 from ddpjob_api.names import pod_name
 from ddpjob_operator.builders.pods import render_pod

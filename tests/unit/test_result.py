@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from ddpjob_operator.api.group import Group
+from ddpjob_operator.base.group import Group
 from ddpjob_operator.decisions.result import parse_result, run_result
 from tests.support.builders import make_pod
 

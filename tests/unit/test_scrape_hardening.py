@@ -11,7 +11,7 @@ from aiohttp import web
 
 from ddpjob_operator.cluster import monitor as monitor_mod, scrape
 from ddpjob_operator.decisions.samples import parse_metrics
-from ddpjob_operator.api.config import OperatorConfig
+from ddpjob_operator.base.config import OperatorConfig
 from ddpjob_operator.cluster.monitor import Monitor
 from tests.support.builders import make_manifest, make_pod
 

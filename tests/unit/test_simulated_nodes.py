@@ -10,11 +10,11 @@ import logging
 import pytest
 from aiohttp import web
 
-from ddpjob_operator.api.group import Group
+from ddpjob_operator.base.group import Group
 from ddpjob_operator.cluster import scrape
-from ddpjob_operator.api.config import OperatorConfig
+from ddpjob_operator.base.config import OperatorConfig
 from ddpjob_operator.cluster.monitor import Monitor, SimulatedNodes
-from ddpjob_operator.api.podinfo import SIMULATED_NODE_ANNOTATION
+from ddpjob_operator.base.podinfo import SIMULATED_NODE_ANNOTATION
 from ddpjob_operator.decisions.status import progress_display
 from tests.support.builders import make_manifest, make_pod
 from tests.support.passes import pass_status

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from ddpjob_operator.api.group import Group
+from ddpjob_operator.base.group import Group
 from ddpjob_operator.decisions.lifecycle import decide
 from ddpjob_api.phases import Phase
 from ddpjob_operator.app.children import refusal

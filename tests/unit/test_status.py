@@ -6,8 +6,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from ddpjob_operator.api.group import Group
-from ddpjob_operator.api.config import OperatorConfig
+from ddpjob_operator.base.group import Group
+from ddpjob_operator.base.config import OperatorConfig
 from ddpjob_operator.decisions.status import mlflow_status, node_counts, progress_display
 from tests.support.status import condition as cond
 from tests.support.builders import NOW, ago, make_job, make_pod, running_status
@@ -242,7 +242,7 @@ def test_status_patch_nulls_keys_removed_inside_objects_so_the_api_server_drops_
 
 @pytest.mark.parametrize("refs,owned", [([{"uid": "u1"}], True), ([{"uid": "other"}], False), (None, False)])
 def test_only_pods_owned_by_this_job_uid_count(refs, owned):
-    from ddpjob_operator.api.objmeta import owned_by
+    from ddpjob_operator.base.objmeta import owned_by
 
     assert owned_by({"metadata": {"ownerReferences": refs}}, "u1") is owned
 
@@ -250,7 +250,7 @@ def test_only_pods_owned_by_this_job_uid_count(refs, owned):
 def test_handlers_never_need_finalizers():
     import kopf
 
-    from ddpjob_operator.api.config import OperatorConfig
+    from ddpjob_operator.base.config import OperatorConfig
     from ddpjob_operator.app.controller import Reconciler
     from ddpjob_operator.app.handlers import register
     from ddpjob_operator.app.operator_metrics import OperatorMetrics
@@ -281,7 +281,7 @@ def test_kopf_copies_no_ddpjob_body_per_event(monkeypatch):
     from kopf._core.engines import indexing
     from kopf._core.reactor import inventory, processing
 
-    from ddpjob_operator.api.config import OperatorConfig
+    from ddpjob_operator.base.config import OperatorConfig
     from ddpjob_operator.app.handlers import register
     from ddpjob_operator.app.operator_main import operator_settings
 
@@ -326,7 +326,7 @@ def test_kopf_copies_no_ddpjob_body_per_event(monkeypatch):
 
 
 def test_operator_settings_bound_watches_and_peering():
-    from ddpjob_operator.api.config import OperatorConfig
+    from ddpjob_operator.base.config import OperatorConfig
     from ddpjob_operator.app.operator_main import operator_settings
 
     s = operator_settings(OperatorConfig(peering=""))

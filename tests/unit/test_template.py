@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ddpjob_operator.api.group import Group
-from ddpjob_operator.api import podinfo
+from ddpjob_operator.base.group import Group
+from ddpjob_operator.base import podinfo
 from ddpjob_api import labels
-from ddpjob_operator.api.config import OperatorConfig
+from ddpjob_operator.base.config import OperatorConfig
 from ddpjob_operator.builders.envvars import env_dict
 from ddpjob_operator.decisions.lifecycle import verdict
 from ddpjob_operator.builders.pods import LAUNCHER, explain_pod_error, job_field, render_pod

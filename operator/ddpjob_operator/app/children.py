@@ -17,9 +17,9 @@ from typing import Any, Callable, Sequence
 
 from kubernetes.client.rest import ApiException
 
-from ddpjob_operator.api import podinfo
-from ddpjob_operator.api.config import OperatorConfig
-from ddpjob_operator.api.objmeta import error_body, owned_by
+from ddpjob_operator.base import podinfo
+from ddpjob_operator.base.config import OperatorConfig
+from ddpjob_operator.base.objmeta import error_body, owned_by
 from ddpjob_operator.app.operator_metrics import OperatorMetrics
 from ddpjob_operator.builders import gang
 from ddpjob_operator.builders.pods import render_pod

@@ -24,11 +24,11 @@ from kubernetes.client.rest import ApiException
 
 from ddpjob_api import contract
 
-from ddpjob_operator.api import podinfo
+from ddpjob_operator.base import podinfo
 from ddpjob_api import labels
-from ddpjob_operator.api.config import OperatorConfig
-from ddpjob_operator.api.group import Group
-from ddpjob_operator.api.objmeta import owned_by, resource_version
+from ddpjob_operator.base.config import OperatorConfig
+from ddpjob_operator.base.group import Group
+from ddpjob_operator.base.objmeta import owned_by, resource_version
 from ddpjob_api.phases import Phase
 from ddpjob_api.spec import from_manifest
 from ddpjob_operator.app.children import Children

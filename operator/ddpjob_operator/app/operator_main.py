@@ -12,7 +12,7 @@ from kubernetes.config import ConfigException
 from prometheus_client import Counter
 
 from ddpjob_operator.cluster.cache import PeerGate, Store, peering_informers, pod_informers, pod_store
-from ddpjob_operator.api.config import OperatorConfig
+from ddpjob_operator.base.config import OperatorConfig
 from ddpjob_operator.app.controller import Reconciler
 from ddpjob_operator.app.handlers import WatchOnlyDiffBase, register
 from ddpjob_operator.cluster.k8s import COMPONENT, K8s

@@ -22,7 +22,7 @@ from ddpjob_api.contract import GOODPUT_CATEGORIES
 from ddpjob_operator.decisions import inplace, progress
 from ddpjob_operator.decisions.lifecycle import INIT_START_ERRORS
 from ddpjob_api.phases import Cond, FailReason, Phase, RestartReason
-from ddpjob_operator.api.objmeta import parse_time
+from ddpjob_operator.base.objmeta import parse_time
 from ddpjob_operator.decisions.samples import MonitorReport
 
 # The *_created series only double the output; nothing here reads them.

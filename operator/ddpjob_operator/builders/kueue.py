@@ -14,8 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ddpjob_operator.api import podinfo
-from ddpjob_operator.api.group import Attempt
+from ddpjob_operator.base import podinfo
+from ddpjob_operator.base.group import Attempt
 from ddpjob_api.spec import JobSpec
 
 QUEUE_LABEL = "kueue.x-k8s.io/queue-name"

@@ -8,7 +8,7 @@ from ddpjob_api import contract
 
 from ddpjob_operator.builders import gang, kueue, rdma, shm, template
 from ddpjob_api import labels
-from ddpjob_operator.api.config import OperatorConfig
+from ddpjob_operator.base.config import OperatorConfig
 from ddpjob_api.names import pod_hostname, pod_name, service_name
 from ddpjob_operator.builders.envvars import pod_env, stop_grace_seconds
 from ddpjob_operator.builders.service import child_metadata

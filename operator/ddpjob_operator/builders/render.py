@@ -7,7 +7,7 @@ import click
 import yaml
 
 from ddpjob_operator.builders import gang
-from ddpjob_operator.api.config import OperatorConfig
+from ddpjob_operator.base.config import OperatorConfig
 from ddpjob_operator.builders.pods import render_pod
 from ddpjob_operator.builders.service import render_service
 from ddpjob_api.spec import from_manifest

@@ -19,9 +19,9 @@ from typing import Any, Callable
 
 from kubernetes.client.rest import ApiException
 
-from ddpjob_operator.api import podinfo
+from ddpjob_operator.base import podinfo
 from ddpjob_api import labels
-from ddpjob_operator.api.objmeta import parse_time, resource_version, shared
+from ddpjob_operator.base.objmeta import parse_time, resource_version, shared
 
 log = logging.getLogger("ddpjob.cache")
 Key = tuple[str, str]
@@ -74,7 +74,7 @@ class Store:
     def __init__(self, *, index_label: str | None = None, transform: Callable[[Obj], Obj] = slim) -> None:
         self.index_label = index_label
         # What is kept of each object (client-go's transform function): `slim` by default, the
-        # pod cache keeps only what the operator reads (api/podinfo.slim).
+        # pod cache keeps only what the operator reads (base/podinfo.slim).
         self.transform = transform
         self._objs: dict[Key, Obj] = {}
         self._index: dict[Key, set[str]] = collections.defaultdict(set)
@@ -281,7 +281,7 @@ class Informer:
 
 
 def pod_store() -> Store:
-    """The operator's pods by job name, each kept as api/podinfo.slim cuts it."""
+    """The operator's pods by job name, each kept as base/podinfo.slim cuts it."""
     return Store(index_label=labels.JOB_NAME, transform=podinfo.slim)
 
 

@@ -18,13 +18,13 @@ from ddpjob_api import contract
 from ddpjob_api.phases import Reason, Signal
 
 from ddpjob_operator.decisions import health, progress
-from ddpjob_operator.api import podinfo
-from ddpjob_operator.api.group import Group
+from ddpjob_operator.base import podinfo
+from ddpjob_operator.base.group import Group
 from ddpjob_operator.cluster import scrape
 from ddpjob_operator.decisions.samples import MonitorReport, RankSample
-from ddpjob_operator.api.objmeta import format_time
-from ddpjob_operator.api.podinfo import is_simulated_node
-from ddpjob_operator.api.config import OperatorConfig
+from ddpjob_operator.base.objmeta import format_time
+from ddpjob_operator.base.podinfo import is_simulated_node
+from ddpjob_operator.base.config import OperatorConfig
 from ddpjob_api.spec import spec_of
 from ddpjob_api.specgen import DDPJobSpec
 

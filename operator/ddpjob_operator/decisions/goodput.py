@@ -30,8 +30,8 @@ from typing import Any, Mapping, Sequence
 from ddpjob_api import contract
 from ddpjob_api.contract import GOODPUT_CATEGORIES
 
-from ddpjob_operator.api import podinfo
-from ddpjob_operator.api.objmeta import parse_time
+from ddpjob_operator.base import podinfo
+from ddpjob_operator.base.objmeta import parse_time
 from ddpjob_operator.decisions import inplace
 from ddpjob_operator.decisions.progress import human_duration
 

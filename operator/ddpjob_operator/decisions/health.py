@@ -49,7 +49,7 @@ from ddpjob_api.phases import Reason, Signal
 
 from ddpjob_api.specgen import DDPJobSpec
 
-from ddpjob_operator.api.objmeta import format_time
+from ddpjob_operator.base.objmeta import format_time
 from ddpjob_operator.decisions import stacks
 from ddpjob_operator.decisions.samples import RankSample
 

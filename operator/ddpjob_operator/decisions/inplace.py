@@ -32,7 +32,7 @@ from typing import Any, Mapping, Sequence
 from ddpjob_api import contract
 from ddpjob_api.contract import STALL_ERROR_RE
 
-from ddpjob_operator.api.objmeta import format_time
+from ddpjob_operator.base.objmeta import format_time
 from ddpjob_api.phases import Reason, Recovery, RestartReason
 from ddpjob_operator.decisions import stacks
 from ddpjob_operator.decisions.redact import redact

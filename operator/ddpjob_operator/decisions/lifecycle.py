@@ -13,10 +13,10 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping
 
 from ddpjob_operator.builders import kueue
-from ddpjob_operator.api import objmeta, podinfo
+from ddpjob_operator.base import objmeta, podinfo
 from ddpjob_api import labels
-from ddpjob_operator.api.config import OperatorConfig
-from ddpjob_operator.api.group import Attempt, Group
+from ddpjob_operator.base.config import OperatorConfig
+from ddpjob_operator.base.group import Attempt, Group
 from ddpjob_api.names import pod_name
 from ddpjob_operator.builders.envvars import inplace_budget, own_rendezvous
 from ddpjob_api.phases import Cond, FailReason, Phase, Reason, RestartReason

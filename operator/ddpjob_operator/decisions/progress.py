@@ -12,7 +12,7 @@ import math
 import statistics
 from typing import Any, Iterable, Mapping
 
-from ddpjob_operator.api.objmeta import format_time
+from ddpjob_operator.base.objmeta import format_time
 from ddpjob_operator.decisions.samples import ABSURD, RankSample
 
 PROGRESS_FIELDS = (

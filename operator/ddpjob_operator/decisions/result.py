@@ -14,8 +14,8 @@ from typing import Any
 
 from ddpjob_api.contract import RunResult
 
-from ddpjob_operator.api import podinfo
-from ddpjob_operator.api.group import Attempt
+from ddpjob_operator.base import podinfo
+from ddpjob_operator.base.group import Attempt
 
 # The numbers of the trainer's result (the contract's RunResult: its fields and their types) are
 # status.result's fields, camelCase (the CRD's; tests/unit/test_contract.py holds the two equal).

@@ -8,9 +8,9 @@ from typing import Any
 from ddpjob_api import contract
 from ddpjob_api.contract import public_uri
 
-from ddpjob_operator.api import podinfo
-from ddpjob_operator.api.config import OperatorConfig
-from ddpjob_operator.api.group import Attempt, Group
+from ddpjob_operator.base import podinfo
+from ddpjob_operator.base.config import OperatorConfig
+from ddpjob_operator.base.group import Attempt, Group
 from ddpjob_api.names import master_dns
 from ddpjob_operator.builders.gang import gang_state
 from ddpjob_operator.builders.kueue import admission, queue_name
@@ -18,7 +18,7 @@ from ddpjob_operator.decisions import goodput, inplace
 from ddpjob_operator.decisions.health import STALLED
 from ddpjob_operator.decisions.lifecycle import Decision, condition
 from ddpjob_operator.decisions.progress import UNAVAILABLE, merge_scrape, stopped, succeeded, without_eta
-from ddpjob_operator.api.objmeta import format_time
+from ddpjob_operator.base.objmeta import format_time
 from ddpjob_api.phases import Cond, Phase, Reason
 from ddpjob_operator.builders.pods import explain_pod_error
 from ddpjob_operator.decisions.redact import redact

@@ -8,7 +8,7 @@ from ddpjob_api import contract
 from ddpjob_api.contract import EXIT_BAD_CONFIG  # never retried
 
 from ddpjob_api import labels
-from ddpjob_operator.api.objmeta import parse_time, shared
+from ddpjob_operator.base.objmeta import parse_time, shared
 
 
 def meta(pod: dict[str, Any]) -> dict[str, Any]:
@@ -163,7 +163,7 @@ def is_simulated_node(node: dict[str, Any] | None) -> bool:
     return SIMULATED_NODE_ANNOTATION in (((node or {}).get("metadata") or {}).get("annotations") or {})
 
 
-# What the operator reads of a pod, all modules together (this one, api/group and api/objmeta,
+# What the operator reads of a pod, all modules together (this one, base/group and base/objmeta,
 # decisions/lifecycle and status, builders/gang and kueue, cluster/monitor): the pod cache keeps
 # these fields and nothing else (`slim`), as client-go's informer transform functions do. A key
 # maps to None (kept whole) or to the shape of its value (a dict's, or each list item's).

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
-from ddpjob_operator.api import podinfo
+from ddpjob_operator.base import podinfo
 
 Pod = dict[str, Any]
 
