@@ -17,8 +17,7 @@ from ddpjob_operator.base import objmeta, podinfo
 from ddpjob_operator.base.group import Group
 from ddpjob_api.contract import INPLACE_MARKER_RE, MLFLOW_DEFAULT_EXPERIMENT, public_uri
 from ddpjob_operator.decisions import goodput
-from ddpjob_operator.decisions.health import STALLED, STRAGGLER
-from ddpjob_api.phases import Phase
+from ddpjob_api.phases import Phase, Signal
 from ddpjob_operator.base.podinfo import meta
 from ddpjob_operator.decisions.progress import UNAVAILABLE, human_duration
 from ddpjob_operator.decisions.samples import RankSample
@@ -132,7 +131,7 @@ def _named(job: dict[str, Any], kind: str, what: str) -> set[str]:
 
 
 def _flags(job: dict[str, Any], key: str, what: str) -> tuple[str, ...]:
-    return tuple(flag for flag, kind in (("straggler", STRAGGLER), ("stalled", STALLED))
+    return tuple(flag for flag, kind in (("straggler", Signal.STRAGGLER), ("stalled", Signal.STALLED))
                  if key in _named(job, kind, what))
 
 
@@ -479,7 +478,7 @@ def top_text(job: dict[str, Any], pods: list[dict[str, Any]], now: dt.datetime, 
     if spent:
         lines.append(f"goodput {spent}")
     for cond in st.get("conditions") or []:
-        if cond.get("type") in (STRAGGLER, STALLED) and cond.get("status") == "True":
+        if cond.get("type") in (Signal.STRAGGLER, Signal.STALLED) and cond.get("status") == "True":
             lines.append(f"{cond['type']}: {one_line(cond.get('message'), 300)}")
     lines.append("")
     rows = rank_rows(job, pods)

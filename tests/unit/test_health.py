@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 
 from ddpjob_api.specgen import DDPJobSpec
-from ddpjob_operator.decisions.health import STALLED, STRAGGLER, HealthTracker
+from ddpjob_operator.decisions.health import HealthTracker
+from ddpjob_api.phases import Signal
 from ddpjob_operator.decisions.samples import RankSample
 
 
@@ -56,18 +57,18 @@ def test_straggler_is_the_rank_the_others_wait_for_after_n_windows():
     assert h.update(job.advance(), now=10) == []
     assert h.update(job.advance(), now=20) == []
     found = h.update(job.advance(), now=30)
-    assert [(f.kind, f.active, f.ranks) for f in found] == [(STRAGGLER, True, (2,))]
+    assert [(f.kind, f.active, f.ranks) for f in found] == [(Signal.STRAGGLER, True, (2,))]
     assert "rank 2 (pod j-1 on node n1)" in found[0].message
     assert h.update(job.advance(), now=40) == []          # no repeated event while it lasts
     job.slow, job.extra = None, 0.0                       # it recovers
     changes = [f for i in range(5) for f in h.update(job.advance(), now=50 + 10 * i)]
-    assert [(f.kind, f.active) for f in changes] == [(STRAGGLER, False)]
+    assert [(f.kind, f.active) for f in changes] == [(Signal.STRAGGLER, False)]
 
 
 def test_two_ranks_straggler():
     job, h = Job(world=2, compute=0.05, slow=1, extra=0.5), HealthTracker(hang_timeout=600)
     found = [f for i in range(5) for f in h.update(job.advance(), now=10 * i)]
-    assert [(f.kind, f.ranks) for f in found] == [(STRAGGLER, (1,))]
+    assert [(f.kind, f.ranks) for f in found] == [(Signal.STRAGGLER, (1,))]
 
 
 def test_straggler_with_a_slow_data_loader_counted_inside_its_step():
@@ -76,7 +77,7 @@ def test_straggler_with_a_slow_data_loader_counted_inside_its_step():
     job.advance()
     assert job.sums[0] == pytest.approx(job.sums[1])
     found = [f for i in range(5) for f in h.update(job.advance(), now=10 * i)]
-    assert [(f.kind, f.ranks) for f in found] == [(STRAGGLER, (0,))]
+    assert [(f.kind, f.ranks) for f in found] == [(Signal.STRAGGLER, (0,))]
 
 
 def test_small_jitter_is_not_a_straggler():
@@ -112,7 +113,7 @@ def test_throttled_gpu_is_a_straggler_from_device_time_alone():
     job.advance()
     assert len({round(s, 9) for s in job.sums}) == 1      # the hosts cannot tell
     found = [f for i in range(6) for f in h.update(job.advance(), now=10 * i)]
-    assert [(f.kind, f.active, f.ranks) for f in found] == [(STRAGGLER, True, (3,))]
+    assert [(f.kind, f.active, f.ranks) for f in found] == [(Signal.STRAGGLER, True, (3,))]
     assert "rank 3 (pod j-1 on node n1) (2.0x the median 30ms per step)" in found[0].message
 
 
@@ -122,7 +123,7 @@ def test_device_time_is_judged_only_on_scrapes_that_cover_a_log_step():
     job, h = GpuJob(world=2, slow=0, factor=3.0, log_every=10), HealthTracker(hang_timeout=600,
                                                                              straggler_windows=2)
     found = [f for i in range(8) for f in h.update(job.advance(n=5), now=10 * i)]
-    assert [(f.kind, f.ranks) for f in found] == [(STRAGGLER, (0,))]
+    assert [(f.kind, f.ranks) for f in found] == [(Signal.STRAGGLER, (0,))]
 
 
 def test_healthy_gpu_job_has_no_findings():
@@ -137,11 +138,11 @@ def test_stall_names_the_rank_behind_and_clears_when_training_resumes():
     assert h.update(frozen, now=10) == []
     assert h.update(frozen, now=35) == []                  # 25 s idle < 30 s
     found = h.update(frozen, now=41)
-    assert [(f.kind, f.active, f.ranks) for f in found] == [(STALLED, True, (3,))]
+    assert [(f.kind, f.active, f.ranks) for f in found] == [(Signal.STALLED, True, (3,))]
     assert "rank 3" in found[0].message and "rank 0" not in found[0].message
     assert h.update(frozen, now=60) == []                  # reported once
     resumed = h.update(job.advance(), now=70)
-    assert [(f.kind, f.active) for f in resumed] == [(STALLED, False)]
+    assert [(f.kind, f.active) for f in resumed] == [(Signal.STALLED, False)]
 
 
 def test_a_stall_is_overdue_for_a_group_restart_after_a_second_timeout_and_not_after_progress():
@@ -150,13 +151,13 @@ def test_a_stall_is_overdue_for_a_group_restart_after_a_second_timeout_and_not_a
     frozen = job.advance(frozen=1)
     h.update(frozen, now=1)
     h.update(frozen, now=32)
-    assert STALLED in h.active and not h.overdue           # the pods' agents restart in place now
+    assert Signal.STALLED in h.active and not h.overdue           # the pods' agents restart in place now
     h.update(frozen, now=60)
     assert not h.overdue                                   # 59 s < 2 x 30 s
     h.update(frozen, now=62)
     assert h.overdue                                       # no restart in place came
     h.update(job.advance(), now=63)
-    assert STALLED not in h.active and not h.overdue
+    assert Signal.STALLED not in h.active and not h.overdue
 
 
 def test_stall_uses_step_started_when_steps_are_equal():
@@ -195,7 +196,7 @@ def test_job_frozen_before_its_first_step_is_stalled_naming_the_stage(stage):
     assert h.calm_condition()[0] == "Starting"
     assert h.update(frozen, now=1025) == []                  # 24 s since the stage began < 30 s
     found = h.update(frozen, now=1032)                       # 31 s: the clock ran from the stage start
-    assert [(f.kind, f.active, f.reason, f.ranks) for f in found] == [(STALLED, True, "StuckInStage", (0, 1))]
+    assert [(f.kind, f.active, f.reason, f.ranks) for f in found] == [(Signal.STALLED, True, "StuckInStage", (0, 1))]
     assert found[0].message.startswith(f"stuck in {stage} for 31s (hangTimeoutSeconds 30): "
                                        "rank 0 (pod j-0 on node n0), rank 1 (pod j-1 on node n1)")
     assert h.update(frozen, now=1060) == []                  # reported once
@@ -213,7 +214,7 @@ def test_stage_change_is_progress_and_the_earliest_stage_names_the_culprit():
     assert found[0].message.startswith("stuck in waiting_for_master for 31s")
     assert "other ranks: rank 0 (pod j-0 on node n0) in process_group_init" in found[0].message
     resumed = h.update(staged({0: ("process_group_init", 1025.0), 1: ("rendezvous", 1058.0)}), now=1060)
-    assert [(f.kind, f.active, f.reason) for f in resumed] == [(STALLED, False, "Resumed")]
+    assert [(f.kind, f.active, f.reason) for f in resumed] == [(Signal.STALLED, False, "Resumed")]
 
 
 def test_no_advancing_claim_before_a_step_and_a_stable_message():

@@ -7,7 +7,7 @@ import pytest
 
 from ddpjob_api import labels
 from ddpjob_operator.base.group import Group
-from ddpjob_api.phases import Phase
+from ddpjob_api.phases import Phase, Reason, Recovery
 from ddpjob_api.names import pod_name
 from ddpjob_operator.builders.pods import render_pod
 from ddpjob_operator.decisions import inplace
@@ -54,7 +54,7 @@ def test_which_lost_pods_are_replaced_alone(lost, job, replaced, reason, counted
     if replaced:
         (r,) = d.replaced
         assert (r.rank, r.old_pod, r.number, r.new_pod, r.failure.reason) == (1, "j-1", 1, "j-1-r1", reason)
-        assert d.phase is Phase.RUNNING and d.reason == inplace.REPLACING and d.attempt == 0
+        assert d.phase is Phase.RUNNING and d.reason == Reason.REPLACING_POD and d.attempt == 0
         assert "j-0" not in d.delete_pods and d.restarted is None
     else:
         assert d.replaced == [] and d.phase is Phase.RESTARTING and d.reason == reason and d.attempt == 1
@@ -245,8 +245,8 @@ def test_the_survivors_round_is_not_charged_while_the_replacement_is_not_created
     job = make_job(nodes=2, failurePolicy={"maxRestarts": 2})
     # What the passes before wrote: rank 0's in-place restart, then the replacement its second
     # failure belongs to.
-    history = [{"kind": inplace.INPLACE, "attempt": 0, "rank": 0, "pod": "j-0", "restart": 0, "time": "2026-01-01T00:00:00Z"},
-               {"kind": inplace.REPLACE, "attempt": 0, "rank": 1, "pod": "j-1", "replacement": 1,
+    history = [{"kind": Recovery.IN_PLACE, "attempt": 0, "rank": 0, "pod": "j-0", "restart": 0, "time": "2026-01-01T00:00:00Z"},
+               {"kind": Recovery.REPLACE, "attempt": 0, "rank": 1, "pod": "j-1", "replacement": 1,
                 "newPod": "j-1-r1", "reason": "PodDeleted", "time": "2026-01-01T00:01:00Z",
                 "alsoFailed": [{"attempt": 0, "pod": "j-0", "rank": 0, "restart": 1}]}]
     prev = running_status(restarts=1, countedRestarts=1, inPlaceRestarts=1, restartHistory=history)
@@ -254,7 +254,7 @@ def test_the_survivors_round_is_not_charged_while_the_replacement_is_not_created
     ranks = {0: Sample("j-0", worker_failures=[failure(T0, restart=0), failure(T0 + 60, restart=1)])}
     for pods in ([make_pod(0), make_pod(1, deleting=True)], [make_pod(0)]):
         d = decide(job, Group.of(pods), now=NOW, prev_status=prev, ranks=ranks)
-        assert d.phase is Phase.RUNNING and d.reason == inplace.REPLACING, (d.reason, d.message)
+        assert d.phase is Phase.RUNNING and d.reason == Reason.REPLACING_POD, (d.reason, d.message)
         st, _ = job_status(job, Group.of(pods), now=NOW, prev_status=prev, decision=d, report=Report(ranks=ranks))
         assert st["inPlaceRestarts"] == 1 and st["phase"] == "Running", st
     # An edited history naming a replacement for a rank whose pod still stands counts nothing.

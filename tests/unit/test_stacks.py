@@ -17,7 +17,8 @@ from ddpjob_api import contract
 from ddpjob_trainer.agent import Hooks, failed_at
 
 from ddpjob_operator.decisions import inplace, stacks as blame
-from ddpjob_operator.decisions.health import STALLED, HealthTracker
+from ddpjob_operator.decisions.health import HealthTracker
+from ddpjob_api.phases import Signal
 from ddpjob_operator.decisions.samples import RankSample, parse_metrics
 from tests.support.localrun import free_ports
 
@@ -242,14 +243,14 @@ def test_a_stall_its_agent_killed_is_stalled_naming_the_culprit_and_its_frame():
                       worker_failures=[{"restart": "0", "exit_code": "-9", "signal": "SIGKILL", "error": stall,
                                         "restarted": "true", "time": 131.0, "step": "5"}])}
     (found,) = h.update(killed, now=162.0 - 30)   # the operator's own timeout (from its first sight) not reached
-    assert (found.kind, found.active, found.reason, found.ranks) == (STALLED, True, "StalledRankRestarted", (1,))
+    assert (found.kind, found.active, found.reason, found.ranks) == (Signal.STALLED, True, "StalledRankRestarted", (1,))
     assert found.message.startswith(f"rank 1 (pod j-1 on node n1) {stall}: its agent killed the worker")
     assert found.message.endswith("stacks: rank 1 (pod j-1 on node n1) is not in the backward its peers wait in: "
                                   "at debug.py:129 _block_in_fetch")
     assert h.update(killed, now=163.0 - 30) == []               # said once
     moved = {0: rank(0, step_at=170.0), 1: rank(1, step_at=170.0)}
     moved[0].step = moved[1].step = 6
-    assert [(f.kind, f.active) for f in h.update(moved, now=171.0 - 30)] == [(STALLED, False)]
+    assert [(f.kind, f.active) for f in h.update(moved, now=171.0 - 30)] == [(Signal.STALLED, False)]
 
 
 def test_a_rank_short_of_the_checkpoint_the_others_wait_in_is_named_first():

@@ -21,7 +21,7 @@ from ddpjob_api.contract import GOODPUT_CATEGORIES
 
 from ddpjob_operator.decisions import inplace, progress
 from ddpjob_operator.decisions.lifecycle import INIT_START_ERRORS
-from ddpjob_api.phases import Cond, FailReason, Phase, RestartReason
+from ddpjob_api.phases import Cond, FailReason, Phase, Recovery, RestartReason
 from ddpjob_operator.base.objmeta import parse_time
 from ddpjob_operator.decisions.samples import MonitorReport
 
@@ -33,7 +33,7 @@ disable_created_metrics()
 FAILURE_REASONS = tuple(sorted({*(r.value for r in FailReason),
                                 Cond.FAILED_CREATE_POD.value} | INIT_START_ERRORS))
 RESTART_REASONS = tuple(r.value for r in RestartReason)
-RECOVERY_KINDS = (inplace.INPLACE, inplace.GROUP, inplace.REPLACE)
+RECOVERY_KINDS = (Recovery.IN_PLACE, Recovery.GROUP, Recovery.REPLACE)
 # In place aims at seconds, a group restart takes minutes (pods deleted, scheduled, pulled).
 RECOVERY_BUCKETS = (1, 2, 5, 10, 20, 30, 60, 120, 300, 600, 1800)
 # 0 is a bucket of its own: a resume from the step it failed at lost nothing.

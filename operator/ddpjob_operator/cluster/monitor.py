@@ -31,7 +31,7 @@ from ddpjob_api.specgen import DDPJobSpec
 log = logging.getLogger(__name__)
 
 DEFAULT_URL_TEMPLATE = "http://{ip}:{port}/metrics"
-CONDITION_TYPES = (health.STRAGGLER, health.STALLED)
+CONDITION_TYPES = (Signal.STRAGGLER, Signal.STALLED)
 
 # status.progress.unavailable while every running pod is on a simulated node.
 SIMULATED_UNAVAILABLE = ("{n} pod(s) on simulated (kwok) nodes: their addresses answer nobody, so "
@@ -178,9 +178,9 @@ class Monitor:
             st = self._jobs[uid] = _JobState(tracker=health.HealthTracker.for_spec(spec))
             # After an operator restart keep a reported hang until steps move again.
             for c in (job.get("status") or {}).get("conditions") or []:
-                if c.get("type") == health.STALLED and c.get("status") == "True":
-                    st.tracker.active[health.STALLED] = health.Finding(
-                        health.STALLED, True, (), c.get("reason", Reason.NO_PROGRESS.value), c.get("message", ""))
+                if c.get("type") == Signal.STALLED and c.get("status") == "True":
+                    st.tracker.active[Signal.STALLED] = health.Finding(
+                        Signal.STALLED, True, (), c.get("reason", Reason.NO_PROGRESS.value), c.get("message", ""))
         st.tracker.configure(spec)
         return st
 
@@ -268,8 +268,8 @@ class Monitor:
         runs = [(s.mlflow_run_id, s.mlflow_experiment_id) for _, s in sorted(samples.items())
                 if s.mlflow_run_id and s.mlflow_experiment_id]
         return MonitorReport(progress=prog, conditions=conditions, events=events,
-                             stalled=health.STALLED in st.tracker.active,
-                             hang_overdue=health.STALLED in st.tracker.active and st.tracker.overdue,
+                             stalled=Signal.STALLED in st.tracker.active,
+                             hang_overdue=Signal.STALLED in st.tracker.active and st.tracker.overdue,
                              unreachable=bool(targets) and not samples,
                              mlflow_run=runs[0] if runs else None,
                              ranks=samples, stacks=stacks)
@@ -282,7 +282,7 @@ class Monitor:
             f = st.tracker.active.get(kind)
             if f is not None:
                 status, reason, message = "True", f.reason, f.message
-            elif kind == health.STALLED:
+            elif kind == Signal.STALLED:
                 # Before the first step: False with reason Starting (not Unknown): the operator does
                 # see the job, and knows it has not been stuck in one stage past the timeout.
                 status, (reason, message) = "False", st.tracker.calm_condition()

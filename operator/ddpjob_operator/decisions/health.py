@@ -53,8 +53,6 @@ from ddpjob_operator.base.objmeta import format_time
 from ddpjob_operator.decisions import stacks
 from ddpjob_operator.decisions.samples import RankSample
 
-STRAGGLER = Signal.STRAGGLER
-STALLED = Signal.STALLED
 
 TRAINING = "training"
 _PAUSES = contract.HANG_PAUSES   # stages between steps that are judged from their own start
@@ -68,7 +66,7 @@ GROUP_RESTART_TIMEOUTS = 2
 class Finding:
     """A change of health: `active` True when it starts, False when it clears."""
 
-    kind: str                 # STRAGGLER | STALLED
+    kind: str                 # Signal.STRAGGLER | Signal.STALLED
     active: bool
     ranks: tuple[int, ...]
     reason: str
@@ -155,7 +153,7 @@ class HealthTracker:
 
     def stragglers(self) -> tuple[int, ...]:
         """Ranks currently flagged as stragglers."""
-        f = self.active.get(STRAGGLER)
+        f = self.active.get(Signal.STRAGGLER)
         return f.ranks if f else ()
 
     def update(self, samples: Mapping[int, RankSample], now: float) -> list[Finding]:
@@ -169,7 +167,7 @@ class HealthTracker:
         changes: list[Finding] = []
         changes += self._check_stall(known, now)
         changes += self._check_stall_kills(samples)
-        if STALLED not in self.active and ranks:
+        if Signal.STALLED not in self.active and ranks:
             changes += self._check_stragglers(ranks)
         for r, s in ranks.items():
             self._prev[r] = _RankState(step=s.step, ts=s.last_step_timestamp,
@@ -212,16 +210,16 @@ class HealthTracker:
             self._max_step = top
             self._advanced_at = now
             self.overdue = False
-            if STALLED in self.active:
-                old = self.active.pop(STALLED)
+            if Signal.STALLED in self.active:
+                old = self.active.pop(Signal.STALLED)
                 what = f"step {top}" if top is not None else f"stage {self.stage()}"
-                return [Finding(STALLED, False, old.ranks, Reason.RESUMED, f"training advanced again ({what})")]
+                return [Finding(Signal.STALLED, False, old.ranks, Reason.RESUMED, f"training advanced again ({what})")]
             return []
         idle = now - self._advanced_at
         stage = self.stage()
         timeout = self.effective_hang_timeout(None if top is None else stage)
         self.overdue = idle >= GROUP_RESTART_TIMEOUTS * timeout
-        if idle < timeout or STALLED in self.active:
+        if idle < timeout or Signal.STALLED in self.active:
             return []
         if top is None or stage in _PAUSES:
             f = self._stuck_in_stage(ranks, stage, idle, timeout)
@@ -231,9 +229,9 @@ class HealthTracker:
             steps_at = sorted({ranks[r].step for r in culprits})
             msg = (f"no rank advanced for {idle:.0f}s (hang timeout {timeout:.0f}s); "
                    f"stopped: {names} at step {'/'.join(map(str, steps_at))}")
-            f = Finding(STALLED, True, culprits, Reason.NO_PROGRESS, msg)
+            f = Finding(Signal.STALLED, True, culprits, Reason.NO_PROGRESS, msg)
         f = _by_stacks(f, stacks.of_stall(ranks), ranks)
-        self.active[STALLED] = f
+        self.active[Signal.STALLED] = f
         return [f]
 
     def _check_stall_kills(self, samples: Mapping[int, RankSample]) -> list[Finding]:
@@ -247,7 +245,7 @@ class HealthTracker:
         if not kills:
             return []
         self._kills.update((r, str(f.get("restart")), float(f["time"])) for r, f in kills)
-        if STALLED in self.active:
+        if Signal.STALLED in self.active:
             return []
         # The earliest kill, the others' casualties (decisions/inplace: the older last step first).
         rank, failure = min(kills, key=lambda k: (contract.stall_step(str(k[1].get("error"))) or 0, float(k[1]["time"])))
@@ -256,8 +254,8 @@ class HealthTracker:
         timeout = self.effective_hang_timeout()
         culprit = stacks.of_restart(samples, restart=int(str(failure.get("restart") or 0)),
                                     failed_at=float(failure["time"]), window=timeout)
-        f = _by_stacks(Finding(STALLED, True, (rank,), Reason.STALLED_RANK_RESTARTED, msg), culprit, samples)
-        self.active[STALLED] = f
+        f = _by_stacks(Finding(Signal.STALLED, True, (rank,), Reason.STALLED_RANK_RESTARTED, msg), culprit, samples)
+        self.active[Signal.STALLED] = f
         return [f]
 
     def _stuck_in_stage(self, ranks: Mapping[int, RankSample], stage: str | None, idle: float,
@@ -280,7 +278,7 @@ class HealthTracker:
         if others:
             msg += "; other ranks: " + ", ".join(
                 f"{_describe(ranks[r])} in {staged.get(r, 'an unreported stage')}" for r in others)
-        return Finding(STALLED, True, culprits, Reason.STUCK_IN_STAGE, msg)
+        return Finding(Signal.STALLED, True, culprits, Reason.STUCK_IN_STAGE, msg)
 
     # ---- stragglers -----------------------------------------------------------------------
     def _check_stragglers(self, ranks: Mapping[int, RankSample]) -> list[Finding]:
@@ -332,8 +330,8 @@ class HealthTracker:
         if now_set == current:
             return []
         if not now_set:
-            old = self.active.pop(STRAGGLER)
-            return [Finding(STRAGGLER, False, old.ranks, "Recovered", "no rank is straggling any more")]
+            old = self.active.pop(Signal.STRAGGLER)
+            return [Finding(Signal.STRAGGLER, False, old.ranks, "Recovered", "no rank is straggling any more")]
         order = tuple(sorted(now_set))
         med = statistics.median(own.values())
         parts = []
@@ -341,8 +339,8 @@ class HealthTracker:
             o = own.get(r)
             factor = f" ({o / med:.1f}x the median {med * 1000:.0f}ms per step)" if o and med > 0 else ""
             parts.append(_describe(ranks[r]) + factor)
-        f = Finding(STRAGGLER, True, order, Reason.SLOW_RANK, "straggling: " + "; ".join(parts))
-        self.active[STRAGGLER] = f
+        f = Finding(Signal.STRAGGLER, True, order, Reason.SLOW_RANK, "straggling: " + "; ".join(parts))
+        self.active[Signal.STRAGGLER] = f
         return [f]
 
 

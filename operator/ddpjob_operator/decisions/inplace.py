@@ -38,19 +38,12 @@ from ddpjob_operator.decisions import stacks
 from ddpjob_operator.decisions.redact import redact
 from ddpjob_operator.decisions.samples import ABSURD as MAX_STEP  # a step label beyond it is not believed
 
-INPLACE = Recovery.IN_PLACE
-GROUP = Recovery.GROUP
-REPLACE = Recovery.REPLACE      # a lost pod recreated alone (decisions/lifecycle.Replacement)
 HISTORY_LIMIT = 20       # status.restartHistory entries kept (newest last)
 MESSAGE_CHARS = 200
 ALSO_LIMIT = 16          # peers' failures kept per in-place restart
 _SIGNAL = re.compile(r"^SIG[A-Z0-9]{2,10}$")
 # Reasons of the Restarting condition for an in-place restart (a group restart's is its cause).
-RESTARTING_IN_PLACE = Reason.RESTARTING_IN_PLACE
-RESTARTED_IN_PLACE = Reason.RESTARTED_IN_PLACE
 # ... and for a lost pod replaced alone (the job's reason too, until the replacement runs).
-REPLACING = Reason.REPLACING_POD
-REPLACED = Reason.POD_REPLACED
 STALLED = RestartReason.STALLED.value  # an entry's reason: the pod's agent killed the worker for a stall
 
 
@@ -61,7 +54,7 @@ def as_int(value: Any, default: int = 0) -> int:
         return default
 
 
-def _open(entry: Mapping[str, Any], kinds: tuple[str, ...] = (INPLACE,)) -> bool:
+def _open(entry: Mapping[str, Any], kinds: tuple[str, ...] = (Recovery.IN_PLACE,)) -> bool:
     """A restart (in place unless `kinds` says) that has not stepped again and whose attempt still
     runs; a Group entry written before group recoveries were measured (no failedAt) never is."""
     return (entry.get("kind") in kinds and "failedAt" in entry and "recoverySeconds" not in entry
@@ -70,7 +63,7 @@ def _open(entry: Mapping[str, Any], kinds: tuple[str, ...] = (INPLACE,)) -> bool
 
 def is_open(entry: Mapping[str, Any]) -> bool:
     """A restart of any kind that has not stepped again, and whose attempt has not ended since."""
-    return _open(entry, (INPLACE, GROUP, REPLACE))
+    return _open(entry, (Recovery.IN_PLACE, Recovery.GROUP, Recovery.REPLACE))
 
 
 def key(entry: Mapping[str, Any]) -> tuple[Any, ...]:
@@ -88,7 +81,7 @@ def observed(ranks: Mapping[int, Any], *, attempt: int, with_log: bool) -> list[
             if f.get("restarted") != "true":
                 continue
             entry: dict[str, Any] = {
-                "kind": INPLACE, "attempt": attempt, "restart": as_int(f.get("restart")), "rank": rank,
+                "kind": Recovery.IN_PLACE, "attempt": attempt, "restart": as_int(f.get("restart")), "rank": rank,
                 "pod": sample.pod or "", "exitCode": as_int(f.get("exit_code"), -1),
                 "time": format_time(dt.datetime.fromtimestamp(float(f["time"]), dt.timezone.utc)),
                 "failedAt": float(f["time"]),
@@ -128,7 +121,7 @@ def recovery(entry: Mapping[str, Any], ranks: Mapping[int, Any]) -> tuple[int, f
     reporting has a worker that stepped after the failure (a replacement: its new pod's among
     them); None before."""
     t = float(entry.get("failedAt") or 0)
-    if entry.get("kind") == REPLACE and not any(getattr(s, "pod", None) == entry.get("newPod") for s in ranks.values()):
+    if entry.get("kind") == Recovery.REPLACE and not any(getattr(s, "pod", None) == entry.get("newPod") for s in ranks.values()):
         return None
     firsts = [(s.first_step_timestamp, s.resumed_from_step) for s in ranks.values()]
     if not firsts or any(ts is None or ts <= t for ts, _ in firsts):
@@ -165,7 +158,7 @@ class Update:
     @property
     def pending(self) -> dict[str, Any] | None:
         """The newest in-place restart or replacement that has not stepped again (None: none)."""
-        return next((e for e in reversed(self.history) if _open(e, (INPLACE, REPLACE))), None)
+        return next((e for e in reversed(self.history) if _open(e, (Recovery.IN_PLACE, Recovery.REPLACE))), None)
 
 
 def _precedes(entry: Mapping[str, Any], head: Mapping[str, Any]) -> bool:
@@ -188,7 +181,7 @@ def training_without(entry: Mapping[str, Any], ranks: Mapping[int, Any]) -> set[
     pod's aside, stepped after the loss. None while that is not so (they wait for it, or it joined)."""
     t = float(entry.get("failedAt") or 0)
     others = [s for s in ranks.values() if getattr(s, "pod", None) != entry.get("newPod")]
-    if entry.get("kind") != REPLACE or len(others) < len(ranks) or not others:
+    if entry.get("kind") != Recovery.REPLACE or len(others) < len(ranks) or not others:
         return None
     if any(s.first_step_timestamp is None or s.first_step_timestamp <= t for s in others):
         return None
@@ -198,7 +191,7 @@ def training_without(entry: Mapping[str, Any], ranks: Mapping[int, Any]) -> set[
 def replace_entry(replacement: Any, *, attempt: int, ranks: Mapping[int, Any] | None,
                   prev_status: Mapping[str, Any], now: dt.datetime) -> dict[str, Any]:
     """The history entry of a lost pod replaced alone (a lifecycle.Replacement, read by attribute)."""
-    entry = {"kind": REPLACE, "attempt": attempt, "rank": replacement.rank, "pod": replacement.old_pod,
+    entry = {"kind": Recovery.REPLACE, "attempt": attempt, "rank": replacement.rank, "pod": replacement.old_pod,
              "replacement": replacement.number, "newPod": replacement.new_pod, "reason": replacement.failure.reason,
              "message": replacement.failure.message[:MESSAGE_CHARS], "time": format_time(now),
              **_group_failure(ranks or {}, prev_status, now)}
@@ -230,7 +223,7 @@ def update(prev_status: Mapping[str, Any], *, attempt: int, ranks: Mapping[int, 
     how long before a failure the ranks' stack captures still tell its culprit (`culprit`)."""
     history = [dict(e) for e in prev_status.get("restartHistory") or []]
     count = as_int(prev_status.get("inPlaceRestarts"))
-    known = {key(e) for e in history} | {key({**a, "kind": INPLACE}) for e in history for a in e.get("alsoFailed") or []}
+    known = {key(e) for e in history} | {key({**a, "kind": Recovery.IN_PLACE}) for e in history for a in e.get("alsoFailed") or []}
     up = Update(history=history, in_place_restarts=count)
     for entry in map(dict, replaced):
         # The survivors' workers fail on their lost peer; an in-place restart seen before the loss
@@ -249,7 +242,7 @@ def update(prev_status: Mapping[str, Any], *, attempt: int, ranks: Mapping[int, 
     for entry in sorted(fresh, key=lambda e: e["failedAt"]):
         known.add(key(entry))
         head: dict[str, Any] | None = next(
-            (e for e in reversed(history) if _open(e, (INPLACE, REPLACE)) and e.get("attempt") == attempt), None)
+            (e for e in reversed(history) if _open(e, (Recovery.IN_PLACE, Recovery.REPLACE)) and e.get("attempt") == attempt), None)
         if head is None:
             up.in_place_restarts += 1
             history.append(entry)
@@ -260,7 +253,7 @@ def update(prev_status: Mapping[str, Any], *, attempt: int, ranks: Mapping[int, 
         # ended (an OOM kill, a segfault, the watchdog's kill of a stalled rank: a peer's collective
         # never ends its worker so), else the earliest failure. Each time is when that pod's agent
         # saw the failure, so a peer's exception may be seen before the killed worker's death.
-        if head["kind"] == INPLACE and _precedes(entry, head):
+        if head["kind"] == Recovery.IN_PLACE and _precedes(entry, head):
             cause, other = entry, head
             history[history.index(head)] = cause
             if head in up.new:
@@ -271,7 +264,7 @@ def update(prev_status: Mapping[str, Any], *, attempt: int, ranks: Mapping[int, 
     for entry in history:
         # The rank the stacks blame (decisions/stacks.py), told once the captures are there: before
         # the recovery below closes the entry, which the same scrape may show (a fast restart).
-        if entry.get("kind") == INPLACE and entry.get("attempt") == attempt and "culprit" not in entry and _open(entry):
+        if entry.get("kind") == Recovery.IN_PLACE and entry.get("attempt") == attempt and "culprit" not in entry and _open(entry):
             blamed = stacks.of_restart(ranks or {}, restart=as_int(entry.get("restart")),
                                        failed_at=float(entry["failedAt"]), window=window)
             if blamed is not None:
@@ -281,7 +274,7 @@ def update(prev_status: Mapping[str, Any], *, attempt: int, ranks: Mapping[int, 
             continue
         # An in-place restart steps again in its own attempt, a group restart in the next one;
         # the last scrape of an attempt that ends now still counts (passes follow steps lazily).
-        ours = entry["attempt"] + (entry["kind"] == GROUP) == attempt
+        ours = entry["attempt"] + (entry["kind"] == Recovery.GROUP) == attempt
         found = recovery(entry, ranks or {}) if ours else None
         if found is None:
             if not ours or group is not None:
@@ -290,14 +283,14 @@ def update(prev_status: Mapping[str, Any], *, attempt: int, ranks: Mapping[int, 
         entry["resumedFromStep"], entry["recoverySeconds"] = found
         if "stepAtFailure" in entry:
             entry["stepsLost"] = max(0, entry["stepAtFailure"] - found[0])
-        if entry["kind"] in (INPLACE, REPLACE):
+        if entry["kind"] in (Recovery.IN_PLACE, Recovery.REPLACE):
             up.recovered.append(entry)
     # Not below what the agents prove: an edit that lowered the count (or dropped the history
     # whose entries are counted once) grants no restart.
     up.in_place_restarts = max(up.in_place_restarts, proven(ranks, replaced=replacement_rounds))
     if group is not None:
         ended, reason, message = group
-        history.append({"kind": GROUP, "attempt": ended, "reason": reason, "message": message[:MESSAGE_CHARS],
+        history.append({"kind": Recovery.GROUP, "attempt": ended, "reason": reason, "message": message[:MESSAGE_CHARS],
                         "time": format_time(now), **_group_failure(ranks or {}, prev_status, now, group_steps)})
     up.history = history[-HISTORY_LIMIT:]
     return up
@@ -320,7 +313,7 @@ def recoveries(prev_status: Mapping[str, Any], status: Mapping[str, Any]) -> lis
 
 def describe(entry: Mapping[str, Any]) -> str:
     """One line naming an in-place restart (rank, pod, node, exit code, signal, error) or a replacement."""
-    if entry.get("kind") == REPLACE:
+    if entry.get("kind") == Recovery.REPLACE:
         where = f"pod {entry.get('pod')}" + (f" on node {entry['node']}" if entry.get("node") else "")
         return f"rank {entry.get('rank')} ({where}) was lost ({entry.get('reason')}): replaced alone by pod {entry.get('newPod')}"
     how = f"exit code {entry.get('exitCode')}" + (f" ({entry['signal']})" if entry.get("signal") else "")
@@ -341,8 +334,8 @@ def recovered_message(entry: Mapping[str, Any]) -> str:
     """What a restart that stepped again says (the RestartedInPlace, PodReplaced event; the local
     runner's log): the step resumed from, the recovery time, what failed and the steps lost."""
     kind = entry.get("kind")
-    what = (f"rank {entry.get('rank')}'s pod {entry.get('pod')} was replaced by {entry.get('newPod')}" if kind == REPLACE
-            else f"the worker of rank {entry.get('rank')} (pod {entry.get('pod')}) failed" if kind == INPLACE
+    what = (f"rank {entry.get('rank')}'s pod {entry.get('pod')} was replaced by {entry.get('newPod')}" if kind == Recovery.REPLACE
+            else f"the worker of rank {entry.get('rank')} (pod {entry.get('pod')}) failed" if kind == Recovery.IN_PLACE
             else f"the group of attempt {entry.get('attempt')} restarted ({entry.get('reason')})")
     lost = f" ({entry['stepsLost']} step(s) lost)" if entry.get("stepsLost") is not None else ""
     return f"stepping again from step {entry.get('resumedFromStep')} {entry.get('recoverySeconds'):g}s after {what}{lost}"
@@ -353,13 +346,13 @@ def restarting(up: Update, *, budget_used: int, max_restarts: int) -> tuple[bool
     this job never restarted in place (the group restart's condition stands alone)."""
     pending = up.pending
     budget = f"({budget_used}/{max_restarts} of failurePolicy.maxRestarts used)"
-    if pending is not None and pending["kind"] == REPLACE:
-        return True, REPLACING, f"{describe(pending)}; the other pods' workers restart in place and wait for it {budget}"
+    if pending is not None and pending["kind"] == Recovery.REPLACE:
+        return True, Reason.REPLACING_POD, f"{describe(pending)}; the other pods' workers restart in place and wait for it {budget}"
     if pending is not None:
-        return True, RESTARTING_IN_PLACE, f"{describe(pending)}; restarting every pod's workers in place {budget}"
-    done = next((e for e in reversed(up.history) if e.get("kind") in (INPLACE, REPLACE) and "recoverySeconds" in e), None)
+        return True, Reason.RESTARTING_IN_PLACE, f"{describe(pending)}; restarting every pod's workers in place {budget}"
+    done = next((e for e in reversed(up.history) if e.get("kind") in (Recovery.IN_PLACE, Recovery.REPLACE) and "recoverySeconds" in e), None)
     if done is None:
         return None
-    return False, REPLACED if done["kind"] == REPLACE else RESTARTED_IN_PLACE, (
-        f"{'replaced' if done['kind'] == REPLACE else 'restarted in place'}: stepping again from step "
+    return False, Reason.POD_REPLACED if done["kind"] == Recovery.REPLACE else Reason.RESTARTED_IN_PLACE, (
+        f"{'replaced' if done['kind'] == Recovery.REPLACE else 'restarted in place'}: stepping again from step "
         f"{done['resumedFromStep']} {done['recoverySeconds']:g}s after {describe(done)}")

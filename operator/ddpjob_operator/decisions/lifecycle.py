@@ -19,7 +19,7 @@ from ddpjob_operator.base.config import OperatorConfig
 from ddpjob_operator.base.group import Attempt, Group
 from ddpjob_api.names import pod_name
 from ddpjob_operator.builders.envvars import inplace_budget, own_rendezvous
-from ddpjob_api.phases import Cond, FailReason, Phase, Reason, RestartReason
+from ddpjob_api.phases import Cond, FailReason, Phase, Reason, Recovery, RestartReason
 from ddpjob_operator.decisions import inplace, policies
 from ddpjob_operator.decisions.policies import Act, Failure
 from ddpjob_operator.decisions.redact import redact
@@ -188,7 +188,7 @@ def group_only(job: JobSpec) -> str | None:
 def replacements_of(prev: Mapping[str, Any], attempt: int) -> dict[str, Mapping[str, Any]]:
     """This attempt's replacements so far (status.restartHistory), by the lost pod's name."""
     return {str(e.get("pod")): e for e in prev.get("restartHistory") or []
-            if e.get("kind") == inplace.REPLACE and e.get("attempt") == attempt}
+            if e.get("kind") == Recovery.REPLACE and e.get("attempt") == attempt}
 
 
 @dataclass(frozen=True)
@@ -511,7 +511,7 @@ def _phase(job: JobSpec, d: Decision, current: dict[int, dict[str, Any]], number
                                                    != "Running"]):
         # The others keep their pods and wait in the rendezvous: the job still runs.
         names = ", ".join(pod_name(job.name, r, d.attempt, numbers[r]) for r in waiting)
-        d = replace(d, reason=inplace.REPLACING, message=f"replacing the lost pod(s) of rank(s) {waiting} with {names}")
+        d = replace(d, reason=Reason.REPLACING_POD, message=f"replacing the lost pod(s) of rank(s) {waiting} with {names}")
     elif d.phase is Phase.RUNNING:
         d = replace(d, phase=Phase.PENDING)  # cannot really happen (pods never go back to Pending); stay honest
     elif d.phase is not Phase.RESTARTING and d.reason != Reason.RESUMED:

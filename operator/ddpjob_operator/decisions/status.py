@@ -15,11 +15,10 @@ from ddpjob_api.names import master_dns
 from ddpjob_operator.builders.gang import gang_state
 from ddpjob_operator.builders.kueue import admission, queue_name
 from ddpjob_operator.decisions import goodput, inplace
-from ddpjob_operator.decisions.health import STALLED
+from ddpjob_api.phases import Cond, Phase, Reason, Recovery, Signal
 from ddpjob_operator.decisions.lifecycle import Decision, condition
 from ddpjob_operator.decisions.progress import UNAVAILABLE, merge_scrape, stopped, succeeded, without_eta
 from ddpjob_operator.base.objmeta import format_time
-from ddpjob_api.phases import Cond, Phase, Reason
 from ddpjob_operator.builders.pods import explain_pod_error
 from ddpjob_operator.decisions.redact import redact
 from ddpjob_operator.decisions.result import run_result
@@ -200,12 +199,12 @@ def _in_place(conds: list[dict[str, Any]], up: inplace.Update, job: JobSpec, d: 
         status, reason, message = cond
         set_condition(conds, type=Cond.RESTARTING, status=status, reason=reason, message=message,
                       now=now, generation=gen)
-    events: list[Event] = [("Warning", inplace.RESTARTING_IN_PLACE,
+    events: list[Event] = [("Warning", Reason.RESTARTING_IN_PLACE,
                             inplace.restarting_message(e, used=used, max_restarts=job.max_restarts)) for e in up.new]
-    events += [("Warning", inplace.REPLACING, f"{inplace.describe(e)}; the other pods keep theirs "
+    events += [("Warning", Reason.REPLACING_POD, f"{inplace.describe(e)}; the other pods keep theirs "
                 f"({used}/{job.max_restarts} of failurePolicy.maxRestarts used)")
-               for e in up.history if e.get("kind") == inplace.REPLACE and e.get("newPod") in {r.new_pod for r in d.replaced}]
-    events += [("Normal", inplace.REPLACED if e["kind"] == inplace.REPLACE else inplace.RESTARTED_IN_PLACE,
+               for e in up.history if e.get("kind") == Recovery.REPLACE and e.get("newPod") in {r.new_pod for r in d.replaced}]
+    events += [("Normal", Reason.POD_REPLACED if e["kind"] == Recovery.REPLACE else Reason.RESTARTED_IN_PLACE,
                 inplace.recovered_message(e)) for e in up.recovered]
     return events
 
@@ -222,7 +221,7 @@ def _resized(conds: list[dict[str, Any]], up: inplace.Update, job: JobSpec, rank
     without it; False once every node trains again (the agents restart the workers when its agent
     joins). The scrape tells: None (no scrape) leaves it as it was."""
     pending = up.pending
-    if pending is not None and pending.get("kind") == inplace.REPLACE and ranks is not None:
+    if pending is not None and pending.get("kind") == Recovery.REPLACE and ranks is not None:
         pods = inplace.training_without(pending, ranks)
         if pods is not None and job.min_nodes < job.nodes:
             was = condition({"conditions": conds}, Cond.RESIZED)
@@ -246,7 +245,7 @@ def _goodput(job: JobSpec, current: Attempt, d: Decision, prev: dict[str, Any], 
     if stepped is None and progress.get(UNAVAILABLE) and d.phase is Phase.RUNNING:
         # Pods no one scrapes (simulated nodes): running is as far as anything can tell.
         stepped = goodput.timestamp((condition({"conditions": conds}, Cond.RUNNING) or {}).get("lastTransitionTime"))
-    stall = condition({"conditions": conds}, STALLED)
+    stall = condition({"conditions": conds}, Signal.STALLED)
     created = (goodput.timestamp((job.raw.get("metadata") or {}).get("creationTimestamp"))
                or goodput.timestamp(prev.get("startTime")) or now.timestamp())
     # A first ledger (a job older than the ledger) counts every restart its history still holds.

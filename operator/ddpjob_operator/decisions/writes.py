@@ -18,8 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ddpjob_api.phases import Phase
-from ddpjob_operator.decisions.health import STALLED, STRAGGLER
+from ddpjob_api.phases import Phase, Signal
 from ddpjob_operator.decisions.progress import UNAVAILABLE
 
 # Status fields that only mirror pods (nobody acts on them): their changes may wait and coalesce.
@@ -35,7 +34,7 @@ PROGRESS_FIELDS = frozenset({"progress"})
 RIDE_ALONG = frozenset({"goodput"})
 # The monitor's conditions: a change of status or reason is material; of message (which names the
 # latest step, or how far behind a straggler is) it is progress.
-MONITOR_CONDITIONS = (STRAGGLER, STALLED)
+MONITOR_CONDITIONS = (Signal.STRAGGLER, Signal.STALLED)
 
 
 def _condition_key(cond: dict[str, Any]) -> tuple:
