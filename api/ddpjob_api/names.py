@@ -22,7 +22,7 @@ def pod_hostname(job: JobSpec, rank: int) -> str:
     nodes): torchrun's c10d rendezvous numbers the nodes in the sorted order of their addresses,
     the pods' FQDNs, and `<job>-10` sorts before `<job>-2`, so unpadded names would give pod i
     another node rank from 11 pods on. Jobs of up to 10 nodes keep `<job>-<rank>`."""
-    width = len(str(max(job.nodes, job.max_nodes) - 1))
+    width = len(str(max(job.spec.nodes, job.max_nodes) - 1))
     return f"{job.name}-{rank:0{width}d}"
 
 

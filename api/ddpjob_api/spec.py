@@ -6,7 +6,7 @@ import copy
 from dataclasses import dataclass, field
 from typing import Any
 
-from ddpjob_api.specgen import DDPJobSpec, Elastic, Scheduling
+from ddpjob_api.specgen import DDPJobSpec, Scheduling
 
 GROUP = "ddpjob.dev"
 VERSION = "v1alpha1"
@@ -26,22 +26,11 @@ class JobSpec:
     raw: dict[str, Any] = field(repr=False, compare=False)
 
     # -- the spec's fields under the names the operator has always used ------------------------
-    @property
-    def nodes(self) -> int:
-        return self.spec.nodes
-
-    @property
-    def gpus_per_node(self) -> int:
-        return self.spec.gpus_per_node
 
     @property
     def nproc_per_node(self) -> int:
         """Processes per node, `auto` resolved (resolve_nproc)."""
         return resolve_nproc(self.spec.nproc_per_node, self.spec.gpus_per_node)
-
-    @property
-    def image(self) -> str:
-        return self.spec.image
 
     @property
     def command(self) -> list[str] | None:
@@ -66,90 +55,36 @@ class JobSpec:
         return self.spec.nccl or {}
 
     @property
-    def master_port(self) -> int:
-        return self.spec.master_port
-
-    @property
-    def metrics_port(self) -> int:
-        return self.spec.metrics_port
-
-    @property
-    def max_restarts(self) -> int:
-        return self.spec.failure_policy.max_restarts
-
-    @property
-    def elastic(self) -> Elastic | None:
-        return self.spec.elastic
-
-    @property
     def scheduling(self) -> Scheduling:
         """spec.scheduling (every field unset when absent)."""
         return self.spec.scheduling or Scheduling()
 
-    @property
-    def suspend(self) -> bool:
-        """True while the job is suspended (no pods)."""
-        return self.spec.suspend
 
-    @property
-    def launcher(self) -> bool:
-        """Wrap the container command in ddpjob's launcher."""
-        return self.spec.launcher
 
-    @property
-    def restart_on_hang(self) -> bool:
-        """Restart a stalled job: in place (each pod's agent), the group when that did not help."""
-        return self.spec.failure_policy.restart_on_hang
 
-    @property
-    def log_tail_in_status(self) -> bool:
-        """Copy failed containers' own words (termination message / log end, redacted) into
-        status and events; off: reason and exit code only (readers of a DDPJob may not be
-        readers of its pods' logs)."""
-        return self.spec.failure_policy.log_tail_in_status
 
-    @property
-    def pod_start_timeout(self) -> int | None:
-        """Seconds a container may stay in a start error before the job fails (None = keep waiting)."""
-        return self.spec.failure_policy.pod_start_timeout_seconds
 
-    @property
-    def hang_timeout_seconds(self) -> int | None:
-        """spec.hangTimeoutSeconds (None = derived by the monitor)."""
-        return self.spec.hang_timeout_seconds
 
-    @property
-    def clean_pod_policy(self) -> str:
-        """None | Running | All: which pods go away when the job finishes."""
-        return self.spec.clean_pod_policy
 
-    @property
-    def active_deadline_seconds(self) -> int | None:
-        """Seconds from start after which the job fails (None = no deadline)."""
-        return self.spec.active_deadline_seconds
 
-    @property
-    def ttl_seconds_after_finished(self) -> int | None:
-        """Seconds after completion before the DDPJob is deleted (None = keep)."""
-        return self.spec.ttl_seconds_after_finished
 
     # -- derived ------------------------------------------------------------------------------
     @property
     def world_size(self) -> int:
         """Total processes: nodes x processes per node."""
-        return self.nodes * self.nproc_per_node
+        return self.spec.nodes * self.nproc_per_node
 
     @property
     def min_nodes(self) -> int:
         """Fewest nodes the rendezvous accepts: spec.elastic.minNodes, else spec.nodes."""
-        minimum = self.elastic.min_nodes if self.elastic else None
-        return self.nodes if minimum is None else minimum
+        minimum = self.spec.elastic.min_nodes if self.spec.elastic else None
+        return self.spec.nodes if minimum is None else minimum
 
     @property
     def max_nodes(self) -> int:
         """Most nodes that may join the rendezvous: spec.elastic.maxNodes, else spec.nodes."""
-        maximum = self.elastic.max_nodes if self.elastic else None
-        return self.nodes if maximum is None else maximum
+        maximum = self.spec.elastic.max_nodes if self.spec.elastic else None
+        return self.spec.nodes if maximum is None else maximum
 
     @property
     def uses_builtin_trainer(self) -> bool:

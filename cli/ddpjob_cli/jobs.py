@@ -434,7 +434,7 @@ def _live_samples(kube: Kube, job: dict[str, Any], pods: list[dict[str, Any]]) -
     from ddpjob_operator.decisions.samples import merge, parse_metrics
     from ddpjob_api.spec import from_manifest
 
-    port = from_manifest(job).metrics_port
+    port = from_manifest(job).spec.metrics_port
     parts, notes = [], []
     for row in views.rank_rows(job, pods):
         if row.phase != Phase.RUNNING:

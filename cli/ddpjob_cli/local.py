@@ -427,7 +427,7 @@ class Books:
         status = {**prev, "restartHistory": up.history, "inPlaceRestarts": up.in_place_restarts}
         for e in up.new:
             self.say(inplace.restarting_message(e, used=self.counted + up.in_place_restarts,
-                                                max_restarts=job.max_restarts))
+                                                max_restarts=job.spec.failure_policy.max_restarts))
         for e in inplace.newly_recovered(prev, status):
             self.say(inplace.recovered_message(e))
         last = max((s.last_step_timestamp for s in self.samples.values() if s.last_step_timestamp), default=None)
@@ -452,7 +452,7 @@ def run_attempt(job: JobSpec, *, attempt: int, workdir: Path, cwd: Path, metrics
     master_port = free_port()
     nodes: list[Node] = []
     try:
-        for rank in range(job.nodes):
+        for rank in range(job.spec.nodes):
             log_path = logs / f"node-{rank}.log"
             env = node_env(job, rank, master_port=master_port, metrics_port=metrics_ports[rank],
                            attempt=attempt, workdir=workdir, result_file=result_file)
@@ -507,7 +507,7 @@ def _give_up(job: JobSpec, reason: str) -> str:
     if reason == FailReason.BAD_CONFIGURATION:
         return "bad configuration: not retrying"
     if reason == FailReason.RESTART_LIMIT_EXCEEDED:
-        return f"restart budget exhausted (failurePolicy.maxRestarts={job.max_restarts})"
+        return f"restart budget exhausted (failurePolicy.maxRestarts={job.spec.failure_policy.max_restarts})"
     return "not retrying"
 
 
@@ -541,9 +541,9 @@ def _run_local(path: str, *, signals: StopSignals, summary_json: str | None, met
         return 2
     wd = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix=f"ddpjob-{job.name}-"))
     wd.mkdir(parents=True, exist_ok=True)
-    ports = ([metrics_port_base + r for r in range(job.nodes)] if metrics_port_base
-             else [free_port() for _ in range(job.nodes)])
-    click.echo(f"{job.name}: {job.nodes} node(s) x {job.nproc_per_node} process(es) = world size "
+    ports = ([metrics_port_base + r for r in range(job.spec.nodes)] if metrics_port_base
+             else [free_port() for _ in range(job.spec.nodes)])
+    click.echo(f"{job.name}: {job.spec.nodes} node(s) x {job.nproc_per_node} process(es) = world size "
                f"{job.world_size}; metrics on ports {ports[0]}..{ports[-1]}; logs in {wd}/logs", err=True)
     display = Display(enabled=progress, job=job)
     books = Books(job, say=display.say, created=created)
@@ -573,7 +573,7 @@ def _run_local(path: str, *, signals: StopSignals, summary_json: str | None, met
             tally = next_tally(decision)
             books.group_restart(ended=attempt_no, attempt=tally.attempt, counted=tally.counted_restarts,
                                 reason=decision.reason, message=decision.message)
-            click.echo(f"restarting the whole group (restart {tally.counted_restarts}/{job.max_restarts}); "
+            click.echo(f"restarting the whole group (restart {tally.counted_restarts}/{job.spec.failure_policy.max_restarts}); "
                        "it resumes from the newest complete checkpoint", err=True)
     except Stop as stop:  # between two attempts: no node is running
         outcome = Attempt(ok=False, exit_code=128 + stop.signum, interrupted=True)
@@ -584,7 +584,7 @@ def _run_local(path: str, *, signals: StopSignals, summary_json: str | None, met
     r = outcome.result
     run_id = r.get(contract.RESULT_MLFLOW_RUN_ID)
     summary = {
-        "phase": phase, "job": job.name, "world_size": job.world_size, "nodes": job.nodes,
+        "phase": phase, "job": job.name, "world_size": job.world_size, "nodes": job.spec.nodes,
         "nproc_per_node": job.nproc_per_node, "steps": r.get("steps"), "restarts": tally.restarts,
         "in_place_restarts": books.in_place_restarts, "restart_history": books.history, "goodput": books.ledger,
         "train_samples_per_second": r.get("train_samples_per_second"),

@@ -49,7 +49,7 @@ def after_failure(job: JobSpec, *, tally: Tally, returncodes: dict[int, int | No
                   now: dt.datetime) -> Decision:
     """The operator's decision once a node of the attempt failed: Phase.FAILED (with its reason:
     BadConfiguration, RestartLimitExceeded, DeadlineExceeded) or Phase.RESTARTING."""
-    pods = [node_pod(job, rank, tally=tally, returncode=returncodes.get(rank)) for rank in range(job.nodes)]
+    pods = [node_pod(job, rank, tally=tally, returncode=returncodes.get(rank)) for rank in range(job.spec.nodes)]
     prev = {"phase": Phase.RUNNING.value, "attempt": tally.attempt, "launchedAttempt": tally.attempt,
             "restarts": tally.restarts, "countedRestarts": tally.counted_restarts,
             "startTime": started.isoformat()}

@@ -194,8 +194,8 @@ def rank_rows(job: dict[str, Any], pods: list[dict[str, Any]]) -> list[RankRow]:
 def spec_summary(job: dict[str, Any]) -> list[tuple[str, str]]:
     """(field, value) lines of what the job runs, for `describe`."""
     js = from_manifest(job)
-    out = [("Nodes", str(js.nodes)), ("Processes per node", str(js.nproc_per_node)),
-           ("GPUs per node", str(js.gpus_per_node)), ("World size", str(js.world_size)), ("Image", js.image)]
+    out = [("Nodes", str(js.spec.nodes)), ("Processes per node", str(js.nproc_per_node)),
+           ("GPUs per node", str(js.spec.gpus_per_node)), ("World size", str(js.world_size)), ("Image", js.spec.image)]
     if js.uses_builtin_trainer:
         t = js.trainer
         what = ", ".join(f"{k} {t[k]}" for k in ("dataset", "model", "epochs", "batchSize", "lr") if k in t)
@@ -210,11 +210,11 @@ def spec_summary(job: dict[str, Any]) -> list[tuple[str, str]]:
         uri = (mlflow or {}).get("trackingUri")
         out.append(("MLflow", (public_uri(str(uri)) if uri else "the operator's default tracking URI")
                     + f", experiment {(mlflow or {}).get('experiment') or MLFLOW_DEFAULT_EXPERIMENT}"))
-    out.append(("Max restarts", str(js.max_restarts)))
-    if js.suspend:
+    out.append(("Max restarts", str(js.spec.failure_policy.max_restarts)))
+    if js.spec.suspend:
         out.append(("Suspend", "true"))
-    for value, label in ((js.active_deadline_seconds, "Deadline (s)"),
-                         (js.ttl_seconds_after_finished, "TTL after finish (s)")):
+    for value, label in ((js.spec.active_deadline_seconds, "Deadline (s)"),
+                         (js.spec.ttl_seconds_after_finished, "TTL after finish (s)")):
         if value is not None:
             out.append((label, str(value)))
     return out
@@ -253,7 +253,7 @@ def describe_data(job: dict[str, Any], events: list[dict[str, Any]], pods: list[
         "spec": dict(spec_summary(job)),
         "phase": phase_of(job), "reason": st.get("reason"), "message": st.get("message"),
         "attempt": st.get("attempt"), "restarts": st.get("restarts", 0), "countedRestarts": st.get("countedRestarts", 0),
-        "maxRestarts": from_manifest(job).max_restarts,
+        "maxRestarts": from_manifest(job).spec.failure_policy.max_restarts,
         "masterAddr": st.get("masterAddr"), "startTime": st.get("startTime"), "completionTime": st.get("completionTime"),
         "progress": st.get("progress") or {}, "result": st.get("result") or {}, "mlflow": st.get("mlflow") or {},
         "goodput": {k: v for k, v in (st.get("goodput") or {}).items() if k != "accounting"},

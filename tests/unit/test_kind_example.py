@@ -53,7 +53,7 @@ def test_the_kind_example_needs_one_node_and_no_readwritemany_volume():
     claims = [d for d in docs("digits-kind.yaml") if d["kind"] == "PersistentVolumeClaim"]
     assert claims and all(c["spec"]["accessModes"] == ["ReadWriteOnce"] for c in claims)
     job = validate(ddpjob("digits-kind.yaml"))
-    for rank in range(job.nodes):
+    for rank in range(job.spec.nodes):
         spec = render_pod(job, rank)["spec"]
         hard = [c for c in spec.get("topologySpreadConstraints") or []
                 if c["topologyKey"] == "kubernetes.io/hostname" and c["whenUnsatisfiable"] == "DoNotSchedule"]

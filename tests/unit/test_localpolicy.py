@@ -40,7 +40,7 @@ def test_the_local_runner_decides_as_the_operator_does(tally, codes, spec, phase
     started = NOW - dt.timedelta(seconds=120)
     local = after_failure(j, tally=tally, returncodes=codes, started=started, now=NOW)
     # The operator, from the same pods as its watch would deliver them and its own status.
-    pods = [node_pod(j, r, tally=tally, returncode=codes[r]) for r in range(j.nodes)]
+    pods = [node_pod(j, r, tally=tally, returncode=codes[r]) for r in range(j.spec.nodes)]
     prev = {"phase": "Running", "attempt": tally.attempt, "launchedAttempt": tally.attempt,
             "restarts": tally.restarts, "countedRestarts": tally.counted_restarts,
             "startTime": started.strftime("%Y-%m-%dT%H:%M:%SZ")}

@@ -98,7 +98,7 @@ def test_decisions_and_status_are_the_same_on_slim_pods(with_log):
     assert len(jobs) >= 4
     for job, pods in jobs:
         if with_log:
-            job = make_job(job.name, namespace=job.namespace, uid=job.uid, nodes=job.nodes,
+            job = make_job(job.name, namespace=job.namespace, uid=job.uid, nodes=job.spec.nodes,
                            failurePolicy={"logTailInStatus": True})
         whole, slim = Group.of(pods), Group.of([podinfo.slim(p) for p in pods])
         for prev in (None, {"phase": "Running", "attempt": 0, "launchedAttempt": 0}):

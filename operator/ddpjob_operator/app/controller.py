@@ -366,7 +366,7 @@ class Reconciler:
             self._stop_scraping(key, job.uid if decision.phase.finished else None)
         self.metrics.record_pass(key, prev_status=prev, status=status,
                                  restarted=decision.restarted.reason if decision.restarted else None,
-                                 hang_timeout=job.hang_timeout_seconds)
+                                 hang_timeout=job.spec.hang_timeout_seconds)
         if decision.requeue_after is not None and not decision.delete_job:
             self.queue.kick_later(key, decision.requeue_after)
         self.metrics.reconcile_seconds.observe(time.monotonic() - started)

@@ -94,21 +94,21 @@ def pod_env(
     SIGTERM-to-SIGKILL seconds (a pod's: stop_grace_seconds; a local run keeps the launcher's default).
     `mlflow_tracking_uri`: the operator's default for a job whose spec.trainer.mlflow names none."""
     addr = master_addr or master_dns(job, cluster_domain=cluster_domain)
-    port = master_port or job.master_port
+    port = master_port or job.spec.master_port
     env: dict[str, str] = {
         contract.ENV_MASTER_ADDR: addr,
         contract.ENV_MASTER_PORT: str(port),
-        contract.ENV_NNODES: str(job.nodes),
+        contract.ENV_NNODES: str(job.spec.nodes),
         contract.ENV_NODE_RANK: str(rank),
         contract.ENV_NPROC_PER_NODE: str(job.nproc_per_node),
         contract.ENV_WORLD_SIZE: str(job.world_size),
         contract.PET_NPROC_PER_NODE: str(job.nproc_per_node),
         contract.ENV_JOB_NAME: job.name,
         contract.ENV_JOB_NAMESPACE: job.namespace,
-        contract.ENV_POD_METRICS_PORT: str(metrics_port or job.metrics_port),
+        contract.ENV_POD_METRICS_PORT: str(metrics_port or job.spec.metrics_port),
         contract.ENV_ATTEMPT: str(attempt),
-        contract.ENV_IMAGE: job.image,
-        contract.ENV_GPUS_PER_NODE: str(job.gpus_per_node),
+        contract.ENV_IMAGE: job.spec.image,
+        contract.ENV_GPUS_PER_NODE: str(job.spec.gpus_per_node),
         # Unbuffered output so `kubectl logs` and the local runner see errors at once.
         contract.ENV_UNBUFFERED: "1",
     }
@@ -116,7 +116,7 @@ def pod_env(
     # restart in place: a pod whose worker dies restarts its workers, up to PET_MAX_RESTARTS times,
     # and the other pods' agents see the new round and restart theirs (docs/restarts.md). The id
     # names the attempt, so a group restart never meets an older attempt's round.
-    nnodes = f"{job.min_nodes}:{job.max_nodes}" if job.elastic else str(job.nodes)
+    nnodes = f"{job.min_nodes}:{job.max_nodes}" if job.spec.elastic else str(job.spec.nodes)
     env.update({
         contract.PET_NNODES: nnodes,
         contract.PET_RDZV_BACKEND: "c10d",
@@ -125,10 +125,10 @@ def pod_env(
         contract.PET_MAX_RESTARTS: str(inplace_budget(job)),
         contract.ENV_TORCH_NO_SHARED_RDZV_STORE: "1",
         # The agent restarts a stalled rank's workers in place, by the monitor's rule (docs/restarts.md).
-        contract.ENV_RESTART_ON_HANG: "1" if job.restart_on_hang else "0",
+        contract.ENV_RESTART_ON_HANG: "1" if job.spec.failure_policy.restart_on_hang else "0",
     })
-    if job.hang_timeout_seconds is not None:
-        env[contract.ENV_HANG_TIMEOUT] = str(job.hang_timeout_seconds)
+    if job.spec.hang_timeout_seconds is not None:
+        env[contract.ENV_HANG_TIMEOUT] = str(job.spec.hang_timeout_seconds)
     if job.uid:
         env[contract.ENV_JOB_UID] = job.uid
     if stop_grace is not None:
@@ -161,9 +161,9 @@ def inplace_budget(job: JobSpec) -> int:
     """PET_MAX_RESTARTS, the in-place restarts torchrun's agent of one pod may make: the job's
     restart budget (failurePolicy.maxRestarts), or spec.elastic.maxRestarts where set. The operator
     charges every in-place restart to failurePolicy.maxRestarts as well (decisions/inplace.py)."""
-    if job.elastic and job.elastic.max_restarts is not None:
-        return job.elastic.max_restarts
-    return job.max_restarts
+    if job.spec.elastic and job.spec.elastic.max_restarts is not None:
+        return job.spec.elastic.max_restarts
+    return job.spec.failure_policy.max_restarts
 
 
 def stop_grace_seconds(job: JobSpec) -> float:

@@ -182,7 +182,7 @@ def gang_state(job: JobSpec, attempt: Attempt, *, podgroup: dict[str, Any] | Non
         or default_scheduler_name(job)
     where = f"PodGroup {podgroup_name(job)} ({api.group}, minMember {need})"
     if current and bound >= need:
-        return GangState(True, "Scheduled", f"{bound}/{job.nodes} pods placed together by {scheduler}; {where}")
+        return GangState(True, "Scheduled", f"{bound}/{job.spec.nodes} pods placed together by {scheduler}; {where}")
     pg_status = (podgroup or {}).get("status") or {}
     phase = str(pg_status.get("phase") or "")
     if phase in STALE_PHASES:

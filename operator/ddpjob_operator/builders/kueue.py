@@ -54,7 +54,7 @@ def pod_metadata(job: JobSpec, attempt: int) -> tuple[dict[str, str], dict[str, 
     if queue is None:
         return {}, {}
     return ({QUEUE_LABEL: queue, GROUP_LABEL: group_name(job, attempt)},
-            {TOTAL_ANNOTATION: str(job.nodes), RETRIABLE_ANNOTATION: "false"})
+            {TOTAL_ANNOTATION: str(job.spec.nodes), RETRIABLE_ANNOTATION: "false"})
 
 
 def gated(pod: dict[str, Any]) -> bool:
@@ -81,7 +81,7 @@ def admission(job: JobSpec, attempt: Attempt) -> Admission | None:
     waiting = sum(1 for p in current if gated(p))
     if waiting:
         return Admission(False, "Queued",
-                         f"waiting in Kueue LocalQueue {queue} for quota for all {job.nodes} pods: {waiting} "
+                         f"waiting in Kueue LocalQueue {queue} for quota for all {job.spec.nodes} pods: {waiting} "
                          f"gated ({ADMISSION_GATE}), holding no node or GPU; Kueue's Workload {group} says why")
     if any(((p.get("metadata") or {}).get("labels") or {}).get(MANAGED_LABEL) == "true" for p in current):
         return Admission(True, "Admitted", f"Kueue admitted pod group {group} from LocalQueue {queue}")

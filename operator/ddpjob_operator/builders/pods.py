@@ -54,10 +54,10 @@ def share_process_namespace(job: JobSpec) -> bool | None:
 def container_command(job: JobSpec) -> tuple[list[str], list[str] | None]:
     """(command, args) per the launcher contract: our launcher wraps the user's command."""
     if job.command:
-        if job.launcher:
+        if job.spec.launcher:
             return LAUNCHER + list(job.command), job.args
         return list(job.command), job.args
-    if job.launcher:
+    if job.spec.launcher:
         return list(LAUNCHER), job.args
     # No launcher and no command: torchrun reads PET_* from the env, so it needs no flags.
     return ["torchrun", "-m", "ddpjob_trainer"], job.args
@@ -65,7 +65,7 @@ def container_command(job: JobSpec) -> tuple[list[str], list[str] | None]:
 
 def default_runtime_class(job: JobSpec, config: OperatorConfig) -> str | None:
     """The operator's runtime class for GPU jobs (a job's or its template's runtimeClassName wins)."""
-    if job.gpus_per_node > 0 and config.default_runtime_class:
+    if job.spec.gpus_per_node > 0 and config.default_runtime_class:
         return config.default_runtime_class
     return None
 
@@ -73,7 +73,7 @@ def default_runtime_class(job: JobSpec, config: OperatorConfig) -> str | None:
 def device_limits(job: JobSpec) -> dict[str, Any] | None:
     """nvidia.com/gpu = gpusPerNode and spec.rdma's devices (extended resources: the request, if
     any, equals the limit)."""
-    owned = {GPU_RESOURCE: str(job.gpus_per_node)} if job.gpus_per_node > 0 else {}
+    owned = {GPU_RESOURCE: str(job.spec.gpus_per_node)} if job.spec.gpus_per_node > 0 else {}
     owned.update(rdma.limits(job))
     return {"limits": owned} if owned else None
 
@@ -119,7 +119,7 @@ def pod_spread(job: JobSpec) -> list[dict[str, Any]]:
            for c in own):
         return own
     return [*own, {"maxSkew": 1, "topologyKey": HOSTNAME_KEY, "whenUnsatisfiable": "DoNotSchedule",
-                   "minDomains": job.nodes, **selector}]
+                   "minDomains": job.spec.nodes, **selector}]
 
 
 def container_env(job: JobSpec, rank: int, *, attempt: int = 0, cluster_domain: str | None = None,
@@ -141,13 +141,13 @@ def render_pod(job: JobSpec, rank: int, *, attempt: int = 0, config: OperatorCon
     command, args = container_command(job)
     container = {
         "name": Layers(owned=labels.CONTAINER),
-        "image": Layers(owned=job.image),
+        "image": Layers(owned=job.spec.image),
         "command": Layers(owned=command),
         "env": Layers(owned=container_env(job, rank, attempt=attempt, cluster_domain=config.cluster_domain or None,
                                           mlflow_tracking_uri=config.mlflow_tracking_uri or None)),
         "ports": Layers(owned=[
-            {"name": "master", "containerPort": job.master_port, "protocol": "TCP"},
-            {"name": "metrics", "containerPort": job.metrics_port, "protocol": "TCP"},
+            {"name": "master", "containerPort": job.spec.master_port, "protocol": "TCP"},
+            {"name": "metrics", "containerPort": job.spec.metrics_port, "protocol": "TCP"},
         ]),
         "resources": Layers(flat=spec.resources, owned=device_limits(job)),
         "volumeMounts": Layers(owned=[{"name": SHM_VOLUME, "mountPath": "/dev/shm"}], flat=spec.volume_mounts),

@@ -22,7 +22,7 @@ def render_objects(obj: dict[str, Any], *, namespace: str | None = None,
     if namespace and not (obj.get("metadata") or {}).get("namespace"):
         obj["metadata"]["namespace"] = namespace
     job = from_manifest(obj)
-    pods = [render_pod(job, r, attempt=0, config=config) for r in range(job.nodes)]
+    pods = [render_pod(job, r, attempt=0, config=config) for r in range(job.spec.nodes)]
     podgroup = gang.render_podgroup(job, pods[0])
     return [render_service(job)] + ([podgroup] if podgroup else []) + pods
 

@@ -38,8 +38,8 @@ def render_service(job: JobSpec) -> dict[str, Any]:
             "publishNotReadyAddresses": True,
             "selector": {labels.JOB_NAME: job.name},
             "ports": [
-                {"name": "master", "port": job.master_port, "targetPort": job.master_port, "protocol": "TCP"},
-                {"name": "metrics", "port": job.metrics_port, "targetPort": job.metrics_port, "protocol": "TCP"},
+                {"name": "master", "port": job.spec.master_port, "targetPort": job.spec.master_port, "protocol": "TCP"},
+                {"name": "metrics", "port": job.spec.metrics_port, "targetPort": job.spec.metrics_port, "protocol": "TCP"},
             ],
         },
     }

@@ -228,7 +228,7 @@ def _sooner(a: float | None, b: float | None) -> float | None:
 
 def _finished_deletes(job: JobSpec, group: Group) -> list[str]:
     """Pods that cleanPodPolicy removes once the job finished."""
-    policy = job.clean_pod_policy
+    policy = job.spec.clean_pod_policy
     if policy == "None":
         return []
     return [podinfo.name(p) for p in group.live if not (policy == "Running" and podinfo.ended(p))]
@@ -242,18 +242,18 @@ def _failures(job: JobSpec, current: dict[int, dict], attempt: int, launched: bo
     is not created yet is not lost (it is about to be), one whose replacement vanished is."""
     out: list[tuple[int, dict[str, Any], Failure]] = []
     for r, pod in sorted(current.items()):
-        f = verdict(pod, with_log=job.log_tail_in_status)
+        f = verdict(pod, with_log=job.spec.failure_policy.log_tail_in_status)
         if f is not None:
             out.append((r, pod, f))
     if launched:
-        for r in range(job.nodes):
+        for r in range(job.spec.nodes):
             if r not in current:
                 name = pod_name(job.name, r, attempt, numbers.get(r, 0))
                 if numbers.get(r) and name not in departed:
                     continue
                 last = departed.get(name) or {"metadata": {"name": name}}
                 # never None with gone=True: the table's last rule matches every departed pod
-                out.append((r, last, verdict(last, gone=True, with_log=job.log_tail_in_status)))  # type: ignore[arg-type]
+                out.append((r, last, verdict(last, gone=True, with_log=job.spec.failure_policy.log_tail_in_status)))  # type: ignore[arg-type]
     return out
 
 
@@ -323,7 +323,7 @@ def finished_claim_holds(job: JobSpec, prev_phase: Phase | None, group: Group, a
     if prev_phase is None or not prev_phase.finished:
         return False
     active = {podinfo.rank(p) for p in group.at(attempt).active if podinfo.phase(p) in ("Pending", "Running")}
-    return not all(r in active for r in range(job.nodes))
+    return not all(r in active for r in range(job.spec.nodes))
 
 
 @dataclass(frozen=True)
@@ -358,7 +358,7 @@ def observe(job: JobSpec, group: Group, prev: dict[str, Any], *, now: dt.datetim
         # Claimed finished while its pods still run: decide from the pods instead.
         prev_phase, base = Phase.RUNNING, replace(base, phase=Phase.RUNNING, completion_time=None)
     active = base
-    if prev_phase is Phase.SUSPENDED and not job.suspend:
+    if prev_phase is Phase.SUSPENDED and not job.spec.suspend:
         # Resume: a fresh attempt (the old pods are gone, not failed), deadline clock restarts.
         active = replace(base, attempt=base.attempt + 1, start_time=now, phase=Phase.PENDING, reason=Reason.RESUMED,
                          message="spec.suspend is false: pods recreated")
@@ -367,7 +367,7 @@ def observe(job: JobSpec, group: Group, prev: dict[str, Any], *, now: dt.datetim
     # startTime does when Kueue unsuspends it.
     queued = kueue.queue_name(job) is not None and any(kueue.gated(p) for p in this.pods)
     start = now if active.start_time is None or queued else active.start_time
-    elapsed, deadline = (now - start).total_seconds(), job.active_deadline_seconds
+    elapsed, deadline = (now - start).total_seconds(), job.spec.active_deadline_seconds
 
     # A lost pod being replaced stands for its rank no more: its replacement is created once it is gone.
     replacing = replacements_of(prev, active.attempt)
@@ -377,11 +377,11 @@ def observe(job: JobSpec, group: Group, prev: dict[str, Any], *, now: dt.datetim
                                                    inplace.as_int(e.get("replacement")))
     # (Only a pod that did end or is being deleted: a status edit naming a live pod must not get it deleted.)
     current = {r: p for r, p in this.by_rank.items()
-               if r < job.nodes and not (podinfo.name(p) in replacing and verdict(p) is not None)}
+               if r < job.spec.nodes and not (podinfo.name(p) in replacing and verdict(p) is not None)}
     lost = _failures(job, current, active.attempt, launched=active.launched_attempt == active.attempt,
                      departed=this.departed, numbers=numbers)
     failures = [f for _, _, f in lost]
-    if hang_overdue and job.restart_on_hang and prev_phase is Phase.RUNNING:
+    if hang_overdue and job.spec.failure_policy.restart_on_hang and prev_phase is Phase.RUNNING:
         # The pods' agents restart a stalled rank's workers in place at one hang timeout; still
         # stalled a timeout later, that did not work (a user's own torchrun, an agent stuck in its
         # rendezvous): the group restart is what is left.
@@ -397,10 +397,10 @@ def observe(job: JobSpec, group: Group, prev: dict[str, Any], *, now: dt.datetim
     active = replace(active, start_time=start, replacement_rounds=rounds,
                      requeue_after=None if deadline is None else deadline - elapsed)
     facts = policies.Observation(
-        finished=finished, suspend=job.suspend, deadline=deadline, elapsed=elapsed,
+        finished=finished, suspend=job.spec.suspend, deadline=deadline, elapsed=elapsed,
         lost=tuple((r, f) for r, _, f in lost), failures=tuple(failures), group_only=group_only(job),
         counted_restarts=active.counted_restarts, in_place=in_place_restarts(prev, ranks, replaced=rounds),
-        max_restarts=job.max_restarts)
+        max_restarts=job.spec.failure_policy.max_restarts)
     return Seen(prev, base, active, this, current, numbers, lost, facts)
 
 
@@ -455,9 +455,9 @@ def _steady(job: JobSpec, group: Group, seen: Seen, alone: list[Replacement], *,
         current = {r: p for r, p in current.items() if r not in {a.rank for a in alone}}
     d = _children(job, group, seen.this, d, current, numbers, now)
     phases = [podinfo.phase(current[r]) for r in sorted(current)]
-    if len(current) == job.nodes and all(ph == "Succeeded" for ph in phases):
+    if len(current) == job.spec.nodes and all(ph == "Succeeded" for ph in phases):
         return _finish(job, replace(d, phase=Phase.SUCCEEDED, reason=Reason.SUCCEEDED,
-                                    message=f"all {job.nodes} node(s) exited 0"), group, now)
+                                    message=f"all {job.spec.nodes} node(s) exited 0"), group, now)
     d = _phase(job, d, current, numbers, seen.prev)
     d = replace(d, start_errors=start_errors([current[r] for r in sorted(current)]))
     if d.start_errors:
@@ -491,13 +491,13 @@ def _children(job: JobSpec, group: Group, this: Attempt, d: Decision, current: d
     kept = kept_pods(job, group, d.attempt) | {podinfo.name(p) for p in this.pods if podinfo.phase(p) == "Failed"}
     d = replace(d, delete_pods=[podinfo.name(p) for p in group.live
                                 if podinfo.name(p) not in current_names and podinfo.name(p) not in kept])
-    if len(current) == job.nodes:
+    if len(current) == job.spec.nodes:
         d = replace(d, launched_attempt=d.attempt)
     blocking = [when for when in (_leftover_until(p, now) for p in group.pods if podinfo.name(p) not in current_names)
                 if when is not None]
     if blocking:
         return replace(d, requeue_after=_sooner(d.requeue_after, max(0.1, (min(blocking) - now).total_seconds())))
-    create = [r for r in range(job.nodes)
+    create = [r for r in range(job.spec.nodes)
               if r not in current and pod_name(job.name, r, d.attempt, numbers.get(r, 0)) not in group.names]
     return replace(d, create_ranks=create, replacement={r: numbers[r] for r in create if numbers.get(r)})
 
@@ -505,8 +505,8 @@ def _children(job: JobSpec, group: Group, this: Attempt, d: Decision, current: d
 def _phase(job: JobSpec, d: Decision, current: dict[int, dict[str, Any]], numbers: Mapping[int, int],
            prev: dict[str, Any]) -> Decision:
     """The phase the pods show while the group neither ended nor restarts."""
-    if len(current) == job.nodes and all(podinfo.phase(p) in ("Running", "Succeeded") for p in current.values()):
-        d = replace(d, phase=Phase.RUNNING, reason=Reason.RUNNING, message=f"all {job.nodes} node(s) running")
+    if len(current) == job.spec.nodes and all(podinfo.phase(p) in ("Running", "Succeeded") for p in current.values()):
+        d = replace(d, phase=Phase.RUNNING, reason=Reason.RUNNING, message=f"all {job.spec.nodes} node(s) running")
     elif d.phase is Phase.RUNNING and (waiting := [r for r in sorted(numbers) if podinfo.phase(current.get(r) or {})
                                                    != "Running"]):
         # The others keep their pods and wait in the rendezvous: the job still runs.
@@ -515,7 +515,7 @@ def _phase(job: JobSpec, d: Decision, current: dict[int, dict[str, Any]], number
     elif d.phase is Phase.RUNNING:
         d = replace(d, phase=Phase.PENDING)  # cannot really happen (pods never go back to Pending); stay honest
     elif d.phase is not Phase.RESTARTING and d.reason != Reason.RESUMED:
-        d = replace(d, phase=Phase.PENDING, reason=Reason.CREATED, message=f"waiting for {job.nodes} node(s) to start")
+        d = replace(d, phase=Phase.PENDING, reason=Reason.CREATED, message=f"waiting for {job.spec.nodes} node(s) to start")
     refused = condition(prev, Cond.FAILED_CREATE_POD)
     if refused and d.create_ranks and d.phase is Phase.PENDING:
         # The API server refused a pod (status.create_refused); say so until every pod exists.
@@ -560,7 +560,7 @@ def _start_error(job: JobSpec, d: Decision, prev: dict[str, Any], now: dt.dateti
     The clock is the ContainersNotStarting condition's lastTransitionTime: it survives operator
     restarts and resets once every container started."""
     err = d.start_errors[0]
-    timeout = job.pod_start_timeout
+    timeout = job.spec.failure_policy.pod_start_timeout_seconds
     since = _iso((condition(prev, Cond.CONTAINERS_NOT_STARTING) or {}).get("lastTransitionTime")) or now
     waited = max(0.0, (now - since).total_seconds())
     if timeout is not None and waited >= timeout:
@@ -576,7 +576,7 @@ def _start_error(job: JobSpec, d: Decision, prev: dict[str, Any], now: dt.dateti
 def _finish(job: JobSpec, d: Decision, group: Group, now: dt.datetime) -> Decision:
     """Terminal phase: completion time, cleanPodPolicy deletes, TTL."""
     done = d.completion_time or now
-    ttl = job.ttl_seconds_after_finished
+    ttl = job.spec.ttl_seconds_after_finished
     left = None if ttl is None else ttl - (now - done).total_seconds()
     return replace(d, completion_time=done, delete_pods=_finished_deletes(job, group), create_ranks=[],
                    requeue_after=left if left is not None and left > 0 else None,

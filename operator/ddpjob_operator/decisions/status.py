@@ -78,12 +78,12 @@ def _clear(conditions: list[dict[str, Any]], type: str, reason: str, message: st
 def node_counts(job: JobSpec, current: Attempt) -> dict[str, Any]:
     """Per-phase counts of the current attempt's pods, each rank's newest (a replaced pod kept
     Failed for its logs counts as nothing, nor does a terminating one)."""
-    counts: dict[str, Any] = {"total": job.nodes, "pending": 0, "running": 0, "succeeded": 0, "failed": 0}
+    counts: dict[str, Any] = {"total": job.spec.nodes, "pending": 0, "running": 0, "succeeded": 0, "failed": 0}
     for p in (p for p in current.by_rank.values() if not podinfo.terminating(p)):
         ph = podinfo.phase(p).lower()
         if ph in counts and ph != "total":
             counts[ph] += 1
-    counts["ready"] = f"{counts['running']}/{job.nodes}"
+    counts["ready"] = f"{counts['running']}/{job.spec.nodes}"
     return counts
 
 
@@ -109,7 +109,7 @@ def debug_dir_of(job: JobSpec, attempt: int) -> str | None:
     """Where the built-in trainer of a GPU job puts an attempt's NCCL flight-recorder dumps (on its
     checkpoint volume); None when it has no such place (a CPU job, a user's command, no checkpoints)."""
     ckpt = (job.trainer.get("checkpoint") or {}).get("dir")
-    if not (job.uses_builtin_trainer and job.gpus_per_node > 0 and ckpt):
+    if not (job.uses_builtin_trainer and job.spec.gpus_per_node > 0 and ckpt):
         return None
     return contract.debug_dir(ckpt, attempt)
 
@@ -194,15 +194,15 @@ def _in_place(conds: list[dict[str, Any]], up: inplace.Update, job: JobSpec, d: 
     """The Restarting condition while a running job restarts in place, and an event for each
     in-place restart (Warning) and for each that steps again (Normal)."""
     used = d.counted_restarts + up.in_place_restarts
-    cond = inplace.restarting(up, budget_used=used, max_restarts=job.max_restarts)
+    cond = inplace.restarting(up, budget_used=used, max_restarts=job.spec.failure_policy.max_restarts)
     if cond is not None and d.phase is Phase.RUNNING:
         status, reason, message = cond
         set_condition(conds, type=Cond.RESTARTING, status=status, reason=reason, message=message,
                       now=now, generation=gen)
     events: list[Event] = [("Warning", Reason.RESTARTING_IN_PLACE,
-                            inplace.restarting_message(e, used=used, max_restarts=job.max_restarts)) for e in up.new]
+                            inplace.restarting_message(e, used=used, max_restarts=job.spec.failure_policy.max_restarts)) for e in up.new]
     events += [("Warning", Reason.REPLACING_POD, f"{inplace.describe(e)}; the other pods keep theirs "
-                f"({used}/{job.max_restarts} of failurePolicy.maxRestarts used)")
+                f"({used}/{job.spec.failure_policy.max_restarts} of failurePolicy.maxRestarts used)")
                for e in up.history if e.get("kind") == Recovery.REPLACE and e.get("newPod") in {r.new_pod for r in d.replaced}]
     events += [("Normal", Reason.POD_REPLACED if e["kind"] == Recovery.REPLACE else Reason.RESTARTED_IN_PLACE,
                 inplace.recovered_message(e)) for e in up.recovered]
@@ -223,14 +223,14 @@ def _resized(conds: list[dict[str, Any]], up: inplace.Update, job: JobSpec, rank
     pending = up.pending
     if pending is not None and pending.get("kind") == Recovery.REPLACE and ranks is not None:
         pods = inplace.training_without(pending, ranks)
-        if pods is not None and job.min_nodes < job.nodes:
+        if pods is not None and job.min_nodes < job.spec.nodes:
             was = condition({"conditions": conds}, Cond.RESIZED)
-            text = (f"running on {len(pods)} of {job.nodes} nodes (spec.elastic.minNodes={job.min_nodes}) while "
+            text = (f"running on {len(pods)} of {job.spec.nodes} nodes (spec.elastic.minNodes={job.min_nodes}) while "
                     f"pod {pending.get('newPod')}, which replaces {pending.get('pod')}, is not running; it joins when it starts")
             set_condition(conds, type=Cond.RESIZED, status=True, reason=Reason.FEWER_NODES, message=text, now=now, generation=gen)
             return [] if was else [("Warning", Reason.FEWER_NODES, text)]
     if pending is None and condition({"conditions": conds}, Cond.RESIZED):
-        text = f"running on all {job.nodes} nodes again"
+        text = f"running on all {job.spec.nodes} nodes again"
         _clear(conds, Cond.RESIZED, Reason.ALL_NODES, text, now, gen)
         return [("Normal", Reason.ALL_NODES, text)]
     return []
@@ -256,7 +256,7 @@ def _goodput(job: JobSpec, current: Attempt, d: Decision, prev: dict[str, Any], 
         ended=d.completion_time.timestamp() if d.phase.finished and d.completion_time is not None else None,
         suspended=Phase.parse(prev.get("phase")) is Phase.SUSPENDED, attempt=d.attempt,
         restarted=d.restarted is not None,
-        scheduled_at=(goodput.scheduled_at(list(current.by_rank.values()), job.nodes)
+        scheduled_at=(goodput.scheduled_at(list(current.by_rank.values()), job.spec.nodes)
                       if goodput.mode(prev.get("goodput"), d.attempt) == "queued" else None),
         stepped_at=stepped, history=up.history, recovered=inplace.recoveries(known, {"restartHistory": up.history}),
         stalls=goodput.new_stalls(history, up.history, goodput.timestamp((prev.get("progress") or {}).get("lastStepTime"))),
@@ -283,9 +283,9 @@ def _created_conditions(conds: list[dict[str, Any]], job: JobSpec, d: Decision, 
         bool(d.create_ranks) or (d.phase is Phase.FAILED and not group.pods))
     if not refused and (d.create_ranks or group.pods or any(c.get("type") == Cond.CREATED for c in conds)):
         set_condition(conds, type=Cond.CREATED, status=True, reason=Reason.CREATED,
-                      message=f"headless service and {job.nodes} pod(s) created", now=now, generation=gen)
+                      message=f"headless service and {job.spec.nodes} pod(s) created", now=now, generation=gen)
     if not d.create_ranks and not refused:
-        _clear(conds, Cond.FAILED_CREATE_POD, Reason.CREATED, f"all {job.nodes} pod(s) created", now, gen)
+        _clear(conds, Cond.FAILED_CREATE_POD, Reason.CREATED, f"all {job.spec.nodes} pod(s) created", now, gen)
 
 
 def _start_condition(conds: list[dict[str, Any]], d: Decision, now: dt.datetime, gen: int) -> list[Event]:
@@ -339,13 +339,13 @@ def _restarts(job: JobSpec, group: Group, d: Decision, prev: dict[str, Any], ran
     the lost pods it replaces alone, and the in-place restarts the pods' agents report."""
     group_restart = d.restarted is not None
     return inplace.update(prev, attempt=d.attempt - 1 if group_restart else d.attempt, ranks=ranks,
-                          with_log=job.log_tail_in_status, now=now,
+                          with_log=job.spec.failure_policy.log_tail_in_status, now=now,
                           group=(d.attempt - 1, d.reason, d.message) if group_restart else None,
                           replaced=[inplace.replace_entry(r, attempt=d.attempt, ranks=ranks, prev_status=prev, now=now)
                                     for r in d.replaced],
                           replacement_rounds=d.replacement_rounds,
                           group_steps=_failure_steps(group.at(d.attempt - 1)) if group_restart else (),
-                          window=float(job.hang_timeout_seconds or contract.STARTUP_HANG_TIMEOUT))
+                          window=float(job.spec.hang_timeout_seconds or contract.STARTUP_HANG_TIMEOUT))
 
 
 def _report_conditions(conds: list[dict[str, Any]], report: MonitorReport | None, now: dt.datetime) -> None:
@@ -387,7 +387,7 @@ def _evidence(job: JobSpec, group: Group, d: Decision, prev: dict[str, Any]) -> 
     failures = list(prev.get("failures") or [])
     ended = d.attempt - 1 if d.restarted is not None else (d.attempt if d.phase is Phase.FAILED else None)
     if ended is not None and not any(f.get("attempt") == ended for f in failures):
-        failures = (failures + failure_evidence(group.at(ended), with_log=job.log_tail_in_status,
+        failures = (failures + failure_evidence(group.at(ended), with_log=job.spec.failure_policy.log_tail_in_status,
                                                 debug_dir=debug_dir_of(job, ended)))[-MAX_FAILURES:]
     return failures
 
@@ -395,8 +395,8 @@ def _evidence(job: JobSpec, group: Group, d: Decision, prev: dict[str, Any]) -> 
 def _transition(job: JobSpec, d: Decision, prev_phase: Phase | None, up: inplace.Update) -> list[Event]:
     """One event per transition, never per pass."""
     if d.restarted is not None:
-        return [("Warning", Reason.RESTARTING, f"restarting all {job.nodes} node(s) as attempt {d.attempt} (restart "
-                 f"{d.restarts}, {d.counted_restarts + up.in_place_restarts}/{job.max_restarts} of the budget): "
+        return [("Warning", Reason.RESTARTING, f"restarting all {job.spec.nodes} node(s) as attempt {d.attempt} (restart "
+                 f"{d.restarts}, {d.counted_restarts + up.in_place_restarts}/{job.spec.failure_policy.max_restarts} of the budget): "
                  f"{d.message}")]
     if d.phase is prev_phase:
         return []
