@@ -41,8 +41,8 @@ from kopf._core.actions import lifecycles  # noqa: E402
 from kopf._core.engines import indexing  # noqa: E402
 from kopf._core.reactor import inventory, processing  # noqa: E402
 
-from ddpjob_operator.base.config import OperatorConfig  # noqa: E402
 from ddpjob_api.spec import GROUP, KIND, PLURAL, VERSION  # noqa: E402
+from ddpjob_operator.base.config import OperatorConfig  # noqa: E402
 from ddpjob_operator.app.handlers import register  # noqa: E402
 from ddpjob_operator.app.operator_main import operator_settings  # noqa: E402
 from ddpjob_operator.cluster.cache import Store  # noqa: E402

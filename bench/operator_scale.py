@@ -61,10 +61,10 @@ import stats  # noqa: E402
 from provenance import Provenance  # noqa: E402
 from ddpjob_api.spec import from_manifest  # noqa: E402
 from ddpjob_api import labels  # noqa: E402
+from ddpjob_api.contract import STAGES  # noqa: E402
 from ddpjob_operator.builders.pods import render_pod  # noqa: E402
 from ddpjob_operator.builders.service import render_service  # noqa: E402
 from ddpjob_operator.cluster.k8s import K8s  # noqa: E402
-from ddpjob_api.contract import STAGES  # noqa: E402
 from ddpjob_trainer.telemetry import STEP_BUCKETS  # noqa: E402
 from tests.support.cluster import (create_namespace, delete_namespace, ensure_cluster,  # noqa: E402
                                    set_pod_exit, wait_crd_established, wait_for)

@@ -59,8 +59,8 @@ sys.path.insert(0, str(REPO / "bench"))
 
 import stats  # noqa: E402
 from provenance import Provenance  # noqa: E402
-from ddpjob_operator.decisions.samples import RankSample, parse_metrics  # noqa: E402
 from ddpjob_api import contract  # noqa: E402
+from ddpjob_operator.decisions.samples import RankSample, parse_metrics  # noqa: E402
 from tests.realpods.conftest import (apply_docs, example_docs, helm_install_operator,  # noqa: E402
                                      shared_checkpoint_pv)
 from tests.support.cluster import Cluster, create_namespace, delete_namespace, wait_for  # noqa: E402

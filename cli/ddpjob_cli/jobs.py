@@ -18,7 +18,6 @@ from typing import Any, Callable, Iterator
 import click
 
 from ddpjob_api import contract
-
 from ddpjob_api.phases import Phase
 from ddpjob_operator.decisions import stacks as captured_stacks
 

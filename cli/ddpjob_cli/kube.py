@@ -16,10 +16,10 @@ from kubernetes import client, config as kconfig
 from urllib3.exceptions import HTTPError
 
 from ddpjob_api import labels
+from ddpjob_api.spec import API_VERSION, PLURAL
 from ddpjob_operator.cluster.k8s import child_path
 from ddpjob_operator.base.podinfo import is_simulated_node
 from ddpjob_operator.cluster.scrape import MAX_BODY_BYTES
-from ddpjob_api.spec import API_VERSION, PLURAL
 
 from .views import api_error, missing_object
 

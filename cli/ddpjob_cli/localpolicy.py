@@ -8,11 +8,11 @@ import datetime as dt
 from dataclasses import dataclass
 
 from ddpjob_api import labels
-from ddpjob_operator.base.group import Group
 from ddpjob_api.names import pod_name
-from ddpjob_operator.decisions.lifecycle import Decision, decide
 from ddpjob_api.phases import Phase
 from ddpjob_api.spec import JobSpec
+from ddpjob_operator.base.group import Group
+from ddpjob_operator.decisions.lifecycle import Decision, decide
 
 
 @dataclass(frozen=True)

@@ -13,15 +13,15 @@ import re
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator, Mapping
 
+from ddpjob_api.contract import INPLACE_MARKER_RE, MLFLOW_DEFAULT_EXPERIMENT, public_uri
+from ddpjob_api.phases import Phase, Signal
+from ddpjob_api.spec import KIND, PLURAL, from_manifest
 from ddpjob_operator.base import objmeta, podinfo
 from ddpjob_operator.base.group import Group
-from ddpjob_api.contract import INPLACE_MARKER_RE, MLFLOW_DEFAULT_EXPERIMENT, public_uri
 from ddpjob_operator.decisions import goodput
-from ddpjob_api.phases import Phase, Signal
 from ddpjob_operator.base.podinfo import meta
 from ddpjob_operator.decisions.progress import UNAVAILABLE, human_duration
 from ddpjob_operator.decisions.samples import RankSample
-from ddpjob_api.spec import KIND, PLURAL, from_manifest
 
 Row = list[str]
 NONE = "-"

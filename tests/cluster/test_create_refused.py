@@ -11,9 +11,9 @@ import yaml
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 
+from ddpjob_api.spec import from_manifest
 from ddpjob_operator.base.group import Group
 from ddpjob_operator.builders.pods import render_pod
-from ddpjob_api.spec import from_manifest
 from ddpjob_operator.app.children import refusal
 from ddpjob_operator.decisions.status import create_refused
 from tests.support.passes import pass_status

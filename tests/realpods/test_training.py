@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from ddpjob_operator.base.objmeta import parse_time
 from ddpjob_api.contract import STALL_ERROR_RE
+from ddpjob_operator.base.objmeta import parse_time
 
 from tests.realpods.conftest import (
     EXAMPLES,

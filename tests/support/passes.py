@@ -4,9 +4,9 @@ from __future__ import annotations
 import datetime as dt
 from typing import Any
 
+from ddpjob_api.spec import JobSpec
 from ddpjob_operator.base.config import OperatorConfig
 from ddpjob_operator.base.group import Group
-from ddpjob_api.spec import JobSpec
 from ddpjob_operator.decisions.lifecycle import decide
 from ddpjob_operator.decisions.samples import MonitorReport
 from ddpjob_operator.decisions.status import Event, job_status

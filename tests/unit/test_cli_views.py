@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from ddpjob_cli import views
 from ddpjob_api.phases import Phase
+from ddpjob_cli import views
 from tests.support.builders import NOW, ago, make_manifest, make_pod, running_status
 
 

@@ -7,8 +7,8 @@ import json
 import pytest
 
 from ddpjob_api.names import master_dns
-from ddpjob_operator.builders.envvars import env_dict, nccl_env, pod_env
 from ddpjob_api.spec import resolve_nproc
+from ddpjob_operator.builders.envvars import env_dict, nccl_env, pod_env
 from tests.support.builders import make_job
 
 

@@ -7,11 +7,11 @@ import json
 import pytest
 from kubernetes.client.rest import ApiException
 
+from ddpjob_api.validation import validate_manifest
 from ddpjob_operator.base.group import Group
 from ddpjob_operator.builders import gang
 from ddpjob_operator.builders.pods import render_pod
 from ddpjob_operator.builders.render import render_objects
-from ddpjob_api.validation import validate_manifest
 from tests.support.builders import NOW, make_job, make_manifest, make_pod
 from tests.support.passes import pass_status
 from tests.unit.test_reconcile import (NS, FakeK8s, name_conflict, next_group_pass, reconciler, run, set_phase,

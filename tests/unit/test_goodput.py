@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 import pytest
 
 from ddpjob_api.contract import GOODPUT_CATEGORIES
-
 from ddpjob_operator.base.group import Group
 from ddpjob_operator.decisions import goodput
 from ddpjob_operator.decisions.goodput import Observed, advance

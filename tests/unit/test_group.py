@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from ddpjob_operator.base import podinfo
 from ddpjob_api import labels
+from ddpjob_operator.base import podinfo
 from ddpjob_operator.base.group import Group
 from tests.support.builders import make_pod
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 
 from ddpjob_api.specgen import DDPJobSpec
-from ddpjob_operator.decisions.health import HealthTracker
 from ddpjob_api.phases import Signal
+from ddpjob_operator.decisions.health import HealthTracker
 from ddpjob_operator.decisions.samples import RankSample
 
 

@@ -3,12 +3,12 @@ from __future__ import annotations
 
 import pytest
 
+from ddpjob_api.phases import Phase
+from ddpjob_api.spec import from_manifest
 from ddpjob_operator.base.group import Group
 from ddpjob_operator.builders import kueue
 from ddpjob_operator.decisions.lifecycle import decide
-from ddpjob_api.phases import Phase
 from ddpjob_operator.builders.pods import render_pod
-from ddpjob_api.spec import from_manifest
 from tests.support.builders import NOW, ago, make_manifest, make_pod
 from tests.support.passes import pass_status
 

@@ -3,11 +3,11 @@ from __future__ import annotations
 
 import pytest
 
+from ddpjob_api.phases import Phase
 from ddpjob_operator.base.group import Group
 from ddpjob_operator.base.config import OperatorConfig
 from ddpjob_operator.builders.pods import render_pod
 from ddpjob_operator.decisions.lifecycle import decide
-from ddpjob_api.phases import Phase
 from tests.support.builders import NOW, ago, make_job, make_pod, running_status
 
 

@@ -6,10 +6,10 @@ import functools
 
 import pytest
 
-from ddpjob_operator.base.group import Group
 from ddpjob_api import labels
-from ddpjob_operator.decisions.lifecycle import Verdict, decide, trusted_counters, verdict
 from ddpjob_api.phases import Phase
+from ddpjob_operator.base.group import Group
+from ddpjob_operator.decisions.lifecycle import Verdict, decide, trusted_counters, verdict
 from ddpjob_operator.builders.pods import render_pod
 from ddpjob_operator.decisions.redact import redact
 from tests.support.builders import NOW, make_job, make_pod, running_status

@@ -6,10 +6,10 @@ import datetime as dt
 
 import pytest
 
+from ddpjob_api.phases import Phase
 from ddpjob_operator.base.group import Group
 from ddpjob_operator.decisions.lifecycle import decide
 from ddpjob_cli.localpolicy import Tally, after_failure, exit_code, node_pod
-from ddpjob_api.phases import Phase
 from tests.support.builders import make_job
 
 NOW = dt.datetime(2026, 11, 23, 12, 0, tzinfo=dt.timezone.utc)

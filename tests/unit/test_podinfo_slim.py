@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from ddpjob_operator.base import objmeta, podinfo
 from ddpjob_api import labels
+from ddpjob_operator.base import objmeta, podinfo
 from ddpjob_operator.base.group import Group
 from ddpjob_operator.builders import gang, kueue
 from ddpjob_operator.cluster.cache import pod_store

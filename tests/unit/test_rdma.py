@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
+from ddpjob_api.validation import validate_manifest
 from ddpjob_operator.builders.envvars import env_dict, pod_env
 from ddpjob_operator.builders.pods import render_pod
-from ddpjob_api.validation import validate_manifest
 from tests.support.builders import make_job, make_manifest
 
 IB = {"resource": "rdma/ib"}

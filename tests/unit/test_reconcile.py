@@ -16,13 +16,13 @@ from kubernetes.client.rest import ApiException
 from prometheus_client import CollectorRegistry
 
 from ddpjob_api import labels
+from ddpjob_api.spec import from_manifest
 from ddpjob_operator.cluster.cache import PeerGate, Store
 from ddpjob_operator.base.config import OperatorConfig
 from ddpjob_operator.app.controller import Reconciler
 from ddpjob_operator.decisions.samples import MonitorReport, RankSample
 from ddpjob_operator.app.operator_metrics import OperatorMetrics
 from ddpjob_operator.builders.service import render_service
-from ddpjob_api.spec import from_manifest
 from tests.support.builders import make_manifest
 
 NS = "ns"  # make_manifest's namespace

@@ -8,12 +8,12 @@ import pytest
 import yaml
 
 from ddpjob_api import labels
+from ddpjob_api.spec import from_manifest
 from ddpjob_operator.base.config import OperatorConfig
 from ddpjob_operator.builders.envvars import env_dict
 from ddpjob_operator.builders.pods import LAUNCHER, render_pod
 from ddpjob_operator.builders.render import render_file
 from ddpjob_operator.builders.service import render_service
-from ddpjob_api.spec import from_manifest
 from tests.support.builders import make_job, make_manifest
 
 

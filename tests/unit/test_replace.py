@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from ddpjob_api import labels
-from ddpjob_operator.base.group import Group
 from ddpjob_api.phases import Phase, Reason, Recovery
 from ddpjob_api.names import pod_name
+from ddpjob_operator.base.group import Group
 from ddpjob_operator.builders.pods import render_pod
 from ddpjob_operator.decisions import inplace
 from ddpjob_operator.decisions.lifecycle import decide

@@ -9,16 +9,16 @@ from pathlib import Path
 import pytest
 import yaml
 
+from ddpjob_api import labels
+from ddpjob_api.validation import validate_manifest
 from ddpjob_operator.base.group import Group
 from ddpjob_operator.base import podinfo
-from ddpjob_api import labels
 from ddpjob_operator.base.config import OperatorConfig
 from ddpjob_operator.builders.envvars import env_dict
 from ddpjob_operator.decisions.lifecycle import verdict
 from ddpjob_operator.builders.pods import LAUNCHER, explain_pod_error, job_field, render_pod
 from ddpjob_operator.builders.render import render_file
 from ddpjob_operator.decisions.result import run_result
-from ddpjob_api.validation import validate_manifest
 from tests.support.builders import make_job, make_manifest, make_pod
 
 ROOT = Path(__file__).resolve().parents[2]

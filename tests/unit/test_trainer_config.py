@@ -8,8 +8,8 @@ import typing
 import pytest
 import yaml
 
-from ddpjob_trainer import config
 from ddpjob_api import crdschema
+from ddpjob_trainer import config
 from ddpjob_trainer.config import TrainerConfig, config_from_env, parse_config
 from ddpjob_trainer.errors import ConfigError
 

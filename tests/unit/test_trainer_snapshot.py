@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from ddpjob_api.contract import snapshot_root
 from ddpjob_trainer.checkpointing import checkpoint
 from ddpjob_trainer.checkpointing.snapshot import KEEP, Cost, Snapshots, agreed_step, read_cost
-from ddpjob_api.contract import snapshot_root
 
 
 @pytest.mark.parametrize("candidates, holders, want", [

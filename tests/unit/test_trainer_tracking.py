@@ -10,8 +10,8 @@ import types
 
 import pytest
 
-from ddpjob_trainer import tracking
 from ddpjob_api.contract import public_uri
+from ddpjob_trainer import tracking
 from ddpjob_trainer.tracking import CallQueue, Tracker, flatten_params, run_key, run_tags
 
 

@@ -22,15 +22,13 @@ from typing import TYPE_CHECKING, Any
 
 from kubernetes.client.rest import ApiException
 
-from ddpjob_api import contract
-
+from ddpjob_api import contract, labels
+from ddpjob_api.phases import Phase
+from ddpjob_api.spec import from_manifest
 from ddpjob_operator.base import podinfo
-from ddpjob_api import labels
 from ddpjob_operator.base.config import OperatorConfig
 from ddpjob_operator.base.group import Group
 from ddpjob_operator.base.objmeta import owned_by, resource_version
-from ddpjob_api.phases import Phase
-from ddpjob_api.spec import from_manifest
 from ddpjob_operator.app.children import Children
 from ddpjob_operator.app.operator_metrics import OperatorMetrics
 from ddpjob_operator.app.workqueue import Key, WorkQueue

@@ -17,8 +17,8 @@ from typing import Any
 
 import kopf
 
-from ddpjob_operator.app.controller import Reconciler
 from ddpjob_api.spec import GROUP, PLURAL, VERSION
+from ddpjob_operator.app.controller import Reconciler
 
 
 class WatchOnlyDiffBase(kopf.DiffBaseStorage):

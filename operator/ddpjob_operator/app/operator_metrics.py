@@ -18,10 +18,9 @@ from typing import Any, Iterable
 from prometheus_client import REGISTRY, disable_created_metrics, CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from ddpjob_api.contract import GOODPUT_CATEGORIES
-
+from ddpjob_api.phases import Cond, FailReason, Phase, Recovery, RestartReason
 from ddpjob_operator.decisions import inplace, progress
 from ddpjob_operator.decisions.lifecycle import INIT_START_ERRORS
-from ddpjob_api.phases import Cond, FailReason, Phase, Recovery, RestartReason
 from ddpjob_operator.base.objmeta import parse_time
 from ddpjob_operator.decisions.samples import MonitorReport
 

@@ -4,10 +4,8 @@ from __future__ import annotations
 import datetime as dt
 from typing import Any
 
-from ddpjob_api import contract
+from ddpjob_api import contract, labels
 from ddpjob_api.contract import EXIT_BAD_CONFIG  # never retried
-
-from ddpjob_api import labels
 from ddpjob_operator.base.objmeta import parse_time, shared
 
 

@@ -11,8 +11,8 @@ from typing import Any
 
 from ddpjob_api import contract, labels
 from ddpjob_api.names import master_dns
-from ddpjob_operator.builders import rdma, template
 from ddpjob_api.spec import JobSpec
+from ddpjob_operator.builders import rdma, template
 
 # spec.nccl keys -> NCCL_* variables; anything else in spec.nccl is upper-snake-cased.
 _NCCL_KEYS = {

@@ -17,9 +17,9 @@ from typing import Any
 from kubernetes.utils.quantity import parse_quantity
 
 from ddpjob_api.phases import Reason
+from ddpjob_api.spec import JobSpec
 from ddpjob_operator.base.group import Attempt
 from ddpjob_operator.builders.service import child_metadata
-from ddpjob_api.spec import JobSpec
 
 
 class GangScheduler(str, enum.Enum):

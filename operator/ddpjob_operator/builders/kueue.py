@@ -14,9 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from ddpjob_api.spec import JobSpec
 from ddpjob_operator.base import podinfo
 from ddpjob_operator.base.group import Attempt
-from ddpjob_api.spec import JobSpec
 
 QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 GROUP_LABEL = "kueue.x-k8s.io/pod-group-name"

@@ -4,15 +4,13 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from ddpjob_api import contract
-
-from ddpjob_operator.builders import gang, kueue, rdma, shm, template
-from ddpjob_api import labels
-from ddpjob_operator.base.config import OperatorConfig
+from ddpjob_api import contract, labels
 from ddpjob_api.names import pod_hostname, pod_name, service_name
+from ddpjob_api.spec import JobSpec
+from ddpjob_operator.builders import gang, kueue, rdma, shm, template
+from ddpjob_operator.base.config import OperatorConfig
 from ddpjob_operator.builders.envvars import pod_env, stop_grace_seconds
 from ddpjob_operator.builders.service import child_metadata
-from ddpjob_api.spec import JobSpec
 from ddpjob_operator.builders.template import Layers
 
 GPU_RESOURCE = "nvidia.com/gpu"

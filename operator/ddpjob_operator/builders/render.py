@@ -6,12 +6,12 @@ from typing import Any
 import click
 import yaml
 
+from ddpjob_api.spec import from_manifest
+from ddpjob_api.validation import InvalidDDPJob, apply_defaults, check_manifest
 from ddpjob_operator.builders import gang
 from ddpjob_operator.base.config import OperatorConfig
 from ddpjob_operator.builders.pods import render_pod
 from ddpjob_operator.builders.service import render_service
-from ddpjob_api.spec import from_manifest
-from ddpjob_api.validation import InvalidDDPJob, apply_defaults, check_manifest
 
 
 def render_objects(obj: dict[str, Any], *, namespace: str | None = None,

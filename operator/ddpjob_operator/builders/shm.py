@@ -23,9 +23,8 @@ import math
 from typing import Any
 
 from ddpjob_api import contract
-
-from ddpjob_operator.builders.envvars import cpu_request
 from ddpjob_api.spec import JobSpec
+from ddpjob_operator.builders.envvars import cpu_request
 
 GIB = 1024 ** 3
 # Below the batches: NCCL's shared-memory transport between local ranks and torch's own IPC, which

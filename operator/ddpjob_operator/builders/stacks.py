@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from ddpjob_api import contract
-
 from ddpjob_api.spec import JobSpec
 from ddpjob_operator.builders.service import child_metadata
 

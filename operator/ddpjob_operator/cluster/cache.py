@@ -19,8 +19,8 @@ from typing import Any, Callable
 
 from kubernetes.client.rest import ApiException
 
-from ddpjob_operator.base import podinfo
 from ddpjob_api import labels
+from ddpjob_operator.base import podinfo
 from ddpjob_operator.base.objmeta import parse_time, resource_version, shared
 
 log = logging.getLogger("ddpjob.cache")

@@ -19,10 +19,10 @@ from kubernetes import client, config as kconfig
 from kubernetes.client.rest import ApiException
 from kubernetes.watch.watch import iter_resp_lines
 
-from ddpjob_operator.base import objmeta
 from ddpjob_api import labels
-from ddpjob_operator.cluster.fairqueue import FairSlots
 from ddpjob_api.spec import GROUP, KIND, PLURAL, VERSION, API_VERSION
+from ddpjob_operator.base import objmeta
+from ddpjob_operator.cluster.fairqueue import FairSlots
 
 log = logging.getLogger("ddpjob.k8s")
 COMPONENT = "ddpjob-operator"

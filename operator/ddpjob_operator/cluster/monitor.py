@@ -16,7 +16,8 @@ from typing import Awaitable, Callable
 
 from ddpjob_api import contract
 from ddpjob_api.phases import Reason, Signal
-
+from ddpjob_api.spec import spec_of
+from ddpjob_api.specgen import DDPJobSpec
 from ddpjob_operator.decisions import health, progress
 from ddpjob_operator.base import podinfo
 from ddpjob_operator.base.group import Group
@@ -25,8 +26,6 @@ from ddpjob_operator.decisions.samples import MonitorReport, RankSample
 from ddpjob_operator.base.objmeta import format_time
 from ddpjob_operator.base.podinfo import is_simulated_node
 from ddpjob_operator.base.config import OperatorConfig
-from ddpjob_api.spec import spec_of
-from ddpjob_api.specgen import DDPJobSpec
 
 log = logging.getLogger(__name__)
 

@@ -29,7 +29,6 @@ from typing import Any, Mapping, Sequence
 
 from ddpjob_api import contract
 from ddpjob_api.contract import GOODPUT_CATEGORIES
-
 from ddpjob_operator.base import podinfo
 from ddpjob_operator.base.objmeta import parse_time
 from ddpjob_operator.decisions import inplace

@@ -46,9 +46,7 @@ from typing import Mapping
 from ddpjob_api import contract
 from ddpjob_api.contract import STAGES, STALL_ERROR_RE
 from ddpjob_api.phases import Reason, Signal
-
 from ddpjob_api.specgen import DDPJobSpec
-
 from ddpjob_operator.base.objmeta import format_time
 from ddpjob_operator.decisions import stacks
 from ddpjob_operator.decisions.samples import RankSample

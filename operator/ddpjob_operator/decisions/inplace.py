@@ -31,9 +31,8 @@ from typing import Any, Mapping, Sequence
 
 from ddpjob_api import contract
 from ddpjob_api.contract import STALL_ERROR_RE
-
-from ddpjob_operator.base.objmeta import format_time
 from ddpjob_api.phases import Reason, Recovery, RestartReason
+from ddpjob_operator.base.objmeta import format_time
 from ddpjob_operator.decisions import stacks
 from ddpjob_operator.decisions.redact import redact
 from ddpjob_operator.decisions.samples import ABSURD as MAX_STEP  # a step label beyond it is not believed

@@ -12,18 +12,18 @@ import enum
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping
 
+from ddpjob_api import labels
+from ddpjob_api.names import pod_name
+from ddpjob_api.phases import Cond, FailReason, Phase, Reason, Recovery, RestartReason
+from ddpjob_api.spec import JobSpec
 from ddpjob_operator.builders import kueue
 from ddpjob_operator.base import objmeta, podinfo
-from ddpjob_api import labels
 from ddpjob_operator.base.config import OperatorConfig
 from ddpjob_operator.base.group import Attempt, Group
-from ddpjob_api.names import pod_name
 from ddpjob_operator.builders.envvars import inplace_budget, own_rendezvous
-from ddpjob_api.phases import Cond, FailReason, Phase, Reason, Recovery, RestartReason
 from ddpjob_operator.decisions import inplace, policies
 from ddpjob_operator.decisions.policies import Act, Failure
 from ddpjob_operator.decisions.redact import redact
-from ddpjob_api.spec import JobSpec
 
 
 class Verdict(str, enum.Enum):

@@ -13,7 +13,6 @@ import math
 from typing import Any
 
 from ddpjob_api.contract import RunResult
-
 from ddpjob_operator.base import podinfo
 from ddpjob_operator.base.group import Attempt
 

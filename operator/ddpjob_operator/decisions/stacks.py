@@ -27,7 +27,6 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
 from ddpjob_api import contract
-
 from ddpjob_operator.decisions.redact import redact
 
 KEPT_BYTES = 512 * 1024   # all captures a job's ConfigMap holds

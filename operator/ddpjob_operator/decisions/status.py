@@ -7,15 +7,15 @@ from typing import Any
 
 from ddpjob_api import contract
 from ddpjob_api.contract import public_uri
-
+from ddpjob_api.names import master_dns
+from ddpjob_api.phases import Cond, Phase, Reason, Recovery, Signal
+from ddpjob_api.spec import JobSpec
 from ddpjob_operator.base import podinfo
 from ddpjob_operator.base.config import OperatorConfig
 from ddpjob_operator.base.group import Attempt, Group
-from ddpjob_api.names import master_dns
 from ddpjob_operator.builders.gang import gang_state
 from ddpjob_operator.builders.kueue import admission, queue_name
 from ddpjob_operator.decisions import goodput, inplace
-from ddpjob_api.phases import Cond, Phase, Reason, Recovery, Signal
 from ddpjob_operator.decisions.lifecycle import Decision, condition
 from ddpjob_operator.decisions.progress import UNAVAILABLE, merge_scrape, stopped, succeeded, without_eta
 from ddpjob_operator.base.objmeta import format_time
@@ -23,7 +23,6 @@ from ddpjob_operator.builders.pods import explain_pod_error
 from ddpjob_operator.decisions.redact import redact
 from ddpjob_operator.decisions.result import run_result
 from ddpjob_operator.decisions.samples import MonitorReport
-from ddpjob_api.spec import JobSpec
 
 Event = tuple[str, str, str]  # (Normal|Warning, reason, message)
 
