@@ -147,3 +147,15 @@ def test_no_reason_is_spelled_outside_the_api(path):
     found = [f"line {line}: {text} ({words[text.strip(chr(34) + chr(39))]})" for line, kind, text in literals(path)
              if kind == "STRING" and text.strip("'\"") in words]
     assert not found, found
+
+
+def test_the_alerts_hang_default_is_the_contracts():
+    """The stall alert's threshold for a job that sets no spec.hangTimeoutSeconds is the operator's
+    and the agents' (contract.STARTUP_HANG_TIMEOUT); Prometheus' rule file cannot import it."""
+    import re
+
+    import yaml
+
+    rules = yaml.safe_load((REPO / "charts/ddpjob-operator/rules/ddpjob-alerts.yaml").read_text())
+    (expr,) = [r["expr"] for g in rules["groups"] for r in g["rules"] if r.get("record") == "ddpjob:hang_timeout_seconds"]
+    assert [float(s) for s in re.findall(r"\* 0 \+ (\d+)\)", expr)] == [contract.STARTUP_HANG_TIMEOUT], expr

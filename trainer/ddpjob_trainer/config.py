@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ddpjob_api import contract, crdschema
+from ddpjob_api import trainerdefaults as defaults
 from .errors import ConfigError
 
 AUTO = "auto"
@@ -29,7 +30,7 @@ class CheckpointConfig:
     async_save: bool = True
     # Every N steps each rank's state also goes to /dev/shm (0: never); a worker restarted in place
     # resumes from it when it is newer than the newest disk checkpoint (checkpointing/snapshot.py).
-    snapshot_every_steps: int = 10
+    snapshot_every_steps: int = defaults.SNAPSHOT_EVERY_STEPS
 
 
 @dataclass(frozen=True)
@@ -38,8 +39,8 @@ class SyntheticConfig:
 
     train_size: int = 4096
     val_size: int = 1024
-    shape: tuple[int, ...] = (3, 32, 32)
-    num_classes: int = 10
+    shape: tuple[int, ...] = defaults.SYNTHETIC_SHAPE
+    num_classes: int = defaults.NUM_CLASSES
     seed: int = 1234
 
 
@@ -85,14 +86,14 @@ class MlflowConfig:
 class TrainerConfig:
     """Everything the built-in trainer needs; built only through `parse_config`."""
 
-    dataset: str = "digits"
-    model: str = "convnet"
+    dataset: str = defaults.DATASET
+    model: str = defaults.MODEL
     epochs: int = 10
-    batch_size: int = 64
+    batch_size: int = defaults.BATCH_SIZE
     lr: float = 0.05
-    momentum: float = 0.9
+    momentum: float = defaults.MOMENTUM
     weight_decay: float = 0.0
-    optimizer: str = "sgd"
+    optimizer: str = defaults.OPTIMIZER
     scheduler: str = "cosine"
     warmup_steps: int = 0
     grad_accum_steps: int = 1
@@ -104,7 +105,7 @@ class TrainerConfig:
     # synthetic: a worker only adds IPC), for imagefolder the CPUs this pod may use divided by
     # its local ranks, one left for the training process, at most 8.
     num_workers: int | str = AUTO
-    prefetch_factor: int = 2      # batches each worker keeps ready (only with workers)
+    prefetch_factor: int = defaults.PREFETCH_FACTOR   # only with workers
     precision: str = "auto"       # auto: bf16 where the GPU has it (warned otherwise); bf16: required
     compile: bool = False
     cudnn_benchmark: bool = True  # GPU only: pick conv algorithms once per input shape
@@ -119,7 +120,7 @@ class TrainerConfig:
     log_every_steps: int = 10
     data_path: str | None = None
     val_path: str | None = None
-    image_size: int = 224
+    image_size: int = defaults.IMAGE_SIZE
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     ddp: DdpConfig = field(default_factory=DdpConfig)

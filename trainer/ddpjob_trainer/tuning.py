@@ -14,13 +14,12 @@ from typing import Callable
 import torch
 
 from ddpjob_api import contract
+from ddpjob_api.trainerdefaults import IN_MEMORY_DATASETS, MAX_AUTO_WORKERS
 from .config import AUTO, TrainerConfig
 from .errors import ConfigError
 from .reporting import NullReporter
 
 CNN_MODELS = ("convnet", "resnet18", "resnet50")
-IN_MEMORY_DATASETS = ("digits", "synthetic")
-MAX_AUTO_WORKERS = 8
 
 # Set before init_process_group (the operator's env builder may set them too; a user's value wins).
 NCCL_ENV_DEFAULTS = {

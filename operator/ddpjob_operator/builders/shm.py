@@ -6,10 +6,8 @@ its workers die with "Bus error" mid-epoch. A fixed size is either too small for
 (8 ranks of 224x224 float32 batches overflow 2Gi) or wasteful; the built-in trainer's config says
 how much it will hold, so the default is computed from it. `spec.shmSize` still wins.
 
-The trainer's defaults and its `numWorkers: auto` rule are the trainer's (ddpjob_trainer.config,
-ddpjob_trainer.tuning), which the operator does not import; the copies below are held equal to
-them by tests/unit/test_shm.py. They cannot come from the typed spec (ddpjob_api.specgen) as the
-other defaults do: the CRD's spec.trainer schema gives no `default:`, the trainer's config does.
+The trainer's defaults and its `numWorkers: auto` bounds come from the API (ddpjob_api.trainerdefaults),
+where the trainer's config takes them too.
 
 The in-memory snapshots live there too (docs/restarts.md): with `checkpoint.dir` and
 `snapshotEverySteps` set, every rank keeps its newest snapshots of the whole state (parameters
@@ -23,6 +21,7 @@ import math
 from typing import Any
 
 from ddpjob_api import contract
+from ddpjob_api import trainerdefaults as defaults
 from ddpjob_api.spec import JobSpec
 from ddpjob_operator.builders.envvars import cpu_request
 
@@ -33,25 +32,17 @@ FLOOR_BYTES = 2 * GIB
 FLOAT32_BYTES = 4
 LABEL_BYTES = 8          # one int64 class index per sample
 
-# ddpjob_trainer.config.TrainerConfig's defaults, and tuning.resolve_num_workers' `auto` rule.
-DEFAULT_DATASET = "digits"
-DEFAULT_BATCH_SIZE = 64
-DEFAULT_PREFETCH_FACTOR = 2
-DEFAULT_IMAGE_SIZE = 224
-DEFAULT_SYNTHETIC_SHAPE = (3, 32, 32)
-IN_MEMORY_DATASETS = ("digits", "synthetic")
-MAX_AUTO_WORKERS = 8
-DIGITS_SHAPE = (1, 8, 8)
+DIGITS_SHAPE = (1, 8, 8)    # scikit-learn's digits, as the trainer's data set yields them
 
 
 def sample_shape(trainer: dict[str, Any]) -> tuple[int, ...]:
     """One sample's tensor shape as the built-in trainer's data set yields it (float32)."""
-    dataset = trainer.get("dataset") or DEFAULT_DATASET
+    dataset = trainer.get("dataset") or defaults.DATASET
     if dataset == "imagefolder":
-        size = int(trainer.get("imageSize") or DEFAULT_IMAGE_SIZE)
+        size = int(trainer.get("imageSize") or defaults.IMAGE_SIZE)
         return (3, size, size)
     if dataset == "synthetic":
-        return tuple((trainer.get("synthetic") or {}).get("shape") or DEFAULT_SYNTHETIC_SHAPE)
+        return tuple((trainer.get("synthetic") or {}).get("shape") or defaults.SYNTHETIC_SHAPE)
     return DIGITS_SHAPE
 
 
@@ -73,11 +64,11 @@ def loader_workers(trainer: dict[str, Any], *, ranks: int, cpus: int | None) -> 
     workers = trainer.get("numWorkers", "auto")
     if workers != "auto":
         return int(workers)
-    if (trainer.get("dataset") or DEFAULT_DATASET) in IN_MEMORY_DATASETS:
+    if (trainer.get("dataset") or defaults.DATASET) in defaults.IN_MEMORY_DATASETS:
         return 0
     if cpus is None:
-        return MAX_AUTO_WORKERS
-    return max(1, min(MAX_AUTO_WORKERS, cpus // max(1, ranks) - 1))
+        return defaults.MAX_AUTO_WORKERS
+    return max(1, min(defaults.MAX_AUTO_WORKERS, cpus // max(1, ranks) - 1))
 
 
 def loader_bytes(trainer: dict[str, Any], *, ranks: int, cpus: int | None) -> int:
@@ -85,20 +76,15 @@ def loader_bytes(trainer: dict[str, Any], *, ranks: int, cpus: int | None) -> in
     workers = loader_workers(trainer, ranks=ranks, cpus=cpus)
     if workers == 0:
         return 0
-    batch = int(trainer.get("batchSize") or DEFAULT_BATCH_SIZE)
-    prefetch = int(trainer.get("prefetchFactor") or DEFAULT_PREFETCH_FACTOR)
+    batch = int(trainer.get("batchSize") or defaults.BATCH_SIZE)
+    prefetch = int(trainer.get("prefetchFactor") or defaults.PREFETCH_FACTOR)
     batch_bytes = batch * (math.prod(sample_shape(trainer)) * FLOAT32_BYTES + LABEL_BYTES)
     return ranks * workers * prefetch * batch_bytes
 
 
-DEFAULT_MODEL = "convnet"
-DEFAULT_NUM_CLASSES = 10          # digits' classes, and spec.trainer.synthetic.numClasses' default
 # An image folder's classes are counted by the trainer when it reads the folder, not known here:
 # ImageNet's 1000 bound the classifier of most folders (and the body dominates anyway).
 IMAGEFOLDER_CLASSES = 1000
-DEFAULT_OPTIMIZER = "sgd"
-DEFAULT_MOMENTUM = 0.9
-DEFAULT_SNAPSHOT_EVERY = 10
 # torchvision's resnets: parameters before the classifier (3 input channels, whatever the data's)
 # and the classifier's input width.
 RESNETS = {"resnet18": (11_176_512, 512), "resnet50": (23_508_032, 2048)}
@@ -110,17 +96,17 @@ def _linear(n_in: int, n_out: int) -> int:
 
 def num_classes(trainer: dict[str, Any]) -> int:
     """The classifier's width for the trainer's data set."""
-    dataset = trainer.get("dataset") or DEFAULT_DATASET
+    dataset = trainer.get("dataset") or defaults.DATASET
     if dataset == "imagefolder":
         return IMAGEFOLDER_CLASSES
     if dataset == "synthetic":
-        return int((trainer.get("synthetic") or {}).get("numClasses") or DEFAULT_NUM_CLASSES)
-    return DEFAULT_NUM_CLASSES
+        return int((trainer.get("synthetic") or {}).get("numClasses") or defaults.NUM_CLASSES)
+    return defaults.NUM_CLASSES
 
 
 def model_params(trainer: dict[str, Any]) -> int:
     """Parameters of the built-in model (ddpjob_trainer.models) for the trainer's data."""
-    model, shape, classes = trainer.get("model") or DEFAULT_MODEL, sample_shape(trainer), num_classes(trainer)
+    model, shape, classes = trainer.get("model") or defaults.MODEL, sample_shape(trainer), num_classes(trainer)
     if model in RESNETS:
         body, width = RESNETS[model]
         return body + _linear(width, classes)
@@ -134,12 +120,12 @@ def snapshot_bytes(trainer: dict[str, Any], *, ranks: int) -> int:
     """Bytes one pod's snapshots hold at most: ranks x (kept + the one being written) x the state,
     float32 parameters and the optimizer's per-parameter moments (AdamW's two, SGD's momentum)."""
     ckpt = trainer.get("checkpoint") or {}
-    if not ckpt.get("dir") or not ckpt.get("snapshotEverySteps", DEFAULT_SNAPSHOT_EVERY):
+    if not ckpt.get("dir") or not ckpt.get("snapshotEverySteps", defaults.SNAPSHOT_EVERY_STEPS):
         return 0
-    if (trainer.get("optimizer") or DEFAULT_OPTIMIZER) == "adamw":
+    if (trainer.get("optimizer") or defaults.OPTIMIZER) == "adamw":
         moments = 2
     else:
-        moments = int(float(trainer.get("momentum", DEFAULT_MOMENTUM)) != 0)
+        moments = int(float(trainer.get("momentum", defaults.MOMENTUM)) != 0)
     state = model_params(trainer) * FLOAT32_BYTES * (1 + moments)
     return ranks * (contract.SNAPSHOTS_KEPT + 1) * state
 
