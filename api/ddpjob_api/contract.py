@@ -64,6 +64,19 @@ ENV_TORCHELASTIC_ERROR_FILE = "TORCHELASTIC_ERROR_FILE"
 ENV_TORCHRUN_SHUTDOWN_TIMEOUT = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
 TORCHRUN_SHUTDOWN_TIMEOUT_DEFAULT = 30
 
+# The fabric's, set from spec.nccl (builders/envvars.py) and spec.rdma (builders/rdma.py); the
+# trainer fills in torch's NCCL fault handling where neither did (tuning.py).
+ENV_NCCL_P2P_DISABLE = "NCCL_P2P_DISABLE"
+ENV_NCCL_IB_DISABLE = "NCCL_IB_DISABLE"
+ENV_NCCL_DEBUG = "NCCL_DEBUG"
+ENV_NCCL_DEBUG_SUBSYS = "NCCL_DEBUG_SUBSYS"
+ENV_NCCL_SOCKET_IFNAME = "NCCL_SOCKET_IFNAME"
+ENV_NCCL_NET = "NCCL_NET"
+ENV_TORCH_NCCL_ASYNC_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+ENV_TORCH_NCCL_BLOCKING_WAIT = "TORCH_NCCL_BLOCKING_WAIT"
+ENV_FI_PROVIDER = "FI_PROVIDER"                        # libfabric's provider (EFA)
+ENV_FI_EFA_USE_DEVICE_RDMA = "FI_EFA_USE_DEVICE_RDMA"
+
 # Set by torchrun in each worker it starts (read, never set, by us; not scanned as literals by
 # tests/unit/test_contract.py: "RANK" is also a column header).
 TORCHRUN_RANK = "RANK"

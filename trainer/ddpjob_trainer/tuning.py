@@ -25,7 +25,7 @@ CNN_MODELS = ("convnet", "resnet18", "resnet50")
 NCCL_ENV_DEFAULTS = {
     # A failed or timed-out collective aborts the communicator and the process, so torchrun and
     # the operator see a failure and restart the group, instead of every rank hanging.
-    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3",
+    contract.ENV_TORCH_NCCL_ASYNC_ERROR_HANDLING: "3",
     # Flight recorder: the last collectives of each rank, dumped when a collective times out,
     # so a hang names the rank and the collective that never arrived.
     "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",

@@ -16,13 +16,13 @@ from ddpjob_operator.builders import rdma, template
 
 # spec.nccl keys -> NCCL_* variables; anything else in spec.nccl is upper-snake-cased.
 _NCCL_KEYS = {
-    "p2pDisable": "NCCL_P2P_DISABLE",
-    "ibDisable": "NCCL_IB_DISABLE",
-    "debug": "NCCL_DEBUG",
-    "debugSubsys": "NCCL_DEBUG_SUBSYS",
-    "socketIfname": "NCCL_SOCKET_IFNAME",
-    "asyncErrorHandling": "TORCH_NCCL_ASYNC_ERROR_HANDLING",
-    "blockingWait": "TORCH_NCCL_BLOCKING_WAIT",
+    "p2pDisable": contract.ENV_NCCL_P2P_DISABLE,
+    "ibDisable": contract.ENV_NCCL_IB_DISABLE,
+    "debug": contract.ENV_NCCL_DEBUG,
+    "debugSubsys": contract.ENV_NCCL_DEBUG_SUBSYS,
+    "socketIfname": contract.ENV_NCCL_SOCKET_IFNAME,
+    "asyncErrorHandling": contract.ENV_TORCH_NCCL_ASYNC_ERROR_HANDLING,
+    "blockingWait": contract.ENV_TORCH_NCCL_BLOCKING_WAIT,
 }
 
 

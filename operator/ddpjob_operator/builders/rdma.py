@@ -6,6 +6,7 @@ tenant may ask for it is the chart's tenant policy (tenantPolicy.rdmaResources).
 """
 from __future__ import annotations
 
+from ddpjob_api import contract
 from ddpjob_api.spec import JobSpec
 
 EFA_RESOURCE = "vpc.amazonaws.com/efa"
@@ -15,11 +16,11 @@ CAPABILITY = "IPC_LOCK"
 # InfiniBand and RoCE are NCCL's own IB transport. NCCL_NET=IB makes a pod whose device does not
 # work fail at NCCL init with "network IB not found" instead of silently training over TCP sockets,
 # several times slower; NCCL_IB_DISABLE=0 undoes an image that turned IB off.
-IB_ENV = {"NCCL_IB_DISABLE": "0", "NCCL_NET": "IB"}
+IB_ENV = {contract.ENV_NCCL_IB_DISABLE: "0", contract.ENV_NCCL_NET: "IB"}
 # EFA is reached through libfabric (the aws-ofi-nccl plugin the EFA images ship): the efa provider
 # only, with GPUDirect RDMA (p4d and later). The plugin's NCCL_NET name differs between its
 # versions, so it is not pinned here.
-EFA_ENV = {"FI_PROVIDER": "efa", "FI_EFA_USE_DEVICE_RDMA": "1"}
+EFA_ENV = {contract.ENV_FI_PROVIDER: "efa", contract.ENV_FI_EFA_USE_DEVICE_RDMA: "1"}
 
 
 def limits(job: JobSpec) -> dict[str, str]:
