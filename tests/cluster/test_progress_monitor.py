@@ -69,7 +69,7 @@ def pod(rank: int, *, phase="Running", attempt=0, deleting=False) -> dict:
 
 def job(hang: int = 30) -> dict:
     return {"metadata": {"name": "j", "namespace": "ns", "uid": "u1"},
-            "spec": {"metricsPort": 9400, "hangTimeoutSeconds": hang}}
+            "spec": {"image": "trainer:dev", "metricsPort": 9400, "hangTimeoutSeconds": hang}}
 
 
 @pytest.mark.parametrize("template,expected", [
