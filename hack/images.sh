@@ -62,7 +62,11 @@ SRC="$ROOT"
 # inputs_hash FILES...: what a product image is built from (tracked and untracked, not ignored;
 # every file when SRC is not a git checkout).
 inputs_hash() {
-  (cd "$SRC" && if [ -e .git ]; then git ls-files -co --exclude-standard -z -- "$@"; else find "$@" \( -type f -o -type l \) -print0; fi \
+  (cd "$SRC" || exit 1
+   # A path this source tree lacks adds nothing (the previous release's has no api/).
+   local paths=() p
+   for p in "$@"; do if [ -e "$p" ]; then paths+=("$p"); fi; done
+   if [ -e .git ]; then git ls-files -co --exclude-standard -z -- "${paths[@]}"; else find "${paths[@]}" \( -type f -o -type l \) -print0; fi \
     | sort -z | while IFS= read -r -d '' f; do
     if [ -L "$f" ]; then echo "link $f -> $(readlink "$f")"; elif [ -f "$f" ]; then sha256sum "$f"; fi
   done) | sha256sum | cut -c1-16
