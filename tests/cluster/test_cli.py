@@ -341,8 +341,14 @@ def test_logs_and_top_live_on_real_pods(cluster, env, tmp_path):
                                           launcher=False, command=["python", "-c", REAL_POD_SCRIPT], trainer=None,
                                           scheduling=REAL_NODE_SCHEDULING,
                                           failurePolicy={"maxRestarts": 1, "logTailInStatus": True}), "-n", ns))
-    wait_for(lambda: "hello from rank 1" in ddpjob(cluster, "logs", "real", "--rank", "1", "-n", ns).stdout,
-             timeout=120, desc="rank 1's first line in attempt 1")
+    try:
+        wait_for(lambda: "hello from rank 1" in ddpjob(cluster, "logs", "real", "--rank", "1", "-n", ns).stdout,
+                 timeout=300, desc="rank 1's first line in attempt 1")
+    except AssertionError as exc:   # what the job and its pods were doing, for whoever reads the failure
+        pods = client.CoreV1Api(api).list_namespaced_pod(ns, label_selector="ddpjob.dev/job-name=real").items
+        states = [(p.metadata.name, p.status.phase, [s.state.to_dict() for s in p.status.container_statuses or []])
+                  for p in pods]
+        raise AssertionError(f"{exc}\npods: {states}\n{ddpjob(cluster, 'describe', 'real', '-n', ns).stdout}") from None
     pods = {p.metadata.name: p for p in client.CoreV1Api(api).list_namespaced_pod(
         ns, label_selector="ddpjob.dev/job-name=real").items if p.metadata.deletion_timestamp is None}
     # The failed rank's pod stays, ended; the rank that was running went with its attempt.
