@@ -3,20 +3,15 @@ says so (commit, command, machine, load); a scratch result from a dirty tree lis
 uncommitted. Against a real git repository in a temp dir."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from tests.support.scripts import load_script
 
 REPO = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("bench_provenance", REPO / "bench" / "provenance.py")
-assert _spec and _spec.loader
-provenance = importlib.util.module_from_spec(_spec)
-sys.modules["bench_provenance"] = provenance
-_spec.loader.exec_module(provenance)
+provenance = load_script("bench_provenance", "bench/provenance.py")
 
 
 def git(repo: Path, *args: str) -> str:

@@ -1,18 +1,16 @@
 """hack/gen-crd-schemas.py: core/v1 OpenAPI -> structural CRD schemas, put in the parsed CRD, which is dumped back."""
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
 import yaml
 
 from ddpjob_api import crdschema as crd
+from tests.support.scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("gen_crd_schemas", ROOT / "hack/gen-crd-schemas.py")
-gen = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(gen)
+gen = load_script("gen_crd_schemas", "hack/gen-crd-schemas.py")
 
 Q = "io.k8s.apimachinery.pkg.api.resource.Quantity"
 SCHEMAS = {

@@ -3,20 +3,15 @@ comments, docs/crd-reference.md from the CRD's schema, and every figure the READ
 from its committed result; and no number that looks measured stands there unmarked."""
 from __future__ import annotations
 
-import importlib.util
 import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+from tests.support.scripts import load_script
 
 REPO = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("gen_docs", REPO / "hack" / "gen-docs.py")
-assert _spec and _spec.loader
-gen_docs = importlib.util.module_from_spec(_spec)
-sys.modules["gen_docs"] = gen_docs          # dataclasses look their module up there
-_spec.loader.exec_module(gen_docs)
+gen_docs = load_script("gen_docs", "hack/gen-docs.py")
 
 
 @pytest.mark.parametrize("path", sorted(gen_docs.GENERATED, key=str), ids=lambda p: p.name)

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,13 +12,10 @@ import yaml
 
 from ddpjob_api import specgen
 from ddpjob_api.validation import apply_defaults
+from tests.support.scripts import load_script
 
 REPO = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("gen_spec", REPO / "hack" / "gen-spec.py")
-assert _spec and _spec.loader
-gen_spec = importlib.util.module_from_spec(_spec)
-sys.modules["gen_spec"] = gen_spec          # dataclasses look their module up there
-_spec.loader.exec_module(gen_spec)
+gen_spec = load_script("gen_spec", "hack/gen-spec.py")
 
 
 def test_generated_spec_is_current():
