@@ -31,6 +31,7 @@ from kubernetes import client
 from tests.cluster.conftest import wait_for
 from tests.cluster.test_crd import install_crd
 from tests.cluster.test_operator import Operator, endpoint_pods
+from tests.realpods.conftest import real_cluster  # noqa: F401  (a fixture: our images on both real nodes)
 from tests.support.cluster import create_namespace, delete_namespace, set_pod_exit
 from ddpjob_cli.main import main
 
@@ -327,15 +328,14 @@ print(f"bye from rank {r}", flush=True)
 '''
 
 
-def test_logs_and_top_live_on_real_pods(cluster, env, tmp_path):
+def test_logs_and_top_live_on_real_pods(real_cluster, env, tmp_path):
     """On the local cluster's two real nodes: after a group restart the failed rank's pod is kept
     (ended, out of the Service's endpoints) and `logs --attempt 0` reads its last lines from it,
     `top --live` reads each pod's metrics through the API server, `logs -f --all-ranks` follows
     both pods to their end, `logs --rank 1` reads one; `describe --live` shows the same numbers."""
-    from tests.realpods.conftest import REAL_NODE_SCHEDULING, TRAINER_IMAGE, real_nodes
+    from tests.realpods.conftest import REAL_NODE_SCHEDULING, TRAINER_IMAGE
 
-    if os.environ.get("DDPJOB_REAL_NODES") == "0" or len(real_nodes(cluster)) < 2:
-        pytest.skip("the cluster has no two real nodes (DDPJOB_REAL_NODES=0)")
+    cluster = real_cluster   # its fixture puts our images on both real nodes (the job pulls Never)
     ns, _, api = env
     ok(ddpjob(cluster, "submit", job_file(tmp_path, "real", gpusPerNode=0, image=TRAINER_IMAGE, imagePullPolicy="Never",
                                           launcher=False, command=["python", "-c", REAL_POD_SCRIPT], trainer=None,
