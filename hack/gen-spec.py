@@ -5,7 +5,8 @@ The CRD is where a field's type and default are written (charts/ddpjob-operator/
 reader of a DDPJob goes through these classes, so a default is applied once, as the API server
 would, and never copied by hand. One frozen dataclass per object of ours below spec; a field takes
 the CRD's `default:`, is Optional (None) where the CRD has none, and is required where the CRD
-requires it. `from_dict` applies the defaults to a spec as written (absent or null: the default).
+requires it. `from_dict` (ddpjob_api.specobject, one for all classes) applies the defaults to a spec
+as written (absent or null: the default).
 
 Objects the CRD holds in Kubernetes' own core/v1 schemas (hack/gen-crd-schemas.py FIELDS: the pod
 template, resources, volumes, tolerations...) pass through to the pods as they are, and objects with
@@ -27,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from ddpjob_api.specobject import camel
 
 ROOT = Path(__file__).resolve().parent.parent
 CRD = ROOT / "charts/ddpjob-operator/crds/ddpjobs.ddpjob.dev.yaml"
@@ -129,6 +131,8 @@ class Generator:
         required = set(node.get("required") or [])
         fields = []
         for key, sub in node["properties"].items():
+            # from_dict finds a field's key by camel-casing its name.
+            assert camel(snake(key)) == key, f"{key}: snake_case does not round-trip; name it in specobject"
             annotation, nested = self.annotation(path + (key,), sub, name)
             fields.append(Field(key, annotation, sub.get("default", NO_DEFAULT), key in required, nested))
         where = ".".join(("spec",) + path)
@@ -146,29 +150,11 @@ class Generator:
             return f"{snake(f.key)}: {f.type} = field(default_factory=lambda: {literal(f.default)})"
         return f"{snake(f.key)}: {f.type} = {literal(f.default)}"
 
-    @staticmethod
-    def _reading(f: Field) -> str:
-        if f.default is not NO_DEFAULT:
-            value = f"_or(raw.get({literal(f.key)}), {literal(f.default)})"
-        elif f.required:
-            value = f"raw[{literal(f.key)}]"
-        else:
-            value = f"raw.get({literal(f.key)})"
-        if f.nested:
-            value = (f"{f.nested}.from_dict({value})" if f.required or f.default is not NO_DEFAULT
-                     else f"_nested({f.nested}, {value})")
-        return f"{snake(f.key)}={value}"
-
     def emit_class(self, cls: Class) -> str:
         doc = f"{cls.path}: {cls.doc}." if cls.doc else f"{cls.path}."
-        lines = ["@dataclass(frozen=True, slots=True, kw_only=True)", f"class {cls.name}:", f'    """{doc}"""', ""]
-        lines += [f"    {self._declaration(f)}" for f in cls.fields]
-        lines += ["", "    @classmethod", f"    def from_dict(cls, raw: Mapping[str, Any]) -> {cls.name}:",
-                  f'        """{cls.path} as written, with the CRD\'s defaults where a field is absent or null."""',
-                  "        return cls("]
-        lines += [f"            {self._reading(f)}," for f in cls.fields]
-        lines += ["        )"]
-        return "\n".join(lines)
+        lines = ["@dataclass(frozen=True, slots=True, kw_only=True)", f"class {cls.name}(SpecObject):",
+                 f'    """{doc}"""', ""]
+        return "\n".join(lines + [f"    {self._declaration(f)}" for f in cls.fields])
 
     def source(self) -> str:
         head = f'''\
@@ -176,18 +162,10 @@ class Generator:
 """The DDPJob spec as typed dataclasses, with the CRD's defaults: generated from its schema."""
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-
-def _or(value: Any, default: Any) -> Any:
-    """The value, or the default where it is absent or null (the API server prunes a null)."""
-    return default if value is None else value
-
-
-def _nested(cls: Any, value: Mapping[str, Any] | None) -> Any:
-    return None if value is None else cls.from_dict(value)
+from ddpjob_api.specobject import SpecObject
 '''
         # The classes a class refers to come before it (innermost first), as they were found.
         return head + "".join(f"\n\n{self.emit_class(c)}\n" for c in self.classes)

@@ -59,15 +59,6 @@ class JobSpec:
         """spec.scheduling (every field unset when absent)."""
         return self.spec.scheduling or Scheduling()
 
-
-
-
-
-
-
-
-
-
     # -- derived ------------------------------------------------------------------------------
     @property
     def world_size(self) -> int:

@@ -2,56 +2,31 @@
 """The DDPJob spec as typed dataclasses, with the CRD's defaults: generated from its schema."""
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-
-def _or(value: Any, default: Any) -> Any:
-    """The value, or the default where it is absent or null (the API server prunes a null)."""
-    return default if value is None else value
-
-
-def _nested(cls: Any, value: Mapping[str, Any] | None) -> Any:
-    return None if value is None else cls.from_dict(value)
+from ddpjob_api.specobject import SpecObject
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class Rdma:
+class Rdma(SpecObject):
     """spec.rdma: RDMA devices for NCCL between nodes (InfiniBand, RoCE, AWS EFA)."""
 
     resource: str
     devices_per_node: int = 1
 
-    @classmethod
-    def from_dict(cls, raw: Mapping[str, Any]) -> Rdma:
-        """spec.rdma as written, with the CRD's defaults where a field is absent or null."""
-        return cls(
-            resource=raw["resource"],
-            devices_per_node=_or(raw.get("devicesPerNode"), 1),
-        )
-
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class Gang:
+class Gang(SpecObject):
     """spec.scheduling.gang: Gang scheduling."""
 
     scheduler: str
     schedule_timeout_seconds: int | None = None
     queue: str | None = None
 
-    @classmethod
-    def from_dict(cls, raw: Mapping[str, Any]) -> Gang:
-        """spec.scheduling.gang as written, with the CRD's defaults where a field is absent or null."""
-        return cls(
-            scheduler=raw["scheduler"],
-            schedule_timeout_seconds=raw.get("scheduleTimeoutSeconds"),
-            queue=raw.get("queue"),
-        )
-
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class Scheduling:
+class Scheduling(SpecObject):
     """spec.scheduling: Where the pods may run."""
 
     scheduler_name: str | None = None
@@ -63,23 +38,9 @@ class Scheduling:
     affinity: dict[str, Any] | None = None
     topology_spread_constraints: list[dict[str, Any]] | None = None
 
-    @classmethod
-    def from_dict(cls, raw: Mapping[str, Any]) -> Scheduling:
-        """spec.scheduling as written, with the CRD's defaults where a field is absent or null."""
-        return cls(
-            scheduler_name=raw.get("schedulerName"),
-            one_pod_per_node=raw.get("onePodPerNode"),
-            gang=_nested(Gang, raw.get("gang")),
-            priority_class_name=raw.get("priorityClassName"),
-            node_selector=raw.get("nodeSelector"),
-            tolerations=raw.get("tolerations"),
-            affinity=raw.get("affinity"),
-            topology_spread_constraints=raw.get("topologySpreadConstraints"),
-        )
-
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class FailurePolicy:
+class FailurePolicy(SpecObject):
     """spec.failurePolicy: What happens when a pod fails, a container cannot start, or training hangs."""
 
     max_restarts: int = 3
@@ -88,38 +49,18 @@ class FailurePolicy:
     keep_failed_attempts: int = 1
     pod_start_timeout_seconds: int | None = None
 
-    @classmethod
-    def from_dict(cls, raw: Mapping[str, Any]) -> FailurePolicy:
-        """spec.failurePolicy as written, with the CRD's defaults where a field is absent or null."""
-        return cls(
-            max_restarts=_or(raw.get("maxRestarts"), 3),
-            restart_on_hang=_or(raw.get("restartOnHang"), True),
-            log_tail_in_status=_or(raw.get("logTailInStatus"), False),
-            keep_failed_attempts=_or(raw.get("keepFailedAttempts"), 1),
-            pod_start_timeout_seconds=raw.get("podStartTimeoutSeconds"),
-        )
-
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class Elastic:
+class Elastic(SpecObject):
     """spec.elastic: Elastic membership via c10d rendezvous (PET_RDZV_*)."""
 
     min_nodes: int | None = None
     max_nodes: int | None = None
     max_restarts: int | None = None
 
-    @classmethod
-    def from_dict(cls, raw: Mapping[str, Any]) -> Elastic:
-        """spec.elastic as written, with the CRD's defaults where a field is absent or null."""
-        return cls(
-            min_nodes=raw.get("minNodes"),
-            max_nodes=raw.get("maxNodes"),
-            max_restarts=raw.get("maxRestarts"),
-        )
-
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class DDPJobSpec:
+class DDPJobSpec(SpecObject):
     """spec: What to run."""
 
     nodes: int = 1
@@ -158,45 +99,3 @@ class DDPJobSpec:
     ttl_seconds_after_finished: int | None = None
     active_deadline_seconds: int | None = None
     suspend: bool = False
-
-    @classmethod
-    def from_dict(cls, raw: Mapping[str, Any]) -> DDPJobSpec:
-        """spec as written, with the CRD's defaults where a field is absent or null."""
-        return cls(
-            nodes=_or(raw.get("nodes"), 1),
-            nproc_per_node=_or(raw.get("nprocPerNode"), "auto"),
-            gpus_per_node=_or(raw.get("gpusPerNode"), 0),
-            image=raw["image"],
-            image_pull_policy=raw.get("imagePullPolicy"),
-            command=raw.get("command"),
-            args=raw.get("args"),
-            working_dir=raw.get("workingDir"),
-            launcher=_or(raw.get("launcher"), True),
-            trainer=raw.get("trainer"),
-            env=raw.get("env"),
-            env_from=raw.get("envFrom"),
-            resources=raw.get("resources"),
-            runtime_class_name=raw.get("runtimeClassName"),
-            master_port=_or(raw.get("masterPort"), 29500),
-            metrics_port=_or(raw.get("metricsPort"), 9400),
-            shm_size=raw.get("shmSize"),
-            nccl=raw.get("nccl"),
-            rdma=_nested(Rdma, raw.get("rdma")),
-            volumes=raw.get("volumes"),
-            volume_mounts=raw.get("volumeMounts"),
-            security_context=raw.get("securityContext"),
-            pod_security_context=raw.get("podSecurityContext"),
-            service_account_name=raw.get("serviceAccountName"),
-            image_pull_secrets=raw.get("imagePullSecrets"),
-            pod_labels=raw.get("podLabels"),
-            pod_annotations=raw.get("podAnnotations"),
-            scheduling=_nested(Scheduling, raw.get("scheduling")),
-            template=raw.get("template"),
-            failure_policy=FailurePolicy.from_dict(_or(raw.get("failurePolicy"), {})),
-            hang_timeout_seconds=raw.get("hangTimeoutSeconds"),
-            clean_pod_policy=_or(raw.get("cleanPodPolicy"), "Running"),
-            elastic=_nested(Elastic, raw.get("elastic")),
-            ttl_seconds_after_finished=raw.get("ttlSecondsAfterFinished"),
-            active_deadline_seconds=raw.get("activeDeadlineSeconds"),
-            suspend=_or(raw.get("suspend"), False),
-        )

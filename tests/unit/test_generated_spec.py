@@ -81,3 +81,10 @@ def test_the_trainers_master_port_fallback_is_the_crds_default():
     from ddpjob_api import contract
 
     assert specgen.DDPJobSpec.from_dict({"image": "i"}).master_port == contract.DEFAULT_MASTER_PORT
+
+
+def test_a_required_field_absent_is_named():
+    with pytest.raises(KeyError, match="image"):
+        specgen.DDPJobSpec.from_dict({"nodes": 2})
+    with pytest.raises(KeyError, match="resource"):
+        specgen.DDPJobSpec.from_dict({"image": "i", "rdma": {"devicesPerNode": 2}})
