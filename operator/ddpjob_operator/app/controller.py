@@ -188,14 +188,11 @@ class Reconciler:
         while True:
             await asyncio.sleep(self.scrape_interval)
             tick += 1
-            due = []
-            for obj in self.jobs.items():
-                key = key_of(obj)
-                if ((obj.get("status") or {}).get("phase") == Phase.RUNNING.value
-                        and tick % self._scrape_every.get(key, 1) == 0):
-                    due.append(key)
+            running = [key_of(obj) for obj in self.jobs.items()
+                       if (obj.get("status") or {}).get("phase") == Phase.RUNNING.value]
             # One round at a time (the monitor bounds the requests of all jobs together).
-            await asyncio.gather(*(self._scrape_and_kick(key) for key in due))
+            await asyncio.gather(*(self._scrape_and_kick(key) for key in running
+                                   if tick % self._scrape_every.get(key, 1) == 0))
 
     async def _scrape_and_kick(self, key: Key) -> None:
         try:
@@ -220,9 +217,8 @@ class Reconciler:
             report = dataclasses.replace(report, stacks=[])
         if (self.jobs.get(namespace, name) or {}).get("status", {}).get("phase") == Phase.RUNNING.value:
             self.metrics.record_scrape(key, report, when=time.time())  # not for a job that ended meanwhile
-        every = self._scrape_every.get(key, 1)
         if report.unreachable:
-            self._scrape_every[key] = min(every * 2, MAX_SCRAPE_BACKOFF)
+            self._scrape_every[key] = min(self._scrape_every.get(key, 1) * 2, MAX_SCRAPE_BACKOFF)
         else:
             self._scrape_every.pop(key, None)
         old = self._reports.get(key)
