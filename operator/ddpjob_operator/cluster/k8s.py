@@ -108,10 +108,8 @@ class K8s:
         self._server_version = ""
 
     def _count(self, method: str, path: str, *, watch: bool = False) -> None:
-        if self.on_request is None:
-            return
-        verb, resource = request_kind(method, path, watch=watch)
-        self.on_request(verb, resource)
+        if self.on_request is not None:
+            self.on_request(*request_kind(method, path, watch=watch))
 
     def _request(self, method: str, path: str, *, body: Any = None, query: list | None = None,
                  content_type: str = "application/json") -> Any:
