@@ -209,8 +209,10 @@ class Reconciler:
         if self.monitor is None or obj is None or (obj.get("status") or {}).get("phase") != Phase.RUNNING.value:
             return False
         uid = (obj.get("metadata") or {}).get("uid") or ""
-        report = await self._observe(obj, self._pods(namespace, name, uid))
-        if report is None:
+        try:
+            report = await asyncio.wait_for(self.monitor.observe(obj, self._pods(namespace, name, uid)), MONITOR_TIMEOUT)
+        except Exception as exc:  # noqa: BLE001  (progress is optional; lifecycle is not)
+            log.warning("monitor.observe %s/%s failed: %s", namespace, name, exc)
             return False
         if report.stacks:
             await self._keep_stacks(obj, report.stacks)
@@ -260,14 +262,6 @@ class Reconciler:
     def _pods(self, namespace: str, name: str, uid: str) -> list[dict[str, Any]]:
         """The cached pods of the job with this uid (not those of an earlier job of the same name)."""
         return [p for p in self.pods.by_index(namespace, name) if owned_by(p, uid)]
-
-    async def _observe(self, obj: dict[str, Any], pods: list[dict[str, Any]]) -> MonitorReport | None:
-        try:
-            return await asyncio.wait_for(self.monitor.observe(obj, pods), MONITOR_TIMEOUT)
-        except Exception as exc:  # noqa: BLE001  (progress is optional; lifecycle is not)
-            meta = obj.get("metadata") or {}
-            log.warning("monitor.observe %s/%s failed: %s", meta.get("namespace"), meta.get("name"), exc)
-            return None
 
     async def reconcile(self, namespace: str, name: str, *, scrape: bool = False) -> None:
         """Decide from the caches, write status once (if it changed), act, post events."""
