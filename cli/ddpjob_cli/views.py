@@ -120,19 +120,14 @@ def current_attempt(job: dict[str, Any], pods: list[dict[str, Any]]) -> int:
     return max(Group.of(pods).attempts, default=0)
 
 
-def _named(job: dict[str, Any], kind: str, what: str) -> set[str]:
-    """The pods (what="pod") or global ranks (what="rank") a True Straggler/Stalled condition
-    names (the monitor's message names each rank and its pod: 'rank 3 (pod job-1 on node n7)')."""
-    pattern = {"pod": r"\bpod ([a-z0-9][-a-z0-9.]*[a-z0-9])", "rank": r"\brank (\d+)"}[what]
-    for cond in status_of(job).get("conditions") or []:
-        if cond.get("type") == kind and cond.get("status") == "True":
-            return set(re.findall(pattern, str(cond.get("message") or "")))
-    return set()
-
-
 def _flags(job: dict[str, Any], key: str, what: str) -> tuple[str, ...]:
-    return tuple(flag for flag, kind in (("straggler", Signal.STRAGGLER), ("stalled", Signal.STALLED))
-                 if key in _named(job, kind, what))
+    """("straggler", "stalled"): which True Straggler/Stalled conditions name the pod (what="pod")
+    or global rank (what="rank") `key` (the monitor's message names each rank and its pod:
+    'rank 3 (pod job-1 on node n7)'). Conditions are a map by type (the CRD's list type)."""
+    pattern = {"pod": r"\bpod ([a-z0-9][-a-z0-9.]*[a-z0-9])", "rank": r"\brank (\d+)"}[what]
+    naming = {cond.get("type") for cond in status_of(job).get("conditions") or []
+              if cond.get("status") == "True" and key in re.findall(pattern, str(cond.get("message") or ""))}
+    return tuple(flag for flag, kind in (("straggler", Signal.STRAGGLER), ("stalled", Signal.STALLED)) if kind in naming)
 
 
 @dataclass(frozen=True)
@@ -180,12 +175,11 @@ def rank_rows(job: dict[str, Any], pods: list[dict[str, Any]]) -> list[RankRow]:
         name = podinfo.name(pod)
         statuses = (pod.get("status") or {}).get("containerStatuses") or []
         ready = f"{sum(1 for c in statuses if c.get('ready'))}/{len((pod.get('spec') or {}).get('containers') or [])}"
-        flags = _flags(job, name, "pod")
         rows.append(RankRow(rank=rank, pod=name, node=(pod.get("spec") or {}).get("nodeName") or "",
                             phase=podinfo.phase(pod), ready=ready,
                             restarts=sum(int(c.get("restartCount") or 0) for c in statuses),
                             exit_code=podinfo.exit_code(pod), started=(pod.get("status") or {}).get("startTime") or "",
-                            flags=flags))
+                            flags=_flags(job, name, "pod")))
     return rows
 
 
