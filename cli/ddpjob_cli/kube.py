@@ -16,8 +16,8 @@ from kubernetes import client, config as kconfig
 from urllib3.exceptions import HTTPError
 
 from ddpjob_api import labels
-from ddpjob_api.spec import API_VERSION, PLURAL
-from ddpjob_operator.cluster.k8s import child_path
+from ddpjob_api.spec import API_VERSION
+from ddpjob_operator.cluster.k8s import child_path, job_path
 from ddpjob_operator.base.podinfo import is_simulated_node
 from ddpjob_operator.cluster.scrape import MAX_BODY_BYTES
 
@@ -111,16 +111,11 @@ class Kube:
             raise CliError(f"lost the API server at {self.server}: {exc}") from None
         return json.loads(resp.data) if resp.data else None
 
-    def _jobs_path(self, namespace: str | None, name: str = "") -> str:
-        root = f"/apis/{API_VERSION}"
-        path = f"{root}/namespaces/{namespace}/{PLURAL}" if namespace else f"{root}/{PLURAL}"
-        return f"{path}/{name}" if name else path
-
     # --- DDPJobs ----------------------------------------------------------------------------------
 
     def list_jobs(self, *, all_namespaces: bool = False) -> list[dict[str, Any]]:
         ns = None if all_namespaces else self.namespace
-        data = self._call("GET", self._jobs_path(ns), namespace=ns, verb="list") or {}
+        data = self._call("GET", job_path(ns), namespace=ns, verb="list") or {}
         items = list(data.get("items") or [])
         for item in items:  # a list's items carry no apiVersion/kind
             item.setdefault("apiVersion", API_VERSION)
@@ -128,7 +123,7 @@ class Kube:
         return items
 
     def get_job(self, name: str) -> dict[str, Any]:
-        return self._call("GET", self._jobs_path(self.namespace, name), name=name, namespace=self.namespace)
+        return self._call("GET", job_path(self.namespace, name), name=name, namespace=self.namespace)
 
     def find_job(self, name: str) -> dict[str, Any] | None:
         """The job, or None when it does not exist (any other failure raises)."""
@@ -141,15 +136,15 @@ class Kube:
 
     def create_job(self, obj: dict[str, Any]) -> dict[str, Any]:
         name = (obj.get("metadata") or {}).get("name")
-        return self._call("POST", self._jobs_path(self.namespace), body=obj, name=name,
+        return self._call("POST", job_path(self.namespace), body=obj, name=name,
                           namespace=self.namespace, verb="create")
 
     def delete_job(self, name: str) -> None:
-        self._call("DELETE", self._jobs_path(self.namespace, name), query=[("propagationPolicy", "Background")],
+        self._call("DELETE", job_path(self.namespace, name), query=[("propagationPolicy", "Background")],
                    name=name, namespace=self.namespace, verb="delete")
 
     def patch_spec(self, name: str, spec: dict[str, Any]) -> dict[str, Any]:
-        return self._call("PATCH", self._jobs_path(self.namespace, name), body={"spec": spec},
+        return self._call("PATCH", job_path(self.namespace, name), body={"spec": spec},
                           content_type="application/merge-patch+json", name=name, namespace=self.namespace,
                           verb="patch")
 

@@ -91,8 +91,12 @@ def validate(obj: dict[str, Any]) -> JobSpec:
     return job
 
 
-def missing_trainer_packages() -> list[str]:
-    """The distributions of the `trainer` extra (pyproject, their one list) not installed here."""
+def require_trainer(job: JobSpec) -> None:
+    """The built-in trainer's packages are an extra (`pip install ddpjob` is the CLI and operator):
+    say which to install before any node starts, not in a node's traceback. They are the
+    distributions of the `trainer` extra (pyproject, their one list) not installed here."""
+    if not job.uses_builtin_trainer:
+        return
     try:
         requires = metadata.requires("ddpjob") or []
     except metadata.PackageNotFoundError:  # imported from a source tree, not installed
@@ -105,13 +109,6 @@ def missing_trainer_packages() -> list[str]:
             metadata.distribution(name)
         except metadata.PackageNotFoundError:
             missing.append(name)
-    return missing
-
-
-def require_trainer(job: JobSpec) -> None:
-    """The built-in trainer's packages are an extra (`pip install ddpjob` is the CLI and operator):
-    say which to install before any node starts, not in a node's traceback."""
-    missing = missing_trainer_packages() if job.uses_builtin_trainer else []
     if missing:
         raise LocalRunError(f"the built-in trainer needs {', '.join(missing)}, not installed here: "
                             "pip install 'ddpjob[trainer]'")
@@ -173,16 +170,6 @@ def local_trainer_config(trainer: dict[str, Any], workdir: Path) -> dict[str, An
         d = Path(ck["dir"])
         ck["dir"] = str(workdir / d.relative_to(d.anchor) if d.is_absolute() else workdir / d)
     return trainer
-
-
-@dataclass
-class Node:
-    """One simulated node: its launcher process and log."""
-
-    rank: int
-    proc: subprocess.Popen
-    log_path: Path
-    metrics_port: int
 
 
 @dataclass
@@ -253,16 +240,16 @@ def _in_workdir(pid: int, workdir: Path) -> bool:
         return False
 
 
-def _stop_nodes(nodes: list[Node], *, workdir: Path, signals: StopSignals, grace: float,
+def _stop_nodes(nodes: list[subprocess.Popen], *, workdir: Path, signals: StopSignals, grace: float,
                 display: "Display") -> None:
-    """Stop every node and everything below it (bounded); a signal meanwhile only hurries it.
+    """Stop every node's launcher and everything below it (bounded); a signal meanwhile only hurries it.
 
     Besides the nodes' trees, any process re-parented to the runner that carries this run's
     DDPJOB_RESULT_FILE (a worker whose agent and launcher died first) is stopped; nothing else
     the caller of run_local may have started is touched."""
     signals.armed = False
     try:
-        left = stop_tree([n.proc for n in nodes], grace=grace, hurry=signals.hurry,
+        left = stop_tree(nodes, grace=grace, hurry=signals.hurry,
                          owned=functools.partial(_in_workdir, workdir=workdir))
         if left:
             display.say(f"WARNING processes {left} outlived SIGKILL (stuck in the kernel); not waiting for them")
@@ -443,17 +430,16 @@ class Books:
 
 
 def run_attempt(job: JobSpec, *, attempt: int, workdir: Path, cwd: Path, metrics_ports: list[int],
-                display: Display, signals: StopSignals, grace: float, books: Books | None = None) -> Attempt:
+                display: Display, signals: StopSignals, grace: float, books: Books) -> Attempt:
     """Start every node (in `cwd`: the DDPJob file's folder, against which relative paths in its
     command resolve), watch them, stop the group on the first failure or a stop signal."""
     logs = workdir / "logs" / f"attempt-{attempt}"
     logs.mkdir(parents=True, exist_ok=True)
     result_file = workdir / f"result-attempt-{attempt}.json"
     master_port = free_port()
-    nodes: list[Node] = []
+    nodes: list[subprocess.Popen] = []  # node r's launcher at index r
     try:
         for rank in range(job.spec.nodes):
-            log_path = logs / f"node-{rank}.log"
             env = node_env(job, rank, master_port=master_port, metrics_port=metrics_ports[rank],
                            attempt=attempt, workdir=workdir, result_file=result_file)
             # Where its ranks record why they failed (the launcher's own dir otherwise, gone with it):
@@ -461,33 +447,28 @@ def run_attempt(job: JobSpec, *, attempt: int, workdir: Path, cwd: Path, metrics
             status = status_dir(workdir, attempt, rank)
             shutil.rmtree(status, ignore_errors=True)  # an earlier run with this --workdir
             env[contract.ENV_STATUS_DIR] = str(status)
-            with open(log_path, "wb") as log:
-                proc = subprocess.Popen(
+            with open(logs / f"node-{rank}.log", "wb") as log:
+                nodes.append(subprocess.Popen(
                     node_command(job, metrics_port=metrics_ports[rank]), env=env,
                     stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                     cwd=cwd, start_new_session=True,
-                    preexec_fn=functools.partial(die_with_parent, os.getpid()))
-            nodes.append(Node(rank, proc, log_path, metrics_ports[rank]))
-        if books is not None:
-            books.started(attempt)
+                    preexec_fn=functools.partial(die_with_parent, os.getpid())))
+        books.started(attempt)
         next_scrape = 0.0
         while True:
-            codes = [n.proc.poll() for n in nodes]
-            failed = [(n, c) for n, c in zip(nodes, codes) if c not in (None, 0)]
+            codes = [n.poll() for n in nodes]
+            failed = [(rank, c) for rank, c in enumerate(codes) if c not in (None, 0)]
             if failed:
                 time.sleep(0.3)  # let a bad-config exit (78) on another node land too
-                codes = [n.proc.poll() for n in nodes]
-                bad = [n for n, c in zip(nodes, codes) if c == EXIT_BAD_CONFIG]
-                node, code = (bad[0], EXIT_BAD_CONFIG) if bad else failed[0]
-                return Attempt(ok=False, exit_code=code, failed_rank=node.rank,
-                               returncodes={n.rank: c for n, c in zip(nodes, codes)})
+                codes = [n.poll() for n in nodes]
+                bad = [rank for rank, c in enumerate(codes) if c == EXIT_BAD_CONFIG]
+                rank, code = (bad[0], EXIT_BAD_CONFIG) if bad else failed[0]
+                return Attempt(ok=False, exit_code=code, failed_rank=rank, returncodes=dict(enumerate(codes)))
             if all(c == 0 for c in codes):
                 result = json.loads(result_file.read_text()) if result_file.exists() else {}
                 return Attempt(ok=True, result=result)
             if time.monotonic() >= next_scrape:
-                samples = display.update(metrics_ports, attempt=attempt)
-                if books is not None:
-                    books.observe(samples)
+                books.observe(display.update(metrics_ports, attempt=attempt))
                 next_scrape = time.monotonic() + SCRAPE_INTERVAL
             signals.raise_if_stopped()  # a Stop lost in a __del__ or weakref callback
             time.sleep(0.1)
@@ -529,14 +510,9 @@ def _run_local(path: str, *, signals: StopSignals, summary_json: str | None, met
     t0, created = time.monotonic(), time.time()
     try:
         grace = stop_grace_from_env()
-    except ConfigError as exc:
-        click.echo(f"error: {exc}", err=True)
-        return 2
-    try:
-        obj = load_job_file(path)
-        job = validate(obj)
+        job = validate(load_job_file(path))
         require_trainer(job)
-    except LocalRunError as exc:
+    except (ConfigError, LocalRunError) as exc:
         click.echo(f"error: {exc}", err=True)
         return 2
     wd = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix=f"ddpjob-{job.name}-"))
@@ -610,6 +586,4 @@ def _run_local(path: str, *, signals: StopSignals, summary_json: str | None, met
         click.echo(f"{job.name}: {phase}, {restarts}{spent}", err=True)
     if summary_json:
         Path(summary_json).write_text(json.dumps(summary, indent=2) + "\n")
-    if outcome.ok:
-        return 0
-    return outcome.exit_code or 1
+    return 0 if outcome.ok else outcome.exit_code or 1

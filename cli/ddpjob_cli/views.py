@@ -120,19 +120,14 @@ def current_attempt(job: dict[str, Any], pods: list[dict[str, Any]]) -> int:
     return max(Group.of(pods).attempts, default=0)
 
 
-def _named(job: dict[str, Any], kind: str, what: str) -> set[str]:
-    """The pods (what="pod") or global ranks (what="rank") a True Straggler/Stalled condition
-    names (the monitor's message names each rank and its pod: 'rank 3 (pod job-1 on node n7)')."""
-    pattern = {"pod": r"\bpod ([a-z0-9][-a-z0-9.]*[a-z0-9])", "rank": r"\brank (\d+)"}[what]
-    for cond in status_of(job).get("conditions") or []:
-        if cond.get("type") == kind and cond.get("status") == "True":
-            return set(re.findall(pattern, str(cond.get("message") or "")))
-    return set()
-
-
 def _flags(job: dict[str, Any], key: str, what: str) -> tuple[str, ...]:
-    return tuple(flag for flag, kind in (("straggler", Signal.STRAGGLER), ("stalled", Signal.STALLED))
-                 if key in _named(job, kind, what))
+    """("straggler", "stalled"): which True Straggler/Stalled conditions name the pod (what="pod")
+    or global rank (what="rank") `key` (the monitor's message names each rank and its pod:
+    'rank 3 (pod job-1 on node n7)'). Conditions are a map by type (the CRD's list type)."""
+    pattern = {"pod": r"\bpod ([a-z0-9][-a-z0-9.]*[a-z0-9])", "rank": r"\brank (\d+)"}[what]
+    naming = {cond.get("type") for cond in status_of(job).get("conditions") or []
+              if cond.get("status") == "True" and key in re.findall(pattern, str(cond.get("message") or ""))}
+    return tuple(flag for flag, kind in (("straggler", Signal.STRAGGLER), ("stalled", Signal.STALLED)) if kind in naming)
 
 
 @dataclass(frozen=True)
@@ -180,12 +175,11 @@ def rank_rows(job: dict[str, Any], pods: list[dict[str, Any]]) -> list[RankRow]:
         name = podinfo.name(pod)
         statuses = (pod.get("status") or {}).get("containerStatuses") or []
         ready = f"{sum(1 for c in statuses if c.get('ready'))}/{len((pod.get('spec') or {}).get('containers') or [])}"
-        flags = _flags(job, name, "pod")
         rows.append(RankRow(rank=rank, pod=name, node=(pod.get("spec") or {}).get("nodeName") or "",
                             phase=podinfo.phase(pod), ready=ready,
                             restarts=sum(int(c.get("restartCount") or 0) for c in statuses),
                             exit_code=podinfo.exit_code(pod), started=(pod.get("status") or {}).get("startTime") or "",
-                            flags=flags))
+                            flags=_flags(job, name, "pod")))
     return rows
 
 
@@ -270,14 +264,9 @@ def describe_data(job: dict[str, Any], events: list[dict[str, Any]], pods: list[
 
 def culprits(status: dict[str, Any]) -> list[dict[str, Any]]:
     """The culprit of each in-place restart its stacks named (status.restartHistory[].culprit)."""
-    out = []
-    for e in status.get("restartHistory") or []:
-        c = e.get("culprit") or {}
-        if c:
-            out.append({"attempt": e.get("attempt"), "restart": e.get("restart"), "rank": c.get("rank"),
-                        "pod": c.get("pod"), "node": c.get("node"), "waitingIn": c.get("waitingIn"),
-                        "frames": c.get("frames")})
-    return out
+    return [{"attempt": e.get("attempt"), "restart": e.get("restart"),
+             **{k: c.get(k) for k in ("rank", "pod", "node", "waitingIn", "frames")}}
+            for e in status.get("restartHistory") or [] if (c := e.get("culprit"))]
 
 
 def progress_line(progress: dict[str, Any]) -> str:
@@ -326,50 +315,44 @@ def describe_text(data: dict[str, Any], now: dt.datetime) -> str:
         field("Result", ", ".join(f"{k} {v}" for k, v in res.items()))
     out.append("")
     out.append("Conditions:")
-    if data["conditions"]:
-        out.append(_indent(table(["TYPE", "STATUS", "REASON", "AGE", "MESSAGE"],
-                                 [[c.get("type", ""), c.get("status", ""), c.get("reason") or NONE,
-                                   age(c.get("lastTransitionTime"), now), one_line(c.get("message"), 160) or NONE]
-                                  for c in data["conditions"]])))
-    else:
-        out.append("  <none>")
+    out.append(_block(["TYPE", "STATUS", "REASON", "AGE", "MESSAGE"],
+                      [[c.get("type", ""), c.get("status", ""), c.get("reason") or NONE,
+                        age(c.get("lastTransitionTime"), now), one_line(c.get("message"), 160) or NONE]
+                       for c in data["conditions"]]))
     out.append(f"Ranks (attempt {data.get('attempt') if data.get('attempt') is not None else NONE}):")
-    rows = [RankRow(r["rank"], r["pod"] or "", r["node"] or "", r["phase"], r["ready"], r["restarts"], r["exitCode"],
-                    r["startTime"] or "", tuple(r["flags"])).cells(now) for r in data["ranks"]]
-    out.append(_indent(table(RANK_HEADERS, rows)) if rows else "  <none>")
+    out.append(_block(RANK_HEADERS, [RankRow(r["rank"], r["pod"] or "", r["node"] or "", r["phase"], r["ready"],
+                                             r["restarts"], r["exitCode"], r["startTime"] or "",
+                                             tuple(r["flags"])).cells(now) for r in data["ranks"]]))
     if "processes" in data:
         out.append("Processes (live):")
-        procs = [[str(p.get(h, NONE)) for h in PROCESS_HEADERS] for p in data["processes"]]
-        out.append(_indent(table(PROCESS_HEADERS, procs)) if procs else "  no process reported metrics yet")
+        out.append(_block(PROCESS_HEADERS, [[str(p.get(h, NONE)) for h in PROCESS_HEADERS] for p in data["processes"]],
+                          empty="  no process reported metrics yet"))
         out += [f"  {note}" for note in data.get("notes") or []]
     out.append("Failures (earlier attempts):")
-    if data["failures"]:
-        out.append(_indent(table(["ATTEMPT", "RANK", "POD", "NODE", "EXIT", "REASON", "FINISHED", "LAST LINE"],
-                                 [[str(f.get("attempt", NONE)), str(f.get("rank", NONE)), f.get("pod") or NONE,
-                                   f.get("node") or NONE, failure_cause(f), f.get("reason") or NONE,
-                                   f.get("finishedAt") or NONE, last_line(f.get("logTail")) or NONE]
-                                  for f in data["failures"]])))
-    else:
-        out.append("  <none>")
+    out.append(_block(["ATTEMPT", "RANK", "POD", "NODE", "EXIT", "REASON", "FINISHED", "LAST LINE"],
+                      [[str(f.get("attempt", NONE)), str(f.get("rank", NONE)), f.get("pod") or NONE,
+                        f.get("node") or NONE, failure_cause(f), f.get("reason") or NONE,
+                        f.get("finishedAt") or NONE, last_line(f.get("logTail")) or NONE]
+                       for f in data["failures"]]))
     if data.get("culprits"):  # only once a restart's stacks named one
         out.append(f"Culprits (by the ranks' captured stacks; every stack: ddpjob logs {data['name']} --stacks):")
-        out.append(_indent(table(["ATTEMPT", "RESTART", "RANK", "POD", "NODE", "OTHERS WAIT IN", "FRAMES"],
-                                 [[str(c["attempt"]), str(c["restart"]), str(c["rank"]), c["pod"] or NONE,
-                                   c["node"] or NONE, c["waitingIn"] or NONE, c["frames"] or NONE]
-                                  for c in data["culprits"]])))
+        out.append(_block(["ATTEMPT", "RESTART", "RANK", "POD", "NODE", "OTHERS WAIT IN", "FRAMES"],
+                          [[str(c["attempt"]), str(c["restart"]), str(c["rank"]), c["pod"] or NONE,
+                            c["node"] or NONE, c["waitingIn"] or NONE, c["frames"] or NONE]
+                           for c in data["culprits"]]))
     out.append("Events:")
-    if data["events"]:
-        out.append(_indent(table(["TYPE", "REASON", "AGE", "OBJECT", "MESSAGE"],
-                                 [[e.get("type") or NONE, e.get("reason") or NONE,
-                                   age(e.get("time"), now) + (f" (x{e['count']})" if e.get("count", 1) > 1 else ""),
-                                   e["object"], one_line(e.get("message"), 160)] for e in data["events"]])))
-    else:
-        out.append("  <none>")
+    out.append(_block(["TYPE", "REASON", "AGE", "OBJECT", "MESSAGE"],
+                      [[e.get("type") or NONE, e.get("reason") or NONE,
+                        age(e.get("time"), now) + (f" (x{e['count']})" if e.get("count", 1) > 1 else ""),
+                        e["object"], one_line(e.get("message"), 160)] for e in data["events"]]))
     return "\n".join(out).rstrip("\n") + "\n"
 
 
-def _indent(text: str) -> str:
-    return "\n".join("  " + line for line in text.rstrip("\n").splitlines())
+def _block(headers: list[str], rows: list[Row], *, empty: str = "  <none>") -> str:
+    """A describe section's table, indented under its heading; `empty` when it has no rows."""
+    if not rows:
+        return empty
+    return "\n".join("  " + line for line in table(headers, rows).rstrip("\n").splitlines())
 
 
 def failure_cause(f: dict[str, Any]) -> str:
@@ -524,14 +507,8 @@ def running_pods(job: dict[str, Any], pods: list[dict[str, Any]]) -> list[tuple[
 def kept_tails(job: dict[str, Any], *, attempt: int, rank: int | None, all_ranks: bool) -> list[tuple[int, str]]:
     """(rank, log tail) that status.failures kept of an attempt whose pods are gone (the tails are
     there with spec.failurePolicy.logTailInStatus): the given rank's, else every failed rank's."""
-    out = []
-    for f in status_of(job).get("failures") or []:
-        if f.get("attempt") != attempt or not f.get("logTail"):
-            continue
-        if rank is not None and not all_ranks and f.get("rank") != rank:
-            continue
-        out.append((int(f.get("rank", -1)), str(f["logTail"])))
-    return out
+    return [(int(f.get("rank", -1)), str(f["logTail"])) for f in status_of(job).get("failures") or []
+            if f.get("attempt") == attempt and f.get("logTail") and (rank is None or all_ranks or f.get("rank") == rank)]
 
 
 def restart_lines(lines: Iterable[str], restart: int) -> Iterator[str]:

@@ -188,14 +188,11 @@ class Reconciler:
         while True:
             await asyncio.sleep(self.scrape_interval)
             tick += 1
-            due = []
-            for obj in self.jobs.items():
-                key = key_of(obj)
-                if ((obj.get("status") or {}).get("phase") == Phase.RUNNING.value
-                        and tick % self._scrape_every.get(key, 1) == 0):
-                    due.append(key)
+            running = [key_of(obj) for obj in self.jobs.items()
+                       if (obj.get("status") or {}).get("phase") == Phase.RUNNING.value]
             # One round at a time (the monitor bounds the requests of all jobs together).
-            await asyncio.gather(*(self._scrape_and_kick(key) for key in due))
+            await asyncio.gather(*(self._scrape_and_kick(key) for key in running
+                                   if tick % self._scrape_every.get(key, 1) == 0))
 
     async def _scrape_and_kick(self, key: Key) -> None:
         try:
@@ -212,17 +209,18 @@ class Reconciler:
         if self.monitor is None or obj is None or (obj.get("status") or {}).get("phase") != Phase.RUNNING.value:
             return False
         uid = (obj.get("metadata") or {}).get("uid") or ""
-        report = await self._observe(obj, self._pods(namespace, name, uid))
-        if report is None:
+        try:
+            report = await asyncio.wait_for(self.monitor.observe(obj, self._pods(namespace, name, uid)), MONITOR_TIMEOUT)
+        except Exception as exc:  # noqa: BLE001  (progress is optional; lifecycle is not)
+            log.warning("monitor.observe %s/%s failed: %s", namespace, name, exc)
             return False
         if report.stacks:
             await self._keep_stacks(obj, report.stacks)
             report = dataclasses.replace(report, stacks=[])
         if (self.jobs.get(namespace, name) or {}).get("status", {}).get("phase") == Phase.RUNNING.value:
             self.metrics.record_scrape(key, report, when=time.time())  # not for a job that ended meanwhile
-        every = self._scrape_every.get(key, 1)
         if report.unreachable:
-            self._scrape_every[key] = min(every * 2, MAX_SCRAPE_BACKOFF)
+            self._scrape_every[key] = min(self._scrape_every.get(key, 1) * 2, MAX_SCRAPE_BACKOFF)
         else:
             self._scrape_every.pop(key, None)
         old = self._reports.get(key)
@@ -264,14 +262,6 @@ class Reconciler:
     def _pods(self, namespace: str, name: str, uid: str) -> list[dict[str, Any]]:
         """The cached pods of the job with this uid (not those of an earlier job of the same name)."""
         return [p for p in self.pods.by_index(namespace, name) if owned_by(p, uid)]
-
-    async def _observe(self, obj: dict[str, Any], pods: list[dict[str, Any]]) -> MonitorReport | None:
-        try:
-            return await asyncio.wait_for(self.monitor.observe(obj, pods), MONITOR_TIMEOUT)
-        except Exception as exc:  # noqa: BLE001  (progress is optional; lifecycle is not)
-            meta = obj.get("metadata") or {}
-            log.warning("monitor.observe %s/%s failed: %s", meta.get("namespace"), meta.get("name"), exc)
-            return None
 
     async def reconcile(self, namespace: str, name: str, *, scrape: bool = False) -> None:
         """Decide from the caches, write status once (if it changed), act, post events."""

@@ -51,10 +51,7 @@ def operator_settings(cfg: OperatorConfig) -> kopf.OperatorSettings:
 def own_identity() -> str:
     """This process's name in the peering object (given to kopf, and skipped by our gate):
     the pod's name when set (POD_ID, as kopf reads it), else user@host/pid-random."""
-    pod = os.environ.get("POD_ID")
-    if pod:
-        return pod
-    return f"{getpass.getuser()}@{os.uname().nodename}/{os.getpid()}-{secrets.token_hex(3)}"
+    return os.environ.get("POD_ID") or f"{getpass.getuser()}@{os.uname().nodename}/{os.getpid()}-{secrets.token_hex(3)}"
 
 
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"

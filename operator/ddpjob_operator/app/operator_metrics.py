@@ -11,6 +11,8 @@ per-rank series are the ranks' own (`ddpjob_trainer_*`, scraped from the pods).
 """
 from __future__ import annotations
 
+import collections
+import contextlib
 import datetime as dt
 import time
 from typing import Any, Iterable
@@ -135,11 +137,9 @@ class OperatorMetrics:
         else:
             self.namespace_seen(key[0])
             self._phases[key] = phase
-        counts = {(ns, p.value): 0 for ns in self._namespaces for p in Phase}
-        for (ns, _), value in self._phases.items():
-            counts[(ns, value)] = counts.get((ns, value), 0) + 1
-        for (ns, value), count in counts.items():
-            self.jobs.labels(ns, value).set(count)
+        counts = collections.Counter((ns, value) for (ns, _), value in self._phases.items())
+        for ns, value in {(ns, p.value) for ns in self._namespaces for p in Phase} | set(counts):
+            self.jobs.labels(ns, value).set(counts[(ns, value)])
 
     def record_scrape(self, key: Key, report: MonitorReport, *, when: float) -> None:
         """A Running job's scrape: its gauges now say what it read (a scrape that read no rank
@@ -228,10 +228,8 @@ class OperatorMetrics:
 
     @staticmethod
     def _remove(gauge: Gauge, labels: tuple[str, ...]) -> None:
-        try:
+        with contextlib.suppress(KeyError):
             gauge.remove(*labels)
-        except KeyError:
-            pass
 
     def count_pods(self, namespace: str, *, created: int = 0, deleted: int = 0) -> None:
         """Pods this pass created / deleted in `namespace`."""

@@ -40,12 +40,8 @@ def key_of(obj: Obj) -> Key:
 def newer(a: Obj, b: Obj | None) -> bool:
     """True unless `b` is provably newer than `a` (resourceVersions are opaque, but etcd's are
     integers; when either is not, the later arrival wins)."""
-    if b is None:
-        return True
     ra, rb = resource_version(a), resource_version(b)
-    if ra.isdigit() and rb.isdigit():
-        return int(ra) >= int(rb)
-    return True
+    return not (ra.isdigit() and rb.isdigit()) or int(ra) >= int(rb)
 
 
 # kubectl apply's copy of the whole manifest (a DDPJob's spec twice over); nothing here reads it.

@@ -20,7 +20,7 @@ from kubernetes.client.rest import ApiException
 from kubernetes.watch.watch import iter_resp_lines
 
 from ddpjob_api import labels
-from ddpjob_api.spec import GROUP, KIND, PLURAL, VERSION, API_VERSION
+from ddpjob_api.spec import KIND, PLURAL, API_VERSION
 from ddpjob_operator.base import objmeta
 from ddpjob_operator.cluster.fairqueue import FairSlots
 
@@ -72,15 +72,21 @@ def request_kind(method: str, path: str, *, watch: bool = False) -> tuple[str, s
     return method, resource
 
 
-# The kinds of the operator's children, and their resource names.
-_PLURALS = {"Pod": "pods", "Service": "services", "PodGroup": "podgroups", "ConfigMap": "configmaps"}
+# The kinds of the operator's children and of the DDPJobs themselves, and their resource names.
+_PLURALS = {"Pod": "pods", "Service": "services", "PodGroup": "podgroups", "ConfigMap": "configmaps", KIND: PLURAL}
 
 
-def child_path(api_version: str, kind: str, namespace: str, name: str = "") -> str:
-    """/api/v1/namespaces/ns/pods[/name], /apis/group/version/namespaces/ns/podgroups[/name]."""
+def child_path(api_version: str, kind: str, namespace: str | None, name: str = "") -> str:
+    """/api/v1/namespaces/ns/pods[/name], /apis/group/version/namespaces/ns/podgroups[/name];
+    namespace None: the collection across all namespaces (/apis/group/version/ddpjobs)."""
     root = "/api/v1" if api_version == "v1" else f"/apis/{api_version}"
-    path = f"{root}/namespaces/{namespace}/{_PLURALS[kind]}"
+    path = f"{root}/namespaces/{namespace}/{_PLURALS[kind]}" if namespace else f"{root}/{_PLURALS[kind]}"
     return f"{path}/{name}" if name else path
+
+
+def job_path(namespace: str | None, name: str = "") -> str:
+    """A DDPJob's path, or its collection's (namespace None: every namespace's)."""
+    return child_path(API_VERSION, KIND, namespace, name)
 
 
 class K8s:
@@ -102,10 +108,8 @@ class K8s:
         self._server_version = ""
 
     def _count(self, method: str, path: str, *, watch: bool = False) -> None:
-        if self.on_request is None:
-            return
-        verb, resource = request_kind(method, path, watch=watch)
-        self.on_request(verb, resource)
+        if self.on_request is not None:
+            self.on_request(*request_kind(method, path, watch=watch))
 
     def _request(self, method: str, path: str, *, body: Any = None, query: list | None = None,
                  content_type: str = "application/json") -> Any:
@@ -177,14 +181,9 @@ class K8s:
         """Stop the thread pool (pending calls finish)."""
         self._pool.shutdown(wait=False, cancel_futures=True)
 
-    @staticmethod
-    def _job_path(namespace: str, name: str = "") -> str:
-        base = f"/apis/{GROUP}/{VERSION}/namespaces/{namespace}/{PLURAL}"
-        return f"{base}/{name}" if name else base
-
     async def get_job(self, namespace: str, name: str) -> dict[str, Any] | None:
         """The DDPJob (a consistent read), or None when it is gone."""
-        return await self._get(self._job_path(namespace, name), job=(namespace, name))
+        return await self._get(job_path(namespace, name), job=(namespace, name))
 
     async def create(self, obj: dict[str, Any]) -> dict[str, Any] | None:
         """Create a child (Pod, Service, PodGroup): the created object, or None when it already
@@ -246,13 +245,13 @@ class K8s:
         body: dict[str, Any] = {"status": patch}
         if resource_version:
             body["metadata"] = {"resourceVersion": resource_version}
-        return await self._call("PATCH", self._job_path(namespace, name) + "/status", job=(namespace, name),
+        return await self._call("PATCH", job_path(namespace, name) + "/status", job=(namespace, name),
                                 body=body, content_type="application/merge-patch+json")
 
     async def delete_job(self, namespace: str, name: str) -> bool:
         """Delete the DDPJob; garbage collection removes its Service and pods."""
         try:
-            await self._call("DELETE", self._job_path(namespace, name), job=(namespace, name),
+            await self._call("DELETE", job_path(namespace, name), job=(namespace, name),
                              body={"apiVersion": "v1", "kind": "DeleteOptions",
                                    "propagationPolicy": "Background"})
             return True

@@ -50,20 +50,14 @@ class _JobState:
     stacks_seen: dict[str, float] = field(default_factory=dict)
 
 
-def stacks_url(metrics_url: str) -> str:
-    """The pod endpoint's stacks URL beside its metrics URL (the last path part replaced)."""
-    return metrics_url.rsplit("/", 1)[0] + contract.STACKS_PATH
-
-
 def scrape_url(template: str, *, pod: dict, port: int, job_name: str, namespace: str) -> str | None:
     """The metrics URL of one pod; None when it has no IP yet (default template)."""
-    meta = pod.get("metadata") or {}
     rank = max(podinfo.rank(pod), 0)
     ip = (pod.get("status") or {}).get("podIP") or ""
     tpl = template or DEFAULT_URL_TEMPLATE
     if "{ip}" in tpl and not ip:
         return None
-    return tpl.format(pod=meta.get("name", ""), rank=rank, ip=ip, port=port,
+    return tpl.format(pod=podinfo.name(pod), rank=rank, ip=ip, port=port,
                       rank_port=port + rank, namespace=namespace, job=job_name)
 
 
@@ -149,9 +143,10 @@ class Monitor:
     async def _stacks(self, st: _JobState, fresh: list[tuple[str, str, str | None]], sem, session) -> list:
         """(capture, pod, node) of the captures the pods in `fresh` ((metrics url, pod, node)) took
         since those fetched before: one GET of each such pod's STACKS_PATH, only after a capture."""
-        results = await scrape.fetch_all([stacks_url(url) for url, _, _ in fresh], concurrency=self.concurrency,
-                                         timeout=self.timeout, semaphore=sem, session=session,
-                                         max_bytes=self.max_body_bytes)
+        # Each pod endpoint's stacks URL is beside its metrics URL (the last path part replaced).
+        results = await scrape.fetch_all([url.rsplit("/", 1)[0] + contract.STACKS_PATH for url, _, _ in fresh],
+                                         concurrency=self.concurrency, timeout=self.timeout, semaphore=sem,
+                                         session=session, max_bytes=self.max_body_bytes)
         out = []
         for (_, pod_name, node), res in zip(fresh, results):
             try:
@@ -229,11 +224,10 @@ class Monitor:
                 if pod_name not in st.failing and not first_error:
                     first_error = f"{pod_name} ({url}): {res.error}"
                 continue
-            answered.append((pod, pod_name, res.text))
+            answered.append((url, pod, pod_name, res.text))
         parsed_all = await scrape.parse_all_async([text for *_, text in answered])
-        urls = {id(pod): url for url, pod in targets}
         fresh: list[tuple[str, str, str | None]] = []
-        for (pod, pod_name, _), parsed in zip(answered, parsed_all):
+        for (url, pod, pod_name, _), parsed in zip(answered, parsed_all):
             if isinstance(parsed, Exception):
                 failing.add(pod_name)
                 log.warning("bad metrics from %s/%s: %s", namespace, pod_name, parsed)
@@ -244,7 +238,7 @@ class Monitor:
             samples.update(parsed)
             newest = max((float(c["time"]) for s in parsed.values() for c in s.stack_captures), default=0.0)
             if newest > st.stacks_seen.get(pod_name, 0.0):
-                fresh.append((urls[id(pod)], pod_name, node))
+                fresh.append((url, pod_name, node))
         stacks = await self._stacks(st, fresh, sem, session) if fresh else []
         if first_error:
             # One line per job, not per pod (800 pods would give 800 lines), when pods start failing.
