@@ -256,20 +256,15 @@ def _failures(job: JobSpec, current: dict[int, dict], attempt: int, launched: bo
     """(rank, the pod's last state, what its end means) of each rank whose pod ended or vanished.
     `numbers`: each rank's newest replacement decided in this attempt: a rank whose replacement
     is not created yet is not lost (it is about to be), one whose replacement vanished is."""
-    out: list[tuple[int, dict[str, Any], Failure]] = []
-    for r, pod in sorted(current.items()):
-        f = verdict(pod, with_log=job.spec.failure_policy.log_tail_in_status)
-        if f is not None:
-            out.append((r, pod, f))
-    if launched:
-        for r in range(job.spec.nodes):
-            if r not in current:
-                name = pod_name(job.name, r, attempt, numbers.get(r, 0))
-                if numbers.get(r) and name not in departed:
-                    continue
-                last = departed.get(name) or {"metadata": {"name": name}}
-                # never None with gone=True: the table's last rule matches every departed pod
-                out.append((r, last, verdict(last, gone=True, with_log=job.spec.failure_policy.log_tail_in_status)))  # type: ignore[arg-type]
+    log = job.spec.failure_policy.log_tail_in_status
+    out = [(r, pod, f) for r, pod in sorted(current.items()) if (f := verdict(pod, with_log=log)) is not None]
+    for r in [r for r in range(job.spec.nodes) if r not in current] if launched else []:
+        name = pod_name(job.name, r, attempt, numbers.get(r, 0))
+        if numbers.get(r) and name not in departed:
+            continue
+        last = departed.get(name) or {"metadata": {"name": name}}
+        # never None with gone=True: the table's last rule matches every departed pod
+        out.append((r, last, verdict(last, gone=True, with_log=log)))  # type: ignore[arg-type]
     return out
 
 
@@ -300,18 +295,10 @@ def _annotation(pod: dict[str, Any], key: str) -> int:
     return _count(((pod.get("metadata") or {}).get("annotations") or {}).get(key), -1, low=-1)
 
 
-@dataclass(frozen=True)
-class Counters:
-    """The attempt and restart counters, from what the operator wrote into its pods as well as
-    from the status: anyone allowed to patch ddpjobs/status may edit the status, not our pods."""
-
-    attempt: int
-    restarts: int
-    counted_restarts: int
-
-
-def trusted_counters(prev: dict[str, Any], group: Group) -> Counters:
-    """Counters a status edit cannot lower (to grant restarts) or inflate (to wedge the job or
+def trusted_counters(prev: dict[str, Any], group: Group) -> tuple[int, int, int]:
+    """(attempt, restarts, counted restarts), from what the operator wrote into its pods as well
+    as from the status: anyone allowed to patch ddpjobs/status may edit the status, not our pods.
+    Counters a status edit cannot lower (to grant restarts) or inflate (to wedge the job or
     make every pod stale): the attempt is at most one past the newest pod's (a restart writes
     attempt+1 before it deletes the old pods), and the restart counters never fall below what
     the current attempt's pods carry."""
@@ -320,7 +307,7 @@ def trusted_counters(prev: dict[str, Any], group: Group) -> Counters:
     ours = group.at(attempt).pods
     restarts = max([_count(prev.get("restarts"))] + [_annotation(p, labels.RESTARTS) for p in ours])
     counted = max([_count(prev.get("countedRestarts"))] + [_annotation(p, labels.COUNTED_RESTARTS) for p in ours])
-    return Counters(attempt=attempt, restarts=max(restarts, counted), counted_restarts=counted)
+    return attempt, max(restarts, counted), counted
 
 
 def in_place_restarts(prev: dict[str, Any], ranks: Mapping[int, Any] | None = None, *, replaced: int = 0) -> int:
@@ -372,15 +359,15 @@ def observe(job: JobSpec, group: Group, prev: dict[str, Any], *, now: dt.datetim
             ranks: Mapping[int, Any] | None = None, config: OperatorConfig | None = None) -> Seen:
     """What decide reads of one pass (its docstring says what the arguments are)."""
     prev_phase = Phase.parse(prev.get("phase"))
-    counters = trusted_counters(prev, group)
+    attempt, restarts, counted = trusted_counters(prev, group)
     base = Decision(
         phase=prev_phase or Phase.PENDING, reason=str(prev.get("reason") or ""),
-        message=str(prev.get("message") or ""), attempt=counters.attempt,
-        launched_attempt=min(_count(prev.get("launchedAttempt"), -1, low=-1), counters.attempt),
-        restarts=counters.restarts, counted_restarts=counters.counted_restarts,
+        message=str(prev.get("message") or ""), attempt=attempt,
+        launched_attempt=min(_count(prev.get("launchedAttempt"), -1, low=-1), attempt),
+        restarts=restarts, counted_restarts=counted,
         start_time=_iso(prev.get("startTime")), completion_time=_iso(prev.get("completionTime")),
     )
-    finished = finished_claim_holds(job, prev_phase, group, counters.attempt)
+    finished = finished_claim_holds(job, prev_phase, group, attempt)
     if prev_phase is not None and prev_phase.finished and not finished:
         # Claimed finished while its pods still run: decide from the pods instead.
         prev_phase, base = Phase.RUNNING, replace(base, phase=Phase.RUNNING, completion_time=None)
