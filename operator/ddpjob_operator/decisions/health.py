@@ -309,8 +309,7 @@ class HealthTracker:
             own = _own_times({r: iters[r] for r in common}, {r: steps[r] for r in common})
         flagged = set()
         for r in common:
-            others = [own[k] for k in common if k != r]
-            base = statistics.median(others)
+            base = statistics.median(own[k] for k in common if k != r)
             if own[r] > self.straggler_ratio * base and own[r] - base > self.min_excess_seconds:
                 flagged.add(r)
         for r in common:
