@@ -51,14 +51,10 @@ def share_process_namespace(job: JobSpec) -> bool | None:
 
 def container_command(job: JobSpec) -> tuple[list[str], list[str] | None]:
     """(command, args) per the launcher contract: our launcher wraps the user's command."""
-    if job.command:
-        if job.spec.launcher:
-            return LAUNCHER + list(job.command), job.args
-        return list(job.command), job.args
-    if job.spec.launcher:
-        return list(LAUNCHER), job.args
-    # No launcher and no command: torchrun reads PET_* from the env, so it needs no flags.
-    return ["torchrun", "-m", "ddpjob_trainer"], job.args
+    if not job.command and not job.spec.launcher:
+        # No launcher and no command: torchrun reads PET_* from the env, so it needs no flags.
+        return ["torchrun", "-m", "ddpjob_trainer"], job.args
+    return (LAUNCHER if job.spec.launcher else []) + list(job.command or []), job.args
 
 
 def default_runtime_class(job: JobSpec, config: OperatorConfig) -> str | None:

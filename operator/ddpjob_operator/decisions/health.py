@@ -136,16 +136,14 @@ class HealthTracker:
         advancing steps before the first step. Stable between stage changes (no status write per
         scrape)."""
         stage = self.stage()
+        since = self._stage_start(stage) if stage else None
+        when = f" since {format_time(since)}" if since else ""
         if self._max_step is None:
             if stage is None:
                 return "Starting", "no training step yet; no stage reported"
-            since = self._stage_start(stage)
-            when = f" since {format_time(since)}" if since else ""
             return "Starting", (f"no training step yet; in {stage}{when} (Stalled after "
                                 f"{self.effective_hang_timeout(None):.0f}s without progress)")
         if stage in _PAUSES:
-            since = self._stage_start(stage)
-            when = f" since {format_time(since)}" if since else ""
             return "Progressing", f"in {stage}{when}, after step {self._max_step}"
         return "Progressing", "training steps are advancing"
 
@@ -311,17 +309,13 @@ class HealthTracker:
             own = _own_times({r: iters[r] for r in common}, {r: steps[r] for r in common})
         flagged = set()
         for r in common:
-            others = [own[k] for k in common if k != r]
-            base = statistics.median(others)
+            base = statistics.median(own[k] for k in common if k != r)
             if own[r] > self.straggler_ratio * base and own[r] - base > self.min_excess_seconds:
                 flagged.add(r)
         for r in common:
-            if r in flagged:
-                self._streak[r] = self._streak.get(r, 0) + 1
-                self._calm[r] = 0
-            else:
-                self._calm[r] = self._calm.get(r, 0) + 1
-                self._streak[r] = 0
+            # A rank's run of flagged windows, or of calm ones: each resets the other.
+            self._streak[r] = self._streak.get(r, 0) + 1 if r in flagged else 0
+            self._calm[r] = 0 if r in flagged else self._calm.get(r, 0) + 1
         current = set(self.stragglers())
         now_set = {r for r in current if self._calm.get(r, 0) < self.straggler_windows}
         now_set |= {r for r in common if self._streak.get(r, 0) >= self.straggler_windows}
@@ -373,9 +367,5 @@ def _stopped_ranks(ranks: Mapping[int, RankSample]) -> tuple[int, ...]:
 
 def _describe(s: RankSample) -> str:
     """'rank 3 (pod job-1 on node n7)' with whatever is known."""
-    where = []
-    if s.pod:
-        where.append(f"pod {s.pod}")
-    if s.node:
-        where.append(f"on node {s.node}")
-    return f"rank {s.rank}" + (f" ({' '.join(where)})" if where else "")
+    where = " ".join(w for w in (s.pod and f"pod {s.pod}", s.node and f"on node {s.node}") if w)
+    return f"rank {s.rank}" + (f" ({where})" if where else "")

@@ -312,11 +312,10 @@ def recoveries(prev_status: Mapping[str, Any], status: Mapping[str, Any]) -> lis
 
 def describe(entry: Mapping[str, Any]) -> str:
     """One line naming an in-place restart (rank, pod, node, exit code, signal, error) or a replacement."""
+    where = f"pod {entry.get('pod')}" + (f" on node {entry['node']}" if entry.get("node") else "")
     if entry.get("kind") == Recovery.REPLACE:
-        where = f"pod {entry.get('pod')}" + (f" on node {entry['node']}" if entry.get("node") else "")
         return f"rank {entry.get('rank')} ({where}) was lost ({entry.get('reason')}): replaced alone by pod {entry.get('newPod')}"
     how = f"exit code {entry.get('exitCode')}" + (f" ({entry['signal']})" if entry.get("signal") else "")
-    where = f"pod {entry.get('pod')}" + (f" on node {entry['node']}" if entry.get("node") else "")
     blamed = f"; stacks: {stacks.describe(entry['culprit'])}" if entry.get("culprit") else ""
     if entry.get("reason") == STALLED:
         return f"rank {entry.get('rank')} ({where}) {entry.get('message')}: its agent killed the worker{blamed}"

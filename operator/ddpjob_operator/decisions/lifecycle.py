@@ -4,6 +4,9 @@ Level-based: every pass starts from what exists. The status carries only what po
 tell (restart counters, the current attempt, whether the attempt's pods were all created),
 and it is written *before* pods are deleted for a restart, so an operator killed at any
 moment resumes the same plan: pods whose attempt label differs from status.attempt are stale.
+
+decide asks small policies in order (POLICIES), each over one pass's reading (Seen, from
+observe); the first answer wins, and when all pass the job is in its steady state (_steady).
 """
 from __future__ import annotations
 
@@ -21,9 +24,18 @@ from ddpjob_operator.base import objmeta, podinfo
 from ddpjob_operator.base.config import OperatorConfig
 from ddpjob_operator.base.group import Attempt, Group
 from ddpjob_operator.builders.envvars import inplace_budget, own_rendezvous
-from ddpjob_operator.decisions import inplace, policies
-from ddpjob_operator.decisions.policies import Act, Failure
+from ddpjob_operator.decisions import inplace
 from ddpjob_operator.decisions.redact import redact
+
+
+@dataclass(frozen=True)
+class Failure:
+    """One reason to restart (or fail) the group."""
+
+    reason: str          # a RestartReason, or BadConfiguration (fatal)
+    message: str
+    counted: bool        # counts against failurePolicy.maxRestarts
+    fatal: bool = False  # fails the job at once (no restart helps)
 
 
 class Verdict(str, enum.Enum):
@@ -43,6 +55,10 @@ DISRUPTION_REASONS = {
     "EvictionByEvictionAPI": R.POD_EVICTED,     # drain, descheduler, autoscaler scale-down
     "TerminationByKubelet": R.POD_EVICTED,      # node pressure, graceful node shutdown
 }
+# What a pod of rank > 0 may be lost to and be replaced alone (the cluster took it, or someone
+# deleted it): its launcher did not fail, so its peers' agents restart their workers in place and
+# wait in the attempt's rendezvous for the replacement's (docs/restarts.md).
+REPLACEABLE = frozenset({R.POD_DELETED.value, R.POD_EVICTED.value, R.POD_PREEMPTED.value, R.NODE_LOST.value})
 # pod status.reason values the kubelet and node lifecycle write for the same cases.
 STATUS_REASONS = {"Evicted": R.POD_EVICTED, "Preempting": R.POD_PREEMPTED, "Preempted": R.POD_PREEMPTED,
                   "NodeLost": R.NODE_LOST, "Shutdown": R.POD_EVICTED, "NodeShutdown": R.POD_EVICTED,
@@ -240,30 +256,25 @@ def _failures(job: JobSpec, current: dict[int, dict], attempt: int, launched: bo
     """(rank, the pod's last state, what its end means) of each rank whose pod ended or vanished.
     `numbers`: each rank's newest replacement decided in this attempt: a rank whose replacement
     is not created yet is not lost (it is about to be), one whose replacement vanished is."""
-    out: list[tuple[int, dict[str, Any], Failure]] = []
-    for r, pod in sorted(current.items()):
-        f = verdict(pod, with_log=job.spec.failure_policy.log_tail_in_status)
-        if f is not None:
-            out.append((r, pod, f))
-    if launched:
-        for r in range(job.spec.nodes):
-            if r not in current:
-                name = pod_name(job.name, r, attempt, numbers.get(r, 0))
-                if numbers.get(r) and name not in departed:
-                    continue
-                last = departed.get(name) or {"metadata": {"name": name}}
-                # never None with gone=True: the table's last rule matches every departed pod
-                out.append((r, last, verdict(last, gone=True, with_log=job.spec.failure_policy.log_tail_in_status)))  # type: ignore[arg-type]
+    log = job.spec.failure_policy.log_tail_in_status
+    out = [(r, pod, f) for r, pod in sorted(current.items()) if (f := verdict(pod, with_log=log)) is not None]
+    for r in [r for r in range(job.spec.nodes) if r not in current] if launched else []:
+        name = pod_name(job.name, r, attempt, numbers.get(r, 0))
+        if numbers.get(r) and name not in departed:
+            continue
+        last = departed.get(name) or {"metadata": {"name": name}}
+        # never None with gone=True: the table's last rule matches every departed pod
+        out.append((r, last, verdict(last, gone=True, with_log=log)))  # type: ignore[arg-type]
     return out
 
 
-def _replacements(job: JobSpec, seen: Seen) -> list[Replacement]:
-    """A new pod for each lost one (policies.replace_lost): its rank's next `-r<n>` in the attempt."""
+def _replacements(s: Seen) -> list[Replacement]:
+    """A new pod for each lost one (replace_lost): its rank's next `-r<n>` in the attempt."""
     out = []
-    for r, pod, f in seen.lost:
-        n = max([seen.numbers.get(r, 0)] + [podinfo.replacement(p) for p in seen.this.pods if podinfo.rank(p) == r]) + 1
+    for r, pod, f in s.lost:
+        n = max([s.numbers.get(r, 0)] + [podinfo.replacement(p) for p in s.this.pods if podinfo.rank(p) == r]) + 1
         out.append(Replacement(rank=r, old_pod=podinfo.name(pod), number=n,
-                               new_pod=pod_name(job.name, r, seen.this.number, n),
+                               new_pod=pod_name(s.job.name, r, s.this.number, n),
                                node=str((pod.get("spec") or {}).get("nodeName") or ""), failure=f))
     return out
 
@@ -284,18 +295,10 @@ def _annotation(pod: dict[str, Any], key: str) -> int:
     return _count(((pod.get("metadata") or {}).get("annotations") or {}).get(key), -1, low=-1)
 
 
-@dataclass(frozen=True)
-class Counters:
-    """The attempt and restart counters, from what the operator wrote into its pods as well as
-    from the status: anyone allowed to patch ddpjobs/status may edit the status, not our pods."""
-
-    attempt: int
-    restarts: int
-    counted_restarts: int
-
-
-def trusted_counters(prev: dict[str, Any], group: Group) -> Counters:
-    """Counters a status edit cannot lower (to grant restarts) or inflate (to wedge the job or
+def trusted_counters(prev: dict[str, Any], group: Group) -> tuple[int, int, int]:
+    """(attempt, restarts, counted restarts), from what the operator wrote into its pods as well
+    as from the status: anyone allowed to patch ddpjobs/status may edit the status, not our pods.
+    Counters a status edit cannot lower (to grant restarts) or inflate (to wedge the job or
     make every pod stale): the attempt is at most one past the newest pod's (a restart writes
     attempt+1 before it deletes the old pods), and the restart counters never fall below what
     the current attempt's pods carry."""
@@ -304,7 +307,7 @@ def trusted_counters(prev: dict[str, Any], group: Group) -> Counters:
     ours = group.at(attempt).pods
     restarts = max([_count(prev.get("restarts"))] + [_annotation(p, labels.RESTARTS) for p in ours])
     counted = max([_count(prev.get("countedRestarts"))] + [_annotation(p, labels.COUNTED_RESTARTS) for p in ours])
-    return Counters(attempt=attempt, restarts=max(restarts, counted), counted_restarts=counted)
+    return attempt, max(restarts, counted), counted
 
 
 def in_place_restarts(prev: dict[str, Any], ranks: Mapping[int, Any] | None = None, *, replaced: int = 0) -> int:
@@ -328,9 +331,12 @@ def finished_claim_holds(job: JobSpec, prev_phase: Phase | None, group: Group, a
 
 @dataclass(frozen=True)
 class Seen:
-    """One pass's reading of the status and the pods: the policies' facts, and what acting on their
-    answer needs."""
+    """One pass's reading of the job, the status and the pods: what the policies below answer from."""
 
+    job: JobSpec
+    group: Group
+    now: dt.datetime
+    config: OperatorConfig
     prev: dict[str, Any]
     base: Decision             # the status' phase and counters (a finished claim that does not hold: Running)
     active: Decision           # base resumed, its deadline clock started, back at the deadline
@@ -338,22 +344,30 @@ class Seen:
     current: dict[int, dict[str, Any]]   # the pod standing for each rank
     numbers: dict[int, int]    # each rank's newest replacement decided in this attempt
     lost: list[tuple[int, dict[str, Any], Failure]]   # (rank, last state, verdict) of each pod that ended
-    facts: policies.Observation
+    failures: list[Failure]    # those, and a stall the agents did not restart in place
+    finished: bool             # the status' finished phase holds (finished_claim_holds)
+    elapsed: float             # seconds since the deadline clock started
+    in_place: int              # restarts in place so far: charged with the counted group restarts
+
+    @property
+    def cause(self) -> Failure | None:
+        """The failure a group restart would name: the first that costs the budget, else the first."""
+        return next((f for f in self.failures if f.counted), self.failures[0]) if self.failures else None
 
 
 def observe(job: JobSpec, group: Group, prev: dict[str, Any], *, now: dt.datetime, hang_overdue: bool = False,
-            ranks: Mapping[int, Any] | None = None) -> Seen:
+            ranks: Mapping[int, Any] | None = None, config: OperatorConfig | None = None) -> Seen:
     """What decide reads of one pass (its docstring says what the arguments are)."""
     prev_phase = Phase.parse(prev.get("phase"))
-    counters = trusted_counters(prev, group)
+    attempt, restarts, counted = trusted_counters(prev, group)
     base = Decision(
         phase=prev_phase or Phase.PENDING, reason=str(prev.get("reason") or ""),
-        message=str(prev.get("message") or ""), attempt=counters.attempt,
-        launched_attempt=min(_count(prev.get("launchedAttempt"), -1, low=-1), counters.attempt),
-        restarts=counters.restarts, counted_restarts=counters.counted_restarts,
+        message=str(prev.get("message") or ""), attempt=attempt,
+        launched_attempt=min(_count(prev.get("launchedAttempt"), -1, low=-1), attempt),
+        restarts=restarts, counted_restarts=counted,
         start_time=_iso(prev.get("startTime")), completion_time=_iso(prev.get("completionTime")),
     )
-    finished = finished_claim_holds(job, prev_phase, group, counters.attempt)
+    finished = finished_claim_holds(job, prev_phase, group, attempt)
     if prev_phase is not None and prev_phase.finished and not finished:
         # Claimed finished while its pods still run: decide from the pods instead.
         prev_phase, base = Phase.RUNNING, replace(base, phase=Phase.RUNNING, completion_time=None)
@@ -367,7 +381,7 @@ def observe(job: JobSpec, group: Group, prev: dict[str, Any], *, now: dt.datetim
     # startTime does when Kueue unsuspends it.
     queued = kueue.queue_name(job) is not None and any(kueue.gated(p) for p in this.pods)
     start = now if active.start_time is None or queued else active.start_time
-    elapsed, deadline = (now - start).total_seconds(), job.spec.active_deadline_seconds
+    limit = job.spec.active_deadline_seconds
 
     # A lost pod being replaced stands for its rank no more: its replacement is created once it is gone.
     replacing = replacements_of(prev, active.attempt)
@@ -393,59 +407,106 @@ def observe(job: JobSpec, group: Group, prev: dict[str, Any], *, now: dt.datetim
     # rank has no pod standing for it: at most one per rank, so an edited history cannot inflate
     # it), and pods taken in this pass.
     rounds = (this.replacements + sum(1 for r in numbers if r not in current)
-              + sum(1 for _, _, f in lost if f.reason in policies.REPLACEABLE))
+              + sum(1 for _, _, f in lost if f.reason in REPLACEABLE))
+    elapsed = (now - start).total_seconds()
     active = replace(active, start_time=start, replacement_rounds=rounds,
-                     requeue_after=None if deadline is None else deadline - elapsed)
-    facts = policies.Observation(
-        finished=finished, suspend=job.spec.suspend, deadline=deadline, elapsed=elapsed,
-        lost=tuple((r, f) for r, _, f in lost), failures=tuple(failures), group_only=group_only(job),
-        counted_restarts=active.counted_restarts, in_place=in_place_restarts(prev, ranks, replaced=rounds),
-        max_restarts=job.spec.failure_policy.max_restarts)
-    return Seen(prev, base, active, this, current, numbers, lost, facts)
+                     requeue_after=None if limit is None else limit - elapsed)
+    return Seen(job, group, now, config or OperatorConfig(), prev, base, active, this, current, numbers, lost,
+                failures, finished, elapsed, in_place_restarts(prev, ranks, replaced=rounds))
 
 
 def decide(job: JobSpec, group: Group, *, now: dt.datetime, prev_status: dict[str, Any] | None,
            config: OperatorConfig | None = None, hang_overdue: bool = False,
            ranks: Mapping[int, Any] | None = None) -> Decision:
     """The next step for `job` given its pods (all attempts) and the previous status: the first
-    policy that answers (decisions/policies.py), else the steady state.
+    policy that answers (POLICIES), else the steady state.
 
     The group's departed pods (the last state seen of those that vanished: a pod force-deleted by
     PodGC after its node went away is Failed with a DisruptionTarget condition just before) tell a
     lost node apart from a deleted pod. `hang_overdue`: the job has been Stalled for
     health.GROUP_RESTART_TIMEOUTS hang timeouts (MonitorReport.hang_overdue); `ranks`: the latest
     scrape's samples (MonitorReport.ranks), whose agents' failures bound the in-place restarts."""
-    seen = observe(job, group, prev_status or {}, now=now, hang_overdue=hang_overdue, ranks=ranks)
-    action = policies.first(seen.facts)
-    act = action.act if action is not None else None
-    if action is None or act is Act.REPLACE:
-        return _steady(job, group, seen, _replacements(job, seen) if act else [], now=now,
-                       config=config or OperatorConfig())
-    if act is Act.KEEP:
-        return _finish(job, seen.base, group, now)
-    if act is Act.SUSPEND:
-        return replace(seen.base, phase=Phase.SUSPENDED, reason=action.reason, message=action.message,
-                       delete_pods=[podinfo.name(p) for p in group.live])
-    if act is Act.FAIL:
-        return _finish(job, replace(seen.active, phase=Phase.FAILED, reason=action.reason, message=action.message),
-                       group, now)
-    return _restart(job, group, seen.active, action.cause)
+    seen = observe(job, group, prev_status or {}, now=now, hang_overdue=hang_overdue, ranks=ranks, config=config)
+    return next((d for policy in POLICIES if (d := policy(seen)) is not None), None) or _steady(seen)
 
 
-def _restart(job: JobSpec, group: Group, d: Decision, cause: Failure | None) -> Decision:
-    """A new attempt of the whole group: its restart counted as `cause` says; the pods of the
+# --- the policies: each answers with the pass's decision, or None to pass ----------------------------
+
+def keep_finished(s: Seen) -> Decision | None:
+    """A finished job stays so: only cleanPodPolicy and the TTL act."""
+    return _finish(s, s.base) if s.finished else None
+
+
+def suspend(s: Seen) -> Decision | None:
+    """Delete the pods, keep the counters."""
+    if not s.job.spec.suspend:
+        return None
+    return replace(s.base, phase=Phase.SUSPENDED, reason=Reason.SUSPENDED, message="spec.suspend is true: pods deleted",
+                   delete_pods=[podinfo.name(p) for p in s.group.live])
+
+
+def _fail(s: Seen, reason: str, message: str) -> Decision:
+    return _finish(s, replace(s.active, phase=Phase.FAILED, reason=reason, message=message))
+
+
+def deadline(s: Seen) -> Decision | None:
+    limit = s.job.spec.active_deadline_seconds
+    if limit is None or s.elapsed < limit:
+        return None
+    return _fail(s, FailReason.DEADLINE_EXCEEDED, f"the job ran longer than spec.activeDeadlineSeconds={limit}")
+
+
+def bad_configuration(s: Seen) -> Decision | None:
+    """A pod exited 78 (verdict): no restart can help."""
+    fatal = next((f for f in s.failures if f.fatal), None)
+    return _fail(s, fatal.reason, fatal.message) if fatal else None
+
+
+def budget(s: Seen) -> Decision | None:
+    """Each pod's agent restarts in place within its own budget; the job's is spent when they
+    together, with the group restarts, made more than failurePolicy.maxRestarts, or when the
+    restart (or replacement) a counted failure asks for would. What the cluster did is free."""
+    cause, counted, limit = s.cause, s.active.counted_restarts, s.job.spec.failure_policy.max_restarts
+    if (cause is not None and not cause.counted) or counted + s.in_place + (cause is not None) <= limit:
+        return None
+    if cause is None:
+        return _fail(s, FailReason.RESTART_LIMIT_EXCEEDED, f"{s.in_place} restart(s) in place and {counted} "
+                     f"group restart(s): more than failurePolicy.maxRestarts={limit}")
+    return _fail(s, FailReason.RESTART_LIMIT_EXCEEDED, f"{cause.message}; failurePolicy.maxRestarts={limit} "
+                 "restart(s) already used" + (f" ({s.in_place} of them in place)" if s.in_place else ""))
+
+
+def replace_lost(s: Seen) -> Decision | None:
+    """Lost pods are recreated alone, unless one failed (its launcher or agent, or a spent in-place
+    budget: its peers' agents may be failing too), rank 0 is lost (it hosts the c10d store every
+    agent's rendezvous goes through), or the job is one group_only names."""
+    if not s.lost or group_only(s.job) is not None:
+        return None
+    if any(r == 0 or f.fatal or f.reason not in REPLACEABLE for r, _, f in s.lost):
+        return None
+    return _steady(s, _replacements(s))
+
+
+def restart_group(s: Seen) -> Decision | None:
+    """A new attempt of the whole group: its restart counted as the cause says; the pods of the
     attempt that failed go but for those kept_pods keeps for their logs."""
-    assert cause is not None  # policies.restart_group answers with its cause
-    kept = kept_pods(job, group, d.attempt + 1)
+    if (cause := s.cause) is None:
+        return None
+    d, kept = s.active, kept_pods(s.job, s.group, s.active.attempt + 1)
     return replace(d, attempt=d.attempt + 1, restarts=d.restarts + 1, counted_restarts=d.counted_restarts + cause.counted,
                    phase=Phase.RESTARTING, reason=cause.reason, message=cause.message, restarted=cause,
-                   delete_pods=[podinfo.name(p) for p in group.live if podinfo.name(p) not in kept])
+                   delete_pods=[podinfo.name(p) for p in s.group.live if podinfo.name(p) not in kept])
 
 
-def _steady(job: JobSpec, group: Group, seen: Seen, alone: list[Replacement], *, now: dt.datetime,
-            config: OperatorConfig) -> Decision:
+# First answer wins: a finished job stays so, a suspended one waits; time and a bad configuration
+# end the job whatever its pods did; the budget is checked before anything would spend it.
+POLICIES: tuple[Callable[[Seen], Decision | None], ...] = (
+    keep_finished, suspend, deadline, bad_configuration, budget, replace_lost, restart_group)
+
+
+def _steady(s: Seen, alone: list[Replacement] | None = None) -> Decision:
     """No policy ended or restarted the group: the pods to delete and create, and the phase they show."""
-    d, numbers, current = seen.active, dict(seen.numbers), dict(seen.current)
+    job, now, d, numbers, current = s.job, s.now, s.active, dict(s.numbers), dict(s.current)
     if alone:
         # Charged as the group restart would have been (a deletion counts, the cluster's doing is
         # free); the survivors' in-place restart it causes is part of it (inplace.update), not another.
@@ -453,25 +514,25 @@ def _steady(job: JobSpec, group: Group, seen: Seen, alone: list[Replacement], *,
                     counted_restarts=d.counted_restarts + sum(a.failure.counted for a in alone))
         numbers.update({a.rank: a.number for a in alone})
         current = {r: p for r, p in current.items() if r not in {a.rank for a in alone}}
-    d = _children(job, group, seen.this, d, current, numbers, now)
+    d = _children(job, s.group, s.this, d, current, numbers, now)
     phases = [podinfo.phase(current[r]) for r in sorted(current)]
     if len(current) == job.spec.nodes and all(ph == "Succeeded" for ph in phases):
-        return _finish(job, replace(d, phase=Phase.SUCCEEDED, reason=Reason.SUCCEEDED,
-                                    message=f"all {job.spec.nodes} node(s) exited 0"), group, now)
-    d = _phase(job, d, current, numbers, seen.prev)
+        return _finish(s, replace(d, phase=Phase.SUCCEEDED, reason=Reason.SUCCEEDED,
+                                  message=f"all {job.spec.nodes} node(s) exited 0"))
+    d = _phase(job, d, current, numbers, s.prev)
     d = replace(d, start_errors=start_errors([current[r] for r in sorted(current)]))
     if d.start_errors:
-        d = _start_error(job, d, seen.prev, now)
+        d = _start_error(job, d, s.prev, now)
         if d.phase is Phase.FAILED:
-            return _finish(job, d, group, now)
+            return _finish(s, d)
     # Pods the scheduler cannot place: a condition (not a failure) after the timeout.
-    stuck = [s for s in (podinfo.unschedulable_since(p) for p in current.values()) if s]
+    stuck = [u for u in (podinfo.unschedulable_since(p) for p in current.values()) if u]
     if stuck:
-        waited = (now - min((s[0] for s in stuck if s[0] is not None), default=now)).total_seconds()
-        if waited >= config.unschedulable_timeout:
+        waited = (now - min((u[0] for u in stuck if u[0] is not None), default=now)).total_seconds()
+        if waited >= s.config.unschedulable_timeout:
             d = replace(d, unschedulable=stuck[0][1] or "the scheduler cannot place the pods")
         else:
-            d = replace(d, requeue_after=_sooner(d.requeue_after, config.unschedulable_timeout - waited))
+            d = replace(d, requeue_after=_sooner(d.requeue_after, s.config.unschedulable_timeout - waited))
     return d
 
 
@@ -573,11 +634,11 @@ def _start_error(job: JobSpec, d: Decision, prev: dict[str, Any], now: dt.dateti
     return d if timeout is None else replace(d, requeue_after=_sooner(d.requeue_after, timeout - waited))
 
 
-def _finish(job: JobSpec, d: Decision, group: Group, now: dt.datetime) -> Decision:
+def _finish(s: Seen, d: Decision) -> Decision:
     """Terminal phase: completion time, cleanPodPolicy deletes, TTL."""
-    done = d.completion_time or now
-    ttl = job.spec.ttl_seconds_after_finished
-    left = None if ttl is None else ttl - (now - done).total_seconds()
-    return replace(d, completion_time=done, delete_pods=_finished_deletes(job, group), create_ranks=[],
+    done = d.completion_time or s.now
+    ttl = s.job.spec.ttl_seconds_after_finished
+    left = None if ttl is None else ttl - (s.now - done).total_seconds()
+    return replace(d, completion_time=done, delete_pods=_finished_deletes(s.job, s.group), create_ranks=[],
                    requeue_after=left if left is not None and left > 0 else None,
                    delete_job=d.delete_job or (left is not None and left <= 0))

@@ -61,13 +61,9 @@ def _finite(x: float | None) -> bool:
 
 def _rate_from_step_time(samples: Mapping[int, RankSample]) -> float | None:
     """Aggregate samples/s estimated from each rank's samples per second of stepping."""
-    total = 0.0
-    seen = False
-    for s in samples.values():
-        if s.step_seconds_sum > 0 and s.samples_total > 0:
-            total += s.samples_total / s.step_seconds_sum
-            seen = True
-    return total if seen else None
+    rates = [s.samples_total / s.step_seconds_sum for s in samples.values()
+             if s.step_seconds_sum > 0 and s.samples_total > 0]
+    return sum(rates) if rates else None
 
 
 def laggard(samples: Mapping[int, RankSample]) -> tuple[int, int] | None:
@@ -104,10 +100,8 @@ def compute_progress(samples: Mapping[int, RankSample], *, now: float,
     if total:
         out["totalSteps"] = total
         out["percent"] = percent(step, total)
-    losses = [s.loss for s in ranks if _finite(s.loss)]
-    if losses:
-        out["loss"] = round(statistics.fmean(losses), 6)
-    for field, values in (("evalAccuracy", [s.eval_accuracy for s in ranks]), ("evalLoss", [s.eval_loss for s in ranks])):
+    for field, values in (("loss", [s.loss for s in ranks]), ("evalAccuracy", [s.eval_accuracy for s in ranks]),
+                          ("evalLoss", [s.eval_loss for s in ranks])):
         if finite := [v for v in values if _finite(v)]:
             out[field] = round(statistics.fmean(finite), 6)
     stamps = [s.last_step_timestamp for s in ranks if _finite(s.last_step_timestamp) and s.last_step_timestamp > 0]

@@ -52,26 +52,41 @@ class CreateRefusal:
         return self.code in PERMANENT_REFUSALS
 
 
-def set_condition(conditions: list[dict[str, Any]], *, type: str, status: bool, reason: str, message: str,
-                  now: dt.datetime, generation: int) -> None:
-    """Upsert a metav1.Condition; lastTransitionTime moves only when status flips."""
-    value = "True" if status else "False"
-    for cond in conditions:
-        if cond.get("type") == type:
-            if cond.get("status") != value:
-                cond["lastTransitionTime"] = format_time(now)
-            cond.update(status=value, reason=reason, message=message, observedGeneration=generation)
-            return
-    conditions.append({"type": type, "status": value, "reason": reason, "message": message,
-                       "lastTransitionTime": format_time(now), "observedGeneration": generation})
+@dataclass
+class Conditions:
+    """A status' conditions as one pass rewrites them, each change at `now` for the job's generation."""
 
+    items: list[dict[str, Any]]
+    now: dt.datetime
+    gen: int
 
-def _clear(conditions: list[dict[str, Any]], type: str, reason: str, message: str,
-           now: dt.datetime, generation: int) -> None:
-    """Set a condition False, but only if it was ever reported (no noise)."""
-    if any(c.get("type") == type for c in conditions):
-        set_condition(conditions, type=type, status=False, reason=reason, message=message,
-                      now=now, generation=generation)
+    def true(self, type: str) -> dict[str, Any] | None:
+        """The condition of this type, when it is True."""
+        return condition({"conditions": self.items}, type)
+
+    def set(self, type: str, status: bool, reason: str, message: str) -> None:
+        """Upsert a metav1.Condition; lastTransitionTime moves only when status flips."""
+        value = "True" if status else "False"
+        for cond in self.items:
+            if cond.get("type") == type:
+                if cond.get("status") != value:
+                    cond["lastTransitionTime"] = format_time(self.now)
+                cond.update(status=value, reason=reason, message=message, observedGeneration=self.gen)
+                return
+        self.items.append({"type": type, "status": value, "reason": reason, "message": message,
+                           "lastTransitionTime": format_time(self.now), "observedGeneration": self.gen})
+
+    def clear(self, type: str, reason: str, message: str) -> None:
+        """Set a condition False, but only if it was ever reported (no noise)."""
+        if any(c.get("type") == type for c in self.items):
+            self.set(type, False, reason, message)
+
+    def hold(self, type: str, on: bool, reason: str, message: str, off: str, off_message: str) -> None:
+        """A condition True while `on`, else False (only if it was ever reported)."""
+        if on:
+            self.set(type, True, reason, message)
+        else:
+            self.clear(type, off, off_message)
 
 
 def node_counts(job: JobSpec, current: Attempt) -> dict[str, Any]:
@@ -143,30 +158,27 @@ def failure_evidence(ended: Attempt, *, with_log: bool = False, debug_dir: str |
     return out
 
 
-def _gang_condition(conds: list[dict[str, Any]], placed, now: dt.datetime, gen: int) -> list[Event]:
+def _gang_condition(conds: Conditions, placed) -> list[Event]:
     """GangScheduled from the gang's placement (None: not gang-scheduled); an event when first placed."""
     if placed is None:
         return []
-    was = condition({"conditions": conds}, Cond.GANG_SCHEDULED)
-    set_condition(conds, type=Cond.GANG_SCHEDULED, status=placed.placed, reason=placed.reason,
-                  message=placed.message, now=now, generation=gen)
+    was = conds.true(Cond.GANG_SCHEDULED)
+    conds.set(Cond.GANG_SCHEDULED, placed.placed, placed.reason, placed.message)
     return [("Normal", "GangScheduled", placed.message)] if placed.placed and was is None else []
 
 
-def _admission_condition(conds: list[dict[str, Any]], queued, now: dt.datetime, gen: int, *,
-                         queue_named: bool) -> list[Event]:
+def _admission_condition(conds: Conditions, queued, *, queue_named: bool) -> list[Event]:
     """Admitted from Kueue's gate (None: no queue named, or no current pod yet); an event at each
     change of reason."""
     if not queue_named:
         # The queue label was taken off: an earlier attempt's admission says nothing of the next.
-        conds[:] = [c for c in conds if c.get("type") != Cond.ADMITTED]
+        conds.items[:] = [c for c in conds.items if c.get("type") != Cond.ADMITTED]
         return []
     if queued is None:
         return []
     # Any status: Queued (False) and Admitted (True) are both states to announce once.
-    was = next((c.get("reason") for c in conds if c.get("type") == Cond.ADMITTED), None)
-    set_condition(conds, type=Cond.ADMITTED, status=queued.admitted, reason=queued.reason,
-                  message=queued.message, now=now, generation=gen)
+    was = next((c.get("reason") for c in conds.items if c.get("type") == Cond.ADMITTED), None)
+    conds.set(Cond.ADMITTED, queued.admitted, queued.reason, queued.message)
     if was == queued.reason:
         return []
     # Kueue ignoring a job that names a queue is a misconfiguration, not progress.
@@ -188,16 +200,13 @@ def mlflow_status(job: JobSpec, *, prev: dict[str, Any] | None, run: tuple[str, 
     return out
 
 
-def _in_place(conds: list[dict[str, Any]], up: inplace.Update, job: JobSpec, d: Decision, now: dt.datetime,
-              gen: int) -> list[Event]:
+def _in_place(conds: Conditions, up: inplace.Update, job: JobSpec, d: Decision) -> list[Event]:
     """The Restarting condition while a running job restarts in place, and an event for each
     in-place restart (Warning) and for each that steps again (Normal)."""
     used = d.counted_restarts + up.in_place_restarts
     cond = inplace.restarting(up, budget_used=used, max_restarts=job.spec.failure_policy.max_restarts)
     if cond is not None and d.phase is Phase.RUNNING:
-        status, reason, message = cond
-        set_condition(conds, type=Cond.RESTARTING, status=status, reason=reason, message=message,
-                      now=now, generation=gen)
+        conds.set(Cond.RESTARTING, *cond)
     events: list[Event] = [("Warning", Reason.RESTARTING_IN_PLACE,
                             inplace.restarting_message(e, used=used, max_restarts=job.spec.failure_policy.max_restarts)) for e in up.new]
     events += [("Warning", Reason.REPLACING_POD, f"{inplace.describe(e)}; the other pods keep theirs "
@@ -213,8 +222,7 @@ def _failure_steps(attempt: Attempt) -> list[int]:
     return [step for p in [*attempt.pods, *attempt.departed.values()] if (step := podinfo.failure_step(p)) is not None]
 
 
-def _resized(conds: list[dict[str, Any]], up: inplace.Update, job: JobSpec, ranks: Any, now: dt.datetime,
-             gen: int) -> list[Event]:
+def _resized(conds: Conditions, up: inplace.Update, job: JobSpec, ranks: Any) -> list[Event]:
     """`Resized` while an elastic job trains on fewer nodes (spec.elastic.minNodes) because a lost
     pod's replacement is not running (unschedulable, pulling): torchrun's rendezvous completed
     without it; False once every node trains again (the agents restart the workers when its agent
@@ -223,35 +231,34 @@ def _resized(conds: list[dict[str, Any]], up: inplace.Update, job: JobSpec, rank
     if pending is not None and pending.get("kind") == Recovery.REPLACE and ranks is not None:
         pods = inplace.training_without(pending, ranks)
         if pods is not None and job.min_nodes < job.spec.nodes:
-            was = condition({"conditions": conds}, Cond.RESIZED)
+            was = conds.true(Cond.RESIZED)
             text = (f"running on {len(pods)} of {job.spec.nodes} nodes (spec.elastic.minNodes={job.min_nodes}) while "
                     f"pod {pending.get('newPod')}, which replaces {pending.get('pod')}, is not running; it joins when it starts")
-            set_condition(conds, type=Cond.RESIZED, status=True, reason=Reason.FEWER_NODES, message=text, now=now, generation=gen)
+            conds.set(Cond.RESIZED, True, Reason.FEWER_NODES, text)
             return [] if was else [("Warning", Reason.FEWER_NODES, text)]
-    if pending is None and condition({"conditions": conds}, Cond.RESIZED):
+    if pending is None and conds.true(Cond.RESIZED):
         text = f"running on all {job.spec.nodes} nodes again"
-        _clear(conds, Cond.RESIZED, Reason.ALL_NODES, text, now, gen)
+        conds.clear(Cond.RESIZED, Reason.ALL_NODES, text)
         return [("Normal", Reason.ALL_NODES, text)]
     return []
 
 
 def _goodput(job: JobSpec, current: Attempt, d: Decision, prev: dict[str, Any], up: inplace.Update,
-             report: MonitorReport | None, conds: list[dict[str, Any]], progress: dict[str, Any],
-             now: dt.datetime) -> dict[str, Any]:
+             report: MonitorReport | None, conds: Conditions, progress: dict[str, Any]) -> dict[str, Any]:
     """status.goodput after this pass (decisions/goodput.py): what the pass sees of the job's time."""
     ranks = report.ranks if report is not None else None
     stepped = goodput.stepped_at(ranks)
     if stepped is None and progress.get(UNAVAILABLE) and d.phase is Phase.RUNNING:
         # Pods no one scrapes (simulated nodes): running is as far as anything can tell.
-        stepped = goodput.timestamp((condition({"conditions": conds}, Cond.RUNNING) or {}).get("lastTransitionTime"))
-    stall = condition({"conditions": conds}, Signal.STALLED)
+        stepped = goodput.timestamp((conds.true(Cond.RUNNING) or {}).get("lastTransitionTime"))
+    stall = conds.true(Signal.STALLED)
     created = (goodput.timestamp((job.raw.get("metadata") or {}).get("creationTimestamp"))
-               or goodput.timestamp(prev.get("startTime")) or now.timestamp())
+               or goodput.timestamp(prev.get("startTime")) or conds.now.timestamp())
     # A first ledger (a job older than the ledger) counts every restart its history still holds.
     known = prev if prev.get("goodput") else {}
     history = known.get("restartHistory") or []
     return goodput.advance(prev.get("goodput"), goodput.Observed(
-        now=now.timestamp(), created=created,
+        now=conds.now.timestamp(), created=created,
         ended=d.completion_time.timestamp() if d.phase.finished and d.completion_time is not None else None,
         suspended=Phase.parse(prev.get("phase")) is Phase.SUSPENDED, attempt=d.attempt,
         restarted=d.restarted is not None,
@@ -264,71 +271,55 @@ def _goodput(job: JobSpec, current: Attempt, d: Decision, prev: dict[str, Any], 
         ranks=goodput.rank_counters(ranks), step_seconds=goodput.step_seconds(ranks)))
 
 
-def _hold(conds: list[dict[str, Any]], type: str, on: bool, reason: str, message: str, off: str, off_message: str,
-          now: dt.datetime, gen: int) -> None:
-    """A condition True while `on`, else False (only if it was ever reported)."""
-    if on:
-        set_condition(conds, type=type, status=True, reason=reason, message=message, now=now, generation=gen)
-    else:
-        _clear(conds, type, off, off_message, now, gen)
-
-
-def _created_conditions(conds: list[dict[str, Any]], job: JobSpec, d: Decision, group: Group, now: dt.datetime,
-                        gen: int) -> None:
+def _created_conditions(conds: Conditions, job: JobSpec, d: Decision, group: Group) -> None:
     """A refused create (create_refused) holds until every rank exists, and for good once the job
     failed for it (a pod the API server can never accept); until then nothing claims the pods
     were created."""
-    refused = condition({"conditions": conds}, Cond.FAILED_CREATE_POD) is not None and (
+    refused = conds.true(Cond.FAILED_CREATE_POD) is not None and (
         bool(d.create_ranks) or (d.phase is Phase.FAILED and not group.pods))
-    if not refused and (d.create_ranks or group.pods or any(c.get("type") == Cond.CREATED for c in conds)):
-        set_condition(conds, type=Cond.CREATED, status=True, reason=Reason.CREATED,
-                      message=f"headless service and {job.spec.nodes} pod(s) created", now=now, generation=gen)
+    if not refused and (d.create_ranks or group.pods or any(c.get("type") == Cond.CREATED for c in conds.items)):
+        conds.set(Cond.CREATED, True, Reason.CREATED, f"headless service and {job.spec.nodes} pod(s) created")
     if not d.create_ranks and not refused:
-        _clear(conds, Cond.FAILED_CREATE_POD, Reason.CREATED, f"all {job.spec.nodes} pod(s) created", now, gen)
+        conds.clear(Cond.FAILED_CREATE_POD, Reason.CREATED, f"all {job.spec.nodes} pod(s) created")
 
 
-def _start_condition(conds: list[dict[str, Any]], d: Decision, now: dt.datetime, gen: int) -> list[Event]:
+def _start_condition(conds: Conditions, d: Decision) -> list[Event]:
     """ContainersNotStarting while a container is stuck before it starts; an event per new reason."""
-    was = condition({"conditions": conds}, Cond.CONTAINERS_NOT_STARTING)
+    was = conds.true(Cond.CONTAINERS_NOT_STARTING)
     if not d.start_errors:
-        _clear(conds, Cond.CONTAINERS_NOT_STARTING, "Started", "", now, gen)
+        conds.clear(Cond.CONTAINERS_NOT_STARTING, "Started", "")
         return []
     first = d.start_errors[0]
     text = "; ".join(e.describe() for e in d.start_errors[:5])
     if len(d.start_errors) > 5:
         text += f"; and {len(d.start_errors) - 5} more"
-    set_condition(conds, type=Cond.CONTAINERS_NOT_STARTING, status=True, reason=first.reason, message=text,
-                  now=now, generation=gen)
+    conds.set(Cond.CONTAINERS_NOT_STARTING, True, first.reason, text)
     return [("Warning", first.reason, text)] if not was or was.get("reason") != first.reason else []
 
 
-def _node_condition(conds: list[dict[str, Any]], d: Decision, current: Attempt, now: dt.datetime,
-                    gen: int) -> list[Event]:
+def _node_condition(conds: Conditions, d: Decision, current: Attempt) -> list[Event]:
     """NodeNotReady while a pod of the running attempt is on a node that stopped reporting."""
     stranded = [p for p in current.pods if podinfo.node_not_ready(p)]
-    was = condition({"conditions": conds}, Cond.NODE_NOT_READY)
+    was = conds.true(Cond.NODE_NOT_READY)
     if not stranded or d.phase.finished:
-        _clear(conds, Cond.NODE_NOT_READY, Reason.NODES_READY, "every pod's node is reporting", now, gen)
+        conds.clear(Cond.NODE_NOT_READY, Reason.NODES_READY, "every pod's node is reporting")
         return []
     text = "; ".join(f"pod {podinfo.name(p)} on node {(p.get('spec') or {}).get('nodeName', '?')}"
                      for p in stranded[:5])
     text += (": the node stopped reporting (NotReady). Training may go on; if Kubernetes evicts "
              "the pod (after its node.kubernetes.io/unreachable toleration, 300 s by default) the "
              "pod is replaced (pod 0: the group restarts) without using the restart budget")
-    set_condition(conds, type=Cond.NODE_NOT_READY, status=True, reason="NodeNotReady", message=text,
-                  now=now, generation=gen)
+    conds.set(Cond.NODE_NOT_READY, True, "NodeNotReady", text)
     return [("Warning", "NodeNotReady", text)] if not was or was.get("status") != "True" else []
 
 
-def _end_conditions(conds: list[dict[str, Any]], d: Decision, now: dt.datetime, gen: int) -> list[Event]:
+def _end_conditions(conds: Conditions, d: Decision) -> list[Event]:
     """Suspended, Succeeded, Failed and Unschedulable from the decision; an event when unschedulable."""
-    _hold(conds, Cond.SUSPENDED, d.phase is Phase.SUSPENDED, Reason.SUSPENDED, d.message, Reason.RESUMED, "", now, gen)
+    conds.hold(Cond.SUSPENDED, d.phase is Phase.SUSPENDED, Reason.SUSPENDED, d.message, Reason.RESUMED, "")
     if d.phase in (Phase.SUCCEEDED, Phase.FAILED):
-        set_condition(conds, type=Cond(d.phase.value), status=True, reason=d.reason, message=d.message,
-                      now=now, generation=gen)
-    was = any(c.get("type") == Cond.UNSCHEDULABLE and c.get("status") == "True" for c in conds)
-    _hold(conds, Cond.UNSCHEDULABLE, bool(d.unschedulable), Reason.UNSCHEDULABLE, d.unschedulable or "",
-          "Scheduled", "", now, gen)
+        conds.set(Cond(d.phase.value), True, d.reason, d.message)
+    was = conds.true(Cond.UNSCHEDULABLE) is not None
+    conds.hold(Cond.UNSCHEDULABLE, bool(d.unschedulable), Reason.UNSCHEDULABLE, d.unschedulable or "", "Scheduled", "")
     return [("Warning", Reason.UNSCHEDULABLE, d.unschedulable)] if d.unschedulable and not was else []
 
 
@@ -347,17 +338,18 @@ def _restarts(job: JobSpec, group: Group, d: Decision, prev: dict[str, Any], ran
                           window=float(job.spec.hang_timeout_seconds or contract.STARTUP_HANG_TIMEOUT))
 
 
-def _report_conditions(conds: list[dict[str, Any]], report: MonitorReport | None, now: dt.datetime) -> None:
+def _report_conditions(conds: Conditions, report: MonitorReport | None) -> None:
     """The monitor's conditions (Stalled, ...), each keeping its lastTransitionTime while its status holds."""
-    by_type = {c.get("type"): c for c in conds}
+    items = conds.items
+    by_type = {c.get("type"): c for c in items}
     for cond in report.conditions if report is not None else []:
         if cond.get("type") in by_type:
             old = by_type[cond["type"]]
             if old.get("status") == cond.get("status") and old.get("lastTransitionTime"):
                 cond = {**cond, "lastTransitionTime": old["lastTransitionTime"]}
-            conds[conds.index(old)] = {"lastTransitionTime": format_time(now), **cond}
+            items[items.index(old)] = {"lastTransitionTime": format_time(conds.now), **cond}
         else:
-            conds.append({"lastTransitionTime": format_time(now), **cond})
+            items.append({"lastTransitionTime": format_time(conds.now), **cond})
 
 
 def _progress(prev: dict[str, Any], d: Decision, report: MonitorReport | None, up: inplace.Update,
@@ -411,30 +403,28 @@ def job_status(job: JobSpec, group: Group, *, now: dt.datetime, prev_status: dic
     """(new status, events for what changed) for one reconcile pass, from its decision
     (lifecycle.decide: read here, never made again); `podgroup` is a gang-scheduled job's PodGroup
     as last read (None: not read)."""
-    config, prev, d, gen = config or OperatorConfig(), dict(prev_status or {}), decision, job.generation
-    conds: list[dict[str, Any]] = [dict(c) for c in prev.get("conditions") or []]
+    config, prev, d = config or OperatorConfig(), dict(prev_status or {}), decision
+    conds = Conditions([dict(c) for c in prev.get("conditions") or []], now, job.generation)
     current, ranks = group.at(d.attempt), report.ranks if report is not None else None
-    _created_conditions(conds, job, d, group, now, gen)
-    events = _start_condition(conds, d, now, gen) + _node_condition(conds, d, current, now, gen)
-    _hold(conds, Cond.RUNNING, d.phase is Phase.RUNNING, Reason.RUNNING, d.message, d.reason or d.phase.value, d.message,
-          now, gen)
-    _hold(conds, Cond.RESTARTING, d.phase is Phase.RESTARTING, d.reason, d.message,
-          Reason.RUNNING if d.phase is Phase.RUNNING else d.phase.value, "", now, gen)
+    _created_conditions(conds, job, d, group)
+    events = _start_condition(conds, d) + _node_condition(conds, d, current)
+    conds.hold(Cond.RUNNING, d.phase is Phase.RUNNING, Reason.RUNNING, d.message, d.reason or d.phase.value, d.message)
+    conds.hold(Cond.RESTARTING, d.phase is Phase.RESTARTING, d.reason, d.message,
+               Reason.RUNNING if d.phase is Phase.RUNNING else d.phase.value, "")
     restarts = _restarts(job, group, d, prev, ranks, now)
-    events += _in_place(conds, restarts, job, d, now, gen) + _resized(conds, restarts, job, ranks, now, gen)
-    events += _end_conditions(conds, d, now, gen)
+    events += _in_place(conds, restarts, job, d) + _resized(conds, restarts, job, ranks) + _end_conditions(conds, d)
     if d.phase in (Phase.PENDING, Phase.RUNNING, Phase.RESTARTING):
-        events += _gang_condition(conds, gang_state(job, current, podgroup=podgroup), now, gen)
-        events += _admission_condition(conds, admission(job, current), now, gen, queue_named=queue_name(job) is not None)
+        events += _gang_condition(conds, gang_state(job, current, podgroup=podgroup))
+        events += _admission_condition(conds, admission(job, current), queue_named=queue_name(job) is not None)
     result = prev.get("result") or run_result(current)
     progress = _progress(prev, d, report, restarts, result, current)
-    _report_conditions(conds, report, now)
+    _report_conditions(conds, report)
     status: dict[str, Any] = {
-        "phase": d.phase.value, "reason": d.reason, "message": d.message, "observedGeneration": gen,
+        "phase": d.phase.value, "reason": d.reason, "message": d.message, "observedGeneration": job.generation,
         "attempt": d.attempt, "launchedAttempt": d.launched_attempt, "restarts": d.restarts,
         "countedRestarts": d.counted_restarts, "masterAddr": master_dns(job, cluster_domain=config.cluster_domain or None),
-        "nodes": node_counts(job, current), "conditions": conds,
-        "goodput": _goodput(job, current, d, prev, restarts, report, conds, progress, now)}
+        "nodes": node_counts(job, current), "conditions": conds.items,
+        "goodput": _goodput(job, current, d, prev, restarts, report, conds, progress)}
     mlflow = mlflow_status(job, prev=prev.get("mlflow"), run=report.mlflow_run if report is not None else None,
                            default_tracking_uri=config.mlflow_tracking_uri)
     optional = {"inPlaceRestarts": restarts.in_place_restarts, "restartHistory": restarts.history,
@@ -453,16 +443,13 @@ def create_refused(job: JobSpec, status: dict[str, Any], refusals: list[CreateRe
     if not refusals:
         return status, []
     first = next((r for r in refusals if r.permanent), refusals[0])
-    gen = job.generation
     names = ", ".join(sorted({r.pod for r in refusals}))
     message = f"the API server refused to create {first.kind}(s) {names}: {explain_pod_error(first.message, job, config=config)}"
-    conds = [dict(c) for c in status.get("conditions") or []]
-    old = condition({"conditions": conds}, Cond.FAILED_CREATE_POD)
-    set_condition(conds, type=Cond.FAILED_CREATE_POD, status=True, reason=first.reason, message=message,
-                  now=now, generation=gen)
-    set_condition(conds, type=Cond.CREATED, status=False, reason=Cond.FAILED_CREATE_POD.value, message=message,
-                  now=now, generation=gen)
-    new = {**status, "conditions": conds, "reason": Cond.FAILED_CREATE_POD.value}
+    conds = Conditions([dict(c) for c in status.get("conditions") or []], now, job.generation)
+    old = conds.true(Cond.FAILED_CREATE_POD)
+    conds.set(Cond.FAILED_CREATE_POD, True, first.reason, message)
+    conds.set(Cond.CREATED, False, Cond.FAILED_CREATE_POD.value, message)
+    new = {**status, "conditions": conds.items, "reason": Cond.FAILED_CREATE_POD.value}
     events: list[Event] = []
     if not old or old.get("message") != message:
         events.append(("Warning", Cond.FAILED_CREATE_POD.value, message))
@@ -470,9 +457,8 @@ def create_refused(job: JobSpec, status: dict[str, Any], refusals: list[CreateRe
         new["phase"] = Phase.FAILED.value
         new["message"] = f"{message} (the job cannot start: fix the spec and recreate the DDPJob)"
         new["completionTime"] = format_time(now)
-        set_condition(conds, type=Cond.FAILED, status=True, reason=Cond.FAILED_CREATE_POD.value,
-                      message=new["message"], now=now, generation=gen)
-        _clear(conds, Cond.RUNNING, Cond.FAILED_CREATE_POD.value, new["message"], now, gen)
+        conds.set(Cond.FAILED, True, Cond.FAILED_CREATE_POD.value, new["message"])
+        conds.clear(Cond.RUNNING, Cond.FAILED_CREATE_POD.value, new["message"])
     else:
         new["phase"] = Phase.PENDING.value if status.get("phase") != Phase.RESTARTING.value else status["phase"]
         new["message"] = f"{message} (retrying; the job cannot start until the API server accepts its pods)"
