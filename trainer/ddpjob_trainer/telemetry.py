@@ -54,7 +54,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 from ddpjob_api import contract
 
@@ -63,6 +63,12 @@ METRICS_DIR_ENV = contract.ENV_METRICS_DIR
 LABELS = ("ddpjob", "namespace", "rank", "local_rank", "node_rank")
 GPU_INFO = PREFIX + "gpu_info"   # an info metric (labels uuid, name); bench/gpu_check.py reads it
 STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+def rank_labels(env: Mapping[str, str], *, rank: Any, local_rank: Any, node_rank: Any) -> dict[str, str]:
+    """A rank's LABELS: its job's (from the env) and its place in the job."""
+    return {"ddpjob": env.get(contract.ENV_JOB_NAME, "local"), "namespace": env.get(contract.ENV_JOB_NAMESPACE, ""),
+            "rank": str(rank), "local_rank": str(local_rank), "node_rank": str(node_rank)}
 
 
 def _prepare_multiprocess() -> str | None:
@@ -173,13 +179,9 @@ class Telemetry:
         restart = _number(env.get(contract.ENV_RESTART))
         failed_at = _number(env.get(contract.ENV_FAILED_AT)) if restart else None
         reached = _number(env.get(contract.ENV_STEP_REACHED)) if restart else None
-        labels = {
-            "ddpjob": env.get(contract.ENV_JOB_NAME, "local"),
-            "namespace": env.get(contract.ENV_JOB_NAMESPACE, ""),
-            "rank": env.get(contract.TORCHRUN_RANK, "0"),
-            "local_rank": env.get(contract.TORCHRUN_LOCAL_RANK, "0"),
-            "node_rank": env.get(contract.ENV_NODE_RANK, env.get(contract.TORCHRUN_GROUP_RANK, "0")),
-        }
+        labels = rank_labels(env, rank=env.get(contract.TORCHRUN_RANK, "0"),
+                             local_rank=env.get(contract.TORCHRUN_LOCAL_RANK, "0"),
+                             node_rank=env.get(contract.ENV_NODE_RANK, env.get(contract.TORCHRUN_GROUP_RANK, "0")))
         if enabled is None:
             enabled = env.get(contract.ENV_TELEMETRY, "1") != "0"
         # A worker restarted without a failure its agent saw (its peers' round): from its own start.
