@@ -444,10 +444,7 @@ class Trainer:
                 dt_step, boundary = now - boundary, now
                 train_seconds += dt_step
                 samples_seen += out.samples
-                interval[0] += 1
-                interval[1] += dt_step
-                interval[2] += out.data_wait_seconds
-                interval[3] += out.samples
+                interval = [a + b for a, b in zip(interval, (1, dt_step, out.data_wait_seconds, out.samples))]
                 telemetry.step(step=st.step, epoch=st.epoch, loss=mean_loss, samples=out.samples,
                                step_seconds=dt_step, data_wait_seconds=out.data_wait_seconds,
                                timestamp=time.time())

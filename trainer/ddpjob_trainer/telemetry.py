@@ -59,7 +59,6 @@ from typing import Any, Callable, Iterable, Iterator, Mapping
 from ddpjob_api import contract
 
 PREFIX = contract.METRIC_PREFIX
-METRICS_DIR_ENV = contract.ENV_METRICS_DIR
 LABELS = ("ddpjob", "namespace", "rank", "local_rank", "node_rank")
 GPU_INFO = PREFIX + "gpu_info"   # an info metric (labels uuid, name); bench/gpu_check.py reads it
 STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -73,7 +72,7 @@ def rank_labels(env: Mapping[str, str], *, rank: Any, local_rank: Any, node_rank
 
 def _prepare_multiprocess() -> str | None:
     """Point prometheus-client at the shared dir (also if it was imported before the env was set)."""
-    d = os.environ.get(METRICS_DIR_ENV)
+    d = os.environ.get(contract.ENV_METRICS_DIR)
     if d:
         os.makedirs(d, exist_ok=True)
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = d

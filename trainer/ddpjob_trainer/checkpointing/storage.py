@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -106,12 +107,7 @@ def _set(root: dict[str, Any], path: list[Any], value: Any) -> None:
 
 def item_nbytes(item: dict[str, Any]) -> int:
     """Bytes of a tensor item of INDEX (0 for a pickled value)."""
-    if "bytes" in item:
-        return 0
-    numel = 1
-    for n in item["shape"]:
-        numel *= n
-    return numel * getattr(torch, item["dtype"]).itemsize
+    return 0 if "bytes" in item else math.prod(item["shape"]) * getattr(torch, item["dtype"]).itemsize
 
 
 def read_items(step_dir: Path, items: list[dict[str, Any]]) -> list[Any]:
