@@ -47,14 +47,11 @@ def recorded_error(path: str) -> list[str]:
         message = data["message"]
     except (OSError, ValueError, TypeError, KeyError):
         return []
-    if isinstance(message, str):
-        return [message.strip()] if message.strip() else []
-    if not isinstance(message, dict):
-        return []
-    extra = message.get("extraInfo")
-    extra = extra if isinstance(extra, dict) else {}
-    detail = extra.get("py_callstack") or message.get("message")
-    return [str(detail).strip()] if detail and str(detail).strip() else []
+    if isinstance(message, dict):  # torchrun's form: the traceback in extraInfo, else the message
+        extra = message.get("extraInfo")
+        detail = (extra.get("py_callstack") if isinstance(extra, dict) else None) or message.get("message")
+        message = str(detail) if detail else ""
+    return [message.strip()] if isinstance(message, str) and message.strip() else []
 
 
 def failure_message(code: int, failed: list[str], *, step: int | None = None,
