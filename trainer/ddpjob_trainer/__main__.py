@@ -5,6 +5,7 @@ import logging
 import os
 import sys
 import traceback
+from contextlib import suppress
 
 from ddpjob_api import contract
 from .errors import EXIT_BAD_CONFIG, EXIT_TRAINING_FAILED, ConfigError, PeerStopped
@@ -90,10 +91,8 @@ def exit_now(code: int) -> None:
     the result file atomically, the reporter closed); only buffered output needs flushing."""
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
-        try:
+        with suppress(OSError, ValueError):  # closed or gone: nothing more to lose
             stream.flush()
-        except (OSError, ValueError):
-            pass  # closed or gone: nothing more to lose
     os._exit(code)
 
 

@@ -35,6 +35,7 @@ import os
 import signal
 import sys
 import time
+from contextlib import suppress
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Mapping
 
@@ -300,10 +301,8 @@ class Watchdog:
                         f.write(why + "\n")
                 except OSError as exc:  # a full disk: the kill still restarts it, unnamed
                     _say(f"WARNING cannot record the stall of rank {rank} ({exc})")
-            try:
+            with suppress(ProcessLookupError):  # it ended since: torchrun sees how
                 os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:  # it ended since: torchrun sees how
-                pass
 
 
 class Hooks:

@@ -139,13 +139,6 @@ def evaluate(model: torch.nn.Module, loader: DataLoader, *, dataset_size: int, p
                       dataset_size=dataset_size)
 
 
-def _write_json_atomic(path: str, data: dict[str, Any]) -> None:
-    tmp = f"{path}.part"
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=1)
-    os.replace(tmp, path)
-
-
 @dataclass
 class StepOutput:
     """One optimizer step. The loss stays on the device: reading it is a host sync."""
@@ -507,8 +500,10 @@ def train(cfg: TrainerConfig, ctx: DistContext, *, log: NullReporter, telemetry:
         if telemetry.enabled and metrics_dir:
             log.metrics(goodput_metrics(rank_goodput(metrics_dir, ctx.rank)), step=result.steps)
         log.model(trainer.model)
-    if ctx.is_main and result_path:
-        _write_json_atomic(result_path, {**asdict(result), contract.RESULT_MLFLOW_RUN_ID: log.run_id})
+    if ctx.is_main and result_path:  # whole or not at all: written aside, then renamed
+        with open(f"{result_path}.part", "w") as f:
+            json.dump({**asdict(result), contract.RESULT_MLFLOW_RUN_ID: log.run_id}, f, indent=1)
+        os.replace(f"{result_path}.part", result_path)
     log.info(f"done: {result.steps} steps, eval accuracy {result.eval_accuracy:.4f}, "
              f"{result.train_samples_per_second:.0f} samples/s")
     return result

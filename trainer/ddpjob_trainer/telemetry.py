@@ -453,11 +453,9 @@ def metric_files(metrics_dir: str) -> list[str]:
 
     out = []
     for path in glob.glob(os.path.join(metrics_dir, "*.db")):
-        try:
+        with contextlib.suppress(OSError):  # a live gauge's file removed as its process ended
             if os.path.getsize(path) >= 8:  # the used-bytes header: sized, readable
                 out.append(path)
-        except OSError:  # a live gauge's file removed as its process ended
-            pass
     return out
 
 

@@ -36,6 +36,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Mapping
+from contextlib import suppress
 from typing import Any
 
 from ddpjob_api import contract
@@ -558,10 +559,8 @@ def system_metrics(env: Mapping[str, str], *, node_id: str, stopped: Callable[[]
                 warned = time.monotonic()
                 warn(f"MLflow: system metrics of {node_id} not logged: {type(exc).__name__}: "
                      f"{public_uri(str(exc))[:300]}")
-    try:
+    with suppress(Exception):  # the last samples only
         monitor.mlflow_logger.flush()
-    except Exception:  # noqa: BLE001 - the last samples only
-        pass
 
 
 def _short_http_requests() -> None:

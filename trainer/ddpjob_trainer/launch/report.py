@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from contextlib import suppress
 
 from ddpjob_api import contract
 
@@ -17,11 +18,8 @@ def say(msg: str) -> None:
 
 
 def write_termination(msg: str) -> None:
-    try:
-        with open(TERMINATION_LOG, "w") as f:
-            f.write(msg[-TERMINATION_LIMIT:])
-    except OSError:
-        pass  # not in a pod, or no termination log mounted
+    with suppress(OSError), open(TERMINATION_LOG, "w") as f:  # OSError: not in a pod, or no termination log mounted
+        f.write(msg[-TERMINATION_LIMIT:])
 
 
 def rank_messages(status_dir: str, kind: str) -> list[str]:
