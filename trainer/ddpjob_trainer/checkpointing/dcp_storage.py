@@ -40,7 +40,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from .parallel import run_each, split_by_size
-from .storage import INDEX, INDEX_FORMAT, RAW, HashingWriter, dtype_name
+from .storage import INDEX, INDEX_FORMAT, RAW, HashingWriter, dtype_name, region, tensor_of
 from ..torchapi import StorageInfo, load_dcp_state
 
 T = TypeVar("T")
@@ -156,11 +156,7 @@ class RawReader(dcp.FileSystemReader):
         if stream.readinto(data) != info.length:
             raise ValueError(f"{info.relative_path} ends before {req.storage_index.fqn}'s {info.length} bytes "
                              f"at offset {info.offset} (truncated shard)")
-        dtype = md.properties.dtype
-        stored = (torch.frombuffer(data, dtype=dtype) if info.length else torch.empty(0, dtype=dtype)).view(chunk.sizes)
-        tensor = stored
-        for dim, (off, size) in enumerate(zip(req.storage_offsets, req.lengths)):
-            tensor = tensor.narrow(dim, off, size)
+        tensor = region(tensor_of(data, md.properties.dtype, chunk.sizes), req.storage_offsets, req.lengths)
         target = planner.resolve_tensor(req).detach()
         if target.size() != tensor.size():
             raise ValueError(f"{req.storage_index.fqn}: stored {tuple(tensor.size())}, wanted {tuple(target.size())}")

@@ -133,17 +133,24 @@ def read_items(step_dir: Path, items: list[dict[str, Any]]) -> list[Any]:
             dtype = getattr(torch, item["dtype"])
             value = torch.empty(item["shape"], dtype=dtype)
             for c in item["chunks"]:
-                data = read(c)
-                src = (torch.frombuffer(data, dtype=dtype) if c["length"] else torch.empty(0, dtype=dtype))
-                dst = value
-                for dim, (off, size) in enumerate(zip(c["offsets"], c["sizes"])):
-                    dst = dst.narrow(dim, off, size)
-                dst.copy_(src.view(c["sizes"]))
+                region(value, c["offsets"], c["sizes"]).copy_(tensor_of(read(c), dtype, c["sizes"]))
             values.append(value)
     finally:
         for f in files.values():
             f.close()
     return values
+
+
+def tensor_of(data: bytearray, dtype: torch.dtype, shape: Any) -> torch.Tensor:
+    """A stored chunk's bytes as a tensor of `shape`, without a copy."""
+    return (torch.frombuffer(data, dtype=dtype) if data else torch.empty(0, dtype=dtype)).view(shape)
+
+
+def region(t: torch.Tensor, offsets: Any, sizes: Any) -> torch.Tensor:
+    """The view of `t` that starts at `offsets` and spans `sizes` (one of each per dimension)."""
+    for dim, (off, size) in enumerate(zip(offsets, sizes)):
+        t = t.narrow(dim, off, size)
+    return t
 
 
 def build_state(items: list[dict[str, Any]], values: list[Any]) -> dict[str, Any]:
