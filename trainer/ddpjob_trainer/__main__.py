@@ -5,6 +5,7 @@ import logging
 import os
 import sys
 import traceback
+from contextlib import suppress
 
 from ddpjob_api import contract
 from .errors import EXIT_BAD_CONFIG, EXIT_TRAINING_FAILED, ConfigError, PeerStopped
@@ -24,20 +25,17 @@ def _failed(exc: BaseException, rank: str) -> int:
     """Say and record why this rank failed; the exit code it owes."""
     if isinstance(exc, KeyboardInterrupt):  # Ctrl-C, or SIGTERM on a tracking rank (reporting.Terminated)
         return 128 + getattr(exc, "signum", 2)
-    if isinstance(exc, ConfigError):
-        msg = f"bad configuration: {exc}"
-        print(f"[rank {rank}] {msg}", file=sys.stderr, flush=True)
-        _record("bad-config", msg)
-        return EXIT_BAD_CONFIG
-    if isinstance(exc, PeerStopped):  # not this rank's fault: its message says it all
-        print(f"[rank {rank}] {exc}", file=sys.stderr, flush=True)
-        _record("failed", str(exc))
-        return EXIT_TRAINING_FAILED
-    # Any other failure may succeed on retry.
-    tb = "".join(traceback.format_exception(exc))
-    print(f"[rank {rank}] training failed:\n{tb}", file=sys.stderr, flush=True)
-    _record("failed", f"rank {rank} failed:\n{tb}")
-    return EXIT_TRAINING_FAILED
+    bad_config = isinstance(exc, ConfigError)
+    if bad_config:
+        said = recorded = f"bad configuration: {exc}"
+    elif isinstance(exc, PeerStopped):  # not this rank's fault: its message says it all
+        said = recorded = str(exc)
+    else:  # any other failure may succeed on retry
+        tb = "".join(traceback.format_exception(exc))
+        said, recorded = f"training failed:\n{tb}", f"rank {rank} failed:\n{tb}"
+    print(f"[rank {rank}] {said}", file=sys.stderr, flush=True)
+    _record("bad-config" if bad_config else "failed", recorded)
+    return EXIT_BAD_CONFIG if bad_config else EXIT_TRAINING_FAILED
 
 
 def main() -> int:
@@ -93,10 +91,8 @@ def exit_now(code: int) -> None:
     the result file atomically, the reporter closed); only buffered output needs flushing."""
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
-        try:
+        with suppress(OSError, ValueError):  # closed or gone: nothing more to lose
             stream.flush()
-        except (OSError, ValueError):
-            pass  # closed or gone: nothing more to lose
     os._exit(code)
 
 

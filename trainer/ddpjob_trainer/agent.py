@@ -35,8 +35,9 @@ import os
 import signal
 import sys
 import time
+from contextlib import suppress
 from dataclasses import dataclass, replace
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from . import telemetry
 from ddpjob_api import contract
@@ -46,6 +47,10 @@ ERROR_CHARS = 200  # the error's first line as a label: a pod's exposition stays
 # Across pods the earliest kill is named as the cause, and the rank that stopped first reaches its
 # timeout first (its peers made at least one step or stage more), so this is kept short of a step.
 WATCH_SECONDS = 0.1
+
+
+def _say(msg: str) -> None:
+    print(f"[ddpjob-agent] {msg}", file=sys.stderr, flush=True)
 
 
 def error_line(status_dir: str | None, rank: int, failure: Any) -> str:
@@ -263,12 +268,12 @@ class Watchdog:
             # Looked at again at the next look: a torn read (a file a worker writes as it is read)
             # passes, and one that lasts leaves the watchdog blind for as long, said once.
             if not self.unreadable:
-                print(f"[ddpjob-agent] WARNING the hang watchdog is blind until it can read the ranks' metrics "
-                      f"({type(exc).__name__}: {exc})", file=sys.stderr, flush=True)
+                _say(f"WARNING the hang watchdog is blind until it can read the ranks' metrics "
+                     f"({type(exc).__name__}: {exc})")
             self.unreadable = True
             return
         if self.unreadable:
-            print("[ddpjob-agent] the hang watchdog reads the ranks' metrics again", file=sys.stderr, flush=True)
+            _say("the hang watchdog reads the ranks' metrics again")
             self.unreadable = False
         judged = idle(progress, configured=self.configured, started_at=self.started_at, now=now, startup=self.startup)
         spells = {rank: progress[rank].since for rank, (seconds, timeout, *_) in judged.items()
@@ -287,8 +292,7 @@ class Watchdog:
         for rank, why in stuck.items() if self.kills else ():
             pid = pids[rank]
             self.killed.add(pid)
-            print(f"[ddpjob-agent] rank {rank} {why}: killing its worker (pid {pid}) to restart in place",
-                  file=sys.stderr, flush=True)
+            _say(f"rank {rank} {why}: killing its worker (pid {pid}) to restart in place")
             if self.status_dir:
                 # The failure's record: what on_failure exports as its error and the operator shows.
                 try:
@@ -296,12 +300,9 @@ class Watchdog:
                     with open(os.path.join(self.status_dir, f"failed-rank-{rank}.txt"), "w") as f:
                         f.write(why + "\n")
                 except OSError as exc:  # a full disk: the kill still restarts it, unnamed
-                    print(f"[ddpjob-agent] WARNING cannot record the stall of rank {rank} ({exc})",
-                          file=sys.stderr, flush=True)
-            try:
+                    _say(f"WARNING cannot record the stall of rank {rank} ({exc})")
+            with suppress(ProcessLookupError):  # it ended since: torchrun sees how
                 os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:  # it ended since: torchrun sees how
-                pass
 
 
 class Hooks:
@@ -311,8 +312,7 @@ class Hooks:
         self.env = env
         self.starts = 0
         self.attempt = env.get(contract.ENV_ATTEMPT, "0")
-        self._gauges: dict[str, Any] = {}
-        self._seconds: Any = None
+        self._families: dict[str, Any] = {}
         self.reached = -1  # the newest step this pod's ranks finished before a failure (-1: none yet)
         self.watchdog = Watchdog(env, capture=self.capture)
 
@@ -336,7 +336,7 @@ class Hooks:
         try:
             texts = stacks.capture(pids, folder)
         except Exception as exc:  # noqa: BLE001 - a capture must never stop the kill or the restart it precedes
-            print(f"[ddpjob-agent] WARNING cannot capture the workers' stacks ({exc})", file=sys.stderr, flush=True)
+            _say(f"WARNING cannot capture the workers' stacks ({exc})")
             return
         now, restart = time.time(), str(max(0, self.starts - 1))
         said = []
@@ -353,11 +353,12 @@ class Hooks:
                     with open(os.path.join(self.watchdog.debug_dir, name), "w") as f:
                         f.write(contract.stack_capture_text(record, where=f" (node rank {record['node_rank']})"))
             except OSError as exc:  # a full disk: the series below still names it
-                print(f"[ddpjob-agent] WARNING cannot keep the stack of rank {rank} ({exc})", file=sys.stderr, flush=True)
-            self._stack_series(rank=rank, restart=restart, trigger=trigger, waiting=waiting, frames=frames).set(now)
+                _say(f"WARNING cannot keep the stack of rank {rank} ({exc})")
+            self._gauge(contract.STACK_CAPTURE, "Unix time the pod's agent captured a worker's stack (1 series per capture).",
+                        now, rank=rank, local_rank=rank % self._nproc(), restart=restart, trigger=trigger,
+                        waiting=waiting, frames=frames)
             said.append(f"rank {rank} " + (f"waiting in {waiting}" if waiting else f"at {frames or 'no frame'}"))
-        print(f"[ddpjob-agent] stacks captured ({trigger}, {time.monotonic() - started:.2f}s): {'; '.join(said)}",
-              file=sys.stderr, flush=True)
+        _say(f"stacks captured ({trigger}, {time.monotonic() - started:.2f}s): {'; '.join(said)}")
 
     def on_failure(self, _agent: Any, group: Any, failures: dict[int, Any], will_restart: bool) -> None:
         # First the peers' stacks, while they still run: torchrun stops them once this returns.
@@ -371,10 +372,10 @@ class Hooks:
             code = int(getattr(failure, "exitcode", 1))
             sig = failure.signal_name() if code < 0 else ""
             error = error_line(status_dir, rank, failure)
-            self._series(rank=rank, local_rank=getattr(failure, "local_rank", 0), restart=restart, exit_code=code,
-                         signal=sig if sig != "<N/A>" else "", error=error,
-                         restarted=will_restart, step=steps.get(str(rank), "")).set(
-                             failed_at(status_dir, rank, seen))
+            self._gauge(contract.WORKER_FAILURE, "Unix time a worker of this pod failed (1 series per failure).",
+                        failed_at(status_dir, rank, seen), rank=rank, local_rank=getattr(failure, "local_rank", 0),
+                        restart=restart, exit_code=str(code), signal=sig if sig != "<N/A>" else "", error=error,
+                        restarted="true" if will_restart else "false", step=str(steps.get(str(rank), "")))
             idle = contract.stall_seconds(error)
             if idle is not None:  # the time it made no progress, before the watchdog killed it
                 self._stalled(rank, getattr(failure, "local_rank", 0), idle)
@@ -397,57 +398,36 @@ class Hooks:
 
     def _stalled(self, rank: int, local_rank: int, seconds: float) -> None:
         """Count a stalled rank's seconds without progress (its goodput_seconds{category=stalled})."""
-        if not self._exports:
-            return
-        if self._seconds is None:
-            from .telemetry import LABELS, _prepare_multiprocess, goodput_family
-            _prepare_multiprocess()
-            from prometheus_client import CollectorRegistry
-            self._seconds = goodput_family(CollectorRegistry(), list(LABELS))
-        self._seconds.labels(**self._labels(rank, local_rank), category="stalled").inc(seconds)
+        if self._exports:
+            family = self._family(contract.GOODPUT_SECONDS,
+                                  lambda reg: telemetry.goodput_family(reg, list(telemetry.LABELS)))
+            family.labels(**self._labels(rank, local_rank), category="stalled").inc(seconds)
 
-    def _gauge_of(self, metric: str, doc: str, extra: tuple[str, ...]) -> Any:
-        """A mostrecent gauge of this agent's (one per metric, made on first use) with the ranks'
-        LABELS and `extra`: one series per failure or capture, served by the pod's endpoint."""
-        if metric not in self._gauges:
-            from .telemetry import LABELS, _prepare_multiprocess
-            _prepare_multiprocess()
-            from prometheus_client import CollectorRegistry, Gauge
-            self._gauges[metric] = Gauge(contract.METRIC_PREFIX + metric, doc, [*LABELS, *extra],
-                                         registry=CollectorRegistry(), multiprocess_mode="mostrecent")
-        return self._gauges[metric]
+    def _gauge(self, metric: str, doc: str, value: float, *, rank: Any, local_rank: Any, **extra: str) -> None:
+        """Set a mostrecent gauge of this agent's with the ranks' LABELS and `extra`: one series per
+        failure or capture, served by the pod's endpoint."""
+        if self._exports:
+            from prometheus_client import Gauge
+            gauge = self._family(metric, lambda reg: Gauge(contract.METRIC_PREFIX + metric, doc,
+                                                           [*telemetry.LABELS, *extra], registry=reg,
+                                                           multiprocess_mode="mostrecent"))
+            gauge.labels(**self._labels(rank, local_rank), **extra).set(value)
+
+    def _family(self, metric: str, make: Callable[[Any], Any]) -> Any:
+        """This agent's metric family `metric`, made on first use by make(registry)."""
+        if metric not in self._families:
+            telemetry._prepare_multiprocess()
+            from prometheus_client import CollectorRegistry
+            self._families[metric] = make(CollectorRegistry())
+        return self._families[metric]
 
     def _labels(self, rank: Any, local_rank: Any) -> dict[str, str]:
-        return {"ddpjob": self.env.get(contract.ENV_JOB_NAME, "local"), "namespace": self.env.get(contract.ENV_JOB_NAMESPACE, ""),
-                "rank": str(rank), "local_rank": str(local_rank), "node_rank": self.env.get(contract.ENV_NODE_RANK, "0")}
-
-    def _series(self, **labels: Any) -> Any:
-        if not self._exports:
-            return _Null()
-        gauge = self._gauge_of(contract.WORKER_FAILURE, "Unix time a worker of this pod failed (1 series per failure).",
-                               ("restart", "exit_code", "signal", "error", "restarted", "step"))
-        return gauge.labels(
-            **self._labels(labels["rank"], labels["local_rank"]),
-            restart=labels["restart"], exit_code=str(labels["exit_code"]), signal=labels["signal"],
-            error=labels["error"], restarted="true" if labels["restarted"] else "false", step=str(labels["step"]))
-
-    def _stack_series(self, **labels: Any) -> Any:
-        if not self._exports:
-            return _Null()
-        gauge = self._gauge_of(contract.STACK_CAPTURE, "Unix time the pod's agent captured a worker's stack "
-                               "(1 series per capture).", ("restart", "trigger", "waiting", "frames"))
-        rank = int(labels["rank"])
-        return gauge.labels(**self._labels(rank, rank % self._nproc()), restart=labels["restart"],
-                            trigger=labels["trigger"], waiting=labels["waiting"], frames=labels["frames"])
+        return telemetry.rank_labels(self.env, rank=rank, local_rank=local_rank,
+                                     node_rank=self.env.get(contract.ENV_NODE_RANK, "0"))
 
     def _nproc(self) -> int:
         raw = self.env.get(contract.ENV_NPROC_PER_NODE) or self.env.get(contract.PET_NPROC_PER_NODE) or "1"
         return int(raw) if raw.isdigit() and int(raw) > 0 else 1
-
-
-class _Null:
-    def set(self, _value: float) -> None:
-        pass
 
 
 def main() -> None:
@@ -457,8 +437,7 @@ def main() -> None:
 
     hooks = Hooks()
     if not torchapi.hook_agent(hooks.on_start, hooks.on_failure, hooks.watchdog.on_monitor):
-        print("[ddpjob-agent] WARNING this torch's agent has no hooks: in-place restarts are not "
-              "counted on the metrics endpoint", file=sys.stderr, flush=True)
+        _say("WARNING this torch's agent has no hooks: in-place restarts are not counted on the metrics endpoint")
     run.main()
 
 

@@ -128,8 +128,7 @@ class TrainerConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-safe form, stored in checkpoints."""
-        from dataclasses import asdict
-        return asdict(self)
+        return dataclasses.asdict(self)
 
 
 def _snake(key: str) -> str:

@@ -90,11 +90,12 @@ class Knobs:
         """Read the DDPJOB_DEBUG_* variables for `rank`."""
         sleep = float(env.get("DDPJOB_DEBUG_STEP_SLEEP", "0") or 0)
         slow = _pair(env.get("DDPJOB_DEBUG_SLOW_RANK"))
-        freeze = _pair(env.get("DDPJOB_DEBUG_FREEZE_RANK"))
-        crash = _pair(env.get("DDPJOB_DEBUG_CRASH_RANK"))
-        raises = _pair(env.get("DDPJOB_DEBUG_RAISE_RANK"))
-        block = _pair(env.get("DDPJOB_DEBUG_BLOCK_FETCH"))
         first_attempt = env.get(contract.ENV_ATTEMPT, "0") == "0" and env.get(contract.ENV_RESTART, "0") == "0"
+
+        def step_of(name: str) -> int | None:
+            """The step of a "<rank>:<step>" knob aimed at this rank, in the first start of attempt 0 only."""
+            pair = _pair(env.get(name))
+            return int(pair[1]) if pair and pair[0] == rank and first_attempt else None
         f_rank, _, f_stage = (env.get("DDPJOB_DEBUG_FREEZE_STAGE") or "").partition(":")
         log_dir = env.get("DDPJOB_DEBUG_SAMPLE_LOG")
         await_at = env.get("DDPJOB_DEBUG_AWAIT_SIGTERM")
@@ -105,10 +106,8 @@ class Knobs:
                    hold_until=(hold_path or None) if hold_attempt == env.get(contract.ENV_ATTEMPT, "0") else None,
                    freeze_stage=f_stage if f_stage and f_rank == str(rank) and first_attempt else None,
                    sleep=sleep, slow_fetch=slow[1] if slow and slow[0] == rank else 0.0,
-                   freeze_at=int(freeze[1]) if freeze and freeze[0] == rank and first_attempt else None,
-                   crash_at=int(crash[1]) if crash and crash[0] == rank and first_attempt else None,
-                   raise_at=int(raises[1]) if raises and raises[0] == rank and first_attempt else None,
-                   block_fetch_at=int(block[1]) if block and block[0] == rank and first_attempt else None)
+                   freeze_at=step_of("DDPJOB_DEBUG_FREEZE_RANK"), crash_at=step_of("DDPJOB_DEBUG_CRASH_RANK"),
+                   raise_at=step_of("DDPJOB_DEBUG_RAISE_RANK"), block_fetch_at=step_of("DDPJOB_DEBUG_BLOCK_FETCH"))
 
     def before_fetch(self, step: int | None = None) -> None:
         """Before fetching the batch of `step`: a slow rank's batch arrives late (the time counts as

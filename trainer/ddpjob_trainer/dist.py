@@ -87,10 +87,9 @@ def process_group(*, timeout_seconds: int, io_group: bool = False,
         rank, local_rank, world, node_rank = 0, 0, 1, 0
     device = rank_device(local_rank, int(env.get(contract.TORCHRUN_LOCAL_WORLD_SIZE, "1")) if launched_by_torchrun(env) else 1)
     use_cuda = device.type == "cuda"
-    if use_cuda:
-        torch.cuda.set_device(device)
     backend = "nccl" if use_cuda else "gloo"
     if use_cuda:
+        torch.cuda.set_device(device)
         # NCCL reads these when the communicator is created; a value the user (or the operator's
         # env builder) set wins.
         set_nccl_env_defaults(debug_dir=debug_dir)

@@ -139,13 +139,6 @@ def evaluate(model: torch.nn.Module, loader: DataLoader, *, dataset_size: int, p
                       dataset_size=dataset_size)
 
 
-def _write_json_atomic(path: str, data: dict[str, Any]) -> None:
-    tmp = f"{path}.part"
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=1)
-    os.replace(tmp, path)
-
-
 @dataclass
 class StepOutput:
     """One optimizer step. The loss stays on the device: reading it is a host sync."""
@@ -444,10 +437,7 @@ class Trainer:
                 dt_step, boundary = now - boundary, now
                 train_seconds += dt_step
                 samples_seen += out.samples
-                interval[0] += 1
-                interval[1] += dt_step
-                interval[2] += out.data_wait_seconds
-                interval[3] += out.samples
+                interval = [a + b for a, b in zip(interval, (1, dt_step, out.data_wait_seconds, out.samples))]
                 telemetry.step(step=st.step, epoch=st.epoch, loss=mean_loss, samples=out.samples,
                                step_seconds=dt_step, data_wait_seconds=out.data_wait_seconds,
                                timestamp=time.time())
@@ -510,8 +500,10 @@ def train(cfg: TrainerConfig, ctx: DistContext, *, log: NullReporter, telemetry:
         if telemetry.enabled and metrics_dir:
             log.metrics(goodput_metrics(rank_goodput(metrics_dir, ctx.rank)), step=result.steps)
         log.model(trainer.model)
-    if ctx.is_main and result_path:
-        _write_json_atomic(result_path, {**asdict(result), contract.RESULT_MLFLOW_RUN_ID: log.run_id})
+    if ctx.is_main and result_path:  # whole or not at all: written aside, then renamed
+        with open(f"{result_path}.part", "w") as f:
+            json.dump({**asdict(result), contract.RESULT_MLFLOW_RUN_ID: log.run_id}, f, indent=1)
+        os.replace(f"{result_path}.part", result_path)
     log.info(f"done: {result.steps} steps, eval accuracy {result.eval_accuracy:.4f}, "
              f"{result.train_samples_per_second:.0f} samples/s")
     return result

@@ -26,6 +26,7 @@ import re
 import signal
 import sys
 import time
+from contextlib import suppress
 from dataclasses import dataclass
 from typing import Iterable, Mapping
 
@@ -74,13 +75,10 @@ def install(env: Mapping[str, str] = os.environ) -> bool:
 def handles(pid: int, signum: int = SIGNAL) -> bool:
     """True when `pid` catches `signum` (its SigCgt mask): only then is it signalled, since the
     signal's default action would end the process."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("SigCgt:"):
-                    return bool(int(line.split()[1], 16) >> (signum - 1) & 1)
-    except (OSError, ValueError, IndexError):
-        pass
+    with suppress(OSError, ValueError, IndexError), open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("SigCgt:"):
+                return bool(int(line.split()[1], 16) >> (signum - 1) & 1)
     return False
 
 
@@ -214,10 +212,8 @@ def keep(folder: str, record: dict) -> None:
         json.dump(record, f)
     os.replace(tmp, os.path.join(where, name))
     for old in sorted(n for n in os.listdir(where) if n.endswith(".json"))[:-CAPTURES_KEPT]:
-        try:
+        with suppress(OSError):
             os.unlink(os.path.join(where, old))
-        except OSError:
-            pass
 
 
 def kept(folder: str) -> list[dict]:

@@ -52,22 +52,29 @@ runs ahead of the device under NCCL, cannot. `gpu_info{uuid, name}` is 1 for the
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import time
-from typing import Any, Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 from ddpjob_api import contract
 
 PREFIX = contract.METRIC_PREFIX
-METRICS_DIR_ENV = contract.ENV_METRICS_DIR
 LABELS = ("ddpjob", "namespace", "rank", "local_rank", "node_rank")
 GPU_INFO = PREFIX + "gpu_info"   # an info metric (labels uuid, name); bench/gpu_check.py reads it
 STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
+def rank_labels(env: Mapping[str, str], *, rank: Any, local_rank: Any, node_rank: Any) -> dict[str, str]:
+    """A rank's LABELS: its job's (from the env) and its place in the job."""
+    return {"ddpjob": env.get(contract.ENV_JOB_NAME, "local"), "namespace": env.get(contract.ENV_JOB_NAMESPACE, ""),
+            "rank": str(rank), "local_rank": str(local_rank), "node_rank": str(node_rank)}
+
+
 def _prepare_multiprocess() -> str | None:
     """Point prometheus-client at the shared dir (also if it was imported before the env was set)."""
-    d = os.environ.get(METRICS_DIR_ENV)
+    d = os.environ.get(contract.ENV_METRICS_DIR)
     if d:
         os.makedirs(d, exist_ok=True)
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = d
@@ -142,12 +149,11 @@ class Telemetry:
         self._gpu_alloc = gauge(contract.GPU_MEMORY_ALLOCATED, "torch.cuda.memory_allocated().")
         self._gpu_max = gauge(contract.GPU_MEMORY_MAX_ALLOCATED, "torch.cuda.max_memory_allocated().")
         self._gpu_reserved = gauge("gpu_memory_reserved_bytes", "torch.cuda.memory_reserved().")
-        # Its child is bound at the first value: a CPU rank exports no device series at all.
-        self._compute_family = Histogram(
+        # No child bound here: a CPU rank, which records no value, exports no device series at all.
+        self._compute_s = Histogram(
             PREFIX + contract.COMPUTE_SECONDS, "Device (GPU) time of one optimizer step's forward passes on this "
             "rank, from CUDA events; no collective runs in it, so waiting for peers never counts.",
             names, registry=reg, buckets=STEP_BUCKETS)
-        self._compute_s: Any = None
         self._gpu_info = Gauge(GPU_INFO, "1 for this rank's GPU; uuid as DCGM's UUID label.",
                                names + ["uuid", "name"], registry=reg, multiprocess_mode="mostrecent")
         # Bound per reason at the first drop (tracking.py): a run without MLflow exports none.
@@ -155,7 +161,6 @@ class Telemetry:
             PREFIX + "mlflow_dropped", "MLflow calls not made, by reason: queue_full (the bounded queue "
             "was full), failed (the tracking server refused, timed out or erred), skipped (closing past "
             "its deadline).", names + ["reason"], registry=reg)
-        self._mlflow_dropped: dict[str, Any] = {}
         self._mlflow_run = Gauge(PREFIX + contract.MLFLOW_RUN_INFO, "1 for the job's MLflow run (rank 0 only): "
                                  "the operator copies it into status.mlflow.", names + ["run_id", "experiment_id"],
                                  registry=reg, multiprocess_mode="mostrecent")
@@ -173,13 +178,9 @@ class Telemetry:
         restart = _number(env.get(contract.ENV_RESTART))
         failed_at = _number(env.get(contract.ENV_FAILED_AT)) if restart else None
         reached = _number(env.get(contract.ENV_STEP_REACHED)) if restart else None
-        labels = {
-            "ddpjob": env.get(contract.ENV_JOB_NAME, "local"),
-            "namespace": env.get(contract.ENV_JOB_NAMESPACE, ""),
-            "rank": env.get(contract.TORCHRUN_RANK, "0"),
-            "local_rank": env.get(contract.TORCHRUN_LOCAL_RANK, "0"),
-            "node_rank": env.get(contract.ENV_NODE_RANK, env.get(contract.TORCHRUN_GROUP_RANK, "0")),
-        }
+        labels = rank_labels(env, rank=env.get(contract.TORCHRUN_RANK, "0"),
+                             local_rank=env.get(contract.TORCHRUN_LOCAL_RANK, "0"),
+                             node_rank=env.get(contract.ENV_NODE_RANK, env.get(contract.TORCHRUN_GROUP_RANK, "0")))
         if enabled is None:
             enabled = env.get(contract.ENV_TELEMETRY, "1") != "0"
         # A worker restarted without a failure its agent saw (its peers' round): from its own start.
@@ -273,12 +274,8 @@ class Telemetry:
 
     def mlflow_dropped(self, reason: str, n: int = 1) -> None:
         """Count MLflow calls that were not made (tracking.py), by reason."""
-        if not self.enabled:
-            return
-        child = self._mlflow_dropped.get(reason)
-        if child is None:
-            child = self._mlflow_dropped[reason] = self._mlflow_family.labels(**self.labels, reason=reason)
-        child.inc(n)
+        if self.enabled:  # the child is bound at a reason's first drop: prometheus_client keeps it
+            self._mlflow_family.labels(**self.labels, reason=reason).inc(n)
 
     def mlflow_run(self, run_id: str, experiment_id: str) -> None:
         """Export which MLflow run the job logs to (rank 0: the launcher of node 0, the trainer)."""
@@ -300,18 +297,15 @@ class Telemetry:
 
     def compute(self, step_seconds: Iterable[float]) -> None:
         """Record device compute time, one value per optimizer step (DeviceTimer.read())."""
-        if not self.enabled:
-            return
-        for s in step_seconds:
-            if self._compute_s is None:
-                self._compute_s = self._compute_family.labels(**self.labels)
-            self._compute_s.observe(s)
+        if self.enabled:
+            for s in step_seconds:
+                self._compute_s.labels(**self.labels).observe(s)
 
     # ---- the few-lines API for users' own scripts ----------------------------------------
     def record_loss(self, loss: Any) -> None:
         """Remember the loss of the current step (a float or a 0-d tensor); `track` records it."""
         if self.enabled:
-            self._pending_loss = float(loss.item() if hasattr(loss, "item") else loss)
+            self._pending_loss = _as_float(loss)
 
     def track(self, batches: Iterable[Any], *, epoch: int = 0, samples: int | None = None) -> Iterator[Any]:
         """Yield `batches`; each yielded batch is one step, timed from yield to the next request.
@@ -320,13 +314,8 @@ class Telemetry:
         """
         if self._stage is None:
             self.set_stage("first_step")
-        it = iter(batches)
-        while True:
-            t0 = time.perf_counter()
-            try:
-                batch = next(it)
-            except StopIteration:
-                return
+        t0 = time.perf_counter()
+        for batch in batches:
             t1 = time.perf_counter()
             if self.enabled:
                 self._started.set(self._global_step + 1)
@@ -335,34 +324,33 @@ class Telemetry:
             n = samples if samples is not None else _batch_len(batch)
             self.step(step=self._global_step + 1, epoch=epoch, loss=self._pending_loss, samples=n,
                       step_seconds=t2 - t0, data_wait_seconds=t1 - t0, timestamp=time.time())
+            t0 = time.perf_counter()
 
-    def timed_step(self, *, epoch: int = 0, samples: int = 0) -> "_StepTimer":
-        """`with tm.timed_step(epoch=e, samples=n) as s: ...; s.loss = loss.item()` records one step."""
-        return _StepTimer(self, epoch=epoch, samples=samples)
+    @contextlib.contextmanager
+    def timed_step(self, *, epoch: int = 0, samples: int = 0) -> Iterator[TimedStep]:
+        """`with tm.timed_step(epoch=e, samples=n) as s: ...; s.loss = loss.item()` records one step
+        (one that raises records nothing)."""
+        s = TimedStep(epoch=epoch, samples=samples)
+        t0 = time.perf_counter()
+        self.step_started(step=self._global_step + 1)
+        yield s
+        self.step(step=self._global_step + 1, epoch=s.epoch, loss=_as_float(s.loss), samples=s.samples,
+                  step_seconds=time.perf_counter() - t0, data_wait_seconds=s.data_wait, timestamp=time.time())
 
 
-class _StepTimer:
-    """Context manager behind Telemetry.timed_step."""
+@dataclass(slots=True)
+class TimedStep:
+    """What a `timed_step` body reports: its loss (a float or a 0-d tensor) and the seconds of
+    the step spent waiting for data."""
 
-    __slots__ = ("tm", "epoch", "samples", "loss", "data_wait", "_t0")
+    epoch: int
+    samples: int
+    loss: Any = float("nan")
+    data_wait: float = 0.0
 
-    def __init__(self, tm: Telemetry, *, epoch: int, samples: int) -> None:
-        self.tm, self.epoch, self.samples = tm, epoch, samples
-        self.loss = float("nan")
-        self.data_wait = 0.0
-        self._t0 = 0.0
 
-    def __enter__(self) -> "_StepTimer":
-        self._t0 = time.perf_counter()
-        self.tm.step_started(step=self.tm._global_step + 1)
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None:
-            loss = float(self.loss.item() if hasattr(self.loss, "item") else self.loss)
-            self.tm.step(step=self.tm._global_step + 1, epoch=self.epoch, loss=loss,
-                         samples=self.samples, step_seconds=time.perf_counter() - self._t0,
-                         data_wait_seconds=self.data_wait, timestamp=time.time())
+def _as_float(loss: Any) -> float:
+    return float(loss.item() if hasattr(loss, "item") else loss)
 
 
 def gpu_uuid(props: Any) -> str:
@@ -465,11 +453,9 @@ def metric_files(metrics_dir: str) -> list[str]:
 
     out = []
     for path in glob.glob(os.path.join(metrics_dir, "*.db")):
-        try:
+        with contextlib.suppress(OSError):  # a live gauge's file removed as its process ended
             if os.path.getsize(path) >= 8:  # the used-bytes header: sized, readable
                 out.append(path)
-        except OSError:  # a live gauge's file removed as its process ended
-            pass
     return out
 
 

@@ -36,6 +36,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Mapping
+from contextlib import suppress
 from typing import Any
 
 from ddpjob_api import contract
@@ -517,12 +518,10 @@ def _log_batched(client: Any, run_id: str, *, params: Mapping[str, str] | None =
     """log_batch within MLflow's limits (100 params or tags a request)."""
     from mlflow.entities import Param, RunTag
 
-    items = [Param(k, v) for k, v in (params or {}).items()]
-    for i in range(0, len(items), PARAM_BATCH):
-        client.log_batch(run_id, params=items[i:i + PARAM_BATCH])
-    tag_items = [RunTag(k, v) for k, v in (tags or {}).items()]
-    for i in range(0, len(tag_items), PARAM_BATCH):
-        client.log_batch(run_id, tags=tag_items[i:i + PARAM_BATCH])
+    for kind, items in (("params", [Param(k, v) for k, v in (params or {}).items()]),
+                        ("tags", [RunTag(k, v) for k, v in (tags or {}).items()])):
+        for i in range(0, len(items), PARAM_BATCH):
+            client.log_batch(run_id, **{kind: items[i:i + PARAM_BATCH]})
 
 
 def system_metrics(env: Mapping[str, str], *, node_id: str, stopped: Callable[[], bool],
@@ -560,10 +559,8 @@ def system_metrics(env: Mapping[str, str], *, node_id: str, stopped: Callable[[]
                 warned = time.monotonic()
                 warn(f"MLflow: system metrics of {node_id} not logged: {type(exc).__name__}: "
                      f"{public_uri(str(exc))[:300]}")
-    try:
+    with suppress(Exception):  # the last samples only
         monitor.mlflow_logger.flush()
-    except Exception:  # noqa: BLE001 - the last samples only
-        pass
 
 
 def _short_http_requests() -> None:
@@ -587,7 +584,6 @@ def main(argv: list[str] | None = None) -> int:
     runs this in a child process (MLflow's import may start threads, and the launcher forks torchrun
     with none running) under a deadline of its own. Exit 1 with the reason on stderr."""
     import argparse
-    import json
     import sys
 
     p = argparse.ArgumentParser(prog="python -m ddpjob_trainer.tracking")

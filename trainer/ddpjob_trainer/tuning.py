@@ -44,11 +44,8 @@ def set_nccl_env_defaults(environ=os.environ, *, debug_dir: str | None = None) -
     if debug_dir:
         Path(debug_dir).mkdir(parents=True, exist_ok=True)
         defaults["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] = f"{debug_dir}/nccl_trace_rank_"
-    added = {}
-    for key, value in defaults.items():
-        if key not in environ:
-            environ[key] = value
-            added[key] = value
+    added = {key: value for key, value in defaults.items() if key not in environ}
+    environ.update(added)
     return added
 
 

@@ -531,10 +531,8 @@ class Checkpointer:
             sizes = [item_nbytes(items[i]) for i in ids]
             if not sum(sizes):
                 continue
-            if src == self.rank:
-                buf = torch.cat([values[i].reshape(-1).view(torch.uint8) for i in ids])
-            else:
-                buf = torch.empty(sum(sizes), dtype=torch.uint8)
+            buf = (torch.cat([values[i].reshape(-1).view(torch.uint8) for i in ids]) if src == self.rank
+                   else torch.empty(sum(sizes), dtype=torch.uint8))
             dist.broadcast(buf, src=dist.get_global_rank(group, src), group=group)
             if src != self.rank:
                 for i, chunk in zip(ids, torch.split(buf, sizes)):

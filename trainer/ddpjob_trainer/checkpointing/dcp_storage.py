@@ -26,7 +26,7 @@ import contextlib
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -40,14 +40,23 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from .parallel import run_each, split_by_size
-from .storage import INDEX, INDEX_FORMAT, RAW, HashingWriter, dtype_name
+from .storage import INDEX, INDEX_FORMAT, RAW, HashingWriter, dtype_name, region, tensor_of
 from ..torchapi import StorageInfo, load_dcp_state
+
+T = TypeVar("T")
 
 
 def _nbytes(item: WriteItem) -> int:
     if item.tensor_data is None:
         return 0
     return item.tensor_data.size.numel() * item.tensor_data.properties.dtype.itemsize
+
+
+def _done(value: T) -> Future[T]:
+    """A future that holds `value` already: our storage layer writes and reads synchronously."""
+    fut: Future[T] = Future()
+    fut.set_result(value)
+    return fut
 
 
 def _as_bytes(tensor: torch.Tensor) -> memoryview:
@@ -72,9 +81,7 @@ class RawWriter(dcp.FileSystemWriter):
         buckets = split_by_size(plan.items, self.thread_count, lambda item: _nbytes(item) or 1)
         results = run_each(lambda job: self._write_file(f"{prefix}{job[0]}.distcp", job[1], planner),
                            list(enumerate(buckets)))
-        fut: Future[list[WriteResult]] = Future()
-        fut.set_result([r for rs in results for r in rs])
-        return fut
+        return _done([r for rs in results for r in rs])
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """Coordinator only: DCP's `.metadata`, then our own INDEX of the same items."""
@@ -136,9 +143,7 @@ class RawReader(dcp.FileSystemReader):
                     self._read_tensor(stream, req, planner)
         if rest:
             return super().read_data(LoadPlan(rest, plan.storage_data), planner)
-        fut: Future[None] = Future()
-        fut.set_result(None)
-        return fut
+        return _done(None)
 
     def _read_tensor(self, stream: Any, req: ReadItem, planner: LoadPlanner) -> None:
         if req.type != LoadItemType.TENSOR:
@@ -151,11 +156,7 @@ class RawReader(dcp.FileSystemReader):
         if stream.readinto(data) != info.length:
             raise ValueError(f"{info.relative_path} ends before {req.storage_index.fqn}'s {info.length} bytes "
                              f"at offset {info.offset} (truncated shard)")
-        dtype = md.properties.dtype
-        stored = (torch.frombuffer(data, dtype=dtype) if info.length else torch.empty(0, dtype=dtype)).view(chunk.sizes)
-        tensor = stored
-        for dim, (off, size) in enumerate(zip(req.storage_offsets, req.lengths)):
-            tensor = tensor.narrow(dim, off, size)
+        tensor = region(tensor_of(data, md.properties.dtype, chunk.sizes), req.storage_offsets, req.lengths)
         target = planner.resolve_tensor(req).detach()
         if target.size() != tensor.size():
             raise ValueError(f"{req.storage_index.fqn}: stored {tuple(tensor.size())}, wanted {tuple(target.size())}")

@@ -29,6 +29,7 @@ import os
 import re
 import threading
 import time
+from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -117,10 +118,8 @@ class Snapshots:
                 self.path(old).unlink(missing_ok=True)
         except Exception as exc:  # noqa: BLE001 - a snapshot never stops training
             self.failed = True
-            try:
+            with suppress(OSError):  # nothing was written there
                 tmp.unlink(missing_ok=True)
-            except OSError:
-                pass  # nothing was written there
             self.warn(f"in-memory snapshot to {final} failed ({type(exc).__name__}: {exc}); no more snapshots "
                       "this run (disk checkpoints go on)")
         finally:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -106,12 +107,7 @@ def _set(root: dict[str, Any], path: list[Any], value: Any) -> None:
 
 def item_nbytes(item: dict[str, Any]) -> int:
     """Bytes of a tensor item of INDEX (0 for a pickled value)."""
-    if "bytes" in item:
-        return 0
-    numel = 1
-    for n in item["shape"]:
-        numel *= n
-    return numel * getattr(torch, item["dtype"]).itemsize
+    return 0 if "bytes" in item else math.prod(item["shape"]) * getattr(torch, item["dtype"]).itemsize
 
 
 def read_items(step_dir: Path, items: list[dict[str, Any]]) -> list[Any]:
@@ -137,17 +133,24 @@ def read_items(step_dir: Path, items: list[dict[str, Any]]) -> list[Any]:
             dtype = getattr(torch, item["dtype"])
             value = torch.empty(item["shape"], dtype=dtype)
             for c in item["chunks"]:
-                data = read(c)
-                src = (torch.frombuffer(data, dtype=dtype) if c["length"] else torch.empty(0, dtype=dtype))
-                dst = value
-                for dim, (off, size) in enumerate(zip(c["offsets"], c["sizes"])):
-                    dst = dst.narrow(dim, off, size)
-                dst.copy_(src.view(c["sizes"]))
+                region(value, c["offsets"], c["sizes"]).copy_(tensor_of(read(c), dtype, c["sizes"]))
             values.append(value)
     finally:
         for f in files.values():
             f.close()
     return values
+
+
+def tensor_of(data: bytearray, dtype: torch.dtype, shape: Any) -> torch.Tensor:
+    """A stored chunk's bytes as a tensor of `shape`, without a copy."""
+    return (torch.frombuffer(data, dtype=dtype) if data else torch.empty(0, dtype=dtype)).view(shape)
+
+
+def region(t: torch.Tensor, offsets: Any, sizes: Any) -> torch.Tensor:
+    """The view of `t` that starts at `offsets` and spans `sizes` (one of each per dimension)."""
+    for dim, (off, size) in enumerate(zip(offsets, sizes)):
+        t = t.narrow(dim, off, size)
+    return t
 
 
 def build_state(items: list[dict[str, Any]], values: list[Any]) -> dict[str, Any]:

@@ -139,13 +139,10 @@ class _RankStages:
         if env.get(contract.ENV_TELEMETRY, "1") == "0":
             return
         os.environ[contract.ENV_METRICS_DIR] = env[contract.ENV_METRICS_DIR]
-        from ..telemetry import Telemetry
+        from ..telemetry import Telemetry, rank_labels
 
-        for local in range(max(1, nproc)):
-            labels = {"ddpjob": env.get(contract.ENV_JOB_NAME, "local"), "namespace": env.get(contract.ENV_JOB_NAMESPACE, ""),
-                      "rank": str(node_rank * nproc + local), "local_rank": str(local),
-                      "node_rank": str(node_rank)}
-            self.telemetry.append(Telemetry(labels=labels))
+        self.telemetry = [Telemetry(labels=rank_labels(env, rank=node_rank * nproc + local, local_rank=local,
+                                                       node_rank=node_rank)) for local in range(max(1, nproc))]
 
     def mlflow_run(self, run_id: str, experiment_id: str) -> None:
         """The job's MLflow run on rank 0's series (on node 0): the operator's status.mlflow."""
@@ -199,6 +196,13 @@ def _wait(child: subprocess.Popen, signals: StopSignals, *, poll: float = 1.0) -
             signals.raise_if_stopped()
 
 
+def _failed(why: str, code: int) -> int:
+    """Say why the node fails before training ran, as its termination message too; the exit code."""
+    say(why)
+    write_termination(why)
+    return code
+
+
 def _launch(args: argparse.Namespace, node: _Node, signals: StopSignals) -> int:
     cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
     builtin = not cmd
@@ -212,10 +216,7 @@ def _launch(args: argparse.Namespace, node: _Node, signals: StopSignals) -> int:
         try:
             preflight.check(config_from_env())
         except ConfigError as exc:
-            msg = f"bad configuration: {exc}"
-            say(msg)
-            write_termination(msg)
-            return EXIT_BAD_CONFIG
+            return _failed(f"bad configuration: {exc}", EXIT_BAD_CONFIG)
 
     env = with_exit_guard(dict(os.environ))
     # The ranks learn the grace they have (a last checkpoint must fit in it), and torchrun's agent,
@@ -248,17 +249,13 @@ def _launch(args: argparse.Namespace, node: _Node, signals: StopSignals) -> int:
         try:
             wait_for_master(addr, port, timeout=args.master_timeout, check_stop=signals.raise_if_stopped)
         except TimeoutError as exc:
-            say(str(exc))
-            write_termination(str(exc))
-            return EXIT_TRAINING_FAILED
+            return _failed(str(exc), EXIT_TRAINING_FAILED)
         finally:
             node.stop_server()  # no thread may run while the child is forked (below)
     run_id, failed = runs.mlflow_run(env, node_rank=node_rank, children=node.children, signals=signals,
                                      on_run=stages.mlflow_run)
     if failed:
-        say(failed)
-        write_termination(failed)
-        return EXIT_TRAINING_FAILED
+        return _failed(failed, EXIT_TRAINING_FAILED)
     if run_id and node_rank == 0 and not builtin:
         node.run_env = env
     if env.get(contract.ENV_MLFLOW_SYSTEM_METRICS) == "1" and env.get(contract.ENV_MLFLOW_RUN_ID):

@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import time
+from contextlib import suppress
 from typing import Callable, Sequence
 
 import psutil
@@ -60,17 +61,13 @@ def _signal_all(pids, groups, sig: int) -> None:
     Ctrl-C to a launcher (StopSignals.hurry: SIGKILL at once, no grace for a rank to end its run)."""
     done: set[int] = set()
     for pgid in groups:
-        try:
+        with suppress(ProcessLookupError, PermissionError):
             os.killpg(pgid, sig)
             done.add(pgid)
-        except (ProcessLookupError, PermissionError):
-            pass
     for pid in pids:
-        try:
+        with suppress(ProcessLookupError, PermissionError):
             if os.getpgid(pid) not in done:
                 os.kill(pid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
 
 
 def _live_below(me: int, keep: set[int], owned: Callable[[int], bool] | None) -> list[int]:
@@ -90,10 +87,8 @@ def _live_below(me: int, keep: set[int], owned: Callable[[int], bool] | None) ->
         if not zombie:
             live.append(p.pid)
         elif ppid == me and p.pid not in keep:
-            try:
+            with suppress(ChildProcessError):
                 os.waitpid(p.pid, os.WNOHANG)
-            except ChildProcessError:
-                pass
     return live
 
 
@@ -146,7 +141,5 @@ def end_child(child: subprocess.Popen, *, seconds: float) -> None:
             child.wait(timeout=seconds)
         except subprocess.TimeoutExpired:
             os.killpg(child.pid, signal.SIGKILL)
-            try:
+            with suppress(subprocess.TimeoutExpired):
                 child.wait(timeout=contract.LAUNCHER_KILL_WAIT)
-            except subprocess.TimeoutExpired:
-                pass

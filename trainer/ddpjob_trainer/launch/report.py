@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from contextlib import suppress
 
 from ddpjob_api import contract
 
@@ -17,11 +18,8 @@ def say(msg: str) -> None:
 
 
 def write_termination(msg: str) -> None:
-    try:
-        with open(TERMINATION_LOG, "w") as f:
-            f.write(msg[-TERMINATION_LIMIT:])
-    except OSError:
-        pass  # not in a pod, or no termination log mounted
+    with suppress(OSError), open(TERMINATION_LOG, "w") as f:  # OSError: not in a pod, or no termination log mounted
+        f.write(msg[-TERMINATION_LIMIT:])
 
 
 def rank_messages(status_dir: str, kind: str) -> list[str]:
@@ -47,14 +45,11 @@ def recorded_error(path: str) -> list[str]:
         message = data["message"]
     except (OSError, ValueError, TypeError, KeyError):
         return []
-    if isinstance(message, str):
-        return [message.strip()] if message.strip() else []
-    if not isinstance(message, dict):
-        return []
-    extra = message.get("extraInfo")
-    extra = extra if isinstance(extra, dict) else {}
-    detail = extra.get("py_callstack") or message.get("message")
-    return [str(detail).strip()] if detail and str(detail).strip() else []
+    if isinstance(message, dict):  # torchrun's form: the traceback in extraInfo, else the message
+        extra = message.get("extraInfo")
+        detail = (extra.get("py_callstack") if isinstance(extra, dict) else None) or message.get("message")
+        message = str(detail) if detail else ""
+    return [message.strip()] if isinstance(message, str) and message.strip() else []
 
 
 def failure_message(code: int, failed: list[str], *, step: int | None = None,
