@@ -1,7 +1,17 @@
 # Sourced by hack/ensure-*.sh: apt_install NAME PKG... installs Debian packages without letting
 # their services start (policy-rc.d): tests start their own Prometheus, and each real node its own
-# containerd. Needs root or sudo.
+# containerd. Needs root or sudo. One at a time on a machine (flock): make test's set-up runs
+# cluster-up (the nodes' packages) beside the image build (the same packages) and, on a fresh
+# machine, dpkg's lock refused the second apt-get at once; the first one's policy-rc.d must also
+# outlive the second's install.
 apt_install() {
+  (
+    flock 9
+    _apt_install "$@"
+  ) 9>"${TMPDIR:-/tmp}/ddpjob-apt.lock"
+}
+
+_apt_install() {
   local who="$1" sudo="" policy=/usr/sbin/policy-rc.d created=0 rc=0
   shift
   if [ "$(id -u)" != 0 ]; then
