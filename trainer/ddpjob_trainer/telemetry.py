@@ -297,9 +297,11 @@ class Telemetry:
 
     def compute(self, step_seconds: Iterable[float]) -> None:
         """Record device compute time, one value per optimizer step (DeviceTimer.read())."""
-        if self.enabled:
-            for s in step_seconds:
-                self._compute_s.labels(**self.labels).observe(s)
+        seconds = list(step_seconds) if self.enabled else []
+        if seconds:  # the child is bound once per call, off the per-value loop, and only with a value
+            child = self._compute_s.labels(**self.labels)
+            for s in seconds:
+                child.observe(s)
 
     # ---- the few-lines API for users' own scripts ----------------------------------------
     def record_loss(self, loss: Any) -> None:
