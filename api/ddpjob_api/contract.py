@@ -45,6 +45,16 @@ ENV_TRAINER_CONFIG = "DDPJOB_TRAINER_CONFIG"  # spec.trainer as JSON (built-in t
 ENV_CPUS = "DDPJOB_CPUS"                  # the pod's CPU request, via the downward API
 ENV_LOCAL = "DDPJOB_LOCAL"                # "1" under `ddpjob run --local`
 ENV_GPUS_PER_NODE = "DDPJOB_GPUS_PER_NODE"  # spec.gpusPerNode: > 0, every local rank needs a GPU
+# spec.faultTolerance (torchft, per-step): set on every training pod (or local node) of such a job,
+# absent otherwise. Each pod is one replica group: its torchrun is a world of its own (nnodes 1,
+# MASTER_ADDR its own address, so other groups reach its store), NODE_RANK is the group's index and
+# NNODES the number of groups.
+ENV_FT_LIGHTHOUSE = "DDPJOB_FT_LIGHTHOUSE"  # the Lighthouse's URL, http://host:port
+ENV_FT_MIN_REPLICAS = "DDPJOB_FT_MIN_REPLICAS"  # spec.faultTolerance.minReplicas
+ENV_FT_TIMEOUT = "DDPJOB_FT_TIMEOUT_SECONDS"  # spec.faultTolerance.timeoutSeconds
+ENV_FT_QUORUM_TIMEOUT = "DDPJOB_FT_QUORUM_TIMEOUT_SECONDS"  # spec.faultTolerance.quorumTimeoutSeconds
+ENV_FT_HOST = "DDPJOB_FT_HOST"  # the address other groups reach this group at (the pod's IP; locally 127.0.0.1)
+FT_LIGHTHOUSE_PORT = 29510  # the Lighthouse's port (its pod's, its Service's; locally on loopback)
 # Seconds from a stop's SIGTERM to the launcher's SIGKILL of the node's processes: the operator
 # derives it from the pod's terminationGracePeriodSeconds (stop_grace); the launcher passes the
 # value it uses on to the ranks, whose last checkpoint must fit in it.

@@ -51,6 +51,16 @@ class FailurePolicy(SpecObject):
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class FaultTolerance(SpecObject):
+    """spec.faultTolerance: Per-step fault tolerance (torchft), built-in trainer only."""
+
+    mode: str
+    min_replicas: int = 1
+    timeout_seconds: int = 3
+    quorum_timeout_seconds: int = 60
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Elastic(SpecObject):
     """spec.elastic: Elastic membership via c10d rendezvous (PET_RDZV_*)."""
 
@@ -95,6 +105,7 @@ class DDPJobSpec(SpecObject):
     failure_policy: FailurePolicy = field(default_factory=lambda: FailurePolicy.from_dict({}))
     hang_timeout_seconds: int | None = None
     clean_pod_policy: str = "Running"
+    fault_tolerance: FaultTolerance | None = None
     elastic: Elastic | None = None
     ttl_seconds_after_finished: int | None = None
     active_deadline_seconds: int | None = None
