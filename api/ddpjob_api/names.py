@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from ddpjob_api.contract import FT_LIGHTHOUSE_PORT
+
 if TYPE_CHECKING:
     from ddpjob_api.spec import JobSpec
 
@@ -42,3 +44,14 @@ def master_dns(job: JobSpec, *, cluster_domain: str | None = None) -> str:
     """Rank 0's stable DNS name `<job>-0.<svc>.<ns>.svc[.<domain>]` (`<job>-00` from 11 nodes on)."""
     base = f"{pod_hostname(job, 0)}.{service_name(job)}.{job.namespace}.svc"
     return f"{base}.{cluster_domain}" if cluster_domain else base
+
+
+def lighthouse_name(job: JobSpec) -> str:
+    """The torchft Lighthouse's pod and Service of a spec.faultTolerance job, `<job>-ft`: a Service
+    name is a 63-character DNS label and a job name may have 58."""
+    return f"{job.name}-ft"
+
+
+def lighthouse_url(job: JobSpec) -> str:
+    """Where a per-step job's replica groups reach its Lighthouse (contract.ENV_FT_LIGHTHOUSE)."""
+    return f"http://{lighthouse_name(job)}.{job.namespace}.svc:{FT_LIGHTHOUSE_PORT}"
