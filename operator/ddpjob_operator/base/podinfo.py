@@ -29,6 +29,11 @@ def rank(pod: dict[str, Any]) -> int:
     return _int_label(pod, labels.NODE_RANK)
 
 
+def lighthouse(pod: dict[str, Any]) -> bool:
+    """The pod is a per-step job's torchft Lighthouse, not one of its training pods (labels.ROLE)."""
+    return (meta(pod).get("labels") or {}).get(labels.ROLE) == labels.ROLE_LIGHTHOUSE
+
+
 def attempt(pod: dict[str, Any]) -> int:
     """The pod's attempt label (-1 when missing)."""
     return _int_label(pod, labels.ATTEMPT)
