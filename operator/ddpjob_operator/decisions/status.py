@@ -226,13 +226,18 @@ def _resized(conds: Conditions, up: inplace.Update, job: JobSpec, ranks: Any) ->
     """`Resized` while an elastic job trains on fewer nodes (spec.elastic.minNodes) because a lost
     pod's replacement is not running (unschedulable, pulling): torchrun's rendezvous completed
     without it; False once every node trains again (the agents restart the workers when its agent
-    joins). The scrape tells: None (no scrape) leaves it as it was."""
+    joins). A per-step job (spec.faultTolerance) the same: its other replica groups train on
+    without the lost one, and the replacement joins their next quorum. The scrape tells: None (no
+    scrape) leaves it as it was."""
     pending = up.pending
     if pending is not None and pending.get("kind") == Recovery.REPLACE and ranks is not None:
         pods = inplace.training_without(pending, ranks)
-        if pods is not None and job.min_nodes < job.spec.nodes:
+        ft = job.spec.fault_tolerance
+        if pods is not None and (job.min_nodes < job.spec.nodes or ft is not None):
             was = conds.true(Cond.RESIZED)
-            text = (f"running on {len(pods)} of {job.spec.nodes} nodes (spec.elastic.minNodes={job.min_nodes}) while "
+            floor = (f"spec.faultTolerance.minReplicas={ft.min_replicas}" if ft is not None
+                     else f"spec.elastic.minNodes={job.min_nodes}")
+            text = (f"running on {len(pods)} of {job.spec.nodes} nodes ({floor}) while "
                     f"pod {pending.get('newPod')}, which replaces {pending.get('pod')}, is not running; it joins when it starts")
             conds.set(Cond.RESIZED, True, Reason.FEWER_NODES, text)
             return [] if was else [("Warning", Reason.FEWER_NODES, text)]
