@@ -11,8 +11,9 @@ from ddpjob_api.names import lighthouse_name, lighthouse_url
 from ddpjob_operator.base import podinfo
 from ddpjob_operator.builders.lighthouse import lighthouse_command, render_lighthouse_pod, render_lighthouse_service
 from ddpjob_operator.builders.pods import render_pod
+from ddpjob_operator.builders.render import render_objects
 from ddpjob_operator.builders.service import render_service
-from tests.support.builders import make_job
+from tests.support.builders import make_job, make_manifest
 
 FT = {"mode": "perStep", "minReplicas": 1, "timeoutSeconds": 3}
 job = functools.partial(make_job, "train", namespace="ml", uid="uid-1", image="reg/trainer:1", nodes=2)
@@ -46,6 +47,8 @@ def test_pod_is_owned_labelled_apart_and_restarts_in_place():
     assert labels.NODE_RANK not in meta["labels"] and labels.ATTEMPT not in meta["labels"]
     assert podinfo.lighthouse(pod) and podinfo.rank(pod) == -1
     assert spec["restartPolicy"] == "Always"
+    # Not PID 1: a deletion's SIGTERM ends it at once, and its successor can take the name.
+    assert spec["shareProcessNamespace"] is True and spec["terminationGracePeriodSeconds"] <= 5
     assert spec["automountServiceAccountToken"] is False
     (c,) = spec["containers"]
     assert c["image"] == "reg/trainer:1"
@@ -110,3 +113,12 @@ def test_a_job_without_fault_tolerance_keeps_its_labels_and_selectors():
 
 def test_training_selector_leaves_the_lighthouse_out():
     assert labels.training_selector("train") == f"{labels.JOB_NAME}=train,{labels.ROLE}!={labels.ROLE_LIGHTHOUSE}"
+
+
+def test_render_shows_the_lighthouse_first_for_a_per_step_job_only():
+    def kinds(**spec):
+        objs = render_objects(make_manifest("train", stored=False, nodes=2, **spec), namespace="ml")
+        return [(o["kind"], o["metadata"]["name"]) for o in objs]
+    assert kinds(faultTolerance=FT) == [("Service", "train-ft"), ("Pod", "train-ft"), ("Service", "train"),
+                                        ("Pod", "train-0"), ("Pod", "train-1")]
+    assert kinds() == [("Service", "train"), ("Pod", "train-0"), ("Pod", "train-1")]

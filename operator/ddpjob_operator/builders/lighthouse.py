@@ -23,6 +23,8 @@ PORT_NAME = "lighthouse"
 # How often the Lighthouse checks whether a quorum can be issued (torchft's default).
 QUORUM_TICK_MS = 100
 # The Lighthouse serves a few heartbeats per group and second: no GPU, a sliver of a core.
+# It keeps nothing to flush: its groups rebuild its state with their next heartbeats.
+GRACE_SECONDS = 5
 RESOURCES: dict[str, Any] = {"requests": {"cpu": "50m", "memory": "64Mi"}, "limits": {"memory": "256Mi"}}
 
 
@@ -70,6 +72,10 @@ def render_lighthouse_pod(job: JobSpec) -> dict[str, Any]:
         container["imagePullPolicy"] = spec.image_pull_policy or trainer.get("imagePullPolicy")
     pod: dict[str, Any] = {
         "restartPolicy": "Always",
+        # Not PID 1 (pods.share_process_namespace): PID 1 ignores the SIGTERM it has no handler for,
+        # and a deleted Lighthouse would hold its name, so its successor, for the whole grace period.
+        "shareProcessNamespace": True,
+        "terminationGracePeriodSeconds": GRACE_SECONDS,
         "enableServiceLinks": False,
         "automountServiceAccountToken": False,
         "securityContext": _security(POD_SECURITY_DEFAULTS, tpl.get("securityContext"), spec.pod_security_context),
