@@ -44,10 +44,13 @@ def lost(*ranked):
     # Rank 0 hosts no store the others need: replaced alone too.
     (lost((0, FAILED_0)), "replace", 1),
     (lost((0, DELETED), (2, EVICTED)), "replace", 1),
+    # Every group lost: no peer holds the state; the group restarts from the checkpoints.
+    (lost((0, DELETED), (1, EVICTED), (2, EVICTED)), "restart", 1),
     # What no restart can help still fails the job, and a spent budget still ends it.
     (lost((1, BAD)), "fail", 0),
     (dataclasses.replace(lost((1, FAILED)), active=dataclasses.replace(QUIET.active, counted_restarts=3)), "fail", 3),
-], ids=["evicted", "deleted", "failed", "rank-0-failed", "two-lost", "bad-configuration", "budget-spent"])
+], ids=["evicted", "deleted", "failed", "rank-0-failed", "two-lost", "all-lost", "bad-configuration",
+        "budget-spent"])
 def test_any_lost_pod_of_a_per_step_job_is_replaced_alone(seen, answer, counted):
     d = first(seen)
     assert d is not None and act(d) == answer and d.counted_restarts == counted
@@ -147,13 +150,18 @@ def children(k8s):
     return [c[1:] for c in k8s.writes() if c[0] == "create"]
 
 
+async def created(k8s, rec):
+    """A new two-node per-step job's first pass: its children made."""
+    rec.job_event(k8s.add_job(make_manifest(nodes=2, **FT)))
+    await rec.reconcile(NS, "j")
+
+
 def test_a_per_step_job_gets_its_lighthouse_first_and_it_is_made_again_alone_when_deleted():
     k8s = FakeK8s()
     rec = reconciler(k8s)
 
     async def main():
-        rec.job_event(k8s.add_job(make_manifest(nodes=2, **FT)))
-        await rec.reconcile(NS, "j")
+        await created(k8s, rec)
         assert children(k8s) == [("Service", "j-ft"), ("Pod", "j-ft"), ("Service", "j"), ("Pod", "j-0"), ("Pod", "j-1")]
         set_phase(rec, k8s, "Running")
         rec.coalesce = 0.0
@@ -183,8 +191,7 @@ def test_a_finished_per_step_job_deletes_its_lighthouse_with_its_pods():
     rec = reconciler(k8s)
 
     async def main():
-        rec.job_event(k8s.add_job(make_manifest(nodes=2, **FT)))
-        await rec.reconcile(NS, "j")
+        await created(k8s, rec)
         for name in ("j-0", "j-1"):
             set_phase(rec, k8s, "Succeeded", name=name)
         set_phase(rec, k8s, "Running", name="j-ft")
@@ -203,8 +210,7 @@ def test_the_lighthouse_refused_leaves_the_group_uncreated_and_says_why():
     rec = reconciler(k8s)
 
     async def main():
-        rec.job_event(k8s.add_job(make_manifest(nodes=2, **FT)))
-        await rec.reconcile(NS, "j")
+        await created(k8s, rec)
         await rec.shutdown()
     run(main())
     assert children(k8s) == [("Service", "j-ft")]  # the 409; no pod

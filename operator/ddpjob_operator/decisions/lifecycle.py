@@ -521,10 +521,11 @@ def replace_lost(s: Seen) -> Decision | None:
     agent's rendezvous goes through), or the job is one group_only names. In a per-step job
     (per_step) every pod is a group of its own: whatever ended one, failed too, and whichever rank,
     the others do not fail with it, so it is replaced alone; the budget policy before this one has
-    charged a failure as the group restart would have been."""
+    charged a failure as the group restart would have been. Unless every group is lost: no peer is
+    left to take the state from, and the group restart resumes from the checkpoints."""
     if not s.lost or group_only(s.job) is not None:
         return None
-    if any(f.fatal for _, _, f in s.lost):
+    if any(f.fatal for _, _, f in s.lost) or (per_step(s.job) and len(s.lost) >= s.job.spec.nodes):
         return None
     if not per_step(s.job) and any(r == 0 or f.reason not in REPLACEABLE for r, _, f in s.lost):
         return None
