@@ -8,6 +8,7 @@ import copy
 import dataclasses
 
 import pytest
+from kubernetes.client.rest import ApiException
 
 from ddpjob_api import labels
 from ddpjob_api.phases import Phase, Reason
@@ -216,3 +217,42 @@ def test_the_lighthouse_refused_leaves_the_group_uncreated_and_says_why():
     assert children(k8s) == [("Service", "j-ft")]  # the 409; no pod
     message = cond(k8s.jobs["j"]["status"], "FailedCreatePod")["message"]
     assert "service j-ft exists and is not owned by this DDPJob" in message
+
+
+class QuotaK8s(FakeK8s):
+    """Refuses the Lighthouse pod as a namespace's exhausted quota does (403), while `full`."""
+
+    full = False
+
+    async def create(self, obj):
+        if self.full and obj["kind"] == "Pod" and obj["metadata"]["name"] == "j-ft":
+            self.calls.append(("create", "Pod", "j-ft"))
+            raise ApiException(status=403, reason="Forbidden")
+        return await super().create(obj)
+
+
+def test_a_refused_lighthouse_of_a_running_job_is_said_until_it_is_made():
+    k8s = QuotaK8s()
+    rec = reconciler(k8s)
+
+    async def main():
+        await created(k8s, rec)
+        set_phase(rec, k8s, "Running")
+        rec.coalesce = 0.0
+        await rec.reconcile(NS, "j")
+        k8s.full = True
+        rec.pods.delete(copy.deepcopy(k8s.objects.pop(("Pod", "j-ft"))))
+        for _ in range(2):  # the refusal, then the retry REFUSED_RETRY_SECONDS later: refused again
+            await rec.reconcile(NS, "j")
+            assert cond(k8s.jobs["j"]["status"], "FailedCreatePod")["status"] == "True"
+        # One condition and one event for the one refusal, not one per retry.
+        assert [c for c in k8s.calls if c == ("event", "FailedCreatePod")] == [("event", "FailedCreatePod")]
+        k8s.full = False
+        await rec.reconcile(NS, "j")   # made
+        assert ("Pod", "j-ft") in k8s.objects
+        await rec.reconcile(NS, "j")   # as its ADDED event brings
+        status = k8s.jobs["j"]["status"]
+        assert cond(status, "FailedCreatePod")["status"] == "False" and status["phase"] == "Running", status
+        assert not [c for c in k8s.calls if c[0] == "delete_pod"]
+        await rec.shutdown()
+    run(main())

@@ -281,7 +281,7 @@ def _created_conditions(conds: Conditions, job: JobSpec, d: Decision, group: Gro
     failed for it (a pod the API server can never accept); until then nothing claims the pods
     were created."""
     refused = conds.true(Cond.FAILED_CREATE_POD) is not None and (
-        bool(d.create_ranks) or (d.phase is Phase.FAILED and not group.pods))
+        bool(d.create_ranks) or d.create_lighthouse or (d.phase is Phase.FAILED and not group.pods))
     if not refused and (d.create_ranks or group.pods or any(c.get("type") == Cond.CREATED for c in conds.items)):
         conds.set(Cond.CREATED, True, Reason.CREATED, f"headless service and {job.spec.nodes} pod(s) created")
     if not d.create_ranks and not refused:
