@@ -118,26 +118,45 @@ def up(pod, **status):
     return {**copy.deepcopy(pod), "status": {"phase": "Running", **status}}
 
 
-# (phase of the pass, cleanPodPolicy, the Lighthouse listed) -> (make it, delete it)
-@pytest.mark.parametrize("phase, policy, pod, create, delete", [
-    (Phase.PENDING, "Running", None, True, False),
-    (Phase.RUNNING, "Running", None, True, False),
-    (Phase.RESTARTING, "Running", up(LIGHTHOUSE), False, False),
-    (Phase.RUNNING, "Running", up(LIGHTHOUSE), False, False),
+READY = up(LIGHTHOUSE, conditions=[{"type": "Ready", "status": "True"}])
+
+
+# (phase of the pass, cleanPodPolicy, the Lighthouse listed) -> (make it, delete it, it serves)
+@pytest.mark.parametrize("phase, policy, pod, create, delete, ready", [
+    (Phase.PENDING, "Running", None, True, False, False),
+    (Phase.RUNNING, "Running", None, True, False, False),
+    (Phase.RESTARTING, "Running", READY, False, False, True),
+    (Phase.RUNNING, "Running", READY, False, False, True),
+    (Phase.RUNNING, "Running", up(LIGHTHOUSE), False, False, False),   # its probe does not pass yet
     # Evicted (restartPolicy Always keeps it up otherwise): deleted; its DELETED event brings the next.
-    (Phase.RUNNING, "Running", up(LIGHTHOUSE, phase="Failed", reason="Evicted"), False, True),
-    (Phase.SUSPENDED, "Running", up(LIGHTHOUSE), False, True),
-    (Phase.SUSPENDED, "Running", None, False, False),
-    (Phase.SUCCEEDED, "Running", up(LIGHTHOUSE), False, True),
-    (Phase.FAILED, "All", up(LIGHTHOUSE), False, True),
-    (Phase.SUCCEEDED, "None", up(LIGHTHOUSE), False, False),
-    (Phase.SUCCEEDED, "Running", None, False, False),
+    (Phase.RUNNING, "Running", up(LIGHTHOUSE, phase="Failed", reason="Evicted"), False, True, False),
+    (Phase.SUSPENDED, "Running", READY, False, True, None),
+    (Phase.SUSPENDED, "Running", None, False, False, None),
+    (Phase.SUCCEEDED, "Running", READY, False, True, None),
+    (Phase.FAILED, "All", READY, False, True, None),
+    (Phase.SUCCEEDED, "None", READY, False, False, None),
+    (Phase.SUCCEEDED, "Running", None, False, False, None),
 ])
-def test_the_lighthouse_lives_while_the_job_may_run(phase, policy, pod, create, delete):
+def test_the_lighthouse_lives_while_the_job_may_run(phase, policy, pod, create, delete, ready):
     job = make_job(nodes=3, cleanPodPolicy=policy, **FT)
     d = lifecycle.keep_lighthouse(job, dataclasses.replace(QUIET.base, phase=phase, delete_pods=["j-2"]), pod)
-    assert d.create_lighthouse is create
+    assert d.create_lighthouse is create and d.lighthouse_ready is ready
     assert d.delete_pods == ["j-2"] + (["j-ft"] if delete else [])
+
+
+def test_lighthouse_ready_once_it_serves_and_not_while_it_is_made_again():
+    job = make_job(nodes=3, **FT)
+    group = Group.of([make_pod(r) for r in range(3)])
+    prev = running_status()
+    for pod, status in ((up(LIGHTHOUSE), None), (READY, "True"), (None, "False"), (READY, "True")):
+        d = decide(job, group, now=NOW, prev_status=prev, lighthouse=pod)
+        prev, _ = job_status(job, group, now=NOW, prev_status=prev, decision=d)
+        assert (cond(prev, "LighthouseReady") or {}).get("status") == status, (pod, prev.get("conditions"))
+    assert prev["phase"] == "Running"
+    plain = make_job(nodes=3)
+    st, _ = job_status(plain, group, now=NOW, prev_status=running_status(),
+                       decision=decide(plain, group, now=NOW, prev_status=running_status(), lighthouse=READY))
+    assert cond(st, "LighthouseReady") is None
 
 
 def test_a_job_without_fault_tolerance_has_no_lighthouse():

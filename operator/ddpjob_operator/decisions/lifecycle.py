@@ -244,6 +244,7 @@ class Decision:
     # Rounds of the attempt's rendezvous that lost pods took the survivors through (not in place).
     replacement_rounds: int = 0
     create_lighthouse: bool = False           # a per-step job's Lighthouse pod is missing: make it (and its Service)
+    lighthouse_ready: bool | None = None      # ... and whether it serves (None: no Lighthouse expected now)
 
 
 def _iso(value: Any) -> dt.datetime | None:
@@ -463,9 +464,10 @@ def keep_lighthouse(job: JobSpec, d: Decision, pod: dict[str, Any] | None) -> De
     elif d.phase is Phase.SUSPENDED:
         gone = [podinfo.name(p) for p in live]
     elif pod is None:
-        return replace(d, create_lighthouse=True)
+        return replace(d, create_lighthouse=True, lighthouse_ready=False)
     else:
         gone = [podinfo.name(p) for p in live if podinfo.ended(p)]
+        d = replace(d, lighthouse_ready=podinfo.ready(pod))
     return replace(d, delete_pods=d.delete_pods + gone) if gone else d
 
 

@@ -7,7 +7,7 @@ from typing import Any
 
 from ddpjob_api import contract
 from ddpjob_api.contract import public_uri
-from ddpjob_api.names import master_dns
+from ddpjob_api.names import lighthouse_name, master_dns
 from ddpjob_api.phases import Cond, Phase, Reason, Recovery, Signal
 from ddpjob_api.spec import JobSpec
 from ddpjob_operator.base import podinfo
@@ -288,6 +288,18 @@ def _created_conditions(conds: Conditions, job: JobSpec, d: Decision, group: Gro
         conds.clear(Cond.FAILED_CREATE_POD, Reason.CREATED, f"all {job.spec.nodes} pod(s) created")
 
 
+def _lighthouse_condition(conds: Conditions, job: JobSpec, d: Decision) -> None:
+    """LighthouseReady while a per-step job may run (lifecycle.keep_lighthouse): True once its
+    Lighthouse serves, False after that while it is missing or not ready, as when it is made again
+    (the groups wait for it: their quorum calls retry within spec.faultTolerance.quorumTimeoutSeconds).
+    Left as it was once the job finished or is suspended."""
+    if d.lighthouse_ready is None:
+        return
+    name = lighthouse_name(job)
+    conds.hold(Cond.LIGHTHOUSE_READY, d.lighthouse_ready, Reason.RUNNING, f"pod {name} serves the quorum",
+               "NotReady", f"pod {name} is missing or not ready: the replica groups wait for it")
+
+
 def _start_condition(conds: Conditions, d: Decision) -> list[Event]:
     """ContainersNotStarting while a container is stuck before it starts; an event per new reason."""
     was = conds.true(Cond.CONTAINERS_NOT_STARTING)
@@ -412,6 +424,7 @@ def job_status(job: JobSpec, group: Group, *, now: dt.datetime, prev_status: dic
     conds = Conditions([dict(c) for c in prev.get("conditions") or []], now, job.generation)
     current, ranks = group.at(d.attempt), report.ranks if report is not None else None
     _created_conditions(conds, job, d, group)
+    _lighthouse_condition(conds, job, d)
     events = _start_condition(conds, d) + _node_condition(conds, d, current)
     conds.hold(Cond.RUNNING, d.phase is Phase.RUNNING, Reason.RUNNING, d.message, d.reason or d.phase.value, d.message)
     conds.hold(Cond.RESTARTING, d.phase is Phase.RESTARTING, d.reason, d.message,
