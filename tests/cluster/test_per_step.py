@@ -43,6 +43,8 @@ def test_a_per_step_job_keeps_its_lighthouse_and_replaces_a_lost_pod_alone(start
     wait_for(lambda: endpoint_pods(k8s.core.api_client, k8s.ns, "ft") == ["ft-0", "ft-1"], timeout=30,
              desc=f"the headless Service's endpoints ({endpoint_pods(k8s.core.api_client, k8s.ns, 'ft')})")
     assert training_pods(k8s, "ft") == [("ft-0", "Running"), ("ft-1", "Running")]
+    k8s.wait_status("ft", lambda s: any(c["type"] == "LighthouseReady" and c["status"] == "True"
+                                        for c in s.get("conditions") or []), "LighthouseReady")
 
     # A deleted Lighthouse is made again; the training pods keep theirs, nothing restarts.
     uids = {p.metadata.name: p.metadata.uid for p in k8s.pods("ft")}
