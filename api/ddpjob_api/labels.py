@@ -12,6 +12,14 @@ REPLACEMENT = "ddpjob.dev/replacement"
 # them (lifecycle.trusted_counters), out of reach of whoever may edit the DDPJob's status.
 RESTARTS = "ddpjob.dev/restarts"
 COUNTED_RESTARTS = "ddpjob.dev/counted-restarts"
+# What a pod of a per-step job (spec.faultTolerance) is: one of its training pods, or its torchft
+# Lighthouse. The Lighthouse carries the job-name label too (the operator's pod watch sees it and a
+# deleted one wakes the job's pass), so whatever selects a job's training pods by label leaves
+# role=lighthouse out: the pass (base/podinfo.lighthouse), the headless Service and the pods' spread
+# (role=trainer, per-step jobs only), `ddpjob` (training_selector). Pods of other jobs carry no role.
+ROLE = "ddpjob.dev/role"
+ROLE_TRAINER = "trainer"
+ROLE_LIGHTHOUSE = "lighthouse"
 MANAGED_BY = "app.kubernetes.io/managed-by"
 MANAGER = "ddpjob-operator"
 CONTAINER = "trainer"
@@ -50,3 +58,9 @@ def user_keys(mapping: dict[str, str] | None, *, label: bool = False) -> dict[st
 def selector(job_name: str) -> str:
     """Label selector for every child of a job."""
     return f"{JOB_NAME}={job_name}"
+
+
+def training_selector(job_name: str) -> str:
+    """Label selector for a job's training pods: every pod of the job but its Lighthouse (`!=` also
+    matches the pods that carry no role, those of a job without spec.faultTolerance)."""
+    return f"{selector(job_name)},{ROLE}!={ROLE_LIGHTHOUSE}"

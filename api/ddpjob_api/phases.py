@@ -69,6 +69,7 @@ class Cond(Word):
     RESIZED = "Resized"   # an elastic job trains on fewer nodes while a lost pod's replacement is not running
     GANG_SCHEDULED = "GangScheduled"
     ADMITTED = "Admitted"
+    LIGHTHOUSE_READY = "LighthouseReady"   # a per-step job's torchft Lighthouse pod is Ready (serves quorums)
 
 
 class FailReason(Word):

@@ -152,7 +152,8 @@ class Kube:
 
     def pods(self, job: str) -> list[dict[str, Any]]:
         data = self._call("GET", child_path("v1", "Pod", self.namespace),
-                          query=[("labelSelector", labels.selector(job))], namespace=self.namespace, verb="list") or {}
+                          query=[("labelSelector", labels.training_selector(job))], namespace=self.namespace,
+                          verb="list") or {}
         return list(data.get("items") or [])
 
     def events(self) -> list[dict[str, Any]]:

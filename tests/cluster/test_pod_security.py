@@ -41,6 +41,20 @@ def test_builtin_examples_are_admitted_under_restricted(cluster, restricted_ns, 
     assert sorted(names) == sorted(f"pod/{p['metadata']['name']}" for p in pods)
 
 
+def test_a_per_step_jobs_lighthouse_is_admitted_under_restricted(cluster, restricted_ns, tmp_path):
+    """The Lighthouse pod (and Service) a spec.faultTolerance job adds pass restricted like its training pods."""
+    job = {"apiVersion": "ddpjob.dev/v1alpha1", "kind": "DDPJob", "metadata": {"name": "ft"},
+           "spec": {"image": "reg/trainer:1", "nodes": 2, "faultTolerance": {"mode": "perStep"}}}
+    path = tmp_path / "ft.yaml"
+    path.write_text(yaml.safe_dump(job))
+    objs = render(path, restricted_ns)
+    assert "torchft_lighthouse" in objs
+    proc = cluster.kubectl("create", "-n", restricted_ns, "-f", "-", input=objs, check=False)
+    assert proc.returncode == 0 and "PodSecurity" not in proc.stderr, proc.stderr
+    names = cluster.kubectl("get", "pods", "-n", restricted_ns, "-o", "name").stdout.split()
+    assert sorted(names) == ["pod/ft-0", "pod/ft-1", "pod/ft-ft"]
+
+
 def test_a_job_that_asks_for_privilege_is_refused_there(cluster, restricted_ns, tmp_path):
     """The control: the namespace really enforces, and the job's own securityContext wins over ours."""
     job = {"apiVersion": "ddpjob.dev/v1alpha1", "kind": "DDPJob", "metadata": {"name": "loud"},

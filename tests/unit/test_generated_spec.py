@@ -40,7 +40,7 @@ def test_every_crd_default_is_a_typed_default():
     crd = yaml.load(gen_spec.CRD.read_text(), Loader=yaml.CSafeLoader)
     schema = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
     # Every object that holds a default present, so that the API server fills in each one.
-    given = {"image": "i", "rdma": {"resource": "r"}}
+    given = {"image": "i", "rdma": {"resource": "r"}, "faultTolerance": {"mode": "perStep"}}
     bare = specgen.DDPJobSpec.from_dict(given)
     stored = apply_defaults({"spec": given})["spec"]
     checked = 0

@@ -29,6 +29,7 @@ class Sample:
     first_step_timestamp: float | None = None
     resumed_from_step: int | None = None
     step: int | None = None
+    last_step_timestamp: float | None = None
 
 
 def failure(t: float, *, code: int = -9, signal: str = "SIGKILL", restart: int = 0, restarted: bool = True,

@@ -162,6 +162,13 @@ CEL_VIOLATIONS = {
     "spec.elastic.minNodes must be <= spec.elastic.maxNodes": {"spec": {"nodes": 4, "elastic": {"minNodes": 6,
                                                                                                 "maxNodes": 2}}},
     "spec.masterPort and spec.metricsPort must differ": {"spec": {"masterPort": 9400, "metricsPort": 9400}},
+    "spec.faultTolerance needs the built-in trainer (no spec.command): the trainer is what joins torchft's quorum "
+    "every step": {"spec": {"command": ["torchrun", "train.py"], "faultTolerance": {"mode": "perStep"}}},
+    "spec.faultTolerance and spec.elastic do not mix: with per-step fault tolerance each pod is its own torchrun "
+    "group and a lost pod is replaced alone": {"spec": {"faultTolerance": {"mode": "perStep"},
+                                                         "elastic": {"minNodes": 1}}},
+    "spec.faultTolerance.minReplicas must be <= spec.nodes (each pod is one replica group)": {
+        "spec": {"nodes": 2, "faultTolerance": {"mode": "perStep", "minReplicas": 3}}},
     "spec.scheduling.gang.scheduleTimeoutSeconds applies to scheduler coscheduling only": {
         "spec": {"scheduling": {"gang": {"scheduler": "volcano", "scheduleTimeoutSeconds": 5}}}},
     "spec.scheduling.gang.queue applies to scheduler volcano only (Kueue queues are set with the "

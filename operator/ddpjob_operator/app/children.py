@@ -22,6 +22,7 @@ from ddpjob_operator.base.config import OperatorConfig
 from ddpjob_operator.base.objmeta import error_body, owned_by
 from ddpjob_operator.app.operator_metrics import OperatorMetrics
 from ddpjob_operator.builders import gang
+from ddpjob_operator.builders.lighthouse import render_lighthouse_pod, render_lighthouse_service
 from ddpjob_operator.builders.pods import render_pod
 from ddpjob_operator.builders.service import render_service
 from ddpjob_operator.cluster.cache import Store
@@ -113,6 +114,13 @@ def foreign_service(job, svc: dict[str, Any] | None) -> CreateRefusal | None:
                          message=f"service {name} is not headless (clusterIP {ip}){harm}")
 
 
+def foreign_lighthouse_service(job, svc: dict[str, Any] | None) -> CreateRefusal | None:
+    """The Lighthouse's Service name held by someone else's Service: the replica groups would reach
+    whatever it selects for their quorum."""
+    return foreign(job, svc, "service", ": the replica groups would not reach their Lighthouse; rename the job or "
+                   "delete that service")
+
+
 def foreign_podgroup(job, pg: dict[str, Any] | None) -> CreateRefusal | None:
     """The job's PodGroup name held by someone else's: the gang scheduler would wait for that
     group's minMember, not ours."""
@@ -132,11 +140,13 @@ class Children:
         self.create_delay = float(os.environ.get(CREATE_DELAY_ENV) or 0)
         self.services: dict[str, int] = {}         # job uid -> attempt its Service was last seen in
         self.podgroups: dict[str, int] = {}        # job uid -> attempt its PodGroup was last seen in
+        self.lighthouses: dict[str, int] = {}      # job uid -> attempt its Lighthouse's Service was last seen in
 
     def forget(self, uid: str) -> None:
-        """A DDPJob is gone: its Service and PodGroup go with it (garbage collection)."""
+        """A DDPJob is gone: its Service, PodGroup and Lighthouse go with it (garbage collection)."""
         self.services.pop(uid, None)
         self.podgroups.pop(uid, None)
+        self.lighthouses.pop(uid, None)
 
     async def act(self, job, pods: Sequence[dict[str, Any]], decision: Decision) -> list[CreateRefusal]:
         """Delete, create, delete the job, as decided; returns the pod creates the API refused."""
@@ -147,7 +157,9 @@ class Children:
             results = await asyncio.gather(*deletes)
             self.metrics.count_pods(job.namespace, deleted=sum(bool(r) for r in results))
         refused: list[CreateRefusal] = []
-        if decision.create_ranks:
+        if decision.create_lighthouse:
+            refused = await self._create_lighthouse(job, decision)
+        if decision.create_ranks and not refused:  # the groups would wait for a Lighthouse that is not there
             refused = await self._create(job, decision)
         if decision.delete_job:
             log.info("deleting %s/%s: ttlSecondsAfterFinished passed", job.namespace, job.name)
@@ -197,6 +209,16 @@ class Children:
             raise RuntimeError(f"{kind} {name} was there and gone {SHARED_TRIES} times in a row")
         seen[job.uid] = attempt
         return None
+
+    async def _create_lighthouse(self, job, decision: Decision) -> list[CreateRefusal]:
+        """A per-step job's Lighthouse pod, with its Service read back first (a Lighthouse made
+        again may have lost its Service the same way: someone deleted the job's children)."""
+        self.lighthouses.pop(job.uid, None)
+        refused = await self._ensure_shared(job, render_lighthouse_service(job), attempt=decision.attempt,
+                                            seen=self.lighthouses, conflict=foreign_lighthouse_service)
+        if refused:
+            return [refused]
+        return await self.create_pods(job, [render_lighthouse_pod(job)])
 
     async def _create(self, job, decision: Decision) -> list[CreateRefusal]:
         # The Service and PodGroup outlive group restarts: POST them once per job (a 409 after an

@@ -137,7 +137,7 @@ class Reconciler:
         job_name = ((pod.get("metadata") or {}).get("labels") or {}).get(labels.JOB_NAME)
         if job_name:
             key = (key_of(pod)[0], job_name)
-            if etype == "DELETED":
+            if etype == "DELETED" and not podinfo.lighthouse(pod):  # a lost Lighthouse is made again, no evidence
                 self._departed.setdefault(key, {})[podinfo.name(pod)] = pod
             self._scrape_every.pop(key, None)
             self.queue.kick(*key)
@@ -260,8 +260,14 @@ class Reconciler:
 
     # -- one pass ------------------------------------------------------------------------
     def _pods(self, namespace: str, name: str, uid: str) -> list[dict[str, Any]]:
-        """The cached pods of the job with this uid (not those of an earlier job of the same name)."""
-        return [p for p in self.pods.by_index(namespace, name) if owned_by(p, uid)]
+        """The cached training pods of the job with this uid (not those of an earlier job of the same
+        name, nor a per-step job's Lighthouse: `_lighthouse`)."""
+        return [p for p in self.pods.by_index(namespace, name) if owned_by(p, uid) and not podinfo.lighthouse(p)]
+
+    def _lighthouse(self, namespace: str, name: str, uid: str) -> dict[str, Any] | None:
+        """The cached Lighthouse pod of a per-step job (None: there is none)."""
+        return next((p for p in self.pods.by_index(namespace, name) if owned_by(p, uid) and podinfo.lighthouse(p)),
+                    None)
 
     async def reconcile(self, namespace: str, name: str, *, scrape: bool = False) -> None:
         """Decide from the caches, write status once (if it changed), act, post events."""
@@ -282,11 +288,12 @@ class Reconciler:
         podgroup = await self._read_podgroup(job, namespace, name)
         for _ in range(WRITE_ATTEMPTS):
             group = Group.of(self._pods(namespace, name, job.uid), departed=self._departed.get(key, {}).values())
+            lighthouse = self._lighthouse(namespace, name, job.uid)
             prev = dict(obj.get("status") or {})
             now = dt.datetime.now(dt.timezone.utc)
             decision = decide(job, group, now=now, prev_status=prev, config=self.config,
                               hang_overdue=report is not None and report.hang_overdue,
-                              ranks=report.ranks if report is not None else None)
+                              ranks=report.ranks if report is not None else None, lighthouse=lighthouse)
             status, events = job_status(job, group, now=now, prev_status=prev, config=self.config,
                                         decision=decision, report=report, podgroup=podgroup)
             if settled(prev, status):
@@ -331,7 +338,7 @@ class Reconciler:
             raise RuntimeError(f"status of {namespace}/{name}: {WRITE_ATTEMPTS} conflicting writes in a row")
 
         # Actions only after the status (attempt, counters) is safely stored.
-        refused = await self.children.act(job, group.pods, decision)
+        refused = await self.children.act(job, group.pods + ((lighthouse,) if lighthouse else ()), decision)
         if decision.restarted is not None:
             # The new group is created by a later pass once the old pods' names are free; their
             # DELETED events usually bring it, but a lost node's pods were gone before this pass.

@@ -29,6 +29,17 @@ def rank(pod: dict[str, Any]) -> int:
     return _int_label(pod, labels.NODE_RANK)
 
 
+def lighthouse(pod: dict[str, Any]) -> bool:
+    """The pod is a per-step job's torchft Lighthouse, not one of its training pods (labels.ROLE)."""
+    return (meta(pod).get("labels") or {}).get(labels.ROLE) == labels.ROLE_LIGHTHOUSE
+
+
+def ready(pod: dict[str, Any]) -> bool:
+    """Running, not being deleted, and its Ready condition True (its readiness probe passes)."""
+    conds = {c.get("type"): c.get("status") for c in _conditions(pod)}
+    return phase(pod) == "Running" and not terminating(pod) and conds.get("Ready") == "True"
+
+
 def attempt(pod: dict[str, Any]) -> int:
     """The pod's attempt label (-1 when missing)."""
     return _int_label(pod, labels.ATTEMPT)

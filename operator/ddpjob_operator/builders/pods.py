@@ -10,7 +10,7 @@ from ddpjob_api.spec import JobSpec
 from ddpjob_operator.builders import gang, kueue, rdma, shm, template
 from ddpjob_operator.base.config import OperatorConfig
 from ddpjob_operator.builders.envvars import pod_env, stop_grace_seconds
-from ddpjob_operator.builders.service import child_metadata
+from ddpjob_operator.builders.service import child_metadata, training_labels
 from ddpjob_operator.builders.template import Layers
 
 GPU_RESOURCE = "nvidia.com/gpu"
@@ -106,7 +106,7 @@ def pod_spread(job: JobSpec) -> list[dict[str, Any]]:
     replaces ours (the API allows one per key and mode). Relaxed (false), the spread is a
     preference (ScheduleAnyway) that the job's own constraints replace."""
     own = job.scheduling.topology_spread_constraints or template.pod_spec(job).get(SPREAD) or []
-    selector = {"labelSelector": {"matchLabels": {labels.JOB_NAME: job.name}}}
+    selector = {"labelSelector": {"matchLabels": training_labels(job)}}
     if not job.one_pod_per_node:
         return own or [{"maxSkew": 1, "topologyKey": HOSTNAME_KEY, "whenUnsatisfiable": "ScheduleAnyway", **selector}]
     if any(c.get("topologyKey") == HOSTNAME_KEY and c.get("whenUnsatisfiable", "DoNotSchedule") == "DoNotSchedule"
@@ -183,7 +183,7 @@ def render_pod(job: JobSpec, rank: int, *, attempt: int = 0, config: OperatorCon
     gang_labels, gang_annotations = gang.pod_metadata(job)
     queue_labels, queue_annotations = kueue.pod_metadata(job, attempt)
     extra = {**template.user_metadata(job, "labels", spec.pod_labels), **gang_labels, **queue_labels,
-             labels.NODE_RANK: str(rank), labels.ATTEMPT: str(attempt),
+             **training_labels(job), labels.NODE_RANK: str(rank), labels.ATTEMPT: str(attempt),
              **({labels.REPLACEMENT: str(replacement)} if replacement > 0 else {})}
     meta = child_metadata(job, pod_name(job.name, rank, attempt, replacement), extra)
     total, counted = restart_counters(job, restarts, counted_restarts)

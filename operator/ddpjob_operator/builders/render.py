@@ -1,4 +1,4 @@
-"""`ddpjob render FILE`: the Service and Pods the operator would create, as YAML."""
+"""`ddpjob render FILE`: the Services and Pods the operator would create, as YAML."""
 from __future__ import annotations
 
 from typing import Any
@@ -10,13 +10,16 @@ from ddpjob_api.spec import from_manifest
 from ddpjob_api.validation import InvalidDDPJob, apply_defaults, check_manifest
 from ddpjob_operator.builders import gang
 from ddpjob_operator.base.config import OperatorConfig
+from ddpjob_operator.builders.lighthouse import render_lighthouse_pod, render_lighthouse_service
 from ddpjob_operator.builders.pods import render_pod
 from ddpjob_operator.builders.service import render_service
 
 
 def render_objects(obj: dict[str, Any], *, namespace: str | None = None,
                    config: OperatorConfig | None = None) -> list[dict[str, Any]]:
-    """Validated DDPJob dict -> [Service, PodGroup (gang scheduling only), Pod 0, ..., Pod n-1]."""
+    """Validated DDPJob dict -> [Service, PodGroup (gang scheduling only), Pod 0, ..., Pod n-1], after
+    the Lighthouse's Service and Pod for a per-step job (spec.faultTolerance), made first as the
+    operator makes them."""
     check_manifest(obj)
     obj = apply_defaults(obj)
     if namespace and not (obj.get("metadata") or {}).get("namespace"):
@@ -24,7 +27,9 @@ def render_objects(obj: dict[str, Any], *, namespace: str | None = None,
     job = from_manifest(obj)
     pods = [render_pod(job, r, attempt=0, config=config) for r in range(job.spec.nodes)]
     podgroup = gang.render_podgroup(job, pods[0])
-    return [render_service(job)] + ([podgroup] if podgroup else []) + pods
+    lighthouse = ([render_lighthouse_service(job), render_lighthouse_pod(job)] if job.spec.fault_tolerance is not None
+                  else [])
+    return lighthouse + [render_service(job)] + ([podgroup] if podgroup else []) + pods
 
 
 def render_file(path: str, namespace: str | None = None) -> str:

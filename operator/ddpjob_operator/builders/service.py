@@ -14,6 +14,13 @@ def owner_reference(job: JobSpec) -> dict[str, Any]:
             "controller": True, "blockOwnerDeletion": True}
 
 
+def training_labels(job: JobSpec) -> dict[str, str]:
+    """The labels that select a job's training pods (its headless Service, their spread): the
+    job-name label, and in a per-step job role=trainer, which leaves its Lighthouse out (labels.ROLE)."""
+    role = {labels.ROLE: labels.ROLE_TRAINER} if job.spec.fault_tolerance is not None else {}
+    return {labels.JOB_NAME: job.name, **role}
+
+
 def child_metadata(job: JobSpec, name: str, extra_labels: dict[str, str] | None = None) -> dict[str, Any]:
     """Name, namespace, labels and owner reference shared by every child."""
     ours = {labels.JOB_NAME: job.name, labels.MANAGED_BY: labels.MANAGER}
@@ -36,7 +43,7 @@ def render_service(job: JobSpec) -> dict[str, Any]:
             "clusterIP": "None",
             # Workers must resolve rank 0 before it is Ready (it has no readiness probe).
             "publishNotReadyAddresses": True,
-            "selector": {labels.JOB_NAME: job.name},
+            "selector": training_labels(job),
             "ports": [
                 {"name": "master", "port": job.spec.master_port, "targetPort": job.spec.master_port, "protocol": "TCP"},
                 {"name": "metrics", "port": job.spec.metrics_port, "targetPort": job.spec.metrics_port, "protocol": "TCP"},

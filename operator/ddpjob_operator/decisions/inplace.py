@@ -122,7 +122,9 @@ def recovery(entry: Mapping[str, Any], ranks: Mapping[int, Any]) -> tuple[int, f
     t = float(entry.get("failedAt") or 0)
     if entry.get("kind") == Recovery.REPLACE and not any(getattr(s, "pod", None) == entry.get("newPod") for s in ranks.values()):
         return None
-    firsts = [(s.first_step_timestamp, s.resumed_from_step) for s in ranks.values()]
+    # A per-step replacement (mode perStep) is the only group that started again: the others never stopped.
+    firsts = [(s.first_step_timestamp, s.resumed_from_step) for s in ranks.values()
+              if not entry.get("mode") or getattr(s, "pod", None) == entry.get("newPod")]
     if not firsts or any(ts is None or ts <= t for ts, _ in firsts):
         return None
     return min(int(step or 0) for _, step in firsts), round(max(ts for ts, _ in firsts) - t, 3)
@@ -182,7 +184,9 @@ def training_without(entry: Mapping[str, Any], ranks: Mapping[int, Any]) -> set[
     others = [s for s in ranks.values() if getattr(s, "pod", None) != entry.get("newPod")]
     if entry.get("kind") != Recovery.REPLACE or len(others) < len(ranks) or not others:
         return None
-    if any(s.first_step_timestamp is None or s.first_step_timestamp <= t for s in others):
+    # A per-step job's other groups never restarted: they stepped after the loss, without it.
+    stamp = "last_step_timestamp" if entry.get("mode") else "first_step_timestamp"
+    if any(getattr(s, stamp, None) is None or getattr(s, stamp) <= t for s in others):
         return None
     return {str(s.pod) for s in others}
 
@@ -196,6 +200,8 @@ def replace_entry(replacement: Any, *, attempt: int, ranks: Mapping[int, Any] | 
              **_group_failure(ranks or {}, prev_status, now)}
     if replacement.node:
         entry["node"] = replacement.node
+    if getattr(replacement, "mode", None):
+        entry["mode"] = replacement.mode  # perStep: the other groups kept training, no rendezvous, no restart
     return entry
 
 
@@ -345,7 +351,9 @@ def restarting(up: Update, *, budget_used: int, max_restarts: int) -> tuple[bool
     pending = up.pending
     budget = f"({budget_used}/{max_restarts} of failurePolicy.maxRestarts used)"
     if pending is not None and pending["kind"] == Recovery.REPLACE:
-        return True, Reason.REPLACING_POD, f"{describe(pending)}; the other pods' workers restart in place and wait for it {budget}"
+        others = ("the other replica groups train on without it" if pending.get("mode")
+                  else "the other pods' workers restart in place and wait for it")
+        return True, Reason.REPLACING_POD, f"{describe(pending)}; {others} {budget}"
     if pending is not None:
         return True, Reason.RESTARTING_IN_PLACE, f"{describe(pending)}; restarting every pod's workers in place {budget}"
     done = next((e for e in reversed(up.history) if e.get("kind") in (Recovery.IN_PLACE, Recovery.REPLACE) and "recoverySeconds" in e), None)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import datetime as dt
 import enum
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 from ddpjob_api import labels
 from ddpjob_api.names import pod_name
@@ -185,13 +185,25 @@ class Replacement:
     new_pod: str
     node: str            # the lost pod's node ('' when never scheduled)
     failure: Failure
+    # spec.faultTolerance.mode of a per-step job (restartHistory's `mode`): the other groups kept training.
+    mode: str | None = None
+
+
+def per_step(job: JobSpec) -> bool:
+    """spec.faultTolerance: each pod is a torchft replica group, a world of its own (its torchrun's
+    store is its own), and the others train on through its loss and take in its replacement at
+    their next quorum, which recovers its state from a peer."""
+    return job.spec.fault_tolerance is not None
 
 
 def group_only(job: JobSpec) -> str | None:
     """Why a lost pod of this job restarts the whole group (None: it is replaced alone). The
     survivors' agents must restart their workers in place (an in-place budget) and meet the
     replacement in pod 0's c10d store (the operator's rendezvous, not a user's own endpoint); a
-    Kueue pod group is admitted whole, and a new pod of it would wait for an admission of its own."""
+    Kueue pod group is admitted whole, and a new pod of it would wait for an admission of its own.
+    A per-step job's survivors neither restart nor rendezvous: only the Kueue reason holds there."""
+    if per_step(job):
+        return "a Kueue pod group is admitted as a whole" if kueue.queue_name(job) is not None else None
     if inplace_budget(job) <= 0:
         return "no in-place restarts (PET_MAX_RESTARTS=0): the other pods' workers cannot wait for a new peer"
     if kueue.queue_name(job) is not None:
@@ -231,6 +243,8 @@ class Decision:
     start_errors: list[StartError] = field(default_factory=list)   # containers that cannot start
     # Rounds of the attempt's rendezvous that lost pods took the survivors through (not in place).
     replacement_rounds: int = 0
+    create_lighthouse: bool = False           # a per-step job's Lighthouse pod is missing: make it (and its Service)
+    lighthouse_ready: bool | None = None      # ... and whether it serves (None: no Lighthouse expected now)
 
 
 def _iso(value: Any) -> dt.datetime | None:
@@ -242,12 +256,12 @@ def _sooner(a: float | None, b: float | None) -> float | None:
     return max(0.0, min(vals)) if vals else None
 
 
-def _finished_deletes(job: JobSpec, group: Group) -> list[str]:
-    """Pods that cleanPodPolicy removes once the job finished."""
+def _finished_deletes(job: JobSpec, live: Iterable[dict[str, Any]]) -> list[str]:
+    """Pods (of those not being deleted) that cleanPodPolicy removes once the job finished."""
     policy = job.spec.clean_pod_policy
     if policy == "None":
         return []
-    return [podinfo.name(p) for p in group.live if not (policy == "Running" and podinfo.ended(p))]
+    return [podinfo.name(p) for p in live if not (policy == "Running" and podinfo.ended(p))]
 
 
 def _failures(job: JobSpec, current: dict[int, dict], attempt: int, launched: bool,
@@ -275,7 +289,8 @@ def _replacements(s: Seen) -> list[Replacement]:
         n = max([s.numbers.get(r, 0)] + [podinfo.replacement(p) for p in s.this.pods if podinfo.rank(p) == r]) + 1
         out.append(Replacement(rank=r, old_pod=podinfo.name(pod), number=n,
                                new_pod=pod_name(s.job.name, r, s.this.number, n),
-                               node=str((pod.get("spec") or {}).get("nodeName") or ""), failure=f))
+                               node=str((pod.get("spec") or {}).get("nodeName") or ""), failure=f,
+                               mode=s.job.spec.fault_tolerance.mode if s.job.spec.fault_tolerance else None))
     return out
 
 
@@ -406,8 +421,9 @@ def observe(job: JobSpec, group: Group, prev: dict[str, Any], *, now: dt.datetim
     # Counted: the replacements the attempt's pods show, those decided and not created yet (their
     # rank has no pod standing for it: at most one per rank, so an edited history cannot inflate
     # it), and pods taken in this pass.
-    rounds = (this.replacements + sum(1 for r in numbers if r not in current)
-              + sum(1 for _, _, f in lost if f.reason in REPLACEABLE))
+    # A per-step job's survivors go through none: their agents' restarts are all in place.
+    rounds = 0 if per_step(job) else (this.replacements + sum(1 for r in numbers if r not in current)
+                                      + sum(1 for _, _, f in lost if f.reason in REPLACEABLE))
     elapsed = (now - start).total_seconds()
     active = replace(active, start_time=start, replacement_rounds=rounds,
                      requeue_after=None if limit is None else limit - elapsed)
@@ -417,7 +433,7 @@ def observe(job: JobSpec, group: Group, prev: dict[str, Any], *, now: dt.datetim
 
 def decide(job: JobSpec, group: Group, *, now: dt.datetime, prev_status: dict[str, Any] | None,
            config: OperatorConfig | None = None, hang_overdue: bool = False,
-           ranks: Mapping[int, Any] | None = None) -> Decision:
+           ranks: Mapping[int, Any] | None = None, lighthouse: dict[str, Any] | None = None) -> Decision:
     """The next step for `job` given its pods (all attempts) and the previous status: the first
     policy that answers (POLICIES), else the steady state.
 
@@ -425,9 +441,34 @@ def decide(job: JobSpec, group: Group, *, now: dt.datetime, prev_status: dict[st
     PodGC after its node went away is Failed with a DisruptionTarget condition just before) tell a
     lost node apart from a deleted pod. `hang_overdue`: the job has been Stalled for
     health.GROUP_RESTART_TIMEOUTS hang timeouts (MonitorReport.hang_overdue); `ranks`: the latest
-    scrape's samples (MonitorReport.ranks), whose agents' failures bound the in-place restarts."""
+    scrape's samples (MonitorReport.ranks), whose agents' failures bound the in-place restarts;
+    `lighthouse`: a per-step job's Lighthouse pod as listed (None: there is none), which
+    `keep_lighthouse` keeps beside whatever the group does."""
     seen = observe(job, group, prev_status or {}, now=now, hang_overdue=hang_overdue, ranks=ranks, config=config)
-    return next((d for policy in POLICIES if (d := policy(seen)) is not None), None) or _steady(seen)
+    d = next((d for policy in POLICIES if (d := policy(seen)) is not None), None) or _steady(seen)
+    return keep_lighthouse(job, d, lighthouse)
+
+
+def keep_lighthouse(job: JobSpec, d: Decision, pod: dict[str, Any] | None) -> Decision:
+    """A per-step job's Lighthouse (builders/lighthouse.py) outlives attempts, restarts and lost
+    pods: it is made when missing while the job may run, and goes only where the training pods
+    would: a suspended job's, and a finished job's as cleanPodPolicy says (it never ends by itself,
+    so Running and All both delete it; None keeps it, like the pods, until the job is deleted). An
+    ended one (evicted: restartPolicy Always keeps it up otherwise) is deleted; its DELETED event
+    brings the pass that makes the next."""
+    if job.spec.fault_tolerance is None:
+        return d
+    live = [pod] if pod is not None and not podinfo.terminating(pod) else []
+    if d.phase.finished:
+        gone = _finished_deletes(job, live)
+    elif d.phase is Phase.SUSPENDED:
+        gone = [podinfo.name(p) for p in live]
+    elif pod is None:
+        return replace(d, create_lighthouse=True, lighthouse_ready=False)
+    else:
+        gone = [podinfo.name(p) for p in live if podinfo.ended(p)]
+        d = replace(d, lighthouse_ready=podinfo.ready(pod))
+    return replace(d, delete_pods=d.delete_pods + gone) if gone else d
 
 
 # --- the policies: each answers with the pass's decision, or None to pass ----------------------------
@@ -479,10 +520,16 @@ def budget(s: Seen) -> Decision | None:
 def replace_lost(s: Seen) -> Decision | None:
     """Lost pods are recreated alone, unless one failed (its launcher or agent, or a spent in-place
     budget: its peers' agents may be failing too), rank 0 is lost (it hosts the c10d store every
-    agent's rendezvous goes through), or the job is one group_only names."""
+    agent's rendezvous goes through), or the job is one group_only names. In a per-step job
+    (per_step) every pod is a group of its own: whatever ended one, failed too, and whichever rank,
+    the others do not fail with it, so it is replaced alone; the budget policy before this one has
+    charged a failure as the group restart would have been. Unless every group is lost: no peer is
+    left to take the state from, and the group restart resumes from the checkpoints."""
     if not s.lost or group_only(s.job) is not None:
         return None
-    if any(r == 0 or f.fatal or f.reason not in REPLACEABLE for r, _, f in s.lost):
+    if any(f.fatal for _, _, f in s.lost) or (per_step(s.job) and len(s.lost) >= s.job.spec.nodes):
+        return None
+    if not per_step(s.job) and any(r == 0 or f.reason not in REPLACEABLE for r, _, f in s.lost):
         return None
     return _steady(s, _replacements(s))
 
@@ -639,6 +686,6 @@ def _finish(s: Seen, d: Decision) -> Decision:
     done = d.completion_time or s.now
     ttl = s.job.spec.ttl_seconds_after_finished
     left = None if ttl is None else ttl - (s.now - done).total_seconds()
-    return replace(d, completion_time=done, delete_pods=_finished_deletes(s.job, s.group), create_ranks=[],
+    return replace(d, completion_time=done, delete_pods=_finished_deletes(s.job, s.group.live), create_ranks=[],
                    requeue_after=left if left is not None and left > 0 else None,
                    delete_job=d.delete_job or (left is not None and left <= 0))

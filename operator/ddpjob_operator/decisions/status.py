@@ -7,7 +7,7 @@ from typing import Any
 
 from ddpjob_api import contract
 from ddpjob_api.contract import public_uri
-from ddpjob_api.names import master_dns
+from ddpjob_api.names import lighthouse_name, master_dns
 from ddpjob_api.phases import Cond, Phase, Reason, Recovery, Signal
 from ddpjob_api.spec import JobSpec
 from ddpjob_operator.base import podinfo
@@ -226,13 +226,18 @@ def _resized(conds: Conditions, up: inplace.Update, job: JobSpec, ranks: Any) ->
     """`Resized` while an elastic job trains on fewer nodes (spec.elastic.minNodes) because a lost
     pod's replacement is not running (unschedulable, pulling): torchrun's rendezvous completed
     without it; False once every node trains again (the agents restart the workers when its agent
-    joins). The scrape tells: None (no scrape) leaves it as it was."""
+    joins). A per-step job (spec.faultTolerance) the same: its other replica groups train on
+    without the lost one, and the replacement joins their next quorum. The scrape tells: None (no
+    scrape) leaves it as it was."""
     pending = up.pending
     if pending is not None and pending.get("kind") == Recovery.REPLACE and ranks is not None:
         pods = inplace.training_without(pending, ranks)
-        if pods is not None and job.min_nodes < job.spec.nodes:
+        ft = job.spec.fault_tolerance
+        if pods is not None and (job.min_nodes < job.spec.nodes or ft is not None):
             was = conds.true(Cond.RESIZED)
-            text = (f"running on {len(pods)} of {job.spec.nodes} nodes (spec.elastic.minNodes={job.min_nodes}) while "
+            floor = (f"spec.faultTolerance.minReplicas={ft.min_replicas}" if ft is not None
+                     else f"spec.elastic.minNodes={job.min_nodes}")
+            text = (f"running on {len(pods)} of {job.spec.nodes} nodes ({floor}) while "
                     f"pod {pending.get('newPod')}, which replaces {pending.get('pod')}, is not running; it joins when it starts")
             conds.set(Cond.RESIZED, True, Reason.FEWER_NODES, text)
             return [] if was else [("Warning", Reason.FEWER_NODES, text)]
@@ -276,11 +281,23 @@ def _created_conditions(conds: Conditions, job: JobSpec, d: Decision, group: Gro
     failed for it (a pod the API server can never accept); until then nothing claims the pods
     were created."""
     refused = conds.true(Cond.FAILED_CREATE_POD) is not None and (
-        bool(d.create_ranks) or (d.phase is Phase.FAILED and not group.pods))
+        bool(d.create_ranks) or d.create_lighthouse or (d.phase is Phase.FAILED and not group.pods))
     if not refused and (d.create_ranks or group.pods or any(c.get("type") == Cond.CREATED for c in conds.items)):
         conds.set(Cond.CREATED, True, Reason.CREATED, f"headless service and {job.spec.nodes} pod(s) created")
     if not d.create_ranks and not refused:
         conds.clear(Cond.FAILED_CREATE_POD, Reason.CREATED, f"all {job.spec.nodes} pod(s) created")
+
+
+def _lighthouse_condition(conds: Conditions, job: JobSpec, d: Decision) -> None:
+    """LighthouseReady while a per-step job may run (lifecycle.keep_lighthouse): True once its
+    Lighthouse serves, False after that while it is missing or not ready, as when it is made again
+    (the groups wait for it: their quorum calls retry within spec.faultTolerance.quorumTimeoutSeconds).
+    Left as it was once the job finished or is suspended."""
+    if d.lighthouse_ready is None:
+        return
+    name = lighthouse_name(job)
+    conds.hold(Cond.LIGHTHOUSE_READY, d.lighthouse_ready, Reason.RUNNING, f"pod {name} serves the quorum",
+               "NotReady", f"pod {name} is missing or not ready: the replica groups wait for it")
 
 
 def _start_condition(conds: Conditions, d: Decision) -> list[Event]:
@@ -407,6 +424,7 @@ def job_status(job: JobSpec, group: Group, *, now: dt.datetime, prev_status: dic
     conds = Conditions([dict(c) for c in prev.get("conditions") or []], now, job.generation)
     current, ranks = group.at(d.attempt), report.ranks if report is not None else None
     _created_conditions(conds, job, d, group)
+    _lighthouse_condition(conds, job, d)
     events = _start_condition(conds, d) + _node_condition(conds, d, current)
     conds.hold(Cond.RUNNING, d.phase is Phase.RUNNING, Reason.RUNNING, d.message, d.reason or d.phase.value, d.message)
     conds.hold(Cond.RESTARTING, d.phase is Phase.RESTARTING, d.reason, d.message,
