@@ -50,6 +50,7 @@ from ddpjob_trainer.launch import (ConfigError, Stop, StopSignals, become_subrea
                                    rank_messages, stop_grace_from_env, stop_tree)
 
 from ddpjob_operator.builders import envvars, pods
+from ddpjob_operator.builders.lighthouse import lighthouse_command
 from ddpjob_api.spec import JobSpec, from_manifest
 from ddpjob_operator.decisions import goodput, inplace
 
@@ -274,24 +275,18 @@ def _stop_node(node: subprocess.Popen, rank: int, *, workdir: Path) -> None:
     stop_tree([node], grace=0.0, owned=orphan)
 
 
-LIGHTHOUSE = "torchft_lighthouse"
-
-
 def start_lighthouse(job: JobSpec, *, workdir: Path) -> tuple[subprocess.Popen, str]:
-    """A per-step job's torchft Lighthouse on loopback (the operator runs it in a pod of its own);
-    the process and its URL. Its quorum timing is short on purpose: the nodes start together here,
-    so a quorum waits at most 1 s for a straggler (join timeout; torchft's default, 60 s, is for
-    replica groups scheduled one by one), and a lost node stops being waited for once it missed
-    the spec's timeoutSeconds of heartbeats, the same bound the survivors' collectives have."""
-    ft = job.spec.fault_tolerance
-    exe = Path(sys.executable).parent / LIGHTHOUSE
+    """A per-step job's torchft Lighthouse as a process on loopback, with the command and quorum timing
+    of the operator's Lighthouse pod (builders.lighthouse), this environment's executable and a free
+    port; the process and its URL."""
+    cmd = lighthouse_command(job)
+    exe = Path(sys.executable).parent / cmd[0]
     if not exe.exists():
-        raise LocalRunError(f"spec.faultTolerance needs torchft's {LIGHTHOUSE}, not installed here ({exe}): "
+        raise LocalRunError(f"spec.faultTolerance needs torchft's {cmd[0]}, not installed here ({exe}): "
                             "pip install 'ddpjob[ft]' (torchft 0.2.0: CPython 3.11 on x86_64)")
     port = free_port()
-    cmd = [str(exe), "--min_replicas", str(ft.min_replicas), "--bind", f"{LOOPBACK}:{port}",
-           "--quorum_tick_ms", "100", "--join_timeout_ms", "1000",
-           "--heartbeat_timeout_ms", str(ft.timeout_seconds * 1000)]
+    bind = cmd.index("--bind") + 1
+    cmd[0], cmd[bind] = str(exe), f"{LOOPBACK}:{port}"
     logs = workdir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     with open(logs / "lighthouse.log", "wb") as log:
