@@ -100,3 +100,14 @@ def test_a_hold_knob_per_rank_holds_only_that_rank_from_its_step():
     assert (zero.hold_rank_at, zero.hold_rank_until) == (8, "/tmp/b")
     assert two.hold_rank_at is None and not two.hold(100, alive=lambda: None)
     assert not zero.hold(7, alive=lambda: None)  # before its step: no hold (the file is missing)
+
+
+def test_a_per_step_ranks_telemetry_is_labelled_with_its_rank_in_the_job_not_in_its_pod(monkeypatch):
+    from ddpjob_trainer.faulttolerance import job_rank
+    from ddpjob_trainer.telemetry import Telemetry
+    assert job_rank({"RANK": "1", "LOCAL_WORLD_SIZE": "2"}) is None
+    assert job_rank({**FT_ENV, "RANK": "1", "LOCAL_WORLD_SIZE": "2"}) == 2 * 2 + 1  # group 2, 2 ranks a group
+    for k, v in {**FT_ENV, "RANK": "1", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(k, v)
+    labels = Telemetry.from_env(enabled=False).labels
+    assert (labels["rank"], labels["local_rank"], labels["node_rank"]) == ("5", "1", "2")

@@ -20,12 +20,13 @@ import sys
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable, Iterable, Mapping
-
-import torch
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
 
 from ddpjob_api import contract
 from .errors import ConfigError
+
+if TYPE_CHECKING:  # torch is imported where used: the launcher's telemetry reads job_rank without it
+    import torch
 
 # The greppable lines every group's rank 0 logs (tests and the bench read them):
 #   ft: step N participants P weights H        at each log step
@@ -67,6 +68,16 @@ class FtEnv:
         return self.group * world_size + rank, self.groups * world_size
 
 
+def job_rank(env: Mapping[str, str] = os.environ) -> int | None:
+    """This process's rank in a per-step job, across its groups (torchrun's RANK is the pod's): what
+    its telemetry is labelled with, as the launcher labels the pod's ranks; None outside per-step mode."""
+    fe = FtEnv.from_env(env)
+    if fe is None:
+        return None
+    return fe.data_split(rank=int(env.get(contract.TORCHRUN_RANK, "0")),
+                         world_size=int(env.get(contract.TORCHRUN_LOCAL_WORLD_SIZE, "1")))[0]
+
+
 def check(cfg: Any) -> None:
     """What a per-step job cannot have (yet): checkpoints. Every group restores and only one
     writes is not built; a lost group recovers from a live peer instead (a whole-job loss then
@@ -98,6 +109,8 @@ def _url_host(host: str) -> str:
 
 def weights_hash(model: torch.nn.Module) -> str:
     """A short SHA-1 of the model's parameters (in order, as bytes): equal across groups in sync."""
+    import torch
+
     h = hashlib.sha1()
     for p in model.parameters():
         h.update(p.detach().reshape(-1).cpu().contiguous().view(torch.uint8).numpy().tobytes())
