@@ -50,12 +50,14 @@ from ddpjob_trainer.launch import (ConfigError, Stop, StopSignals, become_subrea
                                    rank_messages, stop_grace_from_env, stop_tree)
 
 from ddpjob_operator.builders import envvars, pods
+from ddpjob_operator.builders.lighthouse import lighthouse_command
 from ddpjob_api.spec import JobSpec, from_manifest
 from ddpjob_operator.decisions import goodput, inplace
 
 from .localpolicy import Tally, after_failure, next_tally
 
 SCRAPE_INTERVAL = 1.0
+LOOPBACK = "127.0.0.1"
 
 
 class LocalRunError(Exception):
@@ -182,6 +184,7 @@ class Attempt:
     interrupted: bool = False
     result: dict[str, Any] = field(default_factory=dict)
     returncodes: dict[int, int | None] = field(default_factory=dict)  # per node rank; None: running
+    replaced: int = 0  # nodes of a per-step job replaced alone (spec.faultTolerance)
 
 
 def node_command(job: JobSpec, *, metrics_port: int) -> list[str]:
@@ -208,12 +211,14 @@ def local_uid(job: JobSpec, workdir: Path) -> str:
 
 
 def node_env(job: JobSpec, rank: int, *, master_port: int, metrics_port: int, attempt: int,
-             workdir: Path, result_file: Path) -> dict[str, str]:
-    """os.environ + exactly the operator's pod env, pointed at loopback."""
+             workdir: Path, result_file: Path, lighthouse: str | None = None) -> dict[str, str]:
+    """os.environ + exactly the operator's pod env, pointed at loopback (a per-step job's: at the
+    local Lighthouse, `lighthouse`, each node its own master port: each is a torchrun world)."""
     env = dict(os.environ)
+    ft: dict[str, Any] = {"ft_host": LOOPBACK, "ft_lighthouse": lighthouse} if lighthouse else {}
     env.update(envvars.env_dict(envvars.pod_env(
-        job, rank, master_addr="127.0.0.1", master_port=master_port,
-        metrics_port=metrics_port, attempt=attempt, rdma_devices=False)))
+        job, rank, master_addr=LOOPBACK, master_port=master_port,
+        metrics_port=metrics_port, attempt=attempt, rdma_devices=False, **ft)))
     if job.uses_builtin_trainer:
         env[contract.ENV_TRAINER_CONFIG] = json.dumps(local_trainer_config(job.trainer, workdir))
     env[contract.ENV_RESULT_FILE] = str(result_file)
@@ -255,6 +260,39 @@ def _stop_nodes(nodes: list[subprocess.Popen], *, workdir: Path, signals: StopSi
             display.say(f"WARNING processes {left} outlived SIGKILL (stuck in the kernel); not waiting for them")
     finally:
         signals.armed = True
+
+
+def _stop_node(node: subprocess.Popen, rank: int, *, workdir: Path) -> None:
+    """What a failed node left (its tree, and its orphans: processes of this run with its NODE_RANK),
+    before it is replaced; the other nodes are not touched."""
+    def orphan(pid: int) -> bool:
+        try:
+            env = psutil.Process(pid).environ()
+        except psutil.Error:
+            return False
+        return env.get(contract.ENV_RESULT_FILE, "").startswith(f"{workdir}{os.sep}") and \
+            env.get(contract.ENV_NODE_RANK) == str(rank)
+    stop_tree([node], grace=0.0, owned=orphan)
+
+
+def start_lighthouse(job: JobSpec, *, workdir: Path) -> tuple[subprocess.Popen, str]:
+    """A per-step job's torchft Lighthouse as a process on loopback, with the command and quorum timing
+    of the operator's Lighthouse pod (builders.lighthouse), this environment's executable and a free
+    port; the process and its URL."""
+    cmd = lighthouse_command(job)
+    exe = Path(sys.executable).parent / cmd[0]
+    if not exe.exists():
+        raise LocalRunError(f"spec.faultTolerance needs torchft's {cmd[0]}, not installed here ({exe}): "
+                            "pip install 'ddpjob[ft]' (torchft 0.2.0: CPython 3.11 on x86_64)")
+    port = free_port()
+    bind = cmd.index("--bind") + 1
+    cmd[0], cmd[bind] = str(exe), f"{LOOPBACK}:{port}"
+    logs = workdir / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    with open(logs / "lighthouse.log", "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True, preexec_fn=functools.partial(die_with_parent, os.getpid()))
+    return proc, f"http://{LOOPBACK}:{port}"
 
 
 def _tail(path: Path, lines: int = 40) -> str:
@@ -430,40 +468,65 @@ class Books:
 
 
 def run_attempt(job: JobSpec, *, attempt: int, workdir: Path, cwd: Path, metrics_ports: list[int],
-                display: Display, signals: StopSignals, grace: float, books: Books) -> Attempt:
+                display: Display, signals: StopSignals, grace: float, books: Books,
+                lighthouse: str | None = None) -> Attempt:
     """Start every node (in `cwd`: the DDPJob file's folder, against which relative paths in its
-    command resolve), watch them, stop the group on the first failure or a stop signal."""
+    command resolve), watch them, stop the group on the first failure or a stop signal.
+
+    A per-step job (`lighthouse`: its Lighthouse's URL) instead replaces a failed node alone, up to
+    failurePolicy.maxRestarts times in the attempt: the new one joins the quorum and takes its state
+    from a live peer while the others train on. It succeeds when node 0 (replica group 0, whose
+    rank 0 writes the result) succeeds; the nodes still running then are stopped."""
     logs = workdir / "logs" / f"attempt-{attempt}"
     logs.mkdir(parents=True, exist_ok=True)
     result_file = workdir / f"result-attempt-{attempt}.json"
-    master_port = free_port()
+    # Each node of a per-step job is a torchrun world of its own, with its own store.
+    master_ports = [free_port() for _ in range(job.spec.nodes)] if lighthouse else [free_port()] * job.spec.nodes
     nodes: list[subprocess.Popen] = []  # node r's launcher at index r
+    replaced = 0
+
+    def start(rank: int, log_name: str) -> subprocess.Popen:
+        env = node_env(job, rank, master_port=master_ports[rank], metrics_port=metrics_ports[rank],
+                       attempt=attempt, workdir=workdir, result_file=result_file, lighthouse=lighthouse)
+        # Where its ranks record why they failed (the launcher's own dir otherwise, gone with it):
+        # a bad configuration's message is then said however long the log grew after it.
+        status = status_dir(workdir, attempt, rank)
+        shutil.rmtree(status, ignore_errors=True)  # an earlier run with this --workdir, or the node replaced
+        env[contract.ENV_STATUS_DIR] = str(status)
+        with open(logs / log_name, "wb") as log:
+            return subprocess.Popen(
+                node_command(job, metrics_port=metrics_ports[rank]), env=env,
+                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                cwd=cwd, start_new_session=True,
+                preexec_fn=functools.partial(die_with_parent, os.getpid()))
+
     try:
         for rank in range(job.spec.nodes):
-            env = node_env(job, rank, master_port=master_port, metrics_port=metrics_ports[rank],
-                           attempt=attempt, workdir=workdir, result_file=result_file)
-            # Where its ranks record why they failed (the launcher's own dir otherwise, gone with it):
-            # a bad configuration's message is then said however long the log grew after it.
-            status = status_dir(workdir, attempt, rank)
-            shutil.rmtree(status, ignore_errors=True)  # an earlier run with this --workdir
-            env[contract.ENV_STATUS_DIR] = str(status)
-            with open(logs / f"node-{rank}.log", "wb") as log:
-                nodes.append(subprocess.Popen(
-                    node_command(job, metrics_port=metrics_ports[rank]), env=env,
-                    stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                    cwd=cwd, start_new_session=True,
-                    preexec_fn=functools.partial(die_with_parent, os.getpid())))
+            nodes.append(start(rank, f"node-{rank}.log"))
         books.started(attempt)
         next_scrape = 0.0
         while True:
             codes = [n.poll() for n in nodes]
+            if lighthouse and codes[0] == 0:
+                result = json.loads(result_file.read_text()) if result_file.exists() else {}
+                return Attempt(ok=True, result=result, replaced=replaced)
             failed = [(rank, c) for rank, c in enumerate(codes) if c not in (None, 0)]
             if failed:
                 time.sleep(0.3)  # let a bad-config exit (78) on another node land too
                 codes = [n.poll() for n in nodes]
                 bad = [rank for rank, c in enumerate(codes) if c == EXIT_BAD_CONFIG]
+                if lighthouse and not bad and replaced + len(failed) <= job.spec.failure_policy.max_restarts:
+                    for rank, code in failed:
+                        replaced += 1
+                        display.say(f"node {rank} failed with exit code {code}: replacing it alone (per-step fault "
+                                    f"tolerance; replacement {replaced}/{job.spec.failure_policy.max_restarts}), "
+                                    "it takes its state from a live peer")
+                        _stop_node(nodes[rank], rank, workdir=workdir)
+                        nodes[rank] = start(rank, f"node-{rank}-replacement-{replaced}.log")
+                    continue
                 rank, code = (bad[0], EXIT_BAD_CONFIG) if bad else failed[0]
-                return Attempt(ok=False, exit_code=code, failed_rank=rank, returncodes=dict(enumerate(codes)))
+                return Attempt(ok=False, exit_code=code, failed_rank=rank, returncodes=dict(enumerate(codes)),
+                               replaced=replaced)
             if all(c == 0 for c in codes):
                 result = json.loads(result_file.read_text()) if result_file.exists() else {}
                 return Attempt(ok=True, result=result)
@@ -524,12 +587,18 @@ def _run_local(path: str, *, signals: StopSignals, summary_json: str | None, met
     display = Display(enabled=progress, job=job)
     books = Books(job, say=display.say, created=created)
     tally, outcome, started = Tally(), Attempt(ok=False), dt.datetime.now(dt.timezone.utc)
+    lighthouse: subprocess.Popen | None = None
+    url = None
+    replaced = 0
     try:
+        if job.spec.fault_tolerance is not None:
+            lighthouse, url = start_lighthouse(job, workdir=wd)
         while True:
             attempt_no = tally.attempt
             outcome = run_attempt(job, attempt=attempt_no, workdir=wd, cwd=Path(path).resolve().parent,
                                   metrics_ports=ports, display=display,
-                                  signals=signals, grace=grace, books=books)
+                                  signals=signals, grace=grace, books=books, lighthouse=url)
+            replaced += outcome.replaced
             if not outcome.ok and signals.exit_code is not None:  # it came while nodes were stopped
                 outcome = Attempt(ok=False, exit_code=signals.exit_code, interrupted=True)
             if outcome.ok or outcome.interrupted:
@@ -553,7 +622,12 @@ def _run_local(path: str, *, signals: StopSignals, summary_json: str | None, met
                        "it resumes from the newest complete checkpoint", err=True)
     except Stop as stop:  # between two attempts: no node is running
         outcome = Attempt(ok=False, exit_code=128 + stop.signum, interrupted=True)
+    except LocalRunError as exc:  # before any node started
+        click.echo(f"error: {exc}", err=True)
+        return 2
     finally:
+        if lighthouse is not None:  # with the run, never an orphan
+            stop_tree([lighthouse], grace=0.0, owned=lambda pid: False)
         display.close()
         books.close()
     phase = "Succeeded" if outcome.ok else ("Interrupted" if outcome.interrupted else "Failed")
@@ -572,6 +646,8 @@ def _run_local(path: str, *, signals: StopSignals, summary_json: str | None, met
         "workdir": str(wd), "last_checkpoint": r.get("last_checkpoint"),
         "mlflow_run_id": run_id,
     }
+    if job.spec.fault_tolerance is not None:
+        summary["nodes_replaced"] = replaced  # per-step fault tolerance's replacements of one node alone
     run = f", MLflow run {run_id}" if run_id else ""
     restarts = f"restarts {tally.restarts} (group), {books.in_place_restarts} in place"
     spent = f"; goodput {goodput.summary(books.ledger)}" if books.ledger else ""

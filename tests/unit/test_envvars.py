@@ -207,3 +207,40 @@ def test_the_agents_watchdog_gets_restart_on_hang_and_the_hang_timeout(spec, res
     env = env_dict(pod_env(job(**spec), 0))
     assert env["DDPJOB_RESTART_ON_HANG"] == restart
     assert env.get("DDPJOB_HANG_TIMEOUT_SECONDS") == timeout  # unset: the agent derives it as the monitor does
+
+
+FT = {"mode": "perStep", "minReplicas": 2, "timeoutSeconds": 4, "quorumTimeoutSeconds": 30}
+
+
+@pytest.mark.parametrize("rank", [0, 1, 3])
+def test_a_per_step_pod_is_a_torchrun_world_of_its_own_reached_at_its_ip(rank):
+    """spec.faultTolerance: each pod is one replica group, hosting its own c10d store at its IP; the job-level
+    NODE_RANK/NNODES say which group of how many; the trainer gets the Lighthouse and the quorum's timing."""
+    listed = pod_env(job(faultTolerance=FT), rank, attempt=2)
+    assert listed[0] == {"name": "DDPJOB_FT_HOST", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
+    env = env_dict(listed)
+    assert env["MASTER_ADDR"] == "$(DDPJOB_FT_HOST)" and env["MASTER_PORT"] == "29500"
+    assert env["PET_RDZV_ENDPOINT"] == "$(DDPJOB_FT_HOST):29500" and env["PET_RDZV_CONF"] == "is_host=true"
+    assert env["PET_NNODES"] == "1" and "PET_NODE_RANK" not in env
+    assert env["NODE_RANK"] == str(rank) and env["NNODES"] == "4"
+    assert env["DDPJOB_FT_LIGHTHOUSE"] == "http://bert-ft.ml.svc:29510"
+    assert (env["DDPJOB_FT_MIN_REPLICAS"], env["DDPJOB_FT_TIMEOUT_SECONDS"],
+            env["DDPJOB_FT_QUORUM_TIMEOUT_SECONDS"]) == ("2", "4", "30")
+
+
+def test_a_local_per_step_node_gets_loopback_its_own_port_and_the_local_lighthouse():
+    env = env_dict(pod_env(job(faultTolerance={"mode": "perStep"}), 1, master_port=40001, ft_host="127.0.0.1",
+                           ft_lighthouse="http://127.0.0.1:40100"))
+    assert env["DDPJOB_FT_HOST"] == env["MASTER_ADDR"] == "127.0.0.1"
+    assert env["PET_RDZV_ENDPOINT"] == "127.0.0.1:40001" and env["DDPJOB_FT_LIGHTHOUSE"] == "http://127.0.0.1:40100"
+    assert (env["DDPJOB_FT_MIN_REPLICAS"], env["DDPJOB_FT_TIMEOUT_SECONDS"],
+            env["DDPJOB_FT_QUORUM_TIMEOUT_SECONDS"]) == ("1", "3", "60")  # the CRD's defaults
+
+
+@pytest.mark.parametrize("rank", [0, 2])
+def test_without_fault_tolerance_no_ft_variable_and_the_env_is_as_before(rank):
+    listed = pod_env(job(), rank, attempt=1)
+    assert not [e for e in listed if e["name"].startswith("DDPJOB_FT_")]
+    env = env_dict(listed)
+    assert env["PET_NNODES"] == "4" and env["MASTER_ADDR"] == "bert-0.bert.ml.svc"
+    assert env["PET_RDZV_CONF"] == f"is_host={'true' if rank == 0 else 'false'}"

@@ -31,3 +31,16 @@ def test_a_local_node_runs_the_pods_command(spec, want):
     if pod[:len(LAUNCHER)] == LAUNCHER:  # the pod's `python` is the image's; locally it is this one
         pod = LOCAL_LAUNCHER + pod[len(LAUNCHER):]
     assert pod == want
+
+
+def test_a_local_per_step_node_is_its_own_world_on_loopback_at_the_local_lighthouse(tmp_path):
+    from ddpjob_cli.local import node_env
+    job = make_job("ft", nodes=2, faultTolerance={"mode": "perStep", "minReplicas": 1})
+    env = node_env(job, 1, master_port=40001, metrics_port=19401, attempt=0, workdir=tmp_path,
+                   result_file=tmp_path / "r.json", lighthouse="http://127.0.0.1:40100")
+    assert env["DDPJOB_FT_HOST"] == env["MASTER_ADDR"] == "127.0.0.1" and env["DDPJOB_FT_LIGHTHOUSE"] == "http://127.0.0.1:40100"
+    assert env["PET_NNODES"] == "1" and env["PET_RDZV_ENDPOINT"] == "127.0.0.1:40001" and env["PET_RDZV_CONF"] == "is_host=true"
+    assert env["NODE_RANK"] == "1" and env["NNODES"] == "2"
+    plain = node_env(make_job("ft", nodes=2), 1, master_port=40001, metrics_port=19401, attempt=0, workdir=tmp_path,
+                     result_file=tmp_path / "r.json")
+    assert not [k for k in plain if k.startswith("DDPJOB_FT_")] and plain["PET_NNODES"] == "2"

@@ -24,6 +24,9 @@ DDPJOB_DEBUG_HOLD="<attempt>:<path>"         in that attempt (every start of it)
                                             renewed each second (the watchdogs see it alive, not hung): a test
                                             acts at a known point of a later attempt, e.g. deletes a pod, without
                                             racing the training to its end, then creates <path>
+DDPJOB_DEBUG_HOLD_RANK="<rank>:<step>:<path>[,...]" that rank alone holds so at that step's boundary and later
+                                            ones until <path> exists (in a per-step job a rank is the job's: group x
+                                            nproc + local rank): a test stops one replica group at a known step
 DDPJOB_DEBUG_LAUNCHER_START="<seconds>"     the in-pod launcher prints LAUNCHER_START_LINE and sleeps this long
                                             before it installs its stop handlers: a slow interpreter start
                                             (a loaded node), for a test that deletes the pod in that window
@@ -83,6 +86,8 @@ class Knobs:
     await_sigterm_at: int | None = None
     write_bandwidth: float | None = None
     hold_until: str | None = None
+    hold_rank_at: int | None = None  # DDPJOB_DEBUG_HOLD_RANK's step, for this rank; its path:
+    hold_rank_until: str | None = None
     rank: int = 0
 
     @classmethod
@@ -100,10 +105,14 @@ class Knobs:
         log_dir = env.get("DDPJOB_DEBUG_SAMPLE_LOG")
         await_at = env.get("DDPJOB_DEBUG_AWAIT_SIGTERM")
         hold_attempt, _, hold_path = (env.get("DDPJOB_DEBUG_HOLD") or "").partition(":")
+        held = [e.split(":", 2) for e in (env.get("DDPJOB_DEBUG_HOLD_RANK") or "").split(",") if e.count(":") >= 2]
+        h_step, h_path = next(((step, path) for r, step, path in held if r == str(rank)), ("", ""))
+        mine = bool(h_path)
         return cls(sample_log=os.path.join(log_dir, f"rank-{rank}.log") if log_dir else None, rank=rank,
                    await_sigterm_at=int(await_at) if await_at and first_attempt else None,
                    write_bandwidth=float(env.get("DDPJOB_DEBUG_WRITE_BANDWIDTH") or 0) or None,
                    hold_until=(hold_path or None) if hold_attempt == env.get(contract.ENV_ATTEMPT, "0") else None,
+                   hold_rank_at=int(h_step) if mine else None, hold_rank_until=h_path if mine else None,
                    freeze_stage=f_stage if f_stage and f_rank == str(rank) and first_attempt else None,
                    sleep=sleep, slow_fetch=slow[1] if slow and slow[0] == rank else 0.0,
                    freeze_at=step_of("DDPJOB_DEBUG_FREEZE_RANK"), crash_at=step_of("DDPJOB_DEBUG_CRASH_RANK"),
@@ -145,11 +154,14 @@ class Knobs:
     def hold(self, step: int, *, alive: Callable[[], None]) -> bool:
         """At `step`'s boundary: wait while the hold's file is missing, calling `alive` every
         HOLD_RENEW_SECONDS (a hold is not a hang). True when it waited (the time is no step's)."""
-        if self.hold_until is None or os.path.exists(self.hold_until):
+        path = self.hold_until
+        if path is None and self.hold_rank_at is not None and step >= self.hold_rank_at:
+            path = self.hold_rank_until
+        if path is None or os.path.exists(path):
             return False
-        print(HOLD_LINE.format(rank=self.rank, step=step, path=self.hold_until), file=sys.stderr, flush=True)
+        print(HOLD_LINE.format(rank=self.rank, step=step, path=path), file=sys.stderr, flush=True)
         renewed = time.monotonic()
-        while not os.path.exists(self.hold_until):
+        while not os.path.exists(path):
             if time.monotonic() - renewed >= HOLD_RENEW_SECONDS:
                 alive()
                 renewed = time.monotonic()

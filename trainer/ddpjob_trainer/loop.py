@@ -147,6 +147,8 @@ class StepOutput:
     micro_batches: int
     samples: int
     data_wait_seconds: float
+    # False: a per-step job's quorum did not agree (a group was lost mid-step); nothing was applied.
+    committed: bool = True
 
 
 class Trainer:
@@ -161,7 +163,19 @@ class Trainer:
 
     def __init__(self, cfg: TrainerConfig, ctx: DistContext, *, log: NullReporter, telemetry: Telemetry) -> None:
         self.cfg, self.ctx, self.log, self.telemetry = cfg, ctx, log, telemetry
-        self.knobs = debug.Knobs.from_env(rank=ctx.rank)
+        # Per-step fault tolerance (spec.faultTolerance): set when the pod's env names a Lighthouse.
+        self.ft: Any = None
+        fe = None
+        if os.environ.get(contract.ENV_FT_LIGHTHOUSE):
+            from .faulttolerance import FtEnv, check
+            check(cfg)
+            fe = FtEnv.from_env()
+        # The training data's split: over the job's ranks; in a per-step job over every group's.
+        self.data_rank, self.data_world = fe.data_split(rank=ctx.rank, world_size=ctx.world_size) if fe else (
+            ctx.rank, ctx.world_size)
+        # Rank 0 of the job (of group 0 in a per-step job) writes the result and the run's record.
+        self.reports = ctx.is_main and (fe is None or fe.group == 0)
+        self.knobs = debug.Knobs.from_env(rank=self.data_rank)  # a per-step job's knobs name its ranks across groups
         # Data, model and the first step's collectives: a hang here is named "first_step".
         self.enter("first_step")
         rng.seed_all(cfg.seed + ctx.rank)
@@ -187,7 +201,7 @@ class Trainer:
         io: dict[str, Any] = {"workers": self.workers, "prefetch_factor": cfg.prefetch_factor,
               "pin_memory": ctx.device.type == "cuda"}
         self.train_size = len(data.train)  # type: ignore[arg-type]  # torch's Dataset is not Sized; ours are
-        self.sampler = ResumableSampler(data.train, num_replicas=ctx.world_size, rank=ctx.rank, seed=cfg.seed,
+        self.sampler = ResumableSampler(data.train, num_replicas=self.data_world, rank=self.data_rank, seed=cfg.seed,
                                         tag_epoch=data.random_train_transform)
         train_set = PerSampleSeeded(data.train, seed=cfg.seed) if data.random_train_transform else data.train
         # The loader's own generator: creating an iterator must not draw from the global RNG,
@@ -199,7 +213,7 @@ class Trainer:
                                       batch_size=cfg.batch_size, **io)
         self.micro_left = math.ceil(len(self.sampler) / cfg.batch_size)  # this rank's, left in the current epoch
         self.state = TrainState()
-        self.total_steps = self.steps_to_end(self.state, ctx.world_size)
+        self.total_steps = self.steps_to_end(self.state, self.data_world)
         self.schedule = Schedule(kind=cfg.scheduler, warmup=cfg.warmup_steps, total=self.total_steps)
         self.opt = _build_optimizer(cfg, self.ddp.parameters())
         schedule = self.schedule  # a plain function: LambdaLR would save any other callable's attributes
@@ -213,6 +227,23 @@ class Trainer:
         # is nothing to save otherwise, and SIGTERM keeps its plain meaning.
         self.stop_request = preempt.StopRequest(preempt.stop_budget()) if self.ckpt else None
         self.stop_vote = preempt.StopVote(ctx.vote_group) if self.ckpt else None
+        if fe is not None:
+            from .faulttolerance import FaultTolerance
+            self.ft = FaultTolerance(fe, rank=ctx.rank, world_size=ctx.world_size, device=ctx.device,
+                                     optimizer=self.opt, state_dict=self.ft_state_dict,
+                                     load_state_dict=self.ft_load_state_dict)
+
+    def ft_state_dict(self) -> dict[str, Any]:
+        """Everything a group that joins a per-step job takes from a live peer."""
+        return {"model": self.model.state_dict(), "optimizer": self.opt.state_dict(),
+                "scheduler": self.sched.state_dict(), "train": asdict(self.state)}
+
+    def ft_load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.model.load_state_dict(sd["model"])
+        self.opt.load_state_dict(sd["optimizer"])
+        self.sched.load_state_dict(sd["scheduler"])
+        for k, v in sd["train"].items():  # in place: the loop holds self.state
+            setattr(self.state, k, v)
 
     def enter(self, stage: str) -> None:
         self.telemetry.set_stage(stage)
@@ -349,6 +380,9 @@ class Trainer:
                 (loss / n_micro).backward()
             loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
             n_samples += y.numel()
+        if self.ft is not None:
+            return self._ft_commit(StepOutput(loss_sum=loss_sum, micro_batches=n_micro, samples=n_samples,
+                                              data_wait_seconds=wait))
         self.opt.step()
         self.sched.step()
         self.opt.zero_grad(set_to_none=True)
@@ -356,9 +390,38 @@ class Trainer:
         self.knobs.after_step(self.state.step + 1)
         self.state.step += 1
         self.micro_left -= n_micro
-        self.state.samples_done = advance(self.state.samples_done, taken=n_samples, world_size=self.ctx.world_size,
+        self.state.samples_done = advance(self.state.samples_done, taken=n_samples, world_size=self.data_world,
                                           n=self.train_size)
         return StepOutput(loss_sum=loss_sum, micro_batches=n_micro, samples=n_samples, data_wait_seconds=wait)
+
+    def _ft_commit(self, out: StepOutput) -> StepOutput:
+        """A per-step job's end of a step: gradients averaged over the groups, the step committed
+        if the quorum agrees; the step counter is the quorum's."""
+        self.ft.average(self.model.parameters())
+        out.committed = self.ft.commit()
+        self.device_timer.end_step()
+        if not out.committed:
+            return out
+        self.sched.step()
+        self.knobs.after_step(self.state.step + 1)
+        self.state.step = self.ft.step()
+        self.micro_left -= out.micro_batches
+        self.state.samples_done = advance(self.state.samples_done, taken=out.samples, world_size=self.data_world,
+                                          n=self.train_size)
+        return out
+
+    def _position(self):
+        """The training data from where the state says (epoch, samples done): a new iterator."""
+        cfg, st = self.cfg, self.state
+        self.sampler.set_epoch(st.epoch, start=st.samples_done)
+        self.micro_left = math.ceil(len(self.sampler) / cfg.batch_size)
+        self.loader_rng.manual_seed(cfg.seed * 100_003 + st.epoch * 1009 + self.data_rank)
+        return iter(self.loader)
+
+    def _ft_line(self, what: str) -> None:
+        """A per-step job's greppable line (faulttolerance.LINE): what happened, then the weights' hash."""
+        from .faulttolerance import LINE, weights_hash
+        self.log.info(f"{LINE} {what} weights {weights_hash(self.model)}")
 
     def _eval_and_log(self) -> EvalResult:
         result = self.evaluate()
@@ -405,6 +468,7 @@ class Trainer:
                  f"{self.workers} data workers per rank")
 
         cuda = ctx.device.type == "cuda"
+        ft = self.ft
         train_seconds, samples_seen, last_eval, eval_step = 0.0, 0, None, -1
         interval = [0, 0.0, 0.0, 0]  # since the last log step: steps, seconds, data wait, samples
         timeout_shortened = not cfg.step_timeout_seconds
@@ -413,15 +477,20 @@ class Trainer:
             if st.samples_done >= self.train_size:  # a checkpoint taken exactly at an epoch's end
                 st.epoch, st.samples_done = st.epoch + 1, 0
                 continue
-            self.sampler.set_epoch(st.epoch, start=st.samples_done)
-            self.micro_left = math.ceil(len(self.sampler) / cfg.batch_size)
-            self.loader_rng.manual_seed(cfg.seed * 100_003 + st.epoch * 1009 + ctx.rank)
-            batches = iter(self.loader)
+            batches = self._position()
             taken = 0  # of this rank's share
             boundary = time.perf_counter()  # step time runs from one step boundary to the next
             while self.micro_left and st.step < self.total_steps:
                 telemetry.step_started(step=st.step + 1)
+                if ft is not None and ft.start_step():  # this group took a live peer's state: go on from there
+                    self._ft_line(f"joined at step {st.step} from a peer,")
+                    batches, taken = self._position(), 0
+                    if not self.micro_left or st.step >= self.total_steps:
+                        break
                 out = self.train_step(batches)
+                if not out.committed:  # the step is taken again, on the same data, by the new quorum
+                    batches, taken = self._position(), 0
+                    continue
                 self.knobs.record_samples(st.step, st.epoch, self.sampler.share[taken:taken + out.samples])
                 taken += out.samples
                 epoch_end = not self.micro_left
@@ -463,6 +532,8 @@ class Trainer:
                     if cuda:
                         tracked["gpu_memory_max_allocated_bytes"] = torch.cuda.max_memory_allocated(ctx.device)
                     log.metrics(tracked, step=st.step)
+                    if ft is not None:
+                        self._ft_line(f"step {st.step} participants {ft.participants()}")
                 if self.ckpt and self.ckpt.maybe_save(st, epoch_end=epoch_end):
                     boundary = time.perf_counter()
                 if self.knobs.hold(st.step, alive=telemetry.renew_stage):
@@ -478,6 +549,8 @@ class Trainer:
             self.save()
         if self.ckpt:
             self.ckpt.close(train_seconds=train_seconds)
+        if ft is not None:
+            ft.shutdown()
         # Global throughput: every rank processed about the same number of samples in the same time.
         total_samples, total_seconds = self.comm.sum([samples_seen, train_seconds]).tolist()
         throughput = total_samples / (total_seconds / ctx.world_size) if total_seconds > 0 else 0.0
@@ -494,13 +567,13 @@ def train(cfg: TrainerConfig, ctx: DistContext, *, log: NullReporter, telemetry:
     """Run (or resume) training to completion; every rank calls this."""
     trainer = Trainer(cfg, ctx, log=log, telemetry=telemetry)
     result = trainer.fit()
-    if ctx.is_main:  # rank 0 alone, after the last collective
+    if trainer.reports:  # rank 0 alone (of group 0 in a per-step job), after the last collective
         log.record(trainer.resolved_config(), checkpoint=result.last_checkpoint)
         metrics_dir = os.environ.get(contract.ENV_METRICS_DIR)
         if telemetry.enabled and metrics_dir:
             log.metrics(goodput_metrics(rank_goodput(metrics_dir, ctx.rank)), step=result.steps)
         log.model(trainer.model)
-    if ctx.is_main and result_path:  # whole or not at all: written aside, then renamed
+    if trainer.reports and result_path:  # whole or not at all: written aside, then renamed
         with open(f"{result_path}.part", "w") as f:
             json.dump({**asdict(result), contract.RESULT_MLFLOW_RUN_ID: log.run_id}, f, indent=1)
         os.replace(f"{result_path}.part", result_path)

@@ -178,7 +178,11 @@ class Telemetry:
         restart = _number(env.get(contract.ENV_RESTART))
         failed_at = _number(env.get(contract.ENV_FAILED_AT)) if restart else None
         reached = _number(env.get(contract.ENV_STEP_REACHED)) if restart else None
-        labels = rank_labels(env, rank=env.get(contract.TORCHRUN_RANK, "0"),
+        rank: Any = env.get(contract.TORCHRUN_RANK, "0")
+        if env.get(contract.ENV_FT_LIGHTHOUSE):  # a per-step job: torchrun's world is the pod, the job spans them
+            from .faulttolerance import job_rank
+            rank = job_rank(env)
+        labels = rank_labels(env, rank=rank,
                              local_rank=env.get(contract.TORCHRUN_LOCAL_RANK, "0"),
                              node_rank=env.get(contract.ENV_NODE_RANK, env.get(contract.TORCHRUN_GROUP_RANK, "0")))
         if enabled is None:

@@ -10,7 +10,7 @@ import re
 from typing import Any
 
 from ddpjob_api import contract, labels
-from ddpjob_api.names import master_dns
+from ddpjob_api.names import lighthouse_url, master_dns
 from ddpjob_api.spec import JobSpec
 from ddpjob_operator.builders import rdma, template
 
@@ -86,14 +86,23 @@ def pod_env(
     rdma_devices: bool = True,
     stop_grace: float | None = None,
     mlflow_tracking_uri: str | None = None,
+    ft_host: str | None = None,
+    ft_lighthouse: str | None = None,
 ) -> list[dict[str, Any]]:
     """Env for node `rank` as a k8s env list: ours, then the template container's env, then
     `spec.env`; a user's variable replaces ours of the same name (spec.env's a template's).
     `rdma_devices=False` (a local run, which has none of the pods' RDMA devices) leaves out the
     fabric's settings, which would make NCCL refuse to start there. `stop_grace`: the launcher's
     SIGTERM-to-SIGKILL seconds (a pod's: stop_grace_seconds; a local run keeps the launcher's default).
-    `mlflow_tracking_uri`: the operator's default for a job whose spec.trainer.mlflow names none."""
-    addr = master_addr or master_dns(job, cluster_domain=cluster_domain)
+    `mlflow_tracking_uri`: the operator's default for a job whose spec.trainer.mlflow names none.
+    A per-step job (spec.faultTolerance, per_step_env): `ft_host`, the address other replica groups
+    reach this one at (default: the pod's IP, by the downward API; locally 127.0.0.1), also its
+    MASTER_ADDR, and `ft_lighthouse`, the Lighthouse's URL (default: names.lighthouse_url)."""
+    per_step = job.spec.fault_tolerance is not None
+    if per_step:
+        addr = master_addr or ft_host or f"$({contract.ENV_FT_HOST})"
+    else:
+        addr = master_addr or master_dns(job, cluster_domain=cluster_domain)
     port = master_port or job.spec.master_port
     env: dict[str, str] = {
         contract.ENV_MASTER_ADDR: addr,
@@ -127,6 +136,8 @@ def pod_env(
         # The agent restarts a stalled rank's workers in place, by the monitor's rule (docs/restarts.md).
         contract.ENV_RESTART_ON_HANG: "1" if job.spec.failure_policy.restart_on_hang else "0",
     })
+    if per_step:
+        env.update(per_step_env(job, ft_lighthouse or lighthouse_url(job)))
     if job.spec.hang_timeout_seconds is not None:
         env[contract.ENV_HANG_TIMEOUT] = str(job.spec.hang_timeout_seconds)
     if job.uid:
@@ -140,6 +151,11 @@ def pod_env(
         env.update(rdma.env(job))
     env.update(nccl_env(job.nccl))
     ours: list[dict[str, Any]] = [{"name": k, "value": v} for k, v in env.items()]
+    if per_step:
+        # First: Kubernetes expands $(DDPJOB_FT_HOST) in MASTER_ADDR and the rendezvous endpoint
+        # only from variables defined earlier in the list.
+        ours.insert(0, {"name": contract.ENV_FT_HOST, "value": ft_host} if ft_host else
+                    {"name": contract.ENV_FT_HOST, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}})
     ours += mlflow_secret_env(job, default_tracking_uri=mlflow_tracking_uri)
     if cpu_request(job):
         # The trainer sizes numWorkers: auto from the CPUs the pod asked for, not the node's cores
@@ -153,8 +169,26 @@ def pod_env(
         # endpoint's name and compares it with the pod's own addresses, and pod 0, starting before
         # its DNS record is served, took itself for a client of the store it should host and failed
         # after the connect timeout (seen: a group restart before the first step).
-        ours.append({"name": contract.PET_RDZV_CONF, "value": f"is_host={'true' if rank == 0 else 'false'}"})
+        # A per-step job's pods each host their own (each is a torchrun world of its own).
+        host = per_step or rank == 0
+        ours.append({"name": contract.PET_RDZV_CONF, "value": f"is_host={'true' if host else 'false'}"})
     return [e for e in ours if e["name"] not in user_names] + user
+
+
+def per_step_env(job: JobSpec, lighthouse: str) -> dict[str, str]:
+    """What a per-step job (spec.faultTolerance) changes: each pod is one torchft replica group, a
+    torchrun world of its own (one node, its own c10d store at its own address), while NODE_RANK
+    (the group's index) and NNODES (the number of groups) still say where it stands in the job;
+    the DDPJOB_FT_* variables tell the trainer where the Lighthouse is and the quorum's timing."""
+    ft = job.spec.fault_tolerance
+    assert ft is not None
+    return {
+        contract.PET_NNODES: "1",
+        contract.ENV_FT_LIGHTHOUSE: lighthouse,
+        contract.ENV_FT_MIN_REPLICAS: str(ft.min_replicas),
+        contract.ENV_FT_TIMEOUT: str(ft.timeout_seconds),
+        contract.ENV_FT_QUORUM_TIMEOUT: str(ft.quorum_timeout_seconds),
+    }
 
 
 def inplace_budget(job: JobSpec) -> int:

@@ -239,8 +239,9 @@ def _launch(args: argparse.Namespace, node: _Node, signals: StopSignals) -> int:
     # The master (pod 0) hosts the c10d rendezvous (PET_RDZV_ENDPOINT is MASTER_ADDR:MASTER_PORT):
     # torchrun's own connect gives up after a few short tries with an error that names no pod, so a
     # node other than 0 first waits here for pod 0's DNS name and port. Not for an endpoint of the
-    # user's elsewhere (spec.env wins), nor in a local run (one loopback, the nodes start together).
-    if (node_rank != 0 and addr and env.get(contract.ENV_LOCAL) != "1"
+    # user's elsewhere (spec.env wins), nor in a local run (one loopback, the nodes start together),
+    # nor in a per-step job (spec.faultTolerance), whose every pod hosts its own.
+    if (node_rank != 0 and addr and env.get(contract.ENV_LOCAL) != "1" and not env.get(contract.ENV_FT_LIGHTHOUSE)
             and env.get(contract.PET_RDZV_ENDPOINT, f"{addr}:{port}") == f"{addr}:{port}"):
         stages.set("waiting_for_master")
         say(f"waiting up to {args.master_timeout:.0f}s for master {addr}:{port}")

@@ -1,0 +1,94 @@
+"""Per-step fault tolerance (spec.faultTolerance) in `ddpjob run --local`: real torchrun nodes, a real
+torchft Lighthouse, a replica group SIGKILLed mid-training and replaced alone."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import uuid
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.support.stopping import kill_run, wait_for_moment
+
+from .helpers import DDPJOB, REPO, write_job
+
+pytest.importorskip("torchft", reason="the ft extra (torchft: CPython 3.11 on x86_64)")
+pytestmark = pytest.mark.timeout(600)
+
+KILL_AT, HOLD_AT = 3, 8  # node 1 is killed held at step 3; node 0 steps alone to 8 and holds for the replacement
+STEP_RE = re.compile(r"ft: step (\d+) participants (\d+) weights (\w+)")
+JOINED_RE = re.compile(r"ft: joined at step (\d+) from a peer, weights (\w+)")
+
+
+def _node_processes(work: Path, rank: int) -> list[psutil.Process]:
+    """Every process of node `rank` of the run in `work` (its launcher, torchrun's agent, its workers)."""
+    found = []
+    for p in psutil.process_iter(["environ"]):
+        env = p.info["environ"] or {}
+        if env.get("NODE_RANK") == str(rank) and env.get("DDPJOB_RESULT_FILE", "").startswith(f"{work}{os.sep}"):
+            found.append(p)
+    return found
+
+
+def _read(path: Path) -> str:
+    return path.read_text(errors="replace") if path.exists() else ""
+
+
+def test_a_sigkilled_replica_group_is_replaced_alone_and_heals_from_its_peer(tmp_path):
+    """Node 1 (replica group 1) is SIGKILLed while both groups train. Node 0 goes on stepping with one
+    participant; a new node 1 starts alone, joins the quorum and takes node 0's state (its weights
+    hash is node 0's at that step); the run Succeeds with both groups' weights equal at the end.
+    Knobs (debug.py), not sleeps, place the events: node 1 holds at step KILL_AT to be killed there;
+    node 0 holds at HOLD_AT until the replacement's trainer is up, so it joins mid-training."""
+    name = f"ft-{uuid.uuid4().hex[:6]}"
+    job = write_job(tmp_path / "ft.yaml", name=name, max_restarts=1, faultTolerance={"mode": "perStep"},
+                    trainer={"dataset": "digits", "model": "mlp", "epochs": 1, "batchSize": 16, "lr": 0.1,
+                             "logEverySteps": 1})
+    work = tmp_path / "work"
+    logs = work / "logs" / "attempt-0"
+    node0, node1, replacement = logs / "node-0.log", logs / "node-1.log", logs / "node-1-replacement-1.log"
+    release1, release0 = tmp_path / "release-1", tmp_path / "release-0"
+    env = {**os.environ, "DDPJOB_DEBUG_HOLD_RANK": f"1:{KILL_AT}:{release1},0:{HOLD_AT}:{release0}"}
+    proc = subprocess.Popen([*DDPJOB, "run", str(job), "--local", "--no-progress", "--workdir", str(work),
+                             "--summary-json", str(tmp_path / "summary.json")],
+                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    alive = lambda: proc.poll() is None  # noqa: E731
+    try:
+        wait_for_moment(lambda: f"rank 1 holds at step {KILL_AT}" in _read(node1), alive=alive, timeout=300,
+                        what=f"node 1 held at step {KILL_AT}", interval=0.1)
+        for p in _node_processes(work, 1):
+            try:
+                p.send_signal(signal.SIGKILL)
+            except psutil.NoSuchProcess:
+                pass
+        release1.touch()  # the replacement (the same knob) must not hold
+        wait_for_moment(lambda: f"rank 0 holds at step {HOLD_AT}" in _read(node0), alive=alive, timeout=300,
+                        what=f"node 0 held at step {HOLD_AT}", interval=0.1)
+        wait_for_moment(lambda: "training mlp on digits" in _read(replacement), alive=alive, timeout=300,
+                        what="the replacement's trainer started", interval=0.1)
+        release0.touch()
+        out, _ = proc.communicate(timeout=300)
+    finally:
+        kill_run(proc, f"{work}/")
+    assert proc.returncode == 0, out[-3000:]
+    assert "replacing it alone" in out, out[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["phase"] == "Succeeded" and summary["nodes_replaced"] == 1 and summary["restarts"] == 0, summary
+    assert summary["eval_accuracy"] >= 0.7, summary  # one epoch of digits (an MLP gets ~0.85)
+    steps0 = [(int(s), int(n), h) for s, n, h in STEP_RE.findall(_read(node0))]
+    alone = [s for s, n, _ in steps0 if n == 1 and s > KILL_AT]
+    assert alone, steps0  # node 0 kept stepping with one participant after the loss
+    joined = JOINED_RE.findall(_read(replacement))
+    assert len(joined) == 1, _read(replacement)[-3000:]
+    at, weights = int(joined[0][0]), joined[0][1]
+    assert at > KILL_AT and (at, 1, weights) in steps0, (joined, steps0)  # node 0's weights at that step
+    both = [(s, h) for s, n, h in steps0 if n == 2 and s > at]
+    assert both, steps0  # then two participants again
+    steps1 = {int(s): h for s, _, h in STEP_RE.findall(_read(replacement))}
+    last = max(s for s in steps1 if s in dict(both))
+    assert steps1[last] == dict(both)[last]  # in sync to the end

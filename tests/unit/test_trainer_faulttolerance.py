@@ -1,0 +1,113 @@
+"""Per-step fault tolerance's pure pieces: the env it reads, the data split over groups, the state a
+joining group takes from a peer, and the refusals (no torchft, checkpoints)."""
+from __future__ import annotations
+
+import io
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from ddpjob_trainer import debug, faulttolerance
+from ddpjob_trainer.checkpointing.manager import TrainState
+from ddpjob_trainer.config import parse_config
+from ddpjob_trainer.data import ResumableSampler
+from ddpjob_trainer.errors import ConfigError
+from ddpjob_trainer.faulttolerance import FtEnv, weights_hash
+from ddpjob_trainer.loop import Trainer
+
+FT_ENV = {"DDPJOB_FT_LIGHTHOUSE": "http://lh:29510", "DDPJOB_FT_HOST": "10.0.0.7", "NODE_RANK": "2", "NNODES": "3",
+          "DDPJOB_FT_MIN_REPLICAS": "2", "DDPJOB_FT_TIMEOUT_SECONDS": "4", "DDPJOB_FT_QUORUM_TIMEOUT_SECONDS": "30"}
+
+
+def test_the_env_of_a_per_step_pod_and_none_without_a_lighthouse():
+    assert FtEnv.from_env({"NODE_RANK": "1", "NNODES": "2"}) is None
+    assert FtEnv.from_env(FT_ENV) == FtEnv(lighthouse="http://lh:29510", host="10.0.0.7", group=2, groups=3,
+                                           min_replicas=2, timeout_seconds=4.0, quorum_timeout_seconds=30.0)
+    with pytest.raises(ConfigError, match="DDPJOB_FT_LIGHTHOUSE"):
+        FtEnv.from_env({**FT_ENV, "NNODES": "two"})
+
+
+@pytest.mark.parametrize("groups, nproc", [(2, 1), (2, 2), (3, 2)])
+def test_the_groups_train_on_disjoint_shards_that_cover_the_epoch(groups, nproc):
+    shares = []
+    for group in range(groups):
+        fe = FtEnv.from_env({**FT_ENV, "NODE_RANK": str(group), "NNODES": str(groups)})
+        for local in range(nproc):
+            rank, world = fe.data_split(rank=local, world_size=nproc)
+            assert world == groups * nproc and rank == group * nproc + local
+            sampler = ResumableSampler(range(101), num_replicas=world, rank=rank, seed=5)
+            sampler.set_epoch(1, start=10)
+            shares.append(list(sampler))
+    flat = [i for share in shares for i in share]
+    assert len(flat) == len(set(flat))  # no sample twice
+    assert len(flat) > 101 - 10 - groups * nproc  # and all of the epoch's rest but a remainder shorter than a round
+    assert len({len(s) for s in shares}) == 1  # every rank the same number of steps
+
+
+def _trainer(seed: int, state: TrainState) -> SimpleNamespace:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (step + 1))
+    return SimpleNamespace(model=model, opt=opt, sched=sched, state=state)
+
+
+def test_a_joining_group_takes_model_optimizer_schedule_and_position_from_its_peer():
+    peer = _trainer(0, TrainState(step=7, epoch=1, samples_done=224, first_world_size=2))
+    peer.model(torch.randn(5, 4)).sum().backward()
+    peer.opt.step()
+    peer.sched.step()
+    joiner = _trainer(1, TrainState())
+    joiner_state = joiner.state
+    assert weights_hash(joiner.model) != weights_hash(peer.model)
+    # Through bytes, as torchft's HTTP transport sends it.
+    buf = io.BytesIO()
+    torch.save(Trainer.ft_state_dict(peer), buf)  # type: ignore[arg-type]
+    Trainer.ft_load_state_dict(joiner, torch.load(io.BytesIO(buf.getvalue()), weights_only=False))  # type: ignore[arg-type]
+    assert weights_hash(joiner.model) == weights_hash(peer.model)
+    assert joiner.state is joiner_state and joiner.state == peer.state  # in place: the loop holds it
+    assert joiner.sched.last_epoch == peer.sched.last_epoch and joiner.opt.param_groups[0]["lr"] == peer.opt.param_groups[0]["lr"]
+    momentum = [joiner.opt.state[p]["momentum_buffer"] for p in joiner.model.parameters()]
+    assert all(torch.equal(a, peer.opt.state[p]["momentum_buffer"]) for a, p in zip(momentum, peer.model.parameters()))
+
+
+def test_the_weights_hash_is_short_stable_and_sees_one_changed_value():
+    a, b = _trainer(0, TrainState()).model, _trainer(0, TrainState()).model
+    assert weights_hash(a) == weights_hash(b) and len(weights_hash(a)) == 12
+    with torch.no_grad():
+        b[0].bias[0] += 1e-6
+    assert weights_hash(a) != weights_hash(b)
+
+
+def test_without_torchft_a_per_step_job_is_refused_naming_it(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torchft", None)  # import torchft raises ImportError
+    with pytest.raises(ConfigError, match=r"spec.faultTolerance needs torchft.*pip install 'ddpjob\[ft\]'"):
+        faulttolerance.import_torchft()
+
+
+def test_checkpoints_with_fault_tolerance_are_refused():
+    faulttolerance.check(parse_config({}))
+    with pytest.raises(ConfigError, match="faultTolerance with spec.trainer.checkpoint"):
+        faulttolerance.check(parse_config({"checkpoint": {"dir": "/ckpt"}}))
+
+
+def test_a_hold_knob_per_rank_holds_only_that_rank_from_its_step():
+    env = {"DDPJOB_DEBUG_HOLD_RANK": "1:3:/tmp/a,0:8:/tmp/b"}
+    one, zero, two = (debug.Knobs.from_env(rank=r, env=env) for r in (1, 0, 2))
+    assert (one.hold_rank_at, one.hold_rank_until) == (3, "/tmp/a")
+    assert (zero.hold_rank_at, zero.hold_rank_until) == (8, "/tmp/b")
+    assert two.hold_rank_at is None and not two.hold(100, alive=lambda: None)
+    assert not zero.hold(7, alive=lambda: None)  # before its step: no hold (the file is missing)
+
+
+def test_a_per_step_ranks_telemetry_is_labelled_with_its_rank_in_the_job_not_in_its_pod(monkeypatch):
+    from ddpjob_trainer.faulttolerance import job_rank
+    from ddpjob_trainer.telemetry import Telemetry
+    assert job_rank({"RANK": "1", "LOCAL_WORLD_SIZE": "2"}) is None
+    assert job_rank({**FT_ENV, "RANK": "1", "LOCAL_WORLD_SIZE": "2"}) == 2 * 2 + 1  # group 2, 2 ranks a group
+    for k, v in {**FT_ENV, "RANK": "1", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(k, v)
+    labels = Telemetry.from_env(enabled=False).labels
+    assert (labels["rank"], labels["local_rank"], labels["node_rank"]) == ("5", "1", "2")

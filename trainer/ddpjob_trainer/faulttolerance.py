@@ -1,0 +1,207 @@
+"""Per-step fault tolerance (spec.faultTolerance, contract.ENV_FT_*): torchft's Manager around the loop.
+
+Each pod is one replica group, a torchrun world of its own: DDP averages gradients over the
+group's ranks as in any job, then `average` averages them over the groups of the current quorum
+(torchft's reconfigurable process group: gloo on CPU, NCCL on GPU), and the optimizer step is
+committed only when the quorum agrees (OptimizerWrapper). A group that joins late, or replaces a
+lost one, takes the whole training state (model, optimizer, LR schedule, TrainState) from a live
+peer at its first quorum, over torchft's HTTP checkpoint transport: no checkpoint read.
+
+torchft is imported only here and only in a per-step job (an extra: `ddpjob[ft]`); without it the
+job is refused by name. torchft's own DistributedDataParallel is not used: its comm hook crashes the
+surviving group on CPU in torchft 0.2.0 (ddp.py `assert fut._fut`); one allreduce per parameter
+does the same averaging.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
+
+from ddpjob_api import contract
+from .errors import ConfigError
+
+if TYPE_CHECKING:  # torch is imported where used: the launcher's telemetry reads job_rank without it
+    import torch
+
+# The greppable lines every group's rank 0 logs (tests and the bench read them):
+#   ft: step N participants P weights H        at each log step
+#   ft: joined at step N from a peer, weights H   right after this group took a peer's state
+LINE = "ft:"
+
+
+@dataclass(frozen=True)
+class FtEnv:
+    """What the pod's env says about per-step mode (envvars.per_step_env); None from `from_env`
+    when the job is not per-step."""
+
+    lighthouse: str
+    host: str            # where the other groups reach this one (its store, manager, checkpoints)
+    group: int           # this replica group's index (the job's NODE_RANK)
+    groups: int          # how many there are (NNODES)
+    min_replicas: int
+    timeout_seconds: float
+    quorum_timeout_seconds: float
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] = os.environ) -> FtEnv | None:
+        lighthouse = env.get(contract.ENV_FT_LIGHTHOUSE)
+        if not lighthouse:
+            return None
+        try:
+            return cls(lighthouse=lighthouse, host=env.get(contract.ENV_FT_HOST) or "127.0.0.1",
+                       group=int(env.get(contract.ENV_NODE_RANK, "0")), groups=int(env.get(contract.ENV_NNODES, "1")),
+                       min_replicas=int(env.get(contract.ENV_FT_MIN_REPLICAS, "1")),
+                       timeout_seconds=float(env.get(contract.ENV_FT_TIMEOUT, "3")),
+                       quorum_timeout_seconds=float(env.get(contract.ENV_FT_QUORUM_TIMEOUT, "60")))
+        except ValueError as exc:
+            raise ConfigError(f"per-step fault tolerance ({contract.ENV_FT_LIGHTHOUSE} set): bad "
+                              f"DDPJOB_FT_*/NODE_RANK/NNODES value: {exc}") from exc
+
+    def data_split(self, *, rank: int, world_size: int) -> tuple[int, int]:
+        """(data rank, data world): the training set split over every group's ranks, so that the
+        groups train on different shards; while a group is lost its shard is skipped."""
+        return self.group * world_size + rank, self.groups * world_size
+
+
+def job_rank(env: Mapping[str, str] = os.environ) -> int | None:
+    """This process's rank in a per-step job, across its groups (torchrun's RANK is the pod's): what
+    its telemetry is labelled with, as the launcher labels the pod's ranks; None outside per-step mode."""
+    fe = FtEnv.from_env(env)
+    if fe is None:
+        return None
+    return fe.data_split(rank=int(env.get(contract.TORCHRUN_RANK, "0")),
+                         world_size=int(env.get(contract.TORCHRUN_LOCAL_WORLD_SIZE, "1")))[0]
+
+
+def check(cfg: Any) -> None:
+    """What a per-step job cannot have (yet): checkpoints. Every group restores and only one
+    writes is not built; a lost group recovers from a live peer instead (a whole-job loss then
+    restarts from step 0)."""
+    if cfg.checkpoint.dir:
+        raise ConfigError("spec.faultTolerance with spec.trainer.checkpoint is not supported yet: a replaced "
+                          "replica group recovers from a live peer; remove checkpoint.dir or faultTolerance")
+
+
+def import_torchft() -> Any:
+    """torchft, or a ConfigError naming it (an extra, with wheels for CPython 3.11 on x86_64 only)."""
+    # torchft's Rust side logs every quorum and commit at INFO (five lines a step): warnings only,
+    # unless the job's env says otherwise. Read when the extension starts logging.
+    os.environ.setdefault("RUST_LOG", "warn")
+    try:
+        import torchft
+        import torchft.checkpointing.http_transport
+        import torchft.optim
+    except ImportError as exc:
+        raise ConfigError(f"spec.faultTolerance needs torchft, which this environment lacks ({exc}): "
+                          f"pip install 'ddpjob[ft]' (torchft 0.2.0 ships wheels for CPython 3.11 on x86_64 only; "
+                          f"this is Python {sys.version_info.major}.{sys.version_info.minor})") from exc
+    return torchft
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+def weights_hash(model: torch.nn.Module) -> str:
+    """A short SHA-1 of the model's parameters (in order, as bytes): equal across groups in sync."""
+    import torch
+
+    h = hashlib.sha1()
+    for p in model.parameters():
+        h.update(p.detach().reshape(-1).cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:12]
+
+
+class FaultTolerance:
+    """One rank's torchft Manager and optimizer wrapper; every method is called by every rank of the group."""
+
+    def __init__(self, fe: FtEnv, *, rank: int, world_size: int, device: torch.device, optimizer: torch.optim.Optimizer,
+                 state_dict: Callable[[], dict[str, Any]], load_state_dict: Callable[[dict[str, Any]], None],
+                 env: Mapping[str, str] = os.environ) -> None:
+        torchft = import_torchft()
+        from torchft.checkpointing.http_transport import HTTPTransport
+
+        host = _url_host(fe.host)
+
+        class _Transport(HTTPTransport):
+            """torchft's HTTP checkpoint server, advertised at the group's address: the default,
+            socket.gethostname(), is a pod's short name, which no other pod resolves."""
+
+            def address(self) -> str:
+                return f"http://{host}:{self._server.socket.getsockname()[1]}/checkpoint/"
+
+        self.fe = fe
+        timeout = timedelta(seconds=fe.timeout_seconds)
+        # torchft's DDP example: NCCL in a child process on GPUs (a hung NCCL call can be killed), gloo on CPU.
+        pg = torchft.ProcessGroupBabyNCCL(timeout=timeout) if device.type == "cuda" else torchft.ProcessGroupGloo(
+            timeout=timeout)
+        self._load = load_state_dict
+        self.healed = False
+        self._started = False
+        self.manager = torchft.Manager(
+            pg=pg, min_replica_size=fe.min_replicas, load_state_dict=self._healed, state_dict=state_dict,
+            replica_id=f"group{fe.group}", lighthouse_addr=fe.lighthouse, rank=rank, world_size=world_size,
+            # The group's torchrun store (the worker store torchrun started in this pod), reached at the
+            # group's address: the quorum hands it to the other groups for the cross-group process group.
+            store_addr=fe.host, store_port=int(env[contract.ENV_MASTER_PORT]), hostname=host,
+            timeout=timeout, quorum_timeout=timedelta(seconds=fe.quorum_timeout_seconds),
+            use_async_quorum=False, checkpoint_transport=_Transport(timeout=timeout, num_chunks=0))
+        self.optimizer = torchft.optim.OptimizerWrapper(self.manager, optimizer)
+
+    def _healed(self, state: dict[str, Any]) -> None:
+        self._load(state)
+        self.healed = True
+
+    def start_step(self) -> bool:
+        """The step's quorum (and zero_grad); True when this group took a live peer's state in it."""
+        self.healed = False
+        if self._started:
+            self.optimizer.zero_grad(set_to_none=True)  # the quorum, then the gradients cleared
+        else:
+            self._first_quorum()
+            self.optimizer.optim.zero_grad(set_to_none=True)
+            self._started = True
+        return self.healed
+
+    def _first_quorum(self) -> None:
+        """The first step's quorum, with every group of the job: the groups start at different times
+        (images pulled, torch imported), and with minReplicas below their number the first to come
+        would otherwise train alone, its peers joining later, or after it ended. Asked again (no step
+        taken in between) until every group is in it or quorumTimeoutSeconds passed; a replacement
+        group finds its peers stepping and is in their next quorum at once. The last one asked is
+        the first step's. Counted in tries, not read off a clock: every rank of the group must ask
+        the same number of times (each quorum is collective within the group)."""
+        pause = 0.1
+        tries = max(1, int(self.fe.quorum_timeout_seconds / pause))
+        self.manager.start_quorum()
+        while self.manager.num_participants() < self.fe.groups and tries:
+            tries -= 1
+            time.sleep(pause)
+            self.manager.start_quorum()
+
+    def average(self, params: Iterable[torch.nn.Parameter]) -> None:
+        """Average the gradients over the quorum's groups (DDP already averaged them within this one)."""
+        works = [self.manager.allreduce(p.grad) for p in params if p.grad is not None]
+        for w in works:
+            w.wait()
+
+    def commit(self) -> bool:
+        """The optimizer step, taken only if every group of the quorum agrees; True when it was."""
+        before = self.manager.current_step()
+        self.optimizer.step()
+        return self.manager.current_step() > before
+
+    def step(self) -> int:
+        """The committed step, the quorum's (a healed group's jumps to its peer's)."""
+        return self.manager.current_step()
+
+    def participants(self) -> int:
+        return self.manager.num_participants()
+
+    def shutdown(self) -> None:
+        self.manager.shutdown(wait=False)
