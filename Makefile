@@ -48,15 +48,17 @@ test: install ## every tier (cluster, CPU and oldest-Kubernetes sessions side by
 
 # What depends on torch's version: local multi-process runs (convergence, a killed rank, the
 # seed-style custom script, signals), checkpoint save/resume (bit-exact at world size 2), compile,
-# the CUDA-only group, failure records, and the trainer's pure pieces (checkpoint format, storage,
-# torchapi, tracking). MLflow's floor client: the launcher's run resolution as unit tests (a fake
-# client on MLflow's entities) and its real child process against a refusing server (no tracking
-# server to start); with a real server the floor pins run in the real-pod tier (the trainer image:
-# node 0's launcher creates the run, node 1's finds it, the trainer resumes it). Left to the main
-# venv: the launcher's pre-flight, gpu_check's plumbing, the GPU-path env checks and the Trainer
-# class's shape, which ask nothing version-specific of torch.
+# the CUDA-only group, failure records, torchft's per-step mode (it needs torch >= 2.7), and the
+# trainer's pure pieces (checkpoint format, storage, torchapi, tracking). MLflow's floor client:
+# the launcher's run resolution as unit tests (a fake client on MLflow's entities) and its real
+# child process against a refusing server (no tracking server to start); with a real server the
+# floor pins run in the real-pod tier (the trainer image: node 0's launcher creates the run, node
+# 1's finds it, the trainer resumes it). Left to the main venv: the launcher's pre-flight,
+# gpu_check's plumbing, the GPU-path env checks and the Trainer class's shape, which ask nothing
+# version-specific of torch.
 FLOOR_TESTS := $(addprefix tests/trainer/,test_local_runs.py test_checkpoint_resume.py test_trainer_exactness.py \
-               test_compile.py test_device_only_group.py test_failure_messages.py test_launcher_signals.py) \
+               test_compile.py test_device_only_group.py test_failure_messages.py test_launcher_signals.py \
+               test_fault_tolerance.py) \
                $(wildcard tests/unit/test_trainer_*.py) \
                tests/trainer/test_mlflow.py::test_a_launcher_without_a_run_fails_the_attempt_only_when_mlflow_is_required
 test-floor: install-floor ## the trainer tiers on the trainer image's torch (hack/versions.env)

@@ -83,7 +83,7 @@ def test_the_weights_hash_is_short_stable_and_sees_one_changed_value():
 
 def test_without_torchft_a_per_step_job_is_refused_naming_it(monkeypatch):
     monkeypatch.setitem(sys.modules, "torchft", None)  # import torchft raises ImportError
-    with pytest.raises(ConfigError, match=r"spec.faultTolerance needs torchft.*pip install 'ddpjob\[ft\]'"):
+    with pytest.raises(ConfigError, match=r"spec.faultTolerance needs torchft.*pip install 'ddpjob\[trainer\]'"):
         faulttolerance.import_torchft()
 
 

@@ -7,7 +7,7 @@ committed only when the quorum agrees (OptimizerWrapper). A group that joins lat
 lost one, takes the whole training state (model, optimizer, LR schedule, TrainState) from a live
 peer at its first quorum, over torchft's HTTP checkpoint transport: no checkpoint read.
 
-torchft is imported only here and only in a per-step job (an extra: `ddpjob[ft]`); without it the
+torchft is imported only here and only in a per-step job (the trainer extra's, on CPython 3.11 x86_64); without it the
 job is refused by name. torchft's own DistributedDataParallel is not used: its comm hook crashes the
 surviving group on CPU in torchft 0.2.0 (ddp.py `assert fut._fut`); one allreduce per parameter
 does the same averaging.
@@ -98,7 +98,7 @@ def import_torchft() -> Any:
         import torchft.optim
     except ImportError as exc:
         raise ConfigError(f"spec.faultTolerance needs torchft, which this environment lacks ({exc}): "
-                          f"pip install 'ddpjob[ft]' (torchft 0.2.0 ships wheels for CPython 3.11 on x86_64 only; "
+                          f"pip install 'ddpjob[trainer]' (torchft 0.2.0 ships wheels for CPython 3.11 on x86_64 only; "
                           f"this is Python {sys.version_info.major}.{sys.version_info.minor})") from exc
     return torchft
 
