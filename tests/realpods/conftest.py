@@ -123,7 +123,7 @@ def apply_digits_as_the_readme_does(cluster: Cluster, namespace: str) -> Path:
 
 
 # One namespace per test that runs a job; one in-cluster operator (session-wide) watches them all.
-JOB_NAMESPACES = ("digits", "restart", "elastic", "custom", "nodeloss", "template", "features")
+JOB_NAMESPACES = ("digits", "restart", "elastic", "custom", "nodeloss", "template", "features", "perstep")
 
 
 class TierNamespaces(dict):
