@@ -30,7 +30,7 @@ def test_a_per_step_job_keeps_its_lighthouse_and_replaces_a_lost_pod_alone(start
     k8s.wait_status("ft", running(2), "Running 2/2")
     uid = k8s.job("ft")["metadata"]["uid"]
 
-    # The Lighthouse: its own pod and ClusterIP Service, owned by the job, none of its nodes.
+    # The Lighthouse: its own pod and headless Service, owned by the job, none of its nodes.
     lh = wait_for(lambda: lighthouse(k8s, "ft"), timeout=30, desc="the Lighthouse pod running")
     assert lh.metadata.name == "ft-ft" and lh.metadata.owner_references[0].uid == uid
     assert lh.spec.containers[0].command[0] == "torchft_lighthouse" and lh.spec.restart_policy == "Always"

@@ -84,7 +84,7 @@ def test_service_is_a_cluster_ip_on_the_lighthouse_port_selecting_the_lighthouse
     svc = render_lighthouse_service(ft_job())
     assert svc["metadata"]["name"] == "train-ft"
     assert svc["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
-    assert "clusterIP" not in svc["spec"]  # not headless: one address, whichever pod runs it
+    assert svc["spec"]["clusterIP"] == "None"  # headless: the name resolves to the ready pod, no kube-proxy needed
     assert svc["spec"]["selector"] == {labels.JOB_NAME: "train", labels.ROLE: labels.ROLE_LIGHTHOUSE}
     (port,) = svc["spec"]["ports"]
     assert port["port"] == contract.FT_LIGHTHOUSE_PORT and port["targetPort"] == "lighthouse"

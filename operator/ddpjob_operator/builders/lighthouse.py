@@ -91,14 +91,17 @@ def render_lighthouse_pod(job: JobSpec) -> dict[str, Any]:
 
 
 def render_lighthouse_service(job: JobSpec) -> dict[str, Any]:
-    """The ClusterIP Service `names.lighthouse_name` in front of the Lighthouse pod: the groups reach
-    it by one name (names.lighthouse_url), whichever pod runs it now. Not headless: a recreated
-    Lighthouse keeps the Service's address, so no group has to resolve it again."""
+    """The headless Service `names.lighthouse_name` of the Lighthouse pod: the groups reach it by one
+    name (names.lighthouse_url), which resolves to whichever pod runs it now, once it is ready.
+    Headless, not a ClusterIP: a virtual IP needs kube-proxy (or its like) on every node, and a
+    name that resolves straight to the pod does not; torchft's clients resolve it again when they
+    reconnect to a recreated Lighthouse."""
     return {
         "apiVersion": "v1",
         "kind": "Service",
         "metadata": child_metadata(job, lighthouse_name(job), {labels.ROLE: labels.ROLE_LIGHTHOUSE}),
         "spec": {
+            "clusterIP": "None",
             "selector": {labels.JOB_NAME: job.name, labels.ROLE: labels.ROLE_LIGHTHOUSE},
             "ports": [{"name": PORT_NAME, "port": contract.FT_LIGHTHOUSE_PORT, "targetPort": PORT_NAME,
                        "protocol": "TCP"}],
