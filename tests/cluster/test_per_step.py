@@ -35,7 +35,7 @@ def test_a_per_step_job_keeps_its_lighthouse_and_replaces_a_lost_pod_alone(start
     assert lh.metadata.name == "ft-ft" and lh.metadata.owner_references[0].uid == uid
     assert lh.spec.containers[0].command[0] == "torchft_lighthouse" and lh.spec.restart_policy == "Always"
     svc = k8s.core.read_namespaced_service("ft-ft", k8s.ns)
-    assert svc.spec.cluster_ip not in (None, "None") and svc.spec.ports[0].port == contract.FT_LIGHTHOUSE_PORT
+    assert svc.spec.cluster_ip == "None" and svc.spec.ports[0].port == contract.FT_LIGHTHOUSE_PORT  # headless
     assert svc.metadata.owner_references[0].uid == uid
     wait_for(lambda: endpoint_pods(k8s.core.api_client, k8s.ns, "ft-ft") == ["ft-ft"], timeout=30,
              desc="the Lighthouse Service's endpoint")
