@@ -22,10 +22,13 @@ CONTAINER = "lighthouse"
 PORT_NAME = "lighthouse"
 # How often the Lighthouse checks whether a quorum can be issued (torchft's default).
 QUORUM_TICK_MS = 100
-# The Lighthouse serves a few heartbeats per group and second: no GPU, a sliver of a core.
 # It keeps nothing to flush: its groups rebuild its state with their next heartbeats.
 GRACE_SECONDS = 5
-RESOURCES: dict[str, Any] = {"requests": {"cpu": "50m", "memory": "64Mi"}, "limits": {"memory": "256Mi"}}
+# The Lighthouse serves a few heartbeats per group and second: no GPU, a sliver of a core. But
+# `torchft_lighthouse` is a Python entry point whose package imports torch: about 0.5 GiB in use
+# once started (the trainer image, measured on the real nodes), and a 256Mi limit had it
+# OOM-killed in a crash loop before it ever listened.
+RESOURCES: dict[str, Any] = {"requests": {"cpu": "50m", "memory": "512Mi"}, "limits": {"memory": "1Gi"}}
 
 
 def lighthouse_command(job: JobSpec) -> list[str]:
