@@ -26,6 +26,9 @@ from ddpjob_cli.local import free_port
 DDPJOB = str(Path(sys.executable).parent / "ddpjob")
 
 
+OPERATOR_START_HANG_S = 300
+
+
 class Operator:
     """One `ddpjob operator` process watching one namespace."""
 
@@ -44,7 +47,12 @@ class Operator:
         self.log = open(log_path, "a")  # noqa: SIM115  (the child's for its lifetime)
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, cwd=REPO_ROOT,
                                      env=cluster.env(**env))
-        wait_for(self.healthy, timeout=30, desc=f"operator /healthz on :{self.health_port}")
+        # The event is /healthz (the pod cache synced); the timeout only bounds a hang. 30 s was a
+        # margin: rehearsal 20 started one beside two torchrun tiers and a local run (load 9) and
+        # its kopf import and first list took longer. An exited operator fails at once.
+        up = wait_for(lambda: "exited" if self.proc.poll() is not None else self.healthy(),
+                      timeout=OPERATOR_START_HANG_S, desc=f"operator /healthz on :{self.health_port}")
+        assert up is True, f"operator exited {self.proc.returncode}:\n{self.tail()}"
 
     def healthy(self) -> bool:
         if self.proc.poll() is not None:
