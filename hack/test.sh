@@ -10,12 +10,11 @@
 # build's lock, or builds it itself).
 #
 # The tiers that drive the control plane (cluster, e2e, realpods) spend most of their time waiting
-# on the API server, the scheduler and pods, while the CPU tiers (the trainer's real torchrun runs;
-# the version-dependent ones again on the image's torch) compute: one after the other they
+# on the API server, the scheduler and pods, while the CPU tiers (the trainer's real torchrun runs,
+# then the version-dependent ones again on the image's torch) compute: one after the other they
 # leave one of CI's two cores idle for most of an hour. The versioned tests on the oldest
-# Kubernetes (the Makefile's VERSIONED_TESTS) wait on their own control plane, kwok's nodes only;
-# that session then runs the floor torch's tiers. No session depends on another's state (the CPU
-# tiers start no cluster objects, and every local run takes its own free ports; each cluster
+# Kubernetes (the Makefile's VERSIONED_TESTS) wait on their own control plane, kwok's nodes only.
+# No session depends on another's state (the CPU tiers start no cluster objects; each cluster
 # session has its own control plane), and tests wait on events, not on wall-clock margins, so
 # sharing the cores makes them slower, not wrong. Each line is prefixed with its session; each
 # session prints its own summary; the run fails if any does.
@@ -45,25 +44,21 @@ cluster_tiers() {
 }
 
 # The versioned tests again, on the second control plane at the oldest Kubernetes the chart
-# allows (the Makefile's VERSIONED_TESTS say which and why), then the trainer tiers on the image's
-# torch (make test-floor). The floor runs here, not after the newest torch's trainer tier: the
-# oldest control plane's tests take about 10 minutes and this session then had nothing to do,
-# while the trainer tier and the floor one after the other were the run's longest path (stop 58's
-# CI: 71 minutes). Each pytest has its own cache: every session writes its own when it ends.
-oldest_then_floor() {
-  local rc=0
-  if hack/build.sh prometheus-operator && DDPJOB_CLUSTER=oldest hack/cluster-up.sh; then
-    PYTEST_ADDOPTS="${PYTEST_ADDOPTS:-} -o cache_dir=.pytest_cache/oldest" make --no-print-directory test-oldest || rc=$?
-  else
-    rc=1   # the e2e test needs prometheus-operator (above); the floor still runs
-  fi
-  PYTEST_ADDOPTS="${PYTEST_ADDOPTS:-} -o cache_dir=.pytest_cache/floor" make --no-print-directory test-floor \
-    || rc=$((rc ? rc : $?))
-  return "$rc"
+# allows (the Makefile's VERSIONED_TESTS say which and why); its own pytest cache.
+oldest_tiers() {
+  hack/build.sh prometheus-operator || return 1   # for the cluster session's e2e test (above)
+  DDPJOB_CLUSTER=oldest hack/cluster-up.sh || return 1
+  PYTEST_ADDOPTS="${PYTEST_ADDOPTS:-} -o cache_dir=.pytest_cache/oldest" make --no-print-directory test-oldest
 }
 
 cpu_tiers() {
-  PYTEST_ADDOPTS="${PYTEST_ADDOPTS:-} -o cache_dir=.pytest_cache/cpu" "$PY" -m pytest -ra "${ARGS[@]}" tests/trainer
+  local rc=0
+  # Its own pytest cache: every session writes its own when it ends.
+  export PYTEST_ADDOPTS="${PYTEST_ADDOPTS:-} -o cache_dir=.pytest_cache/cpu"
+  "$PY" -m pytest -ra "${ARGS[@]}" tests/trainer || rc=$?
+  # The floor runs even when the newest torch failed: a failure on one torch only is worth seeing.
+  make --no-print-directory test-floor || rc=$((rc ? rc : $?))
+  return "$rc"
 }
 
 prepare || exit 1
@@ -71,10 +66,10 @@ cluster_tiers 2>&1 | prefix cluster &
 cluster_pid=$!
 cpu_tiers 2>&1 | prefix cpu &
 cpu_pid=$!
-oldest_then_floor 2>&1 | prefix oldest &
+oldest_tiers 2>&1 | prefix oldest &
 oldest_pid=$!
 wait "$cluster_pid"; cluster_rc=$?
 wait "$cpu_pid"; cpu_rc=$?
 wait "$oldest_pid"; oldest_rc=$?
-echo "make test: cluster tiers exit ${cluster_rc}, trainer tier exit ${cpu_rc}, oldest Kubernetes then the floor torch exit ${oldest_rc}"
+echo "make test: cluster tiers exit ${cluster_rc}, cpu tiers (trainer, then floor) exit ${cpu_rc}, oldest Kubernetes exit ${oldest_rc}"
 exit $((cluster_rc || cpu_rc || oldest_rc))
