@@ -17,7 +17,7 @@ import pytest
 
 from tests.support.stopping import kill_run, wait_for_moment
 
-from .helpers import DDPJOB, REPO, write_job
+from .helpers import DDPJOB, REPO, run_local, write_job
 
 # torchft's only wheels: where the trainer extra has it, a missing torchft fails here, never skips.
 pytestmark = [pytest.mark.skipif(sys.version_info[:2] != (3, 11) or platform.machine() != "x86_64",
@@ -27,6 +27,8 @@ pytestmark.append(pytest.mark.timeout(600))
 KILL_AT, HOLD_AT = 3, 8  # node 1 is killed held at step 3; node 0 steps alone to 8 and holds for the replacement
 STEP_RE = re.compile(r"ft: step (\d+) participants (\d+) weights (\w+)")
 JOINED_RE = re.compile(r"ft: joined at step (\d+) from a peer, weights (\w+)")
+SAVED_RE = re.compile(r"checkpoint \S+/step-(\d+): training paused")
+RESUMED_RE = re.compile(r"resumed from \S+/step-(\d+) at step (\d+)")
 
 
 def _node_processes(work: Path, rank: int) -> list[psutil.Process]:
@@ -48,11 +50,15 @@ def test_a_sigkilled_replica_group_is_replaced_alone_and_heals_from_its_peer(tmp
     participant; a new node 1 starts alone, joins the quorum and takes node 0's state (its weights
     hash is node 0's at that step); the run Succeeds with both groups' weights equal at the end.
     Knobs (debug.py), not sleeps, place the events: node 1 holds at step KILL_AT to be killed there;
-    node 0 holds at HOLD_AT until the replacement's trainer is up, so it joins mid-training."""
+    node 0 holds at HOLD_AT until the replacement's trainer is up, so it joins mid-training.
+    Its checkpoints, for what torchft cannot survive: each step's written by one group alone; a
+    second run (every group lost, then started again) resumes every group from the newest one, and
+    the quorum's steps go on from there."""
     name = f"ft-{uuid.uuid4().hex[:6]}"
+    trainer = {"dataset": "digits", "model": "mlp", "epochs": 1, "batchSize": 16, "lr": 0.1, "logEverySteps": 1,
+               "checkpoint": {"dir": "ckpt", "everySteps": 10}}  # under the run's workdir
     job = write_job(tmp_path / "ft.yaml", name=name, max_restarts=1, faultTolerance={"mode": "perStep"},
-                    trainer={"dataset": "digits", "model": "mlp", "epochs": 1, "batchSize": 16, "lr": 0.1,
-                             "logEverySteps": 1})
+                    trainer=trainer)
     work = tmp_path / "work"
     logs = work / "logs" / "attempt-0"
     node0, node1, replacement = logs / "node-0.log", logs / "node-1.log", logs / "node-1-replacement-1.log"
@@ -96,3 +102,24 @@ def test_a_sigkilled_replica_group_is_replaced_alone_and_heals_from_its_peer(tmp
     steps1 = {int(s): h for s, _, h in STEP_RE.findall(_read(replacement))}
     last = max(s for s in steps1 if s in dict(both))
     assert steps1[last] == dict(both)[last]  # in sync to the end
+
+    # Each step's checkpoint written by one group (two would tear its directory), the last one too.
+    saved = [int(x) for log in (node0, node1, replacement) for x in SAVED_RE.findall(_read(log))]
+    assert saved and len(saved) == len(set(saved)), saved
+    newest = max(saved)
+    assert newest == summary["steps"] and (work / "ckpt" / f"step-{newest:08d}" / "MANIFEST.json").exists(), (
+        saved, summary)
+
+    # Every group lost, then the job started again (5 steps more, the same workdir and so the
+    # same checkpoints): both resume from the newest, neither takes the other's state, and the
+    # quorum's steps go on from it.
+    again = write_job(tmp_path / "again.yaml", name=name, max_restarts=0, faultTolerance={"mode": "perStep"},
+                      trainer={**trainer, "epochs": 2, "maxSteps": newest + 5})
+    proc2, summary2 = run_local(again, tmp_path, timeout=300)
+    assert proc2.returncode == 0 and summary2.get("phase") == "Succeeded", (proc2.stderr or proc2.stdout)[-3000:]
+    for node in (0, 1):
+        log = _read(logs / f"node-{node}.log")
+        assert RESUMED_RE.findall(log)[:1] == [(f"{newest:08d}", str(newest))], log[-3000:]
+        assert not JOINED_RE.findall(log), log[-3000:]
+        steps = [int(st) for st, _n, _h in STEP_RE.findall(log)]
+        assert steps == list(range(newest + 1, newest + 6)) and summary2["steps"] == newest + 5, (steps, summary2)

@@ -1,5 +1,5 @@
 """Per-step fault tolerance's pure pieces: the env it reads, the data split over groups, the state a
-joining group takes from a peer, and the refusals (no torchft, checkpoints)."""
+joining group takes from a peer, and the refusal without torchft."""
 from __future__ import annotations
 
 import io
@@ -11,7 +11,6 @@ import torch
 
 from ddpjob_trainer import debug, faulttolerance
 from ddpjob_trainer.checkpointing.manager import TrainState
-from ddpjob_trainer.config import parse_config
 from ddpjob_trainer.data import ResumableSampler
 from ddpjob_trainer.errors import ConfigError
 from ddpjob_trainer.faulttolerance import FtEnv, weights_hash
@@ -85,12 +84,6 @@ def test_without_torchft_a_per_step_job_is_refused_naming_it(monkeypatch):
     monkeypatch.setitem(sys.modules, "torchft", None)  # import torchft raises ImportError
     with pytest.raises(ConfigError, match=r"spec.faultTolerance needs torchft.*pip install 'ddpjob\[trainer\]'"):
         faulttolerance.import_torchft()
-
-
-def test_checkpoints_with_fault_tolerance_are_refused():
-    faulttolerance.check(parse_config({}))
-    with pytest.raises(ConfigError, match="faultTolerance with spec.trainer.checkpoint"):
-        faulttolerance.check(parse_config({"checkpoint": {"dir": "/ckpt"}}))
 
 
 def test_a_hold_knob_per_rank_holds_only_that_rank_from_its_step():

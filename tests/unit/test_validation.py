@@ -167,9 +167,6 @@ CEL_VIOLATIONS = {
     "spec.faultTolerance and spec.elastic do not mix: with per-step fault tolerance each pod is its own torchrun "
     "group and a lost pod is replaced alone": {"spec": {"faultTolerance": {"mode": "perStep"},
                                                          "elastic": {"minNodes": 1}}},
-    "spec.faultTolerance with spec.trainer.checkpoint.dir is not supported yet: a replaced replica group recovers "
-    "from a live peer, and a job that loses every group starts again from step 0": {
-        "spec": {"faultTolerance": {"mode": "perStep"}, "trainer": {"checkpoint": {"dir": "/ckpt"}}}},
     "spec.faultTolerance.minReplicas must be <= spec.nodes (each pod is one replica group)": {
         "spec": {"nodes": 2, "faultTolerance": {"mode": "perStep", "minReplicas": 3}}},
     "spec.scheduling.gang.scheduleTimeoutSeconds applies to scheduler coscheduling only": {

@@ -78,15 +78,6 @@ def job_rank(env: Mapping[str, str] = os.environ) -> int | None:
                          world_size=int(env.get(contract.TORCHRUN_LOCAL_WORLD_SIZE, "1")))[0]
 
 
-def check(cfg: Any) -> None:
-    """What a per-step job cannot have (yet): checkpoints. Every group restores and only one
-    writes is not built; a lost group recovers from a live peer instead (a whole-job loss then
-    restarts from step 0)."""
-    if cfg.checkpoint.dir:
-        raise ConfigError("spec.faultTolerance with spec.trainer.checkpoint is not supported yet: a replaced "
-                          "replica group recovers from a live peer; remove checkpoint.dir or faultTolerance")
-
-
 def import_torchft() -> Any:
     """torchft, or a ConfigError naming it (an extra, with wheels for CPython 3.11 on x86_64 only)."""
     # torchft's Rust side logs every quorum and commit at INFO (five lines a step): warnings only,
@@ -202,6 +193,19 @@ class FaultTolerance:
 
     def participants(self) -> int:
         return self.manager.num_participants()
+
+    def writes_checkpoints(self) -> bool:
+        """Whether this group writes the job's checkpoints at this step: the first group of the
+        step's quorum, one group a step (every rank of a group sees the same quorum). The others
+        keep none: every group holds the same state, and two writing one step's directory would
+        tear it. A group outside the quorum (healing) writes nothing."""
+        return self.manager.participating_rank() == 0
+
+    def resumed_at(self, step: int) -> None:
+        """The Manager's step set to a checkpoint's (every group resumed from the newest one, after
+        the job lost them all): the quorum's steps go on from there, and a group that resumed from
+        an older one takes a peer's state at its first quorum, as a replacement does."""
+        self.manager.load_state_dict({"step": step, "batches_committed": step * self.fe.groups})
 
     def shutdown(self) -> None:
         self.manager.shutdown(wait=False)

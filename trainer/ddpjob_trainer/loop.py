@@ -167,8 +167,7 @@ class Trainer:
         self.ft: Any = None
         fe = None
         if os.environ.get(contract.ENV_FT_LIGHTHOUSE):
-            from .faulttolerance import FtEnv, check
-            check(cfg)
+            from .faulttolerance import FtEnv
             fe = FtEnv.from_env()
         # The training data's split: over the job's ranks; in a per-step job over every group's.
         self.data_rank, self.data_world = fe.data_split(rank=ctx.rank, world_size=ctx.world_size) if fe else (
@@ -280,7 +279,7 @@ class Trainer:
         resized = loaded.written_at != world
         if resized:
             loaded.schedule_from = self._progress_kept(loaded)
-        self.total_steps = self.schedule.total = self.steps_to_end(loaded, world)
+        self.total_steps = self.schedule.total = self.steps_to_end(loaded, self.data_world)
         self.schedule.anchor = loaded.schedule_from
         if resized:
             self._follow_world_size(loaded)
@@ -315,9 +314,13 @@ class Trainer:
             self.comm.sync_buffers(self.model, mode=self.cfg.ddp.buffer_sync)
             self._synced_at = self.state.step
 
+    def writes_checkpoints(self) -> bool:
+        """A run that checkpoints; in a per-step job, only in the group that writes this step's."""
+        return self.ckpt is not None and (self.ft is None or self.ft.writes_checkpoints())
+
     def save(self) -> None:
         """A checkpoint of this step (once: a second call for the same step does nothing)."""
-        if self.ckpt:
+        if self.ckpt and self.writes_checkpoints():
             self.ckpt.save(self.state)
 
     def check_stop(self, step_seconds: float) -> None:
@@ -334,6 +337,8 @@ class Trainer:
         self.stop_vote.finish()
         save, why = preempt.plan(left=agreed.left, last_save=agreed.last_save, estimate=ckpt.estimate_save(self.state),
                                  step_seconds=agreed.step_seconds, saved=ckpt.saved(self.state.step))
+        if save and not self.writes_checkpoints():
+            save, why = False, "another replica group writes this per-step job's checkpoints"
         where = f"step {self.state.step} (epoch {self.state.epoch}, sample {self.state.samples_done})"
         if save:
             self.log.info(f"stop requested (SIGTERM): saving a checkpoint at {where}: {why}")
@@ -453,8 +458,11 @@ class Trainer:
 
     def _fit(self) -> RunResult:
         cfg, ctx, log, telemetry = self.cfg, self.ctx, self.log, self.telemetry
+        ft = self.ft
         resumed_from = self.restore()
         st = self.state
+        if ft is not None and resumed_from:
+            ft.resumed_at(resumed_from)
         telemetry.set_total_steps(self.total_steps)
         attempt = int(os.environ.get(contract.ENV_ATTEMPT, "0"))
         telemetry.set_restart_count(attempt)
@@ -468,7 +476,6 @@ class Trainer:
                  f"{self.workers} data workers per rank")
 
         cuda = ctx.device.type == "cuda"
-        ft = self.ft
         train_seconds, samples_seen, last_eval, eval_step = 0.0, 0, None, -1
         interval = [0, 0.0, 0.0, 0]  # since the last log step: steps, seconds, data wait, samples
         timeout_shortened = not cfg.step_timeout_seconds
@@ -534,7 +541,7 @@ class Trainer:
                     log.metrics(tracked, step=st.step)
                     if ft is not None:
                         self._ft_line(f"step {st.step} participants {ft.participants()}")
-                if self.ckpt and self.ckpt.maybe_save(st, epoch_end=epoch_end):
+                if self.ckpt and self.writes_checkpoints() and self.ckpt.maybe_save(st, epoch_end=epoch_end):
                     boundary = time.perf_counter()
                 if self.knobs.hold(st.step, alive=telemetry.renew_stage):
                     boundary = time.perf_counter()
