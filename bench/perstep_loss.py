@@ -54,8 +54,8 @@ sys.path.insert(0, str(REPO / "bench"))
 
 import stats  # noqa: E402
 from provenance import Provenance  # noqa: E402
-from recovery import Pods, cluster_lock, first_line_at, images, ranks, summary  # noqa: E402
-from tests.realpods.conftest import apply_docs, example_docs, helm_install_operator, shared_checkpoint_pv  # noqa: E402
+from recovery import Pods, cluster_lock, delete_job, first_line_at, images, named_example, ranks, summary  # noqa: E402
+from tests.realpods.conftest import apply_docs, helm_install_operator, shared_checkpoint_pv  # noqa: E402
 from tests.support.cluster import Cluster, create_namespace, delete_namespace, wait_for  # noqa: E402
 
 ARMS = ("perstep", "replace")  # and "undisturbed": the per-step job, nothing deleted (--to-end: its accuracy)
@@ -69,23 +69,13 @@ JOINED_LINE = re.compile(r"ft: joined at step (\d+)")
 def job_docs(name: str, arm: str, args: argparse.Namespace) -> tuple[list[dict], str]:
     """The example named `name` with its own claim, long enough for the window, paced; the
     per-step arm with faultTolerance on and no disk checkpoints. The docs and the claim's name."""
-    docs = example_docs("digits.yaml")
-    claim = f"{name}-ckpt"
-    for d in docs:
-        if d.get("kind") == "PersistentVolumeClaim":
-            d["metadata"]["name"] = claim
-        elif d.get("kind") == "DDPJob":
-            d["metadata"]["name"] = name
-            spec = d["spec"]
-            for v in spec.get("volumes") or []:
-                if "persistentVolumeClaim" in v:
-                    v["persistentVolumeClaim"]["claimName"] = claim
-            spec["trainer"]["epochs"] = args.epochs
-            spec["trainer"]["logEverySteps"] = 1
-            spec["env"] = [*(spec.get("env") or []), {"name": "DDPJOB_DEBUG_STEP_SLEEP", "value": str(args.step_sleep)}]
-            if arm in ("perstep", "undisturbed"):
-                spec["faultTolerance"] = {"mode": "perStep"}
-                spec["trainer"].pop("checkpoint", None)
+    docs, claim, spec = named_example(name)
+    spec["trainer"]["epochs"] = args.epochs
+    spec["trainer"]["logEverySteps"] = 1
+    spec["env"] = [*(spec.get("env") or []), {"name": "DDPJOB_DEBUG_STEP_SLEEP", "value": str(args.step_sleep)}]
+    if arm in ("perstep", "undisturbed"):
+        spec["faultTolerance"] = {"mode": "perStep"}
+        spec["trainer"].pop("checkpoint", None)
     return docs, claim
 
 
@@ -181,11 +171,7 @@ def run_arm(cluster: Cluster, core: Any, ns: str, arm: str, name: str, tmp: Path
         load_after = os.getloadavg()
         res.update(load_avg_before=[round(x, 2) for x in load_before], load_avg_after=[round(x, 2) for x in load_after],
                    loaded=max(load_before[0], load_after[0]) > args.max_load)
-        cluster.kubectl("delete", "ddpj", name, "-n", ns, "--wait=true", check=False, timeout=180)
-        with contextlib.suppress(AssertionError):
-            wait_for(lambda: not pods.list(), timeout=180, desc=f"{name}: pods gone", interval=1)
-        cluster.kubectl("delete", "pvc", claim, "-n", ns, "--wait=false", check=False)
-        cluster.kubectl("delete", "pv", f"{ns}-{claim}", "--wait=false", check=False)
+        delete_job(cluster, pods, ns, name, claim)
         del pv
 
 

@@ -115,11 +115,12 @@ def images() -> str:
     return proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else ""
 
 
-def job_docs(name: str, arm: str) -> tuple[list[dict], str]:
-    """examples/digits.yaml as the real-pod tests apply it, named `name`, with its own claim;
-    the group arm without in-place budget. Returns the docs and the claim's name."""
+def named_example(name: str) -> tuple[list[dict], str, dict]:
+    """examples/digits.yaml as the real-pod tests apply it, named `name`, with its own claim: the
+    docs, the claim's name and the DDPJob's spec (to change in place)."""
     docs = example_docs("digits.yaml")
     claim = f"{name}-ckpt"
+    spec: dict = {}
     for d in docs:
         if d.get("kind") == "PersistentVolumeClaim":
             d["metadata"]["name"] = claim
@@ -129,9 +130,25 @@ def job_docs(name: str, arm: str) -> tuple[list[dict], str]:
             for v in spec.get("volumes") or []:
                 if "persistentVolumeClaim" in v:
                     v["persistentVolumeClaim"]["claimName"] = claim
-            if arm == "group":
-                spec["elastic"] = {"maxRestarts": 0}
+    return docs, claim, spec
+
+
+def job_docs(name: str, arm: str) -> tuple[list[dict], str]:
+    """The example as named_example has it; the group arm without in-place budget. Returns the
+    docs and the claim's name."""
+    docs, claim, spec = named_example(name)
+    if arm == "group":
+        spec["elastic"] = {"maxRestarts": 0}
     return docs, claim
+
+
+def delete_job(cluster: Cluster, pods: Pods, ns: str, name: str, claim: str) -> None:
+    """A bench job gone with its pods, its claim and the claim's volume."""
+    cluster.kubectl("delete", "ddpj", name, "-n", ns, "--wait=true", check=False, timeout=180)
+    with contextlib.suppress(AssertionError):
+        wait_for(lambda: not pods.list(), timeout=180, desc=f"{name}: pods gone", interval=1)
+    cluster.kubectl("delete", "pvc", claim, "-n", ns, "--wait=false", check=False)
+    cluster.kubectl("delete", "pv", f"{ns}-{claim}", "--wait=false", check=False)
 
 
 class Pods:
@@ -310,13 +327,7 @@ def run_arm(cluster: Cluster, core: Any, ns: str, arm: str, name: str, tmp: Path
         load_after = os.getloadavg()
         res.update(load_avg_before=[round(x, 2) for x in load_before], load_avg_after=[round(x, 2) for x in load_after],
                    loaded=max(load_before[0], load_after[0]) > args.max_load)
-        cluster.kubectl("delete", "ddpj", name, "-n", ns, "--wait=true", check=False, timeout=180)
-        try:
-            wait_for(lambda: not pods.list(), timeout=180, desc=f"{name}: pods gone", interval=1)
-        except AssertionError:
-            pass
-        cluster.kubectl("delete", "pvc", claim, "-n", ns, "--wait=false", check=False)
-        cluster.kubectl("delete", "pv", f"{ns}-{claim}", "--wait=false", check=False)
+        delete_job(cluster, pods, ns, name, claim)
         del pv
 
 
