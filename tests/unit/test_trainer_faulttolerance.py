@@ -28,6 +28,15 @@ def test_the_env_of_a_per_step_pod_and_none_without_a_lighthouse():
         FtEnv.from_env({**FT_ENV, "NNODES": "two"})
 
 
+@pytest.mark.parametrize("env, reports", [
+    ({"NODE_RANK": "1", "NNODES": "2"}, True),  # one torchrun world: its rank 0 is the only pod's rank 0
+    ({**FT_ENV, "NODE_RANK": "0"}, True),
+    (FT_ENV, False),  # group 2 of 3: its rank 0 logs to its console, and tracks nothing
+])
+def test_one_group_of_a_per_step_job_reports_the_result_and_the_mlflow_run(env, reports):
+    assert faulttolerance.reporting_group(env) is reports
+
+
 @pytest.mark.parametrize("groups, nproc", [(2, 1), (2, 2), (3, 2)])
 def test_the_groups_train_on_disjoint_shards_that_cover_the_epoch(groups, nproc):
     shares = []

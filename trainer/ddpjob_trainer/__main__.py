@@ -44,6 +44,7 @@ def main() -> int:
     bounded (see below)."""
     from .config import config_from_env
     from .debug import Knobs
+    from .faulttolerance import reporting_group
     from .dist import FAILED_TEARDOWN_SECONDS, process_group, teardown_within
     from .loop import train
     from .reporting import make_reporter
@@ -62,7 +63,8 @@ def main() -> int:
             try:
                 import torch
 
-                log = make_reporter(rank=ctx.rank, mlflow=cfg.mlflow, telemetry=telemetry,
+                # A per-step job's other groups log to their console only: one group's rank 0 tracks the run.
+                log = make_reporter(rank=ctx.rank, mlflow=cfg.mlflow if reporting_group() else None, telemetry=telemetry,
                                     checkpoint_dir=cfg.checkpoint.dir, torch_mod=torch, device=ctx.device)
                 train(cfg, ctx, log=log, telemetry=telemetry,
                       result_path=os.environ.get(contract.ENV_RESULT_FILE))

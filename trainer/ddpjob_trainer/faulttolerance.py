@@ -78,6 +78,15 @@ def job_rank(env: Mapping[str, str] = os.environ) -> int | None:
                          world_size=int(env.get(contract.TORCHRUN_LOCAL_WORLD_SIZE, "1")))[0]
 
 
+def reporting_group(env: Mapping[str, str] = os.environ) -> bool:
+    """Whether this pod's rank 0 reports for the job (its result, its MLflow run): any pod's outside
+    per-step mode (the job is one torchrun world: only its rank 0 is a pod's rank 0), group 0's in
+    it, where every pod is a world with a rank 0 of its own and the others would report each step
+    again (a replacement of group 0 reports in its place)."""
+    fe = FtEnv.from_env(env)
+    return fe is None or fe.group == 0
+
+
 def import_torchft() -> Any:
     """torchft, or a ConfigError naming it (an extra, with wheels for CPython 3.11 on x86_64 only)."""
     # torchft's Rust side logs every quorum and commit at INFO (five lines a step): warnings only,

@@ -26,6 +26,7 @@ from .config import TrainerConfig
 from .data import PerSampleSeeded, ResumableSampler, advance, build_data, eval_loader, loader_kwargs, steps_left
 from .dist import DistContext
 from .errors import PeerStopped
+from .faulttolerance import LINE, FaultTolerance, FtEnv, reporting_group, weights_hash
 from .models import build_model
 from .reporting import NullReporter, Terminated
 from .telemetry import DeviceTimer, Telemetry, rank_goodput
@@ -167,13 +168,12 @@ class Trainer:
         self.ft: Any = None
         fe = None
         if os.environ.get(contract.ENV_FT_LIGHTHOUSE):
-            from .faulttolerance import FtEnv
             fe = FtEnv.from_env()
         # The training data's split: over the job's ranks; in a per-step job over every group's.
         self.data_rank, self.data_world = fe.data_split(rank=ctx.rank, world_size=ctx.world_size) if fe else (
             ctx.rank, ctx.world_size)
         # Rank 0 of the job (of group 0 in a per-step job) writes the result and the run's record.
-        self.reports = ctx.is_main and (fe is None or fe.group == 0)
+        self.reports = ctx.is_main and reporting_group()
         self.knobs = debug.Knobs.from_env(rank=self.data_rank)  # a per-step job's knobs name its ranks across groups
         # Data, model and the first step's collectives: a hang here is named "first_step".
         self.enter("first_step")
@@ -227,7 +227,6 @@ class Trainer:
         self.stop_request = preempt.StopRequest(preempt.stop_budget()) if self.ckpt else None
         self.stop_vote = preempt.StopVote(ctx.vote_group) if self.ckpt else None
         if fe is not None:
-            from .faulttolerance import FaultTolerance
             self.ft = FaultTolerance(fe, rank=ctx.rank, world_size=ctx.world_size, device=ctx.device,
                                      optimizer=self.opt, state_dict=self.ft_state_dict,
                                      load_state_dict=self.ft_load_state_dict)
@@ -425,7 +424,6 @@ class Trainer:
 
     def _ft_line(self, what: str) -> None:
         """A per-step job's greppable line (faulttolerance.LINE): what happened, then the weights' hash."""
-        from .faulttolerance import LINE, weights_hash
         self.log.info(f"{LINE} {what} weights {weights_hash(self.model)}")
 
     def _eval_and_log(self) -> EvalResult:
