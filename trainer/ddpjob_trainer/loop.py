@@ -166,9 +166,7 @@ class Trainer:
         self.cfg, self.ctx, self.log, self.telemetry = cfg, ctx, log, telemetry
         # Per-step fault tolerance (spec.faultTolerance): set when the pod's env names a Lighthouse.
         self.ft: Any = None
-        fe = None
-        if os.environ.get(contract.ENV_FT_LIGHTHOUSE):
-            fe = FtEnv.from_env()
+        fe = FtEnv.from_env()
         # The training data's split: over the job's ranks; in a per-step job over every group's.
         self.data_rank, self.data_world = fe.data_split(rank=ctx.rank, world_size=ctx.world_size) if fe else (
             ctx.rank, ctx.world_size)
@@ -384,33 +382,21 @@ class Trainer:
                 (loss / n_micro).backward()
             loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
             n_samples += y.numel()
-        if self.ft is not None:
-            return self._ft_commit(StepOutput(loss_sum=loss_sum, micro_batches=n_micro, samples=n_samples,
-                                              data_wait_seconds=wait))
-        self.opt.step()
-        self.sched.step()
-        self.opt.zero_grad(set_to_none=True)
-        self.device_timer.end_step()
-        self.knobs.after_step(self.state.step + 1)
-        self.state.step += 1
-        self.micro_left -= n_micro
-        self.state.samples_done = advance(self.state.samples_done, taken=n_samples, world_size=self.data_world,
-                                          n=self.train_size)
-        return StepOutput(loss_sum=loss_sum, micro_batches=n_micro, samples=n_samples, data_wait_seconds=wait)
-
-    def _ft_commit(self, out: StepOutput) -> StepOutput:
-        """A per-step job's end of a step: gradients averaged over the groups, the step committed
-        if the quorum agrees; the step counter is the quorum's."""
-        self.ft.average(self.model.parameters())
-        out.committed = self.ft.commit()
+        out = StepOutput(loss_sum=loss_sum, micro_batches=n_micro, samples=n_samples, data_wait_seconds=wait)
+        if self.ft is None:
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=True)
+        else:  # a per-step job: averaged over the groups, committed if the quorum agrees
+            self.ft.average(self.model.parameters())
+            out.committed = self.ft.commit()
         self.device_timer.end_step()
         if not out.committed:
             return out
         self.sched.step()
         self.knobs.after_step(self.state.step + 1)
-        self.state.step = self.ft.step()
-        self.micro_left -= out.micro_batches
-        self.state.samples_done = advance(self.state.samples_done, taken=out.samples, world_size=self.data_world,
+        self.state.step = self.state.step + 1 if self.ft is None else self.ft.step()  # the quorum's (a healed group's jumps)
+        self.micro_left -= n_micro
+        self.state.samples_done = advance(self.state.samples_done, taken=n_samples, world_size=self.data_world,
                                           n=self.train_size)
         return out
 
