@@ -370,6 +370,8 @@ def _phase(source: str, table: str, arm: str, name: str) -> Figure:
 
 
 _SPREAD_S = "{v[median]:.2f} s [{v[min]:.2f}-{v[max]:.2f}], {v[n]} runs"
+_PERSTEP = "perstep_loss.json"
+_SPREAD_LOST = "{{r[steps_lost][{arm}][median]:.1f}} [{{r[steps_lost][{arm}][min]:.1f}}-{{r[steps_lost][{arm}][max]:.1f}}]"
 _SPREAD_STEPS = "{v[min]:.0f}-{v[max]:.0f}"
 
 FIGURES: dict[str, Figure] = {
@@ -498,6 +500,21 @@ FIGURES: dict[str, Figure] = {
     "memory.peak.ratio": Figure(_MEMORY, "{r[peak_over_steady_largest]:.2f}x"),
     "memory.restart.first": Figure(_MEMORY, "{r[steps][1][group_restart_s]:.1f} s"),
     "memory.restart.largest": Figure(_MEMORY, "{v:.1f} s", lambda r: r["steps"][-1]["group_restart_s"]),
+    # Steps a minute lost to one force-deleted pod on the real nodes, per-step fault tolerance
+    # against the replace path (bench/perstep_loss.py).
+    "perstep.commit": Figure(_PERSTEP, "{r[commit]:.7}"),
+    "perstep.n": Figure(_PERSTEP, "{r[repeats_done]}"),
+    "perstep.loaded": Figure(_PERSTEP, "{v}", _loaded),
+    "perstep.lost.perstep": Figure(_PERSTEP, _SPREAD_LOST.format(arm="perstep")),
+    "perstep.lost.replace": Figure(_PERSTEP, _SPREAD_LOST.format(arm="replace")),
+    "perstep.kept.ratio": Figure(_PERSTEP, _interval("kept_ratio_perstep_over_replace", digits=2)),
+    "perstep.pause": Figure(_PERSTEP, "{r[pause_s][perstep][median]:.2f} s [{r[pause_s][perstep][min]:.2f}-"
+                                      "{r[pause_s][perstep][max]:.2f}]"),
+    "perstep.gap": Figure(_PERSTEP, "{r[step_gap_s][perstep][median]:.2f} s"),
+    "perstep.join": Figure(_PERSTEP, "{r[join_s][perstep][median]:.2f} s [{r[join_s][perstep][min]:.2f}-"
+                                     "{r[join_s][perstep][max]:.2f}]"),
+    "perstep.pace": Figure(_PERSTEP, "{r[pace_steps_per_s][perstep][median]:.2f} against "
+                                     "{r[pace_steps_per_s][replace][median]:.2f}"),
     # Pins (hack/versions.env).
     **{f"pin.{name}": Pin("hack/versions.env", name) for name in (
         "KUBE_VERSION", "KUBE_OLDEST_VERSION", "ETCD_VERSION", "KWOK_VERSION", "HELM_VERSION", "COREDNS_VERSION",
@@ -535,6 +552,7 @@ FIGURE_LOOKING = re.compile(
 # belongs in FIGURES.
 NOT_MEASURED: dict[str, str] = {
     "0.1 s": "app/workqueue's coalescing pause; the agent's watchdog poll (agent.py)",
+    "0.2 s": "bench/perstep_loss.py's --step-sleep, each rank's pause a step (DDPJOB_DEBUG_STEP_SLEEP)",
     "0.25 s": "DDPJOB_DEBUG_SLOW_RANK's example value",
     "1 s": "the workqueue's first retry; torchrun's rendezvous poll; the recovery histogram's first bucket",
     "3 s": "tracking.KILLED_SECONDS",
