@@ -305,14 +305,16 @@ def _runs(*results: Any, arm: str, key: str) -> list[float]:
     return [run[key] for r in results for run in r["runs"] if run["arm"] == arm and run.get(key) is not None]
 
 
-def _paired(*results: Any) -> list[float]:
-    """In place / group per repeat, over several recovery results (the bench pairs them so)."""
+def _paired(*results: Any, arms: tuple[str, str] = ("inplace", "group"), key: str = "kill_to_step_s") -> list[float]:
+    """One arm's `key` over the other's per repeat, over several results of a bench that pairs its
+    arms so (recovery: in place / group)."""
+    first, second = arms
     out = []
     for r in results:
-        arms: dict[int, dict[str, float]] = {}
+        by_repeat: dict[int, dict[str, float]] = {}
         for run in r["runs"]:
-            arms.setdefault(run["repeat"], {})[run["arm"]] = run["kill_to_step_s"]
-        out += [a["inplace"] / a["group"] for a in arms.values() if {"inplace", "group"} <= a.keys()]
+            by_repeat.setdefault(run["repeat"], {})[run["arm"]] = run[key]
+        out += [a[first] / a[second] for a in by_repeat.values() if {first, second} <= a.keys()]
     return out
 
 
@@ -374,16 +376,6 @@ _SPREAD_S = "{v[median]:.2f} s [{v[min]:.2f}-{v[max]:.2f}], {v[n]} runs"
 _PERSTEP = ("perstep_loss.json", "perstep_loss_rerun.json")
 _SPREAD_LOST = "{v[median]:.1f} [{v[min]:.1f}-{v[max]:.1f}]"
 
-
-def _kept_pairs(*results: Any) -> list[float]:
-    """Steps made in the minute after the loss, per-step over replace, per repeat (the bench pairs them so)."""
-    out = []
-    for r in results:
-        arms: dict[int, dict[str, float]] = {}
-        for run in r["runs"]:
-            arms.setdefault(run["repeat"], {})[run["arm"]] = run["kept"]
-        out += [a["perstep"] / a["replace"] for a in arms.values() if {"perstep", "replace"} <= a.keys()]
-    return out
 _SPREAD_STEPS = "{v[min]:.0f}-{v[max]:.0f}"
 
 FIGURES: dict[str, Figure] = {
@@ -520,7 +512,8 @@ FIGURES: dict[str, Figure] = {
     "perstep.lost.perstep": Figure(_PERSTEP, _SPREAD_LOST, _spread("perstep", "steps_lost")),
     "perstep.lost.replace": Figure(_PERSTEP, _SPREAD_LOST, _spread("replace", "steps_lost")),
     "perstep.kept.ratio": Figure(_PERSTEP, "{v[0]:.2f} (geometric mean of {v[1]} pairs, {v[2]:.2f}-{v[3]:.2f})",
-                                 lambda *r: (statistics.geometric_mean(p := _kept_pairs(*r)), len(p), min(p), max(p))),
+                                 lambda *r: (statistics.geometric_mean(p := _paired(*r, arms=("perstep", "replace"), key="kept")),
+                                            len(p), min(p), max(p))),
     "perstep.kept.first": Figure(_PERSTEP[0], _interval("kept_ratio_perstep_over_replace", digits=2)),
     "perstep.kept.second": Figure(_PERSTEP[1], _interval("kept_ratio_perstep_over_replace", digits=2)),
     "perstep.pause": Figure(_PERSTEP, "{v[median]:.2f} s [{v[min]:.2f}-{v[max]:.2f}]", _spread("perstep", "pause_s")),
