@@ -54,7 +54,8 @@ sys.path.insert(0, str(REPO / "bench"))
 
 import stats  # noqa: E402
 from provenance import Provenance  # noqa: E402
-from recovery import Pods, cluster_lock, delete_job, first_line_at, images, named_example, ranks, summary  # noqa: E402
+from recovery import (Pods, cluster_lock, delete_job, first_line_at, fresh_logs_dir, images, load_fields,  # noqa: E402
+                      named_example, ranks, summary)
 from tests.realpods.conftest import apply_docs, helm_install_operator, shared_checkpoint_pv  # noqa: E402
 from tests.support.cluster import Cluster, create_namespace, delete_namespace, wait_for  # noqa: E402
 
@@ -168,9 +169,7 @@ def run_arm(cluster: Cluster, core: Any, ns: str, arm: str, name: str, tmp: Path
                                                 if t >= t_del})
         return res
     finally:
-        load_after = os.getloadavg()
-        res.update(load_avg_before=[round(x, 2) for x in load_before], load_avg_after=[round(x, 2) for x in load_after],
-                   loaded=max(load_before[0], load_after[0]) > args.max_load)
+        res.update(load_fields(load_before, args.max_load))
         delete_job(cluster, pods, ns, name, claim)
         del pv
 
@@ -245,10 +244,7 @@ def main() -> int:
     from kubernetes import client
     core = client.CoreV1Api(api)
     load_start = os.getloadavg()
-    logs_dir = Path(args.out).with_suffix("").parent / (Path(args.out).stem + "_logs")
-    logs_dir.mkdir(parents=True, exist_ok=True)
-    for old in logs_dir.glob("*.log"):
-        old.unlink()
+    logs_dir = fresh_logs_dir(args.out)
     tmp = Path(tempfile.mkdtemp(prefix="perstep-bench-"))
     op_ns, release = f"ddpjob-op-{uuid.uuid4().hex[:6]}", f"op{uuid.uuid4().hex[:6]}"
     runs: list[dict[str, Any]] = []

@@ -142,6 +142,22 @@ def job_docs(name: str, arm: str) -> tuple[list[dict], str]:
     return docs, claim
 
 
+def load_fields(before: tuple[float, ...], max_load: float) -> dict[str, Any]:
+    """A run's load averages, before it and now, and whether either 1-minute one passed max_load."""
+    after = os.getloadavg()
+    return {"load_avg_before": [round(x, 2) for x in before], "load_avg_after": [round(x, 2) for x in after],
+            "loaded": max(before[0], after[0]) > max_load}
+
+
+def fresh_logs_dir(out: str) -> Path:
+    """<result>_logs beside the result, holding this run's pod logs only."""
+    logs_dir = Path(out).with_suffix("").parent / (Path(out).stem + "_logs")
+    logs_dir.mkdir(parents=True, exist_ok=True)
+    for old in logs_dir.glob("*.log"):
+        old.unlink()
+    return logs_dir
+
+
 def delete_job(cluster: Cluster, pods: Pods, ns: str, name: str, claim: str) -> None:
     """A bench job gone with its pods, its claim and the claim's volume."""
     cluster.kubectl("delete", "ddpj", name, "-n", ns, "--wait=true", check=False, timeout=180)
@@ -324,9 +340,7 @@ def run_arm(cluster: Cluster, core: Any, ns: str, arm: str, name: str, tmp: Path
             res["phases"][phase] = round(t - t_kill, 3) if t else None
         return res
     finally:
-        load_after = os.getloadavg()
-        res.update(load_avg_before=[round(x, 2) for x in load_before], load_avg_after=[round(x, 2) for x in load_after],
-                   loaded=max(load_before[0], load_after[0]) > args.max_load)
+        res.update(load_fields(load_before, args.max_load))
         delete_job(cluster, pods, ns, name, claim)
         del pv
 
@@ -412,10 +426,7 @@ def main() -> int:
         return 2
     api = cluster.api()
     load_start = os.getloadavg()
-    logs_dir = Path(args.out).with_suffix("").parent / (Path(args.out).stem + "_logs")
-    logs_dir.mkdir(parents=True, exist_ok=True)
-    for old in logs_dir.glob("*.log"):  # this run's logs only
-        old.unlink()
+    logs_dir = fresh_logs_dir(args.out)
     with cluster_lock() if args.hold_lock else contextlib.nullcontext():
         runs = repeats(prov, cluster, api, arms, args, logs_dir, load_start,
                        lock=contextlib.nullcontext if args.hold_lock else cluster_lock)

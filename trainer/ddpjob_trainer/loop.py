@@ -311,13 +311,14 @@ class Trainer:
             self.comm.sync_buffers(self.model, mode=self.cfg.ddp.buffer_sync)
             self._synced_at = self.state.step
 
-    def writes_checkpoints(self) -> bool:
-        """A run that checkpoints; in a per-step job, only in the group that writes this step's."""
-        return self.ckpt is not None and (self.ft is None or self.ft.writes_checkpoints())
+    def writes_here(self) -> bool:
+        """Whether this rank's group writes the run's checkpoints at this step: always, but in a
+        per-step job, where one group a step does (FaultTolerance.writes_checkpoints)."""
+        return self.ft is None or self.ft.writes_checkpoints()
 
     def save(self) -> None:
         """A checkpoint of this step (once: a second call for the same step does nothing)."""
-        if self.ckpt and self.writes_checkpoints():
+        if self.ckpt and self.writes_here():
             self.ckpt.save(self.state)
 
     def check_stop(self, step_seconds: float) -> None:
@@ -334,7 +335,7 @@ class Trainer:
         self.stop_vote.finish()
         save, why = preempt.plan(left=agreed.left, last_save=agreed.last_save, estimate=ckpt.estimate_save(self.state),
                                  step_seconds=agreed.step_seconds, saved=ckpt.saved(self.state.step))
-        if save and not self.writes_checkpoints():
+        if save and not self.writes_here():
             save, why = False, "another replica group writes this per-step job's checkpoints"
         where = f"step {self.state.step} (epoch {self.state.epoch}, sample {self.state.samples_done})"
         if save:
@@ -525,7 +526,7 @@ class Trainer:
                     log.metrics(tracked, step=st.step)
                     if ft is not None:
                         self._ft_line(f"step {st.step} participants {ft.participants()}")
-                if self.ckpt and self.writes_checkpoints() and self.ckpt.maybe_save(st, epoch_end=epoch_end):
+                if self.ckpt and self.writes_here() and self.ckpt.maybe_save(st, epoch_end=epoch_end):
                     boundary = time.perf_counter()
                 if self.knobs.hold(st.step, alive=telemetry.renew_stage):
                     boundary = time.perf_counter()
