@@ -13,7 +13,8 @@
 # on the API server, the scheduler and pods, while the CPU tiers (the trainer's real torchrun runs,
 # then the version-dependent ones again on the image's torch) compute: one after the other they
 # leave one of CI's two cores idle for most of an hour. The versioned tests on the oldest
-# Kubernetes (the Makefile's VERSIONED_TESTS) wait on their own control plane, kwok's nodes only.
+# Kubernetes (the Makefile's VERSIONED_TESTS) wait on their own control plane, kwok's nodes only;
+# that session then runs the unit tier.
 # No session depends on another's state (the CPU tiers start no cluster objects; each cluster
 # session has its own control plane), and tests wait on events, not on wall-clock margins, so
 # sharing the cores makes them slower, not wrong. Each line is prefixed with its session; each
@@ -40,19 +41,27 @@ prepare() {
 }
 
 cluster_tiers() {
-  "$PY" -m pytest -ra "${ARGS[@]}" tests --ignore=tests/trainer   # every other tier, new ones too
+  "$PY" -m pytest -ra "${ARGS[@]}" tests --ignore=tests/trainer --ignore=tests/unit   # every other tier, new ones too
 }
 
 # The versioned tests again, on the second control plane at the oldest Kubernetes the chart
-# allows (the Makefile's VERSIONED_TESTS say which and why); its own pytest cache.
+# allows (the Makefile's VERSIONED_TESTS say which and why); its own pytest cache. The unit tier
+# runs after them even when they could not.
 oldest_tiers() {
   local rc=0
-  hack/build.sh prometheus-operator || return 1   # for the cluster session's e2e test (above)
-  DDPJOB_CLUSTER=oldest hack/cluster-up.sh || return 1
-  PYTEST_ADDOPTS="${PYTEST_ADDOPTS:-} -o cache_dir=.pytest_cache/oldest" make --no-print-directory test-oldest || rc=$?
+  hack/build.sh prometheus-operator || rc=1   # for the cluster session's e2e test (above)
+  if [ "$rc" = 0 ] && DDPJOB_CLUSTER=oldest hack/cluster-up.sh; then
+    PYTEST_ADDOPTS="${PYTEST_ADDOPTS:-} -o cache_dir=.pytest_cache/oldest" make --no-print-directory test-oldest || rc=$?
+  else
+    rc=1
+  fi
   # Down once its tests ran (10 of CI's 70 minutes): its API server, etcd and kwok no longer take a
   # share of the two cores the other sessions still need. Its logs stay for a failure's reader.
   DDPJOB_CLUSTER=oldest hack/cluster-down.sh --keep-logs || true
+  # Then the unit tier (pure functions, no cluster): in this session, which ends about 45 minutes
+  # before the others, not in the cluster session, whose end it delayed by its 3-4 minutes.
+  PYTEST_ADDOPTS="${PYTEST_ADDOPTS:-} -o cache_dir=.pytest_cache/unit" \
+    "$PY" -m pytest -ra "${ARGS[@]}" tests/unit || rc=$((rc ? rc : $?))
   return "$rc"
 }
 
@@ -76,5 +85,5 @@ oldest_pid=$!
 wait "$cluster_pid"; cluster_rc=$?
 wait "$cpu_pid"; cpu_rc=$?
 wait "$oldest_pid"; oldest_rc=$?
-echo "make test: cluster tiers exit ${cluster_rc}, cpu tiers (trainer, then floor) exit ${cpu_rc}, oldest Kubernetes exit ${oldest_rc}"
+echo "make test: cluster tiers exit ${cluster_rc}, cpu tiers (trainer, then floor) exit ${cpu_rc}, oldest Kubernetes (then unit) exit ${oldest_rc}"
 exit $((cluster_rc || cpu_rc || oldest_rc))

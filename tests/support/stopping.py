@@ -34,10 +34,14 @@ _STEP = re.compile(r"^ddpjob_trainer_step\{[^}]*\} (\S+)$", re.M)
 
 @contextmanager
 def cpu_load(processes: int | None = None) -> Iterator[list[subprocess.Popen]]:
-    """One busy process per core (or `processes`) for the duration: the loaded machine on which
-    a stop that merely usually works would fail."""
+    """A busy process for each core that the machine does not already keep busy (or `processes`)
+    for the duration: the loaded machine on which a stop that merely usually works would fail.
+    Where the other tests already load every core (make test's sessions side by side: a load of
+    6-10 on CI's two cores), more busy loops would only take CPU from them."""
+    cores = os.cpu_count() or 1
+    busy = min(cores, int(os.getloadavg()[0]))  # runnable processes, the last minute's average
     procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
-             for _ in range(processes or os.cpu_count() or 1)]
+             for _ in range(cores - busy if processes is None else processes)]
     try:
         yield procs
     finally:
