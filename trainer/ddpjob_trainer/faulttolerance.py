@@ -103,6 +103,18 @@ def import_torchft() -> Any:
     return torchft
 
 
+# Between two tries of a failed quorum (FaultTolerance._quorum): a Lighthouse being recreated
+# refuses connections for seconds.
+QUORUM_RETRY_PAUSE = 0.5
+
+
+def quorum_try_seconds(fe: FtEnv) -> float:
+    """How long one try of a quorum may take before it is asked again: with the Lighthouse up, a
+    quorum comes within its join timeout (timeoutSeconds) of the last group's request; ten seconds
+    at least, for a loaded machine."""
+    return max(10.0, 3 * fe.timeout_seconds)
+
+
 def _url_host(host: str) -> str:
     return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
@@ -122,7 +134,7 @@ class FaultTolerance:
 
     def __init__(self, fe: FtEnv, *, rank: int, world_size: int, device: torch.device, optimizer: torch.optim.Optimizer,
                  state_dict: Callable[[], dict[str, Any]], load_state_dict: Callable[[dict[str, Any]], None],
-                 env: Mapping[str, str] = os.environ) -> None:
+                 log: Callable[[str], None] = print, env: Mapping[str, str] = os.environ) -> None:
         torchft = import_torchft()
         from torchft.checkpointing.http_transport import HTTPTransport
 
@@ -135,7 +147,7 @@ class FaultTolerance:
             def address(self) -> str:
                 return f"http://{host}:{self._server.socket.getsockname()[1]}/checkpoint/"
 
-        self.fe = fe
+        self.fe, self._log = fe, log
         timeout = timedelta(seconds=fe.timeout_seconds)
         # torchft's DDP example: NCCL in a child process on GPUs (a hung NCCL call can be killed), gloo on CPU.
         pg = torchft.ProcessGroupBabyNCCL(timeout=timeout) if device.type == "cuda" else torchft.ProcessGroupGloo(
@@ -158,15 +170,38 @@ class FaultTolerance:
         self.healed = True
 
     def start_step(self) -> bool:
-        """The step's quorum (and zero_grad); True when this group took a live peer's state in it."""
+        """The step's quorum, then the gradients cleared; True when this group took a live peer's
+        state in it."""
         self.healed = False
         if self._started:
-            self.optimizer.zero_grad(set_to_none=True)  # the quorum, then the gradients cleared
+            self._quorum()
         else:
             self._first_quorum()
-            self.optimizer.optim.zero_grad(set_to_none=True)
             self._started = True
+        self.optimizer.optim.zero_grad(set_to_none=True)
         return self.healed
+
+    def _quorum(self) -> None:
+        """One quorum, asked again while asking fails, until quorumTimeoutSeconds have passed.
+        A Lighthouse lost mid-request (its pod deleted, its node gone) takes the request with it:
+        torchft's call then hangs for its whole timeout and fails the step, every group's at once,
+        though the operator has a new Lighthouse serving at the same name within seconds. Each try
+        waits at most quorum_try_seconds; the groups' heartbeats reconnect to the new one by
+        themselves, and the next try is served by it."""
+        deadline = time.monotonic() + self.fe.quorum_timeout_seconds
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                self.manager.start_quorum(timeout=timedelta(seconds=max(0.1, min(left, quorum_try_seconds(self.fe)))))
+                return
+            except Exception as exc:  # torchft raises the Rust client's errors as RuntimeError/TimeoutError
+                if time.monotonic() >= deadline:
+                    raise
+                self._log(f"{LINE} quorum failed ({type(exc).__name__}: {str(exc)[:200]}): asking the Lighthouse "
+                          f"again for {deadline - time.monotonic():.0f} s more (spec.faultTolerance.quorumTimeoutSeconds)")
+                # torchft 0.2.0 (pinned) re-raises the failed quorum at the next start_quorum: forget it.
+                self.manager._quorum_future = None
+                time.sleep(QUORUM_RETRY_PAUSE)
 
     def _first_quorum(self) -> None:
         """The first step's quorum, with every group of the job: the groups start at different times
@@ -178,11 +213,11 @@ class FaultTolerance:
         the same number of times (each quorum is collective within the group)."""
         pause = 0.1
         tries = max(1, int(self.fe.quorum_timeout_seconds / pause))
-        self.manager.start_quorum()
+        self._quorum()
         while self.manager.num_participants() < self.fe.groups and tries:
             tries -= 1
             time.sleep(pause)
-            self.manager.start_quorum()
+            self._quorum()
 
     def average(self, params: Iterable[torch.nn.Parameter]) -> None:
         """Average the gradients over the quorum's groups (DDP already averaged them within this one)."""

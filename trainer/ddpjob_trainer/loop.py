@@ -227,7 +227,7 @@ class Trainer:
         if fe is not None:
             self.ft = FaultTolerance(fe, rank=ctx.rank, world_size=ctx.world_size, device=ctx.device,
                                      optimizer=self.opt, state_dict=self.ft_state_dict,
-                                     load_state_dict=self.ft_load_state_dict)
+                                     load_state_dict=self.ft_load_state_dict, log=self.log.info)
 
     def ft_state_dict(self) -> dict[str, Any]:
         """Everything a group that joins a per-step job takes from a live peer."""
