@@ -64,9 +64,13 @@ FLOOR_TESTS := $(addprefix tests/trainer/,test_local_runs.py test_checkpoint_res
 # Not again here: the real-pod tier runs the same paths in the trainer image, on this same torch
 # (tests/realpods/test_training.py: the digits example trained to its accuracy across two nodes;
 # the stall and the SIGKILL restarted in place from the snapshot and the checkpoint; the
-# custom-script example), so the floor's copies only cost CI minutes.
+# custom-script example), so the floor's copies only cost CI minutes. Nor the local runner's stop
+# by SIGINT or SIGTERM: it stops its nodes' launchers with SIGTERM, and what torch's version
+# changes below them (torchrun's agent and workers stopping) is what test_launcher_signals.py
+# runs here at the same moments.
 FLOOR_DESELECT := $(addprefix --deselect tests/trainer/test_local_runs.py::, \
                test_digits_example_converges_across_two_nodes \
+               test_ctrl_c_or_sigterm_stops_every_process_within_seconds_on_a_loaded_machine \
                test_frozen_then_sigkilled_rank_1_restarts_the_workers_in_place_and_resumes_from_checkpoint \
                test_custom_script_example_runs_unchanged)
 test-floor: install-floor ## the trainer tiers on the trainer image's torch (hack/versions.env)

@@ -375,6 +375,15 @@ _SPREAD_S = "{v[median]:.2f} s [{v[min]:.2f}-{v[max]:.2f}], {v[n]} runs"
 # Steps lost to a force-deleted pod on the real nodes (bench/perstep_loss.py): two runs of 3 repeats.
 _PERSTEP = ("perstep_loss.json", "perstep_loss_rerun.json")
 _SPREAD_LOST = "{v[median]:.1f} [{v[min]:.1f}-{v[max]:.1f}]"
+# The same jobs run to their end, one pod force-deleted or none (--arms perstep,undisturbed --to-end).
+_PERSTEP_ACC = "perstep_accuracy.json"
+_ACCURACIES = "{v[min]:.4f}-{v[max]:.4f} ({v[n]} runs)"
+
+
+def _accuracy_gap(r: Any) -> float:
+    """The largest difference between a disturbed per-step job's accuracy and an undisturbed one's."""
+    return max(abs(a - b) for a in _runs(r, arm="perstep", key="eval_accuracy")
+               for b in _runs(r, arm="undisturbed", key="eval_accuracy"))
 
 _SPREAD_STEPS = "{v[min]:.0f}-{v[max]:.0f}"
 
@@ -516,6 +525,10 @@ FIGURES: dict[str, Figure] = {
                                             len(p), min(p), max(p))),
     "perstep.kept.first": Figure(_PERSTEP[0], _interval("kept_ratio_perstep_over_replace", digits=2)),
     "perstep.kept.second": Figure(_PERSTEP[1], _interval("kept_ratio_perstep_over_replace", digits=2)),
+    "perstep.acc.commit": Figure(_PERSTEP_ACC, "{r[provenance][commit]:.7}"),
+    "perstep.acc.perstep": Figure(_PERSTEP_ACC, _ACCURACIES, _spread("perstep", "eval_accuracy")),
+    "perstep.acc.undisturbed": Figure(_PERSTEP_ACC, _ACCURACIES, _spread("undisturbed", "eval_accuracy")),
+    "perstep.acc.gap": Figure(_PERSTEP_ACC, "{v:.4f}", _accuracy_gap),
     "perstep.pause": Figure(_PERSTEP, "{v[median]:.2f} s [{v[min]:.2f}-{v[max]:.2f}]", _spread("perstep", "pause_s")),
     "perstep.gap": Figure(_PERSTEP, "{v[median]:.2f} s", _spread("perstep", "step_gap_s")),
     "perstep.join": Figure(_PERSTEP, "{v[median]:.2f} s [{v[min]:.2f}-{v[max]:.2f}]", _spread("perstep", "join_s")),
