@@ -459,7 +459,7 @@ class Books:
         status["goodput"] = goodput.advance(prev.get("goodput"), goodput.Observed(
             now=now, created=self.created, ended=now if ended else None, attempt=self.attempt if attempt is None else attempt,
             restarted=attempt is not None, scheduled_at=self.spawned if attempt is None else None,
-            stepped_at=goodput.stepped_at(samples), history=up.history, recovered=inplace.recoveries(prev, status),
+            stepped_at=goodput.stepped_at(samples), history=up.history, recovered=inplace.recoveries(prev, status, training_stopped=True),
             stalls=goodput.new_stalls(prev.get("restartHistory") or [], up.history, last),
             ranks=goodput.rank_counters(samples), step_seconds=goodput.step_seconds(samples)))
         if attempt is not None:

@@ -13,7 +13,7 @@ import pytest
 
 from ddpjob_api.contract import GOODPUT_CATEGORIES
 from ddpjob_operator.base.group import Group
-from ddpjob_operator.decisions import goodput
+from ddpjob_operator.decisions import goodput, inplace
 from ddpjob_operator.decisions.goodput import Observed, advance
 from ddpjob_operator.decisions.writes import settled
 from tests.support.builders import NOW, make_job, make_pod, running_status
@@ -210,3 +210,32 @@ def test_job_status_keeps_the_ledger_and_it_never_asks_for_a_write_of_its_own():
     assert later["goodput"]["seconds"]["checkpointing"] == 2.0
     assert settled(first, later)  # only the ledger changed: nothing is written for it
     assert not settled(first, {**later, "phase": "Failed"})
+
+
+@pytest.mark.parametrize("seen_open", [True, False], ids=["seen-open", "seen-recovered"])
+def test_a_per_step_jobs_replaced_pod_is_no_recovering_for_the_groups_that_trained_through_it(seen_open):
+    """Pod 1 of a per-step job (spec.faultTolerance) is lost at 100 and its replacement steps 9 s
+    later: the other group never stopped, so that time is training, not recovering; the same entry
+    without the perStep mark (every rank waited for the replacement) is recovering."""
+    base = dict(scheduled_at=5, stepped_at=10, step_seconds=0.5)
+
+    def ledger(mode: str | None) -> dict:
+        mark = {"mode": mode} if mode else {}
+        entry = {"kind": "Replace", "attempt": 0, "rank": 1, "pod": "j-1", "newPod": "j-1-r1",
+                 "failedAt": CREATED + 100, **mark}
+        passes = [dict(now=90, **base)]
+        if seen_open:
+            passes.append(dict(now=105, history=[entry], **base))
+        done = {**entry, "recoverySeconds": 9.0, "resumedFromStep": 0, "stepsLost": 0}
+        passes.append(dict(now=120, history=[done], recovered=inplace.recoveries(
+            {"restartHistory": [entry]}, {"restartHistory": [done]}, training_stopped=True), **base))
+        passes.append(dict(now=300, ended=300, history=[done], **base))
+        out = replay(passes)
+        sums_to_wall(out)
+        return out["seconds"]
+
+    per_step, replaced = ledger("perStep"), ledger(None)
+    assert per_step["recovering"] == per_step["recomputing"] == 0
+    assert per_step["training"] == pytest.approx(300 - 10)
+    assert replaced["recovering"] == pytest.approx(9.0)
+    assert replaced["training"] == pytest.approx(300 - 10 - 9.0)

@@ -16,7 +16,7 @@ pass happened to run (but for a suspension, which the pass that sees spec.suspen
   that a group restart began is recovering instead until its first step (`restarting`).
 - **Overlays** are cut out of the running time: recovering (status.restartHistory: each restart's
   failedAt to its recovery, of which a group restart's part in the new attempt's start is already
-  its mode), stalled (a stall's time without progress until it was detected), checkpointing and
+  its mode; not a per-step job's replacement, which the other groups train through), stalled (a stall's time without progress until it was detected), checkpointing and
   evaluating (rank 0's own counters, contract.GOODPUT_SECONDS), recomputing (the restarts' stepsLost,
   counted when each steps again, x the step time last measured); training is what is left.
 """
@@ -58,7 +58,8 @@ class Observed:
     scheduled_at: float | None = None   # every pod of the current attempt scheduled
     stepped_at: float | None = None     # the current attempt's first step
     history: Sequence[Mapping[str, Any]] = ()              # status.restartHistory after this pass
-    recovered: Sequence[tuple[str, float, Any]] = ()       # restarts that stepped again now (inplace.recoveries)
+    recovered: Sequence[tuple[str, float, Any]] = ()       # restarts that stopped training and stepped again now
+    #                                                        (inplace.recoveries, training_stopped)
     stalls: Sequence[float] = ()        # seconds without progress of the stalls restarted now
     stall_since: float | None = None    # an open stall's last progress (the Stalled condition holds)
     ranks: Mapping[str, float] | None = None  # the current attempt's rank counters (rank_counters)
@@ -75,8 +76,10 @@ def _num(value: Any, default: float = 0.0) -> float:
 
 
 def _open_seconds(history: Sequence[Mapping[str, Any]], at: float) -> float:
-    """Seconds of the restarts that have not stepped again by `at`, each from its failure."""
-    return sum(max(0.0, at - _num(e.get("failedAt"), at)) for e in history if inplace.is_open(e))
+    """Seconds of the restarts that stopped training and have not stepped again by `at`, each from
+    its failure (a per-step job's replacement stops no one: the other groups train on)."""
+    return sum(max(0.0, at - _num(e.get("failedAt"), at)) for e in history
+               if inplace.is_open(e) and inplace.stopped_training(e))
 
 
 def advance(prev: Mapping[str, Any] | None, obs: Observed) -> dict[str, Any]:

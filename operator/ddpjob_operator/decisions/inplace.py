@@ -308,12 +308,21 @@ def newly_recovered(prev_status: Mapping[str, Any], status: Mapping[str, Any]) -
     return [e for e in status.get("restartHistory") or [] if "recoverySeconds" in e and key(e) not in done]
 
 
-def recoveries(prev_status: Mapping[str, Any], status: Mapping[str, Any]) -> list[tuple[str, float, int | None]]:
+def stopped_training(entry: Mapping[str, Any]) -> bool:
+    """Whether a restart stopped the job's training until it recovered: every kind but a per-step
+    job's replacement (mode perStep), which the other replica groups trained through."""
+    return not entry.get("mode")
+
+
+def recoveries(prev_status: Mapping[str, Any], status: Mapping[str, Any], *,
+               training_stopped: bool = False) -> list[tuple[str, float, int | None]]:
     """(kind, recoverySeconds, stepsLost or None) of each restart that stepped again between two
-    statuses (newly_recovered). The status is written before the metrics record a pass, so a
-    rescrape, a repeated pass or a restarted operator (its prev already holds the recovery)
+    statuses (newly_recovered); with `training_stopped`, only those that stopped the job's
+    training (the goodput's recovering). The status is written before the metrics record a pass,
+    so a rescrape, a repeated pass or a restarted operator (its prev already holds the recovery)
     observes nothing twice."""
-    return [(str(e["kind"]), float(e["recoverySeconds"]), e.get("stepsLost")) for e in newly_recovered(prev_status, status)]
+    return [(str(e["kind"]), float(e["recoverySeconds"]), e.get("stepsLost")) for e in newly_recovered(prev_status, status)
+            if stopped_training(e) or not training_stopped]
 
 
 def describe(entry: Mapping[str, Any]) -> str:

@@ -269,7 +269,7 @@ def _goodput(job: JobSpec, current: Attempt, d: Decision, prev: dict[str, Any], 
         restarted=d.restarted is not None,
         scheduled_at=(goodput.scheduled_at(list(current.by_rank.values()), job.spec.nodes)
                       if goodput.mode(prev.get("goodput"), d.attempt) == "queued" else None),
-        stepped_at=stepped, history=up.history, recovered=inplace.recoveries(known, {"restartHistory": up.history}),
+        stepped_at=stepped, history=up.history, recovered=inplace.recoveries(known, {"restartHistory": up.history}, training_stopped=True),
         stalls=goodput.new_stalls(history, up.history, goodput.timestamp((prev.get("progress") or {}).get("lastStepTime"))),
         stall_since=(goodput.timestamp(progress.get("lastStepTime")) or goodput.timestamp(stall.get("lastTransitionTime"))
                      if stall else None),
