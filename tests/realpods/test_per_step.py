@@ -104,3 +104,5 @@ def test_a_force_deleted_pod_of_a_per_step_job_is_replaced_alone_and_heals_from_
     history = st.get("restartHistory") or []
     assert [(e["kind"], e.get("mode"), e["pod"], e["newPod"]) for e in history] == [
         ("Replace", "perStep", "digits-1", "digits-1-r1")], history
+    # Pod 0 trained through the replacement: none of the job's time was recovering (goodput.md).
+    assert st["goodput"]["seconds"]["recovering"] == 0, st["goodput"]
