@@ -385,6 +385,7 @@ def _accuracy_gap(r: Any) -> float:
     return max(abs(a - b) for a in _runs(r, arm="perstep", key="eval_accuracy")
                for b in _runs(r, arm="undisturbed", key="eval_accuracy"))
 
+
 _SPREAD_STEPS = "{v[min]:.0f}-{v[max]:.0f}"
 
 FIGURES: dict[str, Figure] = {

@@ -16,9 +16,10 @@ pass happened to run (but for a suspension, which the pass that sees spec.suspen
   that a group restart began is recovering instead until its first step (`restarting`).
 - **Overlays** are cut out of the running time: recovering (status.restartHistory: each restart's
   failedAt to its recovery, of which a group restart's part in the new attempt's start is already
-  its mode; not a per-step job's replacement, which the other groups train through), stalled (a stall's time without progress until it was detected), checkpointing and
-  evaluating (rank 0's own counters, contract.GOODPUT_SECONDS), recomputing (the restarts' stepsLost,
-  counted when each steps again, x the step time last measured); training is what is left.
+  its mode; not a per-step job's replacement, which the other groups train through), stalled (a
+  stall's time without progress until it was detected), checkpointing and evaluating (rank 0's
+  own counters, contract.GOODPUT_SECONDS), recomputing (the restarts' stepsLost, counted when each
+  steps again, x the step time last measured); training is what is left.
 """
 from __future__ import annotations
 
