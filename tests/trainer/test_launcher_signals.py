@@ -88,6 +88,40 @@ def test_sigterm_stops_the_pod_launcher_and_everything_below_it(tmp_path, moment
     assert "stopped by SIGTERM" in log, log[-3000:]
 
 
+def test_a_stop_that_lands_while_the_agent_reads_its_ranks_metrics_restarts_nothing(tmp_path):
+    """The agent's hooks run in its main thread, where torchrun's stop handler raises its
+    SignalException. The watchdog once caught it as a read that failed: the agent lived on while
+    the launcher stopped its workers, saw them exit and restarted them into a new rendezvous
+    round, which an elastic peer joined at once and then waited in for this pod until its
+    collective timeout (CI's elastic job, 600 s). Stopped inside that read (held there by a debug
+    knob, as a loaded node's slow read holds it), the agent ends with its workers, starting none."""
+    from ddpjob_api import contract
+    from ddpjob_trainer import debug
+
+    port = free_ports(1)[0]
+    proc, target, work = start_pod_launcher(tmp_path, metrics_port=port,
+                                            env_extra={"DDPJOB_DEBUG_WATCHDOG_READ": "120"})
+    marker, pod_log = f"{work}/", tmp_path / "pod.log"
+    held = debug.WATCHDOG_READ_LINE.format(seconds=120)
+    try:
+        wait_for_moment(lambda: held in pod_log.read_text(errors="replace"), alive=lambda: proc.poll() is None,
+                        timeout=300, what="the agent's held read")
+        os.kill(target, signal.SIGTERM)
+        sent = time.monotonic()
+        try:
+            proc.wait(timeout=STOP_BOUND_SECONDS)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"the launcher did not exit within {STOP_BOUND_SECONDS:.0f}s of SIGTERM; "
+                                 f"its processes: {describe(run_processes(marker))}") from None
+        left = wait_gone(marker, until=sent + STOP_BOUND_SECONDS)
+    finally:
+        kill_run(proc, marker)
+    log = pod_log.read_text(errors="replace")
+    assert proc.returncode == 143 and not left, (describe(left), log[-3000:])
+    assert "hang watchdog is blind" not in log, log[-3000:]        # the stop was not taken for a failed read
+    assert contract.inplace_marker(0, 1) not in log, log[-3000:]   # and no worker was started after it
+
+
 def test_the_launcher_reaps_workers_orphaned_by_a_dead_agent(tmp_path):
     """torchrun gives its workers sessions of their own: when the agent dies abruptly, killing
     its process group misses them. The launcher still finds and stops them when it ends. (Not

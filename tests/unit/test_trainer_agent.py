@@ -216,3 +216,36 @@ def test_the_watchdog_judges_the_step_time_by_the_recent_steps_not_a_slow_first_
     for count, total in ((10, 10.0), (10, 10.0), (20, 30.0)):
         last = w.recent(1, Progress("training", NOW, step=count, steps_timed=count, seconds_timed=total))
     assert last.step_seconds == 2.0 and w.recent(2, fresh).step_seconds == 2.0
+
+
+def test_torchruns_stop_passes_every_hook_that_forgives_a_failed_read(tmp_path, monkeypatch):
+    """The agent's stop handler raises SignalException (an Exception) in the hooks' thread: a hook
+    that forgives a torn read or a failed capture must let it through (test_launcher_signals
+    stops a real agent inside its read), and still forgive the rest."""
+    import signal
+
+    from torch.distributed.elastic.multiprocessing import SignalException
+
+    import ddpjob_trainer.agent as agent
+    from ddpjob_trainer import stacks
+
+    def stopped(*_args, **_kwargs):
+        raise SignalException("Process 1 got signal: 15", signal.SIGTERM)
+
+    monkeypatch.setattr(agent, "read_progress", stopped)
+    monkeypatch.setattr(stacks, "capture", stopped)
+    with pytest.raises(SignalException):
+        agent.steps_reached(str(tmp_path))
+    with pytest.raises(SignalException):
+        Watchdog({contract.ENV_METRICS_DIR: str(tmp_path)}).on_monitor(None, types.SimpleNamespace(workers=[]))
+    with pytest.raises(SignalException):
+        agent.Hooks({contract.ENV_STACKS_DIR: str(tmp_path)}).capture({0: os.getpid()}, contract.STACK_STALL)
+
+    def torn(*_args, **_kwargs):
+        raise ValueError("a torn file")
+
+    monkeypatch.setattr(agent, "read_progress", torn)
+    monkeypatch.setattr(stacks, "capture", torn)
+    assert agent.steps_reached(str(tmp_path)) == {}
+    Watchdog({contract.ENV_METRICS_DIR: str(tmp_path)}).on_monitor(None, types.SimpleNamespace(workers=[]))
+    agent.Hooks({contract.ENV_STACKS_DIR: str(tmp_path)}).capture({0: os.getpid()}, contract.STACK_STALL)

@@ -39,7 +39,7 @@ from contextlib import suppress
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Mapping
 
-from . import telemetry
+from . import debug, telemetry
 from ddpjob_api import contract
 
 ERROR_CHARS = 200  # the error's first line as a label: a pod's exposition stays small
@@ -51,6 +51,19 @@ WATCH_SECONDS = 0.1
 
 def _say(msg: str) -> None:
     print(f"[ddpjob-agent] {msg}", file=sys.stderr, flush=True)
+
+
+def stop_passes(exc: Exception) -> None:
+    """Raise `exc` again when it is torchrun's stop. The agent's SIGTERM/SIGINT handler raises
+    SignalException, an Exception, wherever its main thread is, and these hooks run in that
+    thread: one that swallowed it (a watchdog's read that "failed") left the agent running while
+    the launcher stopped its workers, and the agent restarted them into a new rendezvous round,
+    which an elastic peer joined at once and then waited in for the stopped pod until its
+    collective timeout (CI's elastic job: 600 s). Only loaded where torch's agent runs, so the
+    launcher, which reads steps_reached too, never imports torch for it."""
+    agent_mp = sys.modules.get("torch.distributed.elastic.multiprocessing")
+    if agent_mp is not None and isinstance(exc, agent_mp.SignalException):
+        raise exc
 
 
 def error_line(status_dir: str | None, rank: int, failure: Any) -> str:
@@ -96,7 +109,8 @@ def steps_reached(metrics_dir: str, *, since: float = 0.0) -> dict[str, int]:
     try:
         return {str(rank): p.step for rank, p in read_progress(metrics_dir).items()
                 if p.step is not None and p.stepped_at >= since}
-    except Exception:  # noqa: BLE001  (a torn or foreign file in the dir)
+    except Exception as exc:  # noqa: BLE001  (a torn or foreign file in the dir)
+        stop_passes(exc)
         return {}
 
 
@@ -264,7 +278,10 @@ class Watchdog:
         pids = live_workers(group)
         try:
             progress = {r: self.window.recent(r, p) for r, p in read_progress(self.metrics_dir).items() if r in pids}
+            if any(p.step for p in progress.values()):
+                debug.hold_watchdog_read()  # a test's stand-in for a slow read (off unless set)
         except Exception as exc:  # noqa: BLE001 - a watchdog that cannot read must not end the training it watches
+            stop_passes(exc)
             # Looked at again at the next look: a torn read (a file a worker writes as it is read)
             # passes, and one that lasts leaves the watchdog blind for as long, said once.
             if not self.unreadable:
@@ -336,6 +353,7 @@ class Hooks:
         try:
             texts = stacks.capture(pids, folder)
         except Exception as exc:  # noqa: BLE001 - a capture must never stop the kill or the restart it precedes
+            stop_passes(exc)
             _say(f"WARNING cannot capture the workers' stacks ({exc})")
             return
         now, restart = time.time(), str(max(0, self.starts - 1))

@@ -30,6 +30,9 @@ DDPJOB_DEBUG_HOLD_RANK="<rank>:<step>:<path>[,...]" that rank alone holds so at 
 DDPJOB_DEBUG_LAUNCHER_START="<seconds>"     the in-pod launcher prints LAUNCHER_START_LINE and sleeps this long
                                             before it installs its stop handlers: a slow interpreter start
                                             (a loaded node), for a test that deletes the pod in that window
+DDPJOB_DEBUG_WATCHDOG_READ="<seconds>"      the agent's hang watchdog, at its first read of the ranks' metrics after a
+                                            step, prints WATCHDOG_READ_LINE and sleeps this long inside that read: a
+                                            test stops the pod while its agent reads (a loaded node's slow read)
 DDPJOB_DEBUG_WRITE_BANDWIDTH="<bytes/s>"    the checkpoint directory's write speed is taken to be this, not
                                             measured (storage too slow for a stop's save, preempt.plan)
 
@@ -54,6 +57,8 @@ RELEASED_LINE = "debug: rank {rank} released at step {step}"
 # How often a held rank renews its stage's start, well inside any hang timeout.
 HOLD_RENEW_SECONDS = 1.0
 LAUNCHER_START_LINE = "debug: the launcher waits {seconds:g}s before its stop handlers"
+WATCHDOG_READ_LINE = "debug: the agent's watchdog holds its read {seconds:g}s"
+_watchdog_held: list[bool] = []  # the hold happens once per agent
 
 
 def delay_launcher_start(env=os.environ) -> None:
@@ -61,6 +66,15 @@ def delay_launcher_start(env=os.environ) -> None:
     seconds = float(env.get("DDPJOB_DEBUG_LAUNCHER_START", "0") or 0)
     if seconds > 0:
         print(LAUNCHER_START_LINE.format(seconds=seconds), file=sys.stderr, flush=True)
+        time.sleep(seconds)
+
+
+def hold_watchdog_read(env=os.environ) -> None:
+    """DDPJOB_DEBUG_WATCHDOG_READ: the agent watchdog's first read after a step, made that slow."""
+    seconds = float(env.get("DDPJOB_DEBUG_WATCHDOG_READ", "0") or 0)
+    if seconds > 0 and not _watchdog_held:
+        _watchdog_held.append(True)
+        print(WATCHDOG_READ_LINE.format(seconds=seconds), file=sys.stderr, flush=True)
         time.sleep(seconds)
 
 
