@@ -63,6 +63,19 @@ def start_pod_launcher(tmp_path, *, metrics_port: int, as_pid1: bool = True, eve
     return proc, target, work
 
 
+def sigterm_and_wait(proc: subprocess.Popen, target: int, marker: str, *, at: str) -> list[int]:
+    """SIGTERM to the launcher (`target`), then its exit within STOP_BOUND_SECONDS (else an
+    AssertionError naming what still runs); the run's processes still there at that bound."""
+    os.kill(target, signal.SIGTERM)
+    sent = time.monotonic()
+    try:
+        proc.wait(timeout=STOP_BOUND_SECONDS)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"the launcher did not exit within {STOP_BOUND_SECONDS:.0f}s of SIGTERM {at}; "
+                             f"its processes: {describe(run_processes(marker))}") from None
+    return wait_gone(marker, until=sent + STOP_BOUND_SECONDS)
+
+
 @pytest.mark.parametrize("moment", MOMENTS)
 def test_sigterm_stops_the_pod_launcher_and_everything_below_it(tmp_path, moment):
     port = free_ports(1)[0]
@@ -72,14 +85,7 @@ def test_sigterm_stops_the_pod_launcher_and_everything_below_it(tmp_path, moment
         try:
             wait_for_moment(moment_reached(moment, marker=marker, ports=[port], ckpt_dir=work / "ckpt"),
                             alive=lambda: proc.poll() is None, timeout=300, what=f"moment {moment!r}")
-            os.kill(target, signal.SIGTERM)
-            sent = time.monotonic()
-            try:
-                proc.wait(timeout=STOP_BOUND_SECONDS)
-            except subprocess.TimeoutExpired:
-                raise AssertionError(f"the launcher did not exit within {STOP_BOUND_SECONDS:.0f}s of SIGTERM at "
-                                     f"moment {moment!r}; its processes: {describe(run_processes(marker))}") from None
-            left = wait_gone(marker, until=sent + STOP_BOUND_SECONDS)
+            left = sigterm_and_wait(proc, target, marker, at=f"at moment {moment!r}")
         finally:
             kill_run(proc, marker)
     log = (tmp_path / "pod.log").read_text(errors="replace")
@@ -106,14 +112,7 @@ def test_a_stop_that_lands_while_the_agent_reads_its_ranks_metrics_restarts_noth
     try:
         wait_for_moment(lambda: held in pod_log.read_text(errors="replace"), alive=lambda: proc.poll() is None,
                         timeout=300, what="the agent's held read")
-        os.kill(target, signal.SIGTERM)
-        sent = time.monotonic()
-        try:
-            proc.wait(timeout=STOP_BOUND_SECONDS)
-        except subprocess.TimeoutExpired:
-            raise AssertionError(f"the launcher did not exit within {STOP_BOUND_SECONDS:.0f}s of SIGTERM; "
-                                 f"its processes: {describe(run_processes(marker))}") from None
-        left = wait_gone(marker, until=sent + STOP_BOUND_SECONDS)
+        left = sigterm_and_wait(proc, target, marker, at="in the agent's read")
     finally:
         kill_run(proc, marker)
     log = pod_log.read_text(errors="replace")
