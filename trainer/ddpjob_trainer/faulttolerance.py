@@ -174,35 +174,26 @@ class FaultTolerance:
         state in it."""
         self.healed = False
         if self._started:
-            # A quorum asked again (the Lighthouse lost) is served by a new Lighthouse that knows no
-            # earlier quorum: the first group to reach it gets one alone, and then one alone at each
-            # step as fast as it asks, while the others still retry; they never meet again (two
-            # models, the job's accuracy the last one's). So the groups of the last quorum gather first.
-            was = self.manager.num_participants()
-            if not self._quorum():
-                self._gather(was)
-        else:
             self._quorum()
-            self._gather(self.fe.groups)
+        else:
+            self._first_quorum()
             self._started = True
         self.optimizer.optim.zero_grad(set_to_none=True)
         return self.healed
 
-    def _quorum(self) -> bool:
-        """One quorum, asked again while asking fails, until quorumTimeoutSeconds have passed; True
-        when the first try served it.
+    def _quorum(self) -> None:
+        """One quorum, asked again while asking fails, until quorumTimeoutSeconds have passed.
         A Lighthouse lost mid-request (its pod deleted, its node gone) takes the request with it:
         torchft's call then hangs for its whole timeout and fails the step, every group's at once,
         though the operator has a new Lighthouse serving at the same name within seconds. Each try
         waits at most quorum_try_seconds; the groups' heartbeats reconnect to the new one by
         themselves, and the next try is served by it."""
         deadline = time.monotonic() + self.fe.quorum_timeout_seconds
-        first = True
         while True:
             left = deadline - time.monotonic()
             try:
                 self.manager.start_quorum(timeout=timedelta(seconds=max(0.1, min(left, quorum_try_seconds(self.fe)))))
-                return first
+                return
             except Exception as exc:  # torchft raises the Rust client's errors as RuntimeError/TimeoutError
                 if time.monotonic() >= deadline:
                     raise
@@ -210,21 +201,20 @@ class FaultTolerance:
                           f"again for {deadline - time.monotonic():.0f} s more (spec.faultTolerance.quorumTimeoutSeconds)")
                 # torchft 0.2.0 (pinned) re-raises the failed quorum at the next start_quorum: forget it.
                 self.manager._quorum_future = None
-                first = False
                 time.sleep(QUORUM_RETRY_PAUSE)
 
-    def _gather(self, groups: int) -> None:
-        """Ask again (no step taken in between) until `groups` groups are in the quorum or
-        quorumTimeoutSeconds passed; the last one asked is the step's. The first step's quorum
-        waits so for every group of the job: the groups start at different times (images pulled,
-        torch imported), and with minReplicas below their number the first to come would otherwise
-        train alone, its peers joining later, or after it ended; a replacement group finds its
-        peers stepping and is in their next quorum at once. Counted in tries, not read off a clock:
-        every rank of the group must ask the same number of times (each quorum is collective
-        within the group)."""
+    def _first_quorum(self) -> None:
+        """The first step's quorum, with every group of the job: the groups start at different times
+        (images pulled, torch imported), and with minReplicas below their number the first to come
+        would otherwise train alone, its peers joining later, or after it ended. Asked again (no step
+        taken in between) until every group is in it or quorumTimeoutSeconds passed; a replacement
+        group finds its peers stepping and is in their next quorum at once. The last one asked is
+        the first step's. Counted in tries, not read off a clock: every rank of the group must ask
+        the same number of times (each quorum is collective within the group)."""
         pause = 0.1
         tries = max(1, int(self.fe.quorum_timeout_seconds / pause))
-        while self.manager.num_participants() < groups and tries:
+        self._quorum()
+        while self.manager.num_participants() < self.fe.groups and tries:
             tries -= 1
             time.sleep(pause)
             self._quorum()
