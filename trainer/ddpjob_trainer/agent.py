@@ -266,6 +266,7 @@ class Watchdog:
         self.captured: dict[int, float] = {}  # rank -> the start of the idle spell its stacks were taken in
         self.stalled_at: dict[int, float] = {}  # without kills: rank -> the spell its stall's stacks were taken in
         self.unreadable = False  # the last look could not read the metrics (said once per spell)
+        self.hold_read = debug.watchdog_read_hold(env)  # read once: this runs every WATCH_SECONDS
 
     def on_start(self) -> None:
         self.started_at = self.clock()
@@ -278,8 +279,9 @@ class Watchdog:
         pids = live_workers(group)
         try:
             progress = {r: self.window.recent(r, p) for r, p in read_progress(self.metrics_dir).items() if r in pids}
-            if any(p.step for p in progress.values()):
-                debug.hold_watchdog_read()  # a test's stand-in for a slow read (off unless set)
+            if self.hold_read and any(p.step for p in progress.values()):
+                hold, self.hold_read = self.hold_read, 0.0  # once
+                debug.hold_watchdog_read(hold)  # a test's stand-in for a slow read (off unless set)
         except Exception as exc:  # noqa: BLE001 - a watchdog that cannot read must not end the training it watches
             stop_passes(exc)
             # Looked at again at the next look: a torn read (a file a worker writes as it is read)

@@ -58,7 +58,6 @@ RELEASED_LINE = "debug: rank {rank} released at step {step}"
 HOLD_RENEW_SECONDS = 1.0
 LAUNCHER_START_LINE = "debug: the launcher waits {seconds:g}s before its stop handlers"
 WATCHDOG_READ_LINE = "debug: the agent's watchdog holds its read {seconds:g}s"
-_watchdog_held: list[bool] = []  # the hold happens once per agent
 
 
 def delay_launcher_start(env=os.environ) -> None:
@@ -69,13 +68,15 @@ def delay_launcher_start(env=os.environ) -> None:
         time.sleep(seconds)
 
 
-def hold_watchdog_read(env=os.environ) -> None:
-    """DDPJOB_DEBUG_WATCHDOG_READ: the agent watchdog's first read after a step, made that slow."""
-    seconds = float(env.get("DDPJOB_DEBUG_WATCHDOG_READ", "0") or 0)
-    if seconds > 0 and not _watchdog_held:
-        _watchdog_held.append(True)
-        print(WATCHDOG_READ_LINE.format(seconds=seconds), file=sys.stderr, flush=True)
-        time.sleep(seconds)
+def watchdog_read_hold(env=os.environ) -> float:
+    """DDPJOB_DEBUG_WATCHDOG_READ: seconds the agent watchdog's first read after a step is held (0: off)."""
+    return float(env.get("DDPJOB_DEBUG_WATCHDOG_READ", "0") or 0)
+
+
+def hold_watchdog_read(seconds: float) -> None:
+    """Hold the watchdog's read `seconds`, saying so first (the line a test waits for)."""
+    print(WATCHDOG_READ_LINE.format(seconds=seconds), file=sys.stderr, flush=True)
+    time.sleep(seconds)
 
 
 def _pair(value: str | None) -> tuple[int, float] | None:
