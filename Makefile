@@ -67,9 +67,11 @@ FLOOR_TESTS := $(addprefix tests/trainer/,test_local_runs.py test_checkpoint_res
 # custom-script example), so the floor's copies only cost CI minutes. Nor the local runner's stop
 # by SIGINT or SIGTERM: it stops its nodes' launchers with SIGTERM, and what torch's version
 # changes below them (torchrun's agent and workers stopping) is what test_launcher_signals.py
-# runs here at the same moments.
+# runs here at the same moments. Nor the eval of a validation set the world size does not divide:
+# test_trainer_exactness's resnet18 eval (37 samples on 2 ranks) runs that same gather here.
 FLOOR_DESELECT := $(addprefix --deselect tests/trainer/test_local_runs.py::, \
                test_digits_example_converges_across_two_nodes \
+               test_eval_is_exact_when_world_size_does_not_divide_the_validation_set \
                test_ctrl_c_or_sigterm_stops_every_process_within_seconds_on_a_loaded_machine \
                test_frozen_then_sigkilled_rank_1_restarts_the_workers_in_place_and_resumes_from_checkpoint \
                test_custom_script_example_runs_unchanged)

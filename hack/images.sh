@@ -182,7 +182,7 @@ release_images() {
 # cost minutes of CPU for the multi-GB trainer image and save nothing, and an uncompressed layer's
 # digest is its content's, so a node pulls only the layers it lacks.
 publish_images() {
-  local nodes_env="$STATE/nodes.env" reg_env="$STATE/registry.env" sock hosts node img id mark
+  local nodes_env="$STATE/nodes.env" reg_env="$STATE/registry.env" node img id pid pids
   [ -f "$nodes_env" ] || { log "no real nodes running ($nodes_env missing): nothing to publish"; return; }
   [ -f "$reg_env" ] || die "no local registry ($reg_env missing): hack/registry.sh up"
   # shellcheck disable=SC1090
@@ -193,18 +193,31 @@ publish_images() {
     has_image "$img" || die "$img: not built (hack/images.sh build)"
     id="$(buildah inspect --type image --format '{{.FromImageID}}' "$img")"
     push_image "$img" "$REGISTRY/${img#localhost/}" "$id"
+    # The nodes pull side by side: each pull is mostly one core unpacking layers (2.5 minutes each
+    # for the trainer image, one after the other, in rehearsal 24).
+    pids=()
     for node in $REAL_NODE_NAMES; do
-      sock="$(eval echo "\$CONTAINERD_SOCK_${node//-/_}")"
-      hosts="$(eval echo "\$CONTAINERD_HOSTS_${node//-/_}")"
-      mark="$(eval echo "\$CONTAINERD_ROOT_${node//-/_}")/.ddpjob-pulled-$(echo "$img" | tr '/:' '__')"
-      [ "$(cat "$mark" 2>/dev/null)" = "$id" ] && continue
-      log "$img: $node pulls it from $REGISTRY"
-      ctr -a "$sock" -n k8s.io images pull --hosts-dir "$hosts" "$img" >"$LOGS/pull-$node.log" 2>&1 \
-        || die "$node could not pull $img from $REGISTRY (see $LOGS/pull-$node.log): $(tail -3 "$LOGS/pull-$node.log")"
-      echo "$id" >"$mark"
-      prune_node_images "$sock"
+      pull_image "$node" "$img" "$id" &
+      pids+=($!)
     done
+    for pid in "${pids[@]}"; do wait "$pid" || exit 1; done
   done
+}
+
+# pull_image NODE IMAGE ID: NODE's containerd pulls IMAGE from the local registry (unless the node
+# records that it holds ID already).
+pull_image() {
+  local node="$1" img="$2" id="$3" sock hosts mark
+  sock="$(eval echo "\$CONTAINERD_SOCK_${node//-/_}")"
+  hosts="$(eval echo "\$CONTAINERD_HOSTS_${node//-/_}")"
+  mark="$(eval echo "\$CONTAINERD_ROOT_${node//-/_}")/.ddpjob-pulled-$(echo "$img" | tr '/:' '__')"
+  [ "$(cat "$mark" 2>/dev/null)" = "$id" ] && return
+  log "$img: $node pulls it from $REGISTRY"
+  ctr -a "$sock" -n k8s.io images pull --hosts-dir "$hosts" "$img" >"$LOGS/pull-$node.log" 2>&1 \
+    || die "$node could not pull $img from $REGISTRY (see $LOGS/pull-$node.log): $(tail -3 "$LOGS/pull-$node.log")"
+  echo "$id" >"$mark"
+  prune_node_images "$sock"
+  log "$img: $node has it"
 }
 
 # push_image IMAGE REF [ID]: IMAGE to the registry as REF (unless the registry's storage records that

@@ -1,24 +1,28 @@
 #!/usr/bin/env bash
-# Every test tier, as `make test` runs it: the set-up, then three pytest sessions side by side.
+# Every test tier, as `make test` runs it: three pytest sessions side by side, each doing its own
+# set-up, so that none waits for what only another needs.
 #
-# Set-up: the control plane compiles from Go modules (CPU) while the floor venv and the images
-# mostly download and write (network, disk): side by side, a cold machine waits for the longer of
-# the two instead of their sum. Then the nodes pull the images from the local registry. What only
-# some tests need is built beside the tiers, off that critical path (cold: about 4.5 of its 31
-# minutes): the second control plane (by the oldest session, before its tests) and
-# prometheus-operator (by the oldest session first; the e2e test that needs it waits for the
-# build's lock, or builds it itself).
+# - cluster: the control plane with its real nodes (it compiles from Go modules cold), our images
+#   built, then the tiers that drive it (cluster, e2e, realpods). The nodes pull the images from the
+#   local registry in the background meanwhile (about 8 minutes for the multi-GB trainer image on
+#   2 cores): the tests that use the real nodes run last (tests/conftest.py), and their fixture
+#   waits for the pull on hack/images.sh's lock, or publishes itself in a direct pytest run.
+# - cpu: the floor venv (the image's torch), then the trainer's real torchrun runs, then the
+#   version-dependent ones again on the floor's torch. It needs no cluster: it starts as soon as
+#   the venv is there, not after the images (stop 62's CI: 10 of its 70 minutes were set-up).
+# - oldest: prometheus-operator (the e2e test that needs it waits for the build's lock, or builds
+#   it itself), the second control plane at the oldest Kubernetes the chart allows with the
+#   versioned tests (the Makefile's VERSIONED_TESTS, kwok's nodes only), then the unit tier and the
+#   trainer's throughput guard.
 #
-# The tiers that drive the control plane (cluster, e2e, realpods) spend most of their time waiting
-# on the API server, the scheduler and pods, while the CPU tiers (the trainer's real torchrun runs,
-# then the version-dependent ones again on the image's torch) compute: one after the other they
-# leave one of CI's two cores idle for most of an hour. The versioned tests on the oldest
-# Kubernetes (the Makefile's VERSIONED_TESTS) wait on their own control plane, kwok's nodes only;
-# that session then runs the unit tier and the trainer's throughput guard.
+# The tiers that drive a control plane spend most of their time waiting on the API server, the
+# scheduler and pods, while the CPU tiers compute: one after the other they would leave one of CI's
+# two cores idle for most of an hour.
 # No session depends on another's state (the CPU tiers start no cluster objects; each cluster
 # session has its own control plane), and tests wait on events, not on wall-clock margins, so
 # sharing the cores makes them slower, not wrong. Each line is prefixed with its session; each
-# session prints its own summary; the run fails if any does.
+# session prints its own summary; the run fails if any does, and its last lines name every failed
+# test of every session (CI shows a log's tail).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY="${PY:-.venv/bin/python}"
@@ -29,20 +33,16 @@ read -r -a ARGS <<<"${PYTEST_ARGS}"
 prefix() { sed -u "s/^/[$1] /"; }
 OVERHEAD_TEST=tests/trainer/test_trainer_overhead.py::test_trainer_throughput_is_at_least_090_of_a_plain_ddp_loop
 
-prepare() {
-  local cp_pid img_pid rc=0
-  DDPJOB_PROMETHEUS_OPERATOR=0 hack/cluster-up.sh 2>&1 | prefix setup &
-  cp_pid=$!
-  { make --no-print-directory install-floor && hack/images.sh products; } 2>&1 | prefix setup &
-  img_pid=$!
-  wait "$cp_pid" || rc=1
-  wait "$img_pid" || rc=1
-  [ "$rc" = 0 ] || { echo "make test: set-up failed (above)"; return 1; }
-  hack/images.sh all 2>&1 | prefix setup   # built: the nodes pull them from the local registry
-}
-
 cluster_tiers() {
-  "$PY" -m pytest -ra "${ARGS[@]}" tests --ignore=tests/trainer --ignore=tests/unit   # every other tier, new ones too
+  local rc=0 publish_pid=
+  DDPJOB_PROMETHEUS_OPERATOR=0 hack/cluster-up.sh || { echo "make test: the control plane did not start (above)"; return 1; }
+  hack/images.sh products || { echo "make test: the images did not build (above)"; return 1; }
+  # Built; the nodes pull them from the local registry while the tests that need no real node run.
+  hack/images.sh all 2>&1 | prefix images &
+  publish_pid=$!
+  "$PY" -m pytest -ra "${ARGS[@]}" tests --ignore=tests/trainer --ignore=tests/unit || rc=$?   # every other tier, new ones too
+  wait "$publish_pid" || rc=$((rc ? rc : 1))
+  return "$rc"
 }
 
 # The versioned tests again, on the second control plane at the oldest Kubernetes the chart
@@ -73,6 +73,7 @@ oldest_tiers() {
 
 cpu_tiers() {
   local rc=0
+  make --no-print-directory install-floor || { echo "make test: the floor venv did not install (above)"; return 1; }
   # Its own pytest cache: every session writes its own when it ends.
   export PYTEST_ADDOPTS="${PYTEST_ADDOPTS:-} -o cache_dir=.pytest_cache/cpu"
   "$PY" -m pytest -ra "${ARGS[@]}" tests/trainer --deselect "$OVERHEAD_TEST" || rc=$?   # the oldest session runs it
@@ -81,15 +82,27 @@ cpu_tiers() {
   return "$rc"
 }
 
-prepare || exit 1
-cluster_tiers 2>&1 | prefix cluster &
+# recap NAME...: the failed tests and the pytest summaries of each session's log, at the end of
+# the output, where CI's tail shows them.
+recap() {
+  local name
+  for name in "$@"; do
+    grep -E "^\[$name\] (FAILED|ERROR) |^\[$name\] =+ .* in [0-9.]+s|^\[$name\] make test: " "$LOGS/$name.log" || true
+  done
+}
+
+LOGS=.cache/test-logs
+mkdir -p "$LOGS"
+cluster_tiers 2>&1 | prefix cluster | tee "$LOGS/cluster.log" &
 cluster_pid=$!
-cpu_tiers 2>&1 | prefix cpu &
+cpu_tiers 2>&1 | prefix cpu | tee "$LOGS/cpu.log" &
 cpu_pid=$!
-oldest_tiers 2>&1 | prefix oldest &
+oldest_tiers 2>&1 | prefix oldest | tee "$LOGS/oldest.log" &
 oldest_pid=$!
 wait "$cluster_pid"; cluster_rc=$?
 wait "$cpu_pid"; cpu_rc=$?
 wait "$oldest_pid"; oldest_rc=$?
+echo "make test: the sessions' summaries and failures (whole logs in $LOGS/):"
+recap cluster cpu oldest
 echo "make test: cluster tiers exit ${cluster_rc}, cpu tiers (trainer, then floor) exit ${cpu_rc}, oldest Kubernetes (then unit, then the throughput guard) exit ${oldest_rc}"
 exit $((cluster_rc || cpu_rc || oldest_rc))
