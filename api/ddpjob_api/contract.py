@@ -55,6 +55,10 @@ ENV_FT_TIMEOUT = "DDPJOB_FT_TIMEOUT_SECONDS"  # spec.faultTolerance.timeoutSecon
 ENV_FT_QUORUM_TIMEOUT = "DDPJOB_FT_QUORUM_TIMEOUT_SECONDS"  # spec.faultTolerance.quorumTimeoutSeconds
 ENV_FT_HOST = "DDPJOB_FT_HOST"  # the address other groups reach this group at (the pod's IP; locally 127.0.0.1)
 FT_LIGHTHOUSE_PORT = 29510  # the Lighthouse's port (its pod's, its Service's; locally on loopback)
+# The id of the Lighthouse's incarnation (ddpjob_trainer.lighthouse) is served on the port after
+# the Lighthouse's, at the same host (names.lighthouse_id_url): 29511 in a pod, locally the port
+# after the local Lighthouse's.
+FT_LIGHTHOUSE_ID_PORT = FT_LIGHTHOUSE_PORT + 1
 # Seconds from a stop's SIGTERM to the launcher's SIGKILL of the node's processes: the operator
 # derives it from the pod's terminationGracePeriodSeconds (stop_grace); the launcher passes the
 # value it uses on to the ranks, whose last checkpoint must fit in it.

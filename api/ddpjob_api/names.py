@@ -4,6 +4,7 @@ starts, the CLI what it looks up; one spelling, so all three find the same pod."
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
+from urllib.parse import urlsplit
 
 from ddpjob_api.contract import FT_LIGHTHOUSE_PORT
 
@@ -55,3 +56,13 @@ def lighthouse_name(job: JobSpec) -> str:
 def lighthouse_url(job: JobSpec) -> str:
     """Where a per-step job's replica groups reach its Lighthouse (contract.ENV_FT_LIGHTHOUSE)."""
     return f"http://{lighthouse_name(job)}.{job.namespace}.svc:{FT_LIGHTHOUSE_PORT}"
+
+
+def lighthouse_id_url(lighthouse: str) -> str:
+    """Where the id of the Lighthouse at URL `lighthouse` is served: the same host, the next port
+    (contract.FT_LIGHTHOUSE_ID_PORT)."""
+    parts = urlsplit(lighthouse)
+    if parts.port is None:
+        raise ValueError(f"the Lighthouse's URL {lighthouse!r} names no port")
+    host = parts.netloc.rpartition(":")[0]
+    return f"{parts.scheme}://{host}:{parts.port + 1}"

@@ -23,6 +23,7 @@ import copy
 import datetime as dt
 import functools
 import hashlib
+import importlib.util
 import json
 import os
 import random
@@ -277,16 +278,16 @@ def _stop_node(node: subprocess.Popen, rank: int, *, workdir: Path) -> None:
 
 def start_lighthouse(job: JobSpec, *, workdir: Path) -> tuple[subprocess.Popen, str]:
     """A per-step job's torchft Lighthouse as a process on loopback, with the command and quorum timing
-    of the operator's Lighthouse pod (builders.lighthouse), this environment's executable and a free
-    port; the process and its URL."""
+    of the operator's Lighthouse pod (builders.lighthouse), this environment's Python and two free
+    ports (the Lighthouse's and, the next one, its id's); the process and its URL."""
     cmd = lighthouse_command(job)
-    exe = Path(sys.executable).parent / cmd[0]
-    if not exe.exists():
-        raise LocalRunError(f"spec.faultTolerance needs torchft's {cmd[0]}, not installed here ({exe}): "
-                            "pip install 'ddpjob[ft]' (torchft 0.2.0: CPython 3.11 on x86_64)")
-    port = free_port()
-    bind = cmd.index("--bind") + 1
-    cmd[0], cmd[bind] = str(exe), f"{LOOPBACK}:{port}"
+    if importlib.util.find_spec("torchft") is None:
+        raise LocalRunError(f"spec.faultTolerance needs torchft, not installed in {sys.executable}: "
+                            "pip install 'ddpjob[trainer]' (torchft 0.2.0: CPython 3.11 on x86_64)")
+    port = free_ports(2)
+    cmd[0] = sys.executable
+    cmd[cmd.index("--bind") + 1] = f"{LOOPBACK}:{port}"
+    cmd[cmd.index("--id-bind") + 1] = f"{LOOPBACK}:{port + 1}"
     logs = workdir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     with open(logs / "lighthouse.log", "wb") as log:

@@ -33,9 +33,11 @@ def test_a_per_step_job_keeps_its_lighthouse_and_replaces_a_lost_pod_alone(start
     # The Lighthouse: its own pod and headless Service, owned by the job, none of its nodes.
     lh = wait_for(lambda: lighthouse(k8s, "ft"), timeout=30, desc="the Lighthouse pod running")
     assert lh.metadata.name == "ft-ft" and lh.metadata.owner_references[0].uid == uid
-    assert lh.spec.containers[0].command[0] == "torchft_lighthouse" and lh.spec.restart_policy == "Always"
+    assert lh.spec.containers[0].command[:3] == ["python", "-m", "ddpjob_trainer.lighthouse"]
+    assert lh.spec.restart_policy == "Always"
     svc = k8s.core.read_namespaced_service("ft-ft", k8s.ns)
-    assert svc.spec.cluster_ip == "None" and svc.spec.ports[0].port == contract.FT_LIGHTHOUSE_PORT  # headless
+    assert svc.spec.cluster_ip == "None"  # headless
+    assert [p.port for p in svc.spec.ports] == [contract.FT_LIGHTHOUSE_PORT, contract.FT_LIGHTHOUSE_ID_PORT]
     assert svc.metadata.owner_references[0].uid == uid
     wait_for(lambda: endpoint_pods(k8s.core.api_client, k8s.ns, "ft-ft") == ["ft-ft"], timeout=30,
              desc="the Lighthouse Service's endpoint")

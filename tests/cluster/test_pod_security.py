@@ -48,7 +48,7 @@ def test_a_per_step_jobs_lighthouse_is_admitted_under_restricted(cluster, restri
     path = tmp_path / "ft.yaml"
     path.write_text(yaml.safe_dump(job))
     objs = render(path, restricted_ns)
-    assert "torchft_lighthouse" in objs
+    assert "ddpjob_trainer.lighthouse" in objs
     proc = cluster.kubectl("create", "-n", restricted_ns, "-f", "-", input=objs, check=False)
     assert proc.returncode == 0 and "PodSecurity" not in proc.stderr, proc.stderr
     names = cluster.kubectl("get", "pods", "-n", restricted_ns, "-o", "name").stdout.split()

@@ -1,5 +1,5 @@
 """Per-step fault tolerance (spec.faultTolerance) in `ddpjob run --local`: real torchrun nodes, a real
-torchft Lighthouse, a replica group SIGKILLed mid-training and replaced alone."""
+torchft Lighthouse, a replica group SIGKILLed mid-training and replaced alone, the Lighthouse lost and back."""
 from __future__ import annotations
 
 import json
@@ -26,6 +26,7 @@ pytestmark.append(pytest.mark.timeout(600))
 
 KILL_AT, HOLD_AT = 3, 8  # node 1 is killed held at step 3; node 0 steps alone to 8 and holds for the replacement
 STEP_RE = re.compile(r"ft: step (\d+) participants (\d+) weights (\w+)")
+QUORUM_RE = re.compile(r"ft: step (\d+) participants \d+ weights \w+ quorum (\d+)")
 JOINED_RE = re.compile(r"ft: joined at step (\d+) from a peer, weights (\w+)")
 SAVED_RE = re.compile(r"checkpoint \S+/step-(\d+): training paused")
 RESUMED_RE = re.compile(r"resumed from \S+/step-(\d+) at step (\d+)")
@@ -123,3 +124,73 @@ def test_a_sigkilled_replica_group_is_replaced_alone_and_heals_from_its_peer(tmp
         assert not JOINED_RE.findall(log), log[-3000:]
         steps = [int(st) for st, _n, _h in STEP_RE.findall(log)]
         assert steps == list(range(newest + 1, newest + 6)) and summary2["steps"] == newest + 5, (steps, summary2)
+
+
+def _lighthouse(run: subprocess.Popen) -> psutil.Process:
+    (found,) = [p for p in psutil.Process(run.pid).children(recursive=True) if "ddpjob_trainer.lighthouse" in p.cmdline()]
+    return found
+
+
+def _gone(proc: psutil.Process) -> bool:
+    """Dead: the run that started it may not have reaped it yet (a zombie holds no port)."""
+    try:
+        return proc.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def test_a_lighthouse_lost_and_back_on_its_address_restarts_nothing(tmp_path):
+    """The Lighthouse is SIGKILLed while group 1 asks it for a quorum (group 0 held at a step
+    boundary) and comes back at the same address, as the operator's recreated pod does behind its
+    Service: group 1's request, lost with it, fails and is asked again (FaultTolerance._quorum)
+    until the new one serves it, and the run Succeeds with no restart, both groups in sync at the
+    end. Before, the lost request hung for quorumTimeoutSeconds and failed every group's step.
+    No quorum of the new Lighthouse has the id of one of the old one's, whose ids it starts again
+    from 1: torchft reconfigures a group's process group only when the id changes, and a group that
+    did not see the loss would keep its old one while its peer built a new one (two models). Without
+    the Lighthouse's id folded into the quorum id (faulttolerance.IncarnationClient), both groups'
+    steps after the loss are in quorum 1 again, as before it."""
+    trainer = {"dataset": "digits", "model": "mlp", "epochs": 1, "batchSize": 16, "lr": 0.1, "logEverySteps": 1}
+    job = write_job(tmp_path / "lh.yaml", name=f"lh-{uuid.uuid4().hex[:6]}", max_restarts=0,
+                    faultTolerance={"mode": "perStep"}, trainer=trainer)
+    work = tmp_path / "work"
+    logs = work / "logs" / "attempt-0"
+    node0, node1, release0 = logs / "node-0.log", logs / "node-1.log", tmp_path / "release-0"
+    env = {**os.environ, "DDPJOB_DEBUG_HOLD_RANK": f"0:{HOLD_AT}:{release0}"}
+    proc = subprocess.Popen([*DDPJOB, "run", str(job), "--local", "--no-progress", "--workdir", str(work),
+                             "--summary-json", str(tmp_path / "summary.json")],
+                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    alive = lambda: proc.poll() is None  # noqa: E731
+    again = None
+    try:
+        # Group 0 held after step HOLD_AT: group 1, in step with it, asks for the next quorum and
+        # waits there (torchft's Lighthouse forms none with half of the groups it hears from).
+        wait_for_moment(lambda: f"rank 0 holds at step {HOLD_AT}" in _read(node0), alive=alive, timeout=300,
+                        what=f"group 0 held at step {HOLD_AT}", interval=0.1)
+        lighthouse = _lighthouse(proc)
+        cmd = lighthouse.cmdline()
+        lighthouse.send_signal(signal.SIGKILL)
+        wait_for_moment(lambda: _gone(lighthouse), alive=alive, timeout=30, what="the Lighthouse gone", interval=0.1)
+        wait_for_moment(lambda: "ft: quorum failed" in _read(node1), alive=alive, timeout=120,
+                        what="group 1's quorum failed with the Lighthouse gone", interval=0.1)
+        with open(work / "logs" / "lighthouse-again.log", "wb") as log:
+            again = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                     start_new_session=True)
+        release0.touch()
+        out, _ = proc.communicate(timeout=300)
+    finally:
+        kill_run(proc, f"{work}/")
+        if again is not None:
+            again.kill()
+            again.wait(timeout=30)
+    assert proc.returncode == 0, out[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["phase"] == "Succeeded" and summary["restarts"] == 0 and not summary.get("nodes_replaced"), summary
+    steps = [{int(s): h for s, n, h in STEP_RE.findall(_read(log))} for log in (node0, node1)]
+    last = max(set(steps[0]) & set(steps[1]))
+    assert last == summary["steps"] and steps[0][last] == steps[1][last], (last, summary)  # in sync at the end
+    for log in (node0, node1):
+        quorums = {int(s): int(q) for s, q in QUORUM_RE.findall(_read(log))}
+        before = {q for s, q in quorums.items() if s <= HOLD_AT}
+        after = {q for s, q in quorums.items() if s > HOLD_AT}
+        assert before and after and not before & after, (log.name, quorums)

@@ -7,7 +7,7 @@ import functools
 import pytest
 
 from ddpjob_api import contract, labels
-from ddpjob_api.names import lighthouse_name, lighthouse_url
+from ddpjob_api.names import lighthouse_id_url, lighthouse_name, lighthouse_url
 from ddpjob_operator.base import podinfo
 from ddpjob_operator.builders.lighthouse import lighthouse_command, render_lighthouse_pod, render_lighthouse_service
 from ddpjob_operator.builders.pods import render_pod
@@ -25,9 +25,10 @@ def ft_job(**spec):
 
 def test_command_carries_the_spec_quorum_timing():
     cmd = lighthouse_command(ft_job(nodes=4, faultTolerance={"minReplicas": 2, "timeoutSeconds": 5}))
-    assert cmd == ["torchft_lighthouse", "--min_replicas", "2", "--quorum_tick_ms", "100",
+    assert cmd == ["python", "-m", "ddpjob_trainer.lighthouse", "--min_replicas", "2", "--quorum_tick_ms", "100",
                    "--join_timeout_ms", "5000", "--heartbeat_timeout_ms", "5000",
-                   "--bind", f"0.0.0.0:{contract.FT_LIGHTHOUSE_PORT}"]
+                   "--bind", f"0.0.0.0:{contract.FT_LIGHTHOUSE_PORT}",
+                   "--id-bind", f"0.0.0.0:{contract.FT_LIGHTHOUSE_ID_PORT}"]
 
 
 def test_a_job_without_fault_tolerance_has_no_lighthouse_command():
@@ -52,8 +53,9 @@ def test_pod_is_owned_labelled_apart_and_restarts_in_place():
     assert spec["automountServiceAccountToken"] is False
     (c,) = spec["containers"]
     assert c["image"] == "reg/trainer:1"
-    assert c["command"][0] == "torchft_lighthouse"
-    assert c["ports"] == [{"name": "lighthouse", "containerPort": contract.FT_LIGHTHOUSE_PORT, "protocol": "TCP"}]
+    assert c["command"][:3] == ["python", "-m", "ddpjob_trainer.lighthouse"]
+    assert c["ports"] == [{"name": "lighthouse", "containerPort": contract.FT_LIGHTHOUSE_PORT, "protocol": "TCP"},
+                          {"name": "lighthouse-id", "containerPort": contract.FT_LIGHTHOUSE_ID_PORT, "protocol": "TCP"}]
     assert c["readinessProbe"]["tcpSocket"] == {"port": "lighthouse"}
     assert "nvidia.com/gpu" not in str(c["resources"]) and c["resources"]["requests"]["cpu"]
     for key in ("hostname", "subdomain", "topologySpreadConstraints", "schedulerName", "volumes"):
@@ -86,9 +88,25 @@ def test_service_is_a_cluster_ip_on_the_lighthouse_port_selecting_the_lighthouse
     assert svc["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
     assert svc["spec"]["clusterIP"] == "None"  # headless: the name resolves to the ready pod, no kube-proxy needed
     assert svc["spec"]["selector"] == {labels.JOB_NAME: "train", labels.ROLE: labels.ROLE_LIGHTHOUSE}
-    (port,) = svc["spec"]["ports"]
+    port, id_port = svc["spec"]["ports"]
     assert port["port"] == contract.FT_LIGHTHOUSE_PORT and port["targetPort"] == "lighthouse"
+    assert id_port["port"] == contract.FT_LIGHTHOUSE_ID_PORT and id_port["targetPort"] == "lighthouse-id"
     assert lighthouse_url(ft_job()) == f"http://train-ft.ml.svc:{contract.FT_LIGHTHOUSE_PORT}"
+    # The groups find the id of its incarnation at the Service's other port (ddpjob_trainer.lighthouse).
+    assert lighthouse_id_url(lighthouse_url(ft_job())) == f"http://train-ft.ml.svc:{contract.FT_LIGHTHOUSE_ID_PORT}"
+
+
+@pytest.mark.parametrize("url, expected", [
+    ("http://127.0.0.1:40000", "http://127.0.0.1:40001"),
+    ("http://[fd00::7]:29510", "http://[fd00::7]:29511"),
+])
+def test_the_lighthouse_id_is_at_the_next_port_of_the_same_host(url, expected):
+    assert lighthouse_id_url(url) == expected
+
+
+def test_a_lighthouse_url_without_a_port_is_refused_naming_it():
+    with pytest.raises(ValueError, match="'http://lh' names no port"):
+        lighthouse_id_url("http://lh")
 
 
 def _matches(selector: dict[str, str], pod: dict) -> bool:

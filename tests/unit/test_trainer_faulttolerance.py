@@ -3,6 +3,7 @@ joining group takes from a peer, and the refusal without torchft."""
 from __future__ import annotations
 
 import io
+import subprocess
 import sys
 from types import SimpleNamespace
 
@@ -113,3 +114,61 @@ def test_a_per_step_ranks_telemetry_is_labelled_with_its_rank_in_the_job_not_in_
         monkeypatch.setenv(k, v)
     labels = Telemetry.from_env(enabled=False).labels
     assert (labels["rank"], labels["local_rank"], labels["node_rank"]) == ("5", "1", "2")
+
+
+def test_a_folded_quorum_id_is_the_same_for_one_lighthouse_and_another_for_its_successor():
+    fold = faulttolerance.folded_quorum_id
+    assert fold("a" * 32, 2) == fold("a" * 32, 2)
+    # A recreated Lighthouse starts its ids again: its quorum 2 is not its predecessor's.
+    assert len({fold("a" * 32, 2), fold("b" * 32, 2), fold("a" * 32, 3)}) == 3
+    assert all(0 < fold(inc, q) < 2**62 for inc in ("a" * 32, "b" * 32) for q in range(1, 50))
+
+
+def test_the_incarnation_client_folds_the_lighthouse_id_it_reads_after_each_quorum():
+    reads, quorums = [], []
+
+    class Client:   # what torchft's ManagerClient answers, by its attribute names
+        def _quorum(self, **kwargs):
+            quorums.append(kwargs)
+            return SimpleNamespace(quorum_id=2, replica_rank=1, max_step=7)
+
+        def should_commit(self, *args):
+            return True
+
+    ids = iter(["one", "two"])
+    client = faulttolerance.IncarnationClient(Client(), lambda: reads.append(1) or next(ids))
+    first, second = client._quorum(group_rank=0, step=7), client._quorum(group_rank=0, step=8)
+    assert quorums == [{"group_rank": 0, "step": 7}, {"group_rank": 0, "step": 8}] and len(reads) == 2
+    assert first.quorum_id == faulttolerance.folded_quorum_id("one", 2) != second.quorum_id
+    assert (first.replica_rank, first.max_step) == (1, 7)
+    assert client.should_commit(0, 7, True) is True
+
+
+def _id_server(port: int, incarnation: str) -> tuple[subprocess.Popen, int]:
+    """ddpjob_trainer.lighthouse's id server alone, in a process of its own (what dies with a
+    Lighthouse), and the port it serves on once it does."""
+    code = ("import sys; from ddpjob_trainer.lighthouse import id_server; "
+            "s = id_server(sys.argv[1], sys.argv[2]); print(s.server_address[1], flush=True); s.serve_forever()")
+    proc = subprocess.Popen([sys.executable, "-c", code, f"127.0.0.1:{port}", incarnation], stdout=subprocess.PIPE,
+                            text=True)
+    return proc, int(proc.stdout.readline())
+
+
+def test_the_lighthouse_id_is_read_again_from_a_new_lighthouse_on_the_same_port():
+    old, port = _id_server(0, "one")
+    reader = faulttolerance.LighthouseId(f"http://127.0.0.1:{port}", timeout=5)
+    new = None
+    try:
+        assert reader.read() == reader.read() == "one"   # one kept-alive connection
+        old.kill()
+        old.wait()
+        with pytest.raises(RuntimeError, match=f"the Lighthouse's id at http://127.0.0.1:{port} did not answer"):
+            reader.read()
+        new, _ = _id_server(port, "two")
+        assert reader.read() == "two"
+    finally:
+        reader.close()
+        for proc in (old, new):
+            if proc is not None:
+                proc.kill()
+                proc.wait()

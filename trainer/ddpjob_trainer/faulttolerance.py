@@ -15,21 +15,24 @@ does the same averaging.
 from __future__ import annotations
 
 import hashlib
+import http.client
 import os
 import sys
 import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
+from urllib.parse import urlsplit
 
 from ddpjob_api import contract
+from ddpjob_api.names import lighthouse_id_url
 from .errors import ConfigError
 
 if TYPE_CHECKING:  # torch is imported where used: the launcher's telemetry reads job_rank without it
     import torch
 
 # The greppable lines every group's rank 0 logs (tests and the bench read them):
-#   ft: step N participants P weights H        at each log step
+#   ft: step N participants P weights H quorum Q   at each log step (Q: its quorum's folded id)
 #   ft: joined at step N from a peer, weights H   right after this group took a peer's state
 LINE = "ft:"
 
@@ -129,6 +132,75 @@ def weights_hash(model: torch.nn.Module) -> str:
     return h.hexdigest()[:12]
 
 
+def folded_quorum_id(incarnation: str, quorum_id: int) -> int:
+    """The quorum id torchft compares and names its store keys by (`torchft/<id>/`): the
+    Lighthouse's, which a recreated Lighthouse starts again from 1, made one of this incarnation of
+    it (a positive int below 2**62, equal on every rank that got the same quorum from the same one)."""
+    digest = hashlib.sha256(f"{incarnation}/{quorum_id}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") >> 2
+
+
+class _Folded:
+    """torchft's QuorumResult with the folded id (every other field as torchft made it)."""
+
+    def __init__(self, quorum: Any, quorum_id: int) -> None:
+        self._quorum, self.quorum_id = quorum, quorum_id
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._quorum, name)
+
+
+class LighthouseId:
+    """Reads the id of the Lighthouse's current incarnation (ddpjob_trainer.lighthouse) over one
+    kept-alive HTTP connection, opened again once when it fails (a recreated Lighthouse)."""
+
+    def __init__(self, url: str, timeout: float) -> None:
+        parts = urlsplit(url)
+        self.url, self._host, self._port, self._timeout = url, parts.hostname or "", parts.port, timeout
+        self._conn: http.client.HTTPConnection | None = None
+
+    def read(self) -> str:
+        last: Exception | None = None
+        for _ in range(2):
+            try:
+                if self._conn is None:
+                    self._conn = http.client.HTTPConnection(self._host, self._port, timeout=self._timeout)
+                self._conn.request("GET", "/")
+                resp = self._conn.getresponse()
+                body = resp.read().decode()
+                if resp.status == 200 and body:
+                    return body
+                last = RuntimeError(f"HTTP {resp.status}")
+            except (OSError, http.client.HTTPException) as exc:
+                last = exc
+            self.close()
+        raise RuntimeError(f"the Lighthouse's id at {self.url} did not answer: {last}")
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+
+class IncarnationClient:
+    """torchft's ManagerClient, whose quorums come with the Lighthouse's id folded into their id
+    (folded_quorum_id): read right after the quorum, so that a quorum of a recreated Lighthouse never
+    has the id of one of its predecessor's, and every group reconfigures its process group for it,
+    also one that did not notice the loss (torchft reconfigures only when the id changes). A quorum
+    whose id cannot be read fails like one the Lighthouse did not answer (FaultTolerance._quorum asks
+    again). Everything else is the ManagerClient's."""
+
+    def __init__(self, client: Any, lighthouse_id: Callable[[], str]) -> None:
+        self._client, self._lighthouse_id = client, lighthouse_id
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+    def _quorum(self, *args: Any, **kwargs: Any) -> _Folded:
+        quorum = self._client._quorum(*args, **kwargs)
+        return _Folded(quorum, folded_quorum_id(self._lighthouse_id(), quorum.quorum_id))
+
+
 class FaultTolerance:
     """One rank's torchft Manager and optimizer wrapper; every method is called by every rank of the group."""
 
@@ -163,6 +235,8 @@ class FaultTolerance:
             store_addr=fe.host, store_port=int(env[contract.ENV_MASTER_PORT]), hostname=host,
             timeout=timeout, quorum_timeout=timedelta(seconds=fe.quorum_timeout_seconds),
             use_async_quorum=False, checkpoint_transport=_Transport(timeout=timeout, num_chunks=0))
+        self._lighthouse_id = LighthouseId(lighthouse_id_url(fe.lighthouse), fe.timeout_seconds)
+        self.manager._client = IncarnationClient(self.manager._client, self._lighthouse_id.read)
         self.optimizer = torchft.optim.OptimizerWrapper(self.manager, optimizer)
 
     def _healed(self, state: dict[str, Any]) -> None:
@@ -238,6 +312,10 @@ class FaultTolerance:
     def participants(self) -> int:
         return self.manager.num_participants()
 
+    def quorum_id(self) -> int:
+        """The id of the quorum whose process group the group uses (folded_quorum_id)."""
+        return int(self.manager._quorum_id)
+
     def writes_checkpoints(self) -> bool:
         """Whether this group writes the job's checkpoints at this step: the first group of the
         step's quorum, one group a step (every rank of a group sees the same quorum). The others
@@ -253,3 +331,4 @@ class FaultTolerance:
 
     def shutdown(self) -> None:
         self.manager.shutdown(wait=False)
+        self._lighthouse_id.close()

@@ -409,9 +409,9 @@ class Trainer:
         self.loader_rng.manual_seed(cfg.seed * 100_003 + st.epoch * 1009 + self.data_rank)
         return iter(self.loader)
 
-    def _ft_line(self, what: str) -> None:
+    def _ft_line(self, what: str, after: str = "") -> None:
         """A per-step job's greppable line (faulttolerance.LINE): what happened, then the weights' hash."""
-        self.log.info(f"{LINE} {what} weights {weights_hash(self.model)}")
+        self.log.info(f"{LINE} {what} weights {weights_hash(self.model)}{after}")
 
     def _eval_and_log(self) -> EvalResult:
         result = self.evaluate()
@@ -525,7 +525,7 @@ class Trainer:
                         tracked["gpu_memory_max_allocated_bytes"] = torch.cuda.max_memory_allocated(ctx.device)
                     log.metrics(tracked, step=st.step)
                     if ft is not None:
-                        self._ft_line(f"step {st.step} participants {ft.participants()}")
+                        self._ft_line(f"step {st.step} participants {ft.participants()}", f" quorum {ft.quorum_id()}")
                 if self.ckpt and self.writes_here() and self.ckpt.maybe_save(st, epoch_end=epoch_end):
                     boundary = time.perf_counter()
                 if self.knobs.hold(st.step, alive=telemetry.renew_stage):

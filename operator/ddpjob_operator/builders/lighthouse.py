@@ -20,19 +20,21 @@ from ddpjob_operator.builders.service import child_metadata
 
 CONTAINER = "lighthouse"
 PORT_NAME = "lighthouse"
+ID_PORT_NAME = "lighthouse-id"
 # How often the Lighthouse checks whether a quorum can be issued (torchft's default).
 QUORUM_TICK_MS = 100
 # It keeps nothing to flush: its groups rebuild its state with their next heartbeats.
 GRACE_SECONDS = 5
-# The Lighthouse serves a few heartbeats per group and second: no GPU, a sliver of a core. But
-# `torchft_lighthouse` is a Python entry point whose package imports torch: about 0.5 GiB in use
-# once started (the trainer image, measured on the real nodes), and a 256Mi limit had it
+# The Lighthouse serves a few heartbeats per group and second, and its id once per rank and step:
+# no GPU, a sliver of a core. But torchft's package imports torch: about 0.5 GiB in use once started (the trainer image, measured on the real nodes), and a 256Mi limit had it
 # OOM-killed in a crash loop before it ever listened.
 RESOURCES: dict[str, Any] = {"requests": {"cpu": "50m", "memory": "512Mi"}, "limits": {"memory": "1Gi"}}
 
 
 def lighthouse_command(job: JobSpec) -> list[str]:
-    """`torchft_lighthouse` with the spec's quorum timing. A survivor's quorum waits for the groups
+    """torchft's Lighthouse with the spec's quorum timing, in our entry point, which also serves the
+    id of this incarnation of it (ddpjob_trainer.lighthouse: a recreated Lighthouse starts its
+    quorum ids again, and the groups fold the id into them). A survivor's quorum waits for the groups
     that still heartbeat (join timeout) and counts a group as gone once its heartbeats stop
     (heartbeat timeout): both are spec.faultTolerance.timeoutSeconds, so the pause a lost group
     costs the others is bounded by the one timeout the spec sets."""
@@ -40,9 +42,10 @@ def lighthouse_command(job: JobSpec) -> list[str]:
     if ft is None:
         raise ValueError(f"DDPJob {job.namespace}/{job.name} has no spec.faultTolerance: it runs no Lighthouse")
     timeout_ms = str(ft.timeout_seconds * 1000)
-    return ["torchft_lighthouse", "--min_replicas", str(ft.min_replicas), "--quorum_tick_ms", str(QUORUM_TICK_MS),
-            "--join_timeout_ms", timeout_ms, "--heartbeat_timeout_ms", timeout_ms,
-            "--bind", f"0.0.0.0:{contract.FT_LIGHTHOUSE_PORT}"]
+    return ["python", "-m", "ddpjob_trainer.lighthouse", "--min_replicas", str(ft.min_replicas),
+            "--quorum_tick_ms", str(QUORUM_TICK_MS), "--join_timeout_ms", timeout_ms,
+            "--heartbeat_timeout_ms", timeout_ms, "--bind", f"0.0.0.0:{contract.FT_LIGHTHOUSE_PORT}",
+            "--id-bind", f"0.0.0.0:{contract.FT_LIGHTHOUSE_ID_PORT}"]
 
 
 def _security(default: dict[str, Any], *layers: Any) -> dict[str, Any]:
@@ -65,7 +68,8 @@ def render_lighthouse_pod(job: JobSpec) -> dict[str, Any]:
         "name": CONTAINER,
         "image": spec.image,
         "command": lighthouse_command(job),
-        "ports": [{"name": PORT_NAME, "containerPort": contract.FT_LIGHTHOUSE_PORT, "protocol": "TCP"}],
+        "ports": [{"name": PORT_NAME, "containerPort": contract.FT_LIGHTHOUSE_PORT, "protocol": "TCP"},
+                  {"name": ID_PORT_NAME, "containerPort": contract.FT_LIGHTHOUSE_ID_PORT, "protocol": "TCP"}],
         "readinessProbe": {"tcpSocket": {"port": PORT_NAME}, "periodSeconds": 2},
         "resources": RESOURCES,
         "securityContext": _security(CONTAINER_SECURITY_DEFAULTS, trainer.get("securityContext"),
@@ -107,6 +111,8 @@ def render_lighthouse_service(job: JobSpec) -> dict[str, Any]:
             "clusterIP": "None",
             "selector": {labels.JOB_NAME: job.name, labels.ROLE: labels.ROLE_LIGHTHOUSE},
             "ports": [{"name": PORT_NAME, "port": contract.FT_LIGHTHOUSE_PORT, "targetPort": PORT_NAME,
+                       "protocol": "TCP"},
+                      {"name": ID_PORT_NAME, "port": contract.FT_LIGHTHOUSE_ID_PORT, "targetPort": ID_PORT_NAME,
                        "protocol": "TCP"}],
         },
     }
