@@ -38,7 +38,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import click
 import psutil
@@ -276,24 +276,48 @@ def _stop_node(node: subprocess.Popen, rank: int, *, workdir: Path) -> None:
     stop_tree([node], grace=0.0, owned=orphan)
 
 
-def start_lighthouse(job: JobSpec, *, workdir: Path) -> tuple[subprocess.Popen, str]:
-    """A per-step job's torchft Lighthouse as a process on loopback, with the command and quorum timing
-    of the operator's Lighthouse pod (builders.lighthouse), this environment's Python and two free
-    ports (the Lighthouse's and, the next one, its id's); the process and its URL."""
-    cmd = lighthouse_command(job)
-    if importlib.util.find_spec("torchft") is None:
-        raise LocalRunError(f"spec.faultTolerance needs torchft, not installed in {sys.executable}: "
-                            "pip install 'ddpjob[trainer]' (torchft 0.2.0: CPython 3.11 on x86_64)")
-    port = free_ports(2)
-    cmd[0] = sys.executable
-    cmd[cmd.index("--bind") + 1] = f"{LOOPBACK}:{port}"
-    cmd[cmd.index("--id-bind") + 1] = f"{LOOPBACK}:{port + 1}"
-    logs = workdir / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
-    with open(logs / "lighthouse.log", "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True, preexec_fn=functools.partial(die_with_parent, os.getpid()))
-    return proc, f"http://{LOOPBACK}:{port}"
+class LocalLighthouse:
+    """A per-step job's torchft Lighthouse as a process on loopback, with the command and quorum
+    timing of the operator's Lighthouse pod (builders.lighthouse), this environment's Python and two
+    free ports (the Lighthouse's and, the next one, its id's). Kept up as the operator keeps its pod:
+    one that exits is started again at the same address (keep_up), and the groups' next quorum
+    reaches the new one (its quorum ids are told apart by its id: ddpjob_trainer.lighthouse)."""
+
+    def __init__(self, job: JobSpec, *, workdir: Path) -> None:
+        if importlib.util.find_spec("torchft") is None:
+            raise LocalRunError(f"spec.faultTolerance needs torchft, not installed in {sys.executable}: "
+                                "pip install 'ddpjob[trainer]' (torchft 0.2.0: CPython 3.11 on x86_64)")
+        port = free_ports(2)
+        self.cmd = lighthouse_command(job)
+        self.cmd[0] = sys.executable
+        self.cmd[self.cmd.index("--bind") + 1] = f"{LOOPBACK}:{port}"
+        self.cmd[self.cmd.index("--id-bind") + 1] = f"{LOOPBACK}:{port + 1}"
+        self.url = f"http://{LOOPBACK}:{port}"
+        self.logs = workdir / "logs"
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self.started = 0
+        self.proc = self._start()
+
+    def _start(self) -> subprocess.Popen:
+        name = "lighthouse.log" if not self.started else f"lighthouse-{self.started}.log"
+        self.started += 1
+        self.next_start = time.monotonic() + 1.0
+        with open(self.logs / name, "wb") as log:
+            return subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    start_new_session=True,
+                                    preexec_fn=functools.partial(die_with_parent, os.getpid()))
+
+    def keep_up(self, say: Callable[[str], None]) -> None:
+        """Start it again if it exited, at most once a second (one that cannot start is not
+        started in a tight loop: the groups' quorums time out, and their nodes fail)."""
+        code = self.proc.poll()
+        if code is not None and time.monotonic() >= self.next_start:
+            say(f"the Lighthouse exited with code {code}: starting it again at {self.url} "
+                f"(log {self.logs}/lighthouse-{self.started}.log)")
+            self.proc = self._start()
+
+    def stop(self) -> None:
+        stop_tree([self.proc], grace=0.0, owned=lambda pid: False)
 
 
 def _tail(path: Path, lines: int = 40) -> str:
@@ -470,11 +494,11 @@ class Books:
 
 def run_attempt(job: JobSpec, *, attempt: int, workdir: Path, cwd: Path, metrics_ports: list[int],
                 display: Display, signals: StopSignals, grace: float, books: Books,
-                lighthouse: str | None = None) -> Attempt:
+                lighthouse: LocalLighthouse | None = None) -> Attempt:
     """Start every node (in `cwd`: the DDPJob file's folder, against which relative paths in its
     command resolve), watch them, stop the group on the first failure or a stop signal.
 
-    A per-step job (`lighthouse`: its Lighthouse's URL) instead replaces a failed node alone, up to
+    A per-step job (`lighthouse`: its Lighthouse, kept up meanwhile) instead replaces a failed node alone, up to
     failurePolicy.maxRestarts times in the attempt: the new one joins the quorum and takes its state
     from a live peer while the others train on. It succeeds when node 0 (replica group 0, whose
     rank 0 writes the result) succeeds; the nodes still running then are stopped."""
@@ -488,7 +512,8 @@ def run_attempt(job: JobSpec, *, attempt: int, workdir: Path, cwd: Path, metrics
 
     def start(rank: int, log_name: str) -> subprocess.Popen:
         env = node_env(job, rank, master_port=master_ports[rank], metrics_port=metrics_ports[rank],
-                       attempt=attempt, workdir=workdir, result_file=result_file, lighthouse=lighthouse)
+                       attempt=attempt, workdir=workdir, result_file=result_file,
+                       lighthouse=lighthouse.url if lighthouse else None)
         # Where its ranks record why they failed (the launcher's own dir otherwise, gone with it):
         # a bad configuration's message is then said however long the log grew after it.
         status = status_dir(workdir, attempt, rank)
@@ -531,6 +556,8 @@ def run_attempt(job: JobSpec, *, attempt: int, workdir: Path, cwd: Path, metrics
             if all(c == 0 for c in codes):
                 result = json.loads(result_file.read_text()) if result_file.exists() else {}
                 return Attempt(ok=True, result=result)
+            if lighthouse:
+                lighthouse.keep_up(display.say)
             if time.monotonic() >= next_scrape:
                 books.observe(display.update(metrics_ports, attempt=attempt))
                 next_scrape = time.monotonic() + SCRAPE_INTERVAL
@@ -588,17 +615,16 @@ def _run_local(path: str, *, signals: StopSignals, summary_json: str | None, met
     display = Display(enabled=progress, job=job)
     books = Books(job, say=display.say, created=created)
     tally, outcome, started = Tally(), Attempt(ok=False), dt.datetime.now(dt.timezone.utc)
-    lighthouse: subprocess.Popen | None = None
-    url = None
+    lighthouse: LocalLighthouse | None = None
     replaced = 0
     try:
         if job.spec.fault_tolerance is not None:
-            lighthouse, url = start_lighthouse(job, workdir=wd)
+            lighthouse = LocalLighthouse(job, workdir=wd)
         while True:
             attempt_no = tally.attempt
             outcome = run_attempt(job, attempt=attempt_no, workdir=wd, cwd=Path(path).resolve().parent,
                                   metrics_ports=ports, display=display,
-                                  signals=signals, grace=grace, books=books, lighthouse=url)
+                                  signals=signals, grace=grace, books=books, lighthouse=lighthouse)
             replaced += outcome.replaced
             if not outcome.ok and signals.exit_code is not None:  # it came while nodes were stopped
                 outcome = Attempt(ok=False, exit_code=signals.exit_code, interrupted=True)
@@ -628,7 +654,7 @@ def _run_local(path: str, *, signals: StopSignals, summary_json: str | None, met
         return 2
     finally:
         if lighthouse is not None:  # with the run, never an orphan
-            stop_tree([lighthouse], grace=0.0, owned=lambda pid: False)
+            lighthouse.stop()
         display.close()
         books.close()
     phase = "Succeeded" if outcome.ok else ("Interrupted" if outcome.interrupted else "Failed")
