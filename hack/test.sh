@@ -7,13 +7,12 @@
 #   local registry in the background meanwhile (about 8 minutes for the multi-GB trainer image on
 #   2 cores): the tests that use the real nodes run last (tests/conftest.py), and their fixture
 #   waits for the pull on hack/images.sh's lock, or publishes itself in a direct pytest run.
-# - cpu: the floor venv (the image's torch), then the trainer's real torchrun runs, then the
-#   version-dependent ones again on the floor's torch. It needs no cluster: it starts as soon as
-#   the venv is there, not after the images (stop 62's CI: 10 of its 70 minutes were set-up).
+# - cpu: the trainer's real torchrun runs on the newest torch. It needs no cluster and no other
+#   venv: it starts at once (stop 62's CI: 10 of its 70 minutes were set-up it waited for).
 # - oldest: prometheus-operator (the e2e test that needs it waits for the build's lock, or builds
 #   it itself), the second control plane at the oldest Kubernetes the chart allows with the
-#   versioned tests (the Makefile's VERSIONED_TESTS, kwok's nodes only), then the unit tier and the
-#   trainer's throughput guard.
+#   versioned tests (the Makefile's VERSIONED_TESTS, kwok's nodes only), then the unit tier, the
+#   trainer tiers again on the floor's torch (their own venv), and the trainer's throughput guard.
 #
 # The tiers that drive a control plane spend most of their time waiting on the API server, the
 # scheduler and pods, while the CPU tiers compute: one after the other they would leave one of CI's
@@ -46,40 +45,47 @@ cluster_tiers() {
 }
 
 # The versioned tests again, on the second control plane at the oldest Kubernetes the chart
-# allows (the Makefile's VERSIONED_TESTS say which and why); its own pytest cache. The unit tier
-# runs after them even when they could not.
+# allows (the Makefile's VERSIONED_TESTS say which and why); its own pytest cache. The tiers after
+# them run even when they could not.
 oldest_tiers() {
-  local rc=0
+  local rc=0 floor_pid
+  # The floor venv downloads and writes (torch) while the second control plane starts.
+  make --no-print-directory install-floor &
+  floor_pid=$!
   hack/build.sh prometheus-operator || rc=1   # for the cluster session's e2e test (above)
   if [ "$rc" = 0 ] && DDPJOB_CLUSTER=oldest hack/cluster-up.sh; then
     PYTEST_ADDOPTS="${PYTEST_ADDOPTS:-} -o cache_dir=.pytest_cache/oldest" make --no-print-directory test-oldest || rc=$?
   else
     rc=1
   fi
-  # Down once its tests ran (10 of CI's 70 minutes): its API server, etcd and kwok no longer take a
-  # share of the two cores the other sessions still need. Its logs stay for a failure's reader.
+  # Down once its tests ran: its API server, etcd and kwok no longer take a share of the two cores
+  # the other sessions still need. Its logs stay for a failure's reader.
   DDPJOB_CLUSTER=oldest hack/cluster-down.sh --keep-logs || true
-  # Then the unit tier (pure functions, no cluster): in this session, which ends about 45 minutes
-  # before the others, not in the cluster session, whose end it delayed by its 3-4 minutes.
+  # Then the unit tier (pure functions, no cluster).
   PYTEST_ADDOPTS="${PYTEST_ADDOPTS:-} -o cache_dir=.pytest_cache/unit" \
     "$PY" -m pytest -ra "${ARGS[@]}" tests/unit || rc=$((rc ? rc : $?))
-  # And the trainer's throughput guard, the cpu session's longest test: it races its two arms
-  # side by side, so whatever else the machine runs slows both alike, and it races more (4 to 12
-  # minutes) when that load spreads its ratios. Here it ends before the cpu session does.
+  # The trainer tiers again on the floor's torch: here, not after the trainer tier in the cpu
+  # session, which was CI's critical path with both (rehearsal 25: about 72 minutes, while this
+  # session ended after 36).
+  if wait "$floor_pid"; then
+    make --no-print-directory test-floor || rc=$((rc ? rc : $?))
+  else
+    echo "make test: the floor venv did not install (above)"
+    rc=$((rc ? rc : 1))
+  fi
+  # And the trainer's throughput guard: it races its two arms side by side, so whatever else the
+  # machine runs slows both alike, and it races more (4 to 12 minutes) when that load spreads its
+  # ratios.
   PYTEST_ADDOPTS="${PYTEST_ADDOPTS:-} -o cache_dir=.pytest_cache/overhead" \
     "$PY" -m pytest -ra "${ARGS[@]}" "$OVERHEAD_TEST" || rc=$((rc ? rc : $?))
   return "$rc"
 }
 
+# The trainer's real torchrun runs on the newest torch: no cluster, no floor venv to wait for.
 cpu_tiers() {
-  local rc=0
-  make --no-print-directory install-floor || { echo "make test: the floor venv did not install (above)"; return 1; }
   # Its own pytest cache: every session writes its own when it ends.
-  export PYTEST_ADDOPTS="${PYTEST_ADDOPTS:-} -o cache_dir=.pytest_cache/cpu"
-  "$PY" -m pytest -ra "${ARGS[@]}" tests/trainer --deselect "$OVERHEAD_TEST" || rc=$?   # the oldest session runs it
-  # The floor runs even when the newest torch failed: a failure on one torch only is worth seeing.
-  make --no-print-directory test-floor || rc=$((rc ? rc : $?))
-  return "$rc"
+  PYTEST_ADDOPTS="${PYTEST_ADDOPTS:-} -o cache_dir=.pytest_cache/cpu" \
+    "$PY" -m pytest -ra "${ARGS[@]}" tests/trainer --deselect "$OVERHEAD_TEST"   # the oldest session runs it
 }
 
 # recap NAME...: the failed tests and the pytest summaries of each session's log, at the end of
@@ -104,5 +110,5 @@ wait "$cpu_pid"; cpu_rc=$?
 wait "$oldest_pid"; oldest_rc=$?
 echo "make test: the sessions' summaries and failures (whole logs in $LOGS/):"
 recap cluster cpu oldest
-echo "make test: cluster tiers exit ${cluster_rc}, cpu tiers (trainer, then floor) exit ${cpu_rc}, oldest Kubernetes (then unit, then the throughput guard) exit ${oldest_rc}"
+echo "make test: cluster tiers exit ${cluster_rc}, cpu tier (trainer) exit ${cpu_rc}, oldest Kubernetes (then unit, the floor, the throughput guard) exit ${oldest_rc}"
 exit $((cluster_rc || cpu_rc || oldest_rc))
