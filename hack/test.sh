@@ -2,11 +2,12 @@
 # Every test tier, as `make test` runs it: three pytest sessions side by side, each doing its own
 # set-up, so that none waits for what only another needs.
 #
-# - cluster: the control plane with its real nodes (it compiles from Go modules cold), our images
-#   built, then the tiers that drive it (cluster, e2e, realpods). The nodes pull the images from the
-#   local registry in the background meanwhile (about 8 minutes for the multi-GB trainer image on
-#   2 cores): the tests that use the real nodes run last (tests/conftest.py), and their fixture
-#   waits for the pull on hack/images.sh's lock, or publishes itself in a direct pytest run.
+# - cluster: the control plane with its real nodes (it compiles from Go modules cold), then the
+#   tiers that drive it (cluster, e2e, realpods). Our images are built and the nodes pull them from
+#   the local registry in the background meanwhile (about 13 minutes on 2 cores when the multi-GB
+#   trainer image changed): the tests that use the real nodes run last (tests/conftest.py), and
+#   their fixture waits for the images on hack/images.sh's lock, or builds and publishes them
+#   itself in a direct pytest run.
 # - cpu: the trainer's real torchrun runs on the newest torch. It needs no cluster and no other
 #   venv: it starts at once (stop 62's CI: 10 of its 70 minutes were set-up it waited for).
 # - oldest: prometheus-operator (the e2e test that needs it waits for the build's lock, or builds
@@ -32,12 +33,23 @@ read -r -a ARGS <<<"${PYTEST_ARGS}"
 prefix() { sed -u "s/^/[$1] /"; }
 OVERHEAD_TEST=tests/trainer/test_trainer_overhead.py::test_trainer_throughput_is_at_least_090_of_a_plain_ddp_loop
 
+# floor_venv: make install-floor, one session at a time (the cluster session's image build and the
+# oldest session's floor tier both need it; the second finds it made).
+floor_venv() {
+  mkdir -p .cache
+  flock .cache/install-floor.lock make --no-print-directory install-floor
+}
+
 cluster_tiers() {
   local rc=0 publish_pid=
   DDPJOB_PROMETHEUS_OPERATOR=0 hack/cluster-up.sh || { echo "make test: the control plane did not start (above)"; return 1; }
-  hack/images.sh products || { echo "make test: the images did not build (above)"; return 1; }
-  # Built; the nodes pull them from the local registry while the tests that need no real node run.
-  hack/images.sh all 2>&1 | prefix images &
+  # Our images are built, pushed to the local registry and pulled by the nodes while the tests that
+  # need no real node run (rehearsal 26: 4.5 minutes of building before pytest started, then 8 of
+  # pushing and pulling beside it). A failed build fails the real-node tests' fixture, which tries
+  # again and says why.
+  # The floor venv first (the oldest session's, under its lock): the trainer image's torch base
+  # then installs the same torch wheel from the machine's uv cache, not from PyPI a second time.
+  { floor_venv && hack/images.sh products && hack/images.sh all; } 2>&1 | prefix images &
   publish_pid=$!
   "$PY" -m pytest -ra "${ARGS[@]}" tests --ignore=tests/trainer --ignore=tests/unit || rc=$?   # every other tier, new ones too
   wait "$publish_pid" || rc=$((rc ? rc : 1))
@@ -50,7 +62,7 @@ cluster_tiers() {
 oldest_tiers() {
   local rc=0 floor_pid
   # The floor venv downloads and writes (torch) while the second control plane starts.
-  make --no-print-directory install-floor &
+  floor_venv &
   floor_pid=$!
   hack/build.sh prometheus-operator || rc=1   # for the cluster session's e2e test (above)
   if [ "$rc" = 0 ] && DDPJOB_CLUSTER=oldest hack/cluster-up.sh; then

@@ -3,6 +3,7 @@ another world size."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -67,9 +68,14 @@ def test_resume_at_world_size_2_with_workers_and_augmentation_is_bit_exact(tmp_p
     pb, b = run_local(crashy, tmp_path, env={"DDPJOB_DEBUG_CRASH_RANK": "1:5", "DDPJOB_DEBUG_STEP_SLEEP": "0.2"})
     assert pb.returncode == 0, pb.stderr[-3000:]
     assert b["restarts"] == 0 and b["resumed_from_step"] == 4  # mid-epoch 1, workers restarted in place
-    # Rank 0 logs it, on whichever node c10d gave rank 0.
+    # Rank 0 logs it, on whichever node c10d gave rank 0. The disk checkpoint of step 3 is written in
+    # the background, and a loaded machine may not have finished it when rank 1 dies at step 5 (the
+    # crash waits for nothing; rehearsal 26): then there is none, never a newer one.
+    # test_trainer_checkpoint_manager's resume test holds the choice between the two.
     log = "".join(p.read_text() for p in sorted((tmp_path / "work" / "logs" / "attempt-0").glob("node-*.log")))
-    assert "resumed from the in-memory snapshot" in log and "newest disk checkpoint: step 3" in log, log[-3000:]
+    assert "resumed from the in-memory snapshot" in log, log[-3000:]
+    assert re.search(r"resumed from the in-memory snapshot \S+ at step 4 .*; newest disk checkpoint: step (3|none)\b",
+                     log), log[-3000:]
     # The resumed run's one snapshot (step 8; steps 6 and 9 end epochs), what it cost reported at the end.
     cost = read_cost(log)
     assert cost is not None and cost.taken == 1 and cost.paused > 0, log[-3000:]
