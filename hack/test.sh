@@ -101,9 +101,13 @@ cpu_tiers() {
 }
 
 # recap NAME...: the failed tests and the pytest summaries of each session's log, at the end of
-# the output, where CI's tail shows them.
+# the output, where CI's tail shows them; before them, the last lines of each session's failure
+# explanations (pytest's "E   " lines: a summary line names only a message's first line).
 recap() {
   local name
+  for name in "$@"; do
+    grep -E "^\[$name\] E   " "$LOGS/$name.log" | tail -n 12 || true
+  done
   for name in "$@"; do
     grep -E "^\[$name\] (FAILED|ERROR) |^\[$name\] =+ .* in [0-9.]+s|^\[$name\] make test: " "$LOGS/$name.log" || true
   done
