@@ -26,7 +26,7 @@ def ft_job(**spec):
 def test_command_carries_the_spec_quorum_timing():
     cmd = lighthouse_command(ft_job(nodes=4, faultTolerance={"minReplicas": 2, "timeoutSeconds": 5}))
     assert cmd == ["python", "-m", "ddpjob_trainer.lighthouse", "--min_replicas", "2", "--quorum_tick_ms", "100",
-                   "--join_timeout_ms", "5000", "--heartbeat_timeout_ms", "5000",
+                   "--join_timeout_ms", "5000", "--heartbeat_timeout_ms", "2500",
                    "--bind", f"0.0.0.0:{contract.FT_LIGHTHOUSE_PORT}",
                    "--id-bind", f"0.0.0.0:{contract.FT_LIGHTHOUSE_ID_PORT}"]
 

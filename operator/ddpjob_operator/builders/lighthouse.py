@@ -31,21 +31,31 @@ GRACE_SECONDS = 5
 RESOURCES: dict[str, Any] = {"requests": {"cpu": "50m", "memory": "512Mi"}, "limits": {"memory": "1Gi"}}
 
 
+# A group is counted gone once its heartbeats stop for this share of timeoutSeconds. A survivor's
+# quorum waits for exactly that: torchft's Lighthouse forms a new one only with more than half of
+# the groups that still heartbeat (two groups: the lost one's heartbeats must expire), or after the
+# join timeout (three or more). With the whole timeout, a pod killed outright cost its peer 3.35 s
+# at the default 3 (bench/perstep_loss.py, stop 62): its peer's gloo saw the closed connection at
+# once and then waited for the Lighthouse. Half still means 15 heartbeats missed at the default:
+# torchft's Manager sends one every 0.1 s from a Rust thread that no Python step holds up. A peer
+# alive but slow keeps the whole timeoutSeconds in its collectives.
+HEARTBEAT_SHARE = 0.5
+
+
 def lighthouse_command(job: JobSpec) -> list[str]:
     """torchft's Lighthouse with the spec's quorum timing, in our entry point, which also serves the
     id of this incarnation of it (ddpjob_trainer.lighthouse: a recreated Lighthouse starts its
-    quorum ids again, and the groups fold the id into them). A survivor's quorum waits for the groups
-    that still heartbeat (join timeout) and counts a group as gone once its heartbeats stop
-    (heartbeat timeout): both are spec.faultTolerance.timeoutSeconds, so the pause a lost group
-    costs the others is bounded by the one timeout the spec sets."""
+    quorum ids again, and the groups fold the id into them). A survivor's quorum waits up to
+    spec.faultTolerance.timeoutSeconds for the groups that still heartbeat (join timeout), and a
+    group whose heartbeats stop is gone after HEARTBEAT_SHARE of it (heartbeat timeout): the pause
+    a lost group costs the others is bounded by the one timeout the spec sets."""
     ft = job.spec.fault_tolerance
     if ft is None:
         raise ValueError(f"DDPJob {job.namespace}/{job.name} has no spec.faultTolerance: it runs no Lighthouse")
-    timeout_ms = str(ft.timeout_seconds * 1000)
     return ["python", "-m", "ddpjob_trainer.lighthouse", "--min_replicas", str(ft.min_replicas),
-            "--quorum_tick_ms", str(QUORUM_TICK_MS), "--join_timeout_ms", timeout_ms,
-            "--heartbeat_timeout_ms", timeout_ms, "--bind", f"0.0.0.0:{contract.FT_LIGHTHOUSE_PORT}",
-            "--id-bind", f"0.0.0.0:{contract.FT_LIGHTHOUSE_ID_PORT}"]
+            "--quorum_tick_ms", str(QUORUM_TICK_MS), "--join_timeout_ms", str(ft.timeout_seconds * 1000),
+            "--heartbeat_timeout_ms", str(round(ft.timeout_seconds * 1000 * HEARTBEAT_SHARE)),
+            "--bind", f"0.0.0.0:{contract.FT_LIGHTHOUSE_PORT}", "--id-bind", f"0.0.0.0:{contract.FT_LIGHTHOUSE_ID_PORT}"]
 
 
 def _security(default: dict[str, Any], *layers: Any) -> dict[str, Any]:
