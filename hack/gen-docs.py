@@ -374,7 +374,8 @@ def _phase(source: str, table: str, arm: str, name: str) -> Figure:
 _SPREAD_S = "{v[median]:.2f} s [{v[min]:.2f}-{v[max]:.2f}], {v[n]} runs"
 # Steps lost to a force-deleted pod on the real nodes (bench/perstep_loss.py): two runs of 3 repeats.
 _PERSTEP = ("perstep_loss.json", "perstep_loss_rerun.json")
-_SPREAD_LOST = "{v[median]:.1f} [{v[min]:.1f}-{v[max]:.1f}]"
+# "to", not "-": a per-step run can lose fewer steps than none (alone, a group steps faster).
+_SPREAD_LOST = "{v[median]:.1f} [{v[min]:.1f} to {v[max]:.1f}]"
 # The same jobs run to their end, one pod force-deleted or none (--arms perstep,undisturbed --to-end).
 _PERSTEP_ACC = "perstep_accuracy.json"
 _ACCURACIES = "{v[min]:.4f}-{v[max]:.4f} ({v[n]} runs)"
