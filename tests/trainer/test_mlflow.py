@@ -221,7 +221,7 @@ def test_sigterm_ends_a_users_scripts_run_killed(tmp_path, mlflow_server):
                     trainer=mlflow(mlflow_server.uri, exp))
     # The run's end starts a process that imports MLflow (4-5 s on this machine idle): within a pod's
     # 25 s (the default 30 s less the launcher's margin), it did not end the run under make test's
-    # load once (CI, stop 65).
+    # load once (CI of a388e5e).
     # The grace only bounds the stop: the launcher exits once the run has ended, however long it is.
     stopped_local_run(job, tmp_path / "w", mlflow_server, exp, lambda r: "started" in r.data.metrics,
                       "the script's first metric", timeout=360, env={"DDPJOB_STOP_GRACE_SECONDS": "300"})

@@ -35,7 +35,7 @@ RESOURCES: dict[str, Any] = {"requests": {"cpu": "50m", "memory": "512Mi"}, "lim
 # quorum waits for exactly that: torchft's Lighthouse forms a new one only with more than half of
 # the groups that still heartbeat (two groups: the lost one's heartbeats must expire), or after the
 # join timeout (three or more). With the whole timeout, a pod killed outright cost its peer 3.35 s
-# at the default 3 (bench/perstep_loss.py, stop 62): its peer's gloo saw the closed connection at
+# at the default 3 (bench/perstep_loss.py at 3af1179): its peer's gloo saw the closed connection at
 # once and then waited for the Lighthouse. Half still means 15 heartbeats missed at the default:
 # torchft's Manager sends one every 0.1 s from a Rust thread that no Python step holds up. A peer
 # alive but slow keeps the whole timeoutSeconds in its collectives.
