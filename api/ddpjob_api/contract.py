@@ -290,8 +290,8 @@ def stall_error(*, idle: float, stage: str, step: int | None, timeout: float) ->
 class RunResult:
     """What rank 0 reports when training ends: the run-result file (ENV_RESULT_FILE) holds its
     fields and RESULT_MLFLOW_RUN_ID as one JSON object, which node 0's launcher makes its
-    termination message, the operator status.result (decisions/result.py) and the local runner
-    its summary."""
+    termination message (naming the run it resolved where rank 0's tracker had not opened it yet),
+    the operator status.result (decisions/result.py) and the local runner its summary."""
 
     steps: int
     total_steps: int

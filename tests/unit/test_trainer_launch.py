@@ -286,6 +286,26 @@ def test_recorded_error_reads_the_traceback_or_message_or_nothing(tmp_path, cont
     assert recorded_error(str(path)) == want
 
 
+@pytest.mark.parametrize("content, want", [
+    (None, {"mlflow_run_id": "r1"}),                                  # a user's script: no result
+    ('{"steps": 16, "mlflow_run_id": null}', {"steps": 16, "mlflow_run_id": "r1"}),  # opened too late
+    ('{"steps": 16}', {"steps": 16, "mlflow_run_id": "r1"}),
+    ('{"steps": 16, "mlflow_run_id": "r0"}', {"steps": 16, "mlflow_run_id": "r0"}),  # the tracker's own
+    ("not json", "not json"),                                          # left as it is
+    ("[1]", [1]),
+])
+def test_the_result_names_the_launchers_run_where_it_names_none(tmp_path, content, want):
+    from ddpjob_trainer.launch.report import name_the_run
+
+    path = tmp_path / "result.json"
+    if content is not None:
+        path.write_text(content)
+    name_the_run(str(path), "r1")
+    text = path.read_text()
+    assert (text if want == "not json" else json.loads(text)) == want
+    assert [p.name for p in tmp_path.iterdir()] == ["result.json"]  # no .part left
+
+
 def test_recorded_error_reads_what_torch_itself_writes(tmp_path):
     from ddpjob_trainer.launch.report import recorded_error
 

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import math
 import os
 import subprocess
@@ -21,7 +20,8 @@ from ..errors import EXIT_BAD_CONFIG, EXIT_TRAINING_FAILED, ConfigError
 from ..tracking import SYSTEM_METRICS_END_SECONDS
 from . import runs
 from .procs import become_subreaper, die_with_parent, end_child, stop_tree
-from .report import failure_message, rank_messages, recorded_error, report_result, say, write_termination
+from .report import (failure_message, name_the_run, rank_messages, recorded_error, report_result, say,
+                     write_termination)
 from .signals import Stop, StopSignals, stop_grace_from_env
 
 # A sitecustomize that frees a run's process group before interpreter finalization (why: its
@@ -290,10 +290,8 @@ def _launch(args: argparse.Namespace, node: _Node, signals: StopSignals) -> int:
         if why:
             write_termination(why)
         return code if code > 0 else EXIT_TRAINING_FAILED
-    if run_id and node_rank == 0 and not os.path.exists(result_file):
-        # A user's script writes no result: the run is the one thing node 0 knows (the local runner's summary).
-        with open(result_file, "w") as f:
-            json.dump({contract.RESULT_MLFLOW_RUN_ID: run_id}, f)
+    if run_id and node_rank == 0:
+        name_the_run(result_file, run_id)
     report_result(result_file)
     return 0
 

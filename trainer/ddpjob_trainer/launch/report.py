@@ -68,6 +68,25 @@ def failure_message(code: int, failed: list[str], *, step: int | None = None,
     return head + "\n" + (detail if len(detail) <= room else "..." + detail[-room:])
 
 
+def name_the_run(path: str, run_id: str) -> None:
+    """Put the job's MLflow run (node 0's launcher resolved it; every rank's tracker resumes it)
+    into rank 0's result where the result does not name it: a user's script writes no result, and
+    the built-in trainer's tracker opens the run on its own thread, so a short attempt (a worker
+    restarted in place near the end) can finish before its open does. Whole or not at all."""
+    try:
+        with open(path) as f:
+            result = json.load(f)
+    except FileNotFoundError:
+        result = {}
+    except (OSError, ValueError):
+        return  # not ours to rewrite: reported as it is
+    if not isinstance(result, dict) or result.get(contract.RESULT_MLFLOW_RUN_ID):
+        return
+    with open(f"{path}.part", "w") as f:
+        json.dump({**result, contract.RESULT_MLFLOW_RUN_ID: run_id}, f, indent=1)
+    os.replace(f"{path}.part", path)
+
+
 def report_result(path: str) -> None:
     """Rank 0's result (final eval, steps, resumed-from step) as the termination message: the run's
     last numbers come after the last metrics scrape, and the operator reads them from there into
