@@ -110,7 +110,12 @@ def main() -> int:
     ap.add_argument("--out", default=str(REPO / "bench/results/operator_memory.json"))
     ap.add_argument("--tracemalloc", type=Path, default=None, metavar="DIR",
                     help="run the operator under bench/pymem.py and dump its top allocation lines per step into DIR")
+    ap.add_argument("--operator-env", action="append", default=[], metavar="NAME=VALUE",
+                    help="set NAME=VALUE for the operator alone (e.g. an allocator setting); repeatable")
     args = ap.parse_args()
+    if any("=" not in kv or kv.startswith("=") for kv in args.operator_env):
+        ap.error(f"--operator-env: NAME=VALUE, got {args.operator_env}")
+    extra_env = dict(kv.split("=", 1) for kv in args.operator_env)
     prov = Provenance("api", "operator", "trainer", "bench", "hack", "charts", out=args.out)
     steps = [int(s) for s in args.steps.split(",")]
     if steps != sorted(steps) or steps[0] <= 0 or any(s % args.nodes for s in steps):
@@ -133,8 +138,8 @@ def main() -> int:
     ns = create_namespace(api, prefix="bench-mem-", labels=scale.BENCH_NAMESPACE_LABELS)
     logs = Path(os.environ.get("TMPDIR", "/tmp")) / f"operator-memory-{ns}.log"
     wrapper = (str(REPO / "bench/pymem.py"), str(args.tracemalloc)) if args.tracemalloc else ()
-    ours = scale.Ours(cluster, ns, logs, scrape_url=ranks.template, wrapper=wrapper)
-    out: dict = {"nodes_per_job": args.nodes, "steps": [], "operator_log": str(logs)}
+    ours = scale.Ours(cluster, ns, logs, scrape_url=ranks.template, wrapper=wrapper, extra_env=extra_env)
+    out: dict = {"operator_env": extra_env, "nodes_per_job": args.nodes, "steps": [], "operator_log": str(logs)}
     if args.tracemalloc:
         out["tracemalloc"] = {"dir": str(args.tracemalloc),
                               "note": "the operator ran under tracemalloc: its RSS here is inflated by the tracing"}

@@ -340,12 +340,13 @@ class Ours:
     """`ddpjob operator` serving one namespace, scraping only loopback (`scrape_url`); with
     `source`, the operator package from that directory (an older revision, for before/after).
     Its progress interval is the operator's default. `wrapper`: a script (and its arguments) that
-    runs the operator's module itself (bench/pymem.py)."""
+    runs the operator's module itself (bench/pymem.py); `extra_env`: variables set for it alone
+    (an allocator setting under test)."""
 
     def __init__(self, cluster, ns: str, log_path: Path, *, scrape_url: str, source: Path | None = None,
-                 wrapper: tuple[str, ...] = ()) -> None:
+                 wrapper: tuple[str, ...] = (), extra_env: dict[str, str] | None = None) -> None:
         self.metrics_port, self.health_port = free_port(), free_port()
-        env = cluster.env()
+        env = {**cluster.env(), **(extra_env or {})}
         if source is not None:
             env["PYTHONPATH"] = str(source / "operator")
         cmd = [sys.executable, *wrapper, "-m", "ddpjob_cli", "operator", "-n", ns, "--peering", "",
