@@ -345,8 +345,11 @@ _T10K = "r[table][1000x10 "
 # The same 1,000 jobs of 10, ours alone, each job's status writes sorted by a watch: until Running,
 # and after (its progress).
 _SCALE_WRITES = "operator_scale_1000x10_writes.json"
-# The operator's RSS against the pods it keeps (bench/operator_memory.py).
-_MEMORY = "operator_memory_2k_10k.json"
+# The operator's RSS against the pods it keeps (bench/operator_memory.py), as its image runs it
+# (MALLOC_ARENA_MAX=2): of the arena pairs' runs with it, the one with the larger slope (sizing
+# errs high). The pairs with and without it (bench/operator_memory_ab.py).
+_MEMORY = "operator_memory_arena/b-1.json"
+_MEMORY_AB = "operator_memory_arena.json"
 
 
 def _writes_per_job(r: Any) -> float:
@@ -515,6 +518,12 @@ FIGURES: dict[str, Figure] = {
     "memory.peak.ratio": Figure(_MEMORY, "{r[peak_over_steady_largest]:.2f}x"),
     "memory.restart.first": Figure(_MEMORY, "{r[steps][1][group_restart_s]:.1f} s"),
     "memory.restart.largest": Figure(_MEMORY, "{v:.1f} s", lambda r: r["steps"][-1]["group_restart_s"]),
+    "memory.arena.commit": Figure(_MEMORY_AB, "{v}", lambda r: ", ".join(c[:7] for c in r["commits"])),
+    "memory.arena.pairs": Figure(_MEMORY_AB, "{v}", lambda r: len(r["pairs"])),
+    "memory.arena.rss": Figure(_MEMORY_AB, "{v}", lambda r: " and ".join(
+        f"{x:.2f}x" for x in r["rss_largest_mib"]["ratios_b_over_a"])),
+    "memory.arena.slope.a": Figure(_MEMORY_AB, "{r[slope_kib_per_pod][a_median]:.0f} KiB"),
+    "memory.arena.slope.b": Figure(_MEMORY_AB, "{r[slope_kib_per_pod][b_median]:.0f} KiB"),
     # Steps a minute lost to one force-deleted pod on the real nodes, per-step fault tolerance
     # against the replace path (bench/perstep_loss.py).
     "perstep.commit": Figure(_PERSTEP, "{v}", lambda *r: " and ".join(sorted({f"{x['commit']:.7}" for x in r}))),
