@@ -23,6 +23,7 @@ import copy
 import datetime as dt
 import functools
 import hashlib
+import http.client
 import importlib.util
 import json
 import os
@@ -327,6 +328,11 @@ def _tail(path: Path, lines: int = 40) -> str:
         return "(no log)"
 
 
+# A node's metrics or stacks read that fails is one missed read, never the runner's end: refused,
+# timed out, not parseable, or cut short (http.client.IncompleteRead: its launcher exited mid-answer).
+READ_ERRORS = (OSError, ValueError, http.client.HTTPException)
+
+
 def stall_stacks(ports: list[int]) -> str:
     """Every rank's newest captured stack (its agent's, contract.STACKS_PATH of each node), as the
     operator keeps them in a job's ConfigMap: what the runner prints on a stall."""
@@ -335,7 +341,7 @@ def stall_stacks(ports: list[int]) -> str:
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}{contract.STACKS_PATH}", timeout=2) as r:
                 records = json.loads(r.read().decode())
-        except (OSError, ValueError):
+        except READ_ERRORS:
             continue
         for rec in records if isinstance(records, list) else []:
             rank = rec.get("rank") if isinstance(rec, dict) else None
@@ -379,7 +385,7 @@ class Display:
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=0.5) as r:
                     part = parse_metrics(r.read().decode())
-            except (OSError, ValueError):
+            except READ_ERRORS:
                 continue
             for sample in part.values():
                 sample.pod = names.pod_name(self.job.name, node, attempt)
