@@ -1,6 +1,7 @@
 """Real `ddpjob run --local` processes for tests that need live trainer metrics endpoints."""
 from __future__ import annotations
 
+import http.client
 import os
 import signal
 import subprocess
@@ -158,7 +159,7 @@ def rank_samples(ports: list[int]) -> dict:
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as r:
                 parts.append(parse_metrics(r.read().decode()))
-        except OSError:
+        except (OSError, http.client.HTTPException):  # refused, or cut short by the rank's exit
             continue
     return merge(parts)
 

@@ -9,6 +9,7 @@ The moments, each detected from outside the way a user would see it:
 """
 from __future__ import annotations
 
+import http.client
 import os
 import re
 import shutil
@@ -107,7 +108,7 @@ def max_step(ports: list[int]) -> int:
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as r:
                 text = r.read().decode()
-        except OSError:
+        except (OSError, http.client.HTTPException):  # refused, or cut short by the rank's exit
             continue
         best = max([best, *(int(float(v)) for v in _STEP.findall(text))])
     return best
