@@ -101,6 +101,13 @@ def test_operator_entrypoint_is_the_cli():
     assert json.loads(ep[-1].split(None, 1)[1]) == ["ddpjob"]
 
 
+def test_operator_runs_with_two_malloc_arenas():
+    # glibc reads it at process start, so the image's environment is its one home
+    # (docs/install.md's sizing line was measured with it: bench/results/operator_memory_arena.json).
+    env = [line for line in stages()["operator"] if line.upper().startswith("ENV ")]
+    assert any(re.search(r"(^|\s)MALLOC_ARENA_MAX=2(\s|$)", line) for line in env), env
+
+
 def test_operator_requirements_are_project_deps_without_torch():
     deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
     norm = lambda s: re.split(r"[<>=!~\[; ]", s, maxsplit=1)[0].lower().replace("_", "-")  # noqa: E731
