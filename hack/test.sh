@@ -106,7 +106,7 @@ cpu_tiers() {
 recap() {
   local name
   for name in "$@"; do
-    grep -E "^\[$name\] E   " "$LOGS/$name.log" | tail -n 12 || true
+    grep -E "^\[$name\] E   " "$LOGS/$name.log" | tail -n 24 || true
   done
   for name in "$@"; do
     grep -E "^\[$name\] (FAILED|ERROR) |^\[$name\] =+ .* in [0-9.]+s|^\[$name\] make test: " "$LOGS/$name.log" || true

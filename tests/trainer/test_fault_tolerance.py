@@ -46,6 +46,16 @@ def _read(path: Path) -> str:
     return path.read_text(errors="replace") if path.exists() else ""
 
 
+def _why(out: str, work: Path) -> str:
+    """A failed run's story, its most telling lines last (CI's recap shows a failure's last lines):
+    the runner's output, the end of every node's log, then the runner's lines that say which node
+    failed with which exit code and what was restarted or replaced."""
+    tails = [f"--- {log.relative_to(work)} ends:\n" + "\n".join(_read(log).splitlines()[-3:])
+             for log in sorted((work / "logs").glob("attempt-*/node-*.log"))]
+    said = [line for line in out.splitlines() if "failed with exit code" in line or "restarting" in line]
+    return "\n".join([out[-3000:], *tails, "--- the runner said:", *said])
+
+
 def test_a_sigkilled_replica_group_is_replaced_alone_and_heals_from_its_peer(tmp_path):
     """Node 1 (replica group 1) is SIGKILLed while both groups train. Node 0 goes on stepping with one
     participant; a new node 1 starts alone, joins the quorum and takes node 0's state (its weights
@@ -86,10 +96,11 @@ def test_a_sigkilled_replica_group_is_replaced_alone_and_heals_from_its_peer(tmp
         out, _ = proc.communicate(timeout=300)
     finally:
         kill_run(proc, f"{work}/")
-    assert proc.returncode == 0, out[-3000:]
-    assert "replacing it alone" in out, out[-3000:]
+    assert proc.returncode == 0, _why(out, work)
+    assert "replacing it alone" in out, _why(out, work)
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["phase"] == "Succeeded" and summary["nodes_replaced"] == 1 and summary["restarts"] == 0, summary
+    assert (summary["phase"], summary["restarts"], summary["nodes_replaced"]) == ("Succeeded", 0, 1), (
+        f"{summary}\n{_why(out, work)}")
     assert summary["eval_accuracy"] >= 0.7, summary  # one epoch of digits (an MLP gets ~0.85)
     steps0 = [(int(s), int(n), h) for s, n, h in STEP_RE.findall(_read(node0))]
     alone = [s for s, n, _ in steps0 if n == 1 and s > KILL_AT]
