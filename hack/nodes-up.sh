@@ -49,7 +49,7 @@ wait_for() {  # wait_for NAME WHAT CMD...
 }
 
 "$HERE/ensure-node-packages.sh"
-"$HERE/build.sh" nodes >&2
+[ "${DDPJOB_BUILT:-0}" = 1 ] || "$HERE/build.sh" nodes >&2   # hack/cluster-up.sh built them (all)
 command -v runc >/dev/null || fail nodes "runc is not installed"
 # One set of real nodes per machine: their containerd roots (which keep the imported images
 # between cluster-up runs) are machine-wide.
