@@ -187,6 +187,7 @@ class Attempt:
     result: dict[str, Any] = field(default_factory=dict)
     returncodes: dict[int, int | None] = field(default_factory=dict)  # per node rank; None: running
     replaced: int = 0  # nodes of a per-step job replaced alone (spec.faultTolerance)
+    failed_log: Path | None = None  # the failed node's log (a replaced node's is its replacement's)
 
 
 def node_command(job: JobSpec, *, metrics_port: int) -> list[str]:
@@ -514,6 +515,7 @@ def run_attempt(job: JobSpec, *, attempt: int, workdir: Path, cwd: Path, metrics
     # Each node of a per-step job is a torchrun world of its own, with its own store.
     master_ports = [free_port() for _ in range(job.spec.nodes)] if lighthouse else [free_port()] * job.spec.nodes
     nodes: list[subprocess.Popen] = []  # node r's launcher at index r
+    node_logs: dict[int, Path] = {}  # node r's log, its replacement's once replaced
     replaced = 0
 
     def start(rank: int, log_name: str) -> subprocess.Popen:
@@ -525,6 +527,7 @@ def run_attempt(job: JobSpec, *, attempt: int, workdir: Path, cwd: Path, metrics
         status = status_dir(workdir, attempt, rank)
         shutil.rmtree(status, ignore_errors=True)  # an earlier run with this --workdir, or the node replaced
         env[contract.ENV_STATUS_DIR] = str(status)
+        node_logs[rank] = logs / log_name
         with open(logs / log_name, "wb") as log:
             return subprocess.Popen(
                 node_command(job, metrics_port=metrics_ports[rank]), env=env,
@@ -558,7 +561,7 @@ def run_attempt(job: JobSpec, *, attempt: int, workdir: Path, cwd: Path, metrics
                     continue
                 rank, code = (bad[0], EXIT_BAD_CONFIG) if bad else failed[0]
                 return Attempt(ok=False, exit_code=code, failed_rank=rank, returncodes=dict(enumerate(codes)),
-                               replaced=replaced)
+                               replaced=replaced, failed_log=node_logs[rank])
             if all(c == 0 for c in codes):
                 result = json.loads(result_file.read_text()) if result_file.exists() else {}
                 return Attempt(ok=True, result=result)
@@ -637,7 +640,7 @@ def _run_local(path: str, *, signals: StopSignals, summary_json: str | None, met
             if outcome.ok or outcome.interrupted:
                 break
             display.close()
-            log = wd / "logs" / f"attempt-{attempt_no}" / f"node-{outcome.failed_rank}.log"
+            log = outcome.failed_log or wd / "logs" / f"attempt-{attempt_no}" / f"node-{outcome.failed_rank}.log"
             bad = rank_messages(str(status_dir(wd, attempt_no, outcome.failed_rank)), "bad-config")
             click.echo(f"node {outcome.failed_rank} failed with exit code {outcome.exit_code} "
                        f"(attempt {attempt_no}){': ' + bad[0] if bad else ''}; its log ({log}) ends:\n{_tail(log)}",

@@ -44,3 +44,26 @@ def test_a_local_per_step_node_is_its_own_world_on_loopback_at_the_local_lightho
     plain = node_env(make_job("ft", nodes=2), 1, master_port=40001, metrics_port=19401, attempt=0, workdir=tmp_path,
                      result_file=tmp_path / "r.json")
     assert not [k for k in plain if k.startswith("DDPJOB_FT_")] and plain["PET_NNODES"] == "2"
+
+
+def test_a_replacement_that_fails_past_the_budget_ends_the_attempt_naming_its_own_log(tmp_path, monkeypatch):
+    """A per-step job's node 1 fails, is replaced alone (maxRestarts 1), and its replacement fails too:
+    the attempt ends, and the log it names for the failure is the replacement's, not the first
+    node 1's (which ended with its SIGKILL, not with this failure)."""
+    import time
+    import types
+
+    from ddpjob_cli import local
+    from ddpjob_trainer.launch import StopSignals
+
+    job = make_job("ft", nodes=2, faultTolerance={"mode": "perStep"}, failurePolicy={"maxRestarts": 1})
+    # Node 0 trains on (until stopped); every node 1 fails at once, saying which log it wrote to.
+    script = "import os, sys, time\nif os.environ['NODE_RANK'] == '1': sys.exit(3)\ntime.sleep(60)"
+    monkeypatch.setattr(local, "node_command", lambda job, metrics_port: [sys.executable, "-c", script])
+    lighthouse = types.SimpleNamespace(url="http://127.0.0.1:1", keep_up=lambda say: None)
+    display = local.Display(enabled=False, job=job)
+    out = local.run_attempt(job, attempt=0, workdir=tmp_path, cwd=tmp_path, metrics_ports=[1, 2], display=display,
+                            signals=StopSignals(), grace=1.0,
+                            books=local.Books(job, say=display.say, created=time.time()), lighthouse=lighthouse)
+    assert (out.ok, out.failed_rank, out.exit_code, out.replaced) == (False, 1, 3, 1), out
+    assert out.failed_log == tmp_path / "logs" / "attempt-0" / "node-1-replacement-1.log" and out.failed_log.exists()
