@@ -322,7 +322,9 @@ class LocalLighthouse:
         stop_tree([self.proc], grace=0.0, owned=lambda pid: False)
 
 
-def _tail(path: Path, lines: int = 40) -> str:
+def _tail(path: Path | None, lines: int = 40) -> str:
+    if path is None:
+        return "(no log)"
     try:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
     except OSError:
@@ -640,7 +642,7 @@ def _run_local(path: str, *, signals: StopSignals, summary_json: str | None, met
             if outcome.ok or outcome.interrupted:
                 break
             display.close()
-            log = outcome.failed_log or wd / "logs" / f"attempt-{attempt_no}" / f"node-{outcome.failed_rank}.log"
+            log = outcome.failed_log  # set with failed_rank: the log run_attempt opened for that node
             bad = rank_messages(str(status_dir(wd, attempt_no, outcome.failed_rank)), "bad-config")
             click.echo(f"node {outcome.failed_rank} failed with exit code {outcome.exit_code} "
                        f"(attempt {attempt_no}){': ' + bad[0] if bad else ''}; its log ({log}) ends:\n{_tail(log)}",
