@@ -9,7 +9,9 @@ while the pods were created, VmHWM). A least-squares line through (pods, RSS),
 the idle operator at 0 pods included, gives the slope in KiB per pod: the chart's sizing rule
 (docs/install.md) is idle + slope x pods + headroom. At the largest step one job's pod exits 1 and
 the seconds until its next attempt is Running are compared with the same restart at the first
-step (the ratio, measured in the same run). The operator must never restart (its pid is checked).
+step (the ratio, measured in the same run). The operator must never restart (its pid is checked),
+and after each step every job's status must say Running with all its nodes running (counted, the
+first wrong ones named). The result records the chart's memory limit beside the RSS.
 With --tracemalloc DIR the operator runs under bench/pymem.py and each step also writes the lines
 that hold its live memory (DIR/<step>.txt): where the memory goes, while that run's RSS, inflated by
 tracemalloc, is not the operator's (the result says so).
@@ -43,6 +45,7 @@ from tests.support.cluster import (create_namespace, delete_namespace, ensure_cl
                                    set_pod_exit, wait_crd_established, wait_for)
 
 RSS_READINGS = 5
+STATUS_WAIT = 300.0  # seconds for every job's status to say Running with all nodes after a step
 
 
 def rss_kib(pid: int, field: str = "VmRSS") -> int:
@@ -85,6 +88,48 @@ def fit(points: list[tuple[int, int]]) -> dict:
     resid = [y - (intercept + slope * x) for x, y in points]
     return {"slope_kib_per_pod": round(slope, 2), "intercept_mib": round(intercept / 1024, 1),
             "max_residual_mib": round(max(abs(r) for r in resid) / 1024, 1)}
+
+
+def status_right(custom, ns: str, jobs: int, nodes: int) -> dict:
+    """How many of the namespace's DDPJobs say what their pods are: phase Running with every node
+    running. Waits up to STATUS_WAIT s for all of them (the last writes trail the pods), then
+    reports what it saw, the first wrong ones named; never raises on a wrong count."""
+    seen: dict = {}
+
+    def all_right() -> bool:
+        items = list_all(custom, ns)
+        wrong = [(o["metadata"]["name"], (o.get("status") or {}).get("phase"),
+                  ((o.get("status") or {}).get("nodes") or {}).get("running"))
+                 for o in items
+                 if (o.get("status") or {}).get("phase") != "Running"
+                 or ((o.get("status") or {}).get("nodes") or {}).get("running") != nodes]
+        seen.update(jobs=len(items), right=len(items) - len(wrong), wrong=wrong[:5])
+        return len(items) == jobs and not wrong
+    t0 = time.monotonic()
+    try:
+        wait_for(all_right, timeout=STATUS_WAIT, interval=5.0, desc="every DDPJob Running with all nodes running")
+    except AssertionError:
+        pass
+    return {**seen, "seconds": round(time.monotonic() - t0, 1)}
+
+
+def list_all(custom, ns: str) -> list[dict]:
+    """Every DDPJob of the namespace, in pages of 1,000."""
+    items, token = [], None
+    while True:
+        page = custom.list_namespaced_custom_object("ddpjob.dev", "v1alpha1", ns, "ddpjobs", limit=1000,
+                                                    _continue=token)
+        items += page.get("items") or []
+        token = (page.get("metadata") or {}).get("continue")
+        if not token:
+            return items
+
+
+def chart_memory_limit() -> str:
+    """The operator's memory limit as the chart ships it (values.yaml)."""
+    import yaml
+    values = yaml.safe_load((REPO / "charts/ddpjob-operator/values.yaml").read_text())
+    return str(values["resources"]["limits"]["memory"])
 
 
 def restart_seconds(custom, api, ns: str, job: str, *, timeout: float) -> float:
@@ -139,7 +184,8 @@ def main() -> int:
     logs = Path(os.environ.get("TMPDIR", "/tmp")) / f"operator-memory-{ns}.log"
     wrapper = (str(REPO / "bench/pymem.py"), str(args.tracemalloc)) if args.tracemalloc else ()
     ours = scale.Ours(cluster, ns, logs, scrape_url=ranks.template, wrapper=wrapper, extra_env=extra_env)
-    out: dict = {"operator_env": extra_env, "nodes_per_job": args.nodes, "steps": [], "operator_log": str(logs)}
+    out: dict = {"operator_env": extra_env, "nodes_per_job": args.nodes, "steps": [], "operator_log": str(logs),
+                 "chart_memory_limit": chart_memory_limit()}
     if args.tracemalloc:
         out["tracemalloc"] = {"dir": str(args.tracemalloc),
                               "note": "the operator ran under tracemalloc: its RSS here is inflated by the tracing"}
@@ -161,7 +207,7 @@ def main() -> int:
             if ours.proc.poll() is not None or ours.pid != pid:
                 raise RuntimeError(f"the operator exited ({ours.proc.returncode}) at {target} pods")
             step = {"pods": target, **times, "rss_kib": steady_rss(ours), "peak_rss_kib": rss_kib(ours.pid, "VmHWM"),
-                    "load_avg": os.getloadavg()}
+                    "load_avg": os.getloadavg(), "status": status_right(custom, ns, jobs, args.nodes)}
             traced(ours, args.tracemalloc, target)
             if target in (steps[0], steps[-1]):
                 step["group_restart_s"] = restart_seconds(custom, api, ns, "b0", timeout=args.running_timeout)
@@ -169,7 +215,7 @@ def main() -> int:
             print(f"{target:6d} pods: running {times['all_pods_running_s']}s, RSS {step['rss_kib'] / 1024:.1f} MiB"
                   f" (peak {step['peak_rss_kib'] / 1024:.1f})"
                   + (f", group restart {step['group_restart_s']}s" if "group_restart_s" in step else "")
-                  + f", load {step['load_avg'][0]:.1f}", flush=True)
+                  + f", load {step['load_avg'][0]:.1f}, status right {step['status']['right']}/{jobs}", flush=True)
             out["fit"] = fit([(s["pods"], s["rss_kib"]) for s in out["steps"]])
             out["operator_restarts"] = 0
             prov.write(out)
