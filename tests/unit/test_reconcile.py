@@ -19,6 +19,7 @@ from ddpjob_api import labels
 from ddpjob_api.spec import from_manifest
 from ddpjob_operator.cluster.cache import PeerGate, Store
 from ddpjob_operator.base.config import OperatorConfig
+from ddpjob_operator.app import controller
 from ddpjob_operator.app.controller import Reconciler
 from ddpjob_operator.decisions.samples import MonitorReport, RankSample
 from ddpjob_operator.app.operator_metrics import OperatorMetrics
@@ -525,6 +526,50 @@ def test_jobs_whose_metrics_never_answer_are_scraped_less_often_but_never_given_
         await rec.shutdown()
     run(main())
     assert k8s.jobs["j"]["status"]["progress"]["step"] == 1
+
+
+def test_a_scrape_round_starts_its_jobs_spread_over_the_window_not_all_at_once():
+    """1,000 jobs' scrapes begun together queued a task per pod and held up every pass due
+    meanwhile (a group restart among 10,000 pods: 2-12 s); a round spreads their starts, and
+    takes no more jobs at a time than it has slots."""
+    rec = reconciler(FakeK8s(), monitor=SilentMonitor())
+    starts: dict[tuple[str, str], float] = {}
+    finished: list[tuple[str, str]] = []
+
+    async def main():
+        loop = asyncio.get_running_loop()
+
+        async def scrape_and_kick(key):
+            starts[key] = loop.time()
+            await asyncio.sleep(0)
+            finished.append(key)
+        rec._scrape_and_kick = scrape_and_kick  # type: ignore[method-assign]
+        keys = [(NS, f"j{i}") for i in range(4)]
+        t0 = loop.time()
+        await rec.scrape_round(keys, spread=0.2)
+        assert sorted(finished) == keys             # the round waits for every scrape it started
+        for i, key in enumerate(keys):              # job i starts no sooner than its share of the window
+            assert starts[key] - t0 >= 0.2 * i / 4 - 1e-3, (i, starts[key] - t0)
+        await rec.scrape_round([], spread=0.2)      # nothing running: an empty round
+
+        gate = asyncio.Event()                      # a round larger than its slots waits for one
+
+        async def held(key):
+            starts[key] = loop.time()
+            await gate.wait()
+            finished.append(key)
+        rec._scrape_and_kick = held  # type: ignore[method-assign]
+        starts.clear()
+        finished.clear()
+        many = [(NS, f"k{i}") for i in range(controller.SCRAPES_IN_FLIGHT + 3)]
+        round_ = asyncio.ensure_future(rec.scrape_round(many, spread=0.0))
+        for _ in range(100):                        # the loop runs whatever can run meanwhile
+            await asyncio.sleep(0)
+        assert len(starts) == controller.SCRAPES_IN_FLIGHT and not round_.done()
+        gate.set()
+        await round_
+        assert sorted(finished) == sorted(many)
+    run(main())
 
 
 class SteppingMonitor:

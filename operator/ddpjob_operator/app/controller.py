@@ -50,6 +50,12 @@ MONITOR_TIMEOUT = 30.0
 # Status writes per pass: a 409 (someone wrote in between) re-reads the job and decides again.
 WRITE_ATTEMPTS = 4
 MAX_SCRAPE_BACKOFF = 8
+# A round's scrapes start spread over this share of the scrape interval (the rest is for the last
+# ones to finish before the next round).
+SCRAPE_SPREAD = 0.5
+# Jobs scraped at once (each job's pods together, all of them within the monitor's own bound on
+# requests): a larger round waits for a slot, holding no task.
+SCRAPES_IN_FLIGHT = 32
 REFUSED_RETRY_SECONDS = 10.0  # a refusal that may pass later (403 from a quota): try again after this
 
 
@@ -178,21 +184,57 @@ class Reconciler:
 
     # -- scheduling ------------------------------------------------------------------------
     async def scrape_loop(self) -> None:
-        """Every scrape interval: scrape each running job's pods (not the API server), and run a
-        pass only for a job whose scrape found something to write now. A job whose pods do not
-        answer is scraped every MAX_SCRAPE_BACKOFF-th interval, never given up: a start-up that is
-        slow to serve its first sample (a cold image, a long rendezvous) changes no pod to wake it."""
+        """Every scrape interval a round: scrape each running job's pods (not the API server), and
+        run a pass only for a job whose scrape found something to write now. A job whose pods do not
+        answer is scraped every MAX_SCRAPE_BACKOFF-th round, never given up: a start-up that is
+        slow to serve its first sample (a cold image, a long rendezvous) changes no pod to wake it.
+        Rounds start every interval; one that runs longer (thousands of jobs on a busy machine) is
+        followed by half an interval of rest, never by the next round at once."""
         if self.monitor is None:
             return
-        tick = 0
+        loop = asyncio.get_running_loop()
+        tick, next_round = 0, loop.time() + self.scrape_interval
         while True:
-            await asyncio.sleep(self.scrape_interval)
+            await asyncio.sleep(max(0.0, next_round - loop.time()))
             tick += 1
-            running = [key_of(obj) for obj in self.jobs.items()
-                       if (obj.get("status") or {}).get("phase") == Phase.RUNNING.value]
-            # One round at a time (the monitor bounds the requests of all jobs together).
-            await asyncio.gather(*(self._scrape_and_kick(key) for key in running
-                                   if tick % self._scrape_every.get(key, 1) == 0))
+            due = [key for key in (key_of(obj) for obj in self.jobs.items()
+                                   if (obj.get("status") or {}).get("phase") == Phase.RUNNING.value)
+                   if tick % self._scrape_every.get(key, 1) == 0]
+            await self.scrape_round(due, spread=self.scrape_interval * SCRAPE_SPREAD)
+            next_round = max(next_round + self.scrape_interval, loop.time() + self.scrape_interval * SCRAPE_SPREAD)
+
+    async def scrape_round(self, keys: list[Key], *, spread: float) -> None:
+        """Scrape `keys`, their starts spread evenly over `spread` seconds and at most
+        SCRAPES_IN_FLIGHT jobs at a time (a round longer than the spread waits for a free slot
+        instead of queueing tasks), and return when every one has ended. Started all at once,
+        1,000 jobs' scrapes queued 10,000 requests (a task each) on the monitor's bound and parsed
+        their bodies in every worker thread together, and a pass due meanwhile waited behind them:
+        a group restart among 10,000 pods took 2-12 s against 1 s among 2,000
+        (bench/results/operator_memory_arena/)."""
+        loop = asyncio.get_running_loop()
+        slots = asyncio.Semaphore(SCRAPES_IN_FLIGHT)
+        running: set[asyncio.Task] = set()   # asyncio keeps only weak references to tasks
+
+        async def one(key: Key) -> None:
+            try:
+                await self._scrape_and_kick(key)
+            finally:
+                slots.release()
+        start = loop.time()
+        try:
+            for i, key in enumerate(keys):
+                delay = start + spread * i / len(keys) - loop.time()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                await slots.acquire()
+                task = loop.create_task(one(key))
+                running.add(task)
+                task.add_done_callback(running.discard)
+            for _ in range(SCRAPES_IN_FLIGHT):   # every slot free again: the round's scrapes have ended
+                await slots.acquire()
+        finally:
+            for task in list(running):           # the loop cancelled (operator exit): so are its scrapes
+                task.cancel()
 
     async def _scrape_and_kick(self, key: Key) -> None:
         try:
