@@ -7,11 +7,14 @@ all). After each step, once every pod is Running and the operator has sent nothi
 its RSS is read a few times (the median is the step's), and its high-water mark (the peak
 while the pods were created, VmHWM). A least-squares line through (pods, RSS),
 the idle operator at 0 pods included, gives the slope in KiB per pod: the chart's sizing rule
-(docs/install.md) is idle + slope x pods + headroom. At the largest step one job's pod exits 1 and
-the seconds until its next attempt is Running are compared with the same restart at the first
-step (the ratio, measured in the same run). The operator must never restart (its pid is checked),
-and after each step every job's status must say Running with all its nodes running (counted, the
-first wrong ones named). The result records the chart's memory limit beside the RSS.
+(docs/install.md) is idle + slope x pods + headroom. At the first and the largest step one pod of
+each of --restarts jobs exits 1, one job after another, and the seconds until that job's next
+attempt is Running (their median is the step's) are compared (the ratio, measured in the same
+run). The operator must never restart (its pid is checked), and after each step every job's status
+must say Running with all its nodes running (counted, the first wrong ones named). The result
+records the chart's memory limit beside the RSS.
+With --before REV the operator is that git revision's (the bench, its cluster and its fake ranks
+stay the checkout's): a change's before, its commit recorded as operator_commit.
 With --tracemalloc DIR the operator runs under bench/pymem.py and each step also writes the lines
 that hold its live memory (DIR/<step>.txt): where the memory goes, while that run's RSS, inflated by
 tracemalloc, is not the operator's (the result says so).
@@ -26,6 +29,7 @@ import math
 import os
 import signal
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -151,6 +155,10 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", default="2000,5000,10000", help="comma list of total pod counts, increasing")
     ap.add_argument("--nodes", type=int, default=10, help="pods per DDPJob")
+    ap.add_argument("--restarts", type=int, default=1,
+                    help="group restarts (of jobs b0, b1, ...) timed at the first and the largest step; the median is the step's")
+    ap.add_argument("--before", default=None, metavar="REV",
+                    help="run the operator of this git revision instead of the checkout's (a change's before)")
     ap.add_argument("--running-timeout", type=float, default=1800.0)
     ap.add_argument("--out", default=str(REPO / "bench/results/operator_memory.json"))
     ap.add_argument("--tracemalloc", type=Path, default=None, metavar="DIR",
@@ -163,6 +171,8 @@ def main() -> int:
     extra_env = dict(kv.split("=", 1) for kv in args.operator_env)
     prov = Provenance("api", "operator", "trainer", "bench", "hack", "charts", out=args.out)
     steps = [int(s) for s in args.steps.split(",")]
+    if not 1 <= args.restarts <= steps[0] // args.nodes:
+        ap.error(f"--restarts: 1 to {steps[0] // args.nodes} (the first step's jobs)")
     if steps != sorted(steps) or steps[0] <= 0 or any(s % args.nodes for s in steps):
         ap.error("--steps: increasing pod counts, each a multiple of --nodes")
     if args.tracemalloc and args.tracemalloc.exists() and any(args.tracemalloc.iterdir()):
@@ -183,9 +193,14 @@ def main() -> int:
     ns = create_namespace(api, prefix="bench-mem-", labels=scale.BENCH_NAMESPACE_LABELS)
     logs = Path(os.environ.get("TMPDIR", "/tmp")) / f"operator-memory-{ns}.log"
     wrapper = (str(REPO / "bench/pymem.py"), str(args.tracemalloc)) if args.tracemalloc else ()
-    ours = scale.Ours(cluster, ns, logs, scrape_url=ranks.template, wrapper=wrapper, extra_env=extra_env)
+    source = scale.operator_at(args.before) if args.before else None
+    ours = scale.Ours(cluster, ns, logs, scrape_url=ranks.template, wrapper=wrapper, extra_env=extra_env,
+                      source=source)
     out: dict = {"operator_env": extra_env, "nodes_per_job": args.nodes, "steps": [], "operator_log": str(logs),
                  "chart_memory_limit": chart_memory_limit()}
+    if args.before:
+        out["operator_commit"] = subprocess.run(["git", "-C", str(REPO), "rev-parse", args.before],
+                                                capture_output=True, text=True, check=True).stdout.strip()
     if args.tracemalloc:
         out["tracemalloc"] = {"dir": str(args.tracemalloc),
                               "note": "the operator ran under tracemalloc: its RSS here is inflated by the tracing"}
@@ -194,8 +209,9 @@ def main() -> int:
         pid = ours.pid
         out["steps"].append({"pods": 0, "rss_kib": steady_rss(ours), "load_avg": os.getloadavg()})
         traced(ours, args.tracemalloc, 0)
-        jobs = 0
+        jobs, target, step = 0, 0, {}
         for target in steps:
+            step = {"pods": target}   # what the step saw so far: kept as the run's error if it fails
             t0 = time.monotonic()
             tracker = scale.PodTracker(k8s, ns, target, t0)
             with ThreadPoolExecutor(scale.FLOOR_IN_FLIGHT) as pool:
@@ -204,13 +220,18 @@ def main() -> int:
                     range(jobs, target // args.nodes)))
             jobs = target // args.nodes
             times = tracker.wait(args.running_timeout)
+            step.update(times)
             if ours.proc.poll() is not None or ours.pid != pid:
                 raise RuntimeError(f"the operator exited ({ours.proc.returncode}) at {target} pods")
-            step = {"pods": target, **times, "rss_kib": steady_rss(ours), "peak_rss_kib": rss_kib(ours.pid, "VmHWM"),
-                    "load_avg": os.getloadavg(), "status": status_right(custom, ns, jobs, args.nodes)}
+            step.update(rss_kib=steady_rss(ours), peak_rss_kib=rss_kib(ours.pid, "VmHWM"), load_avg=os.getloadavg(),
+                        status=status_right(custom, ns, jobs, args.nodes))
             traced(ours, args.tracemalloc, target)
             if target in (steps[0], steps[-1]):
-                step["group_restart_s"] = restart_seconds(custom, api, ns, "b0", timeout=args.running_timeout)
+                # --restarts jobs one after another (b0, b1, ...), each at its own moment of the
+                # scrape interval: the median is the step's.
+                step["group_restarts_s"] = [restart_seconds(custom, api, ns, f"b{j}", timeout=args.running_timeout)
+                                            for j in range(args.restarts)]
+                step["group_restart_s"] = statistics.median(step["group_restarts_s"])
             out["steps"].append(step)
             print(f"{target:6d} pods: running {times['all_pods_running_s']}s, RSS {step['rss_kib'] / 1024:.1f} MiB"
                   f" (peak {step['peak_rss_kib'] / 1024:.1f})"
@@ -228,6 +249,11 @@ def main() -> int:
         prov.write(out)
         print(f"RSS = {out['fit']['intercept_mib']} MiB + {out['fit']['slope_kib_per_pod']} KiB x pods "
               f"(largest residual {out['fit']['max_residual_mib']} MiB); wrote {args.out}")
+    except BaseException as exc:
+        # What a step that did not end left: kept in the result (the run so far is the evidence).
+        out["error"] = {"pods": target, "error": f"{type(exc).__name__}: {exc}", "step": step}
+        prov.write(out)
+        raise
     finally:
         ours.stop()
         ranks.close()

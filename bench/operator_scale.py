@@ -52,6 +52,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
+import urllib3  # noqa: E402
 from kubernetes import client  # noqa: E402
 from kubernetes.client.rest import ApiException  # noqa: E402
 
@@ -336,6 +337,15 @@ def rss_mib(pid: int | None) -> float | None:
     return 0.0
 
 
+def operator_at(rev: str) -> Path:
+    """The operator package of git revision `rev`, exported into a new temporary directory (for
+    Ours(source=...): the operator before a change, run beside the one after it)."""
+    source = Path(tempfile.mkdtemp(prefix="ddpjob-before-"))
+    archive = subprocess.run(["git", "-C", str(REPO), "archive", rev, "operator"], capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(source)], input=archive, check=True)
+    return source
+
+
 class Ours:
     """`ddpjob operator` serving one namespace, scraping only loopback (`scrape_url`); with
     `source`, the operator package from that directory (an older revision, for before/after).
@@ -489,6 +499,9 @@ def clear_pods(core, ns: str, *, timeout: float = 900) -> None:
             core.delete_collection_namespaced_pod(ns, grace_period_seconds=0)
         except ApiException as exc:
             if exc.status not in (500, 503, 504) or time.monotonic() > deadline:
+                raise
+        except urllib3.exceptions.HTTPError:  # at 50,000 pods the server dropped the connection instead
+            if time.monotonic() > deadline:
                 raise
 
 
@@ -740,10 +753,7 @@ def main() -> int:
         ap.error(f"--variants: unknown {', '.join(sorted(unknown))}; choose from {', '.join(ALL_VARIANTS)}")
     before_source = None
     if args.before:
-        before_source = Path(tempfile.mkdtemp(prefix="ddpjob-before-"))
-        archive = subprocess.run(["git", "-C", str(REPO), "archive", args.before, "operator"],
-                                 capture_output=True, check=True).stdout
-        subprocess.run(["tar", "-x", "-C", str(before_source)], input=archive, check=True)
+        before_source = operator_at(args.before)
         if "ddpjob-before" not in variants:
             variants.insert(0, "ddpjob-before")
     # One node more than the pods fill: room for a restarted job's new pods beside its kept failed one.
