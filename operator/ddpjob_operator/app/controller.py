@@ -50,11 +50,8 @@ MONITOR_TIMEOUT = 30.0
 # Status writes per pass: a 409 (someone wrote in between) re-reads the job and decides again.
 WRITE_ATTEMPTS = 4
 MAX_SCRAPE_BACKOFF = 8
-# A round's scrapes start spread over this share of the scrape interval (the rest is for the last
-# ones to finish before the next round).
-SCRAPE_SPREAD = 0.5
 # Jobs scraped at once (each job's pods together, all of them within the monitor's own bound on
-# requests): a larger round waits for a slot, holding no task.
+# requests): the others of a round wait for a slot, holding no task.
 SCRAPES_IN_FLIGHT = 32
 REFUSED_RETRY_SECONDS = 10.0  # a refusal that may pass later (403 from a quota): try again after this
 
@@ -184,33 +181,27 @@ class Reconciler:
 
     # -- scheduling ------------------------------------------------------------------------
     async def scrape_loop(self) -> None:
-        """Every scrape interval a round: scrape each running job's pods (not the API server), and
-        run a pass only for a job whose scrape found something to write now. A job whose pods do not
-        answer is scraped every MAX_SCRAPE_BACKOFF-th round, never given up: a start-up that is
-        slow to serve its first sample (a cold image, a long rendezvous) changes no pod to wake it.
-        Rounds start every interval; one that runs longer (thousands of jobs on a busy machine) is
-        followed by half an interval of rest, never by the next round at once."""
+        """Every scrape interval: scrape each running job's pods (not the API server), and run a
+        pass only for a job whose scrape found something to write now. A job whose pods do not
+        answer is scraped every MAX_SCRAPE_BACKOFF-th interval, never given up: a start-up that is
+        slow to serve its first sample (a cold image, a long rendezvous) changes no pod to wake it."""
         if self.monitor is None:
             return
-        loop = asyncio.get_running_loop()
-        tick, next_round = 0, loop.time() + self.scrape_interval
+        tick = 0
         while True:
-            await asyncio.sleep(max(0.0, next_round - loop.time()))
+            await asyncio.sleep(self.scrape_interval)
             tick += 1
-            due = [key for key in (key_of(obj) for obj in self.jobs.items()
-                                   if (obj.get("status") or {}).get("phase") == Phase.RUNNING.value)
-                   if tick % self._scrape_every.get(key, 1) == 0]
-            await self.scrape_round(due, spread=self.scrape_interval * SCRAPE_SPREAD)
-            next_round = max(next_round + self.scrape_interval, loop.time() + self.scrape_interval * SCRAPE_SPREAD)
+            # One round at a time (the monitor bounds the requests of all jobs together).
+            await self.scrape_round([key for key in (key_of(obj) for obj in self.jobs.items()
+                                                     if (obj.get("status") or {}).get("phase") == Phase.RUNNING.value)
+                                     if tick % self._scrape_every.get(key, 1) == 0])
 
-    async def scrape_round(self, keys: list[Key], *, spread: float) -> None:
-        """Scrape `keys`, their starts spread evenly over `spread` seconds and at most
-        SCRAPES_IN_FLIGHT jobs at a time (a round longer than the spread waits for a free slot
-        instead of queueing tasks), and return when every one has ended. Started all at once,
-        1,000 jobs' scrapes queued 10,000 requests (a task each) on the monitor's bound and parsed
-        their bodies in every worker thread together, and a pass due meanwhile waited behind them:
-        a group restart among 10,000 pods took 2-12 s against 1 s among 2,000
-        (bench/results/operator_memory_arena/)."""
+    async def scrape_round(self, keys: list[Key]) -> None:
+        """Scrape `keys`, at most SCRAPES_IN_FLIGHT jobs at a time, and return when every one has
+        ended. A job's scrape waits for its slot before it starts, holding nothing: started all at
+        once, every job's scrape queued a task per pod on the monitor's bound and the last ones
+        waited behind all the others, past their MONITOR_TIMEOUT (1,917 of them while 50,000 pods
+        were created: bench/results/operator_memory_50k_attempt/)."""
         loop = asyncio.get_running_loop()
         slots = asyncio.Semaphore(SCRAPES_IN_FLIGHT)
         running: set[asyncio.Task] = set()   # asyncio keeps only weak references to tasks
@@ -220,12 +211,8 @@ class Reconciler:
                 await self._scrape_and_kick(key)
             finally:
                 slots.release()
-        start = loop.time()
         try:
-            for i, key in enumerate(keys):
-                delay = start + spread * i / len(keys) - loop.time()
-                if delay > 0:
-                    await asyncio.sleep(delay)
+            for key in keys:
                 await slots.acquire()
                 task = loop.create_task(one(key))
                 running.add(task)
