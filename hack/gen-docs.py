@@ -350,6 +350,10 @@ _SCALE_WRITES = "operator_scale_1000x10_writes.json"
 # errs high). The pairs with and without it (bench/operator_memory_ab.py).
 _MEMORY = "operator_memory_arena/b-1.json"
 _MEMORY_AB = "operator_memory_arena.json"
+# Group restarts among 2,000 and 10,000 pods: the operator since a scrape round takes at most 32
+# jobs at a time, and in the run before it the operator of the commit before (--before).
+_RESTART_AFTER = "operator_restart_scrapes/slots-1.json"
+_RESTART_BEFORE = "operator_restart_scrapes/before-1.json"
 
 
 def _writes_per_job(r: Any) -> float:
@@ -516,8 +520,17 @@ FIGURES: dict[str, Figure] = {
     "memory.at50k": Figure(_MEMORY, "{v:.1f} GiB",
                            lambda r: (r["fit"]["intercept_mib"] + r["fit"]["slope_kib_per_pod"] * 50_000 / 1024) / 1024),
     "memory.peak.ratio": Figure(_MEMORY, "{r[peak_over_steady_largest]:.2f}x"),
-    "memory.restart.first": Figure(_MEMORY, "{r[steps][1][group_restart_s]:.1f} s"),
-    "memory.restart.largest": Figure(_MEMORY, "{v:.1f} s", lambda r: r["steps"][-1]["group_restart_s"]),
+    # A group restart among 2,000 and among 10,000 pods (the median of 5 each), the operator with
+    # its scrape rounds bounded and, in the run before it, without.
+    "restart.10k.commit": Figure(_RESTART_AFTER, "{r[commit]:.7}"),
+    "restart.10k.first": Figure(_RESTART_AFTER, "{r[steps][1][group_restart_s]:.2f} s"),
+    "restart.10k.largest": Figure(_RESTART_AFTER, "{v:.2f} s", lambda r: r["steps"][-1]["group_restart_s"]),
+    "restart.10k.count": Figure(_RESTART_AFTER, "{v}", lambda r: len(r["steps"][-1]["group_restarts_s"])),
+    "restart.10k.slowest": Figure(_RESTART_AFTER, "{v:.2f} s", lambda r: max(r["steps"][-1]["group_restarts_s"])),
+    "restart.10k.before.slowest": Figure(_RESTART_BEFORE, "{v:.2f} s", lambda r: max(r["steps"][-1]["group_restarts_s"])),
+    "restart.10k.before.commit": Figure(_RESTART_BEFORE, "{r[operator_commit]:.7}"),
+    "restart.10k.before.first": Figure(_RESTART_BEFORE, "{r[steps][1][group_restart_s]:.2f} s"),
+    "restart.10k.before.largest": Figure(_RESTART_BEFORE, "{v:.2f} s", lambda r: r["steps"][-1]["group_restart_s"]),
     "memory.arena.commit": Figure(_MEMORY_AB, "{v}", lambda r: ", ".join(c[:7] for c in r["commits"])),
     "memory.arena.pairs": Figure(_MEMORY_AB, "{v}", lambda r: len(r["pairs"])),
     "memory.arena.rss": Figure(_MEMORY_AB, "{v}", lambda r: " and ".join(
