@@ -32,6 +32,7 @@ import statistics
 import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -250,9 +251,14 @@ def main() -> int:
         print(f"RSS = {out['fit']['intercept_mib']} MiB + {out['fit']['slope_kib_per_pod']} KiB x pods "
               f"(largest residual {out['fit']['max_residual_mib']} MiB); wrote {args.out}")
     except BaseException as exc:
-        # What a step that did not end left: kept in the result (the run so far is the evidence).
+        # What a step that did not end left: kept in the result (the run so far is the evidence),
+        # and its traceback printed now, before the cleanup below can fail on top of it.
+        traceback.print_exc()
         out["error"] = {"pods": target, "error": f"{type(exc).__name__}: {exc}", "step": step}
-        prov.write(out)
+        try:
+            prov.write(out)
+        except Exception as failed:  # noqa: BLE001  (the step's own error is the one to raise)
+            print(f"could not write {args.out}: {failed}", file=sys.stderr)
         raise
     finally:
         ours.stop()
