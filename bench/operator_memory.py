@@ -45,7 +45,7 @@ from kubernetes import client  # noqa: E402
 
 import operator_scale as scale  # noqa: E402
 from provenance import Provenance  # noqa: E402
-from ddpjob_operator.cluster.k8s import K8s  # noqa: E402
+from ddpjob_operator.cluster.k8s import K8s, job_path  # noqa: E402
 from tests.support.cluster import (create_namespace, delete_namespace, ensure_cluster,  # noqa: E402
                                    set_pod_exit, wait_crd_established, wait_for)
 
@@ -95,19 +95,17 @@ def fit(points: list[tuple[int, int]]) -> dict:
             "max_residual_mib": round(max(abs(r) for r in resid) / 1024, 1)}
 
 
-def status_right(custom, ns: str, jobs: int, nodes: int) -> dict:
+def status_right(k8s: K8s, ns: str, jobs: int, nodes: int) -> dict:
     """How many of the namespace's DDPJobs say what their pods are: phase Running with every node
     running. Waits up to STATUS_WAIT s for all of them (the last writes trail the pods), then
     reports what it saw, the first wrong ones named; never raises on a wrong count."""
     seen: dict = {}
 
     def all_right() -> bool:
-        items = list_all(custom, ns)
-        wrong = [(o["metadata"]["name"], (o.get("status") or {}).get("phase"),
-                  ((o.get("status") or {}).get("nodes") or {}).get("running"))
-                 for o in items
-                 if (o.get("status") or {}).get("phase") != "Running"
-                 or ((o.get("status") or {}).get("nodes") or {}).get("running") != nodes]
+        items, _ = k8s.list_objects(job_path(ns))
+        said = [(o["metadata"]["name"], o.get("status") or {}) for o in items]
+        wrong = [(name, st.get("phase"), (st.get("nodes") or {}).get("running")) for name, st in said
+                 if st.get("phase") != "Running" or (st.get("nodes") or {}).get("running") != nodes]
         seen.update(jobs=len(items), right=len(items) - len(wrong), wrong=wrong[:5])
         return len(items) == jobs and not wrong
     t0 = time.monotonic()
@@ -116,18 +114,6 @@ def status_right(custom, ns: str, jobs: int, nodes: int) -> dict:
     except AssertionError:
         pass
     return {**seen, "seconds": round(time.monotonic() - t0, 1)}
-
-
-def list_all(custom, ns: str) -> list[dict]:
-    """Every DDPJob of the namespace, in pages of 1,000."""
-    items, token = [], None
-    while True:
-        page = custom.list_namespaced_custom_object("ddpjob.dev", "v1alpha1", ns, "ddpjobs", limit=1000,
-                                                    _continue=token)
-        items += page.get("items") or []
-        token = (page.get("metadata") or {}).get("continue")
-        if not token:
-            return items
 
 
 def chart_memory_limit() -> str:
@@ -225,7 +211,7 @@ def main() -> int:
             if ours.proc.poll() is not None or ours.pid != pid:
                 raise RuntimeError(f"the operator exited ({ours.proc.returncode}) at {target} pods")
             step.update(rss_kib=steady_rss(ours), peak_rss_kib=rss_kib(ours.pid, "VmHWM"), load_avg=os.getloadavg(),
-                        status=status_right(custom, ns, jobs, args.nodes))
+                        status=status_right(k8s, ns, jobs, args.nodes))
             traced(ours, args.tracemalloc, target)
             if target in (steps[0], steps[-1]):
                 # --restarts jobs one after another (b0, b1, ...), each at its own moment of the

@@ -191,10 +191,10 @@ class Reconciler:
         while True:
             await asyncio.sleep(self.scrape_interval)
             tick += 1
+            running = [key_of(obj) for obj in self.jobs.items()
+                       if (obj.get("status") or {}).get("phase") == Phase.RUNNING.value]
             # One round at a time (the monitor bounds the requests of all jobs together).
-            await self.scrape_round([key for key in (key_of(obj) for obj in self.jobs.items()
-                                                     if (obj.get("status") or {}).get("phase") == Phase.RUNNING.value)
-                                     if tick % self._scrape_every.get(key, 1) == 0])
+            await self.scrape_round([key for key in running if tick % self._scrape_every.get(key, 1) == 0])
 
     async def scrape_round(self, keys: list[Key]) -> None:
         """Scrape `keys`, at most SCRAPES_IN_FLIGHT jobs at a time, and return when every one has
