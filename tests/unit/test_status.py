@@ -22,7 +22,7 @@ def test_first_pass_status_and_event():
                                "ready": "0/3"}
     assert cond(status, "Created")["status"] == "True"
     assert status["startTime"] == "2026-11-22T12:00:00Z" and "completionTime" not in status
-    assert events == [("Normal", "Created", "waiting for 3 node(s) to start")]
+    assert events == []  # the first come-up posts no Event: the Created condition says it (status._first_come_up)
 
 
 def test_cluster_domain_in_master_addr():
@@ -43,13 +43,14 @@ def test_node_counts(pods, counts):
     assert (c["pending"], c["running"], c["succeeded"], c["failed"]) == counts
 
 
-def test_running_transition_emits_one_event_and_is_quiet_after():
-    pods = [make_pod(0), make_pod(1)]
-    status, events = pass_status(make_job(nodes=2), Group.of(pods), now=NOW,
-                                 prev_status={"phase": "Pending", "startTime": ago(5)})
-    assert status["phase"] == "Running" and status["nodes"]["ready"] == "2/2"
+@pytest.mark.parametrize("attempt,posted", [(0, []), (2, [("Normal", "Running", "all 2 node(s) running")])])
+def test_running_transition_emits_one_event_after_a_restart_none_on_the_first_come_up(attempt, posted):
+    pods = [make_pod(0, attempt=attempt), make_pod(1, attempt=attempt)]
+    prev = {"phase": "Pending", "startTime": ago(5), "attempt": attempt, "launchedAttempt": attempt, "restarts": attempt}
+    status, events = pass_status(make_job(nodes=2), Group.of(pods), now=NOW, prev_status=prev)
+    assert status["phase"] == "Running" and status["nodes"]["ready"] == "2/2" and status["attempt"] == attempt
     assert cond(status, "Running")["status"] == "True"
-    assert events == [("Normal", "Running", "all 2 node(s) running")]
+    assert events == posted
     again, events2 = pass_status(make_job(nodes=2), Group.of(pods), now=NOW, prev_status=status)
     assert again == status and events2 == []  # nothing changed: no write, no event
 
