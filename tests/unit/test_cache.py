@@ -4,14 +4,17 @@ from __future__ import annotations
 import asyncio
 import threading
 
+import pytest
+
 from ddpjob_api import labels
-from ddpjob_operator.cluster.cache import LAST_APPLIED, Informer, Store, pod_informers, pod_store
+from ddpjob_operator.cluster.cache import LAST_APPLIED, Informer, PackedStore, Store, pod_informers, pod_store
 from ddpjob_operator.cluster.k8s import LIST_PAGE, K8s
 from tests.support.builders import make_pod
 
 
-def test_store_keeps_the_newest_version_and_indexes_by_job():
-    store = Store(index_label=labels.JOB_NAME)
+@pytest.mark.parametrize("kind", [Store, PackedStore])
+def test_store_keeps_the_newest_version_and_indexes_by_job(kind):
+    store = kind(index_label=labels.JOB_NAME)
     store.upsert(make_pod(name="a", resource_version=5))
     assert not store.upsert(make_pod(name="a", resource_version=4))     # a late, older event
     store.upsert(make_pod(name="b", resource_version=6, job="k"))
@@ -20,8 +23,9 @@ def test_store_keeps_the_newest_version_and_indexes_by_job():
     assert store.by_index("other", "j") == []
 
 
-def test_deleted_object_is_not_resurrected_by_a_late_copy():
-    store = Store(index_label=labels.JOB_NAME)
+@pytest.mark.parametrize("kind", [Store, PackedStore])
+def test_deleted_object_is_not_resurrected_by_a_late_copy(kind):
+    store = kind(index_label=labels.JOB_NAME)
     store.upsert(make_pod(name="a", resource_version=5))
     store.delete(make_pod(name="a", resource_version=7))
     # e.g. our create's response, after the DELETED event
@@ -30,15 +34,17 @@ def test_deleted_object_is_not_resurrected_by_a_late_copy():
     assert store.by_index("ns", "j") == []
 
 
-def test_delete_of_an_older_object_keeps_the_newer_one_with_that_name():
-    store = Store(index_label=labels.JOB_NAME)
+@pytest.mark.parametrize("kind", [Store, PackedStore])
+def test_delete_of_an_older_object_keeps_the_newer_one_with_that_name(kind):
+    store = kind(index_label=labels.JOB_NAME)
     store.upsert(make_pod(name="a", resource_version=9, uid="new"))
     store.delete(make_pod(name="a", resource_version=5, uid="old"))
     assert store.get("ns", "a")["metadata"]["uid"] == "new"
 
 
-def test_relist_drops_what_vanished_and_notifies():
-    store = Store(index_label=labels.JOB_NAME)
+@pytest.mark.parametrize("kind", [Store, PackedStore])
+def test_relist_drops_what_vanished_and_notifies(kind):
+    store = kind(index_label=labels.JOB_NAME)
     seen = []
     store.listeners.append(lambda etype, obj: seen.append((etype, obj["metadata"]["name"])))
     store.upsert(make_pod(name="a", resource_version=1))
@@ -48,6 +54,20 @@ def test_relist_drops_what_vanished_and_notifies():
     assert store.get("ns", "a") is None and store.get("ns", "b")["metadata"]["resourceVersion"] == "4"
     assert store.get("elsewhere", "x") is not None   # another informer's scope is left alone
     assert ("DELETED", "a") in seen and ("MODIFIED", "b") in seen
+
+
+def test_a_packed_store_hands_out_a_new_dict_per_read_and_keeps_no_dicts():
+    store = PackedStore(index_label=labels.JOB_NAME)
+    store.upsert(make_pod(name="a", resource_version=5))
+    first = store.get("ns", "a")
+    first["status"]["phase"] = "Failed"                      # a reader's change stays its own
+    assert store.get("ns", "a")["status"]["phase"] == "Running" and store.get("ns", "a") is not store.get("ns", "a")
+    assert store.by_index("ns", "j") == [store.get("ns", "a")] and store.items() == [store.get("ns", "a")]
+    (entry,) = store._objs.values()
+    assert isinstance(entry.blob, bytes) and not any(isinstance(getattr(entry, s), dict) for s in entry.__slots__)
+    # A later version under a new job label moves it in the index.
+    store.upsert(make_pod(name="a", resource_version=6, job="k"))
+    assert store.by_index("ns", "j") == [] and [p["metadata"]["name"] for p in store.by_index("ns", "k")] == ["a"]
 
 
 class ScriptedAPI:

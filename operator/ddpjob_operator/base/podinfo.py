@@ -6,7 +6,7 @@ from typing import Any
 
 from ddpjob_api import contract, labels
 from ddpjob_api.contract import EXIT_BAD_CONFIG  # never retried
-from ddpjob_operator.base.objmeta import parse_time, shared
+from ddpjob_operator.base.objmeta import parse_time
 
 
 def meta(pod: dict[str, Any]) -> dict[str, Any]:
@@ -190,14 +190,14 @@ KEPT: dict[str, Any] = {
 }
 def _cut(value: Any, shape: dict[str, Any] | None) -> Any:
     if shape is None or not isinstance(value, (dict, list)):
-        return shared(value)
+        return value
     if isinstance(value, list):
         return [_cut(v, shape) for v in value]
-    return {shared(k): _cut(v, shape[k]) for k, v in value.items() if k in shape}
+    return {k: _cut(v, shape[k]) for k, v in value.items() if k in shape}
 
 
 def slim(pod: dict[str, Any]) -> dict[str, Any]:
     """The pod as the cache keeps it: only the fields in KEPT (no managedFields, env, volumes,
-    containers' spec, images), its short strings shared (objmeta.shared). A new dict; `pod` is
-    left as it was."""
+    containers' spec, images). A new dict whose kept values are the pod's own (the cache packs it
+    at once: cluster/cache.PackedStore); `pod` is left as it was."""
     return _cut(pod, KEPT)

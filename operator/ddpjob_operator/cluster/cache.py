@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import datetime as dt
+import json
 import logging
 import threading
 from typing import Any, Callable
@@ -65,7 +66,8 @@ def slim(obj: Obj) -> Obj:
 
 class Store:
     """Objects by (namespace, name), optionally indexed by a label (our pods by job name).
-    Touched only from the event loop's thread."""
+    Touched only from the event loop's thread. What it keeps of an object (an entry) is the object
+    itself here; PackedStore keeps a denser entry, and each read of it is a new dict."""
 
     def __init__(self, *, index_label: str | None = None, transform: Callable[[Obj], Obj] = slim) -> None:
         self.index_label = index_label
@@ -80,17 +82,29 @@ class Store:
         self._synced_event: asyncio.Event | None = None
         self.listeners: list[Listener] = []
 
+    # -- entries (what is kept of an object: PackedStore's differ) ------------------------
+    def _keep(self, obj: Obj) -> Any:
+        return obj
+
+    def _read(self, entry: Any) -> Obj:
+        return entry
+
+    def _version(self, entry: Any) -> Obj:
+        """The entry as `newer` and the index read it (its metadata's resourceVersion, uid, labels)."""
+        return entry
+
     # -- reads -------------------------------------------------------------------------
     def get(self, namespace: str, name: str) -> Obj | None:
-        return self._objs.get((namespace, name))
+        entry = self._objs.get((namespace, name))
+        return None if entry is None else self._read(entry)
 
     def by_index(self, namespace: str, value: str) -> list[Obj]:
         """Objects in `namespace` whose index label equals `value` (e.g. a job's pods)."""
-        return [self._objs[(namespace, n)] for n in sorted(self._index.get((namespace, value), ()))
+        return [self._read(self._objs[(namespace, n)]) for n in sorted(self._index.get((namespace, value), ()))
                 if (namespace, n) in self._objs]
 
     def items(self) -> list[Obj]:
-        return list(self._objs.values())
+        return [self._read(e) for e in self._objs.values()]
 
     def __len__(self) -> int:
         return len(self._objs)
@@ -120,14 +134,15 @@ class Store:
         if uid and uid in self._gone:
             return False
         k = key_of(obj)
-        old = self._objs.get(k)
+        kept = self._objs.get(k)
+        old = None if kept is None else self._version(kept)
         if not newer(obj, old):
             return False
         if not cut:
             obj = self.transform(obj)
         if old is not None and self._label(old) != self._label(obj):
             self._unindex(k, old)
-        self._objs[k] = obj
+        self._objs[k] = self._keep(obj)
         label = self._label(obj)
         if label is not None:
             self._index[(k[0], label)].add(k[1])
@@ -143,7 +158,8 @@ class Store:
             self._gone[uid] = None
             while len(self._gone) > TOMBSTONES:
                 self._gone.popitem(last=False)
-        old = self._objs.get(k)
+        kept = self._objs.get(k)
+        old = None if kept is None else self._version(kept)
         if old is None or (uid and (old.get("metadata") or {}).get("uid") != uid):
             return
         del self._objs[k]
@@ -151,14 +167,14 @@ class Store:
         if notify:
             # A DELETED event carries the object's last state, which may be newer than what
             # is stored (PodGC's Failed + DisruptionTarget write, seen only with the deletion).
-            self._notify("DELETED", (obj if cut else self.transform(obj)) if newer(obj, old) else old)
+            self._notify("DELETED", (obj if cut else self.transform(obj)) if newer(obj, old) else self._read(kept))
 
     def replace(self, namespace: str | None, items: list[Obj], *, cut: bool = False) -> None:
         """A fresh list for `namespace` (None = all): upsert each, delete what is missing."""
         seen = {key_of(o) for o in items}
-        for k, old in list(self._objs.items()):
+        for k, kept in list(self._objs.items()):
             if (namespace is None or k[0] == namespace) and k not in seen:
-                self.delete(old, cut=True)
+                self.delete(self._read(kept), cut=True)
         for obj in items:
             self.upsert(obj, cut=cut)
 
@@ -276,9 +292,40 @@ class Informer:
         return rv
 
 
+class Packed:
+    """A slim object kept as its compact JSON, beside what the store itself reads of it (newer, the
+    index, a delete's uid) without decoding it."""
+
+    __slots__ = ("uid", "version", "label", "blob")
+
+    def __init__(self, obj: Obj, index_label: str | None) -> None:
+        meta = obj.get("metadata") or {}
+        self.uid, self.version = meta.get("uid"), meta.get("resourceVersion")
+        self.label = (meta.get("labels") or {}).get(index_label) if index_label else None
+        self.blob = json.dumps(obj, separators=(",", ":")).encode()
+
+
+class PackedStore(Store):
+    """A Store whose entries are Packed: at 10,000 pods a slim pod's dicts and strings held 3.5 KiB
+    (tracemalloc), its compact JSON about 1 KiB. A read decodes it: a pass reads its job's pods once,
+    and every read is a new dict that no reader can change for the next."""
+
+    def _keep(self, obj: Obj) -> Any:
+        return Packed(obj, self.index_label)
+
+    def _read(self, entry: Any) -> Obj:
+        return json.loads(entry.blob)
+
+    def _version(self, entry: Any) -> Obj:
+        meta = {"uid": entry.uid, "resourceVersion": entry.version}
+        if self.index_label is not None and entry.label is not None:
+            meta["labels"] = {self.index_label: entry.label}
+        return {"metadata": meta}
+
+
 def pod_store() -> Store:
-    """The operator's pods by job name, each kept as base/podinfo.slim cuts it."""
-    return Store(index_label=labels.JOB_NAME, transform=podinfo.slim)
+    """The operator's pods by job name, each kept as base/podinfo.slim cuts it, packed."""
+    return PackedStore(index_label=labels.JOB_NAME, transform=podinfo.slim)
 
 
 def pod_informers(k8s: Any, store: Store, namespaces: tuple[str, ...] | None) -> list[Informer]:
