@@ -50,7 +50,7 @@ def test_relist_drops_what_vanished_and_notifies(kind):
     store.upsert(make_pod(name="a", resource_version=1))
     store.upsert(make_pod(name="b", resource_version=2))
     store.upsert(make_pod(name="x", resource_version=3, namespace="elsewhere"))
-    store.replace("ns", [make_pod(name="b", resource_version=4)])
+    store.replace("ns", [store.cut(make_pod(name="b", resource_version=4))])   # as an informer lists
     assert store.get("ns", "a") is None and store.get("ns", "b")["metadata"]["resourceVersion"] == "4"
     assert store.get("elsewhere", "x") is not None   # another informer's scope is left alone
     assert ("DELETED", "a") in seen and ("MODIFIED", "b") in seen

@@ -15,6 +15,7 @@ import collections
 import datetime as dt
 import json
 import logging
+import sys
 import threading
 from typing import Any, Callable
 
@@ -66,15 +67,16 @@ def slim(obj: Obj) -> Obj:
 
 class Store:
     """Objects by (namespace, name), optionally indexed by a label (our pods by job name).
-    Touched only from the event loop's thread. What it keeps of an object (an entry) is the object
-    itself here; PackedStore keeps a denser entry, and each read of it is a new dict."""
+    Touched only from the event loop's thread. What it keeps of an object (its entry, made by
+    `cut`) is the transformed object itself here; PackedStore keeps a denser entry, and each read
+    of it is a new dict."""
 
     def __init__(self, *, index_label: str | None = None, transform: Callable[[Obj], Obj] = slim) -> None:
         self.index_label = index_label
         # What is kept of each object (client-go's transform function): `slim` by default, the
         # pod cache keeps only what the operator reads (base/podinfo.slim).
         self.transform = transform
-        self._objs: dict[Key, Obj] = {}
+        self._objs: dict[Key, Any] = {}
         self._index: dict[Key, set[str]] = collections.defaultdict(set)
         self._gone: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._synced = 0          # informers whose first list has landed
@@ -83,15 +85,18 @@ class Store:
         self.listeners: list[Listener] = []
 
     # -- entries (what is kept of an object: PackedStore's differ) ------------------------
-    def _keep(self, obj: Obj) -> Any:
-        return obj
+    def cut(self, obj: Obj) -> Any:
+        """The entry kept for `obj`: an informer's thread makes it, so that a loop that lags
+        behind a burst of events queues entries, not whole decoded objects."""
+        return self.transform(obj)
 
     def _read(self, entry: Any) -> Obj:
         return entry
 
-    def _version(self, entry: Any) -> Obj:
-        """The entry as `newer` and the index read it (its metadata's resourceVersion, uid, labels)."""
-        return entry
+    def _meta(self, entry: Any) -> dict[str, Any]:
+        """The entry's metadata as far as the store reads it: namespace, name, uid,
+        resourceVersion and the index label."""
+        return entry.get("metadata") or {}
 
     # -- reads -------------------------------------------------------------------------
     def get(self, namespace: str, name: str) -> Obj | None:
@@ -122,69 +127,71 @@ class Store:
         await self._synced_event.wait()
 
     # -- writes ------------------------------------------------------------------------
-    def _label(self, obj: Obj) -> str | None:
+    def _label(self, meta: dict[str, Any]) -> str | None:
         if self.index_label is None:
             return None
-        return ((obj.get("metadata") or {}).get("labels") or {}).get(self.index_label)
+        return (meta.get("labels") or {}).get(self.index_label)
 
-    def upsert(self, obj: Obj, *, notify: bool = True, cut: bool = False) -> bool:
+    def upsert(self, obj: Any, *, notify: bool = True, cut: bool = False) -> bool:
         """Keep `obj` unless what is stored is newer or it was deleted; True when stored. `cut`:
-        it went through `transform` already (an informer's thread did it)."""
-        uid = (obj.get("metadata") or {}).get("uid")
+        `obj` is an entry already (an informer's thread made it)."""
+        entry = obj if cut else self.cut(obj)
+        meta = self._meta(entry)
+        uid = meta.get("uid")
         if uid and uid in self._gone:
             return False
-        k = key_of(obj)
+        k = str(meta.get("namespace") or ""), str(meta.get("name") or "")
         kept = self._objs.get(k)
-        old = None if kept is None else self._version(kept)
-        if not newer(obj, old):
+        old = None if kept is None else self._meta(kept)
+        if old is not None and not newer({"metadata": meta}, {"metadata": old}):
             return False
-        if not cut:
-            obj = self.transform(obj)
-        if old is not None and self._label(old) != self._label(obj):
+        if old is not None and self._label(old) != self._label(meta):
             self._unindex(k, old)
-        self._objs[k] = self._keep(obj)
-        label = self._label(obj)
+        self._objs[k] = entry
+        label = self._label(meta)
         if label is not None:
             self._index[(k[0], label)].add(k[1])
-        if notify:
-            self._notify("MODIFIED" if old is not None else "ADDED", obj)
+        if notify and self.listeners:
+            self._notify("MODIFIED" if old is not None else "ADDED", self._read(entry))
         return True
 
-    def delete(self, obj: Obj, *, notify: bool = True, cut: bool = False) -> None:
+    def delete(self, obj: Any, *, notify: bool = True, cut: bool = False) -> None:
         """Drop the object (only the same uid: a newer object may already hold the name)."""
-        k = key_of(obj)
-        uid = (obj.get("metadata") or {}).get("uid")
+        entry = obj if cut else self.cut(obj)
+        meta = self._meta(entry)
+        k = str(meta.get("namespace") or ""), str(meta.get("name") or "")
+        uid = meta.get("uid")
         if uid:
             self._gone[uid] = None
             while len(self._gone) > TOMBSTONES:
                 self._gone.popitem(last=False)
         kept = self._objs.get(k)
-        old = None if kept is None else self._version(kept)
-        if old is None or (uid and (old.get("metadata") or {}).get("uid") != uid):
+        old = None if kept is None else self._meta(kept)
+        if old is None or (uid and old.get("uid") != uid):
             return
         del self._objs[k]
         self._unindex(k, old)
-        if notify:
+        if notify and self.listeners:
             # A DELETED event carries the object's last state, which may be newer than what
             # is stored (PodGC's Failed + DisruptionTarget write, seen only with the deletion).
-            self._notify("DELETED", (obj if cut else self.transform(obj)) if newer(obj, old) else self._read(kept))
+            self._notify("DELETED", self._read(entry if newer({"metadata": meta}, {"metadata": old}) else kept))
 
-    def replace(self, namespace: str | None, items: list[Obj], *, cut: bool = False) -> None:
-        """A fresh list for `namespace` (None = all): upsert each, delete what is missing."""
-        seen = {key_of(o) for o in items}
+    def replace(self, namespace: str | None, entries: list[Any]) -> None:
+        """A fresh list for `namespace` (None = all), as entries: upsert each, delete what is missing."""
+        seen = {(str(m.get("namespace") or ""), str(m.get("name") or "")) for m in map(self._meta, entries)}
         for k, kept in list(self._objs.items()):
             if (namespace is None or k[0] == namespace) and k not in seen:
-                self.delete(self._read(kept), cut=True)
-        for obj in items:
-            self.upsert(obj, cut=cut)
+                self.delete(kept, cut=True)
+        for entry in entries:
+            self.upsert(entry, cut=True)
 
     def mark_synced(self) -> None:
         self._synced += 1
         if self.synced and self._synced_event is not None:
             self._synced_event.set()
 
-    def _unindex(self, k: Key, obj: Obj) -> None:
-        label = self._label(obj)
+    def _unindex(self, k: Key, meta: dict[str, Any]) -> None:
+        label = self._label(meta)
         if label is None:
             return
         names = self._index.get((k[0], label))
@@ -234,7 +241,7 @@ class Informer:
             self._stop.set()
 
     def _listed(self, items: list[Obj]) -> None:
-        self.store.replace(self.namespace, items, cut=True)
+        self.store.replace(self.namespace, items)
         if self._first:
             self._first = False
             self.store.mark_synced()
@@ -251,7 +258,7 @@ class Informer:
             try:
                 # Page by page, each cut to what the store keeps before the next is read: a relist of
                 # 50,000 pods never holds their whole JSON at once.
-                items, rv = self.k8s.list_objects(self.path, self.query, transform=self.store.transform)
+                items, rv = self.k8s.list_objects(self.path, self.query, transform=self.store.cut)
                 self._post(self._listed, items)
                 backoff = 1.0
                 rv = self._watch(rv)
@@ -286,41 +293,47 @@ class Informer:
                     raise RuntimeError(f"watch error: {obj.get('message') or obj}")
                 rv = resource_version(obj) or rv
                 if etype in ("ADDED", "MODIFIED", "DELETED"):
-                    # Cut here, in this thread: a loop that lags behind a burst of events queues
-                    # them slim, not as whole decoded pods.
-                    self._post(self._event, etype, self.store.transform(obj))
+                    # Cut here, in this thread (Store.cut).
+                    self._post(self._event, etype, self.store.cut(obj))
         return rv
 
 
 class Packed:
-    """A slim object kept as its compact JSON, beside what the store itself reads of it (newer, the
-    index, a delete's uid) without decoding it."""
+    """A slim object kept as its compact JSON, beside what the store itself reads of it (its key,
+    uid, resourceVersion and index label) without decoding it."""
 
-    __slots__ = ("uid", "version", "label", "blob")
+    __slots__ = ("namespace", "name", "uid", "version", "label", "blob")
 
     def __init__(self, obj: Obj, index_label: str | None) -> None:
         meta = obj.get("metadata") or {}
+        # Namespaces and job names repeat across pods: one string each.
+        self.namespace, self.name = sys.intern(str(meta.get("namespace") or "")), str(meta.get("name") or "")
         self.uid, self.version = meta.get("uid"), meta.get("resourceVersion")
-        self.label = (meta.get("labels") or {}).get(index_label) if index_label else None
+        label = (meta.get("labels") or {}).get(index_label) if index_label else None
+        self.label = sys.intern(label) if isinstance(label, str) else None
         self.blob = json.dumps(obj, separators=(",", ":")).encode()
 
 
 class PackedStore(Store):
-    """A Store whose entries are Packed: at 10,000 pods a slim pod's dicts and strings held 3.5 KiB
-    (tracemalloc), its compact JSON about 1 KiB. A read decodes it: a pass reads its job's pods once,
-    and every read is a new dict that no reader can change for the next."""
+    """A Store whose entries are Packed, made in the informer's thread. At 10,000 pods a slim pod's
+    dicts and strings held 3.5 KiB (tracemalloc), its compact JSON about 1.2 KiB; and a burst of
+    watch events that the loop has yet to take waits as a few objects each, not a decoded pod's
+    forty (the operator's small-object arenas, which Python never gave back, held twice its live
+    objects at 10,000 pods). A read decodes: a pass reads its job's pods once, and every read is a
+    new dict that no reader can change for the next."""
 
-    def _keep(self, obj: Obj) -> Any:
-        return Packed(obj, self.index_label)
+    def cut(self, obj: Obj) -> Any:
+        return Packed(self.transform(obj), self.index_label)
 
     def _read(self, entry: Any) -> Obj:
         return json.loads(entry.blob)
 
-    def _version(self, entry: Any) -> Obj:
-        meta = {"uid": entry.uid, "resourceVersion": entry.version}
+    def _meta(self, entry: Any) -> dict[str, Any]:
+        meta = {"namespace": entry.namespace, "name": entry.name, "uid": entry.uid,
+                "resourceVersion": entry.version}
         if self.index_label is not None and entry.label is not None:
             meta["labels"] = {self.index_label: entry.label}
-        return {"metadata": meta}
+        return meta
 
 
 def pod_store() -> Store:
