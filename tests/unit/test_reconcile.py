@@ -761,6 +761,43 @@ class SlottedK8s(FakeK8s):
                 self.finished[job] = self.finished.get(job, 0) + 1
 
 
+def test_pods_are_rendered_when_their_create_may_go_out_at_most_in_flight_waiting(monkeypatch):
+    """Many jobs created at once through few request slots: a pod is rendered only when it takes a
+    render slot (children.Children._renders), so rendered pods that wait for a request slot never
+    number more than IN_FLIGHT (rendered up front, each job's window of pods waited rendered)."""
+    from ddpjob_operator.app import children
+    from ddpjob_operator.cluster.k8s import IN_FLIGHT
+
+    k8s = SlottedK8s(slots=2)
+    rec = reconciler(k8s, queue=True)
+    waiting, peak = [0], [0]
+    render = children.render_pod
+
+    def counted(*args, **kwargs):
+        waiting[0] += 1
+        peak[0] = max(peak[0], waiting[0])
+        return render(*args, **kwargs)
+    monkeypatch.setattr(children, "render_pod", counted)
+    create = k8s.create
+
+    async def sent(obj):
+        if obj["kind"] == "Pod":
+            async with k8s.slots.slot("sent"):   # counted once its request holds a slot
+                pass
+            waiting[0] -= 1
+        return await create(obj)
+    k8s.create = sent  # type: ignore[method-assign]
+    jobs, nodes = 2 * IN_FLIGHT, 4
+
+    async def main():
+        for j in range(jobs):
+            rec.job_event(k8s.add_job(make_manifest(f"j{j}", nodes=nodes)))
+        await until(lambda: all(len(created(k8s, f"j{j}")) == nodes for j in range(jobs)), desc="every job's pods")
+        await rec.shutdown()
+    run(main())
+    assert 0 < peak[0] <= IN_FLIGHT, peak[0]
+
+
 def create_big_and_small(slots: int) -> SlottedK8s:
     """A big job's group created through `slots` request slots; a small job arrives as the big
     one's IN_FLIGHT-th pod create starts."""
