@@ -345,10 +345,14 @@ _T10K = "r[table][1000x10 "
 # The same 1,000 jobs of 10, ours alone, each job's status writes sorted by a watch: until Running,
 # and after (its progress).
 _SCALE_WRITES = "operator_scale_1000x10_writes.json"
+# The same, the operator since a job's first come-up posts no Events.
+_SCALE_COMEUP = "operator_scale_1000x10_comeup.json"
 # The operator's RSS against the pods it keeps (bench/operator_memory.py), as its image runs it
-# (MALLOC_ARENA_MAX=2): of the arena pairs' runs with it, the one with the larger slope (sizing
-# errs high). The pairs with and without it (bench/operator_memory_ab.py).
-_MEMORY = "operator_memory_arena/b-1.json"
+# (MALLOC_ARENA_MAX=2): the operator since a pod is rendered when its create is due (issue 48's
+# runs, one per change, in operator_memory_issue48/). The pairs with and without the setting
+# (bench/operator_memory_ab.py).
+_MEMORY = "operator_memory_issue48/render-when-due.json"
+_MEMORY_BEFORE = "operator_restart_scrapes/slots-1.json"
 _MEMORY_AB = "operator_memory_arena.json"
 # Group restarts among 2,000 and 10,000 pods: the operator since a scrape round takes at most 32
 # jobs at a time, and in the run before it the operator of the commit before (--before).
@@ -505,6 +509,14 @@ FIGURES: dict[str, Figure] = {
                                  "{" + _T10K + "status writes per job after Running, in the window][ddpjob][median]:.2f}"),
     "scale.writes.requests": Figure(_SCALE_WRITES, "{" + _T10K + "requests per job to come up (pods, Service, Events, "
                                     "writes until Running)][ddpjob][median]:.1f}"),
+    "scale.comeup.commit": Figure(_SCALE_COMEUP, "{r[commit]:.7}"),
+    "scale.comeup.requests": Figure(_SCALE_COMEUP, "{" + _T10K + "requests per job to come up (pods, Service, Events, "
+                                    "writes until Running)][ddpjob][median]:.1f}"),
+    "scale.comeup.up": Figure(_SCALE_COMEUP, "{" + _T10K + "status writes per job until Running][ddpjob][median]:.2f}"),
+    "scale.comeup.events": Figure(_SCALE_COMEUP, "{v:.0f}", lambda r: sum(
+        run["request_breakdown"].get("POST events", 0) for run in r["runs"] if run["variant"] == "ddpjob")),
+    "scale.comeup.cpu": Figure(_SCALE_COMEUP, "{" + _T10K + "controller CPU-s][ddpjob][median]:.0f} CPU-s"),
+    "scale.writes.cpu": Figure(_SCALE_WRITES, "{" + _T10K + "controller CPU-s][ddpjob][median]:.0f} CPU-s"),
     "scale.10k.before.commit": Figure(_SCALE_10K_BEFORE, "{r[commit]:.7}"),
     "scale.10k.before.created.ratio": Figure(_SCALE_10K_BEFORE,
                                              "{" + _T10K + "apply -> all pods created (s)][ratio_ours_floor][ratio]:.1f}x"),
@@ -520,6 +532,8 @@ FIGURES: dict[str, Figure] = {
     "memory.at50k": Figure(_MEMORY, "{v:.1f} GiB",
                            lambda r: (r["fit"]["intercept_mib"] + r["fit"]["slope_kib_per_pod"] * 50_000 / 1024) / 1024),
     "memory.peak.ratio": Figure(_MEMORY, "{r[peak_over_steady_largest]:.2f}x"),
+    "memory.before.slope": Figure(_MEMORY_BEFORE, "{r[fit][slope_kib_per_pod]:.0f} KiB"),
+    "memory.before.commit": Figure(_MEMORY_BEFORE, "{r[commit]:.7}"),
     # A group restart among 2,000 and among 10,000 pods (the median of 5 each), the operator with
     # its scrape rounds bounded and, in the run before it, without.
     "restart.10k.commit": Figure(_RESTART_AFTER, "{r[commit]:.7}"),
