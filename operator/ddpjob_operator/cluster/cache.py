@@ -315,12 +315,11 @@ class Packed:
 
 
 class PackedStore(Store):
-    """A Store whose entries are Packed, made in the informer's thread. At 10,000 pods a slim pod's
-    dicts and strings held 3.5 KiB (tracemalloc), its compact JSON about 1.2 KiB; and a burst of
-    watch events that the loop has yet to take waits as a few objects each, not a decoded pod's
-    forty (the operator's small-object arenas, which Python never gave back, held twice its live
-    objects at 10,000 pods). A read decodes: a pass reads its job's pods once, and every read is a
-    new dict that no reader can change for the next."""
+    """A Store whose entries are Packed, made in the informer's thread. A slim pod's dicts and
+    strings held 3.5 KiB (tracemalloc of the cut), its compact JSON about 1.2 KiB, and a burst of
+    watch events that the loop has yet to take waits as a few objects each. The RSS did not follow
+    (it is the creation's peak of small objects: bench/results/operator_memory_issue48/); what lives
+    does. A read decodes, and every read is a new dict that no reader can change for the next."""
 
     def cut(self, obj: Obj) -> Any:
         return Packed(self.transform(obj), self.index_label)
