@@ -234,10 +234,11 @@ def reconcile_example_with_token(cluster, api, kit, tmp_path, rel, job_ns: str, 
             kit.set_pod_exit(api, job_ns, p.metadata.name, 0)
         kit.wait_for(lambda: phase() == "Succeeded", timeout=90,
                      desc=f"status.phase Succeeded{diag(op)}")
-        events = core.list_namespaced_event(job_ns, field_selector=f"involvedObject.name={name}").items
-        mine = [e for e in events if e.reporting_instance == marker]
-        assert mine, (f"the token-authenticated operator posted no events on the DDPJob; saw "
-                      f"{[(e.reason, e.reporting_instance) for e in events]}{diag(op)}")
+        # Its Succeeded event (a job's first come-up posts none) follows the status write just seen.
+        def mine():
+            events = core.list_namespaced_event(job_ns, field_selector=f"involvedObject.name={name}").items
+            return [(e.reason, e.reporting_instance) for e in events if e.reporting_instance == marker]
+        kit.wait_for(mine, timeout=30, desc=f"the token-authenticated operator's event on the DDPJob{diag(op)}")
         assert op.proc.poll() is None, "operator exited\n" + op.text()[-3000:]
     finally:
         rc = op.stop()
@@ -266,7 +267,7 @@ def test_ha_peering_with_the_service_account(cluster, api, crds, helm_release, k
     rel = helm_release("ha.enabled=true", "replicaCount=2", "rbac.namespaced=true",
                        f"operator.watchNamespaces={{{namespace}}}", "peering.name=ddpjob-ha")
     kubeconfig = kit.token_kubeconfig(cluster, rel, tmp_path / "sa.kubeconfig")
-    custom, core = client.CustomObjectsApi(api), client.CoreV1Api(api)
+    custom = client.CustomObjectsApi(api)
     ops = {}
     try:
         for ident, prio in (("replica-high", 10), ("replica-low", 5)):
@@ -279,25 +280,33 @@ def test_ha_peering_with_the_service_account(cluster, api, crds, helm_release, k
         kit.wait_for(lambda: peers() == ["replica-high", "replica-low"], timeout=60,
                      desc=f"both replicas' keep-alives in KopfPeering ddpjob-ha{diag(ops['replica-low'])}")
 
-        def reconciled_by(job_name: str) -> set[str]:
-            events = core.list_namespaced_event(namespace, field_selector=f"involvedObject.name={job_name}").items
-            return {e.reporting_instance for e in events if e.reporting_instance}
+        def created_by() -> dict[str, float]:
+            """The pods each running replica says it created here (its own pods_created_total)."""
+            counts = {}
+            for ident, op in ops.items():
+                if op.proc.poll() is None:
+                    text = urllib.request.urlopen(f"http://127.0.0.1:{op.metrics_port}/metrics", timeout=5).read().decode()
+                    series = f'ddpjob_operator_pods_created_total{{namespace="{namespace}"}} '
+                    counts[ident] = next((float(ln[len(series):]) for ln in text.splitlines() if ln.startswith(series)), 0.0)
+            return counts
 
-        def run_job(job_name: str) -> None:
+        def run_job(job_name: str) -> int:
             job = example_job(namespace)
             job["metadata"]["name"] = job_name
             custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, job)
             kit.wait_for(lambda: (custom.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, job_name)
                                   .get("status") or {}).get("phase") == "Running",
                          timeout=60, desc=f"{job_name} Running{diag(ops['replica-high'])}{diag(ops['replica-low'])}")
+            return job["spec"]["nodes"]
 
-        run_job("first")
-        assert reconciled_by("first") == {"replica-high"}, "only the highest priority may act"
+        # Running is written after the pods' creates returned: each replica's counter is final for the job.
+        nodes = run_job("first")
+        assert created_by() == {"replica-high": nodes, "replica-low": 0}, "only the highest priority may act"
 
         ops["replica-high"].stop()                     # a graceful exit removes it from the peering
         kit.wait_for(lambda: peers() == ["replica-low"], timeout=60, desc="replica-high left the peering")
-        run_job("second")
-        assert reconciled_by("second") == {"replica-low"}, "the standby takes over"
+        nodes = run_job("second")
+        assert created_by() == {"replica-low": nodes}, "the standby takes over"
     finally:
         for op in ops.values():
             op.stop()
