@@ -288,15 +288,24 @@ class Reconciler:
                 self.monitor.fetch_stacks_again(job.uid)
 
     # -- one pass ------------------------------------------------------------------------
-    def _pods(self, namespace: str, name: str, uid: str) -> list[dict[str, Any]]:
+    def _children(self, namespace: str, name: str, uid: str) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
         """The cached training pods of the job with this uid (not those of an earlier job of the same
-        name, nor a per-step job's Lighthouse: `_lighthouse`)."""
-        return [p for p in self.pods.by_index(namespace, name) if owned_by(p, uid) and not podinfo.lighthouse(p)]
+        name) and its Lighthouse pod if it is a per-step job (None: there is none). One read of the
+        cache: each read decodes every pod of the job."""
+        pods: list[dict[str, Any]] = []
+        lighthouse = None
+        for p in self.pods.by_index(namespace, name):
+            if not owned_by(p, uid):
+                continue
+            if podinfo.lighthouse(p):
+                lighthouse = p
+            else:
+                pods.append(p)
+        return pods, lighthouse
 
-    def _lighthouse(self, namespace: str, name: str, uid: str) -> dict[str, Any] | None:
-        """The cached Lighthouse pod of a per-step job (None: there is none)."""
-        return next((p for p in self.pods.by_index(namespace, name) if owned_by(p, uid) and podinfo.lighthouse(p)),
-                    None)
+    def _pods(self, namespace: str, name: str, uid: str) -> list[dict[str, Any]]:
+        """The cached training pods of the job with this uid (`_children` without the Lighthouse)."""
+        return self._children(namespace, name, uid)[0]
 
     async def reconcile(self, namespace: str, name: str, *, scrape: bool = False) -> None:
         """Decide from the caches, write status once (if it changed), act, post events."""
@@ -316,8 +325,8 @@ class Reconciler:
         job = from_manifest(obj)  # built again only when a conflict brings a newer object
         podgroup = await self._read_podgroup(job, namespace, name)
         for _ in range(WRITE_ATTEMPTS):
-            group = Group.of(self._pods(namespace, name, job.uid), departed=self._departed.get(key, {}).values())
-            lighthouse = self._lighthouse(namespace, name, job.uid)
+            pods, lighthouse = self._children(namespace, name, job.uid)
+            group = Group.of(pods, departed=self._departed.get(key, {}).values())
             prev = dict(obj.get("status") or {})
             now = dt.datetime.now(dt.timezone.utc)
             decision = decide(job, group, now=now, prev_status=prev, config=self.config,
