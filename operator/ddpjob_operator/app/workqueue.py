@@ -3,6 +3,8 @@
 A kick marks a job dirty and starts its worker unless one runs; the worker pauses `debounce`
 seconds (a 64-pod group emits hundreds of pod events), unless the kick was `at_once` (a new job,
 a job's own kick: no burst to fold), runs one pass, and goes on while kicks came in meanwhile.
+At most `passes` jobs' passes run at once (a pass waits its turn for the API server's request
+slots anyway; see `__init__`).
 A failed pass is retried with a doubling backoff and never ends the operator.
 While a live higher-priority peer exists (kopf's peering, `cluster/cache.PeerGate`) passes are held
 back until that peer would be presumed dead, or until the peering object changes. One timer per job
@@ -16,6 +18,8 @@ import logging
 from typing import Awaitable, Callable
 
 from ddpjob_operator.cluster.cache import PeerGate
+from ddpjob_operator.cluster.fairqueue import FairSlots
+from ddpjob_operator.cluster.k8s import IN_FLIGHT
 
 log = logging.getLogger("ddpjob.controller")
 Key = tuple[str, str]
@@ -26,7 +30,8 @@ class WorkQueue:
     """Runs `run(key, scrape)` for kicked jobs, one pass per job at a time."""
 
     def __init__(self, run: Callable[[Key, bool], Awaitable[None]], *, ready: Callable[[], Awaitable[None]],
-                 failed: Callable[[], None], gate: PeerGate | None = None, debounce: float = 0.1):
+                 failed: Callable[[], None], gate: PeerGate | None = None, debounce: float = 0.1,
+                 passes: int = IN_FLIGHT):
         self._run = run
         self._ready = ready        # awaited before a worker's first pass (the pod cache's sync)
         self._failed = failed      # counts a failed pass
@@ -34,6 +39,11 @@ class WorkQueue:
         if gate is not None:
             gate.store.listeners.append(lambda *_: self._unblock())
         self.debounce = debounce
+        # At most `passes` passes at a time, handed out between tenants and jobs in turn. A pass
+        # holds its job's decoded pods, status and decision while it waits for the API server:
+        # 1,000 jobs submitted at once all held theirs, and Python's small-object arenas keep what
+        # such a peak filled. A pass waiting for a slot has read nothing yet.
+        self.passes = FairSlots(passes)
         self.dirty: dict[Key, bool] = {}          # pending pass; True = also scrape
         self.workers: dict[Key, asyncio.Task] = {}
         self.timers: dict[Key, tuple[float, asyncio.TimerHandle]] = {}
@@ -95,22 +105,28 @@ class WorkQueue:
                     await asyncio.sleep(0)  # other jobs' passes still get their turn
                 else:
                     await asyncio.sleep(self.debounce)
-                scrape = self.dirty.pop(key)
-                wait = self.held_back()
-                if wait is not None:
-                    # A higher-priority peer acts; retry when it would be presumed dead (its
-                    # keep-alives move that time, and its leaving wakes us through the peer cache).
-                    self.blocked.add(key)
-                    self.kick_later(key, wait)
-                    continue
-                try:
-                    await self._run(key, scrape)
-                    backoff = 1.0
-                except asyncio.CancelledError:
-                    raise
-                except Exception as exc:  # noqa: BLE001  (retry with backoff; never crash the operator)
+                failure = None
+                async with self.passes.slot(key):
+                    if key not in self.dirty:
+                        break  # forgotten while it waited for a slot
+                    scrape = self.dirty.pop(key)  # kicks that came while it waited ride along
+                    wait = self.held_back()
+                    if wait is not None:
+                        # A higher-priority peer acts; retry when it would be presumed dead (its
+                        # keep-alives move that time, and its leaving wakes us through the peer cache).
+                        self.blocked.add(key)
+                        self.kick_later(key, wait)
+                        continue
+                    try:
+                        await self._run(key, scrape)
+                        backoff = 1.0
+                    except asyncio.CancelledError:
+                        raise
+                    except Exception as exc:  # noqa: BLE001  (retry with backoff; never crash the operator)
+                        failure = exc
+                if failure is not None:  # the backoff holds no slot
                     self._failed()
-                    log.warning("reconcile %s/%s failed (retry in %.0fs): %s", *key, backoff, exc)
+                    log.warning("reconcile %s/%s failed (retry in %.0fs): %s", *key, backoff, failure)
                     await asyncio.sleep(backoff)
                     backoff = min(backoff * 2, MAX_BACKOFF)
                     self.dirty[key] = self.dirty.get(key, False) or scrape
