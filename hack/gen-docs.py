@@ -347,6 +347,8 @@ _T10K = "r[table][1000x10 "
 _SCALE_WRITES = "operator_scale_1000x10_writes.json"
 # The same, the operator since a job's first come-up posts no Events.
 _SCALE_COMEUP = "operator_scale_1000x10_comeup.json"
+# 200 jobs of 10 with py-spy, and the floor with a Service per job and per namespace (one run).
+_SVC = "operator_scale_200x10_before_after.json"
 # The operator's RSS against the pods it keeps (bench/operator_memory.py), as its image runs it
 # (MALLOC_ARENA_MAX=2): the operator since a pod is rendered when its create is due (issue 48's
 # runs, one per change, in operator_memory_issue48/). The pairs with and without the setting
@@ -517,6 +519,12 @@ FIGURES: dict[str, Figure] = {
         run["request_breakdown"].get("POST events", 0) for run in r["runs"] if run["variant"] == "ddpjob")),
     "scale.comeup.cpu": Figure(_SCALE_COMEUP, "{" + _T10K + "controller CPU-s][ddpjob][median]:.0f} CPU-s"),
     "scale.writes.cpu": Figure(_SCALE_WRITES, "{" + _T10K + "controller CPU-s][ddpjob][median]:.0f} CPU-s"),
+    # What a job's headless Service costs the control plane: the floor's pods alone, with one
+    # Service per job, with one per namespace (one loaded run of 200 jobs of 10).
+    **{f"svc.{row}.{variant}": Figure(_SVC, "{r[table][200x10 " + name + "][" + variant + "][median]:.0f} CPU-s")
+       for row, name in (("kcm", "kube-controller-manager CPU-s"), ("apiserver", "kube-apiserver CPU-s"))
+       for variant in ("floor", "floor-svc", "floor-nssvc")},
+    "svc.slices.floor-nssvc": Figure(_SVC, "{r[table][200x10 EndpointSlices][floor-nssvc][median]:.0f}"),
     "scale.10k.before.commit": Figure(_SCALE_10K_BEFORE, "{r[commit]:.7}"),
     "scale.10k.before.created.ratio": Figure(_SCALE_10K_BEFORE,
                                              "{" + _T10K + "apply -> all pods created (s)][ratio_ours_floor][ratio]:.1f}x"),
