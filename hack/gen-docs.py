@@ -350,10 +350,10 @@ _SCALE_COMEUP = "operator_scale_1000x10_comeup.json"
 # 200 jobs of 10 with py-spy, and the floor with a Service per job and per namespace (one run).
 _SVC = "operator_scale_200x10_before_after.json"
 # The operator's RSS against the pods it keeps (bench/operator_memory.py), as its image runs it
-# (MALLOC_ARENA_MAX=2): the operator since a pod is rendered when its create is due (issue 48's
-# runs, one per change, in operator_memory_issue48/). The pairs with and without the setting
+# (MALLOC_ARENA_MAX=2): the operator since at most 64 jobs' passes run at once (issue 48's runs,
+# one per change, in operator_memory_issue48/). The pairs with and without the setting
 # (bench/operator_memory_ab.py).
-_MEMORY = "operator_memory_issue48/render-when-due.json"
+_MEMORY = "operator_memory_issue48/pass-slots.json"
 _MEMORY_BEFORE = "operator_restart_scrapes/slots-1.json"
 _MEMORY_AB = "operator_memory_arena.json"
 # Group restarts among 2,000 and 10,000 pods: the operator since a scrape round takes at most 32
