@@ -339,7 +339,10 @@ _REC_BEFORE = ("recovery.json", "recovery_rerun.json")
 
 # 10,000 pods (1,000 jobs of 10), ours against the floor: three interleaved pairs (issue 48's
 # operator), and the one pair before it.
-_SCALE_10K = "operator_scale_1000x10_ours_floor_3pairs.json"
+_SCALE_10K = "operator_scale_1000x10_ours_floor_3pairs_e548a7d.json"
+# The same three pairs at 5b2360e, before the packed pod cache (10333b7), a pod rendered when its
+# create is due (9b41dc6) and at most 64 passes at once (d4ae9aa).
+_SCALE_10K_PREV = "operator_scale_1000x10_ours_floor_3pairs.json"
 _SCALE_10K_BEFORE = "operator_scale_1000x10_ours_floor_pair.json"
 _T10K = "r[table][1000x10 "
 # The same 1,000 jobs of 10, ours alone, each job's status writes sorted by a watch: until Running,
@@ -486,6 +489,10 @@ FIGURES: dict[str, Figure] = {
     "fairness.floor": Figure("fairness-floor.json", "{r[restart][floor_ratio_busy_idle_exist]:.2f}x"),
     # 10,000 pods (1,000 jobs of 10): ours against the floor, 3 interleaved pairs (bench/operator_scale.py).
     "scale.10k.commit": Figure(_SCALE_10K, "{r[commit]:.7}"),
+    "scale.10k.prev.commit": Figure(_SCALE_10K_PREV, "{r[commit]:.7}"),
+    **{f"scale.10k.prev.{name}.ratio": Figure(_SCALE_10K_PREV, _interval(f"table.1000x10 {row}.ratio_ours_floor", digits=2))
+       for name, row in (("created", "apply -> all pods created (s)"), ("running", "apply -> all Running (s)"))},
+    "scale.10k.prev.cpu": Figure(_SCALE_10K_PREV, "{" + _T10K + "controller CPU-s][ddpjob][median]:.0f} CPU-s"),
     "scale.10k.created.ours": Figure(_SCALE_10K, "{" + _T10K + "apply -> all pods created (s)][ddpjob][median]:.0f} s"),
     "scale.10k.created.floor": Figure(_SCALE_10K, "{" + _T10K + "apply -> all pods created (s)][floor][median]:.0f} s"),
     "scale.10k.created.ratio": Figure(_SCALE_10K, _interval("table.1000x10 apply -> all pods created (s).ratio_ours_floor",
@@ -509,8 +516,6 @@ FIGURES: dict[str, Figure] = {
         run["status_writes_coming_up_max"] for run in r["runs"] if run["variant"] == "ddpjob")),
     "scale.writes.after": Figure(_SCALE_WRITES,
                                  "{" + _T10K + "status writes per job after Running, in the window][ddpjob][median]:.2f}"),
-    "scale.writes.requests": Figure(_SCALE_WRITES, "{" + _T10K + "requests per job to come up (pods, Service, Events, "
-                                    "writes until Running)][ddpjob][median]:.1f}"),
     "scale.comeup.commit": Figure(_SCALE_COMEUP, "{r[commit]:.7}"),
     "scale.comeup.requests": Figure(_SCALE_COMEUP, "{" + _T10K + "requests per job to come up (pods, Service, Events, "
                                     "writes until Running)][ddpjob][median]:.1f}"),
@@ -518,7 +523,6 @@ FIGURES: dict[str, Figure] = {
     "scale.comeup.events": Figure(_SCALE_COMEUP, "{v:.0f}", lambda r: sum(
         run["request_breakdown"].get("POST events", 0) for run in r["runs"] if run["variant"] == "ddpjob")),
     "scale.comeup.cpu": Figure(_SCALE_COMEUP, "{" + _T10K + "controller CPU-s][ddpjob][median]:.0f} CPU-s"),
-    "scale.writes.cpu": Figure(_SCALE_WRITES, "{" + _T10K + "controller CPU-s][ddpjob][median]:.0f} CPU-s"),
     # What a job's headless Service costs the control plane: the floor's pods alone, with one
     # Service per job, with one per namespace (one loaded run of 200 jobs of 10).
     **{f"svc.{row}.{variant}": Figure(_SVC, "{r[table][200x10 " + name + "][" + variant + "][median]:.0f} CPU-s")
