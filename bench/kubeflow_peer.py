@@ -159,12 +159,13 @@ class Peer:
 
 
 def counter(url: str, name: str, *keys: str) -> dict[str, float]:
-    """A Prometheus counter from `url`, summed by the values of label `keys` ("v1 v2")."""
+    """A Prometheus counter from `url`, summed by the values of label `keys` ("v1 v2"; "" for a
+    series without labels)."""
     with urllib.request.urlopen(url, timeout=5) as r:
         text = r.read().decode()
     out: dict[str, float] = {}
     for line in text.splitlines():
-        if line.startswith(name + "{"):
+        if line.startswith((name + "{", name + " ")):
             labels, value = line.rsplit(" ", 1)
             lab = dict(kv.split("=", 1) for kv in labels[len(name) + 1:-1].split('",') if "=" in kv)
             key = " ".join(lab.get(k, "").strip('"') for k in keys)

@@ -337,11 +337,20 @@ def rss_mib(pid: int | None) -> float | None:
     return 0.0
 
 
+# The packages an operator process imports (`python -m ddpjob_cli operator`); a revision from before
+# the API's own package (api/) simply has none.
+OPERATOR_PACKAGES = ("operator", "api", "cli", "trainer")
+
+
 def operator_at(rev: str) -> Path:
-    """The operator package of git revision `rev`, exported into a new temporary directory (for
-    Ours(source=...): the operator before a change, run beside the one after it)."""
+    """The packages the operator runs from at git revision `rev` (OPERATOR_PACKAGES that it has),
+    exported into a new temporary directory (for Ours(source=...): the operator before a change,
+    run beside the one after it, with the CLI and API of its own revision, not of this tree)."""
     source = Path(tempfile.mkdtemp(prefix="ddpjob-before-"))
-    archive = subprocess.run(["git", "-C", str(REPO), "archive", rev, "operator"], capture_output=True, check=True).stdout
+    tree = subprocess.run(["git", "-C", str(REPO), "ls-tree", "--name-only", rev], capture_output=True, text=True,
+                          check=True).stdout.split()
+    archive = subprocess.run(["git", "-C", str(REPO), "archive", rev, *[p for p in OPERATOR_PACKAGES if p in tree]],
+                             capture_output=True, check=True).stdout
     subprocess.run(["tar", "-x", "-C", str(source)], input=archive, check=True)
     return source
 
@@ -358,7 +367,7 @@ class Ours:
         self.metrics_port, self.health_port = free_port(), free_port()
         env = {**cluster.env(), **(extra_env or {})}
         if source is not None:
-            env["PYTHONPATH"] = str(source / "operator")
+            env["PYTHONPATH"] = os.pathsep.join(str(source / p) for p in OPERATOR_PACKAGES if (source / p).is_dir())
         cmd = [sys.executable, *wrapper, "-m", "ddpjob_cli", "operator", "-n", ns, "--peering", "",
                "--metrics-port", str(self.metrics_port), "--health-port", str(self.health_port),
                "--scrape-interval", "15", "--log-level", "WARNING",
@@ -382,6 +391,11 @@ class Ours:
     def requests(self) -> dict[str, float]:
         return kubeflow_peer.counter(f"http://127.0.0.1:{self.metrics_port}/metrics",
                                      "ddpjob_operator_api_requests_total", "verb", "resource")
+
+    def passes(self) -> float:
+        """Reconcile passes run so far (every job's, with their writes or none)."""
+        return kubeflow_peer.counter(f"http://127.0.0.1:{self.metrics_port}/metrics",
+                                     "ddpjob_operator_reconcile_seconds_count").get("", 0.0)
 
     def stop(self) -> None:
         kubeflow_peer.stop_process(self.proc)
@@ -531,6 +545,7 @@ def run_one(cluster, api, k8s: K8s, variant: str, jobs: int, nodes: int, *, idle
         ctrl.wait_ready()
         time.sleep(2)
         rss_idle, before, cpu0 = rss_mib(ctrl.pid), ctrl.requests(), cpu_seconds(ctrl.pid)
+        passes0 = ctrl.passes() if isinstance(ctrl, Ours) else None
         plane = control_plane_cpu(cluster)
         sampler = _sampler(ctrl, profile, f"{variant}-{jobs}x{nodes}{tag}-create")
         writes = WriteTracker(k8s, ns) if variant.startswith("ddpjob") else None
@@ -552,6 +567,8 @@ def run_one(cluster, api, k8s: K8s, variant: str, jobs: int, nodes: int, *, idle
             res["jobs_submitted_s"] = _r(time.monotonic() - t0)
         times = tracker.wait(running_timeout)
         delta = _delta(settle(ctrl), before)
+        if passes0 is not None:
+            res["passes_per_job"] = round((ctrl.passes() - passes0) / jobs, 2)
         if writes is not None:
             res.update(writes.result(jobs))
             # What a job cost to come up: its pods, Service and Events, and its status writes until
@@ -791,6 +808,7 @@ def main() -> int:
                     rr, rf = res.get("rest_running") or {}, res.get("rest_finished") or {}
                     print(f"{variant:19s} {jobs:4d}x{nodes:<2d} rep {rep}: created {res['all_pods_exist_s']}s, "
                           f"running {res['all_pods_running_s']}s, {res['requests_per_job']} req/job, "
+                          f"{res.get('passes_per_job')} passes/job, "
                           f"CPU {res['cpu_s']}s, RSS {res['rss_idle_mib']}/{res['rss_after_mib']} MiB, "
                           f"load {res['load_avg_before'][0]}->{res['load_avg_after'][0]}"
                           + (" LOADED" if res["loaded"] else "")
