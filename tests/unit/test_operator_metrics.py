@@ -1,6 +1,8 @@
 """ddpjob_operator_* metrics: namespace (and ddpjob) labels, counters born at 0, per-job gauges."""
 from __future__ import annotations
 
+import random
+
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
@@ -228,3 +230,25 @@ def test_goodput_gauges_say_each_jobs_ledger_and_go_with_the_job():
     m.set_phase(KEY, None)
     assert value(m, "ddpjob_operator_job_goodput_ratio", namespace=KEY[0], ddpjob=KEY[1]) is None
     assert value(m, "ddpjob_operator_job_goodput_seconds", namespace=KEY[0], ddpjob=KEY[1], category="queued") is None
+
+
+def test_phase_counts_follow_each_change_of_many_jobs():
+    """set_phase keeps its counts by the change (old phase down, new one up): after any sequence of
+    passes and deletions over two namespaces, each (namespace, phase) series is the number of jobs
+    there in that phase, and a deleted or never-seen job moves nothing."""
+    m = OperatorMetrics(CollectorRegistry())
+    rng = random.Random(48)
+    phases = [p.value for p in Phase]
+    now: dict[tuple[str, str], str] = {}
+    for _ in range(2000):
+        key = (rng.choice(["team-a", "team-b"]), f"j-{rng.randrange(30)}")
+        phase = rng.choice(phases + [None])
+        m.set_phase(key, phase)
+        if phase is None:
+            now.pop(key, None)
+        else:
+            now[key] = phase
+    for ns in ("team-a", "team-b"):
+        for phase in phases:
+            want = sum(1 for (n, _), p in now.items() if (n, p) == (ns, phase))
+            assert value(m, "ddpjob_operator_jobs", namespace=ns, phase=phase) == want, (ns, phase)
