@@ -68,7 +68,9 @@ def _frame_key(frame: str) -> tuple[str, str]:
 
 def package_of(file: str) -> str:
     """The top-level package (or stdlib module) a frame's file belongs to: ddpjob_operator.cluster,
-    kubernetes, json, asyncio, ..."""
+    kubernetes, json, asyncio, ...; "?" for a frame that names no file (a torn sample, --nonblocking)."""
+    if not Path(file).name:
+        return "?"
     parts = Path(file).with_suffix("").parts
     if "site-packages" in parts:
         parts = parts[parts.index("site-packages") + 1:]
