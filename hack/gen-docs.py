@@ -338,8 +338,10 @@ _REC = ("recovery_lazy_imports.json", "recovery_lazy_imports_rerun.json")
 _REC_BEFORE = ("recovery.json", "recovery_rerun.json")
 
 # 10,000 pods (1,000 jobs of 10), ours against the floor: three interleaved pairs (issue 48's
-# operator), and the one pair before it.
-_SCALE_10K = "operator_scale_1000x10_ours_floor_3pairs_e548a7d.json"
+# operator, a pass's phase count no longer over every job: c8b16d8), and the one pair before it.
+_SCALE_10K = "operator_scale_1000x10_ours_floor_3pairs_c8b16d8.json"
+# The same three pairs before c8b16d8 (at e548a7d), with the at-rest windows the run above skipped.
+_SCALE_10K_MID = "operator_scale_1000x10_ours_floor_3pairs_e548a7d.json"
 # The same three pairs at 5b2360e, before the packed pod cache (10333b7), a pod rendered when its
 # create is due (9b41dc6) and at most 64 passes at once (d4ae9aa).
 _SCALE_10K_PREV = "operator_scale_1000x10_ours_floor_3pairs.json"
@@ -493,6 +495,17 @@ FIGURES: dict[str, Figure] = {
     **{f"scale.10k.prev.{name}.ratio": Figure(_SCALE_10K_PREV, _interval(f"table.1000x10 {row}.ratio_ours_floor", digits=2))
        for name, row in (("created", "apply -> all pods created (s)"), ("running", "apply -> all Running (s)"))},
     "scale.10k.prev.cpu": Figure(_SCALE_10K_PREV, "{" + _T10K + "controller CPU-s][ddpjob][median]:.0f} CPU-s"),
+    "scale.10k.mid.commit": Figure(_SCALE_10K_MID, "{r[commit]:.7}"),
+    **{f"scale.10k.mid.{name}.ratio": Figure(_SCALE_10K_MID, _interval(f"table.1000x10 {row}.ratio_ours_floor", digits=2))
+       for name, row in (("created", "apply -> all pods created (s)"), ("running", "apply -> all Running (s)"))},
+    "scale.10k.mid.cpu": Figure(_SCALE_10K_MID, "{" + _T10K + "controller CPU-s][ddpjob][median]:.0f} CPU-s"),
+    # The control plane's CPU over the same runs (ours and the floor), now and at 5b2360e.
+    **{f"scale.10k{era}.{short}.{variant}": Figure(path, "{" + _T10K + f"{row}][{variant}][median]:.0f}} CPU-s")
+       for era, path in (("", _SCALE_10K), (".prev", _SCALE_10K_PREV))
+       for short, row in (("apiserver", "kube-apiserver CPU-s"), ("kcm", "kube-controller-manager CPU-s"))
+       for variant in ("ddpjob", "floor")},
+    "scale.10k.passes": Figure(_SCALE_10K, "{v:.1f}", lambda r: statistics.median(
+        run["passes_per_job"] for run in r["runs"] if run["variant"] == "ddpjob")),
     "scale.10k.created.ours": Figure(_SCALE_10K, "{" + _T10K + "apply -> all pods created (s)][ddpjob][median]:.0f} s"),
     "scale.10k.created.floor": Figure(_SCALE_10K, "{" + _T10K + "apply -> all pods created (s)][floor][median]:.0f} s"),
     "scale.10k.created.ratio": Figure(_SCALE_10K, _interval("table.1000x10 apply -> all pods created (s).ratio_ours_floor",
@@ -507,8 +520,8 @@ FIGURES: dict[str, Figure] = {
     "scale.10k.kcm.ratio": Figure(_SCALE_10K, "{" + _T10K + "kube-controller-manager CPU-s][ratio_ours_floor][ratio]:.1f}x"),
     "scale.10k.cpu": Figure(_SCALE_10K, "{" + _T10K + "controller CPU-s][ddpjob][median]:.0f} CPU-s"),
     "scale.10k.rss": Figure(_SCALE_10K, "{" + _T10K + "RSS after (MiB)][ddpjob][median]:.0f} MiB"),
-    "scale.10k.rest.cpu": Figure(_SCALE_10K, "{" + _T10K + "at rest, Running+scraped: CPU-s/min][ddpjob][median]:.1f} CPU-s/min"),
-    "scale.10k.rest.writes": Figure(_SCALE_10K,
+    "scale.10k.rest.cpu": Figure(_SCALE_10K_MID, "{" + _T10K + "at rest, Running+scraped: CPU-s/min][ddpjob][median]:.1f} CPU-s/min"),
+    "scale.10k.rest.writes": Figure(_SCALE_10K_MID,
                                     "{" + _T10K + "at rest, Running+scraped: status writes/job/min][ddpjob][median]:.1f}"),
     "scale.writes.commit": Figure(_SCALE_WRITES, "{r[commit]:.7}"),
     "scale.writes.up": Figure(_SCALE_WRITES, "{" + _T10K + "status writes per job until Running][ddpjob][median]:.2f}"),
