@@ -346,6 +346,8 @@ _SCALE_10K_MID = "operator_scale_1000x10_ours_floor_3pairs_e548a7d.json"
 # create is due (9b41dc6) and at most 64 passes at once (d4ae9aa).
 _SCALE_10K_PREV = "operator_scale_1000x10_ours_floor_3pairs.json"
 _SCALE_10K_BEFORE = "operator_scale_1000x10_ours_floor_pair.json"
+# The floor at 1,000 jobs of 10 with no Service, one per job and one per namespace (one run each).
+_SCALE_10K_SVC = "operator_scale_1000x10_services.json"
 _T10K = "r[table][1000x10 "
 # The same 1,000 jobs of 10, ours alone, each job's status writes sorted by a watch: until Running,
 # and after (its progress).
@@ -504,6 +506,10 @@ FIGURES: dict[str, Figure] = {
        for era, path in (("", _SCALE_10K), (".prev", _SCALE_10K_PREV))
        for short, row in (("apiserver", "kube-apiserver CPU-s"), ("kcm", "kube-controller-manager CPU-s"))
        for variant in ("ddpjob", "floor")},
+    "scale.10k.svc.commit": Figure(_SCALE_10K_SVC, "{r[commit]:.7}"),
+    **{f"scale.10k.svc.{short}.{variant}": Figure(_SCALE_10K_SVC, "{" + _T10K + f"{row}][{variant}][median]:.0f}}{unit}")
+       for short, row, unit in (("kcm", "kube-controller-manager CPU-s", " CPU-s"), ("running", "apply -> all Running (s)", " s"))
+       for variant in ("floor", "floor-svc", "floor-nssvc")},
     "scale.10k.passes": Figure(_SCALE_10K, "{v:.1f}", lambda r: statistics.median(
         run["passes_per_job"] for run in r["runs"] if run["variant"] == "ddpjob")),
     "scale.10k.created.ours": Figure(_SCALE_10K, "{" + _T10K + "apply -> all pods created (s)][ddpjob][median]:.0f} s"),
