@@ -388,14 +388,16 @@ class Ours:
                 return False
         wait_for(healthy, timeout=60, desc="operator healthy")
 
+    @property
+    def metrics_url(self) -> str:
+        return f"http://127.0.0.1:{self.metrics_port}/metrics"
+
     def requests(self) -> dict[str, float]:
-        return kubeflow_peer.counter(f"http://127.0.0.1:{self.metrics_port}/metrics",
-                                     "ddpjob_operator_api_requests_total", "verb", "resource")
+        return kubeflow_peer.counter(self.metrics_url, "ddpjob_operator_api_requests_total", "verb", "resource")
 
     def passes(self) -> float:
         """Reconcile passes run so far (every job's, with their writes or none)."""
-        return kubeflow_peer.counter(f"http://127.0.0.1:{self.metrics_port}/metrics",
-                                     "ddpjob_operator_reconcile_seconds_count").get("", 0.0)
+        return kubeflow_peer.counter(self.metrics_url, "ddpjob_operator_reconcile_seconds_count").get("", 0.0)
 
     def stop(self) -> None:
         kubeflow_peer.stop_process(self.proc)

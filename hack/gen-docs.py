@@ -493,14 +493,14 @@ FIGURES: dict[str, Figure] = {
     "fairness.floor": Figure("fairness-floor.json", "{r[restart][floor_ratio_busy_idle_exist]:.2f}x"),
     # 10,000 pods (1,000 jobs of 10): ours against the floor, 3 interleaved pairs (bench/operator_scale.py).
     "scale.10k.commit": Figure(_SCALE_10K, "{r[commit]:.7}"),
-    "scale.10k.prev.commit": Figure(_SCALE_10K_PREV, "{r[commit]:.7}"),
-    **{f"scale.10k.prev.{name}.ratio": Figure(_SCALE_10K_PREV, _interval(f"table.1000x10 {row}.ratio_ours_floor", digits=2))
-       for name, row in (("created", "apply -> all pods created (s)"), ("running", "apply -> all Running (s)"))},
-    "scale.10k.prev.cpu": Figure(_SCALE_10K_PREV, "{" + _T10K + "controller CPU-s][ddpjob][median]:.0f} CPU-s"),
-    "scale.10k.mid.commit": Figure(_SCALE_10K_MID, "{r[commit]:.7}"),
-    **{f"scale.10k.mid.{name}.ratio": Figure(_SCALE_10K_MID, _interval(f"table.1000x10 {row}.ratio_ours_floor", digits=2))
-       for name, row in (("created", "apply -> all pods created (s)"), ("running", "apply -> all Running (s)"))},
-    "scale.10k.mid.cpu": Figure(_SCALE_10K_MID, "{" + _T10K + "controller CPU-s][ddpjob][median]:.0f} CPU-s"),
+    # The same pairs at earlier commits: their commit, ratios and the operator's CPU.
+    **{key: figure for era, path in (("prev", _SCALE_10K_PREV), ("mid", _SCALE_10K_MID)) for key, figure in (
+        (f"scale.10k.{era}.commit", Figure(path, "{r[commit]:.7}")),
+        (f"scale.10k.{era}.created.ratio",
+         Figure(path, _interval("table.1000x10 apply -> all pods created (s).ratio_ours_floor", digits=2))),
+        (f"scale.10k.{era}.running.ratio",
+         Figure(path, _interval("table.1000x10 apply -> all Running (s).ratio_ours_floor", digits=2))),
+        (f"scale.10k.{era}.cpu", Figure(path, "{" + _T10K + "controller CPU-s][ddpjob][median]:.0f} CPU-s")))},
     # The control plane's CPU over the same runs (ours and the floor), now and at 5b2360e.
     **{f"scale.10k{era}.{short}.{variant}": Figure(path, "{" + _T10K + f"{row}][{variant}][median]:.0f}} CPU-s")
        for era, path in (("", _SCALE_10K), (".prev", _SCALE_10K_PREV))
