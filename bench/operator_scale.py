@@ -190,6 +190,10 @@ class PodTracker:
     def __init__(self, k8s: K8s, ns: str, total: int, t0: float) -> None:
         self.k8s, self.path, self.total, self.t0 = k8s, f"/api/v1/namespaces/{ns}/pods", total, t0
         self.phases: dict[str, str] = {}
+        # When each pod was first seen, first seen bound to a node, first seen Running: which step of
+        # the come-up a slower run loses (the scheduler binds at its client's 50 requests/s).
+        self.seen: dict[str, list[float | None]] = {}
+        self.unschedulable: set[str] = set()
         self.exist_at: float | None = None
         self.running_at: float | None = None
         self.done = threading.Event()
@@ -201,8 +205,16 @@ class PodTracker:
         if etype == "DELETED":
             self.phases.pop(name, None)
             return
-        self.phases[name] = (pod.get("status") or {}).get("phase") or "Pending"
+        status = pod.get("status") or {}
+        self.phases[name] = phase = status.get("phase") or "Pending"
         now = time.monotonic() - self.t0
+        seen = self.seen.setdefault(name, [now, None, None])
+        if seen[1] is None and (pod.get("spec") or {}).get("nodeName"):
+            seen[1] = now
+        if seen[2] is None and phase in ("Running", "Succeeded"):
+            seen[2] = now
+        if any(c.get("type") == "PodScheduled" and c.get("status") == "False" for c in status.get("conditions") or ()):
+            self.unschedulable.add(name)
         if self.exist_at is None and len(self.phases) >= self.total:
             self.exist_at = now
         if sum(ph in ("Running", "Succeeded") for ph in self.phases.values()) >= self.total:
@@ -224,11 +236,28 @@ class PodTracker:
 
     def wait(self, timeout: float = TIMEOUT) -> dict:
         self.done.wait(timeout)
-        out: dict = {"all_pods_exist_s": _r(self.exist_at), "all_pods_running_s": _r(self.running_at)}
+        out: dict = {"all_pods_exist_s": _r(self.exist_at), "all_pods_running_s": _r(self.running_at),
+                     "come_up": self.come_up(), "pods_ever_unschedulable": len(self.unschedulable)}
         if self.running_at is None:  # how far it got
             phases = list(self.phases.values())
             out["at_timeout"] = {"seconds": timeout, "pods": len(phases),
                                  "running": sum(ph in ("Running", "Succeeded") for ph in phases)}
+        return out
+
+
+    COME_UP_FRACTIONS = (0.1, 0.25, 0.5, 0.75, 0.9, 1.0)
+
+    def come_up(self) -> dict:
+        """Seconds until each fraction of the pods existed, was bound, was Running; and the rate (pods/s)
+        of each step between 10 % and 90 % of the pods."""
+        out: dict = {}
+        for step, label in enumerate(("created", "scheduled", "running")):
+            times = sorted(t[step] for t in self.seen.values() if t[step] is not None)
+            at = {f: times[math.ceil(f * self.total) - 1] if len(times) >= math.ceil(f * self.total) else None
+                  for f in self.COME_UP_FRACTIONS}
+            out[label] = {f"p{round(f * 100)}_s": _r(t) for f, t in at.items()}
+            if at[0.1] is not None and at[0.9] is not None and at[0.9] > at[0.1]:
+                out[label]["per_s_p10_p90"] = _r(0.8 * self.total / (at[0.9] - at[0.1]), 1)
         return out
 
 
@@ -305,8 +334,8 @@ def cpu_seconds(pid: int | None) -> float:
 
 
 def control_plane_cpu(cluster) -> dict[str, float]:
-    """CPU-s so far of this cluster's kube-apiserver, kube-controller-manager and etcd (their command
-    lines name its state directory; every process of a kind summed: a stale standby counts too)."""
+    """CPU-s so far of this cluster's kube-apiserver, kube-controller-manager, etcd, kube-scheduler and
+    kwok (their command lines name its state directory; every process of a kind summed: a stale standby counts too)."""
     state = f"{Path(cluster.kubeconfig).resolve().parent}/"
     out: dict[str, float] = {}
     for proc in Path("/proc").iterdir():
@@ -318,8 +347,11 @@ def control_plane_cpu(cluster) -> dict[str, float]:
             continue
         if not any(a.startswith(state) for a in argv):
             continue
+        name = Path(argv[0]).name
+        if name == "kube-scheduler" and "--config" in argv:
+            name = "scheduler-plugins"  # the second scheduler, built from scheduler-plugins
         kind = {"kube-apiserver": "apiserver", "kube-controller-manager": "controller_manager",
-                "etcd": "etcd"}.get(Path(argv[0]).name)
+                "etcd": "etcd", "kube-scheduler": "scheduler", "kwok": "kwok"}.get(name)
         if kind:
             try:
                 out[kind] = out.get(kind, 0.0) + cpu_seconds(int(proc.name))
@@ -810,6 +842,7 @@ def main() -> int:
                     rr, rf = res.get("rest_running") or {}, res.get("rest_finished") or {}
                     print(f"{variant:19s} {jobs:4d}x{nodes:<2d} rep {rep}: created {res['all_pods_exist_s']}s, "
                           f"running {res['all_pods_running_s']}s, {res['requests_per_job']} req/job, "
+                          f"come-up {res.get('come_up')}, unschedulable {res.get('pods_ever_unschedulable')}, "
                           f"{res.get('passes_per_job')} passes/job, "
                           f"CPU {res['cpu_s']}s, RSS {res['rss_idle_mib']}/{res['rss_after_mib']} MiB, "
                           f"load {res['load_avg_before'][0]}->{res['load_avg_after'][0]}"
