@@ -379,7 +379,7 @@ start kwok "$KWOK_DIR/kwok" \
   --manage-all-nodes=false --manage-nodes-with-annotation-selector kwok.x-k8s.io/node=fake \
   --node-lease-duration-seconds 40 --cidr "$KWOK_POD_CIDR" \
   --server-address "127.0.0.1:$P_KWOK" \
-  -c "$HERE/kwok-stages.yaml"
+  -c "$HERE/kwok-config.yaml" -c "$HERE/kwok-stages.yaml"
 wait_healthy kube-controller-manager "GET /healthz on :$P_KCM" curl_ok -k "https://127.0.0.1:$P_KCM/healthz"
 wait_healthy kube-scheduler "GET /healthz on :$P_SCHED" curl_ok -k "https://127.0.0.1:$P_SCHED/healthz"
 wait_healthy scheduler-plugins "GET /healthz on :$P_SP" curl_ok -k "https://127.0.0.1:$P_SP/healthz"
