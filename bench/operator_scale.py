@@ -730,10 +730,12 @@ def report(args, prov: Provenance, runs: list[dict], scenarios, rest, variants, 
     (a 10,000-pod namespace deletion that times out) keeps what it measured."""
     table: dict = {}
     width = 28
-    peers = {"pytorchjob-tuned": "ratio_ours_tuned", "floor": "ratio_ours_floor"}
+    # floor-svc: the floor with the Services ours make, what a controller that gives each job's pods
+    # DNS names cannot do without.
+    peers = {"pytorchjob-tuned": "ratio_ours_tuned", "floor": "ratio_ours_floor", "floor-svc": "ratio_ours_floor_svc"}
     peers = {v: key for v, key in peers.items() if v in variants} or {"pytorchjob-tuned": "ratio_ours_tuned"}
     lines = [f"{'':52s}" + "".join(f"{v:>{width}s}" for v in variants)
-             + "".join(f"{'ours/' + v.split('-')[-1] + ' [95% CI]':>24s}" for v in peers)]
+             + "".join(f"{'ours/' + v.removeprefix('pytorchjob-') + ' [95% CI]':>24s}" for v in peers)]
     for jobs, nodes in scenarios:
         for label, key, rest_only in ROWS:
             if rest_only and (jobs, nodes) not in rest:
