@@ -24,7 +24,7 @@ import string
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import cache
+from functools import cache, partial
 from pathlib import Path
 from typing import Any
 
@@ -255,6 +255,33 @@ class _Format(string.Formatter):
         return 100 * value if conversion == "p" else super().convert_field(value, conversion)
 
 
+def _step(variant: str, step: str, key: str, r: dict) -> float:
+    """A one-pair come-up file's `step` (created, scheduled, running) `key` for `variant`."""
+    (run,) = [run for run in r["runs"] if run["variant"] == variant]
+    return run["come_up"][step][key]
+
+
+# The come-up steps benchmarks.md quotes, KWOK.VARIANT.STEP.AT: AT p50/p100 (seconds until half and
+# all of the pods got there) or rate (pods a second between a tenth and nine tenths of them).
+_QUOTED_STEPS = """
+kwok4.ddpjob.created.p100 kwok4.ddpjob.scheduled.p50 kwok4.ddpjob.scheduled.p100 kwok4.ddpjob.scheduled.rate
+kwok4.ddpjob.running.p50 kwok4.ddpjob.running.p100 kwok4.ddpjob.running.rate
+kwok4.floor.created.p100 kwok4.floor.scheduled.p100 kwok4.floor.scheduled.rate kwok4.floor.running.p100
+kwok4.floor.running.rate
+kwok32.ddpjob.created.p50 kwok32.ddpjob.created.p100 kwok32.ddpjob.scheduled.p50 kwok32.ddpjob.scheduled.p100
+kwok32.ddpjob.running.p50 kwok32.ddpjob.running.p100 kwok32.ddpjob.running.rate
+kwok32.floor.created.p50 kwok32.floor.created.p100 kwok32.floor.scheduled.p100 kwok32.floor.running.p100
+kwok32.floor.running.rate
+"""
+
+
+def _step_figure(key: str) -> "Figure":
+    kwok, variant, step, at = key.split(".")
+    if at == "rate":
+        return Figure(_SCALE_STEPS[kwok], "{v:.0f}/s", partial(_step, variant, step, "per_s_p10_p90"))
+    return Figure(_SCALE_STEPS[kwok], "{v:.0f} s", partial(_step, variant, step, f"{at}_s"))
+
+
 @dataclass(frozen=True)
 class Figure:
     """`fmt` is str.format over the source's JSON as `r` (`{r[ratio_on_off][ratio]:.3f}`), over
@@ -349,6 +376,9 @@ _SCALE_10K_BEFORE = "operator_scale_1000x10_ours_floor_pair.json"
 # The floor at 1,000 jobs of 10 with no Service, one per job and one per namespace (one run each).
 _SCALE_10K_SVC = "operator_scale_1000x10_services.json"
 _T10K = "r[table][1000x10 "
+# One ours/floor pair at 1,000 jobs of 10 with each pod's come-up step by step (created, bound,
+# Running), kwok playing 4 pod Stages at once (its default), then 32 (hack/kwok-config.yaml).
+_SCALE_STEPS = {"kwok4": "operator_scale_1000x10_steps_kwok4.json", "kwok32": "operator_scale_1000x10_steps_kwok32.json"}
 # The same 1,000 jobs of 10, ours alone, each job's status writes sorted by a watch: until Running,
 # and after (its progress).
 _SCALE_WRITES = "operator_scale_1000x10_writes.json"
@@ -507,6 +537,9 @@ FIGURES: dict[str, Figure] = {
        for short, row in (("apiserver", "kube-apiserver CPU-s"), ("kcm", "kube-controller-manager CPU-s"))
        for variant in ("ddpjob", "floor")},
     "scale.10k.svc.commit": Figure(_SCALE_10K_SVC, "{r[commit]:.7}"),
+    # Each step of the pods' come-up, when half and all of them had got there, and its pace.
+    **{f"scale.steps.{kwok}.commit": Figure(path, "{r[commit]:.7}") for kwok, path in _SCALE_STEPS.items()},
+    **{f"scale.steps.{key}": _step_figure(key) for key in _QUOTED_STEPS.split()},
     **{f"scale.10k.svc.{short}.{variant}": Figure(_SCALE_10K_SVC, "{" + _T10K + f"{row}][{variant}][median]:.0f}}{unit}")
        for short, row, unit in (("kcm", "kube-controller-manager CPU-s", " CPU-s"), ("running", "apply -> all Running (s)", " s"))
        for variant in ("floor", "floor-svc", "floor-nssvc")},
