@@ -261,6 +261,11 @@ def _step(variant: str, step: str, key: str, r: dict) -> float:
     return run["come_up"][step][key]
 
 
+def _slowest(r: dict) -> dict:
+    """Ours' run with the latest all Running."""
+    return max((run for run in r["runs"] if run["variant"] == "ddpjob"), key=lambda run: run["all_pods_running_s"])
+
+
 # The come-up steps benchmarks.md quotes, KWOK.VARIANT.STEP.AT: AT p50/p100 (seconds until half and
 # all of the pods got there) or rate (pods a second between a tenth and nine tenths of them).
 _QUOTED_STEPS = """
@@ -364,9 +369,12 @@ _REC = ("recovery_lazy_imports.json", "recovery_lazy_imports_rerun.json")
 # The same before it (91f425a's code, recorded by its bench as 96c0864 and b8eafd1).
 _REC_BEFORE = ("recovery.json", "recovery_rerun.json")
 
-# 10,000 pods (1,000 jobs of 10), ours against the floor: three interleaved pairs (issue 48's
-# operator, a pass's phase count no longer over every job: c8b16d8), and the one pair before it.
-_SCALE_10K = "operator_scale_1000x10_ours_floor_3pairs_c8b16d8.json"
+# 10,000 pods (1,000 jobs of 10), ours against the floor and against the floor with a Service per
+# job (floor-svc): three interleaved runs of each, kwok playing 32 pod Stages at once (9a1ca36).
+_SCALE_10K = "operator_scale_1000x10_ours_floor_3x3_03fa556.json"
+# The same three pairs (no floor-svc) with kwok at its default 4, the operator since a pass's phase
+# count no longer goes over every job (c8b16d8).
+_SCALE_10K_KWOK4 = "operator_scale_1000x10_ours_floor_3pairs_c8b16d8.json"
 # The same three pairs before c8b16d8 (at e548a7d), with the at-rest windows the run above skipped.
 _SCALE_10K_MID = "operator_scale_1000x10_ours_floor_3pairs_e548a7d.json"
 # The same three pairs at 5b2360e, before the packed pod cache (10333b7), a pod rendered when its
@@ -524,7 +532,8 @@ FIGURES: dict[str, Figure] = {
     # 10,000 pods (1,000 jobs of 10): ours against the floor, 3 interleaved pairs (bench/operator_scale.py).
     "scale.10k.commit": Figure(_SCALE_10K, "{r[commit]:.7}"),
     # The same pairs at earlier commits: their commit, ratios and the operator's CPU.
-    **{key: figure for era, path in (("prev", _SCALE_10K_PREV), ("mid", _SCALE_10K_MID)) for key, figure in (
+    **{key: figure for era, path in (("prev", _SCALE_10K_PREV), ("mid", _SCALE_10K_MID), ("kwok4", _SCALE_10K_KWOK4))
+       for key, figure in (
         (f"scale.10k.{era}.commit", Figure(path, "{r[commit]:.7}")),
         (f"scale.10k.{era}.created.ratio",
          Figure(path, _interval("table.1000x10 apply -> all pods created (s).ratio_ours_floor", digits=2))),
@@ -535,7 +544,7 @@ FIGURES: dict[str, Figure] = {
     **{f"scale.10k{era}.{short}.{variant}": Figure(path, "{" + _T10K + f"{row}][{variant}][median]:.0f}} CPU-s")
        for era, path in (("", _SCALE_10K), (".prev", _SCALE_10K_PREV))
        for short, row in (("apiserver", "kube-apiserver CPU-s"), ("kcm", "kube-controller-manager CPU-s"))
-       for variant in ("ddpjob", "floor")},
+       for variant in ("ddpjob", "floor") + (("floor-svc",) if path == _SCALE_10K else ())},
     "scale.10k.svc.commit": Figure(_SCALE_10K_SVC, "{r[commit]:.7}"),
     # Each step of the pods' come-up, when half and all of them had got there, and its pace.
     **{f"scale.steps.{kwok}.commit": Figure(path, "{r[commit]:.7}") for kwok, path in _SCALE_STEPS.items()},
@@ -549,6 +558,18 @@ FIGURES: dict[str, Figure] = {
     "scale.10k.created.floor": Figure(_SCALE_10K, "{" + _T10K + "apply -> all pods created (s)][floor][median]:.0f} s"),
     "scale.10k.created.ratio": Figure(_SCALE_10K, _interval("table.1000x10 apply -> all pods created (s).ratio_ours_floor",
                                                             digits=2)),
+    # Ours' slowest come-up of the three: its steps and kwok's CPU, against the floor runs' kwok.
+    "scale.10k.slowest.running": Figure(_SCALE_10K, "{v[all_pods_running_s]:.0f} s", _slowest),
+    "scale.10k.slowest.scheduled": Figure(_SCALE_10K, "{v[come_up][scheduled][p100_s]:.0f} s", _slowest),
+    "scale.10k.slowest.rate": Figure(_SCALE_10K, "{v[come_up][running][per_s_p10_p90]:.0f}/s", _slowest),
+    "scale.10k.slowest.kwok": Figure(_SCALE_10K, "{v[kwok_cpu_s]:.0f} CPU-s", _slowest),
+    "scale.10k.kwok.floor": Figure(_SCALE_10K, "{v:.0f} CPU-s", lambda r: statistics.median(
+        run["kwok_cpu_s"] for run in r["runs"] if run["variant"].startswith("floor"))),
+    "scale.10k.created.floor-svc": Figure(_SCALE_10K, "{" + _T10K + "apply -> all pods created (s)][floor-svc][median]:.0f} s"),
+    "scale.10k.created.ratio.svc": Figure(_SCALE_10K, _interval(
+        "table.1000x10 apply -> all pods created (s).ratio_ours_floor_svc", digits=2)),
+    "scale.10k.running.ratio.svc": Figure(_SCALE_10K, _interval(
+        "table.1000x10 apply -> all Running (s).ratio_ours_floor_svc", digits=2)),
     "scale.10k.running.ours": Figure(_SCALE_10K, "{" + _T10K + "apply -> all Running (s)][ddpjob][median]:.0f} s"),
     "scale.10k.running.floor": Figure(_SCALE_10K, "{" + _T10K + "apply -> all Running (s)][floor][median]:.0f} s"),
     "scale.10k.running.ratio": Figure(_SCALE_10K, _interval("table.1000x10 apply -> all Running (s).ratio_ours_floor",
