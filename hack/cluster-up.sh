@@ -161,7 +161,8 @@ command -v curl >/dev/null || { log "FAILED: curl is not installed (needed for h
 
 if [ -d "$STATE" ]; then
   log "found stale or unhealthy state in $STATE: stopping it and starting afresh"
-  "$HERE/cluster-down.sh" >&2
+  # On a retry (fail() above) the state holds the failed try's logs (logs.tryN): keep them.
+  if [ "${DDPJOB_CLUSTER_UP_TRY:-1}" -gt 1 ]; then "$HERE/cluster-down.sh" --keep-logs >&2; else "$HERE/cluster-down.sh" >&2; fi
 fi
 mkdir -p "$PIDS" "$LOGS" "$PKI"
 
