@@ -244,7 +244,6 @@ class PodTracker:
                                  "running": sum(ph in ("Running", "Succeeded") for ph in phases)}
         return out
 
-
     COME_UP_FRACTIONS = (0.1, 0.25, 0.5, 0.75, 0.9, 1.0)
 
     def come_up(self) -> dict:
@@ -347,11 +346,10 @@ def control_plane_cpu(cluster) -> dict[str, float]:
             continue
         if not any(a.startswith(state) for a in argv):
             continue
-        name = Path(argv[0]).name
-        if name == "kube-scheduler" and "--config" in argv:
-            name = "scheduler-plugins"  # the second scheduler, built from scheduler-plugins
+        if Path(argv[0]).name == "kube-scheduler" and "--config" in argv:
+            continue  # the second scheduler (scheduler-plugins'), not kube-scheduler
         kind = {"kube-apiserver": "apiserver", "kube-controller-manager": "controller_manager",
-                "etcd": "etcd", "kube-scheduler": "scheduler", "kwok": "kwok"}.get(name)
+                "etcd": "etcd", "kube-scheduler": "scheduler", "kwok": "kwok"}.get(Path(argv[0]).name)
         if kind:
             try:
                 out[kind] = out.get(kind, 0.0) + cpu_seconds(int(proc.name))
