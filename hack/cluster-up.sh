@@ -92,6 +92,14 @@ pid_ok() {
   tr '\0' ' ' 2>/dev/null <"/proc/$pid/cmdline" | grep -qF "$STATE"
 }
 
+# seen NAME: what became of the recorded process, for a failure's message.
+seen() {
+  local pid
+  pid="$(cat "$PIDS/$1.pid" 2>/dev/null)" || { echo "no pid recorded"; return; }
+  [ -r "/proc/$pid/cmdline" ] || { echo "pid $pid gone"; return; }
+  echo "pid $pid is now: $(tr '\0' ' ' <"/proc/$pid/cmdline" | cut -c1-120)"
+}
+
 kc() { "$KUBECTL" --kubeconfig "$KUBECONFIG_FILE" --request-timeout=10s "$@"; }
 
 all_alive() {
@@ -226,7 +234,13 @@ start() {
   local name="$1" bin="$2"
   shift 2
   setsid "$bin" "$@" </dev/null >"$LOGS/$name.log" 2>&1 9>&- &
-  echo $! >"$PIDS/$name.pid"
+  local pid=$! n=0
+  echo "$pid" >"$PIDS/$name.pid"
+  # Until the forked shell has exec'd the binary, its command line is this script's, and pid_ok
+  # (which wait_healthy asks) would call the process exited: on a loaded machine the child can go
+  # unscheduled past the first health probe (kube-apiserver "exited" with an empty log, try 1 of
+  # the oldest plane). Wait for the exec; one that exits at once is wait_healthy's to report.
+  while ! pid_ok "$name" && [ -e "/proc/$pid" ] && [ "$n" -lt 200 ]; do sleep 0.05; n=$((n + 1)); done
 }
 
 # wait_healthy NAME DESCRIPTION CMD...: poll CMD until it succeeds, the process dies, or the deadline.
@@ -234,7 +248,7 @@ wait_healthy() {
   local name="$1" what="$2" end=$((SECONDS + TIMEOUT))
   shift 2
   until "$@" >/dev/null 2>&1; do
-    pid_ok "$name" || fail "$name" "the process exited while waiting for $what"
+    pid_ok "$name" || fail "$name" "the process exited while waiting for $what ($(seen "$name"))"
     [ "$SECONDS" -lt "$end" ] || fail "$name" "not healthy after ${TIMEOUT}s ($what)"
     sleep 0.2
   done
