@@ -387,7 +387,8 @@ def operator_at(rev: str) -> Path:
 
 class Ours:
     """`ddpjob operator` serving one namespace, scraping only loopback (`scrape_url`); with
-    `source`, the operator package from that directory (an older revision, for before/after).
+    `source`, the operator package from that directory (an older revision, for before/after;
+    default this checkout's).
     Its progress interval is the operator's default. `wrapper`: a script (and its arguments) that
     runs the operator's module itself (bench/pymem.py); `extra_env`: variables set for it alone
     (an allocator setting under test)."""
@@ -396,8 +397,10 @@ class Ours:
                  wrapper: tuple[str, ...] = (), extra_env: dict[str, str] | None = None) -> None:
         self.metrics_port, self.health_port = free_port(), free_port()
         env = {**cluster.env(), **(extra_env or {})}
-        if source is not None:
-            env["PYTHONPATH"] = os.pathsep.join(str(source / p) for p in OPERATOR_PACKAGES if (source / p).is_dir())
+        # This checkout's packages by default, not whatever the interpreter has installed: a
+        # worktree's bench run with the main checkout's editable venv measured the main checkout.
+        source = source or REPO
+        env["PYTHONPATH"] = os.pathsep.join(str(source / p) for p in OPERATOR_PACKAGES if (source / p).is_dir())
         cmd = [sys.executable, *wrapper, "-m", "ddpjob_cli", "operator", "-n", ns, "--peering", "",
                "--metrics-port", str(self.metrics_port), "--health-port", str(self.health_port),
                "--scrape-interval", "15", "--log-level", "WARNING",
