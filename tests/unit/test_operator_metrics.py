@@ -2,14 +2,15 @@
 from __future__ import annotations
 
 import random
+import tracemalloc
 
 import pytest
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry, Gauge, generate_latest
 
 from ddpjob_operator.base.group import Group
 from ddpjob_operator.decisions.lifecycle import decide
 from ddpjob_operator.app.operator_metrics import (FAILURE_REASONS, RECOVERY_KINDS, RESTART_REASONS,
-                                                 STEPS_LOST_BUCKETS, OperatorMetrics)
+                                                 STEPS_LOST_BUCKETS, JobGauge, OperatorMetrics)
 from ddpjob_api.phases import Phase
 from tests.support.builders import NOW, make_job, make_pod, running_status
 
@@ -252,3 +253,31 @@ def test_phase_counts_follow_each_change_of_many_jobs():
         for phase in phases:
             want = sum(1 for (n, _), p in now.items() if (n, p) == (ns, phase))
             assert value(m, "ddpjob_operator_jobs", namespace=ns, phase=phase) == want, (ns, phase)
+
+
+def test_a_job_gauge_serves_what_a_gauge_would_and_keeps_a_fraction_of_its_memory():
+
+    def fill(kind, registry, jobs):
+        g = kind("ddpjob_operator_job_x", "help", ["namespace", "ddpjob", "category"], registry=registry)
+        for j in range(jobs):
+            for c in ("queued", "training"):
+                g.labels("ns", f"job-{j}", c).set(j + 0.5)
+        g.remove("ns", "job-0", "queued")
+        return g
+
+    texts = []
+    for kind in (Gauge, JobGauge):
+        registry = CollectorRegistry()
+        fill(kind, registry, 3)
+        texts.append(generate_latest(registry))
+    assert texts[0] == texts[1] and b'{category="training",ddpjob="job-1",namespace="ns"} 1.5' in texts[1]
+    with pytest.raises(KeyError):
+        fill(JobGauge, CollectorRegistry(), 1).remove("ns", "job-0", "queued")
+    used = []
+    for kind in (Gauge, JobGauge):
+        tracemalloc.start()
+        kept = fill(kind, CollectorRegistry(), 500)
+        used.append(tracemalloc.get_traced_memory()[0])
+        tracemalloc.stop()
+        del kept
+    assert used[1] < used[0] / 3, used
