@@ -103,7 +103,14 @@ def free_port() -> int:
 
 
 def bench_nodes(core, count: int, *, create: bool) -> None:
-    """Extra fake nodes (kwok manages nodes annotated kwok.x-k8s.io/node=fake)."""
+    """Extra fake nodes (kwok manages nodes annotated kwok.x-k8s.io/node=fake). Refuses to create
+    them over existing ones: another bench is running on this cluster, and its cleanup would delete
+    this run's nodes under it (its pods then Pending for good), or one was killed before its own."""
+    if create:
+        left = core.list_node(label_selector=f"type={BENCH_LABEL}", limit=1).items
+        if left:
+            raise RuntimeError(f"bench nodes exist ({left[0].metadata.name}, ...): another bench is running on this "
+                               f"cluster, or one stopped before its cleanup (then: kubectl delete node -l type={BENCH_LABEL})")
     for i in range(count):
         name = f"{BENCH_LABEL}-{i}"
         if not create:
