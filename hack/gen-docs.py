@@ -398,13 +398,28 @@ _SVC = "operator_scale_200x10_before_after.json"
 # (MALLOC_ARENA_MAX=2): the operator since at most 64 jobs' passes run at once (issue 48's runs,
 # one per change, in operator_memory_issue48/). The pairs with and without the setting
 # (bench/operator_memory_ab.py).
-_MEMORY = "operator_memory_issue48/pass-slots.json"
+# Three runs of the same commit (medians, and the range of the slope); the run before the pod cache
+# was deflated and the per-job gauges were plain floats is _MEMORY_PREV.
+_MEMORY = tuple(f"operator_memory_issue48/deflated-{n}.json" for n in (1, 2, 3))
+_MEMORY_PREV = "operator_memory_issue48/pass-slots.json"
 _MEMORY_BEFORE = "operator_restart_scrapes/slots-1.json"
 _MEMORY_AB = "operator_memory_arena.json"
 # Group restarts among 2,000 and 10,000 pods: the operator since a scrape round takes at most 32
 # jobs at a time, and in the run before it the operator of the commit before (--before).
 _RESTART_AFTER = "operator_restart_scrapes/slots-1.json"
 _RESTART_BEFORE = "operator_restart_scrapes/before-1.json"
+
+
+def _median_range(xs: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
+
+
+def _one_commit(*results: Any) -> str:
+    """The commit that every one of these runs measured (they are quoted together)."""
+    commits = {r["commit"] for r in results}
+    if len(commits) != 1:
+        raise ValueError(f"runs quoted together measured different commits: {sorted(commits)}")
+    return commits.pop()
 
 
 def _writes_per_job(r: Any) -> float:
@@ -610,13 +625,21 @@ FIGURES: dict[str, Figure] = {
     "scale.10k.before.requests": Figure(_SCALE_10K_BEFORE, "{" + _T10K + "requests per job][ddpjob][median]:.0f}"),
     "scale.10k.before.rss": Figure(_SCALE_10K_BEFORE, "{" + _T10K + "RSS after (MiB)][ddpjob][median]:.0f} MiB"),
     # The operator's memory: a line through (pods, RSS) (bench/operator_memory.py).
-    "memory.commit": Figure(_MEMORY, "{r[commit]:.7}"),
-    "memory.slope": Figure(_MEMORY, "{r[fit][slope_kib_per_pod]:.0f} KiB"),
-    "memory.intercept": Figure(_MEMORY, "{r[fit][intercept_mib]:.0f} MiB"),
-    "memory.largest": Figure(_MEMORY, "{v:,}", lambda r: r["steps"][-1]["pods"]),
-    "memory.at50k": Figure(_MEMORY, "{v:.1f} GiB",
-                           lambda r: (r["fit"]["intercept_mib"] + r["fit"]["slope_kib_per_pod"] * 50_000 / 1024) / 1024),
-    "memory.peak.ratio": Figure(_MEMORY, "{r[peak_over_steady_largest]:.2f}x"),
+    "memory.commit": Figure(_MEMORY, "{v}", lambda *rs: _one_commit(*rs)[:7]),
+    "memory.runs": Figure(_MEMORY, "{v}", lambda *rs: len(rs)),
+    "memory.slope": Figure(_MEMORY, "{v[median]:.1f} KiB ({v[min]:.1f}-{v[max]:.1f})",
+                           lambda *rs: _median_range([r["fit"]["slope_kib_per_pod"] for r in rs])),
+    "memory.slope.short": Figure(_MEMORY, "{v:.1f} KiB",
+                                 lambda *rs: statistics.median(r["fit"]["slope_kib_per_pod"] for r in rs)),
+    "memory.intercept": Figure(_MEMORY, "{v:.0f} MiB", lambda *rs: statistics.median(r["fit"]["intercept_mib"] for r in rs)),
+    "memory.rss.largest": Figure(_MEMORY, "{v:.0f} MiB",
+                                 lambda *rs: statistics.median(r["steps"][-1]["rss_kib"] for r in rs) / 1024),
+    "memory.largest": Figure(_MEMORY, "{v:,}", lambda *rs: rs[0]["steps"][-1]["pods"]),
+    "memory.at50k": Figure(_MEMORY, "{v:.1f} GiB", lambda *rs: statistics.median(
+        (r["fit"]["intercept_mib"] + r["fit"]["slope_kib_per_pod"] * 50_000 / 1024) / 1024 for r in rs)),
+    "memory.peak.ratio": Figure(_MEMORY, "{v:.2f}x", lambda *rs: max(r["peak_over_steady_largest"] for r in rs)),
+    "memory.prev.slope": Figure(_MEMORY_PREV, "{r[fit][slope_kib_per_pod]:.1f} KiB"),
+    "memory.prev.commit": Figure(_MEMORY_PREV, "{r[commit]:.7}"),
     "memory.before.slope": Figure(_MEMORY_BEFORE, "{r[fit][slope_kib_per_pod]:.0f} KiB"),
     "memory.before.commit": Figure(_MEMORY_BEFORE, "{r[commit]:.7}"),
     # A group restart among 2,000 and among 10,000 pods (the median of 5 each), the operator with
