@@ -411,7 +411,13 @@ _RESTART_BEFORE = "operator_restart_scrapes/before-1.json"
 
 
 def _median_range(xs: list[float]) -> dict[str, float]:
-    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
+    """Median, min, max and count of several runs' values."""
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
+
+
+def _slopes(*results: Any) -> dict[str, float]:
+    """The memory runs' KiB per pod (bench/operator_memory.py's fit), as _median_range."""
+    return _median_range([r["fit"]["slope_kib_per_pod"] for r in results])
 
 
 def _one_commit(*results: Any) -> str:
@@ -430,8 +436,7 @@ def _writes_per_job(r: Any) -> float:
 def _spread(arm: str, key: str = "kill_to_step_s") -> Callable[..., dict[str, float]]:
     """Median, min, max and count of one arm's runs over several recovery results."""
     def value(*results: Any) -> dict[str, float]:
-        xs = _runs(*results, arm=arm, key=key)
-        return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
+        return _median_range(_runs(*results, arm=arm, key=key))
     return value
 
 
@@ -627,10 +632,8 @@ FIGURES: dict[str, Figure] = {
     # The operator's memory: a line through (pods, RSS) (bench/operator_memory.py).
     "memory.commit": Figure(_MEMORY, "{v}", lambda *rs: _one_commit(*rs)[:7]),
     "memory.runs": Figure(_MEMORY, "{v}", lambda *rs: len(rs)),
-    "memory.slope": Figure(_MEMORY, "{v[median]:.1f} KiB ({v[min]:.1f}-{v[max]:.1f})",
-                           lambda *rs: _median_range([r["fit"]["slope_kib_per_pod"] for r in rs])),
-    "memory.slope.short": Figure(_MEMORY, "{v:.1f} KiB",
-                                 lambda *rs: statistics.median(r["fit"]["slope_kib_per_pod"] for r in rs)),
+    "memory.slope": Figure(_MEMORY, "{v[median]:.1f} KiB ({v[min]:.1f}-{v[max]:.1f})", _slopes),
+    "memory.slope.short": Figure(_MEMORY, "{v[median]:.1f} KiB", _slopes),
     "memory.intercept": Figure(_MEMORY, "{v:.0f} MiB", lambda *rs: statistics.median(r["fit"]["intercept_mib"] for r in rs)),
     "memory.rss.largest": Figure(_MEMORY, "{v:.0f} MiB",
                                  lambda *rs: statistics.median(r["steps"][-1]["rss_kib"] for r in rs) / 1024),
