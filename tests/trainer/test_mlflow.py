@@ -7,17 +7,20 @@ script logs into the job's run with plain `mlflow` calls (MLFLOW_RUN_ID from its
 """
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import math
 import os
 import signal
 import subprocess
 import time
+import types
 import uuid
 
 import pytest
 
 from ddpjob_api import contract
+from ddpjob_trainer.debug import RELEASED_LINE
 from tests.support.localrun import free_ports, local_run, wait_ranks
 
 from .helpers import DDPJOB, REPO, run_local, run_trainer, write_job
@@ -44,9 +47,24 @@ def test_one_run_across_a_killed_ranks_restart_with_the_loss_to_the_last_step(tm
         **TRAINER, "maxSteps": 16, "checkpoint": {"dir": "ckpt", "everySteps": 4, "keep": 1, "asyncSave": False},
         **mlflow(mlflow_server.uri, exp, runName="restart", registerModel=exp, systemMetrics=True)})
     # Rank 1 dies at step 10 of attempt 0; its workers restart in place and resume from step 8.
-    proc, s = run_local(job, tmp_path, env={"DDPJOB_DEBUG_CRASH_RANK": "1:10",
-                                            "MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL": "1"})
+    # It first holds after step 9 until the run has step 8's loss: rank 0's steps before the crash
+    # are then in the run as an event, not as a race of a loaded server against the crash (the
+    # killed rank 0 has tracking.KILLED_SECONDS for what is still queued; CI lost steps 2-8 once).
+    release = tmp_path / "release-rank-1"
+    env = {"DDPJOB_DEBUG_CRASH_RANK": "1:10", "DDPJOB_DEBUG_HOLD_RANK": f"1:9:{release}",
+           "MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL": "1"}
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        running = pool.submit(run_local, job, tmp_path, env=env)
+        ended = types.SimpleNamespace(poll=lambda: 0 if running.done() else None)
+        try:
+            mlflow_server.wait_run(exp, lambda r: 8 in {m.step for m in mlflow_server.metric_history(
+                r.info.run_id, "train_loss")}, "step 8's loss in the run before rank 1's crash", proc=ended)
+        finally:
+            release.touch()  # a failed wait too: the run then ends, not at run_local's timeout
+        proc, s = running.result()
     assert proc.returncode == 0, proc.stderr[-3000:]
+    node_1 = (tmp_path / "work" / "logs" / "attempt-0" / "node-1.log").read_text()
+    assert RELEASED_LINE.format(rank=1, step=9) in node_1, node_1[-3000:]
     assert (s["restarts"], s["resumed_from_step"], s["steps"]) == (0, 8, 16), s
 
     (run,) = mlflow_server.runs(exp)

@@ -272,6 +272,38 @@ def test_metrics_go_out_in_batches_at_most_every_flush_interval_and_at_close():
     assert [m[2] for m in server["runs"]["run0"].data.metrics] == [1, 1, 2, 2, 3, 3, 4, 4, 5, 5]
 
 
+def test_a_batch_goes_out_after_the_flush_interval_without_another_call(monkeypatch):
+    """A loop that stalls (or is held) after a log step: that step's metrics reach the run at the
+    flush interval, not only at the next call or at close (before, they waited for either)."""
+    pytest.importorskip("mlflow")
+    monkeypatch.setattr(tracking, "FLUSH_SECONDS", 0.2)
+    server: dict = {"experiments": {}, "runs": {}}
+    sent = threading.Semaphore(0)
+
+    class Signalling(FakeClient):
+        def log_batch(self, run_id, metrics=(), params=(), tags=()):
+            super().log_batch(run_id, metrics=metrics, params=params, tags=tags)
+            if metrics:
+                sent.release()
+    t = Tracker(tracking_uri="http://fake", experiment="e", run_name=None, key="k", tags={}, warn=print,
+                count_drop=lambda r: None, client_factory=lambda uri: Signalling(server))
+    t.metrics({"train_loss": 1.0}, step=1)   # the first send goes at once
+    assert sent.acquire(timeout=30)
+    t.metrics({"train_loss": 0.5}, step=2)   # ... this one waits for the interval, then goes alone
+    assert sent.acquire(timeout=30), "the batch was not sent without another call"
+    assert [m[2] for m in server["runs"]["run0"].data.metrics] == [1, 2]
+    assert t.close("FINISHED")
+
+
+def test_a_tick_that_raises_is_reported_and_the_worker_goes_on():
+    errors: list[BaseException] = []
+    done = threading.Event()
+    q = CallQueue(on_drop=lambda r: None, on_error=errors.append, tick=lambda: 1 / 0)
+    q.submit(lambda: None)
+    assert q.close(done.set, seconds=5) and done.is_set()
+    assert ZeroDivisionError in {type(e) for e in errors}
+
+
 def test_the_launchers_run_node_0_creates_it_the_other_nodes_find_it():
     server: dict = {"experiments": {}, "runs": {}}
     env = {"MLFLOW_TRACKING_URI": "http://fake", "MLFLOW_EXPERIMENT_NAME": "vision", "DDPJOB_UID": "u-1",

@@ -7,7 +7,8 @@ a call that fails (server down, frozen, refusing) is counted as `reason="failed"
 out after MLFLOW_HTTP_REQUEST_TIMEOUT seconds (default here 5, MLflow's own is 120) without
 retries (MLFLOW_HTTP_REQUEST_MAX_RETRIES 0, MLflow's own is 7 with backoff: minutes), so a hung
 server holds the worker, never a step. A variable set in the pod's env wins over these defaults.
-Metrics are sent in batches, one request at most every FLUSH_SECONDS (and at close).
+Metrics are sent in batches, one request at most every FLUSH_SECONDS (and at close); a batch waits
+no longer than that, also when no call follows it (a loop stalled or held after a log step).
 
 One run per job: the run carries the tag `ddpjob.key` (a hash of the job's UID; locally the runner
 derives one from the job name and its work directory). Each attempt finds the run by that tag and
@@ -192,12 +193,17 @@ class _Final:
 
 class CallQueue:
     """A bounded queue of calls and the one thread that makes them. `submit` never blocks: a full
-    queue drops the call and reports it to `on_drop`; a call that raises goes to `on_error`."""
+    queue drops the call and reports it to `on_drop`; a call that raises goes to `on_error`.
+
+    `tick`, on the same thread after each call and whenever the time it asked for has passed, does
+    what is due without a call (a batch to send) and answers in how many seconds it wants to run
+    again (None: only after the next call). Not once close() skips the backlog."""
 
     def __init__(self, *, maxsize: int = QUEUE_SIZE, on_drop: Callable[[str], None],
-                 on_error: Callable[[BaseException], None], name: str = "ddpjob-mlflow") -> None:
+                 on_error: Callable[[BaseException], None], name: str = "ddpjob-mlflow",
+                 tick: Callable[[], float | None] = lambda: None) -> None:
         self._q: queue.Queue[Callable[[], None] | _Final] = queue.Queue(maxsize)
-        self._on_drop, self._on_error = on_drop, on_error
+        self._on_drop, self._on_error, self._tick = on_drop, on_error, tick
         self._skip = threading.Event()
         self._done = threading.Event()
         self._closed = False
@@ -216,8 +222,13 @@ class CallQueue:
         return True
 
     def _run(self) -> None:
+        wait: float | None = None
         while True:
-            call = self._q.get()
+            try:
+                call = self._q.get(timeout=wait)
+            except queue.Empty:
+                wait = self._ticked()
+                continue
             final = isinstance(call, _Final)
             if self._skip.is_set() and not final:
                 self._on_drop("skipped")
@@ -229,6 +240,16 @@ class CallQueue:
             if final:
                 self._done.set()
                 return
+            wait = self._ticked()
+
+    def _ticked(self) -> float | None:
+        if self._skip.is_set():
+            return None
+        try:
+            return self._tick()
+        except Exception as exc:  # noqa: BLE001 - tracking never fails training
+            self._on_error(exc)
+            return None
 
     def close(self, final: Callable[[], None], *, seconds: float) -> bool:
         """Make the queued calls, then `final`, within `seconds`: after 60% of them what is still
@@ -278,7 +299,8 @@ class Tracker:
         self._client_factory = client_factory or _mlflow_client
         self._last_warning = {"queue_full": 0.0, "failed": 0.0}
         self._counts = {"queue_full": 0, "failed": 0, "skipped": 0}
-        self._calls = CallQueue(maxsize=queue_size, on_drop=self._dropped, on_error=self._failed)
+        self._calls = CallQueue(maxsize=queue_size, on_drop=self._dropped, on_error=self._failed,
+                                tick=self._flush_due)
         self._calls.submit(lambda: self._open(tags))
 
     # --- on the caller's thread: never waits for the server --------------------------------------
@@ -387,8 +409,20 @@ class Tracker:
             from mlflow.entities import Metric
 
             self._batch += [Metric(k, v, stamp, step) for k, v in values.items()]
-            if time.monotonic() - self._flushed >= FLUSH_SECONDS or len(self._batch) >= METRIC_BATCH:
+            if len(self._batch) >= METRIC_BATCH:
                 self._flush()
+
+    def _flush_due(self) -> float | None:
+        """The queue's tick: send the batch once FLUSH_SECONDS have passed since the last send, with
+        or without a call after it (a loop stalled after a log step still has that step's metrics
+        in the run); else the seconds until then (None: nothing to send)."""
+        if not (self.run_id and self._batch):
+            return None
+        left = FLUSH_SECONDS - (time.monotonic() - self._flushed)
+        if left > 0:
+            return left
+        self._flush()
+        return None
 
     def _flush(self) -> None:
         batch, self._batch, self._flushed = self._batch, [], time.monotonic()
