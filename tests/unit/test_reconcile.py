@@ -384,6 +384,42 @@ def test_a_job_coming_up_costs_two_status_writes():
     assert status["nodes"]["running"] == 3 and status["launchedAttempt"] == 0
 
 
+def test_a_first_come_ups_pod_moves_fold_into_one_later_pass_and_a_failure_kicks_at_once():
+    """While a job's first attempt comes up, its pods' moves (scheduled, started) ask for one pass
+    COME_UP_FOLD later, not one each; a pod that failed, and any move of a Running job, at once."""
+    k8s = FakeK8s()
+    rec = reconciler(k8s, queue=True)
+    key = (NS, "j")
+
+    def moved(name: str, phase: str, code: int | None = None) -> None:
+        set_phase(rec, k8s, phase, name=name, code=code)
+        rec._pod_changed("MODIFIED", rec.pods.get(NS, name))
+
+    async def main():
+        rec.job_event(k8s.add_job(make_manifest(nodes=3)))
+        await until(lambda: len([c for c in k8s.objects if c[0] == "Pod"]) == 3, desc="the pods' creation")
+        await until(lambda: not rec.queue.workers, desc="the first pass")
+        assert k8s.jobs["j"]["status"]["phase"] == "Pending"
+        moved("j-0", "Running")
+        moved("j-1", "Running")
+        assert key not in rec.queue.workers and key in rec.queue.timers   # one pass, later
+        moved("j-2", "Failed", code=1)
+        assert key in rec.queue.workers                                  # a failure: now
+        await rec.shutdown()
+    run(main())
+
+    k8s = FakeK8s()
+    rec = reconciler(k8s, queue=True)
+
+    async def running():
+        await start_running(k8s, rec, nodes=2)
+        await until(lambda: not rec.queue.workers, desc="the passes")
+        moved("j-0", "Running")
+        assert key in rec.queue.workers                                  # a Running job's pod: now
+        await rec.shutdown()
+    run(running())
+
+
 def test_pod_count_changes_of_a_running_job_coalesce_into_one_later_write():
     k8s = FakeK8s()
     rec = reconciler(k8s, queue=True, coalesce=0.5)

@@ -53,6 +53,12 @@ MAX_SCRAPE_BACKOFF = 8
 # Jobs scraped at once (each job's pods together, all of them within the monitor's own bound on
 # requests): the others of a round wait for a slot, holding no task.
 SCRAPES_IN_FLIGHT = 32
+# A job's first come-up: its pods' moves (created, scheduled, started) are folded into one pass
+# this long after the first of them, not one per burst (WorkQueue's debounce): at 1,000 jobs of 10
+# the passes of jobs whose pods came up one by one were the operator's largest part while pods
+# were still being created. The job's Running write waits at most this long; a failure, a
+# deletion or any later attempt's pods kick at once.
+COME_UP_FOLD = 1.0
 REFUSED_RETRY_SECONDS = 10.0  # a refusal that may pass later (403 from a quota): try again after this
 
 
@@ -103,6 +109,7 @@ class Reconciler:
         self.scrape_interval = max(float(config.scrape_interval), 1.0)
         self.progress_interval = max(float(config.progress_interval), 0.0)
         self.coalesce = coalesce
+        self.come_up_fold = COME_UP_FOLD
         self._written_rv: dict[Key, str] = {}      # resourceVersion of our own last status write
         self._last_write: dict[Key, float] = {}    # loop time of that write
         # Last state of each job's pods that vanished (PodGC marks a lost node's pod Failed +
@@ -143,7 +150,16 @@ class Reconciler:
             if etype == "DELETED" and not podinfo.lighthouse(pod):  # a lost Lighthouse is made again, no evidence
                 self._departed.setdefault(key, {})[podinfo.name(pod)] = pod
             self._scrape_every.pop(key, None)
+            if etype != "DELETED" and podinfo.coming_up(pod) and self._first_come_up(key):
+                if key not in self.queue.dirty:  # a pending pass has not read the pods yet
+                    self.queue.kick_later(key, self.come_up_fold)
+                return
             self.queue.kick(*key)
+
+    def _first_come_up(self, key: Key) -> bool:
+        """The job's first attempt is coming up (its cached status: Pending, attempt 0)."""
+        status = (self.jobs.get(*key) or {}).get("status") or {}
+        return status.get("phase") in (None, Phase.PENDING.value) and not status.get("attempt")
 
     def forget(self, namespace: str, name: str, uid: str | None = None) -> None:
         """A DDPJob is gone: drop everything kept about it (a running pass ends by itself)."""

@@ -63,6 +63,12 @@ def terminating(pod: dict[str, Any]) -> bool:
     return bool(meta(pod).get("deletionTimestamp"))
 
 
+def coming_up(pod: dict[str, Any]) -> bool:
+    """Created, scheduled or started and nothing else: not ended, not terminating, no container
+    that has terminated (a crash, a restart). Such a move asks nothing of a job that comes up."""
+    return phase(pod) in ("Pending", "Running") and not terminating(pod) and not terminated_states(pod)
+
+
 def gone_by(pod: dict[str, Any]) -> dt.datetime | None:
     """When a terminating pod should be gone (its deletionTimestamp: the delete request plus the
     grace period); None when it is not terminating."""
