@@ -100,6 +100,21 @@ seen() {
   echo "pid $pid is now: $(tr '\0' ' ' <"/proc/$pid/cmdline" | cut -c1-120)"
 }
 
+# alive NAME: the recorded process runs (pid_ok), or is inside the exec of its binary. setsid has
+# exec'd it from this script's fork; between the kernel's swap to the new image and its laying out
+# the arguments, the command line reads empty, and a loaded machine stretched that window past a
+# health probe (the oldest plane's try 1 in rehearsal 38: "pid 24265 is now: ", its log written
+# 11 s later). Empty, not a zombie, and this script's child: not exited.
+alive() {
+  pid_ok "$1" && return 0
+  local pid stat
+  pid="$(cat "$PIDS/$1.pid" 2>/dev/null)" || return 1
+  stat="$(cat "/proc/$pid/stat" 2>/dev/null)" || return 1
+  [ -z "$(tr -d '\0' <"/proc/$pid/cmdline" 2>/dev/null)" ] || return 1
+  set -- ${stat##*) }   # state, ppid, ...
+  [ "$1" != Z ] && [ "$2" = "$$" ]
+}
+
 kc() { "$KUBECTL" --kubeconfig "$KUBECONFIG_FILE" --request-timeout=10s "$@"; }
 
 all_alive() {
@@ -248,7 +263,7 @@ wait_healthy() {
   local name="$1" what="$2" end=$((SECONDS + TIMEOUT))
   shift 2
   until "$@" >/dev/null 2>&1; do
-    pid_ok "$name" || fail "$name" "the process exited while waiting for $what ($(seen "$name"))"
+    alive "$name" || fail "$name" "the process exited while waiting for $what ($(seen "$name"))"
     [ "$SECONDS" -lt "$end" ] || fail "$name" "not healthy after ${TIMEOUT}s ($what)"
     sleep 0.2
   done
