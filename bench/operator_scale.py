@@ -56,6 +56,7 @@ import urllib3  # noqa: E402
 from kubernetes import client  # noqa: E402
 from kubernetes.client.rest import ApiException  # noqa: E402
 
+import goprof  # noqa: E402
 import kubeflow_peer  # noqa: E402
 import pyspy  # noqa: E402
 import stats  # noqa: E402
@@ -564,7 +565,8 @@ def clear_pods(core, ns: str, *, timeout: float = 900) -> None:
 def run_one(cluster, api, k8s: K8s, variant: str, jobs: int, nodes: int, *, idle_seconds: float,
             finished_seconds: float, webhook_port: int, logs: Path, before_source: Path | None,
             ranks: FakeRanks, max_load: float, running_timeout: float = TIMEOUT,
-            profile: Path | None = None, tag: str = "", submit_in_flight: int = FLOOR_IN_FLIGHT) -> dict:
+            profile: Path | None = None, api_profile: Path | None = None, tag: str = "",
+            submit_in_flight: int = FLOOR_IN_FLIGHT) -> dict:
     ns = create_namespace(api, prefix=f"bench-{variant[:3]}{'t' if variant.endswith('tuned') else ''}-",
                           labels=BENCH_NAMESPACE_LABELS)
     log_path = logs / f"{variant}-{jobs}x{nodes}-{ns}.log"
@@ -590,6 +592,8 @@ def run_one(cluster, api, k8s: K8s, variant: str, jobs: int, nodes: int, *, idle
         passes0 = ctrl.passes() if isinstance(ctrl, Ours) else None
         plane = control_plane_cpu(cluster)
         sampler = _sampler(ctrl, profile, f"{variant}-{jobs}x{nodes}{tag}-create")
+        recorder = (goprof.Recorder(api, api_profile / f"{variant}-{jobs}x{nodes}{tag}-apiserver")
+                    if api_profile is not None else None)
         writes = WriteTracker(k8s, ns) if variant.startswith("ddpjob") else None
         t0 = time.monotonic()
         tracker = PodTracker(k8s, ns, jobs * nodes, t0)
@@ -608,6 +612,11 @@ def run_one(cluster, api, k8s: K8s, variant: str, jobs: int, nodes: int, *, idle
                 list(pool.map(submit, range(jobs)))
             res["jobs_submitted_s"] = _r(time.monotonic() - t0)
         times = tracker.wait(running_timeout)
+        if recorder is not None:
+            # From the first create until all Running, in CHUNK s: the window ends up to CHUNK s later.
+            files = recorder.stop()
+            res["apiserver_profile"] = (str(goprof.summarize(files, recorder.prefix.with_suffix(".txt")))
+                                        if files else recorder.error)
         delta = _delta(settle(ctrl), before)
         if passes0 is not None:
             res["passes_per_job"] = round((ctrl.passes() - passes0) / jobs, 2)
@@ -798,6 +807,10 @@ def main() -> int:
     ap.add_argument("--profile", type=Path, default=None, metavar="DIR",
                     help="py-spy our operator during each creation and at-rest window: collapsed stacks "
                          "(DIR/<run>.raw) and their top frames (DIR/<run>.txt, bench/pyspy.py)")
+    ap.add_argument("--apiserver-profile", type=Path, default=None, metavar="DIR",
+                    help="kube-apiserver's CPU profile from each run's first create until all Running "
+                         "(bench/goprof.py; the plane started with DDPJOB_API_PROFILING=true): "
+                         "DIR/<run>-apiserver-N.pb.gz and its top functions (DIR/<run>-apiserver.txt)")
     ap.add_argument("--out", default=str(REPO / "bench/results/operator_scale.json"))
     args = ap.parse_args()
     # What a run measures: the operator (and the trainer modules it imports), the control plane
@@ -846,7 +859,7 @@ def main() -> int:
                     res = run_one(cluster, api, k8s, variant, jobs, nodes, idle_seconds=idle, finished_seconds=finished_s,
                                   webhook_port=webhook_port, logs=logs, before_source=before_source,
                                   ranks=ranks, max_load=args.max_load, running_timeout=args.running_timeout,
-                                  profile=args.profile, tag=f"-rep{rep}", submit_in_flight=args.submit_in_flight)
+                                  profile=args.profile, api_profile=args.apiserver_profile, tag=f"-rep{rep}", submit_in_flight=args.submit_in_flight)
                     res["repeat"] = rep
                     runs.append(res)
                     rr, rf = res.get("rest_running") or {}, res.get("rest_finished") or {}

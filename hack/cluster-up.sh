@@ -279,6 +279,8 @@ start etcd "$KUBE_DIR/etcd" --name ddpjob --data-dir "$STATE/etcd" \
 etcd_ok() { curl_ok "http://127.0.0.1:$P_ETCD/health" | grep -q '"health":"true"'; }
 wait_healthy etcd "GET /health on :$P_ETCD" etcd_ok
 
+# /debug/pprof stays off, as on the clusters people have; bench/operator_scale.py --apiserver-profile
+# asks for it (DDPJOB_API_PROFILING=true) to see where the API server's CPU goes beside our operator.
 # Real nodes' pods reach the API server through the bridge gateway (10.248.0.1), which only exists
 # once nodes-up has made the bridges: listen on every local address then. The kubelets
 # authenticate as system:node:<name> (Node authorizer + NodeRestriction, as on a real cluster), and
@@ -297,7 +299,7 @@ start kube-apiserver "$CP_DIR/kube-apiserver" \
   --service-account-key-file "$PKI/sa.pub" --service-account-signing-key-file "$PKI/sa.key" \
   --service-cluster-ip-range 10.96.0.0/16 \
   --endpoint-reconciler-type none \
-  --allow-privileged=true --profiling=false
+  --allow-privileged=true --profiling="${DDPJOB_API_PROFILING:-false}"
 api_ok() {
   curl_ok --cacert "$PKI/ca.crt" --cert "$PKI/admin.crt" --key "$PKI/admin.key" \
     "https://127.0.0.1:$P_API/readyz" | grep -qx ok
