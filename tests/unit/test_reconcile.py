@@ -631,6 +631,41 @@ def test_progress_is_written_once_per_progress_interval_not_per_scrape():
     assert k8s.jobs["j"]["status"]["progress"]["step"] == mon.step == 5
 
 
+def test_progress_waits_longer_while_hundreds_of_jobs_come_up():
+    """A burst of jobs coming up stretches a running job's progress interval (decisions/writes:
+    each PROGRESS_YIELD_JOBS add one); once they are up, the configured interval is back."""
+    k8s = FakeK8s()
+    mon = SteppingMonitor()
+    rec = reconciler(k8s, monitor=mon)
+    key = (NS, "j")
+    others = [{"metadata": {"namespace": NS, "name": f"o{i}", "uid": f"u{i}"},
+               **({"status": {"phase": "Pending", "attempt": 0}} if i % 2 else {})} for i in range(150)]
+
+    async def main():
+        await start_running(k8s, rec)
+        for obj in others:                                # 150 jobs submitted, half with a status yet
+            rec.jobs.upsert(obj, notify=False)
+        assert rec.tally() == [key] and rec.coming_up == 150
+        assert rec.progress_interval_now() == 2.5 * rec.progress_interval
+        assert await rec.scrape(NS, "j")                  # the first progress: still at once
+        await rec.reconcile(NS, "j")
+        rec._last_write[key] -= 2 * rec.progress_interval  # past the configured interval, not the stretched one
+        assert not await rec.scrape(NS, "j")
+        rec._last_write[key] -= 0.5 * rec.progress_interval
+        assert await rec.scrape(NS, "j")
+        await rec.reconcile(NS, "j")
+        for obj in others:                                # they are up
+            rec.jobs.upsert({**obj, "status": {"phase": "Running", "attempt": 0}}, notify=False)
+        assert sorted(rec.tally()) == sorted([key] + [(NS, o["metadata"]["name"]) for o in others])
+        assert rec.coming_up == 0
+        rec._last_write[key] -= rec.progress_interval
+        assert await rec.scrape(NS, "j")
+        await rec.reconcile(NS, "j")
+        await rec.shutdown()
+    run(main())
+    assert len([c for c in k8s.calls if c[0] == "patch_status"]) == 3
+
+
 def test_finished_job_is_not_scraped_and_leaves_no_scrape_state():
     k8s = FakeK8s()
     mon = SteppingMonitor()

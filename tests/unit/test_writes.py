@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from ddpjob_operator.decisions.writes import scrape_needs_pass, urgent, write_wait
+from ddpjob_operator.decisions.writes import progress_interval_now, scrape_needs_pass, urgent, write_wait
 
 STEPS = {"step": 10, "totalSteps": 100, "percent": 10.0, "display": "10% (10/100)"}
 CALM = {"type": "Stalled", "status": "False", "reason": "Progressing", "message": "in train, after step 10",
@@ -53,6 +53,19 @@ def test_the_first_status_and_the_first_progress_are_written_at_once():
 ])
 def test_write_wait(new, since, expected):
     assert write_wait(status(), new, since_write=since, coalesce=5.0, progress_interval=30.0) == expected
+
+
+@pytest.mark.parametrize("coming_up, expected", [
+    (0, 30.0),        # nothing coming up: the configured interval
+    (10, 33.0),       # a few jobs starting barely move it
+    (100, 60.0),      # each PROGRESS_YIELD_JOBS add one interval
+    (250, 105.0),
+    (1_000, 120.0),   # a burst: at most PROGRESS_YIELD_MAX times it
+    (50_000, 120.0),
+])
+def test_progress_yields_to_jobs_coming_up(coming_up, expected):
+    assert progress_interval_now(30.0, coming_up) == pytest.approx(expected)
+    assert progress_interval_now(0.0, coming_up) == 0.0   # progress written at every scrape stays so
 
 
 def coming_up(phase: str = "Pending", **kw) -> dict:

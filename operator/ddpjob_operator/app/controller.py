@@ -40,7 +40,8 @@ from ddpjob_operator.decisions import stacks
 from ddpjob_operator.decisions.lifecycle import decide
 from ddpjob_operator.decisions.samples import MonitorReport
 from ddpjob_operator.decisions.status import create_refused, job_status
-from ddpjob_operator.decisions.writes import scrape_needs_pass, settled, urgent, write_wait
+from ddpjob_operator.decisions.writes import (COMING_UP, progress_interval_now, scrape_needs_pass, settled, urgent,
+                                              write_wait)
 
 if TYPE_CHECKING:
     from ddpjob_operator.cluster.monitor import Monitor
@@ -110,6 +111,7 @@ class Reconciler:
         self.progress_interval = max(float(config.progress_interval), 0.0)
         self.coalesce = coalesce
         self.come_up_fold = COME_UP_FOLD
+        self.coming_up = 0   # jobs whose pods come up or that have no status yet, counted each scrape tick
         self._written_rv: dict[Key, str] = {}      # resourceVersion of our own last status write
         self._last_write: dict[Key, float] = {}    # loop time of that write
         # Last state of each job's pods that vanished (PodGC marks a lost node's pod Failed +
@@ -161,6 +163,10 @@ class Reconciler:
         status = (self.jobs.get(*key) or {}).get("status") or {}
         return status.get("phase") in (None, Phase.PENDING.value) and not status.get("attempt")
 
+    def progress_interval_now(self) -> float:
+        """The progress interval, stretched while jobs come up (decisions/writes.progress_interval_now)."""
+        return progress_interval_now(self.progress_interval, self.coming_up)
+
     def forget(self, namespace: str, name: str, uid: str | None = None) -> None:
         """A DDPJob is gone: drop everything kept about it (a running pass ends by itself)."""
         key = (namespace, name)
@@ -207,10 +213,15 @@ class Reconciler:
         while True:
             await asyncio.sleep(self.scrape_interval)
             tick += 1
-            running = [key_of(obj) for obj in self.jobs.items()
-                       if (obj.get("status") or {}).get("phase") == Phase.RUNNING.value]
+            running = self.tally()
             # One round at a time (the monitor bounds the requests of all jobs together).
             await self.scrape_round([key for key in running if tick % self._scrape_every.get(key, 1) == 0])
+
+    def tally(self) -> list[Key]:
+        """The running jobs (to scrape); counts the jobs coming up meanwhile (progress_interval_now)."""
+        phases = [((obj.get("status") or {}).get("phase"), key_of(obj)) for obj in self.jobs.items()]
+        self.coming_up = sum(1 for phase, _ in phases if phase is None or phase in COMING_UP)
+        return [key for phase, key in phases if phase == Phase.RUNNING.value]
 
     async def scrape_round(self, keys: list[Key]) -> None:
         """Scrape `keys`, at most SCRAPES_IN_FLIGHT jobs at a time, and return when every one has
@@ -275,7 +286,7 @@ class Reconciler:
         since = asyncio.get_running_loop().time() - self._last_write.get(key, float("-inf"))
         return scrape_needs_pass(obj.get("status") or {}, progress=report.progress, conditions=report.conditions,
                                  events=len(report.events), mlflow_run=report.mlflow_run,
-                                 progress_due=since >= self.progress_interval)
+                                 progress_due=since >= self.progress_interval_now())
 
     async def _keep_stacks(self, obj: dict[str, Any], captures: list[tuple[dict, str, str | None]]) -> None:
         """Add the pods' new stack captures to the job's ConfigMap (decisions/stacks.py says what is
@@ -355,7 +366,7 @@ class Reconciler:
             if not urgent(prev, status, events=len(events) + len(report.events if report else [])):
                 since = asyncio.get_running_loop().time() - self._last_write.get(key, float("-inf"))
                 wait = write_wait(prev, status, since_write=since, coalesce=self.coalesce,
-                                  progress_interval=self.progress_interval)
+                                  progress_interval=self.progress_interval_now())
                 if wait is None:
                     break  # node counts of pods coming up: the next write that is due carries them
                 if wait > 0:
