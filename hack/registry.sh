@@ -56,7 +56,26 @@ up() {
   [ -x /usr/bin/docker-registry ] || die "docker-registry is not installed (hack/ensure-node-packages.sh)"
   mkdir -p "$STORE" "$STATE/pids" "$STATE/logs"
   local port
-  port="$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')"
+  # This storage's last port where it is free: buildah remembers where it pushed each layer by
+  # registry host:port (its blob-info cache), so at the same address a layer the storage already
+  # holds is found with one HEAD. At a new port every push compressed and uploaded the trainer
+  # image's torch layer again (6.4 minutes of rehearsal 41).
+  port="$(python3 - "$STORE/.port" <<'PY'
+import socket, sys
+
+def bind(port):
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the registry's own listen does
+    s.bind(("127.0.0.1", port))
+    return s.getsockname()[1]
+
+try:
+    print(bind(int(open(sys.argv[1]).read())))
+except (OSError, ValueError):
+    print(bind(0))
+PY
+)"
+  echo "$port" >"$STORE/.port"
   write_config "127.0.0.1:$port"
   # Blobs no tag refers to any more (each rebuilt trainer image leaves a few hundred MB): collected
   # only while no registry serves this storage (another clone's may), as distribution requires.

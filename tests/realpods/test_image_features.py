@@ -37,6 +37,11 @@ def features_job(tracking_uri: str) -> dict:
                             "mlflow": {"trackingUri": tracking_uri, "experiment": EXPERIMENT, "runName": "features",
                                        "systemMetrics": True}},
                 "scheduling": dict(REAL_NODE_SCHEDULING),
+                # Inductor compiles in the rank's own process: its default pool starts a process per
+                # CPU it sees, each importing torch, which is most of this small model's compile
+                # (this job by `ddpjob run --local` on torch 2.8, one run each: 119 CPU-s, 66 with one thread).
+                # Stop 68's CI, its three sessions on two cores, waited 600 s for this job's end.
+                "env": [{"name": "TORCHINDUCTOR_COMPILE_THREADS", "value": "1"}],
                 "failurePolicy": {"maxRestarts": 0, "logTailInStatus": True},
                 "resources": {"requests": {"cpu": "1", "memory": "2Gi"}, "limits": {"cpu": "2", "memory": "4Gi"}}}}
 

@@ -1,6 +1,7 @@
-"""The in-pod launcher stops within seconds of SIGTERM (what a pod deletion sends), whatever its
-torchrun agent and workers are doing, on a loaded machine: well inside a pod's default
-terminationGracePeriodSeconds (30 s), so the kubelet never has to SIGKILL the pod at its end.
+"""The in-pod launcher stops on SIGTERM (what a pod deletion sends), whatever its torchrun agent
+and workers are doing, on a loaded machine: inside a pod's default terminationGracePeriodSeconds
+(30 s), the grace its ranks may spend on a last checkpoint included, so the kubelet never has to
+SIGKILL the pod at its end.
 
 Where the machine allows it (root, `unshare`), the launcher runs as PID 1 of its own PID
 namespace, as in a container: PID 1 ignores every signal it has no handler for.
@@ -19,6 +20,7 @@ import pytest
 from tests.support.localrun import free_ports
 from tests.support.stopping import (
     MOMENTS,
+    POD_STOP_BOUND_SECONDS,
     STOP_BOUND_SECONDS,
     agents,
     cpu_load,
@@ -64,16 +66,17 @@ def start_pod_launcher(tmp_path, *, metrics_port: int, as_pid1: bool = True, eve
 
 
 def sigterm_and_wait(proc: subprocess.Popen, target: int, marker: str, *, at: str) -> list[int]:
-    """SIGTERM to the launcher (`target`), then its exit within STOP_BOUND_SECONDS (else an
-    AssertionError naming what still runs); the run's processes still there at that bound."""
+    """SIGTERM to the launcher (`target`), then its exit within POD_STOP_BOUND_SECONDS, before the
+    kubelet's SIGKILL (else an AssertionError naming what still runs); the run's processes still
+    there at that bound."""
     os.kill(target, signal.SIGTERM)
     sent = time.monotonic()
     try:
-        proc.wait(timeout=STOP_BOUND_SECONDS)
+        proc.wait(timeout=POD_STOP_BOUND_SECONDS)
     except subprocess.TimeoutExpired:
-        raise AssertionError(f"the launcher did not exit within {STOP_BOUND_SECONDS:.0f}s of SIGTERM {at}; "
+        raise AssertionError(f"the launcher did not exit within {POD_STOP_BOUND_SECONDS:.0f}s of SIGTERM {at}; "
                              f"its processes: {describe(run_processes(marker))}") from None
-    return wait_gone(marker, until=sent + STOP_BOUND_SECONDS)
+    return wait_gone(marker, until=sent + POD_STOP_BOUND_SECONDS)
 
 
 @pytest.mark.parametrize("moment", MOMENTS)
@@ -90,7 +93,7 @@ def test_sigterm_stops_the_pod_launcher_and_everything_below_it(tmp_path, moment
             kill_run(proc, marker)
     log = (tmp_path / "pod.log").read_text(errors="replace")
     assert proc.returncode == 143, log[-3000:]
-    assert not left, f"still running {STOP_BOUND_SECONDS:.0f}s after SIGTERM: {describe(left)}"
+    assert not left, f"still running {POD_STOP_BOUND_SECONDS:.0f}s after SIGTERM: {describe(left)}"
     assert "stopped by SIGTERM" in log, log[-3000:]
 
 
