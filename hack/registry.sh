@@ -71,7 +71,7 @@ def bind(port):
 
 try:
     print(bind(int(open(sys.argv[1]).read())))
-except (OSError, ValueError):
+except (OSError, ValueError, OverflowError):  # taken, or not a port number
     print(bind(0))
 PY
 )"
