@@ -383,6 +383,10 @@ _SCALE_10K_PREV = "operator_scale_1000x10_ours_floor_3pairs.json"
 _SCALE_10K_BEFORE = "operator_scale_1000x10_ours_floor_pair.json"
 # The floor at 1,000 jobs of 10 with no Service, one per job and one per namespace (one run each).
 _SCALE_10K_SVC = "operator_scale_1000x10_services.json"
+# The same three runs of each at 6202dc2 (the come-up fold and the progress yield), on a slower
+# machine, before kwok's pod-ready Stage replaced a pod's IPs: two of ours' runs (and one of the
+# floor's) spent the come-up behind kwok's refused replays, so ours' all-Running has one run.
+_SCALE_10K_REPLAYS = "operator_scale_1000x10_ours_floor_3x3_6202dc2.json"
 _T10K = "r[table][1000x10 "
 # One ours/floor pair at 1,000 jobs of 10 with each pod's come-up step by step (created, bound,
 # Running), kwok playing 4 pod Stages at once (its default), then 32 (hack/kwok-config.yaml).
@@ -583,6 +587,27 @@ FIGURES: dict[str, Figure] = {
     "scale.10k.slowest.scheduled": Figure(_SCALE_10K, "{v[come_up][scheduled][p100_s]:.0f} s", _slowest),
     "scale.10k.slowest.rate": Figure(_SCALE_10K, "{v[come_up][running][per_s_p10_p90]:.0f}/s", _slowest),
     "scale.10k.slowest.kwok": Figure(_SCALE_10K, "{v[kwok_cpu_s]:.0f} CPU-s", _slowest),
+    # The 6202dc2 runs: creation against floor-svc, and the runs kwok's replays kept from all Running.
+    "scale.10k.replays.commit": Figure(_SCALE_10K_REPLAYS, "{r[commit]:.7}"),
+    "scale.10k.replays.created.ratio.svc": Figure(_SCALE_10K_REPLAYS, _interval(
+        "table.1000x10 apply -> all pods created (s).ratio_ours_floor_svc", digits=2)),
+    **{f"scale.10k.replays.created.{variant}": Figure(
+        _SCALE_10K_REPLAYS, "{" + _T10K + f"apply -> all pods created (s)][{variant}][median]:.0f}} s")
+       for variant in ("ddpjob", "floor", "floor-svc")},
+    "scale.10k.replays.floor.first": Figure(_SCALE_10K_REPLAYS, "{v:.0f} s", lambda r: next(
+        run["all_pods_running_s"] for run in r["runs"] if run["variant"] == "floor" and run["repeat"] == 0)),
+    "scale.10k.replays.running.ours": Figure(_SCALE_10K_REPLAYS, "{v:.0f} s", lambda r: max(
+        run["all_pods_running_s"] or 0 for run in r["runs"] if run["variant"] == "ddpjob")),
+    "scale.10k.replays.running.floor-svc": Figure(_SCALE_10K_REPLAYS,
+                                                  "{" + _T10K + "apply -> all Running (s)][floor-svc][median]:.0f} s"),
+    "scale.10k.replays.timeout": Figure(_SCALE_10K_REPLAYS, "{v:.0f} s", lambda r: max(
+        run["at_timeout"]["seconds"] for run in r["runs"] if run.get("at_timeout"))),
+    "scale.10k.replays.at_timeout": Figure(_SCALE_10K_REPLAYS, "{v}", lambda r: " and ".join(
+        f"{run['at_timeout']['running']:,}" for run in r["runs"] if run["variant"] == "ddpjob" and run.get("at_timeout"))),
+    "scale.10k.replays.kwok.ddpjob": Figure(_SCALE_10K_REPLAYS, "{v}", lambda r: " and ".join(
+        f"{run['kwok_cpu_s']:.0f}" for run in r["runs"] if run["variant"] == "ddpjob" and run.get("at_timeout"))),
+    "scale.10k.replays.kwok.floor-svc": Figure(_SCALE_10K_REPLAYS, "{v:.0f} CPU-s", lambda r: statistics.median(
+        run["kwok_cpu_s"] for run in r["runs"] if run["variant"] == "floor-svc")),
     "scale.10k.kwok.floor": Figure(_SCALE_10K, "{v:.0f} CPU-s", lambda r: statistics.median(
         run["kwok_cpu_s"] for run in r["runs"] if run["variant"].startswith("floor"))),
     "scale.10k.created.floor-svc": Figure(_SCALE_10K, "{" + _T10K + "apply -> all pods created (s)][floor-svc][median]:.0f} s"),
