@@ -19,6 +19,7 @@ from tests.support.status import condition
 # HOLD_AT until the replacement's trainer is up, so that the join comes mid-training however
 # long the replacement takes to start (debug.py: DDPJOB_DEBUG_HOLD_RANK). Knobs, not sleeps.
 KILL_AT, HOLD_AT = 3, 8
+REPLACEMENT = "digits-1-r1"  # the name the operator gives pod 1's first replacement
 STEP_RE = re.compile(r"ft: step (\d+) participants (\d+) weights (\w+)")
 JOINED_RE = re.compile(r"ft: joined at step (\d+) from a peer, weights (\w+)")
 
@@ -44,9 +45,14 @@ def test_a_force_deleted_pod_of_a_per_step_job_is_replaced_alone_and_heals_from_
     spec["trainer"] = {"dataset": "digits", "model": "mlp", "epochs": 1, "batchSize": 16, "lr": 0.1,
                        "logEverySteps": 1}
     mount = spec["volumeMounts"][0]["mountPath"]
+    # Rank 1's hold file is named after its pod (Kubernetes expands $(HOLD_POD), defined before it):
+    # the replacement's is there before the deletion, so it never holds, while the deleted pod's
+    # never appears. One file for both let the deleted pod's trainer, still running until its
+    # kubelet killed it, step on with pod 0 (rehearsal 44: no step of pod 0's alone).
     spec["env"] = [*(spec.get("env") or []),
+                   {"name": "HOLD_POD", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
                    {"name": "DDPJOB_DEBUG_HOLD_RANK",
-                    "value": f"1:{KILL_AT}:{mount}/release-1,0:{HOLD_AT}:{mount}/release-0"}]
+                    "value": f"1:{KILL_AT}:{mount}/release-$(HOLD_POD),0:{HOLD_AT}:{mount}/release-0"}]
     apply_docs(real_cluster, docs, ns)
 
     wait_job(real_cluster, ns, "digits", lambda st: (condition(st, "LighthouseReady") or {}).get("status") == "True",
@@ -54,12 +60,12 @@ def test_a_force_deleted_pod_of_a_per_step_job_is_replaced_alone_and_heals_from_
     wait_for(lambda: f"rank 1 holds at step {KILL_AT}" in _log(real_cluster, ns, "digits-1"), timeout=600,
              desc=f"pod 1's group held at step {KILL_AT}", interval=2)
     first0 = _uid(real_cluster, ns, "digits-0")
-    (shared / "release-1").touch()  # the replacement (same env) must not hold
+    (shared / f"release-{REPLACEMENT}").touch()
     real_cluster.kubectl("delete", "pod", "-n", ns, "digits-1", "--grace-period=0", "--force")
 
     wait_for(lambda: f"rank 0 holds at step {HOLD_AT}" in _log(real_cluster, ns, "digits-0"), timeout=300,
              desc=f"pod 0 stepping alone to {HOLD_AT}", interval=2)
-    wait_for(lambda: "training mlp on digits" in _log(real_cluster, ns, "digits-1-r1"), timeout=600,
+    wait_for(lambda: "training mlp on digits" in _log(real_cluster, ns, REPLACEMENT), timeout=600,
              desc="the replacement pod's trainer started", interval=2)
 
     (shared / "release-0").touch()
@@ -70,7 +76,7 @@ def test_a_force_deleted_pod_of_a_per_step_job_is_replaced_alone_and_heals_from_
 
     # Pod 0 was never touched: same pod, and it stepped with one participant after the loss.
     assert _uid(real_cluster, ns, "digits-0") == first0
-    log0, log1 = _log(real_cluster, ns, "digits-0"), _log(real_cluster, ns, "digits-1-r1")
+    log0, log1 = _log(real_cluster, ns, "digits-0"), _log(real_cluster, ns, REPLACEMENT)
     steps0 = [(int(s), int(n), h) for s, n, h in STEP_RE.findall(log0)]
     assert [s for s, n, _ in steps0 if n == 1 and s > KILL_AT], steps0
     # The replacement took pod 0's weights at the step it joined, then both stepped together.
@@ -87,6 +93,6 @@ def test_a_force_deleted_pod_of_a_per_step_job_is_replaced_alone_and_heals_from_
     # The status: one Replace of pod 1, marked per-step; no group restart.
     history = st.get("restartHistory") or []
     assert [(e["kind"], e.get("mode"), e["pod"], e["newPod"]) for e in history] == [
-        ("Replace", "perStep", "digits-1", "digits-1-r1")], history
+        ("Replace", "perStep", "digits-1", REPLACEMENT)], history
     # Pod 0 trained through the replacement: none of the job's time was recovering (goodput.md).
     assert st["goodput"]["seconds"]["recovering"] == 0, st["goodput"]
