@@ -392,6 +392,9 @@ _SCALE_10K_SVC = "operator_scale_1000x10_services.json"
 # machine: two of ours' runs (and one of the floor's) spent the come-up behind kwok's refused
 # pod-ready replays (not fixed), so ours' all-Running has one run; the other two hit the limit.
 _SCALE_10K_REPLAYS = "operator_scale_1000x10_ours_floor_3x3_6202dc2.json"
+# Ours and floor-svc, three interleaved runs each, once kwok's pod-ready Stage carried the copy's
+# resourceVersion (5529768): a replay is a 409, not a second IP; one of ours' runs hit the limit.
+_SCALE_10K_RV = "operator_scale_1000x10_ours_floor_svc_3pairs_5529768.json"
 _T10K = "r[table][1000x10 "
 # One ours/floor pair at 1,000 jobs of 10 with each pod's come-up step by step (created, bound,
 # Running), kwok playing 4 pod Stages at once (its default), then 32 (hack/kwok-config.yaml).
@@ -613,6 +616,21 @@ FIGURES: dict[str, Figure] = {
         f"{run['kwok_cpu_s']:.0f}" for run in _ours_at_limit(r))),
     "scale.10k.replays.kwok.floor-svc": Figure(_SCALE_10K_REPLAYS, "{v:.0f} CPU-s", lambda r: statistics.median(
         run["kwok_cpu_s"] for run in r["runs"] if run["variant"] == "floor-svc")),
+    # The 5529768 runs: creation against floor-svc; all Running in the runs that got there.
+    "scale.10k.rv.commit": Figure(_SCALE_10K_RV, "{r[commit]:.7}"),
+    "scale.10k.rv.created.ratio.svc": Figure(_SCALE_10K_RV, _interval(
+        "table.1000x10 apply -> all pods created (s).ratio_ours_floor_svc", digits=2)),
+    **{f"scale.10k.rv.created.{variant}": Figure(
+        _SCALE_10K_RV, "{" + _T10K + f"apply -> all pods created (s)][{variant}][median]:.0f}} s")
+       for variant in ("ddpjob", "floor-svc")},
+    **{f"scale.10k.rv.running.{variant}": Figure(_SCALE_10K_RV, "{v}", lambda r, variant=variant: ", ".join(
+        f"{run['all_pods_running_s']:.0f}" for run in r["runs"] if run["variant"] == variant
+        and not run.get("at_timeout")) + " s") for variant in ("ddpjob", "floor-svc")},
+    "scale.10k.rv.at_timeout": Figure(_SCALE_10K_RV, "{v}", lambda r: " and ".join(
+        f"{run['at_timeout']['running']:,} Running at {run['at_timeout']['seconds']} s" for run in _ours_at_limit(r))),
+    **{f"scale.10k.rv.kwok.{variant}": Figure(_SCALE_10K_RV, "{v}", lambda r, variant=variant: ", ".join(
+        f"{run['kwok_cpu_s']:.0f}" for run in r["runs"] if run["variant"] == variant)) for variant in ("ddpjob", "floor-svc")},
+    "scale.10k.rv.cpu": Figure(_SCALE_10K_RV, "{" + _T10K + "controller CPU-s][ddpjob][median]:.0f} CPU-s"),
     "scale.10k.kwok.floor": Figure(_SCALE_10K, "{v:.0f} CPU-s", lambda r: statistics.median(
         run["kwok_cpu_s"] for run in r["runs"] if run["variant"].startswith("floor"))),
     "scale.10k.created.floor-svc": Figure(_SCALE_10K, "{" + _T10K + "apply -> all pods created (s)][floor-svc][median]:.0f} s"),
