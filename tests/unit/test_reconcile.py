@@ -20,7 +20,7 @@ from ddpjob_api.spec import from_manifest
 from ddpjob_operator.cluster.cache import PeerGate, Store
 from ddpjob_operator.base.config import OperatorConfig
 from ddpjob_operator.app import controller
-from ddpjob_operator.app.controller import Reconciler
+from ddpjob_operator.app.controller import COME_UP_FOLD, Reconciler
 from ddpjob_operator.decisions.samples import MonitorReport, RankSample
 from ddpjob_operator.app.operator_metrics import OperatorMetrics
 from ddpjob_operator.builders.service import render_service
@@ -403,10 +403,25 @@ def test_a_first_come_ups_pod_moves_fold_into_one_later_pass_and_a_failure_kicks
         moved("j-0", "Running")
         moved("j-1", "Running")
         assert key not in rec.queue.workers and key in rec.queue.timers   # one pass, later
+        assert rec.queue.timers[key][0] - asyncio.get_running_loop().time() <= COME_UP_FOLD
         moved("j-2", "Failed", code=1)
         assert key in rec.queue.workers                                  # a failure: now
         await rec.shutdown()
     run(main())
+
+    # While hundreds of jobs come up, the fold waits longer, as the progress interval does.
+    k8s = FakeK8s()
+    rec = reconciler(k8s, queue=True)
+
+    async def crowded():
+        rec.job_event(k8s.add_job(make_manifest(nodes=3)))
+        await until(lambda: len([c for c in k8s.objects if c[0] == "Pod"]) == 3, desc="the pods' creation")
+        await until(lambda: not rec.queue.workers, desc="the first pass")
+        rec.coming_up = 300
+        moved("j-0", "Running")
+        assert rec.queue.timers[key][0] - asyncio.get_running_loop().time() > 3 * COME_UP_FOLD
+        await rec.shutdown()
+    run(crowded())
 
     k8s = FakeK8s()
     rec = reconciler(k8s, queue=True)

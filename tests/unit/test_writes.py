@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from ddpjob_operator.decisions.writes import progress_interval_now, scrape_needs_pass, urgent, write_wait
+from ddpjob_operator.decisions.writes import progress_interval_now, scrape_needs_pass, urgent, write_wait, yield_factor
 
 STEPS = {"step": 10, "totalSteps": 100, "percent": 10.0, "display": "10% (10/100)"}
 CALM = {"type": "Stalled", "status": "False", "reason": "Progressing", "message": "in train, after step 10",
@@ -118,3 +118,8 @@ def needs(prev=None, *, progress=None, conditions=(), events=0, mlflow_run=None,
 ])
 def test_scrape_needs_pass(kw, expected):
     assert needs(**kw) is expected
+
+
+@pytest.mark.parametrize("coming_up, expected", [(0, 1.0), (100, 2.0), (250, 3.5), (1_000, 4.0)])
+def test_what_can_wait_waits_longer_while_jobs_come_up(coming_up, expected):
+    assert yield_factor(coming_up) == pytest.approx(expected)

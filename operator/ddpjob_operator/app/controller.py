@@ -41,7 +41,7 @@ from ddpjob_operator.decisions.lifecycle import decide
 from ddpjob_operator.decisions.samples import MonitorReport
 from ddpjob_operator.decisions.status import create_refused, job_status
 from ddpjob_operator.decisions.writes import (COMING_UP, progress_interval_now, scrape_needs_pass, settled, urgent,
-                                              write_wait)
+                                              write_wait, yield_factor)
 
 if TYPE_CHECKING:
     from ddpjob_operator.cluster.monitor import Monitor
@@ -57,7 +57,9 @@ SCRAPES_IN_FLIGHT = 32
 # A job's first come-up: its pods' moves (created, scheduled, started) are folded into one pass
 # this long after the first of them, not one per burst (WorkQueue's debounce): at 1,000 jobs of 10
 # the passes of jobs whose pods came up one by one were the operator's largest part while pods
-# were still being created. The job's Running write waits at most this long; a failure, a
+# were still being created. The job's Running write waits at most this long, stretched as the
+# progress interval is while hundreds of jobs come up (decisions/writes.yield_factor: at 1,000
+# jobs of 10 a job still ran 6-8 passes, kwok starting its pods a few at a time); a failure, a
 # deletion or any later attempt's pods kick at once.
 COME_UP_FOLD = 1.0
 REFUSED_RETRY_SECONDS = 10.0  # a refusal that may pass later (403 from a quota): try again after this
@@ -154,7 +156,7 @@ class Reconciler:
             self._scrape_every.pop(key, None)
             if etype != "DELETED" and podinfo.coming_up(pod) and self._first_come_up(key):
                 if key not in self.queue.dirty:  # a pending pass has not read the pods yet
-                    self.queue.kick_later(key, self.come_up_fold)
+                    self.queue.kick_later(key, self.come_up_fold * yield_factor(self.coming_up))
                 return
             self.queue.kick(*key)
 

@@ -103,9 +103,15 @@ def write_wait(prev: dict[str, Any], status: dict[str, Any], *, since_write: flo
     return max(0.0, (coalesce if quiet else progress_interval) - since_write)
 
 
+def yield_factor(coming_up: int) -> float:
+    """How much longer what can wait waits while `coming_up` jobs' pods come up: 1 more for every
+    PROGRESS_YIELD_JOBS of them, at most PROGRESS_YIELD_MAX."""
+    return min(PROGRESS_YIELD_MAX, 1.0 + coming_up / PROGRESS_YIELD_JOBS)
+
+
 def progress_interval_now(interval: float, coming_up: int) -> float:
     """The progress interval while `coming_up` jobs' pods come up (PROGRESS_YIELD_JOBS)."""
-    return interval * min(PROGRESS_YIELD_MAX, 1.0 + coming_up / PROGRESS_YIELD_JOBS)
+    return interval * yield_factor(coming_up)
 
 
 def scrape_needs_pass(prev: dict[str, Any], *, progress: dict[str, Any] | None, conditions: list[dict[str, Any]],
