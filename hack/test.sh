@@ -13,10 +13,7 @@
 # - oldest: prometheus-operator (the e2e test that needs it waits for the build's lock, or builds
 #   it itself), the second control plane at the oldest Kubernetes the chart allows with the
 #   versioned tests (the Makefile's VERSIONED_TESTS, kwok's nodes only), then the unit tier, the
-#   trainer tiers again on the floor's torch (their own venv), the trainer's throughput guard, and
-#   the e2e tests of the alerts on real series (local torchrun jobs scraped by a real Prometheus:
-#   no control plane). This session ended 14 minutes before the cluster one in rehearsal 45 (the
-#   cluster one ran the real-pod tier alone at the end); there those tests' 5 minutes shorten the run.
+#   trainer tiers again on the floor's torch (their own venv), and the trainer's throughput guard.
 #
 # The tiers that drive a control plane spend most of their time waiting on the API server, the
 # scheduler and pods, while the CPU tiers compute: one after the other they would leave one of CI's
@@ -35,7 +32,6 @@ read -r -a ARGS <<<"${PYTEST_ARGS}"
 
 prefix() { sed -u "s/^/[$1] /"; }
 OVERHEAD_TEST=tests/trainer/test_trainer_overhead.py::test_trainer_throughput_is_at_least_090_of_a_plain_ddp_loop
-LOCAL_PROMETHEUS_TESTS=(tests/e2e/test_prometheus.py tests/e2e/test_prometheus_alerts_live.py)
 
 # floor_venv: make install-floor, one session at a time (the cluster session's image build and the
 # oldest session's floor tier both need it; the second finds it made).
@@ -55,8 +51,7 @@ cluster_tiers() {
   # then installs the same torch wheel from the machine's uv cache, not from PyPI a second time.
   { floor_venv && hack/images.sh products && hack/images.sh all; } 2>&1 | prefix images &
   publish_pid=$!
-  "$PY" -m pytest -ra "${ARGS[@]}" tests --ignore=tests/trainer --ignore=tests/unit \
-    "${LOCAL_PROMETHEUS_TESTS[@]/#/--ignore=}" || rc=$?   # every other tier, new ones too
+  "$PY" -m pytest -ra "${ARGS[@]}" tests --ignore=tests/trainer --ignore=tests/unit || rc=$?   # every other tier, new ones too
   wait "$publish_pid" || rc=$((rc ? rc : 1))
   return "$rc"
 }
@@ -95,8 +90,6 @@ oldest_tiers() {
   # ratios.
   PYTEST_ADDOPTS="${PYTEST_ADDOPTS:-} -o cache_dir=.pytest_cache/overhead" \
     "$PY" -m pytest -ra "${ARGS[@]}" "$OVERHEAD_TEST" || rc=$((rc ? rc : $?))
-  PYTEST_ADDOPTS="${PYTEST_ADDOPTS:-} -o cache_dir=.pytest_cache/prometheus" \
-    "$PY" -m pytest -ra "${ARGS[@]}" "${LOCAL_PROMETHEUS_TESTS[@]}" || rc=$((rc ? rc : $?))
   return "$rc"
 }
 
