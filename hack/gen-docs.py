@@ -395,6 +395,9 @@ _SCALE_10K_REPLAYS = "operator_scale_1000x10_ours_floor_3x3_6202dc2.json"
 # Ours and floor-svc, three interleaved runs each, once kwok's pod-ready Stage carried the copy's
 # resourceVersion (5529768): a replay is a 409, not a second IP; one of ours' runs hit the limit.
 _SCALE_10K_RV = "operator_scale_1000x10_ours_floor_svc_3pairs_5529768.json"
+# The come-up fold yielding to come-ups (9522a6c) against the operator before it (74d1033), one
+# pair each of two runs of the bench at 300 jobs of 10.
+_FOLD_AB = ("operator_scale_300x10_fold_yield_ab.json", "operator_scale_300x10_fold_yield_ab2.json")
 _T10K = "r[table][1000x10 "
 # One ours/floor pair at 1,000 jobs of 10 with each pod's come-up step by step (created, bound,
 # Running), kwok playing 4 pod Stages at once (its default), then 32 (hack/kwok-config.yaml).
@@ -630,6 +633,11 @@ FIGURES: dict[str, Figure] = {
         f"{run['at_timeout']['running']:,} Running at {run['at_timeout']['seconds']} s" for run in _ours_at_limit(r))),
     **{f"scale.10k.rv.kwok.{variant}": Figure(_SCALE_10K_RV, "{v}", lambda r, variant=variant: ", ".join(
         f"{run['kwok_cpu_s']:.0f}" for run in r["runs"] if run["variant"] == variant)) for variant in ("ddpjob", "floor-svc")},
+    **{f"scale.fold.{label}.{key}": Figure(_FOLD_AB, "{v}", lambda *data, variant=variant, key=key, fmt=fmt: ", ".join(
+        fmt.format(run[key]) for r in data for run in r["runs"] if run["variant"] == variant))
+       for label, variant in (("before", "ddpjob-before"), ("after", "ddpjob"))
+       for key, fmt in (("passes_per_job", "{:.1f}"), ("cpu_s", "{:.0f}"), ("all_pods_running_s", "{:.0f}"))},
+    "scale.fold.commit": Figure(_FOLD_AB[0], "{r[commit]:.7}"),
     "scale.10k.rv.cpu": Figure(_SCALE_10K_RV, "{" + _T10K + "controller CPU-s][ddpjob][median]:.0f} CPU-s"),
     "scale.10k.kwok.floor": Figure(_SCALE_10K, "{v:.0f} CPU-s", lambda r: statistics.median(
         run["kwok_cpu_s"] for run in r["runs"] if run["variant"].startswith("floor"))),
