@@ -266,6 +266,13 @@ def _ours_at_limit(r: dict) -> list[dict]:
     return [run for run in r["runs"] if run["variant"] == "ddpjob" and run.get("at_timeout")]
 
 
+def _each_run(results: tuple, variant: str, key: str, fmt: str, *, finished: bool = False) -> str:
+    """`key` of each run of `variant` in `results`, in the order they ran, joined with commas;
+    `finished`: only the runs that did not reach the bench's limit."""
+    return ", ".join(fmt.format(run[key]) for r in results for run in r["runs"]
+                     if run["variant"] == variant and not (finished and run.get("at_timeout")))
+
+
 def _slowest(r: dict) -> dict:
     """Ours' run with the latest all Running."""
     return max((run for run in r["runs"] if run["variant"] == "ddpjob"), key=lambda run: run["all_pods_running_s"])
@@ -390,7 +397,7 @@ _SCALE_10K_BEFORE = "operator_scale_1000x10_ours_floor_pair.json"
 _SCALE_10K_SVC = "operator_scale_1000x10_services.json"
 # The same three runs of each at 6202dc2 (the come-up fold and the progress yield), on a slower
 # machine: two of ours' runs (and one of the floor's) spent the come-up behind kwok's refused
-# pod-ready replays (not fixed), so ours' all-Running has one run; the other two hit the limit.
+# pod-ready replays (made 409s by 5529768), so ours' all-Running has one run; the other two hit the limit.
 _SCALE_10K_REPLAYS = "operator_scale_1000x10_ours_floor_3x3_6202dc2.json"
 # Ours and floor-svc, three interleaved runs each, once kwok's pod-ready Stage carried the copy's
 # resourceVersion (5529768): a replay is a 409, not a second IP; one of ours' runs hit the limit.
@@ -626,15 +633,14 @@ FIGURES: dict[str, Figure] = {
     **{f"scale.10k.rv.created.{variant}": Figure(
         _SCALE_10K_RV, "{" + _T10K + f"apply -> all pods created (s)][{variant}][median]:.0f}} s")
        for variant in ("ddpjob", "floor-svc")},
-    **{f"scale.10k.rv.running.{variant}": Figure(_SCALE_10K_RV, "{v}", lambda r, variant=variant: ", ".join(
-        f"{run['all_pods_running_s']:.0f}" for run in r["runs"] if run["variant"] == variant
-        and not run.get("at_timeout")) + " s") for variant in ("ddpjob", "floor-svc")},
+    **{f"scale.10k.rv.running.{variant}": Figure(_SCALE_10K_RV, "{v} s", lambda r, variant=variant: _each_run(
+        (r,), variant, "all_pods_running_s", "{:.0f}", finished=True)) for variant in ("ddpjob", "floor-svc")},
     "scale.10k.rv.at_timeout": Figure(_SCALE_10K_RV, "{v}", lambda r: " and ".join(
         f"{run['at_timeout']['running']:,} Running at {run['at_timeout']['seconds']} s" for run in _ours_at_limit(r))),
-    **{f"scale.10k.rv.kwok.{variant}": Figure(_SCALE_10K_RV, "{v}", lambda r, variant=variant: ", ".join(
-        f"{run['kwok_cpu_s']:.0f}" for run in r["runs"] if run["variant"] == variant)) for variant in ("ddpjob", "floor-svc")},
-    **{f"scale.fold.{label}.{key}": Figure(_FOLD_AB, "{v}", lambda *data, variant=variant, key=key, fmt=fmt: ", ".join(
-        fmt.format(run[key]) for r in data for run in r["runs"] if run["variant"] == variant))
+    **{f"scale.10k.rv.kwok.{variant}": Figure(_SCALE_10K_RV, "{v}", lambda r, variant=variant: _each_run(
+        (r,), variant, "kwok_cpu_s", "{:.0f}")) for variant in ("ddpjob", "floor-svc")},
+    **{f"scale.fold.{label}.{key}": Figure(_FOLD_AB, "{v}", lambda *data, variant=variant, key=key, fmt=fmt: _each_run(
+        data, variant, key, fmt))
        for label, variant in (("before", "ddpjob-before"), ("after", "ddpjob"))
        for key, fmt in (("passes_per_job", "{:.1f}"), ("cpu_s", "{:.0f}"), ("all_pods_running_s", "{:.0f}"))},
     "scale.fold.commit": Figure(_FOLD_AB[0], "{r[commit]:.7}"),
