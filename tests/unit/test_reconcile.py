@@ -384,27 +384,49 @@ def test_a_job_coming_up_costs_two_status_writes():
     assert status["nodes"]["running"] == 3 and status["launchedAttempt"] == 0
 
 
-def test_a_first_come_ups_pod_moves_fold_into_one_later_pass_and_a_failure_kicks_at_once():
-    """While a job's first attempt comes up, its pods' moves (scheduled, started) ask for one pass
-    COME_UP_FOLD later, not one each; a pod that failed, and any move of a Running job, at once."""
+def test_a_quiet_come_up_runs_no_pass_until_its_last_pod_starts():
+    """A plain job's first attempt: the pods' plain moves (created, scheduled, started) ask for no
+    pass until the last one runs, which asks for the Running write at once: two passes, two writes."""
     k8s = FakeK8s()
     rec = reconciler(k8s, queue=True)
     key = (NS, "j")
 
-    def moved(name: str, phase: str, code: int | None = None) -> None:
-        set_phase(rec, k8s, phase, name=name, code=code)
-        rec._pod_changed("MODIFIED", rec.pods.get(NS, name))
+    async def main():
+        rec.job_event(k8s.add_job(make_manifest(nodes=3)))
+        await until(lambda: len([c for c in k8s.objects if c[0] == "Pod"]) == 3, desc="the pods' creation")
+        await until(lambda: not rec.queue.workers, desc="the first pass")
+        for name, phase in (("j-0", "Pending"), ("j-1", "Pending"), ("j-0", "Running"), ("j-1", "Running"),
+                            ("j-2", "Pending")):
+            moved(rec, k8s, name, phase)
+            assert key not in rec.queue.workers and key not in rec.queue.timers, (name, phase)
+        moved(rec, k8s, "j-2", "Running")
+        assert key in rec.queue.workers                                  # the last one: now
+        await until(lambda: k8s.jobs["j"]["status"]["phase"] == "Running", desc="the Running write")
+        await until(lambda: not rec.queue.workers, desc="the passes")
+        await rec.shutdown()
+    run(main())
+    assert len([c for c in k8s.calls if c[0] == "patch_status"]) == 2
+    assert sum(s.value for s in rec.metrics.reconcile_seconds.collect()[0].samples
+               if s.name.endswith("_count")) == 2
+
+
+def test_a_pod_that_shows_something_ends_the_quiet_come_up():
+    """A move that is not plain (a start error, unschedulable) folds into one later pass, as do the
+    moves after it; a failure kicks at once, as does any move of a Running job's pods."""
+    k8s = FakeK8s()
+    rec = reconciler(k8s, queue=True)
+    key = (NS, "j")
 
     async def main():
         rec.job_event(k8s.add_job(make_manifest(nodes=3)))
         await until(lambda: len([c for c in k8s.objects if c[0] == "Pod"]) == 3, desc="the pods' creation")
         await until(lambda: not rec.queue.workers, desc="the first pass")
         assert k8s.jobs["j"]["status"]["phase"] == "Pending"
-        moved("j-0", "Running")
-        moved("j-1", "Running")
+        moved(rec, k8s, "j-0", "Pending", waiting="ErrImagePull")
+        moved(rec, k8s, "j-1", "Running")
         assert key not in rec.queue.workers and key in rec.queue.timers   # one pass, later
         assert rec.queue.timers[key][0] - asyncio.get_running_loop().time() <= COME_UP_FOLD
-        moved("j-2", "Failed", code=1)
+        moved(rec, k8s, "j-2", "Failed", code=1)
         assert key in rec.queue.workers                                  # a failure: now
         await rec.shutdown()
     run(main())
@@ -418,7 +440,7 @@ def test_a_first_come_ups_pod_moves_fold_into_one_later_pass_and_a_failure_kicks
         await until(lambda: len([c for c in k8s.objects if c[0] == "Pod"]) == 3, desc="the pods' creation")
         await until(lambda: not rec.queue.workers, desc="the first pass")
         rec.coming_up = 300
-        moved("j-0", "Running")
+        moved(rec, k8s, "j-0", "Pending", unschedulable=True)
         assert rec.queue.timers[key][0] - asyncio.get_running_loop().time() > 3 * COME_UP_FOLD
         await rec.shutdown()
     run(crowded())
@@ -429,10 +451,27 @@ def test_a_first_come_ups_pod_moves_fold_into_one_later_pass_and_a_failure_kicks
     async def running():
         await start_running(k8s, rec, nodes=2)
         await until(lambda: not rec.queue.workers, desc="the passes")
-        moved("j-0", "Running")
+        moved(rec, k8s, "j-0", "Running")
         assert key in rec.queue.workers                                  # a Running job's pod: now
         await rec.shutdown()
     run(running())
+
+
+def moved(rec: Reconciler, k8s: FakeK8s, name: str, phase: str, code: int | None = None, *,
+          waiting: str | None = None, unschedulable: bool = False) -> None:
+    """One pod moved (as set_phase) and its watch event reached the reconciler."""
+    set_phase(rec, k8s, phase, name=name, code=code)
+    pod = rec.pods.get(NS, name)
+    if waiting or unschedulable:
+        status = k8s.objects[("Pod", name)]["status"]
+        if waiting:
+            status["containerStatuses"] = [{"name": "trainer", "state": {"waiting": {"reason": waiting}}}]
+        if unschedulable:
+            status["conditions"] = [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable"}]
+        k8s._bump(k8s.objects[("Pod", name)])
+        rec.pods.upsert(copy.deepcopy(k8s.objects[("Pod", name)]), notify=False)
+        pod = rec.pods.get(NS, name)
+    rec._pod_changed("MODIFIED", pod)
 
 
 def test_pod_count_changes_of_a_running_job_coalesce_into_one_later_write():

@@ -1,9 +1,16 @@
 """When a running job's status is written, and when a scrape is worth a pass (decisions/writes.py)."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
-from ddpjob_operator.decisions.writes import progress_interval_now, scrape_needs_pass, urgent, write_wait, yield_factor
+from ddpjob_api.phases import Phase, Reason
+from ddpjob_operator.base import podinfo
+from ddpjob_operator.decisions.lifecycle import Decision, StartError
+from ddpjob_operator.decisions.writes import (progress_interval_now, quiet_come_up, scrape_needs_pass, urgent,
+                                              write_wait, yield_factor)
+from tests.support.builders import make_job, make_pod
 
 STEPS = {"step": 10, "totalSteps": 100, "percent": 10.0, "display": "10% (10/100)"}
 CALM = {"type": "Stalled", "status": "False", "reason": "Progressing", "message": "in train, after step 10",
@@ -123,3 +130,62 @@ def test_scrape_needs_pass(kw, expected):
 @pytest.mark.parametrize("coming_up, expected", [(0, 1.0), (100, 2.0), (250, 3.5), (1_000, 4.0)])
 def test_what_can_wait_waits_longer_while_jobs_come_up(coming_up, expected):
     assert yield_factor(coming_up) == pytest.approx(expected)
+
+
+def pod_in(phase: str = "Pending", **status) -> dict:
+    pod = make_pod(phase=phase)
+    pod["status"].pop("containerStatuses", None)
+    pod["status"].update(status)
+    return pod
+
+
+def waiting(reason: str) -> list[dict]:
+    return [{"name": "trainer", "state": {"waiting": {"reason": reason}}}]
+
+
+@pytest.mark.parametrize("pod, plain", [
+    (pod_in(), True),                                                                       # created
+    (pod_in(conditions=[{"type": "PodScheduled", "status": "True"}]), True),                # scheduled
+    (pod_in(containerStatuses=waiting("ContainerCreating")), True),                        # starting
+    (pod_in(initContainerStatuses=waiting("PodInitializing")), True),
+    (pod_in("Running", containerStatuses=[{"name": "trainer", "state": {"running": {}}}]), True),  # started
+    (pod_in(conditions=[{"type": "PodScheduled", "status": "False", "reason": "Unschedulable"}]), False),
+    (pod_in(containerStatuses=waiting("ImagePullBackOff")), False),                         # a start error
+    (pod_in(containerStatuses=waiting("SomethingNew")), False),                             # unknown: shown
+    (pod_in("Failed"), False),
+    (pod_in("Running", containerStatuses=[{"name": "trainer", "state": {"terminated": {"exitCode": 1}}}]), False),
+    (pod_in("Running", conditions=[{"type": "Ready", "status": "False"},                    # its node is lost
+                                   {"type": "ContainersReady", "status": "True"}]), False),
+])
+def test_a_pod_moves_plainly_only_while_it_shows_nothing_but_its_start(pod, plain):
+    assert podinfo.plain_progress(pod) is plain
+    gated = pod_in()
+    gated.setdefault("spec", {})["schedulingGates"] = [{"name": "kueue.x-k8s.io/admission"}]
+    assert not podinfo.plain_progress(gated)
+    deleting = pod_in()
+    deleting["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+    assert not podinfo.plain_progress(deleting)
+
+
+WAITING = Decision(phase=Phase.PENDING, reason=Reason.CREATED, message="waiting for 2 node(s) to start", attempt=0,
+                   launched_attempt=-1, restarts=0, counted_restarts=0, start_time=None, completion_time=None)
+
+
+@pytest.mark.parametrize("job, d, refused, quiet", [
+    (make_job(), WAITING, False, True),
+    (make_job(), replace(WAITING, create_ranks=[0, 1]), False, True),           # the pass that creates them
+    (make_job(), WAITING, True, False),                                          # a create refused
+    (make_job(), replace(WAITING, attempt=1), False, False),                     # a restart's group
+    (make_job(), replace(WAITING, phase=Phase.RUNNING, reason=Reason.RUNNING), False, False),
+    (make_job(), replace(WAITING, reason=Reason.RESUMED), False, False),
+    (make_job(), replace(WAITING, unschedulable="0/4 nodes are available"), False, False),
+    (make_job(), replace(WAITING, start_errors=[StartError("j-0", "trainer", "ErrImagePull", "")]), False, False),
+    (make_job(), replace(WAITING, delete_pods=["j-0-a1"]), False, False),
+    (make_job(scheduling={"gang": {"scheduler": "coscheduling"}}), WAITING, False, False),   # GangScheduled
+    (make_job(podLabels={"kueue.x-k8s.io/queue-name": "q"}), WAITING, False, False),         # Admitted
+    (make_job(elastic={"minNodes": 1, "maxNodes": 2}), WAITING, False, False),
+    (make_job(faultTolerance={"mode": "perStep", "minReplicas": 1, "timeoutSeconds": 3}),
+     replace(WAITING, lighthouse_ready=False), False, False),                               # LighthouseReady
+])
+def test_only_a_plain_jobs_first_come_up_is_quiet(job, d, refused, quiet):
+    assert quiet_come_up(job, d, refused=refused) is quiet

@@ -40,7 +40,8 @@ from ddpjob_operator.decisions import stacks
 from ddpjob_operator.decisions.lifecycle import decide
 from ddpjob_operator.decisions.samples import MonitorReport
 from ddpjob_operator.decisions.status import create_refused, job_status
-from ddpjob_operator.decisions.writes import (COMING_UP, progress_interval_now, scrape_needs_pass, settled, urgent,
+from ddpjob_operator.decisions.writes import (COMING_UP, progress_interval_now, quiet_come_up, scrape_needs_pass,
+                                              settled, urgent,
                                               write_wait, yield_factor)
 
 if TYPE_CHECKING:
@@ -114,6 +115,9 @@ class Reconciler:
         self.coalesce = coalesce
         self.come_up_fold = COME_UP_FOLD
         self.coming_up = 0   # jobs whose pods come up or that have no status yet, counted each scrape tick
+        # Jobs whose pods come up quietly (decisions/writes.quiet_come_up): how many pods make the
+        # job Running, and the names of those seen Running since the last pass.
+        self._quiet: dict[Key, tuple[int, set[str]]] = {}
         self._written_rv: dict[Key, str] = {}      # resourceVersion of our own last status write
         self._last_write: dict[Key, float] = {}    # loop time of that write
         # Last state of each job's pods that vanished (PodGC marks a lost node's pod Failed +
@@ -154,6 +158,16 @@ class Reconciler:
             if etype == "DELETED" and not podinfo.lighthouse(pod):  # a lost Lighthouse is made again, no evidence
                 self._departed.setdefault(key, {})[podinfo.name(pod)] = pod
             self._scrape_every.pop(key, None)
+            quiet = self._quiet.pop(key, None)
+            if quiet is not None and etype != "DELETED" and podinfo.plain_progress(pod):
+                expected, running = quiet
+                if podinfo.phase(pod) == "Running":
+                    running.add(podinfo.name(pod))
+                if len(running) < expected:
+                    self._quiet[key] = quiet  # nothing for a pass to write or do yet
+                    return
+                self.queue.kick(*key, at_once=True)  # the last pod started: the Running write
+                return
             if etype != "DELETED" and podinfo.coming_up(pod) and self._first_come_up(key):
                 if key not in self.queue.dirty:  # a pending pass has not read the pods yet
                     self.queue.kick_later(key, self.come_up_fold * yield_factor(self.coming_up))
@@ -176,7 +190,7 @@ class Reconciler:
         if obj is not None and (uid is None or (obj.get("metadata") or {}).get("uid") == uid):
             uid = uid or (obj.get("metadata") or {}).get("uid")
             self.jobs.delete(obj, notify=False)
-        for table in (self._written_rv, self._last_write, self._departed):
+        for table in (self._written_rv, self._last_write, self._departed, self._quiet):
             table.pop(key, None)
         self.queue.forget(key)
         self._stop_scraping(key, uid)
@@ -424,6 +438,7 @@ class Reconciler:
         for etype, reason, message in events + (report.events if report is not None else []):
             await self.k8s.post_event(obj, etype, reason, message)
 
+        self._quiet_after(key, job, decision, refused=bool(refused))
         if decision.phase is not Phase.RUNNING:
             self._stop_scraping(key, job.uid if decision.phase.finished else None)
         self.metrics.record_pass(key, prev_status=prev, status=status,
@@ -432,6 +447,25 @@ class Reconciler:
         if decision.requeue_after is not None and not decision.delete_job:
             self.queue.kick_later(key, decision.requeue_after)
         self.metrics.reconcile_seconds.observe(time.monotonic() - started)
+
+    def _quiet_after(self, key: Key, job, decision, *, refused: bool) -> None:
+        """Whether the job's pods may now come up without a pass each (decisions/writes.quiet_come_up).
+        The pods Running are read from the cache as it is now, not as the pass began: a pod that
+        started while the pass waited on the API server counts (its event came under the old entry)."""
+        self._quiet.pop(key, None)
+        if not quiet_come_up(job, decision, refused=refused):
+            return
+        pods = [p for p in self._pods(*key, job.uid) if podinfo.attempt(p) == decision.attempt]
+        if not all(podinfo.plain_progress(p) for p in pods):
+            return  # a pod shows something: its moves ask for passes as before
+        running = {podinfo.name(p) for p in pods if podinfo.phase(p) == "Running"}
+        if len(running) >= job.spec.nodes:
+            self.queue.kick(*key, at_once=True)  # all started during this pass: the next one writes Running
+            return
+        # A fold that pods' moves during this pass asked for would find what this one did (this
+        # pass's own deadlines are set after this).
+        self.queue.cancel_later(key)
+        self._quiet[key] = (job.spec.nodes, running)
 
     async def _read_podgroup(self, job, namespace: str, name: str) -> dict[str, Any] | None:
         """A gang-scheduled job's PodGroup, read only while some pod of the job waits for a node

@@ -75,14 +75,18 @@ class WorkQueue:
         self.timers.pop(key, None)
         self.kick(*key)
 
+    def cancel_later(self, key: Key) -> None:
+        """Drop the job's delayed pass (a pass that decided from everything it would see has run)."""
+        timer = self.timers.pop(key, None)
+        if timer:
+            timer[1].cancel()
+
     def forget(self, key: Key) -> None:
         """Drop the pending pass and timer of a job that is gone (a running pass ends by itself)."""
         self.dirty.pop(key, None)
         self.blocked.discard(key)
         self.at_once.discard(key)
-        timer = self.timers.pop(key, None)
-        if timer:
-            timer[1].cancel()
+        self.cancel_later(key)
 
     async def shutdown(self) -> None:
         """Stop timers and in-flight passes (on operator exit)."""

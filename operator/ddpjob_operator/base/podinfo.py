@@ -69,6 +69,24 @@ def coming_up(pod: dict[str, Any]) -> bool:
     return phase(pod) in ("Pending", "Running") and not terminating(pod) and not terminated_states(pod)
 
 
+# What a kubelet shows of a container between the pod's scheduling and its start, whatever happens.
+STARTING_REASONS = frozenset({"ContainerCreating", "PodInitializing"})
+
+
+def plain_progress(pod: dict[str, Any]) -> bool:
+    """Coming up with nothing a status could show: no scheduling gate, not turned away by a
+    scheduler (PodScheduled False), no container waiting for any reason but starting, its node
+    reporting. What a DDPJob's status says of its pods meanwhile is only their count."""
+    if not coming_up(pod) or (pod.get("spec") or {}).get("schedulingGates") or node_not_ready(pod):
+        return False
+    if any(c.get("type") == "PodScheduled" and c.get("status") == "False" for c in _conditions(pod)):
+        return False
+    status = pod.get("status") or {}
+    return all(((cs.get("state") or {}).get("waiting") or {}).get("reason", "ContainerCreating") in STARTING_REASONS
+               for key in ("initContainerStatuses", "containerStatuses") for cs in status.get(key) or []
+               if (cs.get("state") or {}).get("waiting") is not None)
+
+
 def gone_by(pod: dict[str, Any]) -> dt.datetime | None:
     """When a terminating pod should be gone (its deletionTimestamp: the delete request plus the
     grace period); None when it is not terminating."""
