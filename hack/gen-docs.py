@@ -405,6 +405,9 @@ _SCALE_10K_RV = "operator_scale_1000x10_ours_floor_svc_3pairs_5529768.json"
 # The come-up fold yielding to come-ups (9522a6c) against the operator before it (74d1033), one
 # pair each of two runs of the bench at 300 jobs of 10.
 _FOLD_AB = ("operator_scale_300x10_fold_yield_ab.json", "operator_scale_300x10_fold_yield_ab2.json")
+# The quiet come-up (9cc0430) against the operator before it (6c8bedc): two interleaved pairs at
+# 300 jobs of 10.
+_QUIET_AB = ("operator_scale_300x10_quiet_comeup_ab.json",)
 _T10K = "r[table][1000x10 "
 # One ours/floor pair at 1,000 jobs of 10 with each pod's come-up step by step (created, bound,
 # Running), kwok playing 4 pod Stages at once (its default), then 32 (hack/kwok-config.yaml).
@@ -639,11 +642,14 @@ FIGURES: dict[str, Figure] = {
         f"{run['at_timeout']['running']:,} Running at {run['at_timeout']['seconds']} s" for run in _ours_at_limit(r))),
     **{f"scale.10k.rv.kwok.{variant}": Figure(_SCALE_10K_RV, "{v}", lambda r, variant=variant: _each_run(
         (r,), variant, "kwok_cpu_s", "{:.0f}")) for variant in ("ddpjob", "floor-svc")},
-    **{f"scale.fold.{label}.{key}": Figure(_FOLD_AB, "{v}", lambda *data, variant=variant, key=key, fmt=fmt: _each_run(
+    # Each A/B of the operator before and after a change: each run's passes, CPU and all Running.
+    **{f"scale.{ab}.{label}.{key}": Figure(files, "{v}", lambda *data, variant=variant, key=key, fmt=fmt: _each_run(
         data, variant, key, fmt))
+       for ab, files in (("fold", _FOLD_AB), ("quiet", _QUIET_AB))
        for label, variant in (("before", "ddpjob-before"), ("after", "ddpjob"))
        for key, fmt in (("passes_per_job", "{:.1f}"), ("cpu_s", "{:.0f}"), ("all_pods_running_s", "{:.0f}"))},
     "scale.fold.commit": Figure(_FOLD_AB[0], "{r[commit]:.7}"),
+    "scale.quiet.commit": Figure(_QUIET_AB[0], "{r[commit]:.7}"),
     "scale.10k.rv.cpu": Figure(_SCALE_10K_RV, "{" + _T10K + "controller CPU-s][ddpjob][median]:.0f} CPU-s"),
     "scale.10k.kwok.floor": Figure(_SCALE_10K, "{v:.0f} CPU-s", lambda r: statistics.median(
         run["kwok_cpu_s"] for run in r["runs"] if run["variant"].startswith("floor"))),

@@ -120,9 +120,8 @@ def quiet_come_up(job: JobSpec, d: Decision, *, refused: bool) -> bool:
     and neither a gang scheduler, Kueue, a Lighthouse nor an elastic size adds a condition of its
     own meanwhile. Such a pass while the pods move plainly (podinfo.plain_progress) only finds node
     counts to carry, writes nothing and acts on nothing: at 1,000 jobs x 10 pods ours ran 6 to 8
-    passes a job to come up, about 15 CPU-s for each pass a job (the 5529768 runs of
-    bench/results/operator_scale_1000x10_ours_floor_svc_3pairs_5529768.json). The next pass is
-    then the one all Running asks for, or one any other move asks for."""
+    passes a job (bench/results/operator_scale_1000x10_ours_floor_svc_3pairs_5529768.json). The
+    next pass is then the one all Running asks for, or one any other move asks for."""
     return (d.phase is Phase.PENDING and d.reason == Reason.CREATED and d.attempt == 0 and not refused
             and d.restarted is None and not d.start_errors and d.unschedulable is None and not d.delete_pods
             and not d.create_lighthouse and d.lighthouse_ready is None and job.spec.elastic is None
