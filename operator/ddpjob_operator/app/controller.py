@@ -41,8 +41,7 @@ from ddpjob_operator.decisions.lifecycle import decide
 from ddpjob_operator.decisions.samples import MonitorReport
 from ddpjob_operator.decisions.status import create_refused, job_status
 from ddpjob_operator.decisions.writes import (COMING_UP, progress_interval_now, quiet_come_up, scrape_needs_pass,
-                                              settled, urgent,
-                                              write_wait, yield_factor)
+                                              settled, urgent, write_wait, yield_factor)
 
 if TYPE_CHECKING:
     from ddpjob_operator.cluster.monitor import Monitor
@@ -455,7 +454,8 @@ class Reconciler:
         self._quiet.pop(key, None)
         if not quiet_come_up(job, decision, refused=refused):
             return
-        pods = [p for p in self._pods(*key, job.uid) if podinfo.attempt(p) == decision.attempt]
+        current = Group.of(self._pods(*key, job.uid)).attempts.get(decision.attempt)
+        pods = current.pods if current is not None else ()
         if not all(podinfo.plain_progress(p) for p in pods):
             return  # a pod shows something: its moves ask for passes as before
         running = {podinfo.name(p) for p in pods if podinfo.phase(p) == "Running"}
